@@ -1,0 +1,13 @@
+"""torchspeed: make PyTorch training fast, and prove each fix on your own machine.
+
+The public API: `fit` / `Trainer` (the fast loop), each technique as a plain function
+(`apply_channels_last`, `resolve_precision`, `create_optimizer`, `create_scheduler`,
+`scale_lr`, `Prefetcher`, `evaluate`, ...), and `detect` (what this machine can accelerate).
+"""
+
+from torchspeed.env import EnvInfo, detect
+from torchspeed.train import *  # noqa: F403
+from torchspeed.train import __all__ as _train_all
+
+__version__ = "0.1.0"
+__all__ = ["EnvInfo", "detect", "__version__", *_train_all]

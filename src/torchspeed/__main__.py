@@ -1,0 +1,3 @@
+from torchspeed.cli.main import main
+
+raise SystemExit(main())

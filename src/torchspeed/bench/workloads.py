@@ -1,0 +1,102 @@
+"""Built-in workloads for the bench, the tuners and the tests: no download, deterministic.
+
+- `resnet18_cifar`: torchvision's ResNet-18 with the CIFAR stem (3x3 stride-1 first conv,
+  no max-pool), the usual model for 32 px images.
+- `SyntheticImages`: a CIFAR-shaped (3x32x32, 10 classes) image set made from a seed. Each
+  class is a smooth random pattern; a sample is its class pattern, shifted, mirrored and
+  scaled in brightness, plus noise. It is learnable (a ResNet reaches high accuracy in a few
+  hundred steps) but not trivial in the first steps.
+- `digits`: scikit-learn's bundled handwritten digits (1,797 real 8x8 images), upsampled to
+  32x32 and repeated over 3 channels, normalised.
+
+Example:
+    >>> train, val = make_datasets("synthetic", train_size=2048, val_size=512)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+__all__ = ["resnet18_cifar", "create_model", "SyntheticImages", "digits", "make_datasets", "MODELS", "DATASETS"]
+
+MODELS = ("resnet18", "resnet34", "resnet50", "mlp")
+DATASETS = ("synthetic", "digits")
+
+
+def resnet18_cifar(num_classes: int = 10) -> nn.Module:
+    return _cifar_resnet("resnet18", num_classes)
+
+
+def _cifar_resnet(name: str, num_classes: int) -> nn.Module:
+    import torchvision
+
+    model = getattr(torchvision.models, name)(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+def create_model(name: str = "resnet18", *, num_classes: int = 10, image_size: int = 32) -> nn.Module:
+    """A bench model by name: CIFAR ResNets, or 'mlp' (a small fully-connected net)."""
+    if name in ("resnet18", "resnet34", "resnet50"):
+        return _cifar_resnet(name, num_classes)
+    if name == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(3 * image_size * image_size, 512), nn.ReLU(),
+                             nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, num_classes))
+    raise ValueError(f"model {name!r} is not one of {', '.join(MODELS)}")
+
+
+class SyntheticImages(Dataset):
+    """Deterministic, learnable, CIFAR-shaped images held in memory as a float tensor."""
+
+    def __init__(self, n: int, *, num_classes: int = 10, size: int = 32, seed: int = 0, noise: float = 0.6,
+                 pattern_seed: int = 1234):
+        g = torch.Generator().manual_seed(pattern_seed)  # the class patterns: shared by train and val
+        low = torch.randn(num_classes, 3, 4, 4, generator=g)
+        patterns = F.interpolate(low, size=(size, size), mode="bicubic", align_corners=False)
+        patterns = (patterns - patterns.mean()) / patterns.std()
+        g = torch.Generator().manual_seed(seed)     # the samples: differ by seed
+        self.targets = torch.randint(0, num_classes, (n,), generator=g)
+        x = patterns[self.targets]
+        shift = torch.randint(-3, 4, (n, 2), generator=g)
+        x = torch.stack([torch.roll(img, shifts=(int(s[0]), int(s[1])), dims=(1, 2)) for img, s in zip(x, shift)])
+        flip = torch.rand(n, generator=g) < 0.5
+        x[flip] = x[flip].flip(-1)
+        x = x * (0.7 + 0.6 * torch.rand(n, 1, 1, 1, generator=g))
+        x = x + noise * torch.randn(x.shape, generator=g)
+        self.data = x.contiguous()
+        self.num_classes = num_classes
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i: int):
+        return self.data[i], self.targets[i]
+
+
+def digits(*, size: int = 32, val_fraction: float = 0.25, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """scikit-learn's real handwritten digits as 3x`size`x`size` normalised tensors (train, val)."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.from_numpy(d.images).float().unsqueeze(1) / 16.0  # from_numpy: no copy (T11)
+    x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
+    x = (x - x.mean()) / x.std()
+    y = torch.from_numpy(d.target).long()
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    n_val = int(len(y) * val_fraction)
+    val, train = perm[:n_val], perm[n_val:]
+    return TensorDataset(x[train].contiguous(), y[train]), TensorDataset(x[val].contiguous(), y[val])
+
+
+def make_datasets(name: str = "synthetic", *, train_size: int = 4096, val_size: int = 1024,
+                  seed: int = 0) -> tuple[Dataset, Dataset]:
+    """(train, val) for a bench dataset name."""
+    if name == "synthetic":
+        return SyntheticImages(train_size, seed=seed), SyntheticImages(val_size, seed=seed + 10_000)
+    if name == "digits":
+        return digits(seed=seed)
+    raise ValueError(f"dataset {name!r} is not one of {', '.join(DATASETS)}")

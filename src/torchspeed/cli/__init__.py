@@ -1,0 +1,1 @@
+"""The `torchspeed` command: one file per subcommand, each parsing flags and calling the public API."""

@@ -1,0 +1,234 @@
+"""What this machine can accelerate (T01).
+
+`detect()` reads versions (torch, torchvision, CUDA, cuDNN), the accelerator (name,
+memory, compute capability), the CPU's vector features (AVX-512, AVX512-BF16, AMX) and
+the process set-up a hand-written loop usually forgets (allocator, thread count). The
+result says which precision pays on this machine, and the training loop, the bench and
+the doctor all read their defaults from it.
+
+Example:
+    >>> from torchspeed.env import detect
+    >>> info = detect()
+    >>> info.best_precision  # "bf16" on a CPU with AVX512-BF16/AMX or a CUDA sm80+ GPU
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import functools
+import glob
+import importlib
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+__all__ = ["EnvInfo", "detect", "cpu_flags", "find_tcmalloc", "allocator_in_use", "format_env"]
+
+TCMALLOC_PATTERNS = (
+    "/usr/lib/*/libtcmalloc_minimal.so*",
+    "/usr/lib/*/libtcmalloc.so*",
+    "/usr/lib/libtcmalloc*.so*",
+    "/usr/local/lib/libtcmalloc*.so*",
+)
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    python: str
+    torch: str
+    torchvision: str | None
+    cuda_available: bool
+    cuda_version: str | None
+    cudnn_version: int | None
+    device: str
+    device_name: str
+    device_memory_gib: float | None
+    compute_capability: tuple[int, int] | None
+    cpu_model: str
+    cpu_cores: int
+    torch_threads: int
+    avx512: bool
+    avx512_bf16: bool
+    amx: bool
+    bf16_supported: bool
+    fp16_supported: bool
+    best_precision: str
+    allocator: str
+    tcmalloc_path: str | None
+    compile_available: bool
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """CPU feature flags from /proc/cpuinfo (empty set where that file does not exist)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (respects taskset/cgroup affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def find_tcmalloc() -> str | None:
+    """Path of a tcmalloc shared library on this machine, or None.
+
+    On Debian/Ubuntu: `apt-get install libtcmalloc-minimal4`.
+    """
+    for pattern in TCMALLOC_PATTERNS:
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[0]
+    name = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    return name
+
+
+def allocator_in_use() -> str:
+    """'tcmalloc', 'jemalloc' or 'glibc': which malloc this process was started with."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            maps = f.read()
+    except OSError:
+        return "unknown"
+    if "tcmalloc" in maps:
+        return "tcmalloc"
+    if "jemalloc" in maps:
+        return "jemalloc"
+    return "glibc"
+
+
+def _cpu_bf16_fast(flags: frozenset[str]) -> bool:
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@functools.lru_cache(maxsize=1)
+def detect() -> EnvInfo:
+    """Describe this machine and what it can accelerate (cached: the machine does not change)."""
+    flags = cpu_flags()
+    try:
+        import torchvision
+
+        tv_version: str | None = torchvision.__version__
+    except Exception:  # torchvision is optional for the loop itself
+        tv_version = None
+    notes: list[str] = []
+    cuda = torch.cuda.is_available()
+    cudnn = torch.backends.cudnn.version() if cuda else None
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        device, name = "cuda", props.name
+        mem = round(props.total_memory / 2**30, 1)
+        cc: tuple[int, int] | None = (props.major, props.minor)
+        bf16 = cc >= (8, 0)
+        fp16 = True
+        best = "bf16" if bf16 else "fp16"
+    else:
+        device, name, mem, cc = "cpu", _cpu_model(), None, None
+        bf16 = _cpu_bf16_fast(flags)
+        fp16 = False
+        best = "bf16" if bf16 else "fp32"
+        if not bf16:
+            notes.append("CPU has no AVX512-BF16/AMX: bf16 autocast would be emulated and slow, so fp32 is used")
+        if torch.version.cuda and not cuda:
+            notes.append("this torch build has CUDA support but no GPU is visible")
+    tcm = find_tcmalloc()
+    alloc = allocator_in_use()
+    if device == "cpu" and alloc == "glibc":
+        if tcm:
+            notes.append(f"tcmalloc found at {tcm} but not loaded: start with LD_PRELOAD={tcm} (the bench does this itself)")
+        else:
+            notes.append("no tcmalloc: `apt-get install libtcmalloc-minimal4` gives about +10% on CPU training")
+    try:
+        importlib.import_module("torch._dynamo")
+        compile_ok = hasattr(torch, "compile")
+    except Exception:
+        compile_ok = False
+    return EnvInfo(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        torchvision=tv_version,
+        cuda_available=cuda,
+        cuda_version=torch.version.cuda,
+        cudnn_version=cudnn,
+        device=device,
+        device_name=name,
+        device_memory_gib=mem,
+        compute_capability=cc,
+        cpu_model=_cpu_model(),
+        cpu_cores=usable_cores(),
+        torch_threads=torch.get_num_threads(),
+        avx512="avx512f" in flags,
+        avx512_bf16="avx512_bf16" in flags,
+        amx="amx_bf16" in flags or "amx_tile" in flags,
+        bf16_supported=bf16,
+        fp16_supported=fp16,
+        best_precision=best,
+        allocator=alloc,
+        tcmalloc_path=tcm,
+        compile_available=compile_ok,
+        notes=tuple(notes),
+    )
+
+
+def format_env(info: EnvInfo | None = None):
+    """A rich Table of `detect()`'s facts."""
+    from rich.table import Table
+
+    info = info or detect()
+    table = Table(title="torchspeed env: what this machine can accelerate", show_header=True)
+    table.add_column("fact")
+    table.add_column("value")
+
+    def yes(b: bool) -> str:
+        return "[green]yes[/]" if b else "[red]no[/]"
+
+    rows = [
+        ("python", info.python),
+        ("torch", info.torch),
+        ("torchvision", info.torchvision or "not installed"),
+        ("CUDA available", yes(info.cuda_available)),
+        ("CUDA (build)", info.cuda_version or "-"),
+        ("cuDNN", str(info.cudnn_version) if info.cudnn_version else "-"),
+        ("device", f"{info.device}: {info.device_name}"),
+        ("device memory", f"{info.device_memory_gib} GiB" if info.device_memory_gib else "-"),
+        ("compute capability", ".".join(map(str, info.compute_capability)) if info.compute_capability else "-"),
+        ("CPU", info.cpu_model),
+        ("usable cores / torch threads", f"{info.cpu_cores} / {info.torch_threads}"),
+        ("AVX-512", yes(info.avx512)),
+        ("AVX512-BF16", yes(info.avx512_bf16)),
+        ("AMX", yes(info.amx)),
+        ("bf16 fast", yes(info.bf16_supported)),
+        ("fp16 fast", yes(info.fp16_supported)),
+        ("precision='auto' picks", f"[bold]{info.best_precision}[/]"),
+        ("allocator in use", info.allocator + (" (tcmalloc available)" if info.tcmalloc_path and info.allocator != "tcmalloc" else "")),
+        ("torch.compile", yes(info.compile_available)),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    return table

@@ -1,0 +1,21 @@
+"""The fast training loop (`fit`, `Trainer`) and the techniques it composes, each public."""
+
+from torchspeed.train.backends import configure_backends
+from torchspeed.train.compile import CompileDecision, compile_model
+from torchspeed.train.evaluate import evaluate, tta_views
+from torchspeed.train.memory_format import apply_channels_last, has_conv2d, is_channels_last, to_channels_last
+from torchspeed.train.metrics import DeviceMeter
+from torchspeed.train.optim import OPTIMIZERS, create_optimizer, zero_grad
+from torchspeed.train.precision import Precision, make_grad_scaler, resolve_precision
+from torchspeed.train.schedule import SCHEDULES, create_scheduler, scale_lr
+from torchspeed.train.step import backward, optimizer_step
+from torchspeed.train.trainer import FitResult, Trainer, TrainConfig, fit
+from torchspeed.train.transfer import Prefetcher, loader_kwargs, to_device
+
+__all__ = [
+    "configure_backends", "CompileDecision", "compile_model", "evaluate", "tta_views",
+    "apply_channels_last", "has_conv2d", "is_channels_last", "to_channels_last", "DeviceMeter",
+    "OPTIMIZERS", "create_optimizer", "zero_grad", "Precision", "make_grad_scaler", "resolve_precision",
+    "SCHEDULES", "create_scheduler", "scale_lr", "backward", "optimizer_step", "FitResult", "Trainer",
+    "TrainConfig", "fit", "Prefetcher", "loader_kwargs", "to_device",
+]

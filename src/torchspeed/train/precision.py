@@ -1,0 +1,79 @@
+"""Automatic mixed precision (T21).
+
+`resolve_precision("auto")` picks bf16 autocast where the hardware runs it natively (CPUs
+with AVX512-BF16 or AMX, CUDA sm80+), fp16 autocast with a GradScaler on older CUDA GPUs,
+and fp32 elsewhere. bf16 keeps fp32's exponent range, so it needs no loss scaling; fp16
+does, and the scaler skips steps whose gradients overflowed.
+
+Cost: autocast changes numerics; the bench and the convergence tests check that training
+still reaches the same accuracy.
+
+Example:
+    >>> p = resolve_precision("auto", device=torch.device("cpu"))
+    >>> with p.autocast():
+    ...     loss = loss_fn(model(x), y)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from torchspeed.env import detect
+
+__all__ = ["Precision", "resolve_precision", "make_grad_scaler"]
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ALIASES = {"32": "fp32", "float32": "fp32", "bfloat16": "bf16", "16": "fp16", "float16": "fp16",
+            "bf16-mixed": "bf16", "16-mixed": "fp16"}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One precision choice: the autocast dtype (None for fp32) and whether it needs loss scaling."""
+
+    name: str
+    device_type: str
+    reason: str = ""
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return _DTYPES[self.name]
+
+    @property
+    def needs_scaler(self) -> bool:
+        return self.name == "fp16"
+
+    def autocast(self):
+        """Context manager running the forward pass (and loss) in this precision."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+
+def resolve_precision(precision: str = "auto", *, device: torch.device | str | None = None) -> Precision:
+    """Turn "auto" | "fp32" | "bf16" | "fp16" into a `Precision` for `device`."""
+    device = torch.device(device) if device is not None else torch.device(detect().device)
+    key = _ALIASES.get(str(precision).lower(), str(precision).lower())
+    if key == "auto":
+        info = detect()
+        if device.type == "cuda":
+            cc = torch.cuda.get_device_capability(device)
+            if cc >= (8, 0):
+                return Precision("bf16", "cuda", f"CUDA sm{cc[0]}{cc[1]} runs bf16 natively")
+            return Precision("fp16", "cuda", f"CUDA sm{cc[0]}{cc[1]} has fp16 Tensor Cores but no fast bf16")
+        if device.type == "cpu" and info.bf16_supported:
+            return Precision("bf16", "cpu", "CPU has AVX512-BF16/AMX")
+        return Precision("fp32", device.type, f"no fast half precision on {device.type}")
+    if key not in _DTYPES:
+        raise ValueError(f"precision={precision!r} is not one of 'auto', 'fp32', 'bf16', 'fp16'")
+    return Precision(key, device.type, "asked for")
+
+
+def make_grad_scaler(precision: Precision, **kwargs) -> torch.amp.GradScaler | None:
+    """A GradScaler for fp16 (None otherwise: bf16 and fp32 need no loss scaling)."""
+    if not precision.needs_scaler:
+        return None
+    return torch.amp.GradScaler(precision.device_type, **kwargs)

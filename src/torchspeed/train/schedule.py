@@ -1,0 +1,71 @@
+"""Learning-rate schedules and the batch-size scaling rule (T14, T16, T17).
+
+- one-cycle (T14): warm up to `max_lr`, anneal far below it; trains in fewer epochs.
+- cyclic (T14): triangular cycles between `min_lr` and `max_lr`.
+- warmup + cosine (T16): linear warm-up, then cosine decay to `min_lr`.
+- `scale_lr` (T17): the linear scaling rule lr = base_lr x world_size x batch / base_batch.
+
+Every scheduler here is stepped once per optimizer step (not per epoch).
+
+Example:
+    >>> sched = create_scheduler("onecycle", opt, total_steps=1000, max_lr=0.4)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["SCHEDULES", "create_scheduler", "scale_lr", "warmup_cosine_factor"]
+
+SCHEDULES = ("onecycle", "cyclic", "cosine", "constant")
+
+
+def scale_lr(base_lr: float, batch: int, base_batch: int, world_size: int = 1) -> float:
+    """Linear scaling rule (T17): the LR grows with the global batch."""
+    if batch <= 0 or base_batch <= 0 or world_size <= 0:
+        raise ValueError("batch, base_batch and world_size must be positive")
+    return base_lr * world_size * batch / base_batch
+
+
+def warmup_cosine_factor(step: int, *, total_steps: int, warmup_steps: int, min_factor: float = 0.0) -> float:
+    """Multiplier of max_lr at `step`: linear warm-up, then cosine down to `min_factor`."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def create_scheduler(name: str | None, optimizer: torch.optim.Optimizer, *, total_steps: int,
+                     max_lr: float | None = None, min_lr: float | None = None,
+                     warmup_steps: int | None = None, cycle_steps: int | None = None):
+    """Build schedule `name` for `total_steps` optimizer steps (None or "constant": no schedule)."""
+    if name is None or name == "constant":
+        return None
+    if total_steps <= 0:
+        raise ValueError(f"total_steps must be positive, got {total_steps}")
+    max_lr = max_lr if max_lr is not None else optimizer.param_groups[0]["lr"]
+    has_momentum = "momentum" in optimizer.defaults or "betas" in optimizer.defaults
+    if name == "onecycle":
+        pct = 0.25 if warmup_steps is None else min(0.9, max(warmup_steps, 1) / total_steps)
+        div = 25.0 if min_lr is None else max_lr / min_lr
+        return torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=pct, div_factor=div,
+            cycle_momentum=has_momentum, anneal_strategy="cos")
+    if name == "cyclic":
+        base = min_lr if min_lr is not None else max_lr / 10
+        half = max(1, (cycle_steps or max(2, total_steps // 4)) // 2)
+        return torch.optim.lr_scheduler.CyclicLR(
+            optimizer, base_lr=base, max_lr=max_lr, step_size_up=half, mode="triangular2",
+            cycle_momentum="momentum" in optimizer.defaults)
+    if name == "cosine":
+        warm = warmup_steps if warmup_steps is not None else max(1, total_steps // 20)
+        floor = (min_lr / max_lr) if min_lr is not None else 0.0
+        for g in optimizer.param_groups:
+            g["lr"] = max_lr
+            g.setdefault("initial_lr", max_lr)
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: warmup_cosine_factor(s, total_steps=total_steps, warmup_steps=warm, min_factor=floor))
+    raise ValueError(f"schedule {name!r} is not one of {', '.join(SCHEDULES)}")

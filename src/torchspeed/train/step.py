@@ -1,0 +1,59 @@
+"""The optimizer step with loss scaling, accumulation and clipping (T19, T20, T21).
+
+The order matters and is easy to get wrong in a hand-written loop:
+
+1. `backward(loss, scaler=..., accum_steps=k)` divides the loss by k (so k micro-batches add
+   up to the gradient of one batch k times larger, T19) and scales it for fp16.
+2. `optimizer_step(...)` unscales the gradients once (`scaler.unscale_`), *then* clips
+   their norm (T20; clipping scaled gradients would clip at the wrong threshold), then
+   `scaler.step` skips the update if any gradient overflowed, and `scaler.update` adjusts
+   the scale. The skip is returned as a device tensor: counting skipped steps costs no
+   host sync.
+
+Example:
+    >>> backward(loss, scaler=scaler, accum_steps=4)
+    >>> if (i + 1) % 4 == 0:
+    ...     skipped += optimizer_step(opt, scaler=scaler, clip_grad_norm=1.0, parameters=model.parameters())
+    ...     opt.zero_grad(set_to_none=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["backward", "optimizer_step"]
+
+
+def backward(loss: torch.Tensor, *, scaler: torch.amp.GradScaler | None = None, accum_steps: int = 1) -> None:
+    """Backward of `loss / accum_steps`, scaled for fp16 when a scaler is given."""
+    if accum_steps > 1:
+        loss = loss / accum_steps
+    if scaler is not None:
+        scaler.scale(loss).backward()
+    else:
+        loss.backward()
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradScaler | None = None,
+                   clip_grad_norm: float | None = None,
+                   parameters: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
+    """Unscale, clip, step, update. Returns a 0-d tensor: 1 if the step was skipped, else 0."""
+    if clip_grad_norm is not None:
+        params = list(parameters) if parameters is not None else [
+            p for g in optimizer.param_groups for p in g["params"]]
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # once, before clipping: clip the true gradient
+        torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+    if scaler is None:
+        optimizer.step()
+        return torch.zeros((), dtype=torch.int64)
+    scale = getattr(scaler, "_scale", None)
+    before = scale.clone() if isinstance(scale, torch.Tensor) else scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    after = getattr(scaler, "_scale", None)
+    if isinstance(after, torch.Tensor) and isinstance(before, torch.Tensor):
+        return (after < before).to(torch.int64)  # the scale backs off exactly when the step was skipped
+    return torch.tensor(int(scaler.get_scale() < before))

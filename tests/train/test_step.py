@@ -1,0 +1,107 @@
+import copy
+
+import torch
+
+from torchspeed.train import Trainer, TrainConfig
+from torchspeed.train.optim import zero_grad
+from torchspeed.train.step import backward, optimizer_step
+
+
+def _data(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def test_zero_grad_set_to_none():
+    m = _mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = _data()
+    torch.nn.functional.cross_entropy(m(x), y).backward()
+    zero_grad(opt)
+    assert all(p.grad is None for p in m.parameters())
+    torch.nn.functional.cross_entropy(m(x), y).backward()
+    zero_grad(opt, set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
+
+
+def test_accumulation_over_k_micro_batches_equals_one_big_batch():
+    x, y = _data(16)
+    big = _mlp()
+    torch.nn.functional.cross_entropy(big(x), y).backward()
+    acc = _mlp()
+    for xs, ys in zip(x.chunk(4), y.chunk(4)):
+        backward(torch.nn.functional.cross_entropy(acc(xs), ys), accum_steps=4)
+    for a, b in zip(acc.parameters(), big.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_accumulation_matches_big_batch_update():
+    x, y = _data(16)
+    cfg = dict(precision="fp32", compile=False, schedule=None, progress=False, fused_optimizer=False)
+    big = Trainer(_mlp(), optimizer="sgd", lr=0.1, weight_decay=0, device="cpu", config=TrainConfig(**cfg))
+    big.train_step((x, y))
+    acc = Trainer(_mlp(), optimizer="sgd", lr=0.1, weight_decay=0, device="cpu",
+                  config=TrainConfig(grad_accum=4, **cfg))
+    for xs, ys in zip(x.chunk(4), y.chunk(4)):
+        assert acc.step == 0
+        acc.train_step((xs, ys))
+    assert acc.step == 1 and big.step == 1
+    for a, b in zip(acc.model.parameters(), big.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_fp16_scaler_unscales_before_clipping_against_reference():
+    x, y = _data(16)
+    clip = 0.05
+    ref = _mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+    ref_opt.step()
+
+    m = _mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    backward(torch.nn.functional.cross_entropy(m(x), y), scaler=scaler)
+    skipped = optimizer_step(opt, scaler=scaler, clip_grad_norm=clip, parameters=m.parameters())
+    assert int(skipped) == 0
+    # Had we clipped the *scaled* gradients, the update would be 1024x too small.
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_scaler_skips_overflowing_step_and_counts_it():
+    m = _mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    before = copy.deepcopy(m.state_dict())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    x, y = _data()
+    loss = torch.nn.functional.cross_entropy(m(x), y) * float("inf")
+    backward(loss, scaler=scaler)
+    skipped = optimizer_step(opt, scaler=scaler, clip_grad_norm=1.0, parameters=m.parameters())
+    assert int(skipped) == 1
+    for k, v in m.state_dict().items():
+        torch.testing.assert_close(v, before[k])
+    assert scaler.get_scale() < 2.0 ** 10
+
+
+def test_clipping_bounds_the_gradient_norm_in_the_trainer():
+    x, y = _data(16)
+    seen = {}
+
+    class Spy(torch.optim.SGD):
+        def step(self, closure=None):
+            seen["norm"] = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(p.grad) for g in self.param_groups for p in g["params"]]))
+            return super().step(closure)
+
+    model = _mlp()
+    t = Trainer(model, optimizer=Spy(model.parameters(), lr=0.1), device="cpu",
+                config=TrainConfig(precision="fp32", compile=False, schedule=None, progress=False, clip_grad_norm=0.01))
+    t.train_step((x * 100, y))
+    assert float(seen["norm"]) <= 0.01 + 1e-6
