@@ -32,6 +32,9 @@ from torch import nn
 
 from torchspeed.train.backends import configure_backends
 from torchspeed.train.compile import CompileDecision, CompileTrial, compile_model, sync
+from torchspeed.train.distributed import (DistInfo, all_reduce_sum, broadcast_object, convert_sync_batchnorm,
+                                          is_rank_zero, maybe_init_distributed, reduce_metrics, scale_lr_world_size,
+                                          shard_loader, wrap_ddp)
 from torchspeed.train.evaluate import evaluate
 from torchspeed.train.memory_format import apply_channels_last, has_conv2d
 from torchspeed.train.metrics import DeviceMeter
@@ -72,6 +75,10 @@ class TrainConfig:
     progress: bool = True
     out_dir: str | None = None          # per-epoch metrics.csv / metrics.json
     seed: int | None = None
+    distributed: bool | str = "auto"    # T31: "auto" = DDP when torchrun started more than one process
+    sync_batchnorm: bool = False        # SyncBatchNorm over all ranks (GPUs only; for small per-GPU batches)
+    static_graph: bool = False          # DDP static_graph: only if every step uses the same parameters
+    scale_lr_world_size: bool = False   # T17: lr x world_size (the global batch is world_size times larger)
 
     @classmethod
     def naive(cls, **overrides) -> "TrainConfig":
@@ -107,7 +114,12 @@ class Trainer:
             raise ValueError(f"grad_accum must be >= 1, got {cfg.grad_accum}")
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
-        self.device = torch.device(device) if device is not None else _default_device()
+        # T31: under torchrun, a process group from the environment and this rank's device (cuda:LOCAL_RANK).
+        self.dist: DistInfo | None = maybe_init_distributed(cfg.distributed, device=device)
+        if self.dist is not None:
+            self.device = self.dist.device
+        else:
+            self.device = torch.device(device) if device is not None else _default_device()
         self.decisions: dict[str, object] = {}
 
         self.decisions.update(configure_backends(
@@ -120,6 +132,16 @@ class Trainer:
             apply_channels_last(self.model)
         self.channels_last = use_cl
         self.decisions["channels_last"] = use_cl
+        self.module = self.model  # the plain module: evaluation, state_dict, checkpoints
+        if self.dist is not None:
+            # DDP last, after .to(device) and channels_last: it broadcasts rank 0's weights now.
+            synced = False
+            if cfg.sync_batchnorm:
+                self.module, synced = convert_sync_batchnorm(self.module, device=self.device)
+            self.model = wrap_ddp(self.module, device=self.device, static_graph=cfg.static_graph)
+            self.decisions["distributed"] = (f"DDP, {self.dist.world_size} processes ({self.dist.backend}), "
+                                             f"gradient_as_bucket_view, static_graph={cfg.static_graph}, "
+                                             f"sync_batchnorm={synced}")
 
         self.precision: Precision = resolve_precision(cfg.precision, device=self.device)
         self.scaler = make_grad_scaler(self.precision)
@@ -137,6 +159,10 @@ class Trainer:
                                          momentum=momentum, fused=cfg.fused_optimizer)
         self.optimizer = optimizer
         self.decisions["optimizer"] = _describe_optimizer(optimizer)
+        if cfg.scale_lr_world_size and self.dist is not None:
+            for g in optimizer.param_groups:  # before the schedule reads the lr as its peak
+                g["lr"] = scale_lr_world_size(g["lr"], world_size=self.dist.world_size)
+            self.decisions["lr"] = f"x{self.dist.world_size} (world size, T17): {optimizer.param_groups[0]['lr']:g}"
         self.scheduler = None
 
         self._forward_model: nn.Module = self.model  # the compiled module once compile is decided
@@ -204,7 +230,7 @@ class Trainer:
         sync(self.device)
         trial.record(phase, time.perf_counter() - t0)
         if trial.phase() == "done":
-            decision = trial.decide()
+            decision = broadcast_object(trial.decide())  # every rank runs what rank 0 measured
             self._apply_compile_decision(decision)
 
     def _fallback_eager(self, e: Exception) -> None:
@@ -255,6 +281,8 @@ class Trainer:
     def fit(self, train_loader: Iterable, *, epochs: int | None = None, val_loader: Iterable | None = None) -> FitResult:
         cfg = self.config
         epochs = epochs if epochs is not None else cfg.epochs
+        if self.dist is not None:  # T31: each rank trains on its own shard (DistributedSampler)
+            train_loader = shard_loader(train_loader, seed=cfg.seed or 0)
         try:
             steps_per_epoch = len(train_loader)  # type: ignore[arg-type]
         except TypeError as e:
@@ -264,7 +292,7 @@ class Trainer:
         if self.scheduler is None:
             self.setup_schedule(steps_per_epoch, epochs)
         history: list[dict] = []
-        progress = _Progress(enabled=cfg.progress, total=steps_per_epoch * epochs)
+        progress = _Progress(enabled=cfg.progress and is_rank_zero(), total=steps_per_epoch * epochs)
         done = False
         with progress:
             for epoch in range(epochs):
@@ -284,6 +312,9 @@ class Trainer:
                 elapsed = time.perf_counter() - t0
                 row = {"epoch": epoch + 1, "step": self.step}
                 m = self.meter.compute()
+                if self.dist is not None:  # every rank reports global numbers (one all-reduce)
+                    m = reduce_metrics({"loss": m["loss"], "acc": m["acc"]}, weight=m["samples"])
+                    seen = int(all_reduce_sum([seen])[0])
                 row.update(train_loss=m["loss"], train_acc=m["acc"], samples_per_s=seen / max(elapsed, 1e-9),
                            epoch_s=elapsed, lr=self.optimizer.param_groups[0]["lr"],
                            skipped_steps=int(self.skipped.item()))
@@ -298,12 +329,20 @@ class Trainer:
                          skipped_steps=int(self.skipped.item()))
 
     def evaluate(self, loader: Iterable) -> dict:
-        model = self.model
-        return evaluate(model, loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
-                        channels_last=self.channels_last, tta=self.config.tta, tta_scales=self.config.tta_scales)
+        # The plain module: a DDP forward would issue collectives that uneven shards could leave waiting.
+        model = self.module
+        if self.dist is not None:
+            loader = shard_loader(loader, for_eval=True)
+        out = evaluate(model, loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
+                       channels_last=self.channels_last, tta=self.config.tta, tta_scales=self.config.tta_scales)
+        if self.dist is not None:
+            n = out["samples"]
+            out = {**reduce_metrics({k: v for k, v in out.items() if k != "samples"}, weight=n),
+                   "samples": int(all_reduce_sum([n])[0])}
+        return out
 
     def _write_metrics(self, history: list[dict]) -> None:
-        if not self.config.out_dir:
+        if not self.config.out_dir or not is_rank_zero():
             return
         out = Path(self.config.out_dir)
         out.mkdir(parents=True, exist_ok=True)
