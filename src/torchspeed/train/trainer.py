@@ -31,15 +31,22 @@ import torch
 from torch import nn
 
 from torchspeed.train.backends import configure_backends
+from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
+from torchspeed.train.checkpoint import (CheckpointError, CheckpointManager, FoundCheckpoint, check_state_dict,
+                                         load_checkpoint)
 from torchspeed.train.compile import CompileDecision, CompileTrial, compile_model, sync
 from torchspeed.train.distributed import (DistInfo, all_reduce_sum, broadcast_object, convert_sync_batchnorm,
                                           is_rank_zero, maybe_init_distributed, reduce_metrics, scale_lr_world_size,
                                           shard_loader, wrap_ddp)
 from torchspeed.train.evaluate import evaluate
+from torchspeed.train.guard import (NonFiniteLossError, TrainingOutOfMemoryError, is_out_of_memory,
+                                    out_of_memory_error, supports_device_skip)
 from torchspeed.train.memory_format import apply_channels_last, has_conv2d
 from torchspeed.train.metrics import DeviceMeter
 from torchspeed.train.optim import create_optimizer, zero_grad
 from torchspeed.train.precision import Precision, make_grad_scaler, resolve_precision
+from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_rng_state, seed_everything
+from torchspeed.train.sampler import ResumableSampler
 from torchspeed.train.schedule import create_scheduler
 from torchspeed.train.step import backward, optimizer_step
 from torchspeed.train.transfer import Prefetcher
@@ -79,6 +86,14 @@ class TrainConfig:
     sync_batchnorm: bool = False        # SyncBatchNorm over all ranks (GPUs only; for small per-GPU batches)
     static_graph: bool = False          # DDP static_graph: only if every step uses the same parameters
     scale_lr_world_size: bool = False   # T17: lr x world_size (the global batch is world_size times larger)
+    # Reliability (docs/reliability.md): checkpoints, exact resume, guards.
+    checkpoint_dir: str | None = None   # write checkpoints here (atomic, checksummed)
+    checkpoint_every: int | None = None  # optimizer steps between checkpoints (None: at each epoch end only)
+    keep_last: int = 3                  # step checkpoints kept (best.pt is kept besides)
+    best_metric: str | None = "auto"    # best.pt by this epoch metric: "auto" = val_acc, else val_loss/train_loss
+    resume: str | None = None           # None | "auto" (newest good checkpoint in checkpoint_dir) | a .pt path
+    max_nonfinite: int | None = 20      # stop after this many NaN/inf-loss steps in a row (each one is skipped)
+    deterministic: bool = False         # deterministic kernels + seeded RNGs: bit-identical reruns (slower)
 
     @classmethod
     def naive(cls, **overrides) -> "TrainConfig":
@@ -112,8 +127,12 @@ class Trainer:
         self.config = cfg = config or TrainConfig()
         if cfg.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {cfg.grad_accum}")
-        if cfg.seed is not None:
+        if cfg.deterministic:  # bit-identical reruns and resumes (docs/reliability.md); costs speed
+            enable_determinism()
+            seed_everything(cfg.seed if cfg.seed is not None else 0)
+        elif cfg.seed is not None:
             torch.manual_seed(cfg.seed)
+        _check_reliability_options(cfg)
         # T31: under torchrun, a process group from the environment and this rank's device (cuda:LOCAL_RANK).
         self.dist: DistInfo | None = maybe_init_distributed(cfg.distributed, device=device)
         if self.dist is not None:
@@ -122,8 +141,8 @@ class Trainer:
             self.device = torch.device(device) if device is not None else _default_device()
         self.decisions: dict[str, object] = {}
 
-        self.decisions.update(configure_backends(
-            self.device, cudnn_benchmark=None if cfg.cudnn_benchmark == "auto" else bool(cfg.cudnn_benchmark)))
+        benchmark = None if cfg.cudnn_benchmark == "auto" else bool(cfg.cudnn_benchmark)
+        self.decisions.update(configure_backends(self.device, cudnn_benchmark=False if cfg.deterministic else benchmark))
 
         model = _unwrap_data_parallel(model)
         self.model = model.to(self.device)
@@ -180,6 +199,24 @@ class Trainer:
         self.step = 0        # optimizer steps taken
         self._micro = 0      # micro-batches since the last optimizer step
         self._last_loss = float("nan")
+        # Non-finite loss guard (guard.py): "scaler" (fp16: GradScaler skips), "device" (CUDA + fused
+        # optimizer: skipped on the GPU, no sync), "host" (the loss is read each step; free on CPU), "off".
+        if cfg.max_nonfinite is None:
+            self._nf_mode = "off"
+        elif self.scaler is not None:
+            self._nf_mode = "scaler"
+        else:
+            self._nf_mode = "device" if supports_device_skip(self.optimizer, self.device) else "host"
+        self._window_bad: torch.Tensor | bool = False  # any NaN/inf loss since the last optimizer step
+        self._bad_run = torch.zeros((), dtype=torch.int64, device=self.device)  # skipped steps in a row
+        self.checkpoints = CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.keep_last) if cfg.checkpoint_dir else None
+        self.last_checkpoint: Path | None = None
+        self.resumed_from: Path | None = None
+        self._epoch = 0          # position in the data: epoch and micro-batches consumed in it
+        self._batch_in_epoch = 0
+        self._epoch_rng: dict | None = None  # RNG state when this epoch's loader iterator was created
+        self._history: list[dict] = []
+        self._best: dict | None = None
 
     # ------------------------------------------------------------------ the hot path
     def train_step(self, batch) -> torch.Tensor:
@@ -196,10 +233,20 @@ class Trainer:
             backward(loss, scaler=self.scaler, accum_steps=cfg.grad_accum)
         self._micro += 1
         correct = (out.detach().argmax(-1) == y).sum() if out.dim() == 2 and y.dim() == 1 else None
-        self.meter.update(loss.detach(), n=y.shape[0], correct=correct)
+        metered = loss.detach()
+        if self._nf_mode == "host":
+            bad = not bool(torch.isfinite(metered))  # a host read: free on CPU, one sync on CUDA (unfused)
+            self._window_bad = self._window_bad or bad
+            if not bad:
+                self.meter.update(metered, n=y.shape[0], correct=correct)
+        else:
+            if self._nf_mode == "device":
+                bad_t = ~torch.isfinite(metered)  # stays on the device: no sync
+                self._window_bad = bad_t | self._window_bad
+                metered = torch.where(bad_t, torch.zeros_like(metered), metered)
+            self.meter.update(metered, n=y.shape[0], correct=correct)
         if last_micro:
-            self.skipped += optimizer_step(self.optimizer, scaler=self.scaler, clip_grad_norm=cfg.clip_grad_norm,
-                                           parameters=self.model.parameters()).to(self.skipped.device)
+            self.skipped += self._optimizer_step().to(self.skipped.device)
             zero_grad(self.optimizer, set_to_none=cfg.set_to_none)
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -208,7 +255,56 @@ class Trainer:
             if self.step % cfg.log_every == 0:
                 # The only host-device sync of the loop, once every log_every steps (T13).
                 self._last_loss = float(loss.detach().float().item())
+            if self._nf_mode != "off" and (self.device.type != "cuda" or self._nf_mode == "host"
+                                           or self.step % cfg.log_every == 0):
+                self._check_nonfinite_run()
         return loss.detach()
+
+    def _optimizer_step(self) -> torch.Tensor:
+        """The update, skipped when the loss was NaN/inf (guard.py); returns 1 if skipped, else 0, as a tensor."""
+        cfg = self.config
+        params = self.model.parameters()
+        if self._nf_mode in ("off", "scaler"):
+            skip = optimizer_step(self.optimizer, scaler=self.scaler, clip_grad_norm=cfg.clip_grad_norm,
+                                  parameters=params).to(self.device)
+        elif self._nf_mode == "host":
+            bad = bool(self._window_bad)
+            if self.dist is not None:
+                bad = bool(self._window_bad_all_ranks(torch.tensor(float(bad), device=self.device)) > 0)
+            if bad:
+                skip = torch.ones((), dtype=torch.int64, device=self.device)  # no update at all
+            else:
+                skip = optimizer_step(self.optimizer, clip_grad_norm=cfg.clip_grad_norm,
+                                      parameters=params).to(self.device)
+        else:  # "device": fused kernels read `found_inf` and skip the update on the GPU, as for fp16
+            flag = self._window_bad_all_ranks(torch.as_tensor(self._window_bad, device=self.device).float())
+            self.optimizer.found_inf = flag
+            try:
+                optimizer_step(self.optimizer, clip_grad_norm=cfg.clip_grad_norm, parameters=params)
+            finally:
+                del self.optimizer.found_inf
+            skip = (flag > 0).to(torch.int64)
+        self._window_bad = False
+        self._bad_run = (self._bad_run + skip) * skip  # count of skipped steps in a row, on the device
+        return skip
+
+    def _window_bad_all_ranks(self, flag: torch.Tensor) -> torch.Tensor:
+        # DDP: every rank must skip or step together, or the replicas drift apart.
+        if self.dist is not None:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return flag
+
+    def _check_nonfinite_run(self) -> None:
+        run = int(self._bad_run)
+        limit = self.config.max_nonfinite
+        if limit is not None and run >= limit:
+            last = f"the last checkpoint, {self.last_checkpoint}, is intact" if self.last_checkpoint else \
+                "no checkpoint was written (set checkpoint_dir to keep one)"
+            raise NonFiniteLossError(
+                f"the loss was NaN or inf in {run} optimizer steps in a row (up to step {self.step}, epoch "
+                f"{self._epoch + 1}); each was skipped, and training stopped; {last}. Try a lower learning rate, "
+                "gradient clipping (clip_grad_norm=1.0), checking the inputs and labels for NaN/inf, or fp32/bf16 "
+                "instead of fp16; max_nonfinite sets how many bad steps in a row are tolerated")
 
     def _trial_step(self, batch) -> None:
         """A training step that also times itself for the compile="auto" decision."""
@@ -250,10 +346,22 @@ class Trainer:
 
     def step_batch(self, batch) -> None:
         """Train on one device batch (runs the compile trial while it is undecided)."""
-        if self._compile_trial is not None:
-            self._trial_step(batch)
-        else:
-            self.train_step(batch)
+        try:
+            if self._compile_trial is not None:
+                self._trial_step(batch)
+            else:
+                self.train_step(batch)
+        except Exception as e:
+            if isinstance(e, TrainingOutOfMemoryError) or not is_out_of_memory(e):
+                raise
+            # Free what the failed step holds before reporting, so the caller can save or retry.
+            zero_grad(self.optimizer, set_to_none=True)
+            self._micro, self._window_bad = 0, False
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            n = batch[1].shape[0] if len(batch) > 1 and isinstance(batch[1], torch.Tensor) else None
+            raise out_of_memory_error(e, batch_size=n, device=self.device, grad_accum=self.config.grad_accum,
+                                      precision=self.precision.name) from e
 
     def batches(self, loader: Iterable) -> Iterator:
         """Iterate `loader` with batches already on the device (prefetched on CUDA)."""
@@ -291,20 +399,32 @@ class Trainer:
             raise ValueError("the training loader is empty: check the dataset path and the batch size")
         if self.scheduler is None:
             self.setup_schedule(steps_per_epoch, epochs)
-        history: list[dict] = []
-        progress = _Progress(enabled=cfg.progress and is_rank_zero(), total=steps_per_epoch * epochs)
-        done = False
+        self._steps_per_epoch = steps_per_epoch
+        start_epoch, start_batch = self._resume(steps_per_epoch) if cfg.resume else (0, 0)
+        history = self._history
+        progress = _Progress(enabled=cfg.progress and is_rank_zero(),
+                             total=steps_per_epoch * epochs - start_epoch * steps_per_epoch - start_batch)
+        done = bool(cfg.max_steps and self.step >= cfg.max_steps)
         with progress:
-            for epoch in range(epochs):
+            for epoch in range(start_epoch, epochs):
+                if done:
+                    break
+                skip = start_batch if epoch == start_epoch else 0  # mid-epoch resume: batches already trained
+                self._epoch, self._batch_in_epoch = epoch, skip
                 _set_epoch(train_loader, epoch)
                 self.model.train()
-                self.meter.reset()
+                if not skip:
+                    self.meter.reset()  # else: the sums restored from the checkpoint
                 t0 = time.perf_counter()
                 seen = 0
-                for i, batch in enumerate(self.batches(train_loader)):
+                for i, batch in enumerate(self.batches(self._epoch_iter(train_loader, skip))):
                     self.step_batch(batch)
+                    self._batch_in_epoch += 1
                     seen += batch[1].shape[0]
                     progress.advance(batch[1].shape[0], loss=self._last_loss, epoch=epoch)
+                    if (cfg.checkpoint_every and self._micro == 0 and self.step % cfg.checkpoint_every == 0
+                            and self._batch_in_epoch < steps_per_epoch):  # the epoch end saves its own
+                        self.save_checkpoint()
                     if cfg.max_steps and self.step >= cfg.max_steps:
                         done = True
                         break
@@ -323,10 +443,128 @@ class Trainer:
                 history.append(row)
                 progress.epoch_done(row)
                 self._write_metrics(history)
+                if self.checkpoints is not None and self._micro == 0:
+                    if self._batch_in_epoch >= steps_per_epoch:  # the position is the next epoch's start
+                        self._epoch, self._batch_in_epoch = epoch + 1, 0
+                    improved = self._update_best(row)
+                    self.save_checkpoint(best=improved)
                 if done:
                     break
         return FitResult(history=history, config=asdict(cfg), decisions=dict(self.decisions), steps=self.step,
                          skipped_steps=int(self.skipped.item()))
+
+    # ------------------------------------------------------------------ checkpoints and resume
+    def checkpoint_state(self) -> dict:
+        """Everything an exact resume needs: weights, optimizer, schedule, scaler, RNGs, data position."""
+        return {
+            "format": CHECKPOINT_FORMAT, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": capture_rng_state(), "epoch_rng": self._epoch_rng,
+            "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch,
+            "steps_per_epoch": getattr(self, "_steps_per_epoch", None), "step": self.step,
+            "skipped": int(self.skipped), "bad_run": int(self._bad_run),
+            "meter": {"loss": self.meter._loss.cpu(), "correct": self.meter._correct.cpu(), "n": self.meter._n,
+                      "n_acc": self.meter._n_acc},
+            "history": _jsonable({"h": self._history})["h"], "best": self._best,
+            "config": _jsonable(asdict(self.config)),
+        }
+
+    def save_checkpoint(self, *, best: bool = False) -> Path | None:
+        """Write a checkpoint now (rank 0 only); `best` also writes best.pt. Returns the path."""
+        if self.checkpoints is None or not is_rank_zero():
+            return None
+        state = self.checkpoint_state()
+        self.last_checkpoint = self.checkpoints.save(state, step=self.step)
+        if best:
+            self.checkpoints.save_best(state)
+        return self.last_checkpoint
+
+    def _update_best(self, row: dict) -> bool:
+        name = self.config.best_metric
+        if name is None:
+            return False
+        if name == "auto":
+            name = next((k for k in ("val_acc", "val_loss", "train_loss") if row.get(k) is not None), None)
+        value = row.get(name) if name else None
+        if value is None or not math.isfinite(value):
+            return False
+        higher = "acc" in name
+        if self._best is not None and self._best["metric"] == name:
+            old = self._best["value"]
+            if (value <= old) if higher else (value >= old):
+                return False
+        self._best = {"metric": name, "value": float(value), "epoch": row["epoch"], "step": self.step}
+        return True
+
+    def _resume(self, steps_per_epoch: int) -> tuple[int, int]:
+        """Load the checkpoint `resume` points at; return the (epoch, batch) to continue from."""
+        cfg = self.config
+        if cfg.resume == "auto" or Path(cfg.resume).is_dir():
+            manager = self.checkpoints if cfg.resume == "auto" else CheckpointManager(cfg.resume)
+            found = manager.latest() if manager is not None else None
+            if found is None:
+                log.info("resume: no checkpoint in %s yet; starting from the beginning",
+                         manager.directory if manager else cfg.resume)
+                return 0, 0
+        else:
+            found = FoundCheckpoint(path=Path(cfg.resume), state=load_checkpoint(cfg.resume))
+        state = found.state
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{found.path} holds only weights, not a training state; load it with "
+                                  "torchspeed.train.checkpoint.load_checkpoint(path, model=model) before fit, "
+                                  "and leave resume unset")
+        if state["steps_per_epoch"] not in (None, steps_per_epoch):
+            raise CheckpointError(
+                f"{found.path} was written with {state['steps_per_epoch']} batches per epoch, but this loader has "
+                f"{steps_per_epoch}: resume with the same data and batch size, or use a new checkpoint_dir")
+        check_state_dict(self.module, state["model"], source=f"checkpoint {found.path}")
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.step = int(state["step"])
+        self.skipped.fill_(int(state["skipped"]))
+        self._bad_run.fill_(int(state["bad_run"]))
+        m = state["meter"]
+        self.meter._loss.copy_(m["loss"])
+        self.meter._correct.copy_(m["correct"])
+        self.meter._n, self.meter._n_acc = int(m["n"]), int(m["n_acc"])
+        self._history = list(state["history"])
+        self._best = state["best"]
+        self._epoch_rng = state["epoch_rng"]
+        restore_rng_state(state["rng"])
+        epoch, batch = int(state["epoch"]), int(state["batch_in_epoch"])
+        self.resumed_from = self.last_checkpoint = found.path
+        self.decisions["resumed_from"] = f"{found.path} (epoch {epoch + 1}, batch {batch}, step {self.step})"
+        if found.skipped:
+            self.decisions["resume_passed_over"] = list(found.skipped)
+        log.warning("resuming from %s: epoch %d, batch %d, step %d", found.path, epoch + 1, batch, self.step)
+        return epoch, batch
+
+    def _epoch_iter(self, loader: Iterable, skip: int) -> Iterator:
+        """This epoch's iterator over `loader`, positioned after `skip` batches (exact mid-epoch resume)."""
+        if not skip:
+            # The loader's order (DataLoader(shuffle=True)) is drawn from the global generator now: keep its state.
+            self._epoch_rng = capture_rng_state() if self.checkpoints is not None else None
+            return iter(loader)
+        at_checkpoint = capture_rng_state()
+        if self._epoch_rng is not None:
+            restore_rng_state(self._epoch_rng)  # replay the epoch's order exactly as it was drawn
+        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+        batch_size = getattr(loader, "batch_size", None)
+        if isinstance(sampler, ResumableSampler) and batch_size:
+            sampler.start_at(min(skip * batch_size, len(sampler)))  # no reading: the sampler starts there
+            it = iter(loader)
+        else:
+            it = iter(loader)
+            for _ in range(skip):  # any other loader: read and drop the batches already trained on
+                if next(it, None) is None:
+                    break
+        restore_rng_state(at_checkpoint)  # the generators continue from where the checkpoint left them
+        return it
 
     def evaluate(self, loader: Iterable) -> dict:
         # The plain module: a DDP forward would issue collectives that uneven shards could leave waiting.
@@ -406,6 +644,22 @@ def _move_plain(batch, device: torch.device, channels_last: bool):
     if channels_last and out[0].dim() == 4:
         out[0] = out[0].contiguous(memory_format=torch.channels_last)
     return out
+
+
+def _check_reliability_options(cfg: TrainConfig) -> None:
+    if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be >= 1 optimizer steps, got {cfg.checkpoint_every}")
+    if cfg.checkpoint_every is not None and not cfg.checkpoint_dir:
+        raise ValueError("checkpoint_every needs checkpoint_dir: the folder to write checkpoints to")
+    if cfg.keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {cfg.keep_last}")
+    if cfg.max_nonfinite is not None and cfg.max_nonfinite < 1:
+        raise ValueError(f"max_nonfinite must be >= 1 (or None to switch the check off), got {cfg.max_nonfinite}")
+    if cfg.resume == "auto" and not cfg.checkpoint_dir:
+        raise ValueError("resume='auto' needs checkpoint_dir: the folder to look for checkpoints in")
+    if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
+        raise FileNotFoundError(f"resume={cfg.resume!r}: no such checkpoint file or folder; pass an existing "
+                                ".pt file, a checkpoint folder, or resume='auto' with checkpoint_dir")
 
 
 def _set_epoch(loader, epoch: int) -> None:
