@@ -13,7 +13,7 @@ import sys
 __all__ = ["main", "CLIError", "COMMANDS"]
 
 # Subcommand modules under torchspeed.cli, in help order.
-COMMANDS = ("env", "bench")
+COMMANDS = ("env", "bench", "launch")
 
 
 class CLIError(Exception):

@@ -1,0 +1,158 @@
+"""How training throughput scales with DistributedDataParallel processes (T31), measured here.
+
+`measure_scaling(nproc=2)` runs the same workload as torchrun jobs of 1 and N processes,
+interleaved round by round (1, N, N, 1, ...), each timed after its own warm-up, and
+reports samples/s per configuration and the ratio N-process / 1-process. Each process
+trains on `batch_size` samples per step (weak scaling: the global batch grows with N,
+which is how data parallelism is used).
+
+On CPU two comparisons matter and both are measured:
+- `1 proc x T threads` vs `N procs x T threads`: the data-parallel speed-up with N times
+  the cores (ideal: N); what is lost is DDP's all-reduce and the process overhead.
+- `1 proc x N*T threads` vs `N procs x T threads`: the same cores used by intra-op threads
+  in one process, or by processes. That answers "is DDP worth it on this CPU machine?".
+
+Within a job, `windows` timed windows of `steps` steps follow the warm-up; the job reports
+the median window. Each job is a fresh `python -m torch.distributed.run` (a few seconds of start-up that is
+not timed). `torchspeed bench --nproc N` and benchmarks/bench_distributed.py call this.
+
+Example:
+    >>> r = measure_scaling(nproc=2, model="mlp", steps=20)
+    >>> r.ratios["2 procs / 1 proc"]
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+__all__ = ["ScalingRow", "ScalingResult", "measure_scaling"]
+
+
+@dataclass(frozen=True)
+class ScalingRow:
+    name: str
+    nproc: int
+    threads: int
+    samples_per_s: float               # median over rounds, all processes together
+    samples: list[float] = field(default_factory=list)  # one per round
+    final_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class ScalingResult:
+    rows: list[ScalingRow]
+    ratios: dict[str, float]
+    meta: dict
+
+    def to_dict(self) -> dict:
+        return {"rows": [asdict(r) for r in self.rows], "ratios": self.ratios, "meta": self.meta}
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def measure_scaling(*, nproc: int = 2, model: str = "mlp", data: str = "synthetic", batch_size: int = 64,
+                    steps: int = 20, warmup: int = 3, rounds: int = 3, windows: int = 3, device: str = "cpu",
+                    threads: int | None = None, same_cores_row: bool = True,
+                    timeout_s: float = 600) -> ScalingResult:
+    """Samples/s of 1-process and `nproc`-process DDP jobs, interleaved; see the module docstring."""
+    if nproc < 2:
+        raise ValueError(f"nproc must be at least 2 to compare with 1 process, got {nproc}")
+    if device.startswith("cuda"):
+        if torch.cuda.device_count() < nproc:
+            raise ValueError(f"{nproc} processes need {nproc} GPUs; {torch.cuda.device_count()} visible")
+        same_cores_row = False
+    tpp = threads or max(1, _usable_cores() // nproc)
+    configs = [(f"1 proc x {tpp} threads", 1, tpp), (f"{nproc} procs x {tpp} threads", nproc, tpp)]
+    if same_cores_row and device == "cpu":
+        configs.append((f"1 proc x {tpp * nproc} threads", 1, tpp * nproc))
+    spec = dict(model=model, data=data, batch_size=batch_size, steps=steps, warmup=warmup, windows=windows,
+                device=device)
+    times: dict[str, list[float]] = {c[0]: [] for c in configs}
+    losses: dict[str, float | None] = {}
+    for k in range(rounds):
+        order = configs if k % 2 == 0 else configs[::-1]  # alternate so drift hits both sides
+        for name, n, t in order:
+            out = _run_job(spec, nproc=n, threads=t, timeout_s=timeout_s)
+            times[name].append(out["samples_per_s"])
+            losses[name] = out.get("loss")
+    rows = [ScalingRow(name, n, t, statistics.median(times[name]), times[name], losses.get(name))
+            for name, n, t in configs]
+    base, multi = rows[0], rows[1]
+    ratios = {f"{nproc} procs / 1 proc": multi.samples_per_s / base.samples_per_s}
+    if len(rows) > 2:
+        ratios[f"{nproc} procs / 1 proc with the same cores"] = multi.samples_per_s / rows[2].samples_per_s
+    meta = dict(spec, nproc=nproc, rounds=rounds, threads_per_proc=tpp, usable_cores=_usable_cores(),
+                method="each row: a fresh torchrun job, timed after warm-up; rows interleaved, order alternating "
+                       "each round; samples/s counts all processes; per-process batch fixed")
+    return ScalingResult(rows=rows, ratios=ratios, meta=meta)
+
+
+def _run_job(spec: dict, *, nproc: int, threads: int, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "result.json")
+        job = dict(spec, out=out_path, threads=threads)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                "-m", "torchspeed.bench.scaling", json.dumps(job)]
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            raise RuntimeError(f"the {nproc}-process torchrun job failed (exit {proc.returncode}):\n{tail}")
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def _worker(job: dict) -> None:
+    """One rank of a measuring job (run by torchrun)."""
+    from torch.utils.data import DataLoader
+
+    from torchspeed.bench.workloads import create_model, make_datasets
+    from torchspeed.train.distributed import all_reduce_sum, barrier, is_rank_zero, shard_loader
+    from torchspeed.train.trainer import Trainer, TrainConfig
+
+    torch.set_num_threads(job["threads"])
+    torch.manual_seed(0)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    n_batches = min(32, job["warmup"] + job["steps"])  # cycled: the data stays small in memory
+    train, _ = make_datasets(job["data"], train_size=job["batch_size"] * world * n_batches, val_size=16)
+    cfg = TrainConfig(schedule=None, progress=False, compile=False, log_every=10**9, distributed="auto")
+    trainer = Trainer(create_model(job["model"]), lr=0.05, device=job["device"], config=cfg)
+    loader = DataLoader(train, batch_size=job["batch_size"], shuffle=True, drop_last=True)
+    if trainer.dist is not None:
+        loader = shard_loader(loader)
+    batches = list(trainer.batches(loader))  # on the device before timing: measure the training step
+    it = itertools.cycle(batches)
+    trainer.run_steps(it, job["warmup"])
+    windows = []
+    for _ in range(job.get("windows", 3)):
+        barrier()
+        t0 = time.perf_counter()
+        trainer.run_steps(it, job["steps"])
+        barrier()  # the step time is the slowest rank's
+        windows.append(time.perf_counter() - t0)
+    seconds = statistics.median(windows)
+    seen = all_reduce_sum([job["steps"] * job["batch_size"]])[0]
+    loss = float(trainer.meter.compute()["loss"])
+    if is_rank_zero():
+        with open(job["out"], "w") as f:
+            json.dump({"samples_per_s": seen / seconds, "seconds": seconds, "windows": windows, "loss": loss,
+                       "world": world}, f)
+
+
+if __name__ == "__main__":
+    _worker(json.loads(sys.argv[1]))
