@@ -92,8 +92,16 @@ def test_sampler_covers_the_dataset_once_per_epoch_and_metrics_are_global(epochs
     assert last["val_acc"] == pytest.approx(r0["full_val"]["val_acc"])
 
 
-def test_only_rank_zero_writes_metrics_files(epochs_run):
+def test_only_rank_zero_writes_metrics_and_checkpoints(epochs_run):
     assert (epochs_run / "out0" / "metrics.json").exists() and (epochs_run / "out0" / "metrics.csv").exists()
     assert not (epochs_run / "out1").exists()
     written = json.loads((epochs_run / "out0" / "metrics.json").read_text())
     assert len(written["history"]) == 2 and "DDP" in written["decisions"]["distributed"]
+    assert list((epochs_run / "ckpt0").glob("*.pt")), "rank 0 wrote no checkpoint"
+    ckpt1 = epochs_run / "ckpt1"
+    assert not (ckpt1.exists() and any(ckpt1.iterdir())), "rank 1 wrote into its checkpoint_dir"
+    # the checkpoint holds the plain module's weights (no DDP "module." prefix)
+    from torchspeed.train.checkpoint import load_checkpoint
+
+    newest = max((epochs_run / "ckpt0").glob("*.pt"), key=lambda p: p.stat().st_mtime)
+    assert not any(k.startswith("module.") for k in load_checkpoint(newest)["model"])

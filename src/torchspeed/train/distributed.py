@@ -290,7 +290,8 @@ def distributed_loader(loader: DataLoader, *, shuffle: bool | None = None, seed:
                        world_size: int | None = None) -> DataLoader:
     """The same DataLoader, rebuilt with a `DistributedSampler`: each rank reads 1/world_size of the data.
 
-    `shuffle` defaults to what the loader did (a RandomSampler shuffles). Every epoch needs
+    `shuffle` defaults to what the loader did (a RandomSampler shuffles; a ResumableSampler keeps
+    its shuffle and seed). Every epoch needs
     `loader.sampler.set_epoch(epoch)` for a new shuffle (the Trainer does it). Without
     `drop_last` the sampler pads the last shard with repeated samples so every rank has the
     same number of batches (an uneven count would leave one rank waiting in all-reduce).
@@ -307,6 +308,11 @@ def distributed_loader(loader: DataLoader, *, shuffle: bool | None = None, seed:
     if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
         raise ValueError(f"the loader uses a custom batch_sampler ({type(loader.batch_sampler).__name__}), which "
                          "cannot be split automatically; build it on a DistributedSampler yourself")
+    from torchspeed.train.sampler import ResumableSampler  # a (seed, epoch) order, like DistributedSampler's
+
+    if isinstance(loader.sampler, ResumableSampler):
+        shuffle = loader.sampler.shuffle if shuffle is None else shuffle
+        seed = loader.sampler.seed
     if shuffle is None:
         if isinstance(loader.sampler, RandomSampler):
             shuffle = True

@@ -1,0 +1,57 @@
+"""`torchspeed launch --nproc 2 -- python script.py` end to end: a plain script becomes a 2-process DDP run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchspeed.cli.launch import torchrun_command
+from torchspeed.cli.main import CLIError
+
+SCRIPT = Path(__file__).parent / "scripts" / "tiny_fit.py"
+
+
+@pytest.mark.timeout(180)
+def test_launch_runs_an_unchanged_fit_script_in_two_processes(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torchspeed", "launch", "--nproc", "2", "--threads", "1", "--",
+                           "python", str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert r0["world"] == r1["world"] == 2 and r0["threads"] == 1
+    assert "DDP, 2 processes (gloo)" in r0["decisions"]["distributed"]
+    # 96 samples / 2 ranks / batch 8 = 6 micro-batches per epoch, grad_accum 2 -> 3 steps x 2 epochs
+    assert r0["steps"] == r1["steps"] == 6
+    # the replicas started from different weights and end identical (DDP broadcast + all-reduce)
+    assert r0["weights"] == pytest.approx(r1["weights"], abs=1e-6)
+    assert r0["history"][-1]["train_loss"] == pytest.approx(r1["history"][-1]["train_loss"])
+    written = json.loads((tmp_path / "metrics" / "metrics.json").read_text())
+    assert [row["epoch"] for row in written["history"]] == [1, 2]
+    # progress on rank 0 only: one "epoch 1" summary line, not one per process
+    assert (proc.stdout + proc.stderr).count("epoch 1  train_loss") == 1
+
+
+def test_torchrun_command_shapes():
+    argv = torchrun_command(["python", "train.py", "--lr", "0.1"], nproc=4)
+    assert argv[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone", "train.py",
+                        "--lr", "0.1"]
+    assert torchrun_command(["python", "-m", "pkg.train"], nproc=2)[-2:] == ["-m", "pkg.train"]
+    assert torchrun_command(["torchspeed", "bench"], nproc=2)[-3:] == ["--no-python", "torchspeed", "bench"]
+    multi = torchrun_command(["python", "t.py"], nproc=8, nnodes="2", rdzv_endpoint="head:29500", rdzv_id="j1")
+    assert multi[multi.index("--rdzv-endpoint") + 1] == "head:29500" and "--standalone" not in multi
+    static = torchrun_command(["python", "t.py"], nproc=8, nnodes="2", node_rank=1, master_addr="10.0.0.1")
+    assert static[static.index("--node-rank") + 1] == "1"
+    for bad in (dict(cmd=[], nproc=2), dict(cmd=["python", "t.py"], nproc="0"),
+                dict(cmd=["python", "t.py"], nproc=2, nnodes="2")):
+        with pytest.raises(CLIError):
+            torchrun_command(bad.pop("cmd"), **bad)
+
+
+def test_launch_cli_errors_are_one_line():
+    proc = subprocess.run([sys.executable, "-m", "torchspeed", "launch", "--", "python", "t.py"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--nproc" in proc.stderr and "Traceback" not in proc.stderr
