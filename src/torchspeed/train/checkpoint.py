@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "check_state_dict", "CheckpointManager",
-           "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError", "FoundCheckpoint"]
+           "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError", "ResumeMismatchError",
+           "FoundCheckpoint"]
 
 log = logging.getLogger("torchspeed")
 
@@ -63,6 +64,10 @@ class CheckpointError(RuntimeError):
 
 class CorruptCheckpointError(CheckpointError):
     """The file is truncated, damaged, or not a checkpoint."""
+
+
+class ResumeMismatchError(CheckpointError, ValueError):
+    """The checkpoint belongs to a run with other data, batch size or schedule length."""
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
@@ -159,7 +164,9 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module | None = None,
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a dict of tensors")
     if model is not None:
-        weights = state["model"] if state.get("format") == FORMAT else state
+        # A training state keeps the weights under "model"; a plain state_dict is the weights itself.
+        nested = isinstance(state.get("model"), Mapping)
+        weights = state["model"] if state.get("format") == FORMAT or nested else state
         _load_model(model, weights, strict=strict, source=path)
         if optimizer is not None and state.get("optimizer") is not None:
             optimizer.load_state_dict(state["optimizer"])

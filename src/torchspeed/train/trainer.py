@@ -32,8 +32,8 @@ from torch import nn
 
 from torchspeed.train.backends import configure_backends
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
-from torchspeed.train.checkpoint import (CheckpointError, CheckpointManager, FoundCheckpoint, check_state_dict,
-                                         load_checkpoint)
+from torchspeed.train.checkpoint import (CheckpointError, CheckpointManager, FoundCheckpoint, ResumeMismatchError,
+                                         check_state_dict, load_checkpoint)
 from torchspeed.train.compile import CompileDecision, CompileTrial, compile_model, sync
 from torchspeed.train.distributed import (DistInfo, all_reduce_sum, broadcast_object, convert_sync_batchnorm,
                                           is_rank_zero, maybe_init_distributed, reduce_metrics, scale_lr_world_size,
@@ -187,6 +187,7 @@ class Trainer:
         self._forward_model: nn.Module = self.model  # the compiled module once compile is decided
         self._compile_trial = CompileTrial() if cfg.compile == "auto" else None
         self._compiled: nn.Module | None = None
+        self._compile_verified = False
         if cfg.compile is True:
             self._compiled = compile_model(self.model, mode=cfg.compile_mode)
             self._forward_model = self._compiled
@@ -329,6 +330,17 @@ class Trainer:
             decision = broadcast_object(trial.decide())  # every rank runs what rank 0 measured
             self._apply_compile_decision(decision)
 
+    def _first_compiled_step(self, batch) -> None:
+        """compile=True: the first step compiles; if compilation fails, continue eager (with a message)."""
+        try:
+            self.train_step(batch)
+        except Exception as e:
+            if is_out_of_memory(e):
+                raise
+            self._fallback_eager(e)
+            self.train_step(batch)
+        self._compile_verified = True
+
     def _fallback_eager(self, e: Exception) -> None:
         msg = f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); continuing eager"
         log.warning(msg)
@@ -349,6 +361,8 @@ class Trainer:
         try:
             if self._compile_trial is not None:
                 self._trial_step(batch)
+            elif self._compiled is not None and not self._compile_verified:
+                self._first_compiled_step(batch)
             else:
                 self.train_step(batch)
         except Exception as e:
@@ -463,6 +477,7 @@ class Trainer:
             "rng": capture_rng_state(), "epoch_rng": self._epoch_rng,
             "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch,
             "steps_per_epoch": getattr(self, "_steps_per_epoch", None), "step": self.step,
+            "total_steps": getattr(self, "total_steps", None),
             "skipped": int(self.skipped), "bad_run": int(self._bad_run),
             "meter": {"loss": self.meter._loss.cpu(), "correct": self.meter._correct.cpu(), "n": self.meter._n,
                       "n_acc": self.meter._n_acc},
@@ -515,9 +530,15 @@ class Trainer:
                                   "torchspeed.train.checkpoint.load_checkpoint(path, model=model) before fit, "
                                   "and leave resume unset")
         if state["steps_per_epoch"] not in (None, steps_per_epoch):
-            raise CheckpointError(
+            raise ResumeMismatchError(
                 f"{found.path} was written with {state['steps_per_epoch']} batches per epoch, but this loader has "
                 f"{steps_per_epoch}: resume with the same data and batch size, or use a new checkpoint_dir")
+        total = getattr(self, "total_steps", None)
+        if self.scheduler is not None and state.get("scheduler") is not None and state.get("total_steps") != total:
+            raise ResumeMismatchError(
+                f"{found.path} was written by a run of {state.get('total_steps')} optimizer steps, but this run's "
+                f"learning-rate schedule spans {total} (epochs or max_steps changed): resume with the same epochs "
+                "and max_steps, or start a new run from its weights with load_checkpoint(path, model=model)")
         check_state_dict(self.module, state["model"], source=f"checkpoint {found.path}")
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,46 @@
+"""Child process of the kill test: train a tiny MLP with a checkpoint every step, resuming if asked.
+
+usage: python _kill_child.py CHECKPOINT_DIR FINAL_PATH [--resume]
+
+Prints "resumed <step>" when it continued from a checkpoint and writes the final weights to
+FINAL_PATH when training ends. Deterministic: one thread, deterministic kernels, fixed seeds.
+"""
+
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import torchspeed  # noqa: E402
+from torchspeed.train.checkpoint import save_checkpoint  # noqa: E402
+from torchspeed.train.sampler import ResumableSampler  # noqa: E402
+
+EPOCHS, N, BATCH = 3, 640, 8  # 80 batches per epoch, 240 optimizer steps
+
+
+def main() -> None:
+    ckpt_dir, final_path = sys.argv[1], sys.argv[2]
+    resume = "auto" if "--resume" in sys.argv else None
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 16, generator=g)
+    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()
+    ds = TensorDataset(x, y)
+    loader = DataLoader(ds, batch_size=BATCH, sampler=ResumableSampler(ds, seed=3), num_workers=0)
+    torch.manual_seed(0)
+    # Dropout draws from the global generator every step: a resume with the wrong RNG state would differ.
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 3))
+    result = torchspeed.fit(model, loader, epochs=EPOCHS, device="cpu", optimizer="adamw", lr=3e-3,
+                            precision="fp32", compile=False, progress=False, deterministic=True, seed=0,
+                            checkpoint_dir=ckpt_dir, checkpoint_every=1, keep_last=3, resume=resume)
+    if "resumed_from" in result.decisions:
+        print("resumed", result.decisions["resumed_from"], flush=True)
+    save_checkpoint(final_path, {"model": model.state_dict(), "steps": result.steps})
+    print("done", result.steps, flush=True)
+
+
+if __name__ == "__main__":
+    main()

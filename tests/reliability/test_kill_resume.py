@@ -1,0 +1,97 @@
+"""Fault test: kill -9 a training process at random points, resume each time, end bit-identical.
+
+A child process trains a tiny MLP on CPU in deterministic mode with a checkpoint every
+optimizer step. The parent waits until the newest checkpoint passes a random step, waits
+a random few milliseconds more (so kills also land inside checkpoint writes), and sends
+SIGKILL; after every kill every checkpoint file on disk must load and pass its checksum.
+Then it restarts the child with resume="auto". After at least 10 kills the run is let
+finish, and its final weights must equal those of an uninterrupted run bit for bit.
+"""
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchspeed.train.checkpoint import load_checkpoint
+
+CHILD = Path(__file__).with_name("_kill_child.py")
+TOTAL_STEPS = 240
+KILLS = 12
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0")
+    env.pop("LD_PRELOAD", None)
+    return env
+
+
+def _start(ckpt: Path, final: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(CHILD), str(ckpt), str(final), "--resume"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+
+
+def _newest_step(ckpt: Path) -> int:
+    steps = [int(m.group(1)) for p in ckpt.glob("step-*.pt") if (m := re.match(r"step-(\d+)\.pt$", p.name))]
+    return max(steps, default=0)
+
+
+def _all_checkpoints_load(ckpt: Path) -> int:
+    files = sorted(ckpt.glob("*.pt"))
+    for p in files:
+        state = load_checkpoint(p)  # checksum + weights_only load; raises if anything is damaged
+        assert state["format"].startswith("torchspeed-checkpoint"), p
+    return len(files)
+
+
+def test_kill_nine_resume_is_bit_identical(tmp_path):
+    rng = random.Random(1234)
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref = subprocess.run([sys.executable, str(CHILD), str(ref_dir), str(tmp_path / "ref.pt"), "--resume"],
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+
+    targets = sorted(rng.sample(range(3, TOTAL_STEPS - 10), KILLS))
+    kills, resumed_steps = 0, []
+    final = tmp_path / "run.pt"
+    for target in targets:
+        before = _newest_step(run_dir)
+        if target <= before:
+            target = before + 1
+        proc = _start(run_dir, final)
+        deadline = time.monotonic() + 120
+        while _newest_step(run_dir) < target and proc.poll() is None:
+            assert time.monotonic() < deadline, "the child made no progress"
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0.0, 0.015))  # anywhere inside the next steps, checkpoint writes included
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the child finished or died before the kill at step {target}: {err[-2000:]}")
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        assert proc.returncode == -signal.SIGKILL
+        kills += 1
+        assert _all_checkpoints_load(run_dir) >= 1  # nothing on disk is ever unreadable
+        resumed_steps.append(_newest_step(run_dir))
+
+    last = _start(run_dir, final)
+    out, err = last.communicate(timeout=300)
+    assert last.returncode == 0, err[-2000:]
+    assert "resumed" in out, "the last run did not resume from a checkpoint"
+    assert kills >= 10
+    assert resumed_steps == sorted(resumed_steps) and resumed_steps[-1] > resumed_steps[0]
+
+    a = load_checkpoint(tmp_path / "ref.pt")
+    b = load_checkpoint(final)
+    assert a["steps"] == b["steps"] == TOTAL_STEPS
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), f"{k} differs after {kills} kills"
+    # No temporary file from a write cut short is ever mistaken for a checkpoint.
+    assert all(p.name.startswith("step-") or p.name == "best.pt" for p in run_dir.glob("*.pt"))
