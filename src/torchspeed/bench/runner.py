@@ -1,7 +1,7 @@
 """`torchspeed bench`: the naive loop, each technique alone, and everything, side by side.
 
-Every configuration trains the same model from the same initial weights on the same
-batches. They run interleaved (round 1: every config, round 2: every config, ...) after a
+Every configuration runs in its own process (its own allocator, compile cache and thread
+pool) and trains the same model from the same initial weights on the same batches. They run interleaved (round 1: every config, round 2: every config, ...) after a
 warm-up that is not timed (it includes compilation and the compile="auto" trial), so slow
 drifts of a noisy machine hit all configs alike. A config's throughput is the median over
 rounds; its speed-up is the median of the per-round ratios to `naive`.
@@ -15,6 +15,7 @@ Rows (each technique switched on alone on top of `naive`):
   fused_optimizer  fused/foreach optimizer kernels (T18)
   compile          torch.compile (T25)
   workers          DataLoader(num_workers>0), pinned memory on CUDA (T06, T07)
+  tcmalloc         the process started with tcmalloc instead of glibc malloc (CPU, when installed)
   prefetch         CUDA side-stream prefetcher (T07, T12), CUDA only
   cudnn_benchmark  T22, CUDA only
   all              torchspeed's automatic choice (`TrainConfig()` defaults)
@@ -27,19 +28,16 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
-
-from torchspeed.bench.workloads import create_model, make_datasets
 from torchspeed.env import detect
-from torchspeed.train.compile import sync
-from torchspeed.train.trainer import Trainer, TrainConfig
+from torchspeed.train.trainer import TrainConfig
 
-__all__ = ["BenchConfig", "BenchRow", "BenchResult", "bench_configs", "run_bench", "provenance"]
+__all__ = ["BenchConfig", "BenchRow", "BenchResult", "bench_configs", "run_bench", "provenance", "write_results"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +45,7 @@ class BenchConfig:
     name: str
     train: TrainConfig
     num_workers: int = 0
+    allocator: str = "glibc"   # "glibc" (the system default) or "tcmalloc" (LD_PRELOAD at process start)
 
 
 @dataclass
@@ -73,7 +72,7 @@ class BenchResult:
                 "rows": [asdict(r) for r in self.rows], "meta": self.meta}
 
 
-def bench_configs(device: torch.device, *, workers: int | None = None) -> list[BenchConfig]:
+def bench_configs(device: torch.device, *, workers: int | None = None, compile: bool = True) -> list[BenchConfig]:
     """The ablation: naive, each technique alone on top of naive, and all."""
     info = detect()
     naive = TrainConfig.naive(schedule=None, progress=False)
@@ -87,49 +86,70 @@ def bench_configs(device: torch.device, *, workers: int | None = None) -> list[B
         BenchConfig("no_item_sync", replace(naive, log_every=50)),
         BenchConfig("set_to_none", replace(naive, set_to_none=True)),
         BenchConfig("fused_optimizer", replace(naive, fused_optimizer="auto")),
-        BenchConfig("compile", replace(naive, compile=True)),
-        BenchConfig("workers", naive, num_workers=n_workers),
     ]
+    if compile:
+        rows.append(BenchConfig("compile", replace(naive, compile=True)))
+    rows.append(BenchConfig("workers", naive, num_workers=n_workers))
     if device.type == "cuda":
         rows += [BenchConfig("prefetch", replace(naive, prefetch=True)),
                  BenchConfig("cudnn_benchmark", replace(naive, cudnn_benchmark=True))]
+    tcmalloc = device.type == "cpu" and info.tcmalloc_path is not None
+    if tcmalloc:
+        rows.append(BenchConfig("tcmalloc", naive, allocator="tcmalloc"))
     # all: torchspeed's automatic choice. The bench data is an in-memory tensor set, so on a
     # CPU the loader needs no workers (they would only take cores from the compute).
-    all_workers = n_workers if device.type == "cuda" else 0
-    rows.append(BenchConfig("all", TrainConfig(schedule=None, progress=False), num_workers=all_workers))
+    all_cfg = TrainConfig(schedule=None, progress=False, compile="auto" if compile else False)
+    rows.append(BenchConfig("all", all_cfg, num_workers=n_workers if device.type == "cuda" else 0,
+                            allocator="tcmalloc" if tcmalloc else "glibc"))
     return rows
 
 
-class _Run:
-    """One config's trainer and its endless stream of device batches."""
+class ConfigProcess:
+    """A bench config running in its own Python process (its own allocator, caches, threads)."""
 
-    def __init__(self, cfg: BenchConfig, model_name: str, state: dict, train_set, batch_size: int,
-                 device: torch.device, lr: float, seed: int):
-        model = create_model(model_name)
-        model.load_state_dict(state)
+    def __init__(self, cfg: BenchConfig, spec: dict):
         self.cfg = cfg
-        self.trainer = Trainer(model, optimizer="sgd", lr=lr, device=device, config=cfg.train)
-        self.train_set, self.batch_size, self.seed = train_set, batch_size, seed
-        self.loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True,
-                                 generator=torch.Generator().manual_seed(seed),
-                                 num_workers=cfg.num_workers, pin_memory=cfg.num_workers > 0 and device.type == "cuda",
-                                 persistent_workers=cfg.num_workers > 0)
-        self._it = None
+        env = dict(os.environ)
+        env.pop("LD_PRELOAD", None)
+        if cfg.allocator == "tcmalloc":
+            lib = detect().tcmalloc_path
+            if lib:
+                env["LD_PRELOAD"] = lib
+        self.proc = subprocess.Popen([sys.executable, "-m", "torchspeed.bench._worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, bufsize=1)
+        self.spec = spec | {"train": asdict(cfg.train), "num_workers": cfg.num_workers}
         self.times: list[float] = []
+        self.send({"op": "setup", "spec": self.spec}, wait=False)
 
-    def batches(self):
-        while True:
-            yield from self.trainer.batches(self.loader)
+    def send(self, cmd: dict, *, wait: bool = True) -> dict | None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.receive() if wait else None
 
-    def steps(self, n: int) -> float:
-        if self._it is None:
-            self._it = self.batches()
-        return self.trainer.run_steps(self._it, n)
+    def receive(self) -> dict:
+        from torchspeed.bench._worker import PREFIX
 
-    def warm_up(self, n: int) -> None:
-        self.steps(n)
-        while self.trainer._compile_trial is not None:  # finish the compile="auto" trial
-            self.steps(1)
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(PREFIX):
+                reply = json.loads(line[len(PREFIX):])
+                if not reply.get("ok"):
+                    raise RuntimeError(f"bench config {self.cfg.name!r} failed: {reply.get('error')}\n"
+                                       f"{reply.get('traceback', '')}")
+                return reply
+        raise RuntimeError(f"bench config {self.cfg.name!r}: its process exited (code {self.proc.wait()})")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"op": "exit"})
+            except (RuntimeError, BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
 def provenance() -> dict:
@@ -145,62 +165,63 @@ def provenance() -> dict:
     return {"commit": commit, "torch": torch.__version__, "torchvision": torchvision.__version__,
             "python": platform.python_version(), "device": f"{info.device}: {info.device_name}",
             "cpu": info.cpu_model, "cores": info.cpu_cores, "threads": torch.get_num_threads(),
+            "cpu_flags": {"avx512": info.avx512, "avx512_bf16": info.avx512_bf16, "amx": info.amx},
             "allocator": info.allocator, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: int = 128, steps: int = 6,
-              rounds: int = 3, warmup: int = 2, device: str | None = None, configs: list[str] | None = None,
-              eval_batches: int | None = None, train_size: int = 4096, lr: float = 0.05, seed: int = 0,
-              progress: bool = True) -> BenchResult:
+def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: int = 128, steps: int = 3,
+              rounds: int = 3, warmup: int = 1, device: str | None = None, configs: list[str] | None = None,
+              eval_batches: int | None = 2, train_size: int = 2048, lr: float = 0.05, seed: int = 0,
+              compile: bool = True, progress: bool = True) -> BenchResult:
     """Train every config for warmup + rounds x steps steps, interleaved; return the table."""
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
-    chosen = bench_configs(dev)
+        raise ValueError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
+    chosen = bench_configs(dev, compile=compile)
     if configs:
         unknown = set(configs) - {c.name for c in chosen}
         if unknown:
             raise ValueError(f"unknown bench config(s) {sorted(unknown)}; available: {[c.name for c in chosen]}")
         chosen = [c for c in chosen if c.name in configs or c.name == "naive"]
-    train_set, val_set = make_datasets(data, train_size=train_size, seed=seed)
-    torch.manual_seed(seed)
-    state = create_model(model).state_dict()
-    runs = [_Run(c, model, state, train_set, batch_size, dev, lr, seed) for c in chosen]
+    spec = {"model": model, "data": data, "batch_size": batch_size, "train_size": train_size, "lr": lr,
+            "seed": seed, "device": str(dev)}
 
     from rich.progress import Progress
 
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("warm-up (includes compilation)", total=len(runs))
-        for r in runs:
-            bar.update(task, description=f"warm-up {r.cfg.name}")
-            r.warm_up(warmup)
-            bar.advance(task)
-        task = bar.add_task("measuring (interleaved rounds)", total=rounds * len(runs))
-        for k in range(rounds):
-            for r in runs:
-                bar.update(task, description=f"round {k + 1}/{rounds}: {r.cfg.name}")
-                r.trainer.meter.reset()
-                r.times.append(r.steps(steps))
+    procs: list[ConfigProcess] = []
+    try:
+        with Progress(disable=not progress, transient=True) as bar:
+            procs = [ConfigProcess(c, spec) for c in chosen]  # set-up runs in all processes at once
+            task = bar.add_task("warm-up (includes compilation)", total=len(procs))
+            for p in procs:
+                bar.update(task, description=f"warm-up {p.cfg.name}")
+                p.receive()  # set-up done
+                p.send({"op": "warmup", "n": warmup})
                 bar.advance(task)
-        val_loader = DataLoader(val_set, batch_size=256)
-        if eval_batches is not None:
-            val_loader = [b for _, b in zip(range(eval_batches), val_loader)]
-        task = bar.add_task("validation", total=len(runs))
-        rows = []
-        naive_times = runs[0].times
-        for r in runs:
-            bar.update(task, description=f"validation {r.cfg.name}")
-            loss = r.trainer.meter.compute()["loss"]  # mean loss of the last round
-            val = r.trainer.evaluate(val_loader)["val_acc"]
-            rates = [steps * batch_size / t for t in r.times]
-            ratios = [n / t for n, t in zip(naive_times, r.times)]
-            rows.append(BenchRow(r.cfg.name, statistics.median(rates), statistics.median(ratios), loss, val,
-                                 rates, {k: str(v) for k, v in r.trainer.decisions.items() if k != "compile_detail"}))
-            bar.advance(task)
-    sync(dev)
+            task = bar.add_task("measuring (interleaved rounds)", total=rounds * len(procs))
+            for k in range(rounds):
+                for p in procs:
+                    bar.update(task, description=f"round {k + 1}/{rounds}: {p.cfg.name}")
+                    p.times.append(p.send({"op": "steps", "n": steps})["seconds"])
+                    bar.advance(task)
+            task = bar.add_task("validation", total=len(procs))
+            rows = []
+            naive_times = procs[0].times
+            for p in procs:
+                bar.update(task, description=f"validation {p.cfg.name}")
+                fin = p.send({"op": "finish", "eval_batches": eval_batches})
+                rates = [steps * batch_size / t for t in p.times]
+                ratios = [n / t for n, t in zip(naive_times, p.times)]
+                rows.append(BenchRow(p.cfg.name, statistics.median(rates), statistics.median(ratios),
+                                     fin["train_loss"], fin["val_acc"], rates, fin["decisions"]))
+                bar.advance(task)
+    finally:
+        for p in procs:
+            p.close()
     info = detect()
     meta = provenance() | {"batch_size": batch_size, "steps_per_round": steps, "rounds": rounds,
-                           "warmup_steps": warmup, "model": model, "data": data}
+                           "warmup_steps": warmup, "model": model, "data": data, "compile": compile,
+                           "eval_batches": eval_batches}
     return BenchResult(device=f"{info.device}: {info.device_name}", torch=torch.__version__,
                        workload=f"{model} on {data} 3x32x32, batch {batch_size}", rows=rows, meta=meta)
 

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-__all__ = ["ScalingRow", "ScalingResult", "measure_scaling"]
+__all__ = ["ScalingRow", "ScalingResult", "measure_scaling", "run_scaling_cli"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,43 @@ def measure_scaling(*, nproc: int = 2, model: str = "mlp", data: str = "syntheti
                 method="each row: a fresh torchrun job, timed after warm-up; rows interleaved, order alternating "
                        "each round; samples/s counts all processes; per-process batch fixed")
     return ScalingResult(rows=rows, ratios=ratios, meta=meta)
+
+
+def run_scaling_cli(args) -> int:
+    """`torchspeed bench --nproc N`: measure, print a table, write the JSON (rank 0 of each job reports)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from torchspeed.bench.runner import provenance
+    from torchspeed.cli.main import CLIError
+
+    if args.nproc < 2:
+        raise CLIError(f"--nproc compares N processes with 1: give N >= 2, got {args.nproc}")
+    device = args.device or "cpu"
+    steps = args.steps or (5 if args.quick else 20)
+    rounds = args.rounds or (1 if args.quick else 3)
+    console = Console()
+    console.print(f"[bold]torchspeed bench --nproc {args.nproc}[/]: {args.model} on {args.data}, batch "
+                  f"{args.batch_size} per process, {rounds} interleaved rounds of torchrun jobs, {steps} steps "
+                  "per timed window")
+    try:
+        result = measure_scaling(nproc=args.nproc, model=args.model, data=args.data, batch_size=args.batch_size,
+                                 steps=steps, rounds=rounds, windows=2 if args.quick else 3, device=device)
+    except (ValueError, RuntimeError) as e:
+        raise CLIError(str(e)) from e
+    table = Table(title=f"DistributedDataParallel scaling on {device}")
+    for col in ("config", "samples/s (all processes)", "vs 1 proc"):
+        table.add_column(col, justify="left" if col == "config" else "right")
+    for r in result.rows:
+        table.add_row(r.name, f"{r.samples_per_s:,.1f}", f"{r.samples_per_s / result.rows[0].samples_per_s:.2f}x")
+    console.print(table)
+    for name, ratio in result.ratios.items():
+        console.print(f"{name}: {ratio:.2f}x")
+    path = args.json if args.json != "bench.json" else "bench_distributed.json"
+    with open(path, "w") as f:
+        json.dump({**result.to_dict(), "provenance": provenance()}, f, indent=2)
+    console.print(f"wrote {path}")
+    return 0
 
 
 def _run_job(spec: dict, *, nproc: int, threads: int, timeout_s: float) -> dict:

@@ -1,0 +1,160 @@
+import json
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchspeed
+from torchspeed.bench.workloads import create_model, digits
+from torchspeed.train import Trainer, TrainConfig
+from torchspeed.train.compile import CompileTrial
+
+
+def _loaders(batch=32):
+    tr, va = digits(size=16)
+    return (DataLoader(tr, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0)),
+            DataLoader(va, batch_size=256))
+
+
+def _small_cnn(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Conv2d(16, 32, 3, padding=1, bias=False), torch.nn.BatchNorm2d(32),
+        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10))
+
+
+def test_fit_learns_digits_and_writes_metrics(tmp_path):
+    train, val = _loaders()
+    res = torchspeed.fit(_small_cnn(), train, epochs=4, val_loader=val, lr=0.2, compile=False, progress=False,
+                         out_dir=str(tmp_path))
+    assert res.final["val_acc"] > 0.9
+    assert res.history[0]["train_loss"] > res.history[-1]["train_loss"]
+    data = json.loads((tmp_path / "metrics.json").read_text())
+    assert [r["epoch"] for r in data["history"]] == [1, 2, 3, 4]
+    assert (tmp_path / "metrics.csv").read_text().splitlines()[0].startswith("epoch,step,train_loss")
+
+
+def test_all_reaches_naive_accuracy_on_real_digits():
+    """Every numerics-changing default (auto precision, channels_last, fused SGD) keeps accuracy."""
+    train, val = _loaders()
+    naive = torchspeed.fit(_small_cnn(), train, epochs=4, val_loader=val, lr=0.2,
+                           config=TrainConfig.naive(progress=False))
+    fast = torchspeed.fit(_small_cnn(), train, epochs=4, val_loader=val, lr=0.2, compile=False, progress=False)
+    assert fast.final["val_acc"] >= naive.final["val_acc"] - 0.02
+    # and bf16 explicitly (emulated where the CPU lacks it: still must converge)
+    bf16 = torchspeed.fit(_small_cnn(), train, epochs=4, val_loader=val, lr=0.2, compile=False, progress=False,
+                          precision="bf16")
+    assert bf16.final["val_acc"] >= naive.final["val_acc"] - 0.03
+
+
+def test_label_smoothing_changes_the_loss():
+    x, y = torch.randn(32, 3, 8, 8), torch.randint(0, 4, (32,))
+    cfg = dict(precision="fp32", compile=False, progress=False, schedule=None)
+    plain = Trainer(_tiny(), device="cpu", config=TrainConfig(**cfg))
+    smooth = Trainer(_tiny(), device="cpu", config=TrainConfig(label_smoothing=0.2, **cfg))
+    lp, ls = plain.train_step((x, y)), smooth.train_step((x, y))
+    logits = _tiny()(x)
+    torch.testing.assert_close(ls, torch.nn.functional.cross_entropy(logits, y, label_smoothing=0.2))
+    assert not torch.allclose(lp, ls)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        Trainer(_tiny(), loss_fn=torch.nn.MSELoss(), device="cpu", config=TrainConfig(label_smoothing=0.1, **cfg))
+
+
+def _tiny(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 4))
+
+
+def test_loss_read_only_every_log_every_steps(monkeypatch):
+    """The hot loop makes no per-step host sync: .item() only every log_every steps (T13)."""
+    calls = {"n": 0}
+    real_item = torch.Tensor.item
+
+    def counting_item(self):
+        calls["n"] += 1
+        return real_item(self)
+
+    ds = TensorDataset(torch.randn(64, 3, 8, 8), torch.randint(0, 4, (64,)))
+    loader = list(DataLoader(ds, batch_size=4))  # 16 steps; a list: DataLoader seeds its iterator with .item()
+    t = Trainer(_tiny(), device="cpu", config=TrainConfig(precision="fp32", compile=False, progress=False,
+                                                            schedule=None, log_every=8))
+    it = t.batches(loader)
+    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    t.run_steps(it, 16)
+    monkeypatch.undo()
+    assert calls["n"] == 2
+    naive = Trainer(_tiny(), device="cpu", config=TrainConfig.naive(progress=False, schedule=None))
+    it = naive.batches(loader)
+    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    calls["n"] = 0
+    naive.run_steps(it, 16)
+    monkeypatch.undo()
+    assert calls["n"] == 16
+
+
+def test_compile_failure_falls_back_to_eager_with_a_message(monkeypatch, caplog):
+    import torchspeed.train.trainer as trainer_mod
+
+    class Boom(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            raise RuntimeError("inductor exploded")
+
+    monkeypatch.setattr(trainer_mod, "compile_model", lambda model, mode=None: Boom(model))
+    ds = TensorDataset(torch.randn(64, 3, 8, 8), torch.randint(0, 4, (64,)))
+    with caplog.at_level("WARNING", logger="torchspeed"):
+        res = torchspeed.fit(_tiny(), DataLoader(ds, batch_size=8), epochs=1, compile=True, progress=False)
+    assert res.steps == 8
+    assert "continuing eager" in res.decisions["compile"]
+    assert "inductor exploded" in caplog.text
+
+
+def test_compile_auto_keeps_the_faster_variant():
+    slow_compiled = CompileTrial(steps=3, warmup=1)
+    for t in [1.0, 1.0, 1.0, 1.0]:
+        slow_compiled.record("eager", t)
+    for t in [30.0, 1.2, 1.2, 1.2, 1.2]:
+        slow_compiled.record("compiled", t)
+    assert slow_compiled.phase() == "done"
+    d = slow_compiled.decide()
+    assert not d.use_compiled and d.compile_s == 30.0
+    fast = CompileTrial(steps=3, warmup=1)
+    for t in [1.0] * 4:
+        fast.record("eager", t)
+    for t in [30.0, 0.5, 0.5, 0.5, 0.5]:
+        fast.record("compiled", t)
+    assert fast.decide().use_compiled
+
+
+@pytest.mark.slow
+def test_compile_auto_trial_runs_real_compilation():
+    ds = TensorDataset(torch.randn(128, 3, 8, 8), torch.randint(0, 4, (128,)))
+    res = torchspeed.fit(_tiny(), DataLoader(ds, batch_size=8), epochs=1, compile="auto", progress=False)
+    assert res.steps == 16
+    detail = res.decisions["compile_detail"]
+    assert detail["eager_s"] > 0 and detail["compiled_s"] > 0 and detail["compile_s"] > 0
+
+
+def test_data_parallel_is_unwrapped_with_a_warning(caplog):
+    model = torch.nn.DataParallel(_tiny())
+    with caplog.at_level("WARNING", logger="torchspeed"):
+        t = Trainer(model, device="cpu", config=TrainConfig(compile=False, progress=False))
+    assert not isinstance(t.model, torch.nn.DataParallel)
+    assert "DistributedDataParallel" in caplog.text
+
+
+def test_fit_rejects_unknown_options_and_empty_loaders():
+    with pytest.raises(TypeError, match="unknown option"):
+        torchspeed.fit(_tiny(), [], epochs=1, precison="bf16")
+    with pytest.raises(ValueError, match="empty"):
+        torchspeed.fit(_tiny(), [], epochs=1, progress=False, compile=False)
+
+
+def test_model_from_bench_workloads_trains_one_step():
+    t = Trainer(create_model("resnet18"), device="cpu", config=TrainConfig(compile=False, progress=False))
+    loss = t.train_step((torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))))
+    assert torch.isfinite(loss) and t.step == 1
