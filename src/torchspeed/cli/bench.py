@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 from torchspeed.cli.main import CLIError
 
@@ -14,33 +13,17 @@ def register(sub) -> None:
     p.add_argument("--data", default="synthetic", choices=["synthetic", "digits"],
                    help="synthetic (CIFAR-shaped, built in) or digits (scikit-learn's real handwritten digits)")
     p.add_argument("--model", default="resnet18", help="resnet18 | resnet34 | resnet50 | mlp (CIFAR variants)")
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=128, help="default 128 (64 with --quick)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per config per round")
     p.add_argument("--rounds", type=int, default=None, help="interleaved measuring rounds")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--configs", default=None, help="comma-separated subset of configs (naive is always run)")
     p.add_argument("--json", default="bench.json", help="where to write the results JSON (default bench.json)")
     p.add_argument("--png", default=None, help="bar chart path (default: next to the JSON, .png)")
-    p.add_argument("--no-preload", action="store_true", help="do not restart under tcmalloc even if available")
+    p.add_argument("--no-compile", action="store_true", help="leave torch.compile out (rows and all)")
     p.add_argument("--nproc", type=int, default=None,
                    help="instead: N DistributedDataParallel processes against 1, as torchrun jobs (T31)")
     p.set_defaults(func=run)
-
-
-def _maybe_reexec_with_tcmalloc(args) -> None:
-    """On CPU, glibc malloc costs ~10% in training; restart this process under tcmalloc if present."""
-    from torchspeed.env import allocator_in_use, find_tcmalloc
-
-    if args.no_preload or os.environ.get("TORCHSPEED_NO_PRELOAD") or allocator_in_use() != "glibc":
-        return
-    if args.device == "cuda":
-        return
-    lib = find_tcmalloc()
-    if not lib:
-        return
-    env = dict(os.environ, LD_PRELOAD=(lib + " " + os.environ.get("LD_PRELOAD", "")).strip(),
-               TORCHSPEED_NO_PRELOAD="1")
-    os.execve(sys.executable, [sys.executable, "-m", "torchspeed", "bench", *sys.argv[2:]], env)
 
 
 def run(args) -> int:
@@ -52,26 +35,27 @@ def run(args) -> int:
         from torchspeed.bench.scaling import run_scaling_cli
 
         return run_scaling_cli(args)
-    if sys.argv[1:2] == ["bench"]:
-        _maybe_reexec_with_tcmalloc(args)
     from rich.console import Console
     from rich.table import Table
 
     from torchspeed.bench.runner import run_bench, write_results
 
-    steps = args.steps or (3 if args.quick else 6)
+    # --quick: batch 64, fewer steps, and no torch.compile (its ~40 s of compilation on 2 CPU
+    # cores alone would exceed the quick budget).
+    steps = args.steps or (2 if args.quick else 3)
     rounds = args.rounds or (2 if args.quick else 3)
+    batch = args.batch_size if args.batch_size != 128 or not args.quick else 64
     configs = args.configs.split(",") if args.configs else None
     console = Console()
-    console.print(f"[bold]torchspeed bench[/]: {args.model} on {args.data}, batch {args.batch_size}, "
+    console.print(f"[bold]torchspeed bench[/]: {args.model} on {args.data}, batch {batch}, "
                   f"{rounds} interleaved rounds of {steps} steps per config after warm-up")
     try:
-        result = run_bench(model=args.model, data=args.data, batch_size=args.batch_size, steps=steps, rounds=rounds,
-                           warmup=1 if args.quick else 2, device=args.device, configs=configs,
-                           eval_batches=2 if args.quick else None)
+        result = run_bench(model=args.model, data=args.data, batch_size=batch, steps=steps, rounds=rounds,
+                           warmup=1, device=args.device, configs=configs, eval_batches=1 if args.quick else 2,
+                           compile=not (args.quick or args.no_compile))
     except ValueError as e:
         raise CLIError(str(e)) from e
-    table = Table(title=f"{result.workload} on {result.device} (allocator: {result.meta['allocator']})")
+    table = Table(title=f"{result.workload} on {result.device}")
     for col in ("config", "samples/s", "speed-up", "train loss", "val acc"):
         table.add_column(col, justify="right" if col != "config" else "left")
     for r in result.rows:
@@ -81,8 +65,9 @@ def run(args) -> int:
     console.print(table)
     png = args.png or os.path.splitext(args.json)[0] + ".png"
     write_results(result, args.json, png)
-    all_row = next(r for r in result.rows if r.config == "all")
-    console.print(f"all: {all_row.speedup:.2f}x naive; decisions: "
-                  + ", ".join(f"{k}={v}" for k, v in all_row.decisions.items()))
+    all_row = next((r for r in result.rows if r.config == "all"), None)
+    if all_row is not None:
+        console.print(f"all: {all_row.speedup:.2f}x naive; decisions: "
+                      + ", ".join(f"{k}={v}" for k, v in all_row.decisions.items()))
     console.print(f"wrote {args.json} and {png}")
     return 0
