@@ -1,0 +1,22 @@
+"""The doctor: diagnose an unmodified training script, rank the fixes, prove them (T01-T03).
+
+`diagnose("train.py")` runs the script as `python train.py` would, under instrumentation,
+for a bounded number of optimizer steps, then reports where the step time goes and what to
+change, each finding with its rule ID, measured evidence, the fix and an estimated gain;
+`verify=True` measures each fix torchspeed can apply on the script's own model.
+
+Layout: `_probe` (instrumentation and the run), `_static` (model and dataset checks),
+`rules/` (one file per rule, registered in `registry.RULES`), `verify`, `report`.
+
+Example:
+    >>> from torchspeed.doctor import diagnose
+    >>> report = diagnose("train.py", steps=30)
+    >>> report.write_json("doctor.json")
+"""
+
+from torchspeed.doctor.diagnose import DoctorJob, diagnose, diagnose_many, report_from_observation
+from torchspeed.doctor.registry import RULE_IDS, RULES, register, run_rules
+from torchspeed.doctor.report import DoctorReport, Finding, render_report
+
+__all__ = ["DoctorJob", "diagnose", "diagnose_many", "report_from_observation", "RULE_IDS", "RULES", "register",
+           "run_rules", "DoctorReport", "Finding", "render_report"]

@@ -1,0 +1,137 @@
+"""The doctor's report: the environment (T01), the step-time breakdown (T02), ranked findings.
+
+`DoctorReport.to_dict()` is the `--json` format:
+`{"breakdown": {...}, "findings": [{"rule", "severity", "evidence", "fix", "est_gain"}], ...}`
+plus `env`, `script`, `status`, `traceback`, `verify` and `notes`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+__all__ = ["Finding", "DoctorReport", "render_report"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem: its rule ID, how bad it is here, the measured evidence, the fix, the gain."""
+
+    rule: str
+    severity: str  # "high" | "medium" | "low"
+    evidence: str
+    fix: str
+    est_gain: float | None
+    measured_gain: float | None = None
+
+    def to_dict(self) -> dict:
+        return {"rule": self.rule, "severity": self.severity, "evidence": self.evidence, "fix": self.fix,
+                "est_gain": self.est_gain}
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    script: str
+    status: str  # stopped | finished | exited | raised | timeout | interrupted | killed
+    traceback: str | None
+    env: dict
+    breakdown: dict
+    findings: tuple[Finding, ...]
+    verify: dict = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    observation: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def rules(self) -> set[str]:
+        return {f.rule for f in self.findings}
+
+    def finding(self, rule: str) -> Finding | None:
+        return next((f for f in self.findings if f.rule == rule), None)
+
+    def to_dict(self) -> dict:
+        return {"breakdown": self.breakdown, "findings": [f.to_dict() for f in self.findings],
+                "script": self.script, "status": self.status, "traceback": self.traceback, "env": self.env,
+                "verify": list(self.verify.values()), "notes": list(self.notes),
+                "steps_observed": self.observation.get("steps_observed", 0)}
+
+    def write_json(self, path: str) -> None:
+        """Write `to_dict()` atomically (a temp file renamed into place)."""
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".doctor-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+        os.replace(tmp, path)
+
+
+_STATUS = {
+    "stopped": "stopped after {n} optimizer steps",
+    "finished": "the script finished by itself after {n} optimizer steps",
+    "exited": "the script exited with an error code after {n} optimizer steps",
+    "raised": "the script raised an exception after {n} optimizer steps",
+    "timeout": "stopped by the time limit after {n} optimizer steps",
+    "interrupted": "interrupted after {n} optimizer steps",
+    "killed": "the script's process had to be killed after {n} optimizer steps",
+}
+
+
+def render_report(report: DoctorReport, console=None) -> None:
+    """Print the report with rich: env facts, breakdown, ranked findings, verify table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    e = report.env
+    console.rule(f"torchspeed doctor: {report.script}")
+    console.print(f"[bold]machine[/]: {e.get('device', '?')} ({e.get('device_name', '?')}), {e.get('cpu_cores', '?')} cores, "
+                  f"torch {e.get('torch', '?')}, best precision here: {e.get('best_precision', '?')}, "
+                  f"allocator {e.get('allocator', '?')}")
+    for n in e.get("notes", []):
+        console.print(f"  [yellow]env:[/] {n}")
+    n = report.observation.get("steps_observed", 0)
+    console.print(f"[bold]run[/]: " + _STATUS.get(report.status, report.status).format(n=n))
+    if report.traceback:
+        console.print("[red]" + report.traceback.rstrip() + "[/]", markup=False, highlight=False)
+    b = report.breakdown
+    if b.get("steps"):
+        t = Table(title=f"step time: {b['step_ms']:.2f} ms (mean of {b['steps']} steps after warm-up)")
+        for col in ("data wait", "copy", "compute", "sync", "other"):
+            t.add_column(col, justify="right")
+        keys = ("data_wait", "copy", "compute", "sync", "other")
+        ms = ("data_wait_ms", "copy_ms", "compute_ms", "sync_ms", "other_ms")
+        t.add_row(*[f"{b[m]:.2f} ms ({b['fractions'][k]:.0%})" for k, m in zip(keys, ms)])
+        console.print(t)
+    if report.findings:
+        t = Table(title="findings, most costly first")
+        t.add_column("severity")
+        t.add_column("rule")
+        t.add_column("evidence", ratio=3)
+        t.add_column("fix", ratio=3)
+        t.add_column("est. gain", justify="right")
+        colors = {"high": "red", "medium": "yellow", "low": "dim"}
+        for f in report.findings:
+            g = "-" if f.est_gain is None else f"{f.est_gain:.2f}x"
+            if f.measured_gain is not None:
+                g += f"\nmeasured {f.measured_gain:.2f}x"
+            t.add_row(f"[{colors[f.severity]}]{f.severity}[/]", f.rule, f.evidence, f.fix, g)
+        console.print(t)
+    else:
+        console.print("[green]no findings[/]")
+    if report.verify:
+        t = Table(title="--verify: each fix measured on this model, interleaved with its baseline")
+        for col in ("fix", "baseline ms/step", "with fix ms/step", "speed-up", "note"):
+            t.add_column(col)
+        for v in report.verify.values():
+            if "error" in v:
+                t.add_row(v["fix"], "-", "-", "-", v["error"])
+                continue
+            s = v["speedup"]
+            note = "slower here: not recommended on this machine" if s < 0.97 else ""
+            if "compile_s" in v:
+                note = (note + f" compile took {v['compile_s']} s").strip()
+            t.add_row(v["fix"], f"{v['baseline_ms']:.2f}", f"{v['candidate_ms']:.2f}", f"{s:.2f}x", note)
+        console.print(t)
+    for n in report.notes:
+        console.print(f"[dim]note: {n}[/]")

@@ -1,0 +1,65 @@
+"""Helpers the rules share: reading the observation, estimating gains, wording evidence."""
+
+from __future__ import annotations
+
+from torchspeed.doctor.registry import severity_for_gain
+from torchspeed.doctor.report import Finding
+
+
+def on_cuda(obs: dict) -> bool:
+    return str(obs.get("model", {}).get("device", "cpu")).startswith("cuda")
+
+
+def step_ms(obs: dict) -> float:
+    return float(obs.get("breakdown", {}).get("step_ms", 0.0))
+
+
+def frac(obs: dict, key: str) -> float:
+    return float(obs.get("breakdown", {}).get("fractions", {}).get(key, 0.0))
+
+
+def amdahl(share: float, speedup: float) -> float:
+    """Whole-step gain when `share` of the step gets `speedup` times faster."""
+    share = min(max(share, 0.0), 1.0)
+    return 1.0 / ((1.0 - share) + share / speedup)
+
+
+def saving_gain(step: float, saved_ms: float) -> float:
+    """Whole-step gain when `saved_ms` of a `step`-ms step disappears."""
+    if step <= 0:
+        return 1.0
+    return step / max(step - max(saved_ms, 0.0), 1e-9)
+
+
+def verified(obs: dict, fix: str) -> dict | None:
+    v = obs.get("verify", {}).get(fix)
+    return v if v and "speedup" in v else None
+
+
+def measured_text(v: dict) -> str:
+    s = v["speedup"]
+    word = "a slow-down" if s < 0.97 else ("no change" if s < 1.03 else "faster")
+    return (f"; --verify measured {s:.2f}x ({word}: {v['baseline_ms']:.2f} -> {v['candidate_ms']:.2f} ms per step, "
+            f"median of {v['rounds']} interleaved rounds)")
+
+
+def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: dict, verify_fix: str | None = None,
+            severity: str | None = None) -> Finding:
+    """A finding whose severity follows the measured gain when --verify ran, else the estimate."""
+    measured = None
+    if verify_fix:
+        v = verified(obs, verify_fix)
+        if v is not None:
+            measured = float(v["speedup"])
+            evidence += measured_text(v)
+    if measured is not None:
+        sev = severity_for_gain(measured)
+    else:
+        sev = severity if severity is not None else severity_for_gain(est_gain)
+    return Finding(rule=rule, severity=sev, evidence=evidence, fix=fix,
+                   est_gain=round(est_gain, 3) if est_gain is not None else None, measured_gain=measured)
+
+
+def loader_summary(obs: dict) -> dict | None:
+    loaders = obs.get("loaders") or []
+    return loaders[0] if loaders else None

@@ -1,0 +1,43 @@
+"""`no-amp`: the model runs in fp32 (T21).
+
+The estimate uses what this machine runs fast (`torchspeed env`): bf16/fp16 on CUDA Tensor
+Cores and on CPUs with AVX512-BF16/AMX; on other CPUs bf16 is emulated and slower, so the
+advice there is to stay in fp32. `--verify` measures it on the script's model.
+"""
+
+from torchspeed.doctor.registry import register
+from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda, verified
+
+
+def precision_speedup(obs: dict) -> float:
+    env = obs.get("env", {})
+    if on_cuda(obs):
+        cc = env.get("compute_capability") or (0, 0)
+        return 2.0 if tuple(cc) >= (7, 0) else 1.1
+    return 1.5 if env.get("bf16_supported") else 0.5
+
+
+@register("no-amp", techniques=("T21",), summary="no autocast (mixed precision)")
+def check(obs: dict):
+    m = obs.get("model", {})
+    if not m.get("found") or m.get("autocast", True):
+        return None
+    s = precision_speedup(obs)
+    est = amdahl(frac(obs, "compute"), s)
+    env = obs.get("env", {})
+    dtype = "torch.float16" if on_cuda(obs) and tuple(env.get("compute_capability") or (0, 0)) < (8, 0) else "torch.bfloat16"
+    dev = "cuda" if on_cuda(obs) else "cpu"
+    evidence = f"the model's forward runs in fp32 ({frac(obs, 'compute'):.0%} of the step is compute)"
+    v = verified(obs, "autocast")
+    slower = (v["speedup"] < 0.97) if v else s < 1.0
+    if slower:
+        evidence += (f"; this {dev.upper()} has no fast bf16 ({'no AVX512-BF16/AMX' if dev == 'cpu' else 'no Tensor Cores'}), "
+                     "so autocast would be emulated and slower")
+        fix = ("keep fp32 on this machine; where bf16 is native (CUDA sm80+, CPUs with AVX512-BF16/AMX) wrap the "
+               "forward and loss in torch.autocast(device_type, dtype=torch.bfloat16), or let "
+               "torchspeed.resolve_precision('auto') decide (T21)")
+    else:
+        fix = (f"with torch.autocast({dev!r}, dtype={dtype}): out = model(x); loss = loss_fn(out, y)"
+               + ("  (+ torch.amp.GradScaler for fp16)" if dtype == "torch.float16" else "")
+               + "; torchspeed.resolve_precision('auto') picks the dtype (T21)")
+    return finding("no-amp", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="autocast")

@@ -1,0 +1,259 @@
+"""`--verify`: measure each fix on the user's own model, in the same process (T02).
+
+After the script stopped, the doctor holds the model whose forward the script called, its
+optimizer, a captured training batch (and target, when the loss was an `nn.Module`) and the
+script's DataLoader. For each fix torchspeed can apply by itself it builds a baseline and a
+candidate (fresh copies of the model and optimizer, same weights), runs a training step on
+the captured batch, and times them interleaved (round 1: baseline, candidate; round 2: ...)
+after an untimed warm-up. The speed-up is the median of the per-round ratios, so a noisy
+machine slows both sides alike.
+
+Fixes: `autocast` (T21: bf16, fp16 on pre-Ampere CUDA), `channels_last` (T23), `workers`
+(T06: DataLoader(num_workers>0), each step = next batch + train step), `pin_memory` (T07,
+CUDA), `set_to_none` (T26), `conv_bias` (T27), `compile` (T25; its compile time is reported
+separately). A fix that is slower on this machine is reported as a slow-down, never hidden.
+
+Cost: a few seconds per fix for small models; the model copies need memory for 2 models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import multiprocessing
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from torchspeed.env import detect
+from torchspeed.model.conv_bias import remove_conv_bias
+from torchspeed.train.memory_format import apply_channels_last, to_channels_last
+
+__all__ = ["FIXES", "verify_fixes"]
+
+# fix name -> the rule whose advice it proves (None: reported in the verify table only)
+FIXES = {"autocast": "no-amp", "channels_last": "channels-last", "workers": "dataloader-workers",
+         "pin_memory": "pin-memory", "set_to_none": "zero-grad-memset", "conv_bias": "conv-bias-before-bn",
+         "compile": None}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run(model, args):
+    return model(*args) if isinstance(args, (tuple, list)) else model(args)
+
+
+def _map(x, fn):
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(v, fn) for v in x) if isinstance(x, list) else tuple(_map(v, fn) for v in x)
+    if isinstance(x, dict):
+        return {k: _map(v, fn) for k, v in x.items()}
+    return x
+
+
+def _generic_loss(out):
+    if isinstance(out, torch.Tensor):
+        return out.float().square().mean()
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        ts = [o for o in out if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        return sum(t.float().square().mean() for t in ts)
+    raise TypeError(f"cannot build a loss from a model output of type {type(out).__name__}")
+
+
+def _copy_model_and_optimizer(model: nn.Module, opt: torch.optim.Optimizer | None):
+    m2 = copy.deepcopy(model)
+    if opt is None:
+        return m2, torch.optim.SGD(m2.parameters(), lr=1e-3), "the script's optimizer was not seen: SGD used"
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    new_params = list(m2.parameters())
+    groups = []
+    for g in opt.param_groups:
+        params = [new_params[index[id(p)]] for p in g["params"] if id(p) in index]
+        if params:
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+    try:
+        return m2, type(opt)(groups), ""
+    except Exception as e:
+        return m2, torch.optim.SGD(m2.parameters(), lr=1e-3), f"{type(opt).__name__} could not be rebuilt ({e}): SGD used"
+
+
+class _Trainer:
+    """One training step on the captured batch, with or without a fix."""
+
+    def __init__(self, cap, *, amp_dtype=None, channels_last=False, set_to_none=True, conv_bias=False,
+                 compile_model=False):
+        self.model, self.opt, self.note = _copy_model_and_optimizer(cap.model, cap.optimizer)
+        self.device = next(self.model.parameters()).device
+        self.args = _map(cap.args, lambda t: t.clone())
+        self.loss_module, self.target = cap.loss_module, cap.target
+        if conv_bias:
+            # the removed biases stay in the optimizer without gradients: it skips them
+            remove_conv_bias(self.model, example_input=self.args)
+        if channels_last:
+            apply_channels_last(self.model)
+            self.args = _map(self.args, to_channels_last)
+        if compile_model:
+            self.model = torch.compile(self.model)
+        self.set_to_none = set_to_none
+        dev_type = self.device.type
+        self.ctx = (lambda: torch.autocast(dev_type, dtype=amp_dtype)) if amp_dtype is not None else contextlib.nullcontext
+        self.model.train()
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=self.set_to_none)
+        with self.ctx():
+            out = _run(self.model, self.args)
+            if self.loss_module is not None and self.target is not None:
+                loss = self.loss_module(out, self.target)
+            else:
+                loss = _generic_loss(out)
+        loss.backward()
+        self.opt.step()
+
+
+class _LoaderStep:
+    """Next batch from a DataLoader (moved to the model's device) plus a training step."""
+
+    def __init__(self, trainer: _Trainer, loader, *, num_workers: int, pin_memory: bool):
+        from torch.utils.data import DataLoader
+        kw = {}
+        if num_workers > 0:
+            kw["persistent_workers"] = True
+            kw["prefetch_factor"] = 4
+            if "fork" in multiprocessing.get_all_start_methods():
+                kw["multiprocessing_context"] = "fork"  # classes defined in the script's __main__ stay reachable
+        self.loader = DataLoader(loader.dataset, batch_size=loader.batch_size or 1, shuffle=False,
+                                 num_workers=num_workers, collate_fn=loader.collate_fn, drop_last=loader.drop_last,
+                                 pin_memory=pin_memory, **kw)
+        self.trainer = trainer
+        self.it = iter(self.loader)
+        self.non_blocking = pin_memory
+
+    def step(self) -> None:
+        try:
+            batch = next(self.it)
+        except StopIteration:
+            self.it = iter(self.loader)
+            batch = next(self.it)
+        if self.trainer.device.type != "cpu":
+            _map(batch, lambda t: t.to(self.trainer.device, non_blocking=self.non_blocking))
+        self.trainer.step()
+
+    def close(self) -> None:
+        self.it = None
+        self.loader = None
+
+
+def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25) -> dict:
+    for _ in range(2):  # warm-up: allocator, oneDNN primitives, worker start-up
+        base()
+        cand()
+    _sync(device)
+    t0 = time.perf_counter()
+    base()
+    _sync(device)
+    one = max(1e-5, time.perf_counter() - t0)
+    k = int(min(20, max(1, budget_s / one)))
+    b_ms, c_ms, ratios = [], [], []
+    for _ in range(rounds):
+        times = []
+        for fn in (base, cand):
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                fn()
+            _sync(device)
+            times.append((time.perf_counter() - t0) / k * 1e3)
+        b_ms.append(times[0])
+        c_ms.append(times[1])
+        ratios.append(times[0] / times[1])
+    return {"baseline_ms": round(statistics.median(b_ms), 4), "candidate_ms": round(statistics.median(c_ms), 4),
+            "speedup": round(statistics.median(ratios), 4), "ratios": [round(r, 4) for r in ratios],
+            "rounds": rounds, "steps_per_round": k}
+
+
+def applicable_fixes(cap, obs: dict) -> list[str]:
+    """Fixes that change something for this script (the ones the script does not use yet)."""
+    m = obs.get("model", {})
+    out = []
+    if cap.model is None or cap.args is None:
+        return out
+    env = detect()
+    if not m.get("autocast"):
+        out.append("autocast")
+    if m.get("has_conv2d") and not m.get("channels_last_weights"):
+        out.append("channels_last")
+    loaders = [ld for ld in cap.loaders if hasattr(ld.dataset, "__getitem__") and hasattr(ld.dataset, "__len__")]
+    if any(ld.num_workers == 0 for ld in loaders):
+        out.append("workers")
+    if env.cuda_available and any(not ld.pin_memory for ld in loaders):
+        out.append("pin_memory")
+    if not cap.set_to_none:
+        out.append("set_to_none")
+    if m.get("conv_bias_before_bn"):
+        out.append("conv_bias")
+    if env.compile_available and not m.get("compiled"):
+        out.append("compile")
+    return out
+
+
+def _amp_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return torch.float16
+    return torch.bfloat16
+
+
+def verify_fixes(cap, obs: dict, *, fixes=None, rounds: int = 5) -> dict:
+    """Measure each applicable fix (or the ones named in `fixes`); return {fix: result}."""
+    wanted = applicable_fixes(cap, obs)
+    if fixes is not None:
+        wanted = [f for f in wanted if f in set(fixes)]
+    results: dict = {}
+    if cap.model is None or cap.args is None:
+        obs["notes"].append("verify skipped: no model forward with a captured batch")
+        return results
+    device = next(cap.model.parameters()).device
+    sp_default = cap.set_to_none
+    for fix in wanted:
+        t0 = time.perf_counter()
+        entry: dict = {"fix": fix, "rule": FIXES[fix]}
+        try:
+            base = _Trainer(cap, set_to_none=sp_default)
+            if fix in ("workers", "pin_memory"):
+                loader = next(ld for ld in cap.loaders if (ld.num_workers == 0 if fix == "workers" else not ld.pin_memory))
+                cores = detect().cpu_cores
+                nw = loader.num_workers if fix == "pin_memory" else min(4, max(1, cores))
+                b = _LoaderStep(base, loader, num_workers=loader.num_workers, pin_memory=loader.pin_memory)
+                c = _LoaderStep(base, loader, num_workers=nw, pin_memory=(fix == "pin_memory") or loader.pin_memory)
+                entry.update(_interleave(b.step, c.step, device, rounds=rounds))
+                entry["candidate"] = f"num_workers={nw}" + (", pin_memory=True" if fix == "pin_memory" else "")
+                b.close()
+                c.close()
+            else:
+                kw = {"autocast": {"amp_dtype": _amp_dtype(device)}, "channels_last": {"channels_last": True},
+                      "set_to_none": {"set_to_none": True}, "conv_bias": {"conv_bias": True},
+                      "compile": {"compile_model": True}}[fix]
+                cand = _Trainer(cap, set_to_none=sp_default, **kw)
+                if fix == "compile":
+                    tc = time.perf_counter()
+                    cand.step()
+                    entry["compile_s"] = round(time.perf_counter() - tc, 2)
+                entry.update(_interleave(base.step, cand.step, device, rounds=rounds))
+                entry["candidate"] = {"autocast": f"torch.autocast({device.type!r}, dtype={kw.get('amp_dtype')})"}.get(
+                    fix, fix)
+                if base.note:
+                    entry["note"] = base.note
+        except Exception as e:  # a fix that does not apply to this model: say so, keep going
+            entry["error"] = f"{type(e).__name__}: {e}"
+        entry["seconds"] = round(time.perf_counter() - t0, 2)
+        results[fix] = entry
+    return results
