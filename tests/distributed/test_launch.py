@@ -35,7 +35,10 @@ def test_launch_runs_an_unchanged_fit_script_in_two_processes(tmp_path):
     assert (proc.stdout + proc.stderr).count("epoch 1  train_loss") == 1
 
 
-def test_torchrun_command_shapes():
+def test_torchrun_command_shapes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("train.py", "t.py"):
+        (tmp_path / name).write_text("")
     argv = torchrun_command(["python", "train.py", "--lr", "0.1"], nproc=4)
     assert argv[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone", "train.py",
                         "--lr", "0.1"]
@@ -46,7 +49,7 @@ def test_torchrun_command_shapes():
     static = torchrun_command(["python", "t.py"], nproc=8, nnodes="2", node_rank=1, master_addr="10.0.0.1")
     assert static[static.index("--node-rank") + 1] == "1"
     for bad in (dict(cmd=[], nproc=2), dict(cmd=["python", "t.py"], nproc="0"),
-                dict(cmd=["python", "t.py"], nproc=2, nnodes="2")):
+                dict(cmd=["python", "t.py"], nproc=2, nnodes="2"), dict(cmd=["python", "missing.py"], nproc=2)):
         with pytest.raises(CLIError):
             torchrun_command(bad.pop("cmd"), **bad)
 

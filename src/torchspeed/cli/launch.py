@@ -100,6 +100,8 @@ def torchrun_command(cmd: list[str], *, nproc: str | int, nnodes: str = "1", nod
             raise CLIError(f"cannot pass the python option {rest[0]!r} through torchrun; "
                            "launch `python script.py ...` or `python -m module ...`")
         else:
+            if not os.path.isfile(rest[0]):
+                raise CLIError(f"no such script: {rest[0]} (the command after `--` is run in every process)")
             argv += rest
     else:
         argv += ["--no-python", *cmd]  # an executable (e.g. `torchspeed bench`) run as is in every process
