@@ -9,5 +9,9 @@ from torchspeed.env import EnvInfo, detect
 from torchspeed.train import *  # noqa: F403
 from torchspeed.train import __all__ as _train_all
 
+from torchspeed.tune import (BatchSizeResult, LoaderSettings, LRFinderResult, find_batch_size, find_lr,
+                             tune_loader)
+
 __version__ = "0.1.0"
-__all__ = ["EnvInfo", "detect", "__version__", *_train_all]
+__all__ = ["EnvInfo", "detect", "__version__", *_train_all,
+           "find_batch_size", "find_lr", "tune_loader", "BatchSizeResult", "LRFinderResult", "LoaderSettings"]

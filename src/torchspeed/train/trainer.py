@@ -617,13 +617,15 @@ class Trainer:
 
 
 def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = None,
-        optimizer: str | torch.optim.Optimizer = "sgd", lr: float = 0.1, weight_decay: float = 5e-4,
+        optimizer: str | torch.optim.Optimizer = "sgd", lr: float | str = 0.1, weight_decay: float = 5e-4,
         epochs: int = 1, val_loader: Iterable | None = None, device: torch.device | str | None = None,
-        **config) -> FitResult:
+        batch_size: int | str | None = None, loader: str | None = None, **config) -> FitResult:
     """Train `model` on `train_loader` with every technique that pays on this machine.
 
     `config` takes any `TrainConfig` field (precision, channels_last, compile, grad_accum,
     clip_grad_norm, label_smoothing, schedule, log_every, out_dir, ...).
+    `batch_size="auto"` (or an int), `lr="auto"` and `loader="auto"` run the tuners first and
+    rebuild the DataLoader from its dataset (see `torchspeed.tune.auto`; T06-T08, T15, T17).
 
     Example:
         >>> result = fit(model, loader, epochs=3, val_loader=val, precision="auto", compile="auto")
@@ -634,8 +636,17 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
         raise TypeError(f"fit() got unknown option(s) {sorted(unknown)}; "
                         f"valid: {sorted(TrainConfig.__dataclass_fields__)}")
     cfg = replace(cfg, epochs=epochs, **config)
+    tuned: dict = {}
+    if batch_size is not None or lr == "auto" or loader is not None:
+        from torchspeed.tune.auto import tune_for_fit  # measured on this model and machine before training
+
+        train_loader, lr, tuned = tune_for_fit(model, train_loader, batch_size=batch_size, lr=lr, loader=loader,
+                                               loss_fn=loss_fn, optimizer=optimizer, weight_decay=weight_decay,
+                                               device=device, precision=cfg.precision, schedule=cfg.schedule,
+                                               progress=cfg.progress)
     trainer = Trainer(model, loss_fn=loss_fn, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
                       device=device, config=cfg)
+    trainer.decisions.update(tuned)
     return trainer.fit(train_loader, epochs=epochs, val_loader=val_loader)
 
 

@@ -1,0 +1,15 @@
+"""Tuners that find settings by measuring: batch size (T17), learning rate (T15), DataLoader (T06-T08).
+
+- `find_batch_size`: the largest batch that fits and the fastest batch, with the measured table.
+- `find_lr`: an LR range test with a spike-proof suggestion; restores everything it touched.
+- `tune_loader`: num_workers / prefetch_factor / pin_memory / persistent_workers by throughput.
+
+Under torch.distributed each tuner measures on rank 0 and broadcasts one decision to all ranks.
+"""
+
+from torchspeed.tune.batch import BatchSizeResult, BatchTrial, find_batch_size
+from torchspeed.tune.loader import LoaderSettings, LoaderTrial, tune_loader
+from torchspeed.tune.lr import LRFinderResult, find_lr, plot_lr, suggest_lr
+
+__all__ = ["BatchSizeResult", "BatchTrial", "find_batch_size", "LRFinderResult", "find_lr", "plot_lr", "suggest_lr",
+           "LoaderSettings", "LoaderTrial", "tune_loader"]

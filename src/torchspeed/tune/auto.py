@@ -1,0 +1,128 @@
+"""`fit(..., batch_size="auto", lr="auto", loader="auto")`: the tuners, applied to the user's own loader.
+
+`fit` receives a DataLoader, so the tuned settings are applied by rebuilding it from its
+dataset: the same sampler object (so shuffling, its generator and a DistributedSampler's
+sharding are kept), the same collate_fn, drop_last, worker_init_fn and generator, with
+the new batch size and the tuned worker settings.
+
+- batch_size="auto": the fastest batch `find_batch_size` measures (T17), at most 1/16 of the
+  dataset (an epoch keeps at least 16 steps), or an int.
+- lr="auto": `find_lr` on the user's loader at its own batch size; the one-cycle max LR
+  when the schedule is one-cycle, otherwise the suggestion.
+- When the batch changes, the LR (tuned or given) is scaled by the linear rule
+  `scale_lr(lr, new_batch, old_batch)` (T17).
+- loader="auto": `tune_loader` at the final batch size, with the model step as consumer.
+
+Every choice and its reason goes into `FitResult.decisions`.
+
+Example:
+    >>> fit(model, loader, epochs=5, batch_size="auto", lr="auto", loader="auto")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+from torchspeed.train.schedule import scale_lr
+
+__all__ = ["tune_for_fit", "rebuild_loader"]
+
+
+def rebuild_loader(loader: DataLoader, *, batch_size: int | None = None, **settings) -> DataLoader:
+    """A copy of `loader` with another batch size and/or worker settings; sampler and collate kept."""
+    if type(loader.batch_sampler) is not BatchSampler and loader.batch_sampler is not None:
+        raise ValueError(f"the DataLoader uses a custom batch_sampler ({type(loader.batch_sampler).__name__}); "
+                         "its batch size cannot be changed here: pass batch_size=None and tune it yourself")
+    kw = dict(num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
+              worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+              generator=loader.generator, collate_fn=loader.collate_fn, drop_last=loader.drop_last)
+    if loader.num_workers > 0:
+        kw.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
+    kw.update(settings)
+    if kw["num_workers"] == 0:
+        kw.pop("prefetch_factor", None)
+        kw.pop("persistent_workers", None)
+    bs = batch_size if batch_size is not None else loader.batch_size
+    if isinstance(loader.dataset, IterableDataset):
+        return DataLoader(loader.dataset, batch_size=bs, **kw)
+    return DataLoader(loader.dataset, batch_size=bs, sampler=loader.sampler, **kw)
+
+
+def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | str | None, lr: float | str,
+                 loader: str | None, loss_fn: Callable | None, optimizer: str | torch.optim.Optimizer,
+                 weight_decay: float, device: torch.device | str | None, precision: str = "auto",
+                 schedule: str | None = "onecycle", progress: bool = True) -> tuple[Iterable, float, dict]:
+    """Run the asked-for tuners; return (the loader to train on, the LR, decisions)."""
+    from torchspeed.train.optim import create_optimizer
+    from torchspeed.tune.batch import find_batch_size
+    from torchspeed.tune.loader import tune_loader
+    from torchspeed.tune.lr import find_lr
+
+    if loader not in (None, "auto"):
+        raise ValueError(f"loader={loader!r}: use loader='auto' or leave it out")
+    if isinstance(batch_size, str) and batch_size != "auto":
+        raise ValueError(f"batch_size={batch_size!r}: use an int, 'auto' or leave it out")
+    if isinstance(lr, str) and lr != "auto":
+        raise ValueError(f"lr={lr!r}: use a number or 'auto'")
+    if (batch_size is not None or loader is not None) and not isinstance(train_loader, DataLoader):
+        raise TypeError("batch_size/loader tuning rebuilds the torch DataLoader from its dataset; "
+                        f"fit got a {type(train_loader).__name__}: pass a DataLoader or leave these options out")
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(dev)
+    decisions: dict[str, object] = {}
+
+    def scratch_optimizer(lr0: float) -> torch.optim.Optimizer:
+        # the tuners restore what they touch; a user optimizer is used as is, a name gets a fresh one
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        return create_optimizer(optimizer, model, lr=lr0, weight_decay=weight_decay)
+
+    old_batch = getattr(train_loader, "batch_size", None)
+    new_batch = old_batch
+    if batch_size == "auto":
+        dataset = train_loader.dataset  # type: ignore[union-attr]
+        if isinstance(dataset, IterableDataset):
+            raise ValueError("batch_size='auto' needs a map-style dataset (len and indexing); got an IterableDataset")
+        res = find_batch_size(model, dataset, loss_fn=loss_fn, optimizer=scratch_optimizer(1e-3), precision=precision,
+                              collate_fn=train_loader.collate_fn,  # type: ignore[union-attr]
+                              max_batch=max(8, min(1024, len(dataset) // 16 // 8 * 8)), progress=progress)
+        new_batch = res.fastest
+        decisions["batch_size"] = (f"{new_batch} (fastest measured; largest that fits {res.largest}, "
+                                   f"limited by {res.limited_by})")
+        decisions["batch_size_table"] = [(t.batch_size, t.samples_per_s) for t in res.table if t.samples_per_s]
+    elif isinstance(batch_size, int):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        new_batch = batch_size
+
+    if lr == "auto":
+        res_lr = find_lr(model, train_loader, loss_fn=loss_fn, optimizer=scratch_optimizer(1e-6),
+                         precision=precision, progress=progress)
+        lr_val = res_lr.max_lr if schedule == "onecycle" else res_lr.suggestion
+        decisions["lr_find"] = (f"{lr_val:.3g} ({'one-cycle max' if schedule == 'onecycle' else 'suggestion'} "
+                                f"of the range test at batch {old_batch}; {res_lr.rule})")
+    else:
+        lr_val = float(lr)
+    if new_batch != old_batch and old_batch:
+        scaled = scale_lr(lr_val, new_batch, old_batch)
+        decisions["lr"] = f"{scaled:.3g} ({lr_val:.3g} x {new_batch}/{old_batch}: the linear scaling rule, T17)"
+        lr_val = scaled
+
+    if isinstance(optimizer, torch.optim.Optimizer) and (lr == "auto" or new_batch != old_batch):
+        base = optimizer.param_groups[0]["lr"] or 1.0  # the Trainer uses a given optimizer's own lr
+        for g in optimizer.param_groups:
+            g["lr"] = lr_val * (g["lr"] / base if optimizer.param_groups[0]["lr"] else 1.0)
+
+    settings: dict = {}
+    if loader == "auto":
+        s = tune_loader(train_loader.dataset, batch_size=new_batch, model=model, loss_fn=loss_fn,  # type: ignore[union-attr]
+                        device=dev, collate_fn=train_loader.collate_fn, progress=progress)  # type: ignore[union-attr]
+        settings = s.kwargs()
+        decisions["loader"] = f"{settings} ({s.reason})"
+    if new_batch != old_batch or settings:
+        train_loader = rebuild_loader(train_loader, batch_size=new_batch, **settings)  # type: ignore[arg-type]
+    return train_loader, lr_val, decisions

@@ -1,0 +1,300 @@
+"""DataLoader tuner (T06, T07, T08): num_workers, pin_memory, prefetch_factor, persistent_workers, measured.
+
+What it does: times the loader alone (samples/s after its first batch) at num_workers = 0,
+1, ... up to the usable cores, stopping early once throughput plateaus (a worker more gains
+under `plateau`, 5%) or once the loader outruns the model step. For the best worker count
+it then tries prefetch_factor 4 against the default 2 (T08) and, on CUDA, pin_memory with
+the host-to-device copy included (T07). persistent_workers is switched on with workers; the
+worker start-up it saves on every epoch is measured and reported.
+
+"Workers do not help" is said, and 0 workers returned, when no worker count is at least
+`min_gain` (10%) faster than loading in the main process, or when the loader at 0 workers
+is already so much faster than the model step that hiding it behind the step could save
+less than `min_gain` of the time: with 0 workers a step costs load + compute, with workers
+at best compute, so the gain is at most load/compute. The main-process load time of a
+batch is measured, not guessed. When a model is given, the chosen setting is confirmed end
+to end (load + step, interleaved with num_workers=0), because on a CPU workers take cores
+from the model's own compute.
+
+When it helps: decoding/augmenting data in `__getitem__` (JPEG, audio, text tokenising).
+It does not for tensors already in memory: workers then only add inter-process copies.
+What it costs: a few hundred batches of loading.
+
+Example:
+    >>> s = tune_loader(train_set, batch_size=128, model=model)
+    >>> loader = DataLoader(train_set, batch_size=128, shuffle=True, **s.kwargs())
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from torchspeed.tune._common import (StateSnapshot, TrainStep, decide_once, make_batch, model_device, sync,
+                                     to_device, unwrap)
+
+__all__ = ["LoaderTrial", "LoaderSettings", "tune_loader"]
+
+
+@dataclass(frozen=True)
+class LoaderTrial:
+    """One measured loader setting."""
+
+    num_workers: int
+    pin_memory: bool
+    prefetch_factor: int | None
+    samples_per_s: float      # loader alone, after its first batch (end to end when `end_to_end`)
+    startup_s: float          # until the first batch (worker start-up included)
+    end_to_end: bool = False  # measured with the model step in the loop
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    num_workers: int
+    pin_memory: bool
+    prefetch_factor: int | None
+    persistent_workers: bool
+    samples_per_s: float
+    speedup_vs_0: float            # loader throughput over num_workers=0
+    workers_help: bool
+    loader_outruns_model: bool | None  # None when no model/step was given
+    model_samples_per_s: float | None
+    reason: str
+    table: tuple[LoaderTrial, ...]
+
+    def kwargs(self) -> dict:
+        """Keyword arguments for `DataLoader(...)`."""
+        kw: dict = {"num_workers": self.num_workers, "pin_memory": self.pin_memory}
+        if self.num_workers > 0:
+            kw.update(prefetch_factor=self.prefetch_factor, persistent_workers=self.persistent_workers)
+        return kw
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def tune_loader(dataset, *, batch_size: int = 64, model: nn.Module | None = None,
+                step: Callable | None = None, loss_fn: Callable | None = None, device: torch.device | str | None = None,
+                collate_fn: Callable | None = None, max_workers: int | None = None, batches: int = 12,
+                prefetch_factors: tuple[int, ...] = (2, 4), plateau: float = 0.05, min_gain: float = 0.1,
+                progress: bool = True, seed: int = 0) -> LoaderSettings:
+    """Measure DataLoader settings for `dataset` and return the fastest, with the table.
+
+    `model` (trained with a throw-away SGD step, restored afterwards) or `step` (a callable
+    taking a device batch) is the consumer the loader must keep up with; without either only
+    the loader's own throughput counts. `max_workers` defaults to the usable cores. Under
+    torch.distributed, rank 0 measures and every rank gets the same settings.
+
+    Example:
+        >>> s = tune_loader(train_set, batch_size=128, model=model)
+        >>> s.num_workers, s.reason
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if len(dataset) < batch_size:
+        raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one batch of {batch_size}")
+    if batches < 2:
+        raise ValueError(f"batches={batches} is too few to time; use at least 2")
+    return decide_once(lambda: _Tuner(dataset, batch_size=batch_size, model=unwrap(model) if model is not None else None,
+                                      step=step, loss_fn=loss_fn, device=device, collate_fn=collate_fn,
+                                      max_workers=max_workers, batches=batches, prefetch_factors=prefetch_factors,
+                                      plateau=plateau, min_gain=min_gain, progress=progress, seed=seed).run())
+
+
+class _Tuner:
+    def __init__(self, dataset, *, batch_size, model, step, loss_fn, device, collate_fn, max_workers, batches,
+                 prefetch_factors, plateau, min_gain, progress, seed):
+        from torchspeed.env import usable_cores
+
+        self.dataset, self.batch_size, self.collate_fn = dataset, batch_size, collate_fn
+        self.model, self.user_step, self.loss_fn = model, step, loss_fn
+        if device is not None:
+            self.device = torch.device(device)
+        elif model is not None:
+            self.device = model_device(model)
+        else:
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.max_workers = usable_cores() if max_workers is None else max(0, max_workers)
+        self.batches = batches
+        self.prefetch_factors, self.plateau, self.min_gain = prefetch_factors, plateau, min_gain
+        self.progress, self.seed = progress, seed
+        self.table: list[LoaderTrial] = []
+
+    # ------------------------------------------------------------------ measuring
+    def _loader(self, workers: int, pin: bool, prefetch: int | None, persistent: bool = False) -> DataLoader:
+        kw = dict(num_workers=workers, pin_memory=pin)
+        if workers > 0:
+            kw.update(prefetch_factor=prefetch or 2, persistent_workers=persistent)
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                          collate_fn=self.collate_fn, generator=torch.Generator().manual_seed(self.seed), **kw)
+
+    def _time(self, loader, n: int, step: Callable | None) -> tuple[float, float]:
+        """(start-up seconds until the first batch, samples/s over the next `n` batches)."""
+        t0 = time.perf_counter()
+        it = iter(loader)
+        first = next(it)
+        if step is not None:
+            step(to_device(first, self.device))
+            sync(self.device)
+        t1 = time.perf_counter()
+        for _ in range(n):
+            try:
+                b = next(it)
+            except StopIteration:  # a short dataset: the next epoch (its start-up counts, as in training)
+                it = iter(loader)
+                b = next(it)
+            if step is not None:
+                step(to_device(b, self.device))
+            elif self.device.type == "cuda":
+                to_device(b, self.device)  # the host-to-device copy is part of what pin_memory changes
+        sync(self.device)
+        t2 = time.perf_counter()
+        del it
+        return t1 - t0, n * self.batch_size / (t2 - t1)
+
+    def _trial(self, workers: int, pin: bool, prefetch: int | None, note: str = "") -> LoaderTrial:
+        startup, rate = self._time(self._loader(workers, pin, prefetch), self.batches, None)
+        trial = LoaderTrial(workers, pin, prefetch if workers > 0 else None, rate, startup, False, note)
+        self.table.append(trial)
+        return trial
+
+    def _model_rate(self) -> float | None:
+        """samples/s of the model step alone, on one batch already on the device."""
+        if self.step is None:
+            return None
+        batch = to_device(make_batch(self.dataset, self.batch_size, collate_fn=self.collate_fn), self.device)
+        self.step(batch)
+        sync(self.device)
+        rates = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            n = 0
+            while n < 3 or time.perf_counter() - t0 < 0.1:
+                self.step(batch)
+                n += 1
+            sync(self.device)
+            rates.append(n * self.batch_size / (time.perf_counter() - t0))
+        return statistics.median(rates)
+
+    # ------------------------------------------------------------------ deciding
+    def run(self) -> LoaderSettings:
+        from rich.progress import Progress
+
+        snap = None
+        if self.model is not None and self.user_step is None:
+            opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+            snap = StateSnapshot(self.model, None, None, None)
+            self.model.train()
+            self.step = TrainStep(self.model, opt, loss_fn=self.loss_fn)
+        else:
+            self.step = self.user_step
+        try:
+            with Progress(disable=not self.progress, transient=True) as bar:
+                task = bar.add_task("loader: measuring", total=None)
+                return self._decide(bar, task)
+        finally:
+            if snap is not None:
+                snap.restore()
+
+    def _decide(self, bar, task) -> LoaderSettings:
+        cuda = self.device.type == "cuda"
+        bar.update(task, description="loader: timing the model step")
+        model_rate = self._model_rate()
+        bar.update(task, description="loader: num_workers=0")
+        base = self._trial(0, False, None, "main process")
+        outruns = None if model_rate is None else base.samples_per_s >= model_rate / self.min_gain
+        if outruns:
+            reason = (f"workers do not help: the main process loads {base.samples_per_s:,.0f} samples/s, "
+                      f"{base.samples_per_s / model_rate:.0f}x what the model step consumes "
+                      f"({model_rate:,.0f} samples/s); the loader already outruns the model step, so hiding "
+                      f"loading behind it could save under {100 * model_rate / base.samples_per_s:.0f}% of the time")
+            return self._result(0, False, None, base, base, model_rate, True, reason)
+
+        def value(t: LoaderTrial) -> float:
+            """Predicted samples/s of training: serial load + step at 0 workers, overlapped with workers."""
+            if model_rate is None:
+                return t.samples_per_s
+            if t.num_workers == 0:
+                return 1 / (1 / t.samples_per_s + 1 / model_rate)
+            return min(t.samples_per_s, model_rate)
+
+        best = prev = base
+        stop_note = ""
+        for w in range(1, self.max_workers + 1):
+            bar.update(task, description=f"loader: num_workers={w}")
+            t = self._trial(w, False, 2, "")
+            if value(t) > value(best):
+                best = t
+            if model_rate is not None and t.samples_per_s >= model_rate * (1 + self.plateau):
+                stop_note = (f"stopped at {w} workers: the loader ({t.samples_per_s:,.0f} samples/s) now "
+                             f"outruns the model step ({model_rate:,.0f} samples/s), more workers cannot help")
+                outruns = True
+                break
+            # one worker only moves loading out of the main process; plateau is judged from 2 on
+            if w >= 2 and t.samples_per_s < prev.samples_per_s * (1 + self.plateau):
+                stop_note = f"stopped at {w} workers: throughput plateaued"
+                break
+            prev = t
+        if best.num_workers == 0 or value(best) < value(base) * (1 + self.min_gain):
+            reason = (f"workers do not help: no worker count is more than {100 * self.min_gain:.0f}% faster than "
+                      f"loading in the main process ({base.samples_per_s:,.0f} samples/s at 0 workers, "
+                      f"{max(t.samples_per_s for t in self.table):,.0f} at best"
+                      + ("" if model_rate is None else f"; the model step takes {model_rate:,.0f} samples/s")
+                      + "); inter-process copies cost what parallel loading saves")
+            return self._result(0, False, None, base, base, model_rate, bool(outruns), reason)
+
+        workers = best.num_workers
+        prefetch = 2
+        for pf in self.prefetch_factors:
+            if pf == 2:
+                continue
+            bar.update(task, description=f"loader: prefetch_factor={pf}")
+            t = self._trial(workers, False, pf, "")
+            if value(t) > value(best) * (1 + self.plateau):
+                best, prefetch = t, pf
+        pin = False
+        if cuda:
+            bar.update(task, description="loader: pin_memory")
+            t = self._trial(workers, True, prefetch, "pinned")
+            if value(t) > value(best):
+                best, pin = t, True
+
+        if self.step is not None:  # confirm end to end: on a CPU, workers take cores from the model
+            bar.update(task, description="loader: end-to-end check against num_workers=0")
+            with_w, without = [], []
+            for _ in range(2):
+                for w, out in ((workers, with_w), (0, without)):
+                    loader = self._loader(w, pin if w else False, prefetch if w else None)
+                    out.append(self._time(loader, self.batches, self.step)[1])
+            e2e_w, e2e_0 = statistics.median(with_w), statistics.median(without)
+            self.table.append(LoaderTrial(0, False, None, e2e_0, 0.0, True, "end to end (load + step)"))
+            self.table.append(LoaderTrial(workers, pin, prefetch, e2e_w, 0.0, True, "end to end (load + step)"))
+            if e2e_w < e2e_0 * (1 + self.min_gain):
+                reason = (f"workers do not help end to end: {workers} workers load {best.samples_per_s:,.0f} samples/s "
+                          f"alone, but with the model step in the loop they reach {e2e_w:,.0f} vs {e2e_0:,.0f} "
+                          "samples/s at 0 workers (the workers take cores from the model's compute)")
+                return self._result(0, False, None, base, base, model_rate, bool(outruns), reason)
+
+        reason = (f"{workers} workers: {best.samples_per_s:,.0f} samples/s loaded vs {base.samples_per_s:,.0f} "
+                  "in the main process"
+                  + ("" if model_rate is None else
+                     f"; end to end {e2e_w:,.0f} vs {e2e_0:,.0f} samples/s at 0 workers (model step alone "
+                     f"{model_rate:,.0f})")
+                  + (f"; {stop_note}" if stop_note else "")
+                  + f"; persistent workers save {best.startup_s:.2f} s of start-up per epoch")
+        return self._result(workers, pin, prefetch, best, base, model_rate, bool(outruns), reason)
+
+    def _result(self, workers, pin, prefetch, best: LoaderTrial, base: LoaderTrial, model_rate, outruns,
+                reason) -> LoaderSettings:
+        return LoaderSettings(num_workers=workers, pin_memory=pin, prefetch_factor=prefetch if workers else None,
+                              persistent_workers=workers > 0, samples_per_s=best.samples_per_s,
+                              speedup_vs_0=best.samples_per_s / base.samples_per_s, workers_help=workers > 0,
+                              loader_outruns_model=None if model_rate is None else outruns,
+                              model_samples_per_s=model_rate, reason=reason, table=tuple(self.table))
