@@ -1,0 +1,191 @@
+"""Batch augmentation on the device (T05): crop, flip, colour jitter and normalize, uint8 in.
+
+What it does: takes a uint8 NCHW batch already on the accelerator (or the CPU) and, for the
+whole batch at once: converts to float, does a per-sample RandomResizedCrop with **one**
+`torchvision.ops.roi_align` call (each sample its own box, bilinear with adaptive
+supersampling, so shrinking is antialiased), flips the half of the batch drawn to flip,
+applies per-sample brightness, contrast and saturation jitter, and normalizes with one
+multiply-add (1/255, mean and std folded together). The CPU only decodes and ships 1 byte
+per channel instead of 4.
+
+When it helps: when the loader's CPU time is the bottleneck (few cores per accelerator), as
+with DALI. On a CPU-only machine it moves the same work to the training process rather than
+the workers, so it only helps if workers are the bottleneck.
+What it costs: the crop is taken from the decoded (already resized) image, so small crops see
+fewer source pixels than a full-resolution RandomResizedCrop; clamping is done once at the end
+rather than after each jitter step as torchvision does; no hue jitter (a per-pixel colour-space
+round trip that costs more than the rest together).
+
+Kornia's `RandomResizedCrop` + `ColorJitter` do the same on float batches; benchmarks/bench_data.py
+measures both (see docs/data.md for which is faster and why this module does not depend on it).
+
+Example:
+    >>> aug = DeviceAugment(size=224, train=True).to(device)
+    >>> x = aug(x_uint8)           # float32, normalized, (N, 3, 224, 224)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["DeviceAugment", "DeviceLoader", "IMAGENET_MEAN", "IMAGENET_STD", "random_boxes"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+_GRAY = (0.299, 0.587, 0.114)  # ITU-R 601 luma, as torchvision's rgb_to_grayscale
+
+
+def random_boxes(n: int, h: int, w: int, *, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), device=None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """`n` RandomResizedCrop boxes (x1, y1, x2, y2) in pixel coordinates, drawn on `device` without a loop.
+
+    Like torchvision's get_params: up to 10 draws per sample of area fraction and log-ratio;
+    a sample with no valid draw falls back to the whole image clipped to `ratio`.
+    """
+    tries = 10
+    area = h * w * torch.empty(n, tries, device=device).uniform_(scale[0], scale[1], generator=generator)
+    logr = torch.empty(n, tries, device=device).uniform_(math.log(ratio[0]), math.log(ratio[1]), generator=generator)
+    ar = torch.exp(logr)
+    cw = torch.sqrt(area * ar).round()
+    ch = torch.sqrt(area / ar).round()
+    ok = (cw > 0) & (cw <= w) & (ch > 0) & (ch <= h)
+    first = torch.argmax(ok.int(), dim=1)  # first valid try per sample
+    idx = torch.arange(n, device=device)
+    cw, ch, any_ok = cw[idx, first], ch[idx, first], ok.any(dim=1)
+    # Fallback (rare): the largest centred box within the ratio range.
+    in_ratio = w / h
+    fw = float(w) if in_ratio <= ratio[1] else round(h * ratio[1])
+    fh = float(h) if in_ratio >= ratio[0] else round(w / ratio[0])
+    cw = torch.where(any_ok, cw, torch.full_like(cw, fw))
+    ch = torch.where(any_ok, ch, torch.full_like(ch, fh))
+    u = torch.rand(n, 2, device=device, generator=generator)
+    x1 = torch.floor(u[:, 0] * (w - cw + 1)).clamp_max(w - cw)
+    y1 = torch.floor(u[:, 1] * (h - ch + 1)).clamp_max(h - ch)
+    x1 = torch.where(any_ok, x1, (w - cw) / 2).floor()
+    y1 = torch.where(any_ok, y1, (h - ch) / 2).floor()
+    return torch.stack([x1, y1, x1 + cw, y1 + ch], dim=1)
+
+
+class DeviceAugment(nn.Module):
+    """uint8 NCHW batch -> float normalized batch, with per-sample random crop/flip/jitter when training.
+
+    Options (keyword-only): `size` (output side; None keeps the input size), `train`
+    (False: only convert + normalize, plus a resize to `size` if it differs), `scale`, `ratio`
+    (RandomResizedCrop), `flip` (probability 0.5), `brightness`, `contrast`, `saturation`
+    (jitter strengths as torchvision's ColorJitter), `mean`, `std` (in 0..1 units),
+    `channels_last` (return channels_last memory), `dtype` (float32; bfloat16/float16 halve the bytes).
+    """
+
+    def __init__(self, *, size: int | None = 224, train: bool = True, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
+                 flip: bool = True, brightness: float = 0.0, contrast: float = 0.0, saturation: float = 0.0,
+                 mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                 channels_last: bool = True, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.size, self.train_mode, self.scale, self.ratio, self.flip = size, train, scale, ratio, flip
+        self.brightness, self.contrast, self.saturation = brightness, contrast, saturation
+        self.channels_last, self.dtype = channels_last, dtype
+        # normalize((x / 255) - mean) / std as one multiply-add: x * a + b
+        std_t = torch.tensor(std, dtype=torch.float32)
+        self.register_buffer("_a", (1.0 / (255.0 * std_t)).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("_b", (-torch.tensor(mean, dtype=torch.float32) / std_t).view(1, 3, 1, 1),
+                             persistent=False)
+        self.register_buffer("_gray", torch.tensor(_GRAY, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
+
+    def extra_repr(self) -> str:
+        return (f"size={self.size}, train={self.train_mode}, scale={self.scale}, flip={self.flip}, "
+                f"brightness={self.brightness}, contrast={self.contrast}, saturation={self.saturation}")
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        if x.dtype != torch.uint8 or x.dim() != 4 or x.shape[1] != 3:
+            raise ValueError(f"DeviceAugment expects a uint8 (N, 3, H, W) batch, got {tuple(x.shape)} {x.dtype}; "
+                             "use a loader that returns uint8 tensors (FastImageFolder, PackedDataset)")
+        n, _, h, w = x.shape
+        size = self.size or h
+        xf = x.float()  # the only dtype conversion, on the device
+        if self.train_mode:
+            boxes = random_boxes(n, h, w, scale=self.scale, ratio=self.ratio, device=x.device, generator=generator)
+            xf = self._crop(xf, boxes, size)
+            if self.flip:
+                flip = torch.rand(n, device=x.device, generator=generator) < 0.5
+                # Only the flipped half is touched. (roi_align with x1 > x2 would flip for free,
+                # but its adaptive sampling grid rejects negative widths.)
+                xf[flip] = xf[flip].flip(-1)
+            xf = self._jitter(xf, generator)
+        elif (h, w) != (size, size):
+            xf = torch.nn.functional.interpolate(xf, size=(size, size), mode="bilinear", antialias=True,
+                                                 align_corners=False)
+        out = torch.addcmul(self._b, xf, self._a) if xf.is_contiguous() else xf * self._a + self._b
+        if self.channels_last:
+            out = out.contiguous(memory_format=torch.channels_last)
+        return out.to(self.dtype)
+
+    @staticmethod
+    def _crop(xf: torch.Tensor, boxes: torch.Tensor, size: int) -> torch.Tensor:
+        from torchvision.ops import roi_align
+
+        rois = torch.cat([torch.arange(len(boxes), device=boxes.device, dtype=boxes.dtype)[:, None], boxes], 1)
+        # sampling_ratio=0: ceil(box/size) samples per output pixel and axis, i.e. area-averaging when shrinking.
+        return roi_align(xf, rois, output_size=(size, size), spatial_scale=1.0, sampling_ratio=0, aligned=True)
+
+    def _jitter(self, xf: torch.Tensor, generator) -> torch.Tensor:
+        n = xf.shape[0]
+
+        def factor(strength: float) -> torch.Tensor:
+            lo, hi = max(0.0, 1 - strength), 1 + strength
+            return torch.empty(n, 1, 1, 1, device=xf.device).uniform_(lo, hi, generator=generator)
+
+        if self.brightness:
+            xf = xf * factor(self.brightness)
+        if self.contrast:
+            c = factor(self.contrast)
+            m = (xf * self._gray).sum(1, keepdim=True).mean((2, 3), keepdim=True)
+            xf = (xf - m) * c + m
+        if self.saturation:
+            s = factor(self.saturation)
+            g = (xf * self._gray).sum(1, keepdim=True)
+            xf = (xf - g) * s + g
+        if self.brightness or self.contrast or self.saturation:
+            xf = xf.clamp_(0.0, 255.0)
+        return xf
+
+
+class DeviceLoader:
+    """Wrap a loader of (uint8 images, labels): move each batch to `device` and run `augment` there.
+
+    Keeps `len()` and the loader's `sampler` (so `fit` can call `set_epoch`), so it can be
+    passed to `torchspeed.fit` as the training or validation loader. On CUDA the uint8 copy
+    is asynchronous from pinned memory (T07) and is 4x smaller than a float batch.
+
+    Example:
+        >>> train = DeviceLoader(DataLoader(ds, batch_size=64, num_workers=4, pin_memory=True,
+        ...                                 collate_fn=uint8_collate), DeviceAugment(size=224), "cuda")
+        >>> torchspeed.fit(model, train, epochs=10)
+    """
+
+    def __init__(self, loader: Iterable, augment: nn.Module, device: torch.device | str):
+        self.loader = loader
+        self.device = torch.device(device)
+        self.augment = augment.to(self.device)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    @property
+    def sampler(self):
+        return getattr(self.loader, "sampler", None)
+
+    @property
+    def dataset(self):
+        return getattr(self.loader, "dataset", None)
+
+    def __iter__(self) -> Iterator:
+        nb = self.device.type == "cuda"
+        for x, y, *rest in self.loader:
+            x = x.to(self.device, non_blocking=nb)
+            y = y.to(self.device, non_blocking=nb)
+            yield (self.augment(x), y, *rest)
