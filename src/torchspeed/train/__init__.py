@@ -2,6 +2,8 @@
 
 from torchspeed.train.backends import configure_backends
 from torchspeed.train.compile import CompileDecision, compile_model
+from torchspeed.train.distributed import (distributed_loader, init_distributed, is_rank_zero, reduce_metrics,
+                                          unwrap_model, wrap_ddp)
 from torchspeed.train.evaluate import evaluate, tta_views
 from torchspeed.train.memory_format import apply_channels_last, has_conv2d, is_channels_last, to_channels_last
 from torchspeed.train.metrics import DeviceMeter
@@ -18,4 +20,5 @@ __all__ = [
     "OPTIMIZERS", "create_optimizer", "zero_grad", "Precision", "make_grad_scaler", "resolve_precision",
     "SCHEDULES", "create_scheduler", "scale_lr", "backward", "optimizer_step", "FitResult", "Trainer",
     "TrainConfig", "fit", "Prefetcher", "loader_kwargs", "to_device",
+    "init_distributed", "wrap_ddp", "distributed_loader", "reduce_metrics", "is_rank_zero", "unwrap_model",
 ]
