@@ -1,0 +1,129 @@
+"""Measure image pipelines side by side: torchvision vs torchspeed vs decode-only (T04, T11).
+
+`bench_pipelines(root)` runs the same files, in one process on one thread, through
+  (a) torchvision: `ImageFolder` + Pillow + RandomResizedCrop(size) + RandomHorizontalFlip + ToTensor,
+  (b) torchspeed: `FastImageFolder(size, crop="random", flip=True)` -> uint8 tensor of the same size,
+  (c) decode-only: read the file + `simplejpeg.decode_jpeg` at full size, nothing else,
+interleaved (round r runs every pipeline once over all files, the order rotating per round),
+after an untimed warm-up pass that also loads the files into the page cache. Each row's
+img/s is the median over rounds; ratios are medians of per-round ratios, so a machine that
+slows down mid-run affects all pipelines alike.
+
+Example:
+    >>> r = bench_pipelines("photos/", size=224, rounds=5)
+    >>> r.ratio("torchspeed", "torchvision")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+__all__ = ["PipelineRow", "DataBenchResult", "bench_pipelines", "single_thread"]
+
+PIPELINES = ("torchvision", "torchspeed", "decode-only")
+
+
+@dataclass(frozen=True)
+class PipelineRow:
+    pipeline: str
+    img_per_s: float
+    samples: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class DataBenchResult:
+    rows: tuple[PipelineRow, ...]
+    ratios: dict
+    files: int
+    size: int
+    rounds: int
+    meta: dict = field(default_factory=dict)
+
+    def row(self, name: str) -> PipelineRow:
+        return next(r for r in self.rows if r.pipeline == name)
+
+    def ratio(self, a: str, b: str) -> float:
+        return self.ratios[f"{a}/{b}"]
+
+    def to_dict(self) -> dict:
+        return {"rows": [asdict(r) | {"samples": list(r.samples)} for r in self.rows], "ratios": self.ratios,
+                "files": self.files, "size": self.size, "rounds": self.rounds, "meta": self.meta}
+
+
+@contextlib.contextmanager
+def single_thread():
+    """torch and OpenCV on one thread (Pillow and simplejpeg are single-threaded anyway)."""
+    import cv2
+
+    t, c = torch.get_num_threads(), cv2.getNumThreads()
+    torch.set_num_threads(1)
+    cv2.setNumThreads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(t)
+        cv2.setNumThreads(c)
+
+
+def _pipelines(root: str, size: int, limit: int | None):
+    import simplejpeg
+    from torchvision import datasets, transforms as T
+
+    from torchspeed.data.folder import FastImageFolder
+
+    tv = datasets.ImageFolder(root, transform=T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(),
+                                                         T.ToTensor()]))
+    ts = FastImageFolder(root, size=size, crop="random", flip=True)
+    n = min(len(ts), limit) if limit else len(ts)
+    if len(tv) != len(ts):
+        raise ValueError(f"torchvision sees {len(tv)} images and torchspeed {len(ts)} under {root}: "
+                         "the folder has files one of them skips")
+    paths = [p for p, _ in ts.samples[:n]]
+
+    def run_tv():
+        for i in range(n):
+            tv[i]
+
+    def run_ts():
+        for i in range(n):
+            ts[i]
+
+    def run_dec():
+        for p in paths:
+            with open(p, "rb") as f:
+                simplejpeg.decode_jpeg(f.read())
+
+    return n, {"torchvision": run_tv, "torchspeed": run_ts, "decode-only": run_dec}
+
+
+def bench_pipelines(root: str | os.PathLike, *, size: int = 224, rounds: int = 5, limit: int | None = None,
+                    progress: bool = False) -> DataBenchResult:
+    """img/s of the three pipelines on the files under `root` (see the module docstring)."""
+    from torchspeed.data._progress import track
+
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    root = str(root)
+    with single_thread():
+        n, fns = _pipelines(root, size, limit)
+        for fn in fns.values():  # warm-up: imports, page cache, the backend choice
+            fn()
+        rates: dict[str, list[float]] = {k: [] for k in fns}
+        names = list(fns)
+        for r in track(range(rounds), description="measuring", enabled=progress):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                t0 = time.perf_counter()
+                fns[name]()
+                rates[name].append(n / (time.perf_counter() - t0))
+    rows = tuple(PipelineRow(k, statistics.median(v), tuple(v)) for k, v in rates.items())
+    ratios = {}
+    for a, b in (("torchspeed", "torchvision"), ("torchspeed", "decode-only"), ("decode-only", "torchvision")):
+        ratios[f"{a}/{b}"] = statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+    return DataBenchResult(rows=rows, ratios=ratios, files=n, size=size, rounds=rounds)

@@ -1,0 +1,168 @@
+"""The whole fast image pipeline in one call, as `torchspeed train` uses it (T04-T11, T05).
+
+`build_loaders(path)` turns an ImageFolder or a packed file into training and validation
+loaders that yield normalized float batches on the device:
+
+  files -> FastImageFolder / PackedDataset (fast decode to a fixed-size uint8 image)
+        -> CachedDataset (optional, shared RAM, T10)
+        -> DataLoader (workers measured by `torchspeed.tune.tune_loader`, T06-T08; uint8_collate)
+        -> DeviceLoader + DeviceAugment (random-resized-crop, flip, jitter, normalize on the device, T05)
+
+With `augment="device"` (default) the CPU only decodes and resizes to `load_size` (about
+8/7 of `size`, deterministic, hence cacheable) and the random crop happens on the device.
+With `augment="cpu"` the CPU does the random crop at full resolution (`crop="random"`), the
+device only converts and normalizes; use it when the accelerator is the bottleneck.
+
+Example:
+    >>> p = build_loaders("photos/", size=128, batch_size=64, device="cuda")
+    >>> torchspeed.fit(model, p.train, val_loader=p.val, epochs=10)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+
+from torchspeed.data.augment import DeviceAugment, DeviceLoader
+from torchspeed.data.cache import CachedDataset
+from torchspeed.data.folder import FastImageFolder, ImageDataset, uint8_collate
+from torchspeed.data.packed import LocalShuffleSampler, PackedDataset, is_packed
+
+__all__ = ["Pipeline", "build_loaders", "open_images", "create_classifier", "simple_cnn"]
+
+
+@dataclass
+class Pipeline:
+    train: DeviceLoader
+    val: DeviceLoader | None
+    classes: list[str]
+    datasets: dict          # "train" / "val": the underlying image datasets (for summary())
+    decisions: dict = field(default_factory=dict)
+
+
+def open_images(path: str | os.PathLike, **options) -> ImageDataset:
+    """`PackedDataset` if `path` is a packed file, else `FastImageFolder`; same options."""
+    if is_packed(path):
+        return PackedDataset(path, **options)
+    if os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is a file but not a torchspeed packed file (no {path}.index.npz); "
+                                "pass an ImageFolder directory or the output of `torchspeed data pack`")
+    return FastImageFolder(path, **options)
+
+
+def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int = 64, val_fraction: float = 0.1,
+                  val_path: str | os.PathLike | None = None, workers: int | str = "auto", cache_bytes: int = 0,
+                  augment: str = "device", load_size: int | None = None, jitter: float = 0.2,
+                  scale: tuple[float, float] = (0.08, 1.0), device: torch.device | str | None = None,
+                  on_error: str = "skip", seed: int = 0, progress: bool = True) -> Pipeline:
+    """Training and validation loaders of device batches for the images at `path`.
+
+    `val_fraction` of the items (a fixed random split) is held out unless `val_path` is
+    given; `workers="auto"` measures the DataLoader (T06); `cache_bytes` > 0 keeps decoded
+    images in a shared LRU pool of that size (T10, `augment="device"` only).
+
+    Example:
+        >>> p = build_loaders("photos.tspack", size=64, batch_size=32, workers=0, device="cpu")
+    """
+    if augment not in ("device", "cpu"):
+        raise ValueError(f"augment must be 'device' or 'cpu', got {augment!r}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    load_size = load_size or (round(size * 8 / 7) if augment == "device" else size)
+    decisions: dict = {"augment": augment, "size": size, "load_size": load_size}
+    if augment == "device":
+        train_base = open_images(path, size=load_size, crop="center", on_error=on_error)
+        train_aug = DeviceAugment(size=size, train=True, scale=scale, flip=True, brightness=jitter,
+                                  contrast=jitter, saturation=jitter)
+    else:
+        if cache_bytes:
+            raise ValueError("cache_bytes needs augment='device': with augment='cpu' every item is a new random "
+                             "crop, and caching it would freeze epoch 1's crops")
+        train_base = open_images(path, size=size, crop="random", scale=scale, flip=True, on_error=on_error)
+        train_aug = DeviceAugment(size=size, train=False)
+    val_base = open_images(val_path or path, size=size, crop="center", on_error=on_error)
+    n = len(train_base)
+    if val_path is None and val_fraction > 0:
+        n_val = max(1, int(round(n * val_fraction)))
+        if n - n_val < 1:
+            raise ValueError(f"{path} has {n} images: too few to hold out {val_fraction:.0%} for validation")
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        train_idx, val_idx = sorted(perm[n_val:]), sorted(perm[:n_val])  # sorted: reads stay local
+    else:
+        train_idx, val_idx = list(range(n)), (list(range(len(val_base))) if val_path is not None else [])
+    train_ds = CachedDataset(train_base, budget_bytes=cache_bytes) if cache_bytes else train_base
+    if cache_bytes:
+        decisions["cache_bytes"] = cache_bytes
+    train_set = Subset(train_ds, train_idx)
+    if batch_size > len(train_set):
+        raise ValueError(f"batch size {batch_size} is larger than the {len(train_set)} training images; "
+                         f"use --batch-size {max(1, len(train_set) // 4)} or fewer")
+    if workers == "auto":
+        from torchspeed.tune.loader import tune_loader
+
+        s = tune_loader(train_set, batch_size=batch_size, collate_fn=uint8_collate, device=device,
+                        batches=6, progress=progress, seed=seed)
+        loader_kw = s.kwargs()
+        decisions["loader"] = f"{s.num_workers} workers ({getattr(s, 'reason', 'measured')})"
+    else:
+        from torchspeed.train.transfer import loader_kwargs
+
+        loader_kw = loader_kwargs(device, num_workers=int(workers))
+        decisions["loader"] = f"{workers} workers (asked for)"
+    if isinstance(train_base, PackedDataset):
+        sampler = LocalShuffleSampler(len(train_set), seed=seed)  # block shuffle: local reads in the file
+    else:
+        from torchspeed.train.sampler import ResumableSampler
+
+        sampler = ResumableSampler(train_set, seed=seed)
+    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, collate_fn=uint8_collate,
+                              drop_last=True, **loader_kw)
+    val = None
+    if val_idx:
+        val_loader = DataLoader(Subset(val_base, val_idx), batch_size=batch_size, shuffle=False,
+                                collate_fn=uint8_collate, **loader_kw)
+        val = DeviceLoader(val_loader, DeviceAugment(size=size, train=False), device)
+    return Pipeline(train=DeviceLoader(train_loader, train_aug, device), val=val, classes=list(train_base.classes),
+                    datasets={"train": train_base, "val": val_base}, decisions=decisions)
+
+
+def simple_cnn(num_classes: int, *, width: int = 32) -> nn.Module:
+    """A small 4-block CNN (about 30k parameters at width 32): quick to train on a CPU."""
+    def block(i: int, o: int) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True),
+                             nn.MaxPool2d(2))
+
+    w = width
+    return nn.Sequential(block(3, w // 2), block(w // 2, w), block(w, w), block(w, 2 * w),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * w, num_classes))
+
+
+def create_classifier(name: str, *, num_classes: int) -> nn.Module:
+    """`name` from torchvision (`torchvision.models.list_models()`), timm (`timm.list_models()`) or "simple_cnn".
+
+    Always randomly initialised (nothing is downloaded).
+
+    Example:
+        >>> create_classifier("resnet18", num_classes=10)      # torchvision
+        >>> create_classifier("convnext_atto", num_classes=10)  # timm
+    """
+    if name == "simple_cnn":
+        return simple_cnn(num_classes)
+    import torchvision
+
+    if name in torchvision.models.list_models():
+        return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    import timm
+
+    if timm.is_model(name):
+        return timm.create_model(name, pretrained=False, num_classes=num_classes)
+    import difflib
+
+    close = difflib.get_close_matches(name, torchvision.models.list_models() + timm.list_models() + ["simple_cnn"], n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ValueError(f"unknown model {name!r}: not a torchvision or timm model name{hint}")
