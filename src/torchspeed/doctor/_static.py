@@ -8,6 +8,7 @@ import os
 import resource
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -136,39 +137,65 @@ def _run(model, args):
     return model(*args) if isinstance(args, (tuple, list)) else model(args)
 
 
-def _leaf_trace(model: nn.Module, args, reps: int = 7) -> tuple[list[nn.Module], dict[int, float], dict[int, tuple]]:
-    """Leaf modules in call order, their forward time (ms, median over `reps` passes) and output shapes."""
+def _leaf_trace(model: nn.Module, args, reps: int = 5, train: bool = True):
+    """Leaf modules in call order, their time per training step (ms, forward + backward, median
+    over `reps` steps on a copy of the model) and output shapes. `train=False`: forward only."""
+    import copy
+
+    from torchspeed.doctor.verify import _generic_loss
+    m = copy.deepcopy(model)
     order: list[nn.Module] = []
     times: dict[int, list[float]] = {}
     shapes: dict[int, tuple] = {}
-    starts: dict[int, float] = {}
+    starts: dict[tuple[int, str], float] = {}
     handles = []
 
+    def add(mod, key):
+        t0 = starts.pop((id(mod), key), None)
+        if t0 is not None:
+            times.setdefault(id(mod), []).append((time.perf_counter() - t0) * 1e3)
+
     def pre(mod, a):
-        starts[id(mod)] = time.perf_counter()
+        starts[(id(mod), "f")] = time.perf_counter()
 
     def post(mod, a, out):
-        times.setdefault(id(mod), []).append((time.perf_counter() - starts.pop(id(mod), time.perf_counter())) * 1e3)
+        add(mod, "f")
         if id(mod) not in shapes:
             order.append(mod)
-            if isinstance(out, torch.Tensor):
-                shapes[id(mod)] = tuple(out.shape)
+            shapes[id(mod)] = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
 
-    for m in model.modules():
-        if not any(True for _ in m.children()):
-            handles.append(m.register_forward_pre_hook(pre))
-            handles.append(m.register_forward_hook(post))
-    was = model.training
+    def bpre(mod, grad_out):
+        starts[(id(mod), "b")] = time.perf_counter()
+
+    def bpost(mod, grad_in, grad_out):
+        add(mod, "b")
+
+    for leaf in m.modules():
+        if not any(True for _ in leaf.children()):
+            handles.append(leaf.register_forward_pre_hook(pre))
+            handles.append(leaf.register_forward_hook(post))
+            if train:
+                handles.append(leaf.register_full_backward_pre_hook(bpre))
+                handles.append(leaf.register_full_backward_hook(bpost))
     try:
-        model.eval()
-        with torch.no_grad():
+        m.train(train)
+        with torch.set_grad_enabled(train), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "full backward hook ... no inputs require gradients"
             for _ in range(reps):
-                _run(model, args)
+                out = _run(m, args)
+                if train:
+                    _generic_loss(out).backward()
+                    m.zero_grad(set_to_none=True)
     finally:
-        model.train(was)
         for h in handles:
             h.remove()
-    return order, {k: statistics.median(v) for k, v in times.items()}, shapes
+    # a leaf's samples are forward, backward, forward, backward...: sum pairs per step
+    per_step = {}
+    for k, v in times.items():
+        chunk = 2 if train and len(v) >= 2 * reps else 1
+        steps = [sum(v[i:i + chunk]) for i in range(0, len(v) - chunk + 1, chunk)]
+        per_step[k] = statistics.median(steps) if steps else 0.0
+    return order, {id(mod): per_step.get(id(mod), 0.0) for mod in order}, shapes, m
 
 
 def examine_model(cap: Captured, obs: dict) -> None:
@@ -227,12 +254,17 @@ def examine_model(cap: Captured, obs: dict) -> None:
         pairs = find_conv_bn_pairs(inner, example_input=args)
         info["conv_bias_before_bn"] = [f"{p.conv} -> {p.bn}" for p in pairs if p.has_bias]
         info["conv_bn_pairs"] = len(pairs)
-        order, times, shapes = _leaf_trace(inner, args)
+        try:
+            order, times, shapes, copy_ = _leaf_trace(inner, args)
+            info["design_timing"] = "forward+backward"
+        except Exception:  # e.g. in-place ops that backward hooks cannot wrap: time forward only
+            order, times, shapes, copy_ = _leaf_trace(inner, args, train=False)
+            info["design_timing"] = "forward"
     except Exception as e:  # a model that cannot rerun on its captured input: skip these checks
         obs["notes"].append(f"re-running the model on its captured input failed ({type(e).__name__}: {e}); "
                             "structure checks skipped")
         return
-    mod_names = {id(m): n for n, m in inner.named_modules()}
+    mod_names = {id(m): n for n, m in copy_.named_modules()}
     weighted = [m for m in order if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))]
     odd = []
     for i, m in enumerate(weighted):

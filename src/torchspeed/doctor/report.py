@@ -81,6 +81,7 @@ def render_report(report: DoctorReport, console=None) -> None:
     """Print the report with rich: env facts, breakdown, ranked findings, verify table."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     console = console or Console()
     e = report.env
@@ -93,7 +94,7 @@ def render_report(report: DoctorReport, console=None) -> None:
     n = report.observation.get("steps_observed", 0)
     console.print(f"[bold]run[/]: " + _STATUS.get(report.status, report.status).format(n=n))
     if report.traceback:
-        console.print("[red]" + report.traceback.rstrip() + "[/]", markup=False, highlight=False)
+        console.print(Text(report.traceback.rstrip(), style="red"))
     b = report.breakdown
     if b.get("steps"):
         t = Table(title=f"step time: {b['step_ms']:.2f} ms (mean of {b['steps']} steps after warm-up)")
@@ -104,19 +105,19 @@ def render_report(report: DoctorReport, console=None) -> None:
         t.add_row(*[f"{b[m]:.2f} ms ({b['fractions'][k]:.0%})" for k, m in zip(keys, ms)])
         console.print(t)
     if report.findings:
-        t = Table(title="findings, most costly first")
-        t.add_column("severity")
-        t.add_column("rule")
-        t.add_column("evidence", ratio=3)
-        t.add_column("fix", ratio=3)
-        t.add_column("est. gain", justify="right")
+        console.print("[bold]findings, most costly first[/]")
         colors = {"high": "red", "medium": "yellow", "low": "dim"}
-        for f in report.findings:
-            g = "-" if f.est_gain is None else f"{f.est_gain:.2f}x"
+        for i, f in enumerate(report.findings, 1):
+            gain = "" if f.est_gain is None else f"  est. {f.est_gain:.2f}x"
             if f.measured_gain is not None:
-                g += f"\nmeasured {f.measured_gain:.2f}x"
-            t.add_row(f"[{colors[f.severity]}]{f.severity}[/]", f.rule, f.evidence, f.fix, g)
-        console.print(t)
+                gain += f", measured {f.measured_gain:.2f}x"
+            head = Text(f"{i:2d}. ")
+            head.append(f"{f.severity.upper():6s}", style=f"bold {colors[f.severity]}")
+            head.append(f" {f.rule}", style="bold")
+            head.append(gain)
+            console.print(head)
+            console.print(Text("    evidence: " + f.evidence))
+            console.print(Text("    fix:      " + f.fix, style="green"))
     else:
         console.print("[green]no findings[/]")
     if report.verify:

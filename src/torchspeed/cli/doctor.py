@@ -1,0 +1,112 @@
+"""`torchspeed doctor train.py [-- script args] [--steps N] [--json PATH] [--verify]`.
+
+Runs an unmodified training script under the doctor's probe (see `torchspeed.doctor`), for
+a bounded number of optimizer steps, and prints the ranked report. The script's own output
+goes to a log file unless `--show-output` is given. Exit code: 0 when the script was
+diagnosed, 1 when it raised, exited with an error or had to be killed (the report is still
+printed, with its traceback), 2 for a usage mistake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+from torchspeed.cli.main import CLIError
+
+FIX_NAMES = ("autocast", "channels_last", "workers", "pin_memory", "set_to_none", "conv_bias", "compile")
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps to measure after warm-up (default 30)")
+    p.add_argument("--warmup", type=int, default=5, help="optimizer steps not measured (default 5)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
+    p.add_argument("--verify", action="store_true",
+                   help="measure each applicable fix on the script's model (interleaved with the baseline)")
+    p.add_argument("--fixes", default=None,
+                   help=f"comma-separated fixes for --verify (default: all that apply): {','.join(FIX_NAMES)}")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile in --verify (it takes a while)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per fix in --verify (default 5)")
+    p.add_argument("--time-limit", type=float, default=300.0, help="stop the script after this many seconds (default 300)")
+    p.add_argument("--show-output", action="store_true", help="let the script print to this terminal")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("doctor", help="diagnose a training script: where step time goes, ranked fixes, measured",
+                       description="Run train.py as `python train.py ARGS` would, under instrumentation, for a "
+                                   "bounded number of optimizer steps; report and rank what slows it down. "
+                                   "Script arguments go after `--`.")
+    p.add_argument("script", help="the training script (it is run, never modified)")
+    _add_options(p)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def _split_rest(args) -> list[str]:
+    """Doctor options may follow the script; everything after `--` belongs to the script."""
+    rest = list(args.rest or [])
+    if "--" in rest:
+        i = rest.index("--")
+        head, tail = rest[:i], rest[i + 1:]
+    else:
+        head, tail = rest, []
+    if head:
+        opts = argparse.ArgumentParser(prog="torchspeed doctor", add_help=False)
+        _add_options(opts)
+        try:
+            parsed, unknown = opts.parse_known_args(head, namespace=args)
+        except SystemExit:
+            raise CLIError(f"could not parse doctor options {' '.join(head)!r}") from None
+        if unknown:
+            raise CLIError(f"unknown option(s) {' '.join(unknown)}; pass the script's own arguments after `--`, "
+                           f"e.g. torchspeed doctor {args.script} -- {' '.join(unknown)}")
+    return tail
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from torchspeed.doctor import DoctorJob, diagnose_many, render_report
+
+    script_args = _split_rest(args)
+    if not os.path.isfile(args.script):
+        raise CLIError(f"no such script: {args.script}")
+    if not args.script.endswith(".py"):
+        raise CLIError(f"{args.script} is not a Python file; give the training script, e.g. train.py")
+    if args.steps < 1 or args.warmup < 1:
+        raise CLIError("--steps and --warmup must be at least 1 (the first step always includes start-up)")
+    fixes = None
+    if args.fixes:
+        fixes = tuple(f.strip() for f in args.fixes.split(",") if f.strip())
+        bad = [f for f in fixes if f not in FIX_NAMES]
+        if bad:
+            raise CLIError(f"unknown fix(es) {', '.join(bad)}; choose from {', '.join(FIX_NAMES)}")
+    elif args.no_compile:
+        fixes = tuple(f for f in FIX_NAMES if f != "compile")
+    job = DoctorJob(script=args.script, args=tuple(script_args), steps=args.steps, warmup=args.warmup,
+                    verify=args.verify, fixes=fixes, rounds=args.rounds, time_limit=args.time_limit)
+    console = Console()
+    with tempfile.TemporaryDirectory(prefix="torchspeed-doctor-") as tmp:
+        log = os.path.join(tmp, "script-output.txt")
+        if args.show_output:
+            report = diagnose_many([job], quiet=False)[0]
+        else:
+            what = "running the script" + (" and measuring each fix" if args.verify else "")
+            with Progress(SpinnerColumn(), TextColumn(f"[bold]doctor[/]: {what} ({args.script})"),
+                          TimeElapsedColumn(), console=console, transient=True) as progress:
+                progress.add_task("run", total=None)
+                report = diagnose_many([job], quiet=True, log_path=log)[0]
+        tail = ""
+        if report.status in ("raised", "exited", "killed") and os.path.exists(log):
+            with open(log, errors="replace") as f:
+                tail = "".join(f.readlines()[-15:])
+    render_report(report, console)
+    if tail:
+        console.print("[dim]last lines the script printed:[/]")
+        console.print(tail, markup=False, highlight=False)
+    if args.json:
+        report.write_json(args.json)
+        console.print(f"report written to {args.json}")
+    return 1 if report.status in ("raised", "exited", "killed", "doctor-error") else 0

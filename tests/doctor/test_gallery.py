@@ -1,0 +1,205 @@
+"""The gallery: every planted problem is found, clean scripts get no high/medium finding,
+crashing and hanging scripts are reported and stopped, and the user's files are untouched.
+
+All scripts (the gallery plus scripts in styles the gallery does not use) run in one child
+process, one after another, so torch is imported once.
+"""
+
+import hashlib
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from torchspeed.doctor import DoctorJob, diagnose_many
+
+SCRIPTS = Path(__file__).parent / "scripts"
+GALLERY = sorted(p for p in SCRIPTS.glob("*.py") if not p.name.startswith("_"))
+
+# Scripts written at test time, in styles the gallery does not use.
+STYLES = {
+    "style_generator.py": ("eval-grad-enabled, tensor-copy, zero-grad-memset", "", '''
+        import numpy as np
+        import torch
+        from torch import nn
+
+        def batches(n_batches, rng):
+            while n_batches:                       # a generator instead of a DataLoader
+                a = rng.standard_normal((32, 16)).astype(np.float32)
+                yield torch.tensor(a), torch.tensor(rng.integers(0, 4, 32))
+                n_batches -= 1
+
+        class Loop:
+            def __init__(self):
+                self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+                self.opt = torch.optim.RMSprop(self.net.parameters(), lr=1e-3)
+                self.callbacks = [self.validate]
+
+            def validate(self):
+                self.net.eval()
+                for x, _ in batches(3, np.random.default_rng(1)):
+                    self.net(x)
+                self.net.train()
+
+            def run(self):
+                rng, step = np.random.default_rng(0), 0
+                it = batches(40, rng)
+                while True:
+                    try:
+                        x, y = next(it)
+                    except StopIteration:
+                        break
+                    getattr(self.opt, "zero_grad")(set_to_none=False)
+                    nn.functional.cross_entropy(self.net(x), y).backward()
+                    self.opt.step()
+                    step += 1
+                    if step % 4 == 0:
+                        for cb in self.callbacks:
+                            cb()
+
+        Loop().run()
+    '''),
+    "style_iterable.py": ("data-bound, conv-bias-before-bn", "--width 16 --steps 60", '''
+        import argparse, sys, time
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader, IterableDataset
+
+        class Stream(IterableDataset):             # an iterable dataset, slow to produce
+            def __iter__(self):
+                g = torch.Generator().manual_seed(0)
+                while True:
+                    time.sleep(0.002)
+                    yield torch.randn(3, 8, 8, generator=g), int(torch.randint(0, 4, (1,), generator=g))
+
+        class MySGD(torch.optim.SGD):              # an optimizer subclass with its own step
+            def step(self, closure=None):
+                return super().step(closure)
+
+        class Block(nn.Module):
+            def __init__(self, w):
+                super().__init__()
+                self.c = nn.Conv2d(3, w, 3, padding=1)   # bias before BN, reached through a helper
+                self.n = nn.BatchNorm2d(w)
+                self.h = nn.Linear(w, 4)
+            def features(self, x):
+                return torch.relu(self.n(self.c(x)))
+            def forward(self, x):
+                return self.h(self.features(x).mean((2, 3)))
+
+        def main(argv):
+            p = argparse.ArgumentParser()
+            p.add_argument("--width", type=int, default=8)
+            p.add_argument("--steps", type=int, default=10)
+            a = p.parse_args(argv)
+            model = Block(a.width)
+            opt = MySGD(model.parameters(), lr=0.01)
+            for i, (x, y) in enumerate(DataLoader(Stream(), batch_size=8)):
+                if i == a.steps:
+                    break
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            return 0
+
+        if __name__ == "__main__":
+            sys.exit(main(sys.argv[1:]))
+    '''),
+    "style_exits_early.py": ("finished", "", '''
+        import sys
+        import torch
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.Adam(model.parameters())
+        for i in range(3):
+            opt.zero_grad()
+            model(torch.randn(16, 8)).square().mean().backward()
+            opt.step()
+        sys.exit(0)
+    '''),
+}
+
+
+def _expect(path: Path) -> tuple[set[str], tuple[str, ...]]:
+    src = path.read_text()
+    exp = re.search(r"# doctor-expect: (.*)", src).group(1)
+    m = re.search(r"# doctor-args: (.*)", src)
+    return {e.strip() for e in exp.split(",")}, tuple(m.group(1).split()) if m else ()
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    style_dir = tmp_path_factory.mktemp("styles")
+    style_expect = {}
+    for name, (exp, args, src) in STYLES.items():
+        (style_dir / name).write_text(textwrap.dedent(src) + f"\n# doctor-expect: {exp}\n# doctor-args: {args}\n")
+    paths = GALLERY + [style_dir / n for n in STYLES]
+    before = {SCRIPTS: _digest(SCRIPTS), style_dir: _digest(style_dir)}
+    jobs = []
+    for p in paths:
+        exp, args = _expect(p)
+        style_expect[p.name] = exp
+        jobs.append(DoctorJob(script=str(p), args=args, steps=8, warmup=2,
+                              time_limit=4.0 if "timeout" in exp else 90.0))
+    out = diagnose_many(jobs, quiet=True, threads=1)
+    after = {SCRIPTS: _digest(SCRIPTS), style_dir: _digest(style_dir)}
+    return {p.name: (r, _expect(p)[0]) for p, r in zip(paths, out)}, before, after
+
+
+def test_gallery_has_enough_scripts():
+    kinds = [_expect(p)[0] for p in GALLERY]
+    planted = [k for k in kinds if not k & {"clean", "raises", "timeout"}]
+    clean = [k for k in kinds if k == {"clean"}]
+    assert len(planted) >= 12 and len(clean) >= 2
+
+
+@pytest.mark.parametrize("name", [p.name for p in GALLERY] + list(STYLES))
+def test_script_gets_its_findings(reports, name):
+    r, expect = reports[0][name]
+    found = {f.rule: f.severity for f in r.findings}
+    if expect == {"clean"}:
+        assert r.status == "stopped", r.traceback
+        assert not [f for f in r.findings if f.severity in ("high", "medium")], found
+    elif expect == {"raises"}:
+        assert r.status == "raised"
+        assert "planted failure in step 3" in r.traceback and "crashes.py" in r.traceback
+        assert r.observation["steps_observed"] == 3
+    elif expect == {"timeout"}:
+        assert r.status == "timeout"
+        assert r.observation["wall_s"] < 30
+    elif expect == {"finished"}:
+        assert r.status == "finished" and r.observation["steps_observed"] == 3
+    else:
+        assert r.status == "stopped", (r.status, r.traceback, r.notes)
+        assert expect <= set(found), f"missing {expect - set(found)}; found {found}; notes {r.notes}"
+        for f in r.findings:
+            assert f.severity in ("high", "medium", "low") and f.evidence and f.fix
+
+
+def test_breakdown_adds_up(reports):
+    r, _ = reports[0]["slow_dataset.py"]
+    b = r.breakdown
+    parts = b["data_wait_ms"] + b["copy_ms"] + b["compute_ms"] + b["sync_ms"] + b["other_ms"]
+    assert parts == pytest.approx(b["step_ms"], rel=0.02, abs=0.05)
+    assert b["fractions"]["data_wait"] >= 0.10  # 16 samples x 1 ms sleep per step
+    assert r.observation["steps_measured"] == 8
+
+
+def test_doctor_never_changes_user_files(reports):
+    _, before, after = reports
+    assert before == after
+
+
+def test_planted_evidence_points_at_the_line(reports):
+    r, _ = reports[0]["zero_grad_false.py"]
+    assert "zero_grad_false.py:21" in r.finding("zero-grad-memset").evidence
+    r, _ = reports[0]["numpy_tensor_copy.py"]
+    assert "numpy_tensor_copy.py:18" in r.finding("tensor-copy").evidence
+    r, _ = reports[0]["host_sync_loop.py"]
+    f = r.finding("host-sync")
+    assert ".item()" in f.evidence and ".tolist()" in f.evidence
+    assert f.severity == "low"  # a host read costs microseconds on a CPU
