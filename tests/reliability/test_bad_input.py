@@ -1,0 +1,188 @@
+"""Bad input: every expected mistake gets a clear message and a non-zero exit, never a bare traceback,
+and nothing saved before is lost.
+
+Covers the CLI (every registered command: malformed flags, bad values, missing paths), a
+checkpoint of another model, damaged checkpoints, and the data inputs (missing and empty
+folders, corrupt and truncated images) through `torchspeed.data`'s public classes.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import torchspeed
+from torchspeed.cli.main import COMMANDS, main
+from torchspeed.train.checkpoint import CheckpointManager, CheckpointMismatchError, load_checkpoint, save_checkpoint
+
+
+def _cli(capsys, *argv):
+    """Run `torchspeed ARGV` in-process; return (exit code, stderr)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse's own errors exit with 2
+        code = e.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return code, err
+
+
+# ---------------------------------------------------------------------- the CLI
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_rejects_an_unknown_flag(capsys, command):
+    code, err = _cli(capsys, command, "--no-such-flag")
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("torchspeed") and "error:" in last
+    assert "unrecognized arguments: --no-such-flag" in last or "required" in last  # a required argument comes first
+
+
+def test_unknown_command(capsys):
+    code, err = _cli(capsys, "no-such-command")
+    assert code == 2 and "invalid choice: 'no-such-command'" in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (("bench", "--batch-size", "abc"), "invalid int value: 'abc'"),
+    (("bench", "--batch-size", "0"), "--batch-size must be positive, got 0"),
+    (("bench", "--steps", "-3"), "--steps must be positive, got -3"),
+    (("bench", "--data", "imagenet"), "invalid choice: 'imagenet'"),
+    (("bench", "--configs", "bogus", "--steps", "1", "--rounds", "1", "--model", "mlp"), "unknown bench config"),
+    (("launch", "--", "python", "train.py"), "--nproc N"),
+    (("launch", "--nproc", "abc", "--", "python", "train.py"), "--nproc must be a positive number"),
+])
+def test_bad_values(capsys, tmp_path, argv, expected):
+    if "--configs" in argv:
+        argv = (*argv, "--json", str(tmp_path / "b.json"))
+    code, err = _cli(capsys, *argv)
+    last = err.strip().splitlines()[-1]  # argparse prints the usage first; the error is one line
+    assert code == 2 and expected in last and "error:" in last, err
+
+
+@pytest.mark.xfail(reason="bench does not validate --model before starting its workers: the worker's "
+                          "ValueError comes back as a RuntimeError traceback", strict=False)
+def test_bench_unknown_model(capsys, tmp_path):
+    code, err = _cli(capsys, "bench", "--model", "nosuch", "--steps", "1", "--rounds", "1",
+                     "--json", str(tmp_path / "b.json"))
+    assert code == 2 and "nosuch" in err
+
+
+def test_launch_missing_script(capsys, tmp_path):
+    code, err = _cli(capsys, "launch", "--nproc", "2", "--", "python", str(tmp_path / "missing.py"))
+    assert code == 2 and "no such script" in err and "missing.py" in err
+
+
+def test_end_to_end_exit_code_and_one_line():
+    """Through the real entry point: exit code 2, one line on stderr, no traceback."""
+    p = subprocess.run([sys.executable, "-m", "torchspeed", "bench", "--batch-size", "-1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == "torchspeed bench: error: --batch-size must be positive, got -1"
+
+
+# ---------------------------------------------------------------------- checkpoints
+def _net(width=16):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)) for _ in range(4)]
+
+
+_FIT = dict(epochs=1, device="cpu", progress=False, compile=False, precision="fp32", schedule="cosine")
+
+
+def test_checkpoint_of_another_model(tmp_path):
+    torchspeed.fit(_net(16), _data(), checkpoint_dir=str(tmp_path), **_FIT)
+    path = CheckpointManager(tmp_path).checkpoints()[0]
+    saved = path.read_bytes()
+    with pytest.raises(CheckpointMismatchError) as e:
+        load_checkpoint(path, model=_net(32))
+    msg = str(e.value)
+    assert "0.weight is [16, 4] in the checkpoint but [32, 4] in the model" in msg
+    assert "2.weight is [2, 16] in the checkpoint but [2, 32] in the model" in msg
+    with pytest.raises(CheckpointMismatchError):  # the same through fit(resume=...)
+        torchspeed.fit(_net(32), _data(), checkpoint_dir=str(tmp_path), resume="auto", **_FIT)
+    assert path.read_bytes() == saved  # nothing saved before is lost or overwritten
+
+
+def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, caplog):
+    model = _net()
+    torchspeed.fit(model, _data(), checkpoint_dir=str(tmp_path), checkpoint_every=1, **dict(_FIT, epochs=2))
+    newest, previous = CheckpointManager(tmp_path).checkpoints()[:2]
+    newest.write_bytes(newest.read_bytes()[:1000])  # cut short, as by a full disk or a bad copy
+    r = torchspeed.fit(_net(), _data(), checkpoint_dir=str(tmp_path), checkpoint_every=1, resume="auto",
+                       **dict(_FIT, epochs=2))
+    assert previous.name in r.decisions["resumed_from"]
+    assert "passing over step-00000008.pt" in caplog.text and "cannot be read" in caplog.text
+
+
+def test_not_a_checkpoint(tmp_path):
+    bad = tmp_path / "notes.pt"
+    bad.write_text("these are my notes, not weights")
+    with pytest.raises(torchspeed.train.checkpoint.CorruptCheckpointError, match="cannot be read"):
+        load_checkpoint(bad)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.pt")
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        load_checkpoint(tmp_path)
+    save_checkpoint(tmp_path / "weights.pt", _net().state_dict())  # plain weights are not a training state
+    with pytest.raises(torchspeed.train.checkpoint.CheckpointError, match="only weights"):
+        torchspeed.fit(_net(), _data(), resume=str(tmp_path / "weights.pt"), **_FIT)
+
+
+# ---------------------------------------------------------------------- data inputs
+@pytest.fixture
+def folder_api():
+    return pytest.importorskip("torchspeed.data.folder", reason="torchspeed.data is not available")
+
+
+def test_missing_and_empty_folders(tmp_path, folder_api):
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        folder_api.FastImageFolder(tmp_path / "nope", size=32)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no class subfolders"):
+        folder_api.FastImageFolder(tmp_path / "empty", size=32)
+    (tmp_path / "noimg" / "cat").mkdir(parents=True)
+    (tmp_path / "noimg" / "cat" / "readme.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match="no image files"):
+        folder_api.FastImageFolder(tmp_path / "noimg", size=32)
+
+
+def _jpeg() -> bytes:
+    import cv2
+    import numpy as np
+    ok, buf = cv2.imencode(".jpg", np.full((40, 48, 3), 120, np.uint8))
+    assert ok
+    return buf.tobytes()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
+def test_corrupt_image_is_named(tmp_path, folder_api, damage):
+    good = _jpeg()
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat" / "a.jpg").write_bytes(good)
+    bad = {"garbage": b"GIF89a not really", "truncated": good[: len(good) // 2], "empty": b""}[damage]
+    (tmp_path / "cat" / "b.jpg").write_bytes(bad)
+    ds = folder_api.FastImageFolder(tmp_path, size=32, crop="center")
+    assert ds[0][0].shape == (3, 32, 32)
+    with pytest.raises(ValueError, match=r"b\.jpg.*on_error='skip'"):
+        ds[1]
+    skip = folder_api.FastImageFolder(tmp_path, size=32, crop="center", on_error="skip")
+    x, y = skip[1]  # replaced by the next good item, and reported
+    assert x.shape == (3, 32, 32) and skip.summary().bad == (str(tmp_path / "cat" / "b.jpg"),)
+    assert (tmp_path / "cat" / "b.jpg").read_bytes() == bad  # the input is never modified
+
+
+def test_cli_reports_missing_path_as_one_line(capsys, monkeypatch):
+    """The CLI turns a FileNotFoundError from any command into one line and exit 2."""
+    import torchspeed.cli.env as env_cmd
+
+    def boom(args):
+        raise FileNotFoundError("data/train is not a directory: expected an ImageFolder")
+    monkeypatch.setattr(env_cmd, "run", boom)
+    code, err = _cli(capsys, "env")
+    assert code == 2 and err.strip() == "torchspeed env: error: data/train is not a directory: expected an ImageFolder"
