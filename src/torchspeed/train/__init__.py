@@ -2,6 +2,11 @@
 
 from torchspeed.train.backends import configure_backends
 from torchspeed.train.compile import CompileDecision, compile_model
+from torchspeed.train.checkpoint import (CheckpointError, CheckpointManager, CheckpointMismatchError,
+                                         CorruptCheckpointError, load_checkpoint, save_checkpoint)
+from torchspeed.train.guard import NonFiniteLossError, TrainingOutOfMemoryError
+from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_rng_state, seed_everything
+from torchspeed.train.sampler import ResumableSampler
 from torchspeed.train.distributed import (distributed_loader, init_distributed, is_rank_zero, reduce_metrics,
                                           unwrap_model, wrap_ddp)
 from torchspeed.train.evaluate import evaluate, tta_views
@@ -15,6 +20,9 @@ from torchspeed.train.trainer import FitResult, Trainer, TrainConfig, fit
 from torchspeed.train.transfer import Prefetcher, loader_kwargs, to_device
 
 __all__ = [
+    "save_checkpoint", "load_checkpoint", "CheckpointManager", "CheckpointError", "CheckpointMismatchError",
+    "CorruptCheckpointError", "NonFiniteLossError", "TrainingOutOfMemoryError", "capture_rng_state",
+    "restore_rng_state", "seed_everything", "enable_determinism", "ResumableSampler",
     "configure_backends", "CompileDecision", "compile_model", "evaluate", "tta_views",
     "apply_channels_last", "has_conv2d", "is_channels_last", "to_channels_last", "DeviceMeter",
     "OPTIMIZERS", "create_optimizer", "zero_grad", "Precision", "make_grad_scaler", "resolve_precision",
