@@ -242,7 +242,7 @@ def verify_fixes(cap, obs: dict, *, fixes=None, rounds: int = 5) -> dict:
                 kw = {"autocast": {"amp_dtype": _amp_dtype(device)}, "channels_last": {"channels_last": True},
                       "set_to_none": {"set_to_none": True}, "conv_bias": {"conv_bias": True},
                       "compile": {"compile_model": True}}[fix]
-                cand = _Trainer(cap, set_to_none=sp_default, **kw)
+                cand = _Trainer(cap, **{"set_to_none": sp_default, **kw})
                 if fix == "compile":
                     tc = time.perf_counter()
                     cand.step()

@@ -1,0 +1,178 @@
+"""Every registered rule, on synthetic observations: it fires on its problem, stays quiet on a
+clean observation, and its severity follows the cost on the device (and --verify's measurement).
+
+The loop is over `RULES`, so a new rule file is covered once it has a TRIGGERS entry.
+"""
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from torchspeed.doctor import RULE_IDS, RULES, run_rules
+from torchspeed.doctor.registry import severity_for_gain
+
+CPU_ENV = {"device": "cpu", "cuda_available": False, "bf16_supported": False, "compute_capability": None,
+           "cpu_cores": 2}
+
+CLEAN = {
+    "env": CPU_ENV, "cpu_cores": 2, "steps_observed": 30, "status": "stopped", "cudnn_benchmark": False,
+    "breakdown": {"step_ms": 10.0, "data_wait_ms": 0.2, "copy_ms": 0.0, "compute_ms": 9.0, "sync_ms": 0.0,
+                  "other_ms": 0.8, "fractions": {"data_wait": 0.02, "copy": 0.0, "compute": 0.9, "sync": 0.0,
+                                                 "other": 0.08}, "steps": 30},
+    "syncs": {"calls": 0, "by_kind": {}, "calls_per_step": 0.0, "ms_per_step": 0.0, "sites": []},
+    "tensor_copies": {"count": 0, "per_step": 0.0, "ms_per_step": 0.0, "mib": 0.0, "sites": []},
+    "zero_grad": {"calls": 30, "set_to_none_false": 0, "ms_per_call": 0.0, "sites": []},
+    "eval": {"calls": 4, "grad_calls": 0, "ms": 4.0, "grad_ms": 0.0},
+    "loaders": [{"num_workers": 2, "pin_memory": True, "batch_size": 64, "dataset": "DS", "map_style": True,
+                 "persistent_workers": True, "wait_ms_total": 5.0}],
+    "datasets": [{"dataset": "DS", "getitem_ms": 0.1, "decode_ms": 0.0, "transform_ms": 0.05, "other_ms": 0.05,
+                  "decode_share": 0.0, "decoders": {}, "batch_size": 64}],
+    "model": {"found": True, "device": "cpu", "has_conv2d": True, "channels_last_weights": True, "autocast": True,
+              "data_parallel": False, "conv_bias_before_bn": [], "odd_sizes": [], "batch_size": 64,
+              "unused_params": [], "unused_param_count": 0, "unused_param_fraction": 0.0, "never_called_modules": [],
+              "design": {"grouped_convs": 0, "grouped_time_share": 0.0, "grouped_flops_share": 0.0},
+              "input": {"dtype": "torch.float32", "mean": 0.0, "std": 1.0, "min": -3.0, "max": 3.0}},
+    "notes": [],
+}
+
+
+def _cuda(o):
+    o["env"] = {**CPU_ENV, "device": "cuda", "cuda_available": True, "compute_capability": (8, 0)}
+    o["model"]["device"] = "cuda:0"
+
+
+def _set(path, value):
+    def f(o):
+        d = o
+        keys = path.split(".")
+        for k in keys[:-1]:
+            d = d[k]
+        d[keys[-1]] = value
+    return f
+
+
+def _slow_data(o):
+    o["breakdown"].update(data_wait_ms=6.0, compute_ms=3.5, other_ms=0.5)
+    o["breakdown"]["fractions"].update(data_wait=0.6, compute=0.35)
+
+
+def _workers0(o):
+    _slow_data(o)
+    o["loaders"][0]["num_workers"] = 0
+
+
+def _pil(o):
+    _workers0(o)
+    o["datasets"][0].update(decoders={"PIL JPEG": 24}, decode_ms=0.6, decode_share=0.6,
+                            alt_decode={"best": "simplejpeg", "speedup": 3.0})
+
+
+def _pin(o):
+    _cuda(o)
+    o["loaders"][0]["pin_memory"] = False
+
+
+def _design(o):
+    o["model"]["design"] = {"grouped_convs": 4, "grouped_time_share": 0.6, "grouped_flops_share": 0.1}
+
+
+TRIGGERS = {
+    "data-bound": [_slow_data],
+    "dataloader-workers": [_workers0],
+    "pin-memory": [_pin],
+    "slow-jpeg-decode": [_pil],
+    "tensor-copy": [_set("tensor_copies", {"count": 64, "per_step": 64.0, "ms_per_step": 2.0, "mib": 1.0,
+                                           "sites": ["ds.py:9 (64x)"]})],
+    "host-sync": [_set("syncs", {"calls": 60, "by_kind": {"item": 60}, "calls_per_step": 2.0, "ms_per_step": 0.01,
+                                 "sites": ["train.py:30 (60x)"]})],
+    "no-amp": [_set("model.autocast", False)],
+    "channels-last": [_set("model.channels_last_weights", False)],
+    "cudnn-benchmark": [_cuda],
+    "zero-grad-memset": [_set("zero_grad", {"calls": 30, "set_to_none_false": 30, "ms_per_call": 0.1,
+                                            "sites": ["t.py:3 (30x)"]})],
+    "eval-grad-enabled": [_set("eval", {"calls": 4, "grad_calls": 4, "ms": 4.0, "grad_ms": 4.0})],
+    "conv-bias-before-bn": [_set("model.conv_bias_before_bn", ["conv1 -> bn1"])],
+    "data-parallel": [_set("model.data_parallel", True)],
+    "size-not-multiple-of-8": [_set("model.odd_sizes", ["fc1.out_features=100"])],
+    "unused-parameters": [_set("model.unused_params", ["aux.weight", "aux.bias"]),
+                          _set("model.unused_param_count", 2), _set("model.unused_param_fraction", 0.5)],
+    "small-batch": [_set("model.batch_size", 4)],
+    "model-design": [_design],
+    "input-not-normalized": [_set("model.input", {"dtype": "torch.float32", "mean": 120.0, "std": 70.0,
+                                                  "min": 0.0, "max": 255.0})],
+}
+
+
+def _obs(*mods):
+    o = copy.deepcopy(CLEAN)
+    for m in mods:
+        m(o)
+    return o
+
+
+def test_registry_holds_every_stable_rule_id_one_file_each():
+    import torchspeed.doctor.rules  # noqa: F401
+    assert set(RULES) == set(RULE_IDS) and len(RULE_IDS) == 18
+    folder = Path(torchspeed.doctor.rules.__file__).parent
+    for rid in RULE_IDS:
+        assert (folder / f"{rid.replace('-', '_')}.py").exists()
+    assert set(TRIGGERS) == set(RULE_IDS)
+
+
+def test_clean_observation_has_no_findings():
+    assert run_rules(_obs()) == []
+    cuda_clean = _obs(_cuda, _set("cudnn_benchmark", True))
+    assert run_rules(cuda_clean) == []
+
+
+@pytest.mark.parametrize("rule_id", RULE_IDS)
+def test_rule_fires_on_its_problem(rule_id):
+    obs = _obs(*TRIGGERS[rule_id])
+    f = RULES[rule_id].check(obs)
+    assert f is not None and f.rule == rule_id
+    assert f.severity in ("high", "medium", "low") and f.evidence and f.fix
+    d = f.to_dict()
+    assert set(d) == {"rule", "severity", "evidence", "fix", "est_gain"}
+    assert d["est_gain"] is None or isinstance(d["est_gain"], float)
+    assert RULES[rule_id].check(_obs()) is None  # and only there
+
+
+def test_host_sync_severity_follows_the_device():
+    sync = TRIGGERS["host-sync"][0]
+    assert RULES["host-sync"].check(_obs(sync)).severity == "low"
+    assert RULES["host-sync"].check(_obs(sync, _cuda)).severity == "medium"
+    many = _set("syncs.calls_per_step", 8.0)
+    assert RULES["host-sync"].check(_obs(sync, many, _cuda)).severity == "high"
+
+
+def test_no_amp_follows_what_the_machine_runs_fast():
+    no_amp = TRIGGERS["no-amp"][0]
+    f = RULES["no-amp"].check(_obs(no_amp))
+    assert f.severity == "low" and f.est_gain < 1 and f.fix.startswith("keep fp32")
+    bf16_cpu = _set("env", {**CPU_ENV, "bf16_supported": True})
+    f = RULES["no-amp"].check(_obs(no_amp, bf16_cpu))
+    assert f.est_gain > 1.25 and f.severity == "high" and "torch.autocast('cpu'" in f.fix
+    f = RULES["no-amp"].check(_obs(no_amp, _cuda))
+    assert f.severity == "high" and "torch.autocast('cuda'" in f.fix
+
+
+def test_measured_gain_overrides_the_estimate():
+    no_amp = TRIGGERS["no-amp"][0]
+    for speedup in (0.45, 1.1, 1.6):
+        v = _set("verify", {"autocast": {"fix": "autocast", "speedup": speedup, "baseline_ms": 10.0,
+                                         "candidate_ms": 10.0 / speedup, "rounds": 5}})
+        f = RULES["no-amp"].check(_obs(no_amp, _set("env", {**CPU_ENV, "bf16_supported": True}), v))
+        assert f.measured_gain == speedup and f.severity == severity_for_gain(speedup)
+        assert "--verify measured" in f.evidence
+        if speedup < 1:
+            assert "slow-down" in f.evidence and f.fix.startswith("keep fp32")
+
+
+def test_findings_are_ranked_by_severity_then_gain():
+    obs = _obs(*TRIGGERS["data-bound"], *TRIGGERS["no-amp"], *TRIGGERS["small-batch"],
+               *TRIGGERS["conv-bias-before-bn"], *TRIGGERS["eval-grad-enabled"])
+    found = run_rules(obs)
+    order = {"high": 0, "medium": 1, "low": 2}
+    ranks = [order[f.severity] for f in found]
+    assert ranks == sorted(ranks) and found[0].rule == "data-bound"
