@@ -2,7 +2,9 @@
 
 The public API: `fit` / `Trainer` (the fast loop), each technique as a plain function
 (`apply_channels_last`, `resolve_precision`, `create_optimizer`, `create_scheduler`,
-`scale_lr`, `Prefetcher`, `evaluate`, ...), and `detect` (what this machine can accelerate).
+`scale_lr`, `Prefetcher`, `evaluate`, ...), model surgery (`remove_conv_bias`,
+`pad_to_multiple`, `freeze_batchnorm`, `apply_activation_checkpointing`), the doctor
+(`diagnose`), and `detect` (what this machine can accelerate).
 """
 
 from torchspeed.env import EnvInfo, detect
@@ -12,6 +14,13 @@ from torchspeed.train import __all__ as _train_all
 from torchspeed.tune import (BatchSizeResult, LoaderSettings, LRFinderResult, find_batch_size, find_lr,
                              tune_loader)
 
+from torchspeed.model import (CheckpointWrapper, ConvBNPair, PaddingResult, apply_activation_checkpointing,
+                              find_conv_bn_pairs, freeze_batchnorm, pad_to_multiple, remove_conv_bias)
+from torchspeed.doctor import DoctorReport, Finding, diagnose
+
 __version__ = "0.1.0"
 __all__ = ["EnvInfo", "detect", "__version__", *_train_all,
-           "find_batch_size", "find_lr", "tune_loader", "BatchSizeResult", "LRFinderResult", "LoaderSettings"]
+           "find_batch_size", "find_lr", "tune_loader", "BatchSizeResult", "LRFinderResult", "LoaderSettings",
+           "remove_conv_bias", "find_conv_bn_pairs", "ConvBNPair", "pad_to_multiple", "PaddingResult",
+           "freeze_batchnorm", "apply_activation_checkpointing", "CheckpointWrapper",
+           "diagnose", "DoctorReport", "Finding"]
