@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from rich.progress import Progress
 from torch import nn
 
 from torchspeed.tune._common import (StateSnapshot, TrainStep, decide_once, is_oom, make_batch, model_device,
@@ -213,8 +214,6 @@ class _Finder:
 
     # ------------------------------------------------------------------ search
     def run(self) -> BatchSizeResult:
-        from rich.progress import Progress
-
         snap = StateSnapshot(self.model, self.optimizer, None, None)
         try:
             self.opt = self.optimizer or torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from rich.progress import Progress
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -185,8 +186,6 @@ class _Tuner:
 
     # ------------------------------------------------------------------ deciding
     def run(self) -> LoaderSettings:
-        from rich.progress import Progress
-
         snap = None
         if self.model is not None and self.user_step is None:
             opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)

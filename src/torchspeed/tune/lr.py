@@ -32,8 +32,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from rich.progress import Progress
 from torch import nn
 
+from torchspeed.train.precision import make_grad_scaler, resolve_precision
 from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device, to_device, unwrap
 
 __all__ = ["LRFinderResult", "find_lr", "suggest_lr", "plot_lr"]
@@ -103,10 +105,6 @@ def _batches(data, batch_size: int, seed: int):
 
 def _find_lr(model, data, *, loss_fn, optimizer, scheduler, scaler, start_lr, end_lr, num_steps, batch_size,
              precision, diverge_factor, plot, progress, seed) -> LRFinderResult:
-    from rich.progress import Progress
-
-    from torchspeed.train.precision import make_grad_scaler, resolve_precision
-
     device = model_device(model)
     prec = resolve_precision(precision, device=device)
     own_scaler = scaler is None and prec.needs_scaler
