@@ -94,12 +94,18 @@ def measure_scaling(*, nproc: int = 2, model: str = "mlp", data: str = "syntheti
             for name, n, t in configs]
     base, multi = rows[0], rows[1]
     ratios = {f"{nproc} procs / 1 proc": multi.samples_per_s / base.samples_per_s}
+    # Paired per round (the jobs of one round ran back to back): robust to slow drifts of the machine.
+    per_round = {f"{nproc} procs / 1 proc, median of per-round ratios":
+                 [m / b for m, b in zip(multi.samples, base.samples)]}
     if len(rows) > 2:
         ratios[f"{nproc} procs / 1 proc with the same cores"] = multi.samples_per_s / rows[2].samples_per_s
+        per_round[f"{nproc} procs / 1 proc with the same cores, median of per-round ratios"] = [
+            m / b for m, b in zip(multi.samples, rows[2].samples)]
+    ratios.update({k: statistics.median(v) for k, v in per_round.items()})
     meta = dict(spec, nproc=nproc, rounds=rounds, threads_per_proc=tpp, usable_cores=_usable_cores(),
                 method="each row: a fresh torchrun job, timed after warm-up; rows interleaved, order alternating "
                        "each round; samples/s counts all processes; per-process batch fixed")
-    return ScalingResult(rows=rows, ratios=ratios, meta=meta)
+    return ScalingResult(rows=rows, ratios=ratios, meta=dict(meta, per_round_ratios=per_round))
 
 
 def run_scaling_cli(args) -> int:
