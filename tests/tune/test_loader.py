@@ -1,0 +1,80 @@
+import multiprocessing
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchspeed.bench.workloads import SyntheticImages, create_model
+from torchspeed.env import usable_cores
+from torchspeed.tune import tune_loader
+from torchspeed.tune._jpeg import JpegImages
+
+
+def _spin(n: int) -> float:
+    t = time.perf_counter()
+    x = 0
+    for i in range(n):
+        x += i * i
+    return time.perf_counter() - t
+
+
+def _parallel_speedup() -> float:
+    """How much faster 2 processes finish 2 units of work than 1 process does 1 (2.0 on 2 idle cores)."""
+    n = 2_000_000
+    one = _spin(n)
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        pool.map(_spin, [1000, 1000])
+        t = time.perf_counter()
+        pool.map(_spin, [n, n])
+        two = time.perf_counter() - t
+    return 2 * one / two
+
+
+@pytest.fixture(scope="module")
+def in_memory():
+    ds = SyntheticImages(512, size=16)
+    return TensorDataset(ds.data, ds.targets)
+
+
+def test_decode_heavy_dataset_gets_workers():
+    if usable_cores() < 2:
+        pytest.skip("needs 2 usable cores to run workers in parallel")
+    if (speedup := _parallel_speedup()) < 1.4:
+        # other processes hold every core: no loader setting can run in parallel right now
+        pytest.skip(f"the machine is busy: 2 processes run only {speedup:.2f}x faster than 1")
+    ds = JpegImages(256, size=320, out_size=32)  # each __getitem__ decodes a 320 px JPEG
+    s = tune_loader(ds, batch_size=16, batches=10, progress=False)
+    assert s.num_workers > 0 and s.workers_help, s.reason
+    measured = {t.num_workers for t in s.table}
+    assert 0 in measured and s.num_workers in measured and max(measured) <= usable_cores()
+    zero = next(t for t in s.table if t.num_workers == 0)
+    assert s.samples_per_s >= 1.1 * zero.samples_per_s
+    kw = s.kwargs()
+    assert kw["persistent_workers"] and kw["prefetch_factor"] in (2, 4) and kw["pin_memory"] is False
+    x, y = next(iter(DataLoader(ds, batch_size=16, **kw)))  # the settings make a working loader
+    assert x.shape == (16, 3, 32, 32)
+
+
+def test_in_memory_tensors_workers_do_not_help_with_a_model(in_memory):
+    torch.manual_seed(0)
+    model = create_model("mlp", image_size=16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    s = tune_loader(in_memory, batch_size=64, model=model, progress=False)
+    assert s.num_workers == 0 and not s.workers_help
+    assert "workers do not help" in s.reason
+    assert s.loader_outruns_model is True and s.model_samples_per_s < s.samples_per_s
+    assert s.kwargs() == {"num_workers": 0, "pin_memory": False}
+    for k, v in model.state_dict().items():  # the model step used for timing changed nothing
+        assert torch.equal(v, before[k])
+
+
+def test_in_memory_tensors_workers_do_not_help_loader_alone(in_memory):
+    s = tune_loader(in_memory, batch_size=64, batches=20, progress=False)
+    assert s.num_workers == 0 and "workers do not help" in s.reason
+    assert s.loader_outruns_model is None
+
+
+def test_arguments_are_checked(in_memory):
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        tune_loader(in_memory, batch_size=10_000, progress=False)
