@@ -105,19 +105,19 @@ class DeviceAugment(nn.Module):
             raise ValueError(f"DeviceAugment expects a uint8 (N, 3, H, W) batch, got {tuple(x.shape)} {x.dtype}; "
                              "use a loader that returns uint8 tensors (FastImageFolder, PackedDataset)")
         n, _, h, w = x.shape
-        size = self.size or h
+        out_hw = (self.size, self.size) if self.size else (h, w)
         xf = x.float()  # the only dtype conversion, on the device
         if self.train_mode:
             boxes = random_boxes(n, h, w, scale=self.scale, ratio=self.ratio, device=x.device, generator=generator)
-            xf = self._crop(xf, boxes, size)
+            xf = self._crop(xf, boxes, out_hw)
             if self.flip:
                 flip = torch.rand(n, device=x.device, generator=generator) < 0.5
                 # Only the flipped half is touched. (roi_align with x1 > x2 would flip for free,
                 # but its adaptive sampling grid rejects negative widths.)
                 xf[flip] = xf[flip].flip(-1)
             xf = self._jitter(xf, generator)
-        elif (h, w) != (size, size):
-            xf = torch.nn.functional.interpolate(xf, size=(size, size), mode="bilinear", antialias=True,
+        elif (h, w) != out_hw:
+            xf = torch.nn.functional.interpolate(xf, size=out_hw, mode="bilinear", antialias=True,
                                                  align_corners=False)
         out = torch.addcmul(self._b, xf, self._a) if xf.is_contiguous() else xf * self._a + self._b
         if self.channels_last:
@@ -125,12 +125,13 @@ class DeviceAugment(nn.Module):
         return out.to(self.dtype)
 
     @staticmethod
-    def _crop(xf: torch.Tensor, boxes: torch.Tensor, size: int) -> torch.Tensor:
+    def _crop(xf: torch.Tensor, boxes: torch.Tensor, size: int | tuple[int, int]) -> torch.Tensor:
         from torchvision.ops import roi_align
 
         rois = torch.cat([torch.arange(len(boxes), device=boxes.device, dtype=boxes.dtype)[:, None], boxes], 1)
         # sampling_ratio=0: ceil(box/size) samples per output pixel and axis, i.e. area-averaging when shrinking.
-        return roi_align(xf, rois, output_size=(size, size), spatial_scale=1.0, sampling_ratio=0, aligned=True)
+        hw = (size, size) if isinstance(size, int) else size
+        return roi_align(xf, rois, output_size=hw, spatial_scale=1.0, sampling_ratio=0, aligned=True)
 
     def _jitter(self, xf: torch.Tensor, generator) -> torch.Tensor:
         n = xf.shape[0]

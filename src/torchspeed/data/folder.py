@@ -120,16 +120,18 @@ def load_image(data, *, size: int | None = None, crop: str | None = "random", sc
         H, W = image_size(data)
         if crop == "random":
             top, left, ch, cw = random_resized_crop_box(H, W, scale=scale, ratio=ratio, rng=rng)
-        else:  # centre square of the shorter side
-            s = min(H, W)
-            top, left, ch, cw = (H - s) // 2, (W - s) // 2, s, s
+        else:
+            ch = cw = min(H, W)
         # Decode at the smallest DCT scale that keeps the crop >= size on both sides (T04).
         hint = (min(H, math.ceil(size * H / ch)), min(W, math.ceil(size * W / cw))) if is_jpeg(data) else None
         img = decode_image(data, size_hint=hint, backend=backend, fast=fast)
         h, w = img.shape[:2]
-        if (h, w) != (H, W):
+        if crop == "center":  # the centre square of the decoded image
+            ch = cw = min(h, w)
+            top, left = (h - ch) // 2, (w - cw) // 2
+        elif (h, w) != (H, W):  # the box in decoded pixels (moves by less than one of them)
             sy, sx = h / H, w / W
-            top, left = int(top * sy), int(left * sx)
+            top, left = min(h - 1, round(top * sy)), min(w - 1, round(left * sx))
             ch, cw = max(1, min(h - top, round(ch * sy))), max(1, min(w - left, round(cw * sx)))
         img = _resize(img[top:top + ch, left:left + cw], (size, size))
     if flip and rng.random() < 0.5:
