@@ -186,3 +186,18 @@ def test_cli_reports_missing_path_as_one_line(capsys, monkeypatch):
     monkeypatch.setattr(env_cmd, "run", boom)
     code, err = _cli(capsys, "env")
     assert code == 2 and err.strip() == "torchspeed env: error: data/train is not a directory: expected an ImageFolder"
+
+
+@pytest.mark.skipif("train" not in COMMANDS, reason="torchspeed train is not registered")
+@pytest.mark.parametrize("case, expected", [
+    ("missing", "does not exist"),
+    ("empty", "has no class subfolders"),
+    ("batch", "--batch-size must be positive"),
+])
+def test_train_command_bad_data(capsys, tmp_path, case, expected):
+    (tmp_path / "empty").mkdir()
+    data = str(tmp_path / ("nope" if case == "missing" else "empty"))
+    extra = ("--batch-size", "0") if case == "batch" else ()
+    code, err = _cli(capsys, "train", "--data", data, *extra)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and expected in last and last.startswith("torchspeed train: error:"), err
