@@ -60,8 +60,6 @@ def test_bad_values(capsys, tmp_path, argv, expected):
     assert code == 2 and expected in last and "error:" in last, err
 
 
-@pytest.mark.xfail(reason="bench does not validate --model before starting its workers: the worker's "
-                          "ValueError comes back as a RuntimeError traceback", strict=False)
 def test_bench_unknown_model(capsys, tmp_path):
     code, err = _cli(capsys, "bench", "--model", "nosuch", "--steps", "1", "--rounds", "1",
                      "--json", str(tmp_path / "b.json"))

@@ -85,3 +85,12 @@ def test_unknown_names_give_clear_errors():
     opt = torch.optim.SGD(_model().parameters(), lr=0.1)
     with pytest.raises(ValueError, match="not one of"):
         create_scheduler("linear-ish", opt, total_steps=10)
+
+
+@pytest.mark.parametrize("total", [1, 2, 3, 4, 5, 7])
+def test_onecycle_survives_very_short_runs(total):
+    opt = torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9)
+    sched = create_scheduler("onecycle", opt, total_steps=total, max_lr=0.1)
+    if sched is not None:
+        lrs = _lrs(sched, opt, total)
+        assert all(lr > 0 for lr in lrs)

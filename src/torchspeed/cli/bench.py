@@ -12,7 +12,8 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer steps (under 2 minutes on 2 CPU cores)")
     p.add_argument("--data", default="synthetic", choices=["synthetic", "digits"],
                    help="synthetic (CIFAR-shaped, built in) or digits (scikit-learn's real handwritten digits)")
-    p.add_argument("--model", default="resnet18", help="resnet18 | resnet34 | resnet50 | mlp (CIFAR variants)")
+    p.add_argument("--model", default="resnet18", choices=["resnet18", "resnet34", "resnet50", "mlp"],
+                   help="CIFAR variants of the ResNets, or a small MLP (default resnet18)")
     p.add_argument("--batch-size", type=int, default=128, help="default 128 (64 with --quick)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per config per round")
     p.add_argument("--rounds", type=int, default=None, help="interleaved measuring rounds")

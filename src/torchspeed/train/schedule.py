@@ -49,7 +49,10 @@ def create_scheduler(name: str | None, optimizer: torch.optim.Optimizer, *, tota
     max_lr = max_lr if max_lr is not None else optimizer.param_groups[0]["lr"]
     has_momentum = "momentum" in optimizer.defaults or "betas" in optimizer.defaults
     if name == "onecycle":
+        if total_steps < 4:  # OneCycleLR needs >= 2 steps in each phase; so short a run keeps the LR
+            return None
         pct = 0.25 if warmup_steps is None else min(0.9, max(warmup_steps, 1) / total_steps)
+        pct = min(max(pct, 2 / total_steps), 1 - 2 / total_steps)
         div = 25.0 if min_lr is None else max_lr / min_lr
         return torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=pct, div_factor=div,
