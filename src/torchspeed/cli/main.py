@@ -13,7 +13,7 @@ import sys
 __all__ = ["main", "CLIError", "COMMANDS"]
 
 # Subcommand modules under torchspeed.cli, in help order.
-COMMANDS = ("env", "bench", "launch", "doctor", "data", "train")
+COMMANDS = ("env", "bench", "launch", "doctor", "data", "train", "tune")
 
 
 class CLIError(Exception):

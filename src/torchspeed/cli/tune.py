@@ -1,0 +1,156 @@
+"""`torchspeed tune [batch|lr|loader|all]`: measure the batch size, LR and DataLoader settings (T06-T08, T15, T17).
+
+Runs on a built-in workload (synthetic CIFAR-shaped images, scikit-learn digits, or
+JPEG-encoded photos decoded per sample) or an image folder (`--data PATH`, one
+sub-folder per class), prints each tuner's table, and writes `tune.json` (and `lr.png`)
+to `--out`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from torchspeed.cli.main import CLIError
+
+WHAT = ("batch", "lr", "loader", "all")
+BUILTIN = ("synthetic", "digits", "jpeg")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("tune", help="find the batch size, learning rate and DataLoader settings by measuring")
+    p.add_argument("what", nargs="?", default="all", choices=WHAT, help="which tuner to run (default: all)")
+    p.add_argument("--data", default="synthetic",
+                   help="synthetic | digits | jpeg (built in, no download) or PATH to an image folder (class/img.jpg)")
+    p.add_argument("--model", default="mlp", help="mlp | resnet18 | resnet34 | resnet50 (default mlp)")
+    p.add_argument("--batch-size", type=int, default=64, help="batch for the LR and loader tuners (default 64)")
+    p.add_argument("--image-size", type=int, default=32, help="images are resized to this size (default 32)")
+    p.add_argument("--max-batch", type=int, default=1024, help="largest batch the batch finder tries (default 1024)")
+    p.add_argument("--memory-budget-mb", type=float, default=None,
+                   help="CPU: the memory a step may use (default: half of what the OS reports available)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--quick", action="store_true", help="fewer steps and batches (about a minute on 2 CPU cores)")
+    p.add_argument("--out", default="tune_out", help="folder for tune.json and lr.png (default tune_out)")
+    p.set_defaults(func=run)
+
+
+def _dataset(args):
+    from torchspeed.bench.workloads import SyntheticImages, digits
+
+    n = 1024 if args.quick else 4096
+    if args.data == "synthetic":
+        return SyntheticImages(n, size=args.image_size)
+    if args.data == "digits":
+        return digits(size=args.image_size)[0]
+    if args.data == "jpeg":
+        from torchspeed.tune._jpeg import JpegImages
+
+        return JpegImages(n // 4, size=256, out_size=args.image_size)
+    path = Path(args.data)
+    if not path.exists():
+        raise CLIError(f"--data {args.data}: no such folder, and not one of {', '.join(BUILTIN)}")
+    if not path.is_dir():
+        raise CLIError(f"--data {args.data}: expected a folder of class sub-folders with images")
+    import torchvision
+    from torchvision import transforms
+
+    tf = transforms.Compose([transforms.Resize(args.image_size), transforms.CenterCrop(args.image_size),
+                             transforms.ToTensor(), transforms.Normalize([0.5] * 3, [0.25] * 3)])
+    try:
+        ds = torchvision.datasets.ImageFolder(str(path), transform=tf)
+    except (FileNotFoundError, RuntimeError) as e:
+        raise CLIError(f"--data {args.data}: {e}") from e
+    return ds
+
+
+def _num_classes(ds) -> int:
+    if hasattr(ds, "classes"):
+        return len(ds.classes)
+    if hasattr(ds, "num_classes"):
+        return ds.num_classes
+    return 10
+
+
+def run(args) -> int:
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size must be positive, got {args.batch_size}")
+    if args.max_batch < 8:
+        raise CLIError(f"--max-batch must be at least 8, got {args.max_batch}")
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+    from torch.utils.data import DataLoader
+
+    from torchspeed.bench.runner import provenance
+    from torchspeed.bench.workloads import MODELS, create_model
+    from torchspeed.tune import find_batch_size, find_lr, tune_loader
+
+    if args.model not in MODELS:
+        raise CLIError(f"--model {args.model}: not one of {', '.join(MODELS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CLIError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    console = Console()
+    ds = _dataset(args)
+    if len(ds) < args.batch_size:
+        raise CLIError(f"--data {args.data} has {len(ds)} samples, fewer than one batch of {args.batch_size}")
+    torch.manual_seed(0)
+    try:
+        model = create_model(args.model, num_classes=_num_classes(ds), image_size=args.image_size).to(device)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"workload": {"model": args.model, "data": args.data, "samples": len(ds),
+                                 "image_size": args.image_size, "device": str(device)},
+                    "provenance": provenance()}
+    console.print(f"[bold]torchspeed tune {args.what}[/]: {args.model} on {args.data} ({len(ds)} samples, "
+                  f"{args.image_size} px) on {device}")
+
+    if args.what in ("batch", "all"):
+        budget = int(args.memory_budget_mb * 2 ** 20) if args.memory_budget_mb else None
+        res = find_batch_size(model, ds, max_batch=args.max_batch, memory_budget=budget,
+                              rounds=2 if args.quick else 3)
+        t = Table(title=f"batch size: largest {res.largest} (limited by {res.limited_by}), fastest {res.fastest}")
+        for col in ("batch", "fits", "samples/s", "memory", "note"):
+            t.add_column(col, justify="left" if col == "note" else "right")
+        for r in res.table:
+            t.add_row(str(r.batch_size), "yes" if r.fits else "no",
+                      "-" if r.samples_per_s is None else f"{r.samples_per_s:,.0f}",
+                      "-" if r.peak_bytes is None else f"{r.peak_bytes / 2 ** 20:,.1f} MiB", r.note)
+        console.print(t)
+        report["batch"] = res.to_dict()
+
+    if args.what in ("lr", "all"):
+        loader = DataLoader(ds, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
+        res_lr = find_lr(model, loader, num_steps=60 if args.quick else 100, plot=out / "lr.png")
+        t = Table(title="learning rate (range test)")
+        t.add_column("rule")
+        t.add_column("lr", justify="right")
+        for name, v in (("suggestion", res_lr.suggestion), ("steepest (smoothed)", res_lr.steepest_lr),
+                        ("valley", res_lr.valley_lr), ("loss minimum", res_lr.min_loss_lr),
+                        ("one-cycle max_lr", res_lr.max_lr), ("one-cycle min_lr", res_lr.min_lr)):
+            t.add_row(name, f"{v:.3g}")
+        console.print(t)
+        console.print(f"suggestion by: {res_lr.rule}" + ("; stopped when the loss diverged" if res_lr.diverged else ""))
+        report["lr"] = res_lr.to_dict()
+
+    if args.what in ("loader", "all"):
+        s = tune_loader(ds, batch_size=args.batch_size, model=model, device=device, batches=8 if args.quick else 16)
+        t = Table(title=f"DataLoader: num_workers={s.num_workers}, prefetch_factor={s.prefetch_factor}, "
+                        f"pin_memory={s.pin_memory}, persistent_workers={s.persistent_workers}")
+        for col in ("workers", "pin", "prefetch", "samples/s", "start-up s", "measured"):
+            t.add_column(col, justify="right")
+        for r in s.table:
+            t.add_row(str(r.num_workers), str(r.pin_memory), str(r.prefetch_factor or "-"), f"{r.samples_per_s:,.0f}",
+                      f"{r.startup_s:.2f}" if not r.end_to_end else "-", "load + step" if r.end_to_end else "loader")
+        console.print(t)
+        console.print(s.reason)
+        report["loader"] = s.to_dict()
+
+    tmp = out / "tune.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2, default=str))
+    os.replace(tmp, out / "tune.json")
+    console.print(f"wrote {out / 'tune.json'}" + (f" and {out / 'lr.png'}" if "lr" in report else ""))
+    return 0

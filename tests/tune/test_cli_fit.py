@@ -1,0 +1,97 @@
+import json
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, RandomSampler
+
+from torchspeed import fit, scale_lr
+from torchspeed.bench.workloads import create_model, digits
+from torchspeed.cli.main import main
+from torchspeed.tune.auto import rebuild_loader, tune_for_fit
+
+
+@pytest.fixture(scope="module")
+def digits8():
+    return digits(size=8)
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return create_model("mlp", image_size=8)
+
+
+def test_fit_auto_tunes_batch_lr_and_loader(digits8):
+    train, val = digits8
+    loader = DataLoader(train, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
+    res = fit(_mlp(), loader, epochs=1, val_loader=DataLoader(val, batch_size=256), batch_size="auto", lr="auto",
+              loader="auto", progress=False, compile=False, device="cpu")
+    d = res.decisions
+    new_batch = int(d["batch_size"].split()[0])
+    assert new_batch % 8 == 0 and new_batch <= len(train) // 16
+    found = float(d["lr_find"].split()[0])
+    if new_batch != 16:
+        assert float(d["lr"].split()[0]) == pytest.approx(scale_lr(found, new_batch, 16), rel=1e-2)
+    assert "num_workers" in d["loader"]
+    assert res.steps == len(train) // new_batch + (len(train) % new_batch > 0)  # trained on the rebuilt loader
+    assert res.final["val_acc"] > 0.5
+
+
+def test_fixed_batch_scales_the_given_lr_and_keeps_the_sampler(digits8):
+    train, _ = digits8
+    loader = DataLoader(train, batch_size=16, shuffle=True, drop_last=True,
+                        generator=torch.Generator().manual_seed(0))
+    model = _mlp()
+    new_loader, lr, decisions = tune_for_fit(model, loader, batch_size=64, lr=0.05, loader=None, loss_fn=None,
+                                             optimizer="sgd", weight_decay=0.0, device="cpu", progress=False)
+    assert lr == pytest.approx(0.2) and "linear scaling rule" in decisions["lr"]
+    assert new_loader.batch_size == 64 and new_loader.drop_last
+    assert new_loader.sampler is loader.sampler and isinstance(new_loader.sampler, RandomSampler)
+    res = fit(_mlp(), loader, epochs=1, batch_size=64, lr=0.05, schedule=None, progress=False, compile=False,
+              device="cpu")
+    assert res.history[-1]["lr"] == pytest.approx(0.2)  # the optimizer ran at the scaled LR
+    assert res.steps == len(train) // 64
+
+
+def test_rebuild_loader_refuses_custom_batch_sampler(digits8):
+    from torch.utils.data import Sampler
+
+    class Buckets(Sampler):
+        def __iter__(self):
+            return iter([[0, 1], [2, 3]])
+
+        def __len__(self):
+            return 2
+
+    loader = DataLoader(digits8[0], batch_sampler=Buckets())
+    with pytest.raises(ValueError, match="custom batch_sampler"):
+        rebuild_loader(loader, batch_size=32)
+
+
+def test_auto_options_need_a_dataloader(digits8):
+    batches = [(torch.randn(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))]
+    with pytest.raises(TypeError, match="DataLoader"):
+        fit(_mlp(), batches, batch_size="auto", progress=False, device="cpu")
+
+
+def test_cli_tune_writes_json_and_plot(tmp_path, capsys):
+    rc = main(["tune", "lr", "--data", "digits", "--image-size", "8", "--quick", "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "tune.json").read_text())
+    assert report["lr"]["max_lr"] > 0 and report["provenance"]["torch"] == torch.__version__
+    assert (tmp_path / "lr.png").stat().st_size > 1000
+    assert "one-cycle max_lr" in capsys.readouterr().out
+
+
+def test_cli_tune_batch(tmp_path):
+    rc = main(["tune", "batch", "--data", "digits", "--image-size", "8", "--quick", "--max-batch", "64",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "tune.json").read_text())
+    assert report["batch"]["largest"] == 64 and report["batch"]["fastest"] % 8 == 0
+
+
+def test_cli_expected_mistakes_are_one_line_errors(tmp_path, capsys):
+    assert main(["tune", "lr", "--data", str(tmp_path / "missing"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no such folder" in err and "Traceback" not in err
+    assert main(["tune", "batch", "--batch-size", "0"]) == 2
