@@ -13,8 +13,10 @@ with DALI. On a CPU-only machine it moves the same work to the training process 
 the workers, so it only helps if workers are the bottleneck.
 What it costs: the crop is taken from the decoded (already resized) image, so small crops see
 fewer source pixels than a full-resolution RandomResizedCrop; clamping is done once at the end
-rather than after each jitter step as torchvision does; no hue jitter (a per-pixel colour-space
-round trip that costs more than the rest together).
+rather than after each jitter step as torchvision does (so values pushed past 0 or 255 by one step
+can come back in the next), and the jitter is applied in the fixed order brightness, contrast,
+saturation (torchvision shuffles it); no hue jitter (a per-pixel colour-space round trip that costs
+more than the rest together).
 
 Kornia's `RandomResizedCrop` + `ColorJitter` do the same on float batches; benchmarks/bench_data.py
 measures both (see docs/data.md for which is faster and why this module does not depend on it).
@@ -134,25 +136,29 @@ class DeviceAugment(nn.Module):
         return roi_align(xf, rois, output_size=hw, spatial_scale=1.0, sampling_ratio=0, aligned=True)
 
     def _jitter(self, xf: torch.Tensor, generator) -> torch.Tensor:
+        """Brightness b, contrast c, saturation s as one per-sample affine map of (x, grey(x)).
+
+        With g = grey(x) per pixel and m = mean grey of the image: brightness gives b*x,
+        contrast (b*x - b*m)*c + b*m, saturation (y - grey(y))*s + grey(y). Grey is linear
+        (its weights sum to 1), so the three compose to
+            x'' = s*c*b * x + (1-s)*c*b * g + (1-c)*b*m,
+        computed in one pass over the batch instead of three passes per operation.
+        """
+        if not (self.brightness or self.contrast or self.saturation):
+            return xf
         n = xf.shape[0]
 
         def factor(strength: float) -> torch.Tensor:
+            if not strength:
+                return torch.ones(n, 1, 1, 1, device=xf.device)
             lo, hi = max(0.0, 1 - strength), 1 + strength
             return torch.empty(n, 1, 1, 1, device=xf.device).uniform_(lo, hi, generator=generator)
 
-        if self.brightness:
-            xf = xf * factor(self.brightness)
-        if self.contrast:
-            c = factor(self.contrast)
-            m = (xf * self._gray).sum(1, keepdim=True).mean((2, 3), keepdim=True)
-            xf = (xf - m) * c + m
-        if self.saturation:
-            s = factor(self.saturation)
-            g = (xf * self._gray).sum(1, keepdim=True)
-            xf = (xf - g) * s + g
-        if self.brightness or self.contrast or self.saturation:
-            xf = xf.clamp_(0.0, 255.0)
-        return xf
+        b, c, s = factor(self.brightness), factor(self.contrast), factor(self.saturation)
+        g = (xf * self._gray).sum(1, keepdim=True)                       # (n, 1, H, W)
+        shift = (1 - c) * b * g.mean((2, 3), keepdim=True) if self.contrast else torch.zeros_like(b)
+        base = torch.addcmul(shift, g, (1 - s) * c * b) if self.saturation else shift
+        return torch.addcmul(base, xf, s * c * b).clamp_(0.0, 255.0)
 
 
 class DeviceLoader:

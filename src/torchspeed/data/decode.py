@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import math
 import time
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -124,11 +125,14 @@ def _pillow(data, min_h: int, min_w: int, fast: bool = False) -> np.ndarray:
 
 def _torchvision(data, min_h: int, min_w: int, fast: bool = False) -> np.ndarray:
     import torch
-    from torchvision.io import ImageReadMode, decode_jpeg as tv_decode
 
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    # HWC contiguous like the other backends (its CHW output would cost a transpose later anyway)
-    return np.ascontiguousarray(tv_decode(t, mode=ImageReadMode.RGB).permute(1, 2, 0).numpy())
+    with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders in favour of torchcodec
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torchvision.io import ImageReadMode, decode_jpeg as tv_decode
+
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        # HWC contiguous like the other backends (its CHW output would cost a transpose later anyway)
+        return np.ascontiguousarray(tv_decode(t, mode=ImageReadMode.RGB).permute(1, 2, 0).numpy())
 
 
 _FUNCS = {"simplejpeg": _simplejpeg, "opencv": _opencv, "pillow": _pillow, "torchvision": _torchvision}
@@ -262,7 +266,6 @@ def decode_jpeg_batch(datas: Sequence, *, device="cuda"):
         >>> imgs = decode_jpeg_batch([p.read_bytes() for p in paths], device="cuda")
     """
     import torch
-    from torchvision.io import ImageReadMode, decode_jpeg as tv_decode
 
     tensors = []
     for d in datas:
@@ -270,6 +273,10 @@ def decode_jpeg_batch(datas: Sequence, *, device="cuda"):
             raise ImageDecodeError("not a JPEG (no SOI marker)")
         _check_complete(d)
         tensors.append(torch.frombuffer(bytearray(d), dtype=torch.uint8))
-    if torch.device(device).type != "cuda":
-        return [tv_decode(t, mode=ImageReadMode.RGB) for t in tensors]
-    return tv_decode(tensors, mode=ImageReadMode.RGB, device=device)
+    with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders in favour of torchcodec
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torchvision.io import ImageReadMode, decode_jpeg as tv_decode
+
+        if torch.device(device).type != "cuda":
+            return [tv_decode(t, mode=ImageReadMode.RGB) for t in tensors]
+        return tv_decode(tensors, mode=ImageReadMode.RGB, device=device)
