@@ -4,7 +4,8 @@ The public API: `fit` / `Trainer` (the fast loop), each technique as a plain fun
 (`apply_channels_last`, `resolve_precision`, `create_optimizer`, `create_scheduler`,
 `scale_lr`, `Prefetcher`, `evaluate`, ...), model surgery (`remove_conv_bias`,
 `pad_to_multiple`, `freeze_batchnorm`, `apply_activation_checkpointing`), the doctor
-(`diagnose`), and `detect` (what this machine can accelerate).
+(`diagnose`), fast image data (`FastImageFolder`, `PackedDataset`, `CachedDataset`,
+`DeviceAugment`; see `torchspeed.data`), and `detect` (what this machine can accelerate).
 """
 
 from torchspeed.env import EnvInfo, detect
@@ -17,10 +18,14 @@ from torchspeed.tune import (BatchSizeResult, LoaderSettings, LRFinderResult, fi
 from torchspeed.model import (CheckpointWrapper, ConvBNPair, PaddingResult, apply_activation_checkpointing,
                               find_conv_bn_pairs, freeze_batchnorm, pad_to_multiple, remove_conv_bias)
 from torchspeed.doctor import DoctorReport, Finding, diagnose
+from torchspeed.data import (CachedDataset, DeviceAugment, DeviceLoader, FastImageFolder, PackedDataset, decode_image,
+                             pack_folder)
 
 __version__ = "0.1.0"
 __all__ = ["EnvInfo", "detect", "__version__", *_train_all,
            "find_batch_size", "find_lr", "tune_loader", "BatchSizeResult", "LRFinderResult", "LoaderSettings",
            "remove_conv_bias", "find_conv_bn_pairs", "ConvBNPair", "pad_to_multiple", "PaddingResult",
            "freeze_batchnorm", "apply_activation_checkpointing", "CheckpointWrapper",
-           "diagnose", "DoctorReport", "Finding"]
+           "diagnose", "DoctorReport", "Finding",
+           "FastImageFolder", "PackedDataset", "CachedDataset", "DeviceAugment", "DeviceLoader", "decode_image",
+           "pack_folder"]
