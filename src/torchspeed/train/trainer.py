@@ -154,6 +154,9 @@ class Trainer:
         self.module = self.model  # the plain module: evaluation, state_dict, checkpoints
         if self.dist is not None:
             # DDP last, after .to(device) and channels_last: it broadcasts rank 0's weights now.
+            if cfg.static_graph and cfg.grad_accum > 1:
+                raise ValueError("static_graph=True cannot be combined with grad_accum > 1: DDP's static graph "
+                                 "does not support the no_sync() micro-steps; drop static_graph or grad_accum")
             synced = False
             if cfg.sync_batchnorm:
                 self.module, synced = convert_sync_batchnorm(self.module, device=self.device)
