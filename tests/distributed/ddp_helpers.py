@@ -86,7 +86,10 @@ def worker_one_step(rank: int, out: str) -> None:
     # The Trainer: rank 1 starts from other weights on purpose; DDP must broadcast rank 0's.
     trainer = sgd_trainer(make_model(seed=rank), scale_lr_world_size=True)
     trainer.train_step((x[half], y[half]))
-    torch.save({"grads": grads, "params": [p.detach().clone() for p in trainer.module.parameters()],
+    static = sgd_trainer(make_model(seed=rank), static_graph=True)
+    static.train_step((x[half], y[half]))
+    torch.save({"static_params": [p.detach().clone() for p in static.module.parameters()],
+                "static_decision": static.decisions["distributed"], "grads": grads, "params": [p.detach().clone() for p in trainer.module.parameters()],
                 "lr": trainer.optimizer.param_groups[0]["lr"], "decisions": trainer.decisions,
                 "is_ddp": isinstance(trainer.model, nn.parallel.DistributedDataParallel)}, f"{out}/rank{rank}.pt")
 

@@ -44,6 +44,10 @@ def test_one_ddp_step_equals_single_process_on_the_concatenated_batch(tmp_path):
         assert r["lr"] == pytest.approx(0.2)
         for got, want in zip(r["params"], _reference_sgd_step(x, y, lr=0.2)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        # static_graph=True (valid here: every step uses every parameter) gives the same update
+        assert "static_graph=True" in r["static_decision"]
+        for got, want in zip(r["static_params"], _reference_sgd_step(x, y, lr=0.1)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_accumulation_uses_no_sync_and_matches_single_process(tmp_path):
