@@ -152,3 +152,25 @@ def worker_epochs(rank: int, out: str) -> None:
     torch.save({"epochs": [seen[:per], seen[per:]], "history": result.history, "full_val": full_val,
                 "world": get_world_size(), "params": [p.detach().clone() for p in trainer.module.parameters()]},
                f"{out}/rank{rank}.pt")
+
+
+def make_bn_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
+                         nn.Flatten(), nn.Linear(16, 3))
+
+
+def worker_sync_batchnorm(rank: int, out: str) -> None:
+    """GPUs only: with SyncBatchNorm, BatchNorm sees the global batch, so one step matches one process."""
+    from torchspeed.train.trainer import Trainer
+
+    x, y = make_data(16)
+    half = slice(rank * 8, rank * 8 + 8)
+    trainer = Trainer(make_bn_model(seed=0), optimizer="sgd", lr=0.1, momentum=0.0, weight_decay=0.0,
+                      config=plain_config(sync_batchnorm=True))
+    assert trainer.device == torch.device("cuda", rank), trainer.device
+    trainer.train_step((x[half].to(trainer.device), y[half].to(trainer.device)))
+    torch.save({"params": [p.detach().cpu() for p in trainer.module.parameters()],
+                "decision": trainer.decisions["distributed"],
+                "has_sync_bn": any(isinstance(m, nn.SyncBatchNorm) for m in trainer.module.modules())},
+               f"{out}/rank{rank}.pt")

@@ -109,3 +109,21 @@ def test_only_rank_zero_writes_metrics_and_checkpoints(epochs_run):
 
     newest = max((epochs_run / "ckpt0").glob("*.pt"), key=lambda p: p.stat().st_mtime)
     assert not any(k.startswith("module.") for k in load_checkpoint(newest)["model"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL DDP needs 2 GPUs")
+def test_sync_batchnorm_on_two_gpus_matches_one_process_with_the_whole_batch(tmp_path):
+    from ddp_helpers import make_bn_model, worker_sync_batchnorm
+
+    run_ranks(worker_sync_batchnorm, str(tmp_path))
+    x, y = make_data(16)
+    ref = make_bn_model(seed=0)
+    nn.functional.cross_entropy(ref(x), y).backward()
+    with torch.no_grad():
+        want = [p - 0.1 * p.grad for p in ref.parameters()]
+    for rank in (0, 1):
+        r = _load(tmp_path, rank)
+        assert r["has_sync_bn"] and "nccl" in r["decision"] and "sync_batchnorm=True" in r["decision"]
+        for got, w in zip(r["params"], want):
+            torch.testing.assert_close(got, w, rtol=1e-3, atol=1e-4)  # TF32 may be on for GPU convs

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import torchspeed
-from torchspeed.train.distributed import (distributed_loader, is_rank_zero, maybe_init_distributed, rank_zero_only,
+from torchspeed.train.distributed import (convert_sync_batchnorm, distributed_loader, is_rank_zero, maybe_init_distributed, rank_zero_only,
                                           reduce_metrics, scale_lr_world_size, shard_batches, unwrap_model)
 from torchspeed.train.sampler import ResumableSampler
 
@@ -82,3 +82,5 @@ def test_single_process_defaults(monkeypatch):
     assert scale_lr_world_size(0.1, world_size=4) == pytest.approx(0.4)
     model = _tiny()
     assert unwrap_model(nn.DataParallel(model)) is model
+    bn = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    assert convert_sync_batchnorm(bn, device="cpu") == (bn, False)  # PyTorch has no CPU SyncBatchNorm
