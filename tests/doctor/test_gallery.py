@@ -6,6 +6,7 @@ process, one after another, so torch is imported once.
 """
 
 import hashlib
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -106,6 +107,21 @@ STYLES = {
         if __name__ == "__main__":
             sys.exit(main(sys.argv[1:]))
     '''),
+    "style_runs_like_python.py": ("stopped", "--flag x", '''
+        import os, sys
+        import torch
+        here = os.path.dirname(os.path.abspath(__file__))
+        assert __name__ == "__main__", __name__
+        assert sys.argv[0] == os.path.abspath(__file__) and sys.argv[1:] == ["--flag", "x"], sys.argv
+        assert sys.path[0] == here and "" not in sys.path, sys.path[:3]
+        assert os.getcwd() == os.environ["DOCTOR_TEST_CWD"], os.getcwd()
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(50):
+            opt.zero_grad()
+            model(torch.randn(16, 8)).square().mean().backward()
+            opt.step()
+    '''),
     "style_exits_early.py": ("finished", "", '''
         import sys
         import torch
@@ -145,6 +161,7 @@ def reports(tmp_path_factory):
         style_expect[p.name] = exp
         jobs.append(DoctorJob(script=str(p), args=args, steps=8, warmup=2,
                               time_limit=4.0 if "timeout" in exp else 90.0))
+    os.environ["DOCTOR_TEST_CWD"] = os.getcwd()  # the child inherits it; cwd must stay the same
     out = diagnose_many(jobs, quiet=True, threads=1)
     after = {SCRIPTS: _digest(SCRIPTS), style_dir: _digest(style_dir)}
     return {p.name: (r, _expect(p)[0]) for p, r in zip(paths, out)}, before, after
@@ -171,6 +188,8 @@ def test_script_gets_its_findings(reports, name):
     elif expect == {"timeout"}:
         assert r.status == "timeout"
         assert r.observation["wall_s"] < 30
+    elif expect == {"stopped"}:
+        assert r.status == "stopped", r.traceback
     elif expect == {"finished"}:
         assert r.status == "finished" and r.observation["steps_observed"] == 3
     else:

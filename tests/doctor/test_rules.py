@@ -161,12 +161,20 @@ def test_measured_gain_overrides_the_estimate():
     no_amp = TRIGGERS["no-amp"][0]
     for speedup in (0.45, 1.1, 1.6):
         v = _set("verify", {"autocast": {"fix": "autocast", "speedup": speedup, "baseline_ms": 10.0,
-                                         "candidate_ms": 10.0 / speedup, "rounds": 5}})
+                                         "candidate_ms": 10.0 / speedup, "rounds": 5, "within_noise": False,
+                                         "iqr": [speedup * 0.95, speedup * 1.05]}})
         f = RULES["no-amp"].check(_obs(no_amp, _set("env", {**CPU_ENV, "bf16_supported": True}), v))
         assert f.measured_gain == speedup and f.severity == severity_for_gain(speedup)
         assert "--verify measured" in f.evidence
         if speedup < 1:
             assert "slow-down" in f.evidence and f.fix.startswith("keep fp32")
+
+
+def test_measurement_within_noise_is_low():
+    v = _set("verify", {"channels_last": {"fix": "channels_last", "speedup": 1.4, "baseline_ms": 10.0,
+                                          "candidate_ms": 7.1, "rounds": 5, "within_noise": True, "iqr": [0.8, 1.9]}})
+    f = RULES["channels-last"].check(_obs(TRIGGERS["channels-last"][0], v))
+    assert f.measured_gain == 1.4 and f.severity == "low" and "within noise" in f.evidence
 
 
 def test_findings_are_ranked_by_severity_then_gain():

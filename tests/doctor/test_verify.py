@@ -29,12 +29,15 @@ def test_verify_reports_measured_speedups_for_autocast_channels_last_workers(ver
     for fix, v in r.verify.items():
         assert "error" not in v, v
         assert v["speedup"] > 0 and v["baseline_ms"] > 0 and v["candidate_ms"] > 0 and len(v["ratios"]) == 3
+        assert v["iqr"][0] <= v["speedup"] <= v["iqr"][1]
     rule_of = {"autocast": "no-amp", "channels_last": "channels-last", "workers": "dataloader-workers"}
     for fix, rule in rule_of.items():
         f = r.finding(rule)
         assert f is not None, rule
         assert f.measured_gain == r.verify[fix]["speedup"]
-        assert f.severity == severity_for_gain(f.measured_gain)  # severity follows the measurement
+        # severity follows the measurement; a difference inside the noise is low
+        expected = "low" if r.verify[fix]["within_noise"] else severity_for_gain(f.measured_gain)
+        assert f.severity == expected
         assert "--verify measured" in f.evidence
     # 16 samples x 1 ms of sleep per batch: loading in a worker overlaps it with compute
     assert r.verify["workers"]["speedup"] > 1.0

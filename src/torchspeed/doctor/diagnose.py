@@ -72,14 +72,18 @@ def diagnose_many(jobs: Sequence[DoctorJob], *, quiet: bool = False, threads: in
         with open(spec_path, "w") as f:
             json.dump({"jobs": [j.to_spec() for j in jobs], "threads": threads}, f)
         budget = sum(j.time_limit + (120.0 if j.verify else 0.0) + 30.0 for j in jobs) + 60.0
-        env = dict(os.environ)
         src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        # `python train.py` puts only the script's folder first on sys.path (not the current
+        # directory): drop the '' that -c adds; run_job inserts the script's folder. -B: no
+        # __pycache__ is written into the user's folders.
+        code = ("import sys\nif sys.path and sys.path[0] == '': sys.path.pop(0)\n"
+                f"sys.path.append({src!r})\n"
+                "from torchspeed.doctor._child import main\nraise SystemExit(main(sys.argv))")
         out_stream = None
         if quiet:
             out_stream = open(log_path, "w") if log_path else subprocess.DEVNULL
-        proc = subprocess.Popen([sys.executable, "-m", "torchspeed.doctor._child", spec_path, out_path],
-                                stdout=out_stream, stderr=out_stream, env=env)
+        proc = subprocess.Popen([sys.executable, "-B", "-c", code, spec_path, out_path],
+                                stdout=out_stream, stderr=out_stream)
         killed = False
         try:
             proc.wait(timeout=budget)

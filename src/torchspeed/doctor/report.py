@@ -130,6 +130,8 @@ def render_report(report: DoctorReport, console=None) -> None:
                 continue
             s = v["speedup"]
             note = "slower here: not recommended on this machine" if s < 0.97 else ""
+            if v.get("within_noise"):
+                note = f"within noise (middle half of rounds {v['iqr'][0]:.2f}-{v['iqr'][1]:.2f}x)"
             if "compile_s" in v:
                 note = (note + f" compile took {v['compile_s']} s").strip()
             t.add_row(v["fix"], f"{v['baseline_ms']:.2f}", f"{v['candidate_ms']:.2f}", f"{s:.2f}x", note)

@@ -176,8 +176,12 @@ def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25) -> d
         b_ms.append(times[0])
         c_ms.append(times[1])
         ratios.append(times[0] / times[1])
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) >= 2 else [ratios[0]] * 3
     return {"baseline_ms": round(statistics.median(b_ms), 4), "candidate_ms": round(statistics.median(c_ms), 4),
             "speedup": round(statistics.median(ratios), 4), "ratios": [round(r, 4) for r in ratios],
+            "iqr": [round(q[0], 4), round(q[2], 4)],
+            # the middle half of the per-round ratios straddles 1.0: no measurable difference
+            "within_noise": bool(q[0] <= 1.0 <= q[2]),
             "rounds": rounds, "steps_per_round": k}
 
 

@@ -39,6 +39,9 @@ def verified(obs: dict, fix: str) -> dict | None:
 def measured_text(v: dict) -> str:
     s = v["speedup"]
     word = "a slow-down" if s < 0.97 else ("no change" if s < 1.03 else "faster")
+    if v.get("within_noise"):
+        lo, hi = v["iqr"]
+        word = f"within noise: the middle half of the per-round ratios spans {lo:.2f}-{hi:.2f}x"
     return (f"; --verify measured {s:.2f}x ({word}: {v['baseline_ms']:.2f} -> {v['candidate_ms']:.2f} ms per step, "
             f"median of {v['rounds']} interleaved rounds)")
 
@@ -53,7 +56,8 @@ def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: 
             measured = float(v["speedup"])
             evidence += measured_text(v)
     if measured is not None:
-        sev = severity_for_gain(measured)
+        # a difference the interleaved rounds cannot tell from noise is not worth a high/medium
+        sev = "low" if verified(obs, verify_fix).get("within_noise") else severity_for_gain(measured)
     else:
         sev = severity if severity is not None else severity_for_gain(est_gain)
     return Finding(rule=rule, severity=sev, evidence=evidence, fix=fix,
