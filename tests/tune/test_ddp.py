@@ -48,7 +48,7 @@ def test_one_decision_broadcast_to_every_rank(tmp_path):
     mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
-    assert r0["alone"] != r1["alone"]  # on their own, the ranks would pick different batch sizes
+    assert r0["alone"] != r1["alone"], (r0["alone"], r1["alone"])  # alone, the ranks would disagree
     assert r0["batch"] == r1["batch"] and r0["batch"][1] == r0["alone"]  # rank 0's decision, everywhere
     assert r0["lr"] == r1["lr"] and r0["suggestion"] == r1["suggestion"]  # the same range test curve
     assert r0["loader"] == r1["loader"] == 0
