@@ -64,6 +64,21 @@ def test_crop_matches_resized_crop():
     torch.testing.assert_close(half, F.avg_pool2d(x, 2), rtol=1e-5, atol=1e-4)
 
 
+def test_cpu_uint8_path_matches_roi_align_path():
+    from torchspeed.data.augment import DeviceAugment as DA
+
+    x = _batch(n=6, h=40, w=48)
+    boxes = torch.tensor([[4.0, 2.0, 20.0, 18.0], [0.0, 0.0, 16.0, 24.0], [30.0, 10.0, 46.0, 38.0],
+                          [8, 8, 24, 24], [0, 0, 48, 40], [10, 4, 40, 36]])
+    flip = torch.tensor([False, True, False, True, False, True])
+    ours = DA._crop_cpu(x, boxes, 32, flip).float()
+    ref = DA._crop(x.float(), boxes, 32)
+    ref[flip] = ref[flip].flip(-1)
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    assert (ours - ref)[..., 2:-2, 2:-2].abs().mean() < 2.0  # uint8 rounding + resampling filter
+    assert (ours - ref.flip(-1))[..., 2:-2, 2:-2].abs().mean() > 10  # a missed flip would show
+
+
 def test_random_boxes_follow_scale_and_ratio():
     b = random_boxes(4000, 300, 400, generator=torch.Generator().manual_seed(0))
     w, h = b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]
@@ -111,6 +126,17 @@ def test_jitter_brightness_contrast_saturation():
     f = (out * kept).sum((1, 2, 3)) / (xf * kept).sum((1, 2, 3))
     assert f.min() >= 0.49 and f.max() <= 1.51 and f.max() - f.min() > 0.5
     torch.testing.assert_close(out, (xf * f.view(-1, 1, 1, 1)).clamp(0, 255), atol=0.5, rtol=0.02)
+
+
+def test_crop_false_only_jitters_and_normalizes():
+    x = _batch(n=8, h=20, w=20)
+    out = DeviceAugment(size=None, crop=False, brightness=0.5)(x, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (8, 3, 20, 20)
+    plain = _normalize(x)
+    assert not torch.allclose(out, plain, atol=1e-3)  # brightness applied
+    # no crop and no flip: the brightness factor is the only change (where nothing was clamped)
+    corr = [torch.corrcoef(torch.stack([out[i].flatten(), plain[i].flatten()]))[0, 1] for i in range(8)]
+    assert min(corr) > 0.99
 
 
 def test_rejects_float_input():

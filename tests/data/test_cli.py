@@ -59,9 +59,11 @@ def test_train_on_packed_file(learnable, tmp_path):
     pk = tmp_path / "l.tspack"
     assert main(["data", "pack", str(learnable), str(pk), "--on-error", "skip"]) == 0
     rc = main(["train", "--data", str(pk), "--model", "simple_cnn", "--size", "32", "--batch-size", "32",
-               "--epochs", "1", "--max-steps", "2", "--workers", "0", "--compile", "off", "--augment", "cpu",
-               "--out", str(tmp_path / "run"), "--no-progress"])
+               "--epochs", "2", "--max-steps", "6", "--workers", "0", "--compile", "off", "--augment", "device",
+               "--cache-gb", "0.01", "--jitter", "0.2", "--out", str(tmp_path / "run"), "--no-progress"])
     assert rc == 0 and (tmp_path / "run" / "model.pt").is_file()
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["pipeline"]["augment"] == "device" and run["pipeline"]["cache_bytes"] > 0
 
 
 def test_train_errors(learnable, tmp_path, capsys):

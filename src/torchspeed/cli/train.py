@@ -31,9 +31,11 @@ def register(sub) -> None:
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--workers", default="auto", help="DataLoader workers: a number, or auto (measured)")
     p.add_argument("--cache-gb", type=float, default=0.0, help="keep decoded images in shared RAM up to this size")
-    p.add_argument("--augment", default="device", choices=["device", "cpu"],
-                   help="where the random crop runs: device (batched, default) or cpu (full-resolution crop)")
-    p.add_argument("--jitter", type=float, default=0.2, help="brightness/contrast/saturation jitter strength")
+    p.add_argument("--augment", default="auto", choices=["auto", "device", "cpu"],
+                   help="where the random crop runs: device (batched), cpu (in the loader workers, at full "
+                        "resolution); auto: device on CUDA or with --cache-gb, else cpu")
+    p.add_argument("--jitter", type=float, default=0.0,
+                   help="brightness/contrast/saturation jitter strength, applied on the device (default 0: off)")
     p.add_argument("--precision", default="auto", help="auto | fp32 | bf16 | fp16")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
@@ -89,7 +91,7 @@ def run(args) -> int:
     n_train = len(pipe.train.dataset) if pipe.train.dataset is not None else "?"
     console.print(f"[bold]torchspeed train[/]: {args.model} on {args.data} ({len(pipe.classes)} classes, "
                   f"{n_train} training images), {args.epochs} epoch(s), batch {args.batch_size}, size {args.size}, "
-                  f"{device}; {pipe.decisions['loader']}, augmentation on the {args.augment}")
+                  f"{device}; {pipe.decisions['loader']}, random crop on the {pipe.decisions['augment']}")
     os.makedirs(args.out, exist_ok=True)
     compile_opt = {"auto": "auto", "on": True, "off": False}[args.compile]
     try:

@@ -8,10 +8,12 @@ loaders that yield normalized float batches on the device:
         -> DataLoader (workers measured by `torchspeed.tune.tune_loader`, T06-T08; uint8_collate)
         -> DeviceLoader + DeviceAugment (random-resized-crop, flip, jitter, normalize on the device, T05)
 
-With `augment="device"` (default) the CPU only decodes and resizes to `load_size` (about
-8/7 of `size`, deterministic, hence cacheable) and the random crop happens on the device.
-With `augment="cpu"` the CPU does the random crop at full resolution (`crop="random"`), the
-device only converts and normalizes; use it when the accelerator is the bottleneck.
+With `augment="device"` the CPU only decodes and resizes to `load_size` (about 8/7 of
+`size`, deterministic, hence cacheable) and the random crop happens on the device. With
+`augment="cpu"` the CPU does the random crop at full resolution (`crop="random"`) and the
+flip, the device only jitters (if asked), converts and normalizes. `"auto"` (default) is
+"device" on CUDA or with a cache, "cpu" on a CPU, where the batched float crop is slower
+than a uint8 crop per image in the workers (docs/data.md).
 
 Example:
     >>> p = build_loaders("photos/", size=128, batch_size=64, device="cuda")
@@ -56,7 +58,7 @@ def open_images(path: str | os.PathLike, **options) -> ImageDataset:
 
 def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int = 64, val_fraction: float = 0.1,
                   val_path: str | os.PathLike | None = None, workers: int | str = "auto", cache_bytes: int = 0,
-                  augment: str = "device", load_size: int | None = None, jitter: float = 0.2,
+                  augment: str = "auto", load_size: int | None = None, jitter: float = 0.0,
                   scale: tuple[float, float] = (0.08, 1.0), device: torch.device | str | None = None,
                   on_error: str = "skip", seed: int = 0, progress: bool = True) -> Pipeline:
     """Training and validation loaders of device batches for the images at `path`.
@@ -68,11 +70,13 @@ def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int =
     Example:
         >>> p = build_loaders("photos.tspack", size=64, batch_size=32, workers=0, device="cpu")
     """
-    if augment not in ("device", "cpu"):
-        raise ValueError(f"augment must be 'device' or 'cpu', got {augment!r}")
+    if augment not in ("auto", "device", "cpu"):
+        raise ValueError(f"augment must be 'auto', 'device' or 'cpu', got {augment!r}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if augment == "auto":  # on a CPU the float passes of a batched crop cost more than a uint8 crop per image
+        augment = "cpu" if device.type == "cpu" and not cache_bytes else "device"
     load_size = load_size or (round(size * 8 / 7) if augment == "device" else size)
     decisions: dict = {"augment": augment, "size": size, "load_size": load_size}
     if augment == "device":
@@ -84,7 +88,8 @@ def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int =
             raise ValueError("cache_bytes needs augment='device': with augment='cpu' every item is a new random "
                              "crop, and caching it would freeze epoch 1's crops")
         train_base = open_images(path, size=size, crop="random", scale=scale, flip=True, on_error=on_error)
-        train_aug = DeviceAugment(size=size, train=False)
+        train_aug = DeviceAugment(size=size, train=True, crop=False, brightness=jitter, contrast=jitter,
+                                  saturation=jitter)
     val_base = open_images(val_path or path, size=size, crop="center", on_error=on_error)
     n = len(train_base)
     if val_path is None and val_fraction > 0:
