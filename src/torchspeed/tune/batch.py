@@ -141,9 +141,11 @@ class _Finder:
 
     # ------------------------------------------------------------------ steps
     def _batch(self, b: int):
+        # cached on the host; only the batch being stepped is on the device (cached device
+        # batches of other sizes would take memory the search is measuring)
         if b not in self._batches:
-            self._batches[b] = to_device(make_batch(self.dataset, b, collate_fn=self.collate_fn), self.device)
-        return self._batches[b]
+            self._batches[b] = make_batch(self.dataset, b, collate_fn=self.collate_fn)
+        return to_device(self._batches[b], self.device)
 
     def _step(self, b: int, n: int) -> None:
         batch = self._batch(b)
@@ -160,14 +162,17 @@ class _Finder:
         if self.cuda:
             sync(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        failed = False
         try:
             self._step(b, n)
             sync(self.device)
         except Exception as e:  # noqa: BLE001 - only out-of-memory is expected; the rest re-raises
             if not is_oom(e):
                 raise
-            del e
-            self._batches.pop(b, None)
+            failed = True
+        if failed:
+            # Cleaned up outside the except block: while it runs, the traceback's frames still
+            # hold the failed step's activations, and emptying the cache would free nothing.
             self.opt.zero_grad(set_to_none=True)
             release_memory(self.device)
             return False, None, "out of memory"
@@ -190,7 +195,7 @@ class _Finder:
                 total += t.numel() * t.element_size()
             return t
 
-        x, y = self._batch(b)[0], self._batch(b)[1]
+        x, y = self._batch(b)[:2]
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self.prec.autocast():
             loss = (self.loss_fn or nn.CrossEntropyLoss())(self.model(x), y)
         loss.backward()
