@@ -137,10 +137,10 @@ def test_find_lr_stops_on_divergence_and_writes_plot(digits8, tmp_path):
 
 def test_lightning_steepest_rule_is_fooled_by_an_early_spike_and_find_lr_is_not(digits8, tmp_path):
     pl = pytest.importorskip("lightning.pytorch")
-    from lightning.pytorch.tuner import Tuner
-
     import logging
     import warnings
+
+    from lightning.pytorch.tuner import Tuner
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     train = digits8[0]

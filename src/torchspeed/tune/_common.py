@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import random
@@ -169,7 +170,7 @@ class TrainStep:
 
     def __call__(self, batch) -> torch.Tensor:
         x, y = batch[0], batch[1]
-        ctx = self.precision.autocast() if self.precision is not None else _null()
+        ctx = self.precision.autocast() if self.precision is not None else contextlib.nullcontext()
         with ctx:
             out = self.model(x)
             loss = self.loss_fn(out, y)
@@ -182,9 +183,3 @@ class TrainStep:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()

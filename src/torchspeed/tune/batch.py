@@ -40,8 +40,18 @@ import torch
 from rich.progress import Progress
 from torch import nn
 
-from torchspeed.tune._common import (StateSnapshot, TrainStep, decide_once, is_oom, make_batch, model_device,
-                                     release_memory, sync, to_device, unwrap)
+from torchspeed.tune._common import (
+    StateSnapshot,
+    TrainStep,
+    decide_once,
+    is_oom,
+    make_batch,
+    model_device,
+    release_memory,
+    sync,
+    to_device,
+    unwrap,
+)
 
 __all__ = ["BatchTrial", "BatchSizeResult", "find_batch_size", "available_memory"]
 

@@ -37,8 +37,16 @@ from rich.progress import Progress
 from torch import nn
 from torch.utils.data import DataLoader
 
-from torchspeed.tune._common import (StateSnapshot, TrainStep, decide_once, make_batch, model_device, sync,
-                                     to_device, unwrap)
+from torchspeed.tune._common import (
+    StateSnapshot,
+    TrainStep,
+    decide_once,
+    make_batch,
+    model_device,
+    sync,
+    to_device,
+    unwrap,
+)
 
 __all__ = ["LoaderTrial", "LoaderSettings", "tune_loader"]
 
