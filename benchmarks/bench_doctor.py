@@ -5,7 +5,7 @@ Claim tested: the doctor finds the script's bottlenecks and measures each fix it
 script's own model, baseline and candidate interleaved (5 rounds after warm-up), median of
 per-round ratios. Hardware and versions are recorded with the results.
 
-    python benchmarks/bench_doctor.py            # writes benchmarks/results/cpu/doctor_verify.json
+    python benchmarks/bench_doctor.py --rounds 7 --threads 1   # writes benchmarks/results/cpu/doctor_verify.json
 """
 
 from __future__ import annotations
@@ -22,22 +22,65 @@ from torchspeed.doctor import DoctorJob, diagnose_many
 HERE = Path(__file__).resolve().parent
 
 
+def measure_overhead(rounds: int = 7, steps: int = 50) -> dict:
+    """Per-step cost of the probe's instrumentation on a small MLP (interleaved with/without)."""
+    import statistics
+
+    import torch
+    from torch import nn
+
+    from torchspeed.doctor._probe import Probe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+
+    def run():
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return (time.perf_counter() - t0) / steps * 1e3
+
+    run()
+    plain, probed = [], []
+    for _ in range(rounds):
+        plain.append(run())
+        with Probe(steps=10**9, warmup=0):
+            probed.append(run())
+    return {"model": "MLP 64-128-128-10, batch 64", "plain_ms": [round(v, 4) for v in plain],
+            "probed_ms": [round(v, 4) for v in probed],
+            "overhead_ms_per_step": round(statistics.median(p - q for p, q in zip(probed, plain)), 4),
+            "overhead_ratio": round(statistics.median(p / q for p, q in zip(probed, plain)), 4)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch threads in the script's process")
     p.add_argument("--out", default=str(HERE / "results" / "cpu" / "doctor_verify.json"))
     a = p.parse_args()
     fixes = ("autocast", "channels_last", "workers", "conv_bias", "set_to_none") + (() if a.no_compile else ("compile",))
     job = DoctorJob(script=str(HERE / "doctor" / "slow_cpu_train.py"), steps=a.steps, warmup=5, verify=True,
                     fixes=fixes, rounds=a.rounds, time_limit=600)
+    if a.threads:
+        import torch
+        torch.set_num_threads(a.threads)
+    overhead = measure_overhead()
+    load_before = os.getloadavg()
     t0 = time.perf_counter()
-    report = diagnose_many([job], quiet=True)[0]
+    report = diagnose_many([job], quiet=True, threads=a.threads)[0]
     wall = time.perf_counter() - t0
     result = {"benchmark": "doctor_verify", "claim": __doc__.strip().splitlines()[0], "provenance": provenance(),
               "script": "benchmarks/doctor/slow_cpu_train.py", "steps": a.steps, "rounds": a.rounds,
-              "doctor_wall_s": round(wall, 1), "report": report.to_dict()}
+              "doctor_wall_s": round(wall, 1), "threads": a.threads,
+              # other work on the machine makes per-round ratios noisy: record how busy it was
+              "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+              "instrumentation_overhead": overhead, "report": report.to_dict()}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     tmp = a.out + ".tmp"
     with open(tmp, "w") as f:
@@ -50,6 +93,7 @@ def main() -> None:
         print(f"{f.severity:6s} {f.rule:22s} est {f.est_gain}{m}")
     for v in report.verify.values():
         print(v["fix"], v.get("speedup"), v.get("ratios"), v.get("error", ""))
+    print("instrumentation overhead", overhead["overhead_ms_per_step"], "ms/step", overhead["overhead_ratio"], "x")
     print("wrote", a.out)
 
 
