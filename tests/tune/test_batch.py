@@ -1,3 +1,5 @@
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -17,10 +19,12 @@ class FakeOOM(nn.Module):
 
     def __init__(self, inner, limit):
         super().__init__()
-        self.inner, self.limit, self.failures = inner, limit, 0
+        self.inner, self.limit, self.failures, self.partial = inner, limit, 0, []
 
     def forward(self, x):
         if x.shape[0] > self.limit:
+            partial = torch.empty(x.shape[0], 4096)  # what the step had allocated when memory ran out
+            self.partial.append(weakref.ref(partial))
             self.failures += 1
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return self.inner(x)
@@ -44,6 +48,7 @@ def test_out_of_memory_is_caught_binary_searched_and_the_result_never_fails(imag
     assert res.largest == 176
     assert res.largest % 8 == 0 and res.fastest % 8 == 0 and 8 <= res.fastest <= res.largest
     assert model.failures >= 3
+    assert all(ref() is None for ref in model.partial)  # nothing of the failed steps is kept alive
     failed = [t.batch_size for t in res.table if not t.fits]
     assert failed and min(failed) > 200
     # unchanged model and optimizer
