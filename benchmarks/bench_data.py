@@ -15,6 +15,9 @@ an untimed warm-up):
   packed      PackedDataset vs FastImageFolder, the same random-crop pipeline, one thread
   augment     a batch of 64 uint8 256x256 images -> 224, one thread: DeviceAugment vs kornia vs
               torchvision.transforms.v2 per sample (crop, flip, colour jitter, normalize)
+  scales      simplejpeg full decode vs DCT-domain scales 1/2, 5/8, 3/4, 7/8 (why only powers of two are used)
+
+`--sections a,b` runs a subset and updates those keys of an existing JSON (the rest is kept).
 
 Run: python benchmarks/bench_data.py [--quick] [--json benchmarks/results/cpu/bench_data.json]
 """
@@ -147,16 +150,46 @@ def bench_augment(rounds: int, batch: int = 64) -> dict:
     return {"batch": batch, "input": [3, 256, 256], "output": [3, 224, 224], "kornia": kornia_version, "rows": rows}
 
 
+def bench_scales(root: str, rounds: int) -> dict:
+    import math
+
+    import simplejpeg
+
+    datas = [p.read_bytes() for p in sorted(Path(root).glob("*/*.jpg"))]
+    heads = [simplejpeg.decode_jpeg_header(d)[:2] for d in datas]
+
+    def run(num):
+        def fn():
+            for d, (h, w) in zip(datas, heads):
+                if num == 8:
+                    simplejpeg.decode_jpeg(d)
+                else:  # ask for exactly num/8 of the size
+                    simplejpeg.decode_jpeg(d, min_height=math.ceil(h * num / 8), min_width=math.ceil(w * num / 8))
+        return fn
+
+    fns = {f"{n}/8": run(n) for n in (8, 4, 5, 6, 7, 2)}
+    times = interleaved(fns, rounds)
+    return {"rows": summarize(times, len(datas), "8/8")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default="benchmarks/results/cpu/bench_data.json")
     ap.add_argument("--images-per-class", type=int, default=25)
-    ap.add_argument("--sections", default="pipelines,workers,cache,packed,augment")
+    ap.add_argument("--sections", default="pipelines,workers,cache,packed,augment,scales")
     args = ap.parse_args()
     rounds = 3 if args.quick else 7
     sections = args.sections.split(",")
-    result: dict = {"meta": provenance() | {"command": "python " + " ".join(sys.argv)}}
+    result: dict = {}
+    if os.path.exists(args.json) and args.sections != ap.get_default("sections"):
+        with open(args.json) as f:
+            result = json.load(f)  # keep the sections not re-run
+        result.setdefault("meta_by_section", {})
+        for sec in sections:
+            result["meta_by_section"][sec] = provenance() | {"command": "python " + " ".join(sys.argv)}
+    else:
+        result["meta"] = provenance() | {"command": "python " + " ".join(sys.argv)}
     with tempfile.TemporaryDirectory() as tmp:
         root = str(make_jpeg_folder(os.path.join(tmp, "photos"), n_per_class=args.images_per_class, classes=8,
                                     max_side=(450, 530), quality=90))
@@ -179,6 +212,9 @@ def main() -> int:
             if "packed" in sections:
                 result["packed"] = bench_packed(root, 224, rounds, tmp)
                 print("packed:", {k: round(v["img_per_s"]) for k, v in result["packed"]["rows"].items()}, flush=True)
+            if "scales" in sections:
+                result["scales"] = bench_scales(root, rounds)
+                print("scales:", {k: round(v["img_per_s"]) for k, v in result["scales"]["rows"].items()}, flush=True)
             if "augment" in sections:
                 result["augment"] = bench_augment(max(3, rounds // 2))
                 print("augment:", {k: round(v["ms_per_batch"], 1) for k, v in result["augment"]["rows"].items()},
