@@ -76,6 +76,13 @@ def test_truncated_and_corrupt_are_errors(big_jpeg, backend):
         decode_image(b"")
 
 
+def test_data_after_end_marker_is_accepted(big_jpeg):
+    ref = decode_jpeg(big_jpeg, backend="pillow")
+    for backend in ("auto", "opencv", "pillow"):
+        out = decode_jpeg(big_jpeg + b"EXTRA-METADATA" * 100, backend=backend)
+        assert np.abs(out.astype(int) - ref).mean() < 1.0
+
+
 @pytest.mark.gpu
 def test_nvjpeg_batch_matches_cpu(big_jpeg):
     out = decode_jpeg_batch([big_jpeg, big_jpeg], device="cuda")

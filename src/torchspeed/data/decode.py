@@ -57,10 +57,16 @@ def is_jpeg(data) -> bool:
 
 
 def _check_complete(data) -> None:
-    # A truncated JPEG lacks the end-of-image marker. OpenCV and Pillow (with LOAD_TRUNCATED_IMAGES)
-    # would return a half-grey image silently, so check before any backend runs.
+    # A truncated JPEG lacks the end-of-image marker after its last scan. OpenCV and Pillow (with
+    # LOAD_TRUNCATED_IMAGES) would return a half-grey image silently, so check before any backend
+    # runs. Data after the marker (some cameras append metadata) is allowed: inside a scan 0xFF is
+    # byte-stuffed, so FFD9 after the last start-of-scan can only be the real end marker.
     tail = bytes(data[-64:]).rstrip(b"\x00\r\n ")
-    if not tail.endswith(b"\xff\xd9"):
+    if tail.endswith(b"\xff\xd9"):
+        return
+    raw = bytes(data)
+    sos = raw.rfind(b"\xff\xda")
+    if sos < 0 or raw.find(b"\xff\xd9", sos) < 0:
         raise ImageDecodeError("truncated JPEG (no end-of-image marker)")
 
 
