@@ -161,3 +161,24 @@ def test_errors_for_bad_options(photo_folder, tmp_path):
         FastImageFolder(photo_folder, size=None, crop="random")
     with pytest.raises(FileNotFoundError, match="class subfolders"):
         FastImageFolder(tmp_path)
+
+
+def test_random_crop_decodes_at_reduced_scale(smooth_jpegs, monkeypatch):
+    """The speed of crop="random" comes from the DCT-domain reduction: check it is used."""
+    import torchspeed.data.folder as folder
+
+    shapes = []
+    real = folder.decode_image
+
+    def spy(data, **kw):
+        img = real(data, **kw)
+        shapes.append(img.shape[:2])
+        return img
+
+    monkeypatch.setattr(folder, "decode_image", spy)
+    data = smooth_jpegs[3]  # 300x300
+    for s in range(20):
+        load_image(data, size=32, crop="random", scale=(0.5, 1.0), rng=random.Random(s))
+        load_image(data, size=32, crop="center")
+    assert all(max(hw) <= 150 for hw in shapes)  # crops >= 212 px for a 32 px output: at least 1/2 scale
+    assert any(max(hw) <= 75 for hw in shapes)   # and often 1/4
