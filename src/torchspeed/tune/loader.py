@@ -1,6 +1,7 @@
 """DataLoader tuner (T06, T07, T08): num_workers, pin_memory, prefetch_factor, persistent_workers, measured.
 
-What it does: times the loader alone (samples/s after its first batch) at num_workers = 0,
+What it does: times the loader alone (steady samples/s: from when every worker has delivered
+a batch, over at least `batches` batches and `min_time` seconds) at num_workers = 0,
 1, ... up to the usable cores, stopping early once throughput plateaus (a worker more gains
 under `plateau`, 5%) or once the loader outruns the model step. For the best worker count
 it then tries prefetch_factor 4 against the default 2 (T08) and, on CUDA, pin_memory with
@@ -92,7 +93,8 @@ class LoaderSettings:
 def tune_loader(dataset, *, batch_size: int = 64, model: nn.Module | None = None,
                 step: Callable | None = None, loss_fn: Callable | None = None, device: torch.device | str | None = None,
                 collate_fn: Callable | None = None, max_workers: int | None = None, batches: int = 12,
-                prefetch_factors: tuple[int, ...] = (2, 4), plateau: float = 0.05, min_gain: float = 0.1,
+                min_time: float = 0.5, prefetch_factors: tuple[int, ...] = (2, 4), plateau: float = 0.05,
+                min_gain: float = 0.1,
                 progress: bool = True, seed: int = 0) -> LoaderSettings:
     """Measure DataLoader settings for `dataset` and return the fastest, with the table.
 
@@ -113,13 +115,14 @@ def tune_loader(dataset, *, batch_size: int = 64, model: nn.Module | None = None
         raise ValueError(f"batches={batches} is too few to time; use at least 2")
     return decide_once(lambda: _Tuner(dataset, batch_size=batch_size, model=unwrap(model) if model is not None else None,
                                       step=step, loss_fn=loss_fn, device=device, collate_fn=collate_fn,
-                                      max_workers=max_workers, batches=batches, prefetch_factors=prefetch_factors,
+                                      max_workers=max_workers, batches=batches, min_time=min_time,
+                                      prefetch_factors=prefetch_factors,
                                       plateau=plateau, min_gain=min_gain, progress=progress, seed=seed).run())
 
 
 class _Tuner:
     def __init__(self, dataset, *, batch_size, model, step, loss_fn, device, collate_fn, max_workers, batches,
-                 prefetch_factors, plateau, min_gain, progress, seed):
+                 min_time, prefetch_factors, plateau, min_gain, progress, seed):
         from torchspeed.env import usable_cores
 
         self.dataset, self.batch_size, self.collate_fn = dataset, batch_size, collate_fn
@@ -131,7 +134,7 @@ class _Tuner:
         else:
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.max_workers = usable_cores() if max_workers is None else max(0, max_workers)
-        self.batches = batches
+        self.batches, self.min_time = batches, min_time
         self.prefetch_factors, self.plateau, self.min_gain = prefetch_factors, plateau, min_gain
         self.progress, self.seed = progress, seed
         self.table: list[LoaderTrial] = []
@@ -145,15 +148,10 @@ class _Tuner:
                           collate_fn=self.collate_fn, generator=torch.Generator().manual_seed(self.seed), **kw)
 
     def _time(self, loader, n: int, step: Callable | None) -> tuple[float, float]:
-        """(start-up seconds until the first batch, samples/s over the next `n` batches)."""
-        t0 = time.perf_counter()
-        it = iter(loader)
-        first = next(it)
-        if step is not None:
-            step(to_device(first, self.device))
-            sync(self.device)
-        t1 = time.perf_counter()
-        for _ in range(n):
+        """(start-up seconds until the first batch, steady samples/s over at least `n` batches and `min_time`)."""
+
+        def nxt():
+            nonlocal it
             try:
                 b = next(it)
             except StopIteration:  # a short dataset: the next epoch (its start-up counts, as in training)
@@ -163,10 +161,26 @@ class _Tuner:
                 step(to_device(b, self.device))
             elif self.device.type == "cuda":
                 to_device(b, self.device)  # the host-to-device copy is part of what pin_memory changes
+
+        t0 = time.perf_counter()
+        it = iter(loader)
+        nxt()
+        sync(self.device)
+        startup = time.perf_counter() - t0
+        # Workers start one after the other: until each has delivered a batch the rate is not
+        # steady yet, and timing that ramp would penalise workers for their start-up.
+        for _ in range(2 * getattr(loader, "num_workers", 0)):
+            nxt()
+        sync(self.device)
+        t1 = time.perf_counter()
+        done = 0
+        while done < n or time.perf_counter() - t1 < self.min_time:
+            nxt()
+            done += 1
         sync(self.device)
         t2 = time.perf_counter()
         del it
-        return t1 - t0, n * self.batch_size / (t2 - t1)
+        return startup, done * self.batch_size / (t2 - t1)
 
     def _trial(self, workers: int, pin: bool, prefetch: int | None, note: str = "") -> LoaderTrial:
         startup, rate = self._time(self._loader(workers, pin, prefetch), self.batches, None)
