@@ -122,6 +122,30 @@ STYLES = {
             model(torch.randn(16, 8)).square().mean().backward()
             opt.step()
     '''),
+    "style_kwargs_model.py": ("size-not-multiple-of-8, small-batch", "", '''
+        import torch
+        from torch import nn
+
+        class LM(nn.Module):                       # called with keyword arguments only, returns its loss
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(64, 40)
+                self.mix = nn.Sequential(nn.Linear(40, 100), nn.GELU(), nn.Linear(100, 40))
+                self.out = nn.Linear(40, 64)
+
+            def forward(self, *, input_ids, labels):
+                logits = self.out(self.mix(self.emb(input_ids)))
+                return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+        model = LM()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(40):
+            ids = torch.randint(0, 64, (4, 12))
+            out = model(input_ids=ids, labels=ids)
+            out["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+    '''),
     "style_exits_early.py": ("finished", "", '''
         import sys
         import torch

@@ -85,3 +85,19 @@ def test_verify_fixes_direct():
     assert set(res) == {"set_to_none", "conv_bias"}
     for v in res.values():
         assert "error" not in v and v["speedup"] > 0 and v["rule"] in ("zero-grad-memset", "conv-bias-before-bn")
+
+
+def test_verify_with_keyword_only_model_returning_its_loss():
+    class KW(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, *, x):
+            return {"loss": self.fc(x).square().mean()}
+
+    m = KW()
+    cap = Captured(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), args=(), kwargs={"x": torch.randn(4, 8)})
+    obs = {"model": {"autocast": False}, "notes": []}
+    res = verify_fixes(cap, obs, fixes=("autocast",), rounds=2)
+    assert "error" not in res["autocast"] and res["autocast"]["speedup"] > 0

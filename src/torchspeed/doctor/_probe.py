@@ -340,14 +340,14 @@ class Probe:
                 info = self.modules.get(mid)
                 if info is None:
                     info = self.modules[mid] = {"calls": 0, "train_calls": 0, "autocast_calls": 0,
-                                                "autocast_dtype": None, "args": None, "input": None}
+                                                "autocast_dtype": None, "args": None, "kwargs": None}
                     self.module_objs[mid] = module
+                    # global hooks do not see keyword arguments: capture inputs with a module hook
+                    self._handles.append(module.register_forward_pre_hook(self._capture_inputs, with_kwargs=True))
                 info["calls"] += 1
                 grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
                 if module.training:
                     info["train_calls"] += 1
-                    if info["args"] is None and len(self.records) >= 1:
-                        info["args"] = _clone_args(args)
                 else:
                     self.eval["calls"] += 1
                     if grad:
@@ -363,6 +363,12 @@ class Probe:
                     self.loss_module = module
                     self.loss_target = _clone_args(args[1])
         self._depth += 1
+
+    def _capture_inputs(self, module, args, kwargs):
+        info = self.modules.get(id(module))
+        if info is not None and info["args"] is None and module.training and len(self.records) >= 1:
+            info["args"], info["kwargs"] = _clone_args(tuple(args)), _clone_args(dict(kwargs))
+        return None
 
     def _on_forward_post(self, module, args, output):
         self._depth = max(0, self._depth - 1)

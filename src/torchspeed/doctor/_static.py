@@ -26,6 +26,7 @@ class Captured:
     model: nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     args: tuple | None = None
+    kwargs: dict = field(default_factory=dict)
     loss_module: nn.Module | None = None
     target: object = None
     loaders: list = field(default_factory=list)
@@ -118,6 +119,7 @@ def capture(probe) -> Captured:
         cap.model = probe.module_objs[best]
         info = probe.modules[best]
         cap.args = info["args"]
+        cap.kwargs = info.get("kwargs") or {}
         cap.model_info = info
     cap.loss_module, cap.target = probe.loss_module, probe.loss_target
     cap.loaders = list(probe.loaders.values())
@@ -128,16 +130,21 @@ def capture(probe) -> Captured:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        model = model.module
-    return model
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
 
 
-def _run(model, args):
-    return model(*args) if isinstance(args, (tuple, list)) else model(args)
+def _run(model, args, kwargs=None):
+    kwargs = kwargs or {}
+    return model(*args, **kwargs) if isinstance(args, (tuple, list)) else model(args, **kwargs)
 
 
-def _leaf_trace(model: nn.Module, args, reps: int = 5, train: bool = True):
+def _leaf_trace(model: nn.Module, args, reps: int = 5, train: bool = True, kwargs=None):
     """Leaf modules in call order, their time per training step (ms, forward + backward, median
     over `reps` steps on a copy of the model) and output shapes. `train=False`: forward only."""
     import copy
@@ -182,7 +189,7 @@ def _leaf_trace(model: nn.Module, args, reps: int = 5, train: bool = True):
         with torch.set_grad_enabled(train), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "full backward hook ... no inputs require gradients"
             for _ in range(reps):
-                out = _run(m, args)
+                out = _run(m, args, kwargs)
                 if train:
                     _generic_loss(out).backward()
                     m.zero_grad(set_to_none=True)
@@ -235,13 +242,17 @@ def examine_model(cap: Captured, obs: dict) -> None:
     if pinfo is not None:
         info["autocast"] = pinfo["autocast_calls"] > 0
         info["autocast_dtype"] = pinfo["autocast_dtype"]
+        env = obs.get("env", {})
+        if info["autocast"] and info["device"] == "cpu" and not env.get("bf16_supported", True):
+            obs["notes"].append(f"autocast ({info['autocast_dtype']}) is on, but this CPU has no AVX512-BF16/AMX: "
+                                "bf16 is emulated here and usually much slower than fp32")
         info["train_calls"] = pinfo["train_calls"]
     args = cap.args
     if args is None:
         obs["notes"].append("no training-mode forward after the first step was captured: input checks skipped")
         return
-    x = args[0] if isinstance(args, (tuple, list)) and args else args
-    x = x if isinstance(x, torch.Tensor) else None
+    from torchspeed.doctor._probe import _first_tensor
+    x = _first_tensor(list(args) + list(cap.kwargs.values()))
     if x is not None:
         xf = x.float()
         info["input"] = {"shape": list(x.shape), "dtype": str(x.dtype), "mean": round(xf.mean().item(), 4),
@@ -251,14 +262,14 @@ def examine_model(cap: Captured, obs: dict) -> None:
                          and not x.is_contiguous()}
         info["batch_size"] = int(x.shape[0]) if x.dim() > 0 else None
     try:
-        pairs = find_conv_bn_pairs(inner, example_input=args)
+        pairs = find_conv_bn_pairs(inner, example_input=args, example_kwargs=cap.kwargs)
         info["conv_bias_before_bn"] = [f"{p.conv} -> {p.bn}" for p in pairs if p.has_bias]
         info["conv_bn_pairs"] = len(pairs)
         try:
-            order, times, shapes, copy_ = _leaf_trace(inner, args)
+            order, times, shapes, copy_ = _leaf_trace(inner, args, kwargs=cap.kwargs)
             info["design_timing"] = "forward+backward"
         except Exception:  # e.g. in-place ops that backward hooks cannot wrap: time forward only
-            order, times, shapes, copy_ = _leaf_trace(inner, args, train=False)
+            order, times, shapes, copy_ = _leaf_trace(inner, args, train=False, kwargs=cap.kwargs)
             info["design_timing"] = "forward"
     except Exception as e:  # a model that cannot rerun on its captured input: skip these checks
         obs["notes"].append(f"re-running the model on its captured input failed ({type(e).__name__}: {e}); "

@@ -44,8 +44,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run(model, args):
-    return model(*args) if isinstance(args, (tuple, list)) else model(args)
+def _run(model, args, kwargs=None):
+    kwargs = kwargs or {}
+    return model(*args, **kwargs) if isinstance(args, (tuple, list)) else model(args, **kwargs)
 
 
 def _map(x, fn):
@@ -59,9 +60,12 @@ def _map(x, fn):
 
 
 def _generic_loss(out):
+    """A scalar to backpropagate: the model's own loss when it returns one, else a mean square."""
     if isinstance(out, torch.Tensor):
-        return out.float().square().mean()
+        return out.float() if out.dim() == 0 else out.float().square().mean()
     if isinstance(out, dict):
+        if isinstance(out.get("loss"), torch.Tensor):
+            return out["loss"].float()
         out = list(out.values())
     if isinstance(out, (list, tuple)):
         ts = [o for o in out if isinstance(o, torch.Tensor) and o.is_floating_point()]
@@ -94,13 +98,15 @@ class _Trainer:
         self.model, self.opt, self.note = _copy_model_and_optimizer(cap.model, cap.optimizer)
         self.device = next(self.model.parameters()).device
         self.args = _map(cap.args, lambda t: t.clone())
+        self.kwargs = _map(cap.kwargs or {}, lambda t: t.clone())
         self.loss_module, self.target = cap.loss_module, cap.target
         if conv_bias:
             # the removed biases stay in the optimizer without gradients: it skips them
-            remove_conv_bias(self.model, example_input=self.args)
+            remove_conv_bias(self.model, example_input=self.args, example_kwargs=self.kwargs)
         if channels_last:
             apply_channels_last(self.model)
             self.args = _map(self.args, to_channels_last)
+            self.kwargs = _map(self.kwargs, to_channels_last)
         if compile_model:
             self.model = torch.compile(self.model)
         self.set_to_none = set_to_none
@@ -111,7 +117,7 @@ class _Trainer:
     def step(self) -> None:
         self.opt.zero_grad(set_to_none=self.set_to_none)
         with self.ctx():
-            out = _run(self.model, self.args)
+            out = _run(self.model, self.args, self.kwargs)
             if self.loss_module is not None and self.target is not None:
                 loss = self.loss_module(out, self.target)
             else:

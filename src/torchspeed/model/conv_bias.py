@@ -54,7 +54,7 @@ def _pairs_from_sequential(model: nn.Module) -> list[tuple[str, str]]:
     return out
 
 
-def _pairs_from_trace(model: nn.Module, example_input) -> list[tuple[str, str]]:
+def _pairs_from_trace(model: nn.Module, example_input, example_kwargs=None) -> list[tuple[str, str]]:
     names = {m: n for n, m in model.named_modules()}
     produced: dict[int, str] = {}
     found: list[tuple[str, str]] = []
@@ -82,10 +82,11 @@ def _pairs_from_trace(model: nn.Module, example_input) -> list[tuple[str, str]]:
     try:
         model.eval()  # no running-stat updates while we look
         with torch.no_grad():
+            kw = example_kwargs or {}
             if isinstance(example_input, (tuple, list)):
-                model(*example_input)
+                model(*example_input, **kw)
             else:
-                model(example_input)
+                model(example_input, **kw)
     finally:
         model.train(was_training)
         for h in handles:
@@ -93,9 +94,16 @@ def _pairs_from_trace(model: nn.Module, example_input) -> list[tuple[str, str]]:
     return found
 
 
-def find_conv_bn_pairs(model: nn.Module, *, example_input=None) -> list[ConvBNPair]:
-    """Convolutions whose output goes straight into a BatchNorm with the same channels."""
-    raw = _pairs_from_trace(model, example_input) if example_input is not None else _pairs_from_sequential(model)
+def find_conv_bn_pairs(model: nn.Module, *, example_input=None, example_kwargs: dict | None = None) -> list[ConvBNPair]:
+    """Convolutions whose output goes straight into a BatchNorm with the same channels.
+
+    `example_input` (a tensor or a tuple of positional arguments) and `example_kwargs` are
+    passed to one forward pass that traces the pairs; without them, adjacent layers of
+    `nn.Sequential` containers are used.
+    """
+    traced = example_input is not None or example_kwargs
+    raw = _pairs_from_trace(model, example_input if example_input is not None else (), example_kwargs) \
+        if traced else _pairs_from_sequential(model)
     mods = dict(model.named_modules())
     out = []
     for c, b in raw:
@@ -106,7 +114,7 @@ def find_conv_bn_pairs(model: nn.Module, *, example_input=None) -> list[ConvBNPa
     return out
 
 
-def remove_conv_bias(model: nn.Module, *, example_input=None) -> list[ConvBNPair]:
+def remove_conv_bias(model: nn.Module, *, example_input=None, example_kwargs: dict | None = None) -> list[ConvBNPair]:
     """Drop the bias of every conv followed by BatchNorm, folding it into the running mean.
 
     Exact: outputs are unchanged in train and eval mode. Returns the pairs that were changed.
@@ -114,7 +122,7 @@ def remove_conv_bias(model: nn.Module, *, example_input=None) -> list[ConvBNPair
     """
     mods = dict(model.named_modules())
     changed = []
-    for pair in find_conv_bn_pairs(model, example_input=example_input):
+    for pair in find_conv_bn_pairs(model, example_input=example_input, example_kwargs=example_kwargs):
         if not pair.has_bias:
             continue
         conv, bn = mods[pair.conv], mods[pair.bn]
