@@ -16,6 +16,14 @@ def test_same_index_as_torchvision(photo_folder):
     assert ds.samples == tv.samples and ds.targets == tv.targets
 
 
+def test_transforms_like_torchvision(photo_folder):
+    ds = FastImageFolder(photo_folder, size=16, crop="center", transform=lambda x: x.flip(-1),
+                         target_transform=lambda y: y + 100)
+    plain = FastImageFolder(photo_folder, size=16, crop="center")
+    x, y = ds[7]
+    assert torch.equal(x, plain[7][0].flip(-1)) and y == plain.targets[7] + 100
+
+
 def test_uint8_tensor_without_copy(photo_folder):
     ds = FastImageFolder(photo_folder, size=40, crop="center")
     x, y = ds[3]

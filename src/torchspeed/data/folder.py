@@ -151,7 +151,8 @@ class ImageDataset(Dataset):
     classes: list[str]
     ignored: tuple[str, ...] = ()
 
-    def _init_options(self, *, size, crop, scale, ratio, flip, backend, on_error, transform, fast=True) -> None:
+    def _init_options(self, *, size, crop, scale, ratio, flip, backend, on_error, transform, fast=True,
+                      target_transform=None) -> None:
         if crop not in CROPS:
             raise ValueError(f"crop must be one of {CROPS}, got {crop!r}")
         if crop is not None and size is None:
@@ -160,6 +161,7 @@ class ImageDataset(Dataset):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.size, self.crop, self.scale, self.ratio, self.flip = size, crop, scale, ratio, flip
         self.backend, self.on_error, self.transform, self.fast = backend, on_error, transform, fast
+        self.target_transform = target_transform
         # Shared memory, so bad files found in DataLoader workers show in the main process's summary.
         self._bad = torch.zeros(len(self.samples), dtype=torch.bool).share_memory_()
 
@@ -204,7 +206,8 @@ class ImageDataset(Dataset):
             x = torch.from_numpy(img).permute(2, 0, 1)  # CHW view of HWC memory: no copy (T11)
             if self.transform is not None:
                 x = self.transform(x)
-            return x, self.samples[j][1]
+            y = self.samples[j][1]
+            return x, (self.target_transform(y) if self.target_transform is not None else y)
         raise ImageDecodeError("no readable image in the dataset", getattr(self, "root", None))
 
     def summary(self) -> DataSummary:
@@ -267,7 +270,7 @@ class FastImageFolder(ImageDataset):
     `flip` (random horizontal flip on the CPU; leave False when `DeviceAugment` flips),
     `backend` (decode backend, "auto" = fastest measured), `fast` (libjpeg's fast integer
     IDCT, TensorFlow's default: about 15% faster, pixels within ~1 level), `on_error`
-    ("raise" | "skip"), `transform` (applied to the uint8 tensor).
+    ("raise" | "skip"), `transform` (applied to the uint8 tensor), `target_transform`.
 
     Example:
         >>> ds = FastImageFolder("photos/", size=224, crop="random")
@@ -276,13 +279,13 @@ class FastImageFolder(ImageDataset):
 
     def __init__(self, root: str | os.PathLike, *, size: int | None = 224, crop: str | None = "random",
                  scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: bool = False, backend: str = "auto",
-                 fast: bool = True, on_error: str = "raise", transform=None):
+                 fast: bool = True, on_error: str = "raise", transform=None, target_transform=None):
         self.root = str(root)
         self.classes, self.samples, ignored = _scan(Path(root))
         self.ignored = tuple(ignored)
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self._init_options(size=size, crop=crop, scale=scale, ratio=ratio, flip=flip, backend=backend,
-                           on_error=on_error, transform=transform, fast=fast)
+                           on_error=on_error, transform=transform, fast=fast, target_transform=target_transform)
 
     def read(self, i: int) -> bytes:
         with open(self.samples[i][0], "rb") as f:

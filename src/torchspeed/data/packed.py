@@ -136,7 +136,7 @@ class PackedDataset(ImageDataset):
 
     def __init__(self, path: str | os.PathLike, *, size: int | None = 224, crop: str | None = "random",
                  scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: bool = False, backend: str = "auto",
-                 fast: bool = True, on_error: str = "raise", transform=None):
+                 fast: bool = True, on_error: str = "raise", transform=None, target_transform=None):
         self.path = self.root = str(path)
         idx = index_path(path)
         if not Path(path).is_file():
@@ -160,7 +160,7 @@ class PackedDataset(ImageDataset):
         self._pos = np.arange(len(self.samples))  # item -> row of the index (changes if check() drops items)
         self._map = None
         self._init_options(size=size, crop=crop, scale=scale, ratio=ratio, flip=flip, backend=backend,
-                           on_error=on_error, transform=transform, fast=fast)
+                           on_error=on_error, transform=transform, fast=fast, target_transform=target_transform)
 
     def __getstate__(self):
         d = dict(self.__dict__)
