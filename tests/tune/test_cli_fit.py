@@ -95,3 +95,17 @@ def test_cli_expected_mistakes_are_one_line_errors(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no such folder" in err and "Traceback" not in err
     assert main(["tune", "batch", "--batch-size", "0"]) == 2
+
+
+def test_a_given_optimizer_gets_the_tuned_lr_and_keeps_its_state(digits8):
+    train, _ = digits8
+    loader = DataLoader(train, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _, lr, decisions = tune_for_fit(model, loader, batch_size=None, lr="auto", loader=None, loss_fn=None,
+                                    optimizer=opt, weight_decay=0.0, device="cpu", progress=False)
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr) and "range test" in decisions["lr_find"]
+    assert not opt.state  # the range test's momentum buffers are gone
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
