@@ -135,6 +135,7 @@ class Probe:
         self.zero_grads = {"calls": 0, "set_to_none_false": 0, "ms": 0.0, "sites": defaultdict(int)}
         self.unused_at_step: list[str] | None = None
         self.eval = {"calls": 0, "grad_calls": 0, "ms": 0.0, "grad_ms": 0.0}
+        self.cuda_sync_warnings = 0
         self.on_stop = None  # called once, with the script still alive, right before StopScript
 
     # -- exclusive timers ---------------------------------------------------------------
@@ -295,7 +296,19 @@ class Probe:
             return tensor
         self._patch(torch, "tensor", wrap_tensor)
         if torch.cuda.is_available():
+            # every implicit sync (also the ones we cannot patch: boolean-mask indexing,
+            # Python control flow on device values) emits a warning: count them, print none
             torch.cuda.set_sync_debug_mode("warn")
+            import warnings
+
+            def wrap_showwarning(orig):
+                def showwarning(message, category, *a, **k):
+                    if "synchroniz" in str(message):
+                        probe.cuda_sync_warnings += 1
+                        return None
+                    return orig(message, category, *a, **k)
+                return showwarning
+            self._patch(warnings, "showwarning", wrap_showwarning)
 
     @staticmethod
     def _moves_to_accelerator(a, k) -> bool:

@@ -72,7 +72,7 @@ def summarize(probe, obs: dict) -> None:
     n_steps = max(1, len(recs))
     obs["syncs"] = {"calls": int(sum(probe.syncs.values())), "by_kind": dict(probe.syncs),
                     "calls_per_step": round(sum(probe.syncs.values()) / n_steps, 3), "ms_per_step": round(sync, 4),
-                    "sites": _top(probe.sync_sites)}
+                    "sites": _top(probe.sync_sites), "cuda_sync_warnings": probe.cuda_sync_warnings}
     c = probe.copies
     obs["tensor_copies"] = {"count": c["count"], "per_step": round(c["count"] / n_steps, 3),
                             "ms_per_step": round(c["ms"] / n_steps, 4), "mib": round(c["bytes"] / 2**20, 3),

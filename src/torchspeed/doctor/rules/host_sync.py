@@ -26,6 +26,8 @@ def check(obs: dict):
            "of the epoch; avoid Python `if` on tensor values and boolean-mask indexing in the step (T13)")
     if on_cuda(obs):
         evidence += "; on CUDA each one stalls the CPU until the GPU drains its queue"
+        if s.get("cuda_sync_warnings"):
+            evidence += f" (CUDA sync debug mode counted {s['cuda_sync_warnings']} synchronizing calls in all)"
         sev = "high" if s["calls_per_step"] >= 5 else "medium"
         return finding("host-sync", evidence=evidence, fix=fix, est_gain=saving_gain(step, s["ms_per_step"]),
                        obs=obs, severity=sev)
