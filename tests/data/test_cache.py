@@ -118,3 +118,13 @@ def test_loader_with_collate(photo_folder):
     batches = [list(DataLoader(ds, batch_size=8, collate_fn=uint8_collate)) for _ in range(2)]
     for (a, ya), (b, yb) in zip(*batches):
         assert torch.equal(a, b) and torch.equal(ya, yb)
+
+
+def test_spawned_workers_share_the_pool(photo_folder):
+    ds = CachedDataset(FastImageFolder(photo_folder, size=16, crop="center"), budget_bytes=1 << 22)
+    for epoch in range(2):
+        loader = DataLoader(ds, batch_size=6, num_workers=2, multiprocessing_context="spawn",
+                            collate_fn=uint8_collate)
+        assert sum(len(y) for _, y in loader) == len(ds)
+    s = ds.stats()
+    assert s.misses == len(ds) and s.hits == len(ds)  # epoch 2: every item from the pool the workers filled

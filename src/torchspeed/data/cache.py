@@ -81,7 +81,9 @@ class SharedLRUPool:
         for t in self._t.values():
             t.share_memory_()
         self._t["state"][0] = self.n_pages
-        self.lock = mp.get_context().Lock()
+        # A lock made in the spawn context pickles into spawn/forkserver workers and is inherited by
+        # fork workers; one made in the fork context would refuse to go to spawned workers.
+        self.lock = mp.get_context("spawn").Lock()
         self._v = None
 
     def __getstate__(self):
