@@ -41,7 +41,22 @@ def test_cli_reports_a_crashing_script(capsys):
     assert "planted failure in step 3" in out and "raised" in out
 
 
+def test_cli_splits_doctor_options_from_script_arguments():
+    from torchspeed.cli.doctor import _split_rest
+    from torchspeed.cli.main import build_parser
+    p = build_parser()
+    cases = {("t.py", "--", "--steps", "2"): ("t.py", 30, ["--steps", "2"]),
+             ("t.py", "--steps", "3", "--", "--epochs", "2"): ("t.py", 3, ["--epochs", "2"]),
+             ("--steps", "4", "t.py", "--", "--x"): ("t.py", 4, ["--x"]),
+             ("t.py",): ("t.py", 30, [])}
+    for argv, (script, steps, script_args) in cases.items():
+        a = p.parse_args(["doctor", *argv])
+        assert _split_rest(a) == script_args and a.script == script and a.steps == steps, argv
+
+
 def test_cli_usage_errors(capsys):
+    assert main(["doctor"]) == 2
+    assert "give the training script" in capsys.readouterr().err
     assert main(["doctor", "no_such_script.py"]) == 2
     assert "no such script" in capsys.readouterr().err
     assert main(["doctor", str(SCRIPTS / "crashes.py"), "--epochs", "3"]) == 2

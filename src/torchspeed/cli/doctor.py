@@ -37,15 +37,20 @@ def register(sub) -> None:
                        description="Run train.py as `python train.py ARGS` would, under instrumentation, for a "
                                    "bounded number of optimizer steps; report and rank what slows it down. "
                                    "Script arguments go after `--`.")
-    p.add_argument("script", help="the training script (it is run, never modified)")
     _add_options(p)
-    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    # one REMAINDER positional keeps the `--` that separates the script's own arguments
+    # (argparse drops it between two positionals)
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="train.py [options] [-- script args]",
+                   help="the training script (it is run, never modified), then its arguments after `--`")
     p.set_defaults(func=run)
 
 
 def _split_rest(args) -> list[str]:
     """Doctor options may follow the script; everything after `--` belongs to the script."""
-    rest = list(args.rest or [])
+    command = list(args.command or [])
+    if not command or command[0] == "--":
+        raise CLIError("give the training script: torchspeed doctor train.py [-- script args]")
+    args.script, rest = command[0], command[1:]
     if "--" in rest:
         i = rest.index("--")
         head, tail = rest[:i], rest[i + 1:]

@@ -239,7 +239,8 @@ def verify_fixes(cap, obs: dict, *, fixes=None, rounds: int = 5) -> dict:
         try:
             base = _Trainer(cap, set_to_none=sp_default)
             if fix in ("workers", "pin_memory"):
-                loader = next(ld for ld in cap.loaders if (ld.num_workers == 0 if fix == "workers" else not ld.pin_memory))
+                map_style = [ld for ld in cap.loaders if hasattr(ld.dataset, "__getitem__") and hasattr(ld.dataset, "__len__")]
+                loader = next(ld for ld in map_style if (ld.num_workers == 0 if fix == "workers" else not ld.pin_memory))
                 cores = detect().cpu_cores
                 nw = loader.num_workers if fix == "pin_memory" else min(4, max(1, cores))
                 b = _LoaderStep(base, loader, num_workers=loader.num_workers, pin_memory=loader.pin_memory)
