@@ -68,8 +68,11 @@ class SharedLRUPool:
         self.n_pages = budget_bytes // page_size
         self.budget_bytes = budget_bytes
         self.n_keys = n_keys
+        # The arena is created directly in shared memory: its pages are committed only when written
+        # (a budget larger than the dataset costs nothing), and never copied from private memory.
+        arena = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(self.n_pages * page_size))
         self._t = {
-            "arena": torch.empty(self.n_pages * page_size, dtype=torch.uint8),
+            "arena": arena,
             "first": torch.full((n_keys,), -1, dtype=torch.int64),     # first page, -1 = not cached
             "nbytes": torch.zeros(n_keys, dtype=torch.int64),
             "last": torch.zeros(n_keys, dtype=torch.int64),            # LRU clock of last use
@@ -79,7 +82,7 @@ class SharedLRUPool:
             "state": torch.zeros(7, dtype=torch.int64),
         }
         for t in self._t.values():
-            t.share_memory_()
+            t.share_memory_()  # a no-op for the arena
         self._t["state"][0] = self.n_pages
         # A lock made in the spawn context pickles into spawn/forkserver workers and is inherited by
         # fork workers; one made in the fork context would refuse to go to spawned workers.
