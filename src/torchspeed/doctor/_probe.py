@@ -239,7 +239,7 @@ class Probe:
             @functools.wraps(orig)
             def __iter__(self):
                 probe.loaders.setdefault(id(self), self)
-                it = orig(self)
+                it = probe._timed("data", orig, self)  # iterator set-up (worker start-up) is data time too
                 it._torchspeed_loader = id(self)
                 return it
             return __iter__

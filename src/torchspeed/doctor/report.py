@@ -54,7 +54,8 @@ class DoctorReport:
         return {"breakdown": self.breakdown, "findings": [f.to_dict() for f in self.findings],
                 "script": self.script, "status": self.status, "traceback": self.traceback, "env": self.env,
                 "verify": list(self.verify.values()), "notes": list(self.notes),
-                "steps_observed": self.observation.get("steps_observed", 0)}
+                "steps_observed": self.observation.get("steps_observed", 0),
+                "memory": self.observation.get("memory", {})}
 
     def write_json(self, path: str) -> None:
         """Write `to_dict()` atomically (a temp file renamed into place)."""
@@ -104,6 +105,12 @@ def render_report(report: DoctorReport, console=None) -> None:
         ms = ("data_wait_ms", "copy_ms", "compute_ms", "sync_ms", "other_ms")
         t.add_row(*[f"{b[m]:.2f} ms ({b['fractions'][k]:.0%})" for k, m in zip(keys, ms)])
         console.print(t)
+    mem = report.observation.get("memory") or {}
+    if mem:
+        line = f"[bold]memory[/]: peak RSS {mem.get('max_rss_mib', 0):.0f} MiB"
+        if "cuda_max_allocated_mib" in mem:
+            line += f", CUDA peak allocated {mem['cuda_max_allocated_mib']:.0f} of {mem['cuda_total_mib']:.0f} MiB"
+        console.print(line)
     if report.findings:
         console.print("[bold]findings, most costly first[/]")
         colors = {"high": "red", "medium": "yellow", "low": "dim"}
