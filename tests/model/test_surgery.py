@@ -136,3 +136,10 @@ def test_activation_checkpointing_same_gradients(use_types):
     m(x).square().sum().backward()
     for p, q in zip(ref.parameters(), m.parameters()):
         torch.testing.assert_close(q.grad, p.grad)
+
+
+def test_public_exports():
+    import torchspeed
+    for name in ("remove_conv_bias", "find_conv_bn_pairs", "pad_to_multiple", "freeze_batchnorm",
+                 "apply_activation_checkpointing", "apply_channels_last", "diagnose"):
+        assert name in torchspeed.__all__ and callable(getattr(torchspeed, name))
