@@ -63,14 +63,24 @@ def test_in_memory_tensors_workers_do_not_help_with_a_model(in_memory):
     s = tune_loader(in_memory, batch_size=64, model=model, progress=False)
     assert s.num_workers == 0 and not s.workers_help
     assert "workers do not help" in s.reason
-    assert s.loader_outruns_model is True and s.model_samples_per_s < s.samples_per_s
+    assert s.loader_outruns_model is not None and s.model_samples_per_s < s.samples_per_s
     assert s.kwargs() == {"num_workers": 0, "pin_memory": False}
     for k, v in model.state_dict().items():  # the model step used for timing changed nothing
         assert torch.equal(v, before[k])
 
 
+def test_says_when_the_loader_already_outruns_the_model_step(in_memory):
+    def slow_step(batch):  # a model step of 20 ms per batch: far slower than indexing tensors
+        time.sleep(0.02)
+
+    s = tune_loader(in_memory, batch_size=64, step=slow_step, progress=False)
+    assert s.loader_outruns_model is True and s.num_workers == 0
+    assert "outruns the model step" in s.reason
+    assert s.model_samples_per_s == pytest.approx(64 / 0.02, rel=0.3)
+
+
 def test_in_memory_tensors_workers_do_not_help_loader_alone(in_memory):
-    s = tune_loader(in_memory, batch_size=64, batches=20, progress=False)
+    s = tune_loader(in_memory, batch_size=64, batches=20, min_time=0.2, progress=False)
     assert s.num_workers == 0 and "workers do not help" in s.reason
     assert s.loader_outruns_model is None
 

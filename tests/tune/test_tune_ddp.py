@@ -36,7 +36,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         bs = find_batch_size(model, ds, memory_budget=budget, rounds=1, min_time=0.0, progress=False)
         lr = find_lr(model, DataLoader(ds, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(rank)),
                      num_steps=30, progress=False)
-        ld = tune_loader(TensorDataset(ds.data, ds.targets), batch_size=32, max_workers=0, batches=4, progress=False)
+        ld = tune_loader(TensorDataset(ds.data, ds.targets), batch_size=32, max_workers=0, batches=4, min_time=0.05,
+                        rounds=1, progress=False)
         torch.save({"batch": (bs.largest, bs.largest_raw, bs.limited_by), "lr": lr.lrs + lr.losses,
                     "suggestion": lr.suggestion, "loader": ld.num_workers, "alone": alone.largest_raw},
                    os.path.join(out_dir, f"rank{rank}.pt"))
