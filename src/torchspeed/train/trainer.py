@@ -646,7 +646,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
         train_loader, lr, tuned = tune_for_fit(model, train_loader, batch_size=batch_size, lr=lr, loader=loader,
                                                loss_fn=loss_fn, optimizer=optimizer, weight_decay=weight_decay,
                                                device=device, precision=cfg.precision, schedule=cfg.schedule,
-                                               progress=cfg.progress)
+                                               distributed=cfg.distributed, progress=cfg.progress)
     trainer = Trainer(model, loss_fn=loss_fn, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
                       device=device, config=cfg)
     trainer.decisions.update(tuned)

@@ -13,7 +13,8 @@ the new batch size and the tuned worker settings.
   `scale_lr(lr, new_batch, old_batch)` (T17).
 - loader="auto": `tune_loader` at the final batch size, with the model step as consumer.
 
-Every choice and its reason goes into `FitResult.decisions`.
+Every choice and its reason goes into `FitResult.decisions`. Under torchrun the process group
+is set up first, so each tuner measures on rank 0 and every rank gets the same decision.
 
 Example:
     >>> fit(model, loader, epochs=5, batch_size="auto", lr="auto", loader="auto")
@@ -55,7 +56,8 @@ def rebuild_loader(loader: DataLoader, *, batch_size: int | None = None, **setti
 def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | str | None, lr: float | str,
                  loader: str | None, loss_fn: Callable | None, optimizer: str | torch.optim.Optimizer,
                  weight_decay: float, device: torch.device | str | None, precision: str = "auto",
-                 schedule: str | None = "onecycle", progress: bool = True) -> tuple[Iterable, float, dict]:
+                 schedule: str | None = "onecycle", distributed: bool | str = "auto",
+                 progress: bool = True) -> tuple[Iterable, float, dict]:
     """Run the asked-for tuners; return (the loader to train on, the LR, decisions)."""
     from torchspeed.train.optim import create_optimizer
     from torchspeed.tune.batch import find_batch_size
@@ -71,7 +73,15 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
     if (batch_size is not None or loader is not None) and not isinstance(train_loader, DataLoader):
         raise TypeError("batch_size/loader tuning rebuilds the torch DataLoader from its dataset; "
                         f"fit got a {type(train_loader).__name__}: pass a DataLoader or leave these options out")
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # Under torchrun the process group must exist before the tuners run, so that rank 0's
+    # measurement is broadcast (the Trainer's own call later finds it initialised).
+    from torchspeed.train.distributed import maybe_init_distributed
+
+    info = maybe_init_distributed(distributed, device=device)
+    if info is not None:
+        dev = info.device
+    else:
+        dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(dev)
     decisions: dict[str, object] = {}
 
