@@ -142,7 +142,8 @@ class _Tuner:
         self.table: list[LoaderTrial] = []
 
     # ------------------------------------------------------------------ measuring
-    def _loader(self, workers: int, pin: bool, prefetch: int | None, persistent: bool = False) -> DataLoader:
+    def _loader(self, workers: int, pin: bool, prefetch: int | None, persistent: bool = True) -> DataLoader:
+        # persistent: a trial longer than an epoch must not time the workers' restart at the epoch edge
         kw = dict(num_workers=workers, pin_memory=pin)
         if workers > 0:
             kw.update(prefetch_factor=prefetch or 2, persistent_workers=persistent)
