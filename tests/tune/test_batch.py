@@ -107,6 +107,12 @@ def test_fastest_is_measured_and_limited_by_the_dataset(images):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_max_batch_off_the_grid_still_gives_multiples_of_8(images):
+    res = find_batch_size(create_model("mlp", image_size=8), images, max_batch=100, rounds=1, min_time=0.0,
+                          progress=False)
+    assert res.largest == 96 and all(t.batch_size % 8 == 0 for t in res.table)
+
+
 def test_bad_arguments_name_the_fix(images):
     with pytest.raises(ValueError, match="multiple"):
         find_batch_size(nn.Linear(2, 2), images, min_batch=12)

@@ -139,7 +139,7 @@ class _Finder:
         self.m, self.margin, self.steps, self.rounds, self.tolerance = multiple, margin, steps, rounds, tolerance
         self.min_batch, self.min_time = min_batch, min_time
         n = len(dataset)
-        self.max_batch = max(min_batch, min(max_batch, n // multiple * multiple)) if n >= min_batch else min_batch
+        self.max_batch = max(min_batch, min(max_batch, n) // multiple * multiple)
         self.dataset_cap = n < max_batch
         self.cuda = self.device.type == "cuda"
         self.budget = None if self.cuda else int(memory_budget if memory_budget is not None
