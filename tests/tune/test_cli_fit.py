@@ -109,3 +109,19 @@ def test_a_given_optimizer_gets_the_tuned_lr_and_keeps_its_state(digits8):
     assert not opt.state  # the range test's momentum buffers are gone
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
+
+
+def test_cli_tune_on_an_image_folder(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for cls in ("cat", "dog"):
+        (tmp_path / "data" / cls).mkdir(parents=True)
+        for i in range(8):
+            Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(tmp_path / "data" / cls / f"{i}.png")
+    rc = main(["tune", "lr", "--data", str(tmp_path / "data"), "--image-size", "8", "--batch-size", "4", "--quick",
+               "--out", str(tmp_path / "out")])
+    assert rc == 0
+    report = json.loads((tmp_path / "out" / "tune.json").read_text())
+    assert report["workload"]["samples"] == 16 and len(report["lr"]["lrs"]) > 10
