@@ -67,3 +67,13 @@ def test_bench_cli_quick_mlp(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["config"] for r in rows] == ["naive", "set_to_none"]
     assert out.with_suffix(".png").exists()
+
+
+def test_every_config_restarts_from_the_same_weights_after_warm_up():
+    """However long a warm-up (e.g. a compile trial), the timed rows train the same steps from the same start."""
+    kw = dict(model="mlp", batch_size=32, steps=2, rounds=1, device="cpu", configs=["set_to_none"],
+              eval_batches=1, train_size=256, compile=False, progress=False)
+    short, long = run_bench(warmup=1, **kw), run_bench(warmup=4, **kw)
+    assert long.rows[0].decisions["warmup_steps"] == 4
+    for a, b in zip(short.rows, long.rows):
+        assert a.train_loss == b.train_loss and a.val_acc == b.val_acc

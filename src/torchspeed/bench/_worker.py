@@ -10,6 +10,7 @@ with `@@torchspeed ` (anything else a library prints is ignored by the parent).
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import traceback
@@ -45,6 +46,11 @@ class _State:
         self.val_loader = DataLoader(val_set, batch_size=256)
         self.allocator = allocator_in_use()
         self._it = None
+        self._seed = seed
+        # Kept to restart from after the warm-up: every config then trains the same number of steps from
+        # the same weights on the same batches, however many steps its warm-up (compile trial) took.
+        self._initial = (copy.deepcopy(self.trainer.module.state_dict()),
+                         copy.deepcopy(self.trainer.optimizer.state_dict()))
 
     def _batches(self):
         while True:
@@ -55,11 +61,24 @@ class _State:
             self._it = self._batches()
         return self.trainer.run_steps(self._it, n)
 
-    def warm_up(self, n: int) -> float:
-        total = self.steps(n)
+    def warm_up(self, n: int) -> dict:
+        total, taken = self.steps(n), n
         while self.trainer._compile_trial is not None:  # finish the compile="auto" trial
             total += self.steps(1)
-        return total
+            taken += 1
+        self._restart()
+        return {"seconds": total, "steps": taken}
+
+    def _restart(self) -> None:
+        import torch
+
+        model_state, opt_state = self._initial
+        self.trainer.module.load_state_dict(model_state)  # in place: a compiled module keeps its kernels
+        self.trainer.optimizer.load_state_dict(opt_state)
+        self.loader.generator.manual_seed(self._seed)
+        self._it = None
+        self.trainer.meter.reset()
+        torch.manual_seed(self._seed)
 
     def finish(self, eval_batches: int | None) -> dict:
         loss = self.trainer.meter.compute()["loss"]  # mean train loss of the last timed round
@@ -83,7 +102,7 @@ def main() -> int:
                 state = _State(cmd["spec"])
                 _reply({"ok": True, "allocator": state.allocator})
             elif op == "warmup":
-                _reply({"ok": True, "seconds": state.warm_up(cmd["n"])})
+                _reply({"ok": True, **state.warm_up(cmd["n"])})
             elif op == "steps":
                 state.trainer.meter.reset()
                 _reply({"ok": True, "seconds": state.steps(cmd["n"])})

@@ -3,7 +3,9 @@
 Every configuration runs in its own process (its own allocator, compile cache and thread
 pool) and trains the same model from the same initial weights on the same batches. They run interleaved (round 1: every config, round 2: every config, ...) after a
 warm-up that is not timed (it includes compilation and the compile="auto" trial), so slow
-drifts of a noisy machine hit all configs alike. A config's throughput is the median over
+drifts of a noisy machine hit all configs alike. After its warm-up each config restarts
+from the initial weights and optimizer state, so every row trains the same number of steps
+and the loss and accuracy columns compare like with like. A config's throughput is the median over
 rounds; its speed-up is the median of the per-round ratios to `naive`.
 
 Rows (each technique switched on alone on top of `naive`):
@@ -169,7 +171,7 @@ def provenance() -> dict:
             "allocator": info.allocator, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: int = 128, steps: int = 3,
+def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: int = 128, steps: int = 2,
               rounds: int = 3, warmup: int = 1, device: str | None = None, configs: list[str] | None = None,
               eval_batches: int | None = 2, train_size: int = 2048, lr: float = 0.05, seed: int = 0,
               compile: bool = True, progress: bool = True) -> BenchResult:
@@ -196,7 +198,7 @@ def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: i
             for p in procs:
                 bar.update(task, description=f"warm-up {p.cfg.name}")
                 p.receive()  # set-up done
-                p.send({"op": "warmup", "n": warmup})
+                p.warmup_steps = p.send({"op": "warmup", "n": warmup})["steps"]
                 bar.advance(task)
             task = bar.add_task("measuring (interleaved rounds)", total=rounds * len(procs))
             for k in range(rounds):
@@ -213,7 +215,8 @@ def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: i
                 rates = [steps * batch_size / t for t in p.times]
                 ratios = [n / t for n, t in zip(naive_times, p.times)]
                 rows.append(BenchRow(p.cfg.name, statistics.median(rates), statistics.median(ratios),
-                                     fin["train_loss"], fin["val_acc"], rates, fin["decisions"]))
+                                     fin["train_loss"], fin["val_acc"], rates,
+                                     fin["decisions"] | {"warmup_steps": p.warmup_steps}))
                 bar.advance(task)
     finally:
         for p in procs:

@@ -43,7 +43,7 @@ def run(args) -> int:
 
     # --quick: batch 64, fewer steps, and no torch.compile (its ~40 s of compilation on 2 CPU
     # cores alone would exceed the quick budget).
-    steps = args.steps or (2 if args.quick else 3)
+    steps = args.steps or 2
     rounds = args.rounds or (2 if args.quick else 3)
     batch = args.batch_size if args.batch_size != 128 or not args.quick else 64
     configs = args.configs.split(",") if args.configs else None
