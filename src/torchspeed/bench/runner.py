@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+from torchspeed._io import write_json
 from torchspeed.env import detect
 from torchspeed.train.trainer import TrainConfig
 
@@ -230,11 +231,7 @@ def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: i
 
 
 def write_results(result: BenchResult, json_path: str | os.PathLike, png_path: str | os.PathLike | None) -> None:
-    json_path = Path(json_path)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = json_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result.to_dict(), indent=2))
-    os.replace(tmp, json_path)
+    write_json(json_path, result.to_dict())
     if png_path:
         plot_results(result, png_path)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 
+from torchspeed._io import write_json
 from torchspeed.cli.main import CLIError
 
 
@@ -87,10 +87,6 @@ def run_bench(args) -> int:
     if args.json:
         out = r.to_dict()
         out["meta"] = provenance() | {"command": "torchspeed data bench", "path_images": r.files}
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(out, f, indent=2)
-        os.replace(tmp, args.json)
+        write_json(args.json, out)
         console.print(f"wrote {args.json}")
     return 0

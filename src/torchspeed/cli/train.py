@@ -11,9 +11,9 @@ run.json (the settings actually used and what the pipeline decided).
 
 from __future__ import annotations
 
-import json
 import os
 
+from torchspeed._io import write_json
 from torchspeed.cli.main import CLIError
 
 
@@ -108,7 +108,7 @@ def run(args) -> int:
     _save_model(os.path.join(args.out, "model.pt"), model, args=args, classes=pipe.classes)
     run_info = {"args": vars(args) | {"func": None}, "classes": pipe.classes, "pipeline": pipe.decisions,
                 "fit_decisions": result.decisions, "data": summary, "bad_files": bad, "final": result.final}
-    _atomic_text(os.path.join(args.out, "run.json"), json.dumps(run_info, indent=2, default=str))
+    write_json(os.path.join(args.out, "run.json"), run_info)
     final = result.final
     msg = f"done: {result.steps} steps, train_loss {final.get('train_loss', float('nan')):.4f}"
     if final.get("val_acc") is not None:
@@ -123,20 +123,7 @@ def run(args) -> int:
 def _save_model(path: str, model, *, args, classes: list[str]) -> None:
     state = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "classes": list(classes),
              "model_name": args.model, "size": args.size}
-    try:
-        from torchspeed.train.checkpoint import save_checkpoint  # atomic + fsync + checksum
-    except ImportError:  # pragma: no cover - older checkouts
-        import torch
+    from torchspeed.train.checkpoint import save_checkpoint  # atomic + fsync + checksum
 
-        tmp = path + ".tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-        return
     save_checkpoint(path, state)
 
-
-def _atomic_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

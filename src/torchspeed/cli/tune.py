@@ -8,10 +8,9 @@ to `--out`.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
+from torchspeed._io import write_json
 from torchspeed.cli.main import CLIError
 
 WHAT = ("batch", "lr", "loader", "all")
@@ -149,8 +148,6 @@ def run(args) -> int:
         console.print(s.reason)
         report["loader"] = s.to_dict()
 
-    tmp = out / "tune.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2, default=str))
-    os.replace(tmp, out / "tune.json")
+    write_json(out / "tune.json", report)
     console.print(f"wrote {out / 'tune.json'}" + (f" and {out / 'lr.png'}" if "lr" in report else ""))
     return 0

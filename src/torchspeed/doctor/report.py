@@ -7,10 +7,9 @@ plus `env`, `script`, `status`, `traceback`, `verify` and `notes`.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import dataclass, field
+
+from torchspeed._io import write_json
 
 __all__ = ["Finding", "DoctorReport", "render_report"]
 
@@ -59,12 +58,7 @@ class DoctorReport:
 
     def write_json(self, path: str) -> None:
         """Write `to_dict()` atomically (a temp file renamed into place)."""
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".doctor-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-        os.replace(tmp, path)
+        write_json(path, self.to_dict())
 
 
 _STATUS = {

@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import io
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from torchspeed._io import atomic_write_text, write_json
 from torchspeed.train.backends import configure_backends
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from torchspeed.train.checkpoint import (CheckpointError, CheckpointManager, FoundCheckpoint, ResumeMismatchError,
@@ -607,16 +608,14 @@ class Trainer:
         if not self.config.out_dir or not is_rank_zero():
             return
         out = Path(self.config.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out / "metrics.json", json.dumps({"history": history, "decisions": _jsonable(self.decisions),
-                                                         "config": asdict(self.config)}, indent=2))
+        write_json(out / "metrics.json", {"history": history, "decisions": _jsonable(self.decisions),
+                                          "config": asdict(self.config)})
         keys = list(dict.fromkeys(k for row in history for k in row))
-        tmp = out / "metrics.csv.tmp"
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(history)
-        os.replace(tmp, out / "metrics.csv")
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=keys)
+        w.writeheader()
+        w.writerows(history)
+        atomic_write_text(out / "metrics.csv", buf.getvalue())
 
 
 def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = None,
@@ -702,11 +701,6 @@ def _set_epoch(loader, epoch: int) -> None:
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
 
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _jsonable(d: dict) -> dict:
