@@ -1,4 +1,4 @@
-"""`torchspeed data pack SRC DST` and `torchspeed data bench PATH`: pack an image folder, measure pipelines."""
+"""`torchspeed data pack SRC DST` (T09) and `torchspeed data bench PATH` (T04): pack an image folder, measure pipelines."""
 
 from __future__ import annotations
 

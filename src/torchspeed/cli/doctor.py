@@ -1,4 +1,4 @@
-"""`torchspeed doctor train.py [-- script args] [--steps N] [--json PATH] [--verify]`.
+"""`torchspeed doctor train.py [-- script args] [--steps N] [--json PATH] [--verify]` (T02, T03).
 
 Runs an unmodified training script under the doctor's probe (see `torchspeed.doctor`), for
 a bounded number of optimizer steps, and prints the ranked report. The script's own output

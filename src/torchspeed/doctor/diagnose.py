@@ -1,4 +1,4 @@
-"""`diagnose`: run a training script under the probe, apply the rules, return a ranked report.
+"""`diagnose`: run a training script under the probe, apply the rules, return a ranked report (T02, T03).
 
 The script runs in a child process (`python -m torchspeed.doctor._child`), exactly as
 `python train.py args` would run it, so a hung or crashing script can always be killed and
