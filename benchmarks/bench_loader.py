@@ -26,30 +26,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchspeed.bench.runner import provenance
-from torchspeed.env import usable_cores
+from torchspeed.env import parallel_speedup, usable_cores
 from torchspeed.tune import tune_loader
 from torchspeed.tune._common import TrainStep
 from torchspeed.tune._jpeg import JpegImages
-
-
-def _spin(n: int) -> float:
-    t = time.perf_counter()
-    x = 0
-    for i in range(n):
-        x += i * i
-    return time.perf_counter() - t
-
-
-def parallel_speedup() -> float:
-    """2 units of work in 2 processes vs 1 unit in 1 (2.0 on 2 idle cores; ~1.0 when other jobs hold the cores)."""
-    import multiprocessing
-
-    one = _spin(2_000_000)
-    with multiprocessing.get_context("fork").Pool(2) as pool:
-        pool.map(_spin, [1000, 1000])
-        t = time.perf_counter()
-        pool.map(_spin, [2_000_000, 2_000_000])
-        return 2 * one / (time.perf_counter() - t)
 
 
 def main() -> None:

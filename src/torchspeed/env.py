@@ -20,11 +20,12 @@ import glob
 import importlib
 import os
 import platform
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-__all__ = ["EnvInfo", "detect", "cpu_flags", "find_tcmalloc", "allocator_in_use", "format_env"]
+__all__ = ["EnvInfo", "detect", "cpu_flags", "find_tcmalloc", "allocator_in_use", "format_env", "parallel_speedup"]
 
 TCMALLOC_PATTERNS = (
     "/usr/lib/*/libtcmalloc_minimal.so*",
@@ -94,6 +95,30 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
         return os.cpu_count() or 1
+
+
+def _spin(n: int) -> float:
+    t = time.perf_counter()
+    x = 0
+    for i in range(n):
+        x += i * i
+    return time.perf_counter() - t
+
+
+def parallel_speedup(n: int = 2_000_000) -> float:
+    """How much faster 2 processes finish 2 units of CPU work than 1 process does 1.
+
+    About 2.0 on 2 idle cores, about 1.0 when other jobs hold the cores: benchmarks record
+    it, and tests that need parallel workers skip with a reason when the machine is busy.
+    """
+    import multiprocessing
+
+    one = _spin(n)
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        pool.map(_spin, [1000, 1000])  # start-up, not timed
+        t = time.perf_counter()
+        pool.map(_spin, [n, n])
+        return 2 * one / (time.perf_counter() - t)
 
 
 def find_tcmalloc() -> str | None:

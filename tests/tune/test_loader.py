@@ -1,4 +1,3 @@
-import multiprocessing
 import time
 
 import pytest
@@ -6,29 +5,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed.bench.workloads import SyntheticImages, create_model
-from torchspeed.env import usable_cores
+from torchspeed.env import parallel_speedup, usable_cores
 from torchspeed.tune import tune_loader
 from torchspeed.tune._jpeg import JpegImages
-
-
-def _spin(n: int) -> float:
-    t = time.perf_counter()
-    x = 0
-    for i in range(n):
-        x += i * i
-    return time.perf_counter() - t
-
-
-def _parallel_speedup() -> float:
-    """How much faster 2 processes finish 2 units of work than 1 process does 1 (2.0 on 2 idle cores)."""
-    n = 2_000_000
-    one = _spin(n)
-    with multiprocessing.get_context("fork").Pool(2) as pool:
-        pool.map(_spin, [1000, 1000])
-        t = time.perf_counter()
-        pool.map(_spin, [n, n])
-        two = time.perf_counter() - t
-    return 2 * one / two
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +19,7 @@ def in_memory():
 def test_decode_heavy_dataset_gets_workers():
     if usable_cores() < 2:
         pytest.skip("needs 2 usable cores to run workers in parallel")
-    if (speedup := _parallel_speedup()) < 1.4:
+    if (speedup := parallel_speedup()) < 1.4:
         # other processes hold every core: no loader setting can run in parallel right now
         pytest.skip(f"the machine is busy: 2 processes run only {speedup:.2f}x faster than 1")
     ds = JpegImages(256, size=320, out_size=32)  # each __getitem__ decodes a 320 px JPEG
