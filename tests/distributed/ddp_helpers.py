@@ -79,7 +79,7 @@ def worker_one_step(rank: int, out: str) -> None:
     x, y = make_data(16)
     half = slice(rank * 8, rank * 8 + 8)
     # Raw DDP: gradients after one backward equal the full-batch gradient.
-    init_distributed()
+    init_distributed(device="cpu")
     ddp = wrap_ddp(make_model(seed=0), device="cpu")
     nn.functional.cross_entropy(ddp(x[half]), y[half]).backward()
     grads = [p.grad.clone() for p in ddp.parameters()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,11 @@ SCRIPT = Path(__file__).parent / "scripts" / "tiny_fit.py"
 
 @pytest.mark.timeout(180)
 def test_launch_runs_an_unchanged_fit_script_in_two_processes(tmp_path):
+    # The CPU (gloo) job on every machine: with GPUs visible, fit would pick NCCL, one GPU per rank.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-m", "torchspeed", "launch", "--nproc", "2", "--threads", "1", "--",
-                           "python", str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=170)
+                           "python", str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=170,
+                          env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
@@ -58,3 +62,26 @@ def test_launch_cli_errors_are_one_line():
     proc = subprocess.run([sys.executable, "-m", "torchspeed", "launch", "--", "python", "t.py"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--nproc" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_more_processes_than_gpus_is_refused_with_the_fix(monkeypatch):
+    from torchspeed.train import distributed as D
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(D.torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match=r"2 processes on this machine but 1 GPU.*--nproc 1.*device='cpu'"):
+        D._check_one_gpu_per_process()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    D._check_one_gpu_per_process()  # one process per GPU: fine
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_launch_with_more_processes_than_gpus_fails_with_one_clear_message(tmp_path):
+    import torch
+
+    n = torch.cuda.device_count() + 1
+    proc = subprocess.run([sys.executable, "-m", "torchspeed", "launch", "--nproc", str(n), "--threads", "1", "--",
+                           "python", str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=170)
+    assert proc.returncode != 0
+    assert f"{n} processes on this machine but {n - 1} GPU(s) visible" in proc.stderr

@@ -94,7 +94,7 @@ def test_loss_read_only_every_log_every_steps(monkeypatch):
 
 
 def test_compile_failure_falls_back_to_eager_with_a_message(monkeypatch, caplog):
-    import torchspeed.train.trainer as trainer_mod
+    import torchspeed.train.compile as compile_mod
 
     class Boom(torch.nn.Module):
         def __init__(self, inner):
@@ -104,7 +104,7 @@ def test_compile_failure_falls_back_to_eager_with_a_message(monkeypatch, caplog)
         def forward(self, x):
             raise RuntimeError("inductor exploded")
 
-    monkeypatch.setattr(trainer_mod, "compile_model", lambda model, mode=None: Boom(model))
+    monkeypatch.setattr(compile_mod, "compile_model", lambda model, mode=None: Boom(model))
     ds = TensorDataset(torch.randn(64, 3, 8, 8), torch.randint(0, 4, (64,)))
     with caplog.at_level("WARNING", logger="torchspeed"):
         res = torchspeed.fit(_tiny(), DataLoader(ds, batch_size=8), epochs=1, compile=True, progress=False)
@@ -133,7 +133,8 @@ def test_compile_auto_keeps_the_faster_variant():
 @pytest.mark.slow
 def test_compile_auto_trial_runs_real_compilation():
     ds = TensorDataset(torch.randn(128, 3, 8, 8), torch.randint(0, 4, (128,)))
-    res = torchspeed.fit(_tiny(), DataLoader(ds, batch_size=8), epochs=1, compile="auto", progress=False)
+    res = torchspeed.fit(_tiny(), DataLoader(ds, batch_size=8), epochs=1, compile="auto", progress=False,
+                         compile_min_run_s=0)
     assert res.steps == 16
     detail = res.decisions["compile_detail"]
     assert detail["eager_s"] > 0 and detail["compiled_s"] > 0 and detail["compile_s"] > 0
@@ -158,3 +159,40 @@ def test_model_from_bench_workloads_trains_one_step():
     t = Trainer(create_model("resnet18"), device="cpu", config=TrainConfig(compile=False, progress=False))
     loss = t.train_step((torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))))
     assert torch.isfinite(loss) and t.step == 1
+
+
+def test_compile_trial_picks_the_fastest_mode_and_skips_a_failed_one():
+    trial = CompileTrial(steps=2, warmup=1, modes=(None, "reduce-overhead"))
+    for t in [1.0] * 3:
+        trial.record("eager", t)
+    assert trial.phase() == "compiled" and trial.current_mode() is None
+    for t in [20.0, 0.9, 0.9, 0.9]:
+        trial.record("compiled", t)
+    assert trial.current_mode() == "reduce-overhead"
+    for t in [25.0, 0.5, 0.5, 0.5]:
+        trial.record("compiled", t)
+    d = trial.decide()
+    assert d.use_compiled and d.mode == "reduce-overhead" and d.compile_s == 45.0
+    assert "mode=reduce-overhead" in d.reason and "default 1.11x" in d.reason
+    broken = CompileTrial(steps=2, warmup=1, modes=(None, "reduce-overhead"))
+    for t in [1.0] * 3:
+        broken.record("eager", t)
+    broken.fail(RuntimeError("cudagraphs unsupported"))  # the default mode fails: the next mode is tried
+    assert broken.phase() == "compiled" and broken.current_mode() == "reduce-overhead"
+    for t in [25.0, 0.5, 0.5, 0.5]:
+        broken.record("compiled", t)
+    assert broken.decide().mode == "reduce-overhead"
+
+
+def test_compile_auto_leaves_a_short_run_eager_without_compiling(monkeypatch):
+    import torchspeed.train.compile as compile_mod
+
+    calls = []
+    monkeypatch.setattr(compile_mod, "compile_model", lambda model, mode=None: calls.append(mode) or model)
+    ds = TensorDataset(torch.randn(64, 3, 8, 8), torch.randint(0, 4, (64,)))
+    res = torchspeed.fit(_tiny(), DataLoader(ds, batch_size=8), epochs=1, compile="auto", progress=False)
+    assert calls == [] and "too short to pay back a compilation" in res.decisions["compile"]
+    # the same run with the threshold at 0 s goes through the trial and compiles
+    res = torchspeed.fit(_tiny(), DataLoader(ds, batch_size=8), epochs=2, compile="auto", progress=False,
+                         compile_min_run_s=0)
+    assert calls == [None] and res.decisions["compile_detail"]["compiled_s"] > 0

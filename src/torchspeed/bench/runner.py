@@ -17,10 +17,18 @@ Rows (each technique switched on alone on top of `naive`):
   fused_optimizer  fused/foreach optimizer kernels (T18)
   compile          torch.compile (T25)
   workers          DataLoader(num_workers>0), pinned memory on CUDA (T06, T07)
+  compile_cudagraphs  torch.compile(mode="reduce-overhead"): CUDA graphs replay the step's kernels (CUDA only)
   tcmalloc         the process started with tcmalloc instead of glibc malloc (CPU, when installed)
+  omp_passive      OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning (CPU)
   prefetch         CUDA side-stream prefetcher (T07, T12), CUDA only
   cudnn_benchmark  T22, CUDA only
+  hand             the best hand-written loop for this machine: plain PyTorch, settings found by
+                   trying precision x channels_last x fused optimizer, then compile (bench/hand.py)
   all              torchspeed's automatic choice (`TrainConfig()` defaults)
+
+`all/hand` (the median of per-round ratios) says whether torchspeed beats a skilled engineer's
+own loop on this machine. On GPUs each row also gets its MFU: model FLOPs/s over the GPU's
+dense bf16 peak (bench/flops.py).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from pathlib import Path
 
 import torch
 from torchspeed._io import write_json
+from torchspeed.bench.flops import mfu, peak_bf16_flops, train_flops_per_sample
 from torchspeed.env import detect
 from torchspeed.train.trainer import TrainConfig
 
@@ -49,6 +58,8 @@ class BenchConfig:
     train: TrainConfig
     num_workers: int = 0
     allocator: str = "glibc"   # "glibc" (the system default) or "tcmalloc" (LD_PRELOAD at process start)
+    env: tuple[tuple[str, str], ...] = ()  # environment set at process start (OpenMP reads it once)
+    kind: str = "trainer"      # "trainer" (torchspeed's Trainer) or "hand" (bench/hand.py, plain PyTorch)
 
 
 @dataclass
@@ -60,6 +71,7 @@ class BenchRow:
     val_acc: float | None
     samples_per_s_runs: list[float] = field(default_factory=list)
     decisions: dict = field(default_factory=dict)
+    mfu: float | None = None
 
 
 @dataclass
@@ -75,12 +87,17 @@ class BenchResult:
                 "rows": [asdict(r) for r in self.rows], "meta": self.meta}
 
 
-def bench_configs(device: torch.device, *, workers: int | None = None, compile: bool = True) -> list[BenchConfig]:
-    """The ablation: naive, each technique alone on top of naive, and all."""
+OMP_PASSIVE = (("OMP_WAIT_POLICY", "PASSIVE"),)
+
+
+def bench_configs(device: torch.device, *, workers: int | None = None, compile: bool = True,
+                  hand: bool = True) -> list[BenchConfig]:
+    """The ablation: naive, each technique alone on top of naive, the hand-written ceiling, and all."""
     info = detect()
     naive = TrainConfig.naive(schedule=None, progress=False)
     fast_precision = info.best_precision if device.type == "cpu" else ("bf16" if info.bf16_supported else "fp16")
     n_workers = workers if workers is not None else min(4, max(1, info.cpu_cores - 1))
+    cuda = device.type == "cuda"
     rows = [BenchConfig("naive", naive)]
     if fast_precision != "fp32":
         rows.append(BenchConfig(fast_precision, replace(naive, precision=fast_precision)))
@@ -92,18 +109,25 @@ def bench_configs(device: torch.device, *, workers: int | None = None, compile: 
     ]
     if compile:
         rows.append(BenchConfig("compile", replace(naive, compile=True)))
+        if cuda:
+            rows.append(BenchConfig("compile_cudagraphs", replace(naive, compile=True, compile_mode="reduce-overhead")))
     rows.append(BenchConfig("workers", naive, num_workers=n_workers))
-    if device.type == "cuda":
+    if cuda:
         rows += [BenchConfig("prefetch", replace(naive, prefetch=True)),
                  BenchConfig("cudnn_benchmark", replace(naive, cudnn_benchmark=True))]
-    tcmalloc = device.type == "cpu" and info.tcmalloc_path is not None
+    tcmalloc = not cuda and info.tcmalloc_path is not None
     if tcmalloc:
         rows.append(BenchConfig("tcmalloc", naive, allocator="tcmalloc"))
+    if not cuda:
+        rows.append(BenchConfig("omp_passive", naive, env=OMP_PASSIVE))
+    # hand: plain PyTorch with the best settings found by trying them; its loader is all's loader.
+    loader_workers = n_workers if cuda else 0
+    if hand:
+        rows.append(BenchConfig("hand", naive, num_workers=loader_workers, kind="hand"))
     # all: torchspeed's automatic choice. The bench data is an in-memory tensor set, so on a
     # CPU the loader needs no workers (they would only take cores from the compute).
     all_cfg = TrainConfig(schedule=None, progress=False, compile="auto" if compile else False)
-    rows.append(BenchConfig("all", all_cfg, num_workers=n_workers if device.type == "cuda" else 0,
-                            allocator="tcmalloc" if tcmalloc else "glibc"))
+    rows.append(BenchConfig("all", all_cfg, num_workers=loader_workers, allocator="tcmalloc" if tcmalloc else "glibc"))
     return rows
 
 
@@ -114,13 +138,16 @@ class ConfigProcess:
         self.cfg = cfg
         env = dict(os.environ)
         env.pop("LD_PRELOAD", None)
+        if "OMP_WAIT_POLICY" not in dict(cfg.env):
+            env.pop("OMP_WAIT_POLICY", None)
+        env.update(dict(cfg.env))
         if cfg.allocator == "tcmalloc":
             lib = detect().tcmalloc_path
             if lib:
                 env["LD_PRELOAD"] = lib
         self.proc = subprocess.Popen([sys.executable, "-m", "torchspeed.bench._worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, bufsize=1)
-        self.spec = spec | {"train": asdict(cfg.train), "num_workers": cfg.num_workers}
+        self.spec = spec | {"train": asdict(cfg.train), "num_workers": cfg.num_workers, "kind": cfg.kind}
         self.times: list[float] = []
         self.send({"op": "setup", "spec": self.spec}, wait=False)
 
@@ -174,20 +201,23 @@ def provenance() -> dict:
 
 def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: int = 128, steps: int = 2,
               rounds: int = 3, warmup: int = 1, device: str | None = None, configs: list[str] | None = None,
-              eval_batches: int | None = 2, train_size: int = 2048, lr: float = 0.05, seed: int = 0,
-              compile: bool = True, progress: bool = True) -> BenchResult:
+              eval_batches: int | None = 2, train_size: int | None = None, lr: float = 0.05, seed: int = 0,
+              compile: bool = True, hand: bool = True, image_size: int = 32, progress: bool = True) -> BenchResult:
     """Train every config for warmup + rounds x steps steps, interleaved; return the table."""
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
-    chosen = bench_configs(dev, compile=compile)
+    chosen = bench_configs(dev, compile=compile, hand=hand)
     if configs:
         unknown = set(configs) - {c.name for c in chosen}
         if unknown:
             raise ValueError(f"unknown bench config(s) {sorted(unknown)}; available: {[c.name for c in chosen]}")
         chosen = [c for c in chosen if c.name in configs or c.name == "naive"]
+    if train_size is None:  # small images: 2048 samples; large ones: 4 batches (memory per process)
+        train_size = 2048 if image_size < 64 else 4 * batch_size
     spec = {"model": model, "data": data, "batch_size": batch_size, "train_size": train_size, "lr": lr,
-            "seed": seed, "device": str(dev)}
+            "seed": seed, "device": str(dev), "image_size": image_size,
+            "val_size": 1024 if image_size < 64 else 2 * batch_size, "hand": {"compile": compile}}
 
     from rich.progress import Progress
 
@@ -197,7 +227,8 @@ def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: i
             procs = [ConfigProcess(c, spec) for c in chosen]  # set-up runs in all processes at once
             task = bar.add_task("warm-up (includes compilation)", total=len(procs))
             for p in procs:
-                bar.update(task, description=f"warm-up {p.cfg.name}")
+                what = "hand-written loop: searching its settings" if p.cfg.kind == "hand" else p.cfg.name
+                bar.update(task, description=f"warm-up {what}")
                 p.receive()  # set-up done
                 p.warmup_steps = p.send({"op": "warmup", "n": warmup})["steps"]
                 bar.advance(task)
@@ -219,15 +250,33 @@ def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: i
                                      fin["train_loss"], fin["val_acc"], rates,
                                      fin["decisions"] | {"warmup_steps": p.warmup_steps}))
                 bar.advance(task)
+            times = {p.cfg.name: p.times for p in procs}
     finally:
         for p in procs:
             p.close()
     info = detect()
+    flops = _flops_per_sample(model, image_size)
+    if dev.type == "cuda" and flops:
+        for r in rows:
+            r.mfu = mfu(samples_per_s=r.samples_per_s, flops_per_sample=flops, device_name=info.device_name)
     meta = provenance() | {"batch_size": batch_size, "steps_per_round": steps, "rounds": rounds,
                            "warmup_steps": warmup, "model": model, "data": data, "compile": compile,
-                           "eval_batches": eval_batches}
+                           "eval_batches": eval_batches, "image_size": image_size, "train_size": train_size,
+                           "train_flops_per_sample": flops,
+                           "peak_bf16_flops": peak_bf16_flops(info.device_name) if dev.type == "cuda" else None}
+    if "all" in times and "hand" in times:  # does torchspeed beat the best loop written by hand, here?
+        meta["all_over_hand"] = statistics.median(h / a for h, a in zip(times["hand"], times["all"]))
+        meta["all_over_hand_runs"] = [h / a for h, a in zip(times["hand"], times["all"])]
     return BenchResult(device=f"{info.device}: {info.device_name}", torch=torch.__version__,
-                       workload=f"{model} on {data} 3x32x32, batch {batch_size}", rows=rows, meta=meta)
+                       workload=f"{model} on {data} 3x{image_size}x{image_size}, batch {batch_size}", rows=rows,
+                       meta=meta)
+
+
+def _flops_per_sample(model: str, image_size: int) -> float | None:
+    try:
+        return train_flops_per_sample(model, image_size=image_size)
+    except Exception:  # an unusual model the meta device cannot run: the MFU column stays empty
+        return None
 
 
 def write_results(result: BenchResult, json_path: str | os.PathLike, png_path: str | os.PathLike | None) -> None:

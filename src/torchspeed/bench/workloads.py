@@ -1,7 +1,12 @@
 """Built-in workloads for the bench, the tuners and the tests: no download, deterministic.
 
 - `resnet18_cifar`: torchvision's ResNet-18 with the CIFAR stem (3x3 stride-1 first conv,
-  no max-pool), the usual model for 32 px images.
+  no max-pool), the usual model for 32 px images. The torchvision ResNets (18/34/50) take
+  the CIFAR stem under 64 px and torchvision's own ImageNet stem from 64 px up (ResNet-50
+  at 224 px is the usual GPU benchmark).
+- `resnet20`: He et al.'s CIFAR ResNet-20 (3 stages of 3 basic blocks, 16/32/64 channels,
+  0.27 M parameters, 41 MFLOPs per 32 px image forward): a real residual conv net small
+  enough to train to a target accuracy in seconds on 2 CPU cores (the default CPU bench).
 - `SyntheticImages`: a CIFAR-shaped (3x32x32, 10 classes) image set made from a seed. Each
   class is a smooth random pattern; a sample is its class pattern, shifted, mirrored and
   scaled in brightness, plus noise. It is learnable (a ResNet reaches high accuracy in a few
@@ -22,7 +27,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 __all__ = ["resnet18_cifar", "create_model", "SyntheticImages", "digits", "make_datasets", "MODELS", "DATASETS"]
 
-MODELS = ("resnet18", "resnet34", "resnet50", "mlp")
+MODELS = ("resnet20", "resnet18", "resnet34", "resnet50", "mlp")
 DATASETS = ("synthetic", "digits")
 
 
@@ -39,9 +44,45 @@ def _cifar_resnet(name: str, num_classes: int) -> nn.Module:
     return model
 
 
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Identity() if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+def resnet20(num_classes: int = 10, *, widths: tuple[int, int, int] = (16, 32, 64), blocks: int = 3) -> nn.Module:
+    """He et al. (2016) CIFAR ResNet-20: a 3x3 stem, 3 stages of `blocks` basic blocks, global pool, linear."""
+    layers: list[nn.Module] = [nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()]
+    cin = widths[0]
+    for stage, cout in enumerate(widths):
+        for b in range(blocks):
+            layers.append(_BasicBlock(cin, cout, 2 if stage > 0 and b == 0 else 1))
+            cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
+    return nn.Sequential(*layers)
+
+
 def create_model(name: str = "resnet18", *, num_classes: int = 10, image_size: int = 32) -> nn.Module:
-    """A bench model by name: CIFAR ResNets, or 'mlp' (a small fully-connected net)."""
+    """A bench model by name: ResNet-20, the torchvision ResNets, or 'mlp' (a small fully-connected net).
+
+    The torchvision ResNets get the CIFAR stem under 64 px and their own ImageNet stem from 64 px up.
+    """
+    if name == "resnet20":
+        return resnet20(num_classes)
     if name in ("resnet18", "resnet34", "resnet50"):
+        if image_size >= 64:
+            import torchvision
+
+            return getattr(torchvision.models, name)(num_classes=num_classes)
         return _cifar_resnet(name, num_classes)
     if name == "mlp":
         return nn.Sequential(nn.Flatten(), nn.Linear(3 * image_size * image_size, 512), nn.ReLU(),
@@ -93,10 +134,11 @@ def digits(*, size: int = 32, val_fraction: float = 0.25, seed: int = 0) -> tupl
 
 
 def make_datasets(name: str = "synthetic", *, train_size: int = 4096, val_size: int = 1024,
-                  seed: int = 0) -> tuple[Dataset, Dataset]:
-    """(train, val) for a bench dataset name."""
+                  seed: int = 0, image_size: int = 32) -> tuple[Dataset, Dataset]:
+    """(train, val) for a bench dataset name, images `image_size` px square."""
     if name == "synthetic":
-        return SyntheticImages(train_size, seed=seed), SyntheticImages(val_size, seed=seed + 10_000)
+        return (SyntheticImages(train_size, seed=seed, size=image_size),
+                SyntheticImages(val_size, seed=seed + 10_000, size=image_size))
     if name == "digits":
-        return digits(seed=seed)
+        return digits(seed=seed, size=image_size)
     raise ValueError(f"dataset {name!r} is not one of {', '.join(DATASETS)}")

@@ -12,8 +12,11 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer steps (under 2 minutes on 2 CPU cores)")
     p.add_argument("--data", default="synthetic", choices=["synthetic", "digits"],
                    help="synthetic (CIFAR-shaped, built in) or digits (scikit-learn's real handwritten digits)")
-    p.add_argument("--model", default="resnet18", choices=["resnet18", "resnet34", "resnet50", "mlp"],
-                   help="CIFAR variants of the ResNets, or a small MLP (default resnet18)")
+    p.add_argument("--model", default="resnet18", choices=["resnet20", "resnet18", "resnet34", "resnet50", "mlp"],
+                   help="ResNet-20 (CIFAR), torchvision ResNets (CIFAR stem under 64 px, ImageNet stem from 64 "
+                        "px), or a small MLP (default resnet18)")
+    p.add_argument("--image-size", type=int, default=32, help="square image side in pixels (default 32; 224 for "
+                                                               "the ImageNet-sized GPU benchmark)")
     p.add_argument("--batch-size", type=int, default=128, help="default 128 (64 with --quick)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per config per round")
     p.add_argument("--rounds", type=int, default=None, help="interleaved measuring rounds")
@@ -22,6 +25,8 @@ def register(sub) -> None:
     p.add_argument("--json", default="bench.json", help="where to write the results JSON (default bench.json)")
     p.add_argument("--png", default=None, help="bar chart path (default: next to the JSON, .png)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out (rows and all)")
+    p.add_argument("--no-hand", action="store_true",
+                   help="leave out the hand-written ceiling (its settings search trains every combination)")
     p.add_argument("--nproc", type=int, default=None,
                    help="instead: N DistributedDataParallel processes against 1, as torchrun jobs (T31)")
     p.set_defaults(func=run)
@@ -32,6 +37,8 @@ def run(args) -> int:
         raise CLIError(f"--batch-size must be positive, got {args.batch_size}")
     if args.steps is not None and args.steps <= 0:
         raise CLIError(f"--steps must be positive, got {args.steps}")
+    if args.image_size < 8:
+        raise CLIError(f"--image-size must be at least 8, got {args.image_size}")
     if args.nproc is not None:
         from torchspeed.bench.scaling import run_scaling_cli
 
@@ -53,17 +60,28 @@ def run(args) -> int:
     try:
         result = run_bench(model=args.model, data=args.data, batch_size=batch, steps=steps, rounds=rounds,
                            warmup=1, device=args.device, configs=configs, eval_batches=1 if args.quick else 2,
-                           compile=not (args.quick or args.no_compile))
+                           compile=not (args.quick or args.no_compile), hand=not args.no_hand,
+                           image_size=args.image_size)
     except ValueError as e:
         raise CLIError(str(e)) from e
     table = Table(title=f"{result.workload} on {result.device}")
-    for col in ("config", "samples/s", "speed-up", "train loss", "val acc"):
+    show_mfu = any(r.mfu is not None for r in result.rows)
+    for col in ("config", "samples/s", "speed-up", "train loss", "val acc") + (("MFU",) if show_mfu else ()):
         table.add_column(col, justify="right" if col != "config" else "left")
     for r in result.rows:
-        style = "bold red" if r.config == "all" else None
-        table.add_row(r.config, f"{r.samples_per_s:,.1f}", f"{r.speedup:.2f}x", f"{r.train_loss:.4f}",
-                      "-" if r.val_acc is None else f"{r.val_acc:.3f}", style=style)
+        style = "bold red" if r.config == "all" else "bold" if r.config == "hand" else None
+        cells = [r.config, f"{r.samples_per_s:,.1f}", f"{r.speedup:.2f}x", f"{r.train_loss:.4f}",
+                 "-" if r.val_acc is None else f"{r.val_acc:.3f}"]
+        if show_mfu:
+            cells.append("-" if r.mfu is None else f"{r.mfu:.1%}")
+        table.add_row(*cells, style=style)
     console.print(table)
+    hand_row = next((r for r in result.rows if r.config == "hand"), None)
+    if hand_row is not None:
+        console.print(f"hand: the best hand-written loop found here was {hand_row.decisions.get('hand_settings')}")
+    if "all_over_hand" in result.meta:
+        console.print(f"[bold]all/hand: {result.meta['all_over_hand']:.2f}x[/] (median of per-round ratios; "
+                      ">= 1.00 means torchspeed matches or beats the best hand-written loop on this machine)")
     png = args.png or os.path.splitext(args.json)[0] + ".png"
     write_results(result, args.json, png)
     all_row = next((r for r in result.rows if r.config == "all"), None)

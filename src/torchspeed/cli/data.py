@@ -27,6 +27,8 @@ def register(sub) -> None:
     b.add_argument("--rounds", type=int, default=5, help="interleaved measuring rounds (5)")
     b.add_argument("--limit", type=int, default=None, help="use only the first N images")
     b.add_argument("--json", default=None, help="write the results JSON here")
+    b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="cuda adds the nvjpeg row (GPU batch decode + crop); auto: cuda when a GPU is visible")
     b.set_defaults(func=run_bench)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
@@ -72,7 +74,8 @@ def run_bench(args) -> int:
     console.print(f"[bold]torchspeed data bench[/]: {args.path}, size {args.size}, one process, one thread, "
                   f"{args.rounds} interleaved rounds after a warm-up pass")
     try:
-        r = bench_pipelines(args.path, size=args.size, rounds=args.rounds, limit=args.limit, progress=True)
+        r = bench_pipelines(args.path, size=args.size, rounds=args.rounds, limit=args.limit, progress=True,
+                            device=args.device)
     except (ValueError, FileNotFoundError) as e:
         raise CLIError(str(e)) from None
     table = Table(title=f"{r.files} images")
@@ -84,6 +87,8 @@ def run_bench(args) -> int:
     console.print(table)
     console.print(f"torchspeed / torchvision: {r.ratio('torchspeed', 'torchvision'):.2f}x, torchspeed / decode-only: "
                   f"{r.ratio('torchspeed', 'decode-only'):.0%} (medians of per-round ratios)")
+    if "nvjpeg/torchvision" in r.ratios:
+        console.print(f"nvjpeg (GPU) / torchvision (one CPU thread): {r.ratio('nvjpeg', 'torchvision'):.1f}x")
     if args.json:
         out = r.to_dict()
         out["meta"] = provenance() | {"command": "torchspeed data bench", "path_images": r.files}

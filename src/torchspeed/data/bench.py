@@ -4,6 +4,9 @@
   (a) torchvision: `ImageFolder` + Pillow + RandomResizedCrop(size) + RandomHorizontalFlip + ToTensor,
   (b) torchspeed: `FastImageFolder(size, crop="random", flip=True)` -> uint8 tensor of the same size,
   (c) decode-only: read the file + `simplejpeg.decode_jpeg` at full size, nothing else,
+  (d) nvjpeg (when a CUDA GPU is used): read the files, decode each batch of 64 on the GPU in one
+      nvjpeg call (`decode_jpeg_batch`, torchvision's decoder), RandomResizedCrop + flip on the
+      GPU, and stack: the batch is ready on the device. One CPU thread feeds it,
 interleaved (round r runs every pipeline once over all files, the order rotating per round),
 after an untimed warm-up pass that also loads the files into the page cache. Each row's
 img/s is the median over rounds; ratios are medians of per-round ratios, so a machine that
@@ -71,7 +74,33 @@ def single_thread():
         cv2.setNumThreads(c)
 
 
-def _pipelines(root: str, size: int, limit: int | None):
+def _gpu_random_resized_crop(img: torch.Tensor, size: int) -> torch.Tensor:
+    """torchvision's RandomResizedCrop + RandomHorizontalFlip on one CHW uint8 image on the GPU."""
+    from torchvision.transforms import RandomResizedCrop
+    from torchvision.transforms.v2 import functional as F
+
+    top, left, h, w = RandomResizedCrop.get_params(img, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
+    out = F.resized_crop(img, top, left, h, w, size=[size, size], antialias=True)
+    return out.flip(-1) if torch.rand(()) < 0.5 else out
+
+
+def _nvjpeg_pipeline(paths: list[str], size: int, device: torch.device, batch: int = 64):
+    from torchspeed.data.decode import decode_jpeg_batch
+
+    def run_nvjpeg():
+        for i in range(0, len(paths), batch):
+            datas = []
+            for p in paths[i:i + batch]:
+                with open(p, "rb") as f:
+                    datas.append(f.read())
+            imgs = decode_jpeg_batch(datas, device=device)
+            torch.stack([_gpu_random_resized_crop(im, size) for im in imgs])
+        torch.cuda.synchronize(device)
+
+    return run_nvjpeg
+
+
+def _pipelines(root: str, size: int, limit: int | None, device: torch.device | None = None):
     import simplejpeg
     from torchvision import datasets, transforms as T
 
@@ -99,19 +128,30 @@ def _pipelines(root: str, size: int, limit: int | None):
             with open(p, "rb") as f:
                 simplejpeg.decode_jpeg(f.read())
 
-    return n, {"torchvision": run_tv, "torchspeed": run_ts, "decode-only": run_dec}
+    fns = {"torchvision": run_tv, "torchspeed": run_ts, "decode-only": run_dec}
+    if device is not None and device.type == "cuda":
+        fns["nvjpeg"] = _nvjpeg_pipeline(paths, size, device)
+    return n, fns
 
 
 def bench_pipelines(root: str | os.PathLike, *, size: int = 224, rounds: int = 5, limit: int | None = None,
-                    progress: bool = False) -> DataBenchResult:
-    """img/s of the three pipelines on the files under `root` (see the module docstring)."""
+                    progress: bool = False, device: str | torch.device | None = "auto") -> DataBenchResult:
+    """img/s of the pipelines on the files under `root` (see the module docstring).
+
+    `device="auto"` adds the nvjpeg row when torch sees a CUDA GPU; "cpu" leaves it out.
+    """
     from torchspeed.data._progress import track
 
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda: no CUDA GPU is visible to torch here; use --device cpu")
     root = str(root)
     with single_thread():
-        n, fns = _pipelines(root, size, limit)
+        n, fns = _pipelines(root, size, limit, device)
         for fn in fns.values():  # warm-up: imports, page cache, the backend choice
             fn()
         rates: dict[str, list[float]] = {k: [] for k in fns}
@@ -124,6 +164,9 @@ def bench_pipelines(root: str | os.PathLike, *, size: int = 224, rounds: int = 5
                 rates[name].append(n / (time.perf_counter() - t0))
     rows = tuple(PipelineRow(k, statistics.median(v), tuple(v)) for k, v in rates.items())
     ratios = {}
-    for a, b in (("torchspeed", "torchvision"), ("torchspeed", "decode-only"), ("decode-only", "torchvision")):
+    pairs = [("torchspeed", "torchvision"), ("torchspeed", "decode-only"), ("decode-only", "torchvision")]
+    if "nvjpeg" in rates:
+        pairs += [("nvjpeg", "torchvision"), ("nvjpeg", "torchspeed")]
+    for a, b in pairs:
         ratios[f"{a}/{b}"] = statistics.median(x / y for x, y in zip(rates[a], rates[b]))
     return DataBenchResult(rows=rows, ratios=ratios, files=n, size=size, rounds=rounds)

@@ -164,6 +164,8 @@ def init_distributed(*, backend: str | None = None, device: torch.device | str |
                            "or `torchrun --nproc-per-node N train.py`")
     local_rank = get_local_rank()
     dev = torch.device(device) if device is not None else _default_device(local_rank)
+    if dev.type == "cuda" and (device is None or torch.device(device).index is None):
+        _check_one_gpu_per_process()
     if dev.type == "cuda":
         if dev.index is None:
             dev = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
@@ -180,6 +182,17 @@ def init_distributed(*, backend: str | None = None, device: torch.device | str |
         log.addFilter(_RankZeroLogFilter())
     return DistInfo(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(),
                     backend=str(dist.get_backend()), device=dev)
+
+
+def _check_one_gpu_per_process() -> None:
+    """NCCL needs a GPU of its own for every process on a machine: refuse more processes than GPUs."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count()
+    if local_world > gpus:
+        raise RuntimeError(
+            f"{local_world} processes on this machine but {gpus} GPU(s) visible: NCCL needs one GPU per process "
+            f"(two ranks on one GPU fail with 'Duplicate GPU detected'). Launch with --nproc {gpus} (torchrun "
+            f"--nproc-per-node {gpus}), or train the processes on the CPU with device='cpu' (gloo)")
 
 
 def maybe_init_distributed(mode: bool | str = "auto", *, device: torch.device | str | None = None) -> DistInfo | None:

@@ -35,7 +35,7 @@ from torchspeed.train.backends import configure_backends
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from torchspeed.train.checkpoint import (CheckpointError, CheckpointManager, FoundCheckpoint, ResumeMismatchError,
                                          check_state_dict, load_checkpoint)
-from torchspeed.train.compile import CompileDecision, CompileTrial, compile_model, sync
+from torchspeed.train.compile import MIN_RUN_S, CompileController, sync
 from torchspeed.train.distributed import (DistInfo, all_reduce_sum, broadcast_object, convert_sync_batchnorm,
                                           is_rank_zero, maybe_init_distributed, reduce_metrics, scale_lr_world_size,
                                           shard_loader, wrap_ddp)
@@ -65,7 +65,8 @@ class TrainConfig:
     precision: str = "auto"             # T21: "auto" | "fp32" | "bf16" | "fp16"
     channels_last: bool | str = "auto"  # T23: "auto" = on when the model has 2D convolutions
     compile: bool | str = "auto"        # T25: "auto" = keep compiled only if a measured trial is faster
-    compile_mode: str | None = None
+    compile_mode: str | None = None     # None (inductor default) | "reduce-overhead" (CUDA graphs) | ...
+    compile_min_run_s: float = MIN_RUN_S  # compile="auto" leaves runs with less eager time than this eager
     cudnn_benchmark: bool | str = "auto"  # T22: "auto" = on for CUDA (fixed shapes)
     set_to_none: bool = True            # T26
     fused_optimizer: bool | str = "auto"  # fused/foreach kernels (T18)
@@ -188,16 +189,10 @@ class Trainer:
             self.decisions["lr"] = f"x{self.dist.world_size} (world size, T17): {optimizer.param_groups[0]['lr']:g}"
         self.scheduler = None
 
-        self._forward_model: nn.Module = self.model  # the compiled module once compile is decided
-        self._compile_trial = CompileTrial() if cfg.compile == "auto" else None
-        self._compiled: nn.Module | None = None
-        self._compile_verified = False
-        if cfg.compile is True:
-            self._compiled = compile_model(self.model, mode=cfg.compile_mode)
-            self._forward_model = self._compiled
-            self.decisions["compile"] = "on (asked for)"
-        elif cfg.compile is False:
-            self.decisions["compile"] = "off"
+        # T25: which module runs the forward (eager, compiled, or the compile="auto" trial deciding).
+        self.compiler = CompileController(self.model, cfg.compile, device=self.device, mode=cfg.compile_mode,
+                                          min_run_s=cfg.compile_min_run_s, decide_all_ranks=broadcast_object,
+                                          decisions=self.decisions)
 
         self.meter = DeviceMeter(self.device)
         self.skipped = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -233,7 +228,7 @@ class Trainer:
         sync_ctx = self.model.no_sync() if hasattr(self.model, "no_sync") and not last_micro else contextlib.nullcontext()
         with sync_ctx:
             with self.precision.autocast():
-                out = self._forward_model(x)
+                out = self.compiler.forward(x)
                 loss = self.loss_fn(out, y)
             backward(loss, scaler=self.scaler, accum_steps=cfg.grad_accum)
         self._micro += 1
@@ -311,64 +306,15 @@ class Trainer:
                 "gradient clipping (clip_grad_norm=1.0), checking the inputs and labels for NaN/inf, or fp32/bf16 "
                 "instead of fp16; max_nonfinite sets how many bad steps in a row are tolerated")
 
-    def _trial_step(self, batch) -> None:
-        """A training step that also times itself for the compile="auto" decision."""
-        trial = self._compile_trial
-        assert trial is not None
-        phase = trial.phase()
-        if phase == "compiled" and self._compiled is None:
-            self._compiled = compile_model(self.model, mode=self.config.compile_mode)
-            self._forward_model = self._compiled
-        t0 = time.perf_counter()
-        try:
-            self.train_step(batch)
-        except Exception as e:
-            if phase != "compiled":
-                raise
-            self._fallback_eager(e)
-            self.train_step(batch)
-            return
-        sync(self.device)
-        trial.record(phase, time.perf_counter() - t0)
-        if trial.phase() == "done":
-            decision = broadcast_object(trial.decide())  # every rank runs what rank 0 measured
-            self._apply_compile_decision(decision)
-
-    def _first_compiled_step(self, batch) -> None:
-        """compile=True: the first step compiles; if compilation fails, continue eager (with a message)."""
-        try:
-            self.train_step(batch)
-        except Exception as e:
-            if is_out_of_memory(e):
-                raise
-            self._fallback_eager(e)
-            self.train_step(batch)
-        self._compile_verified = True
-
-    def _fallback_eager(self, e: Exception) -> None:
-        msg = f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); continuing eager"
-        log.warning(msg)
+    def _reset_micro(self) -> None:
+        """A failed compiled step left partial gradients: drop them and restart the accumulation window."""
         zero_grad(self.optimizer, set_to_none=True)
         self._micro = 0
-        self._apply_compile_decision(CompileDecision(False, msg, error=str(e)))
-
-    def _apply_compile_decision(self, decision: CompileDecision) -> None:
-        self._compile_trial = None
-        self._forward_model = self._compiled if decision.use_compiled and self._compiled is not None else self.model
-        if not decision.use_compiled:
-            self._compiled = None
-        self.decisions["compile"] = decision.reason
-        self.decisions["compile_detail"] = asdict(decision)
 
     def step_batch(self, batch) -> None:
         """Train on one device batch (runs the compile trial while it is undecided)."""
         try:
-            if self._compile_trial is not None:
-                self._trial_step(batch)
-            elif self._compiled is not None and not self._compile_verified:
-                self._first_compiled_step(batch)
-            else:
-                self.train_step(batch)
+            self.compiler.run(self.train_step, batch, on_fallback=self._reset_micro, is_fatal=is_out_of_memory)
         except Exception as e:
             if isinstance(e, TrainingOutOfMemoryError) or not is_out_of_memory(e):
                 raise
@@ -419,6 +365,7 @@ class Trainer:
             self.setup_schedule(steps_per_epoch, epochs)
         self._steps_per_epoch = steps_per_epoch
         start_epoch, start_batch = self._resume(steps_per_epoch) if cfg.resume else (0, 0)
+        self.compiler.plan((self.total_steps - self.step) * cfg.grad_accum)  # short runs are not compiled
         history = self._history
         progress = _Progress(enabled=cfg.progress and is_rank_zero(),
                              total=steps_per_epoch * epochs - start_epoch * steps_per_epoch - start_batch)

@@ -1,0 +1,94 @@
+"""The hand-written ceiling (bench/hand.py) and the MFU column (bench/flops.py)."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from torchspeed.bench.flops import mfu, peak_bf16_flops, train_flops_per_sample
+from torchspeed.bench.hand import HandLoop, HandSettings, search_hand_settings
+from torchspeed.bench.runner import bench_configs, run_bench
+from torchspeed.bench.workloads import SyntheticImages, create_model
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+                               torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                               torch.nn.Linear(8, 10))
+
+
+def test_hand_search_tries_the_whole_eager_grid_and_returns_the_fastest(monkeypatch):
+    import torchspeed.bench.hand as hand
+
+    # Fixed, fake timings (no wall clock): channels_last + fused is the fastest combination.
+    fake = {HandSettings("fp32", False, False): 4.0, HandSettings("fp32", True, False): 3.0,
+            HandSettings("fp32", False, True): 3.5, HandSettings("fp32", True, True): 2.0,
+            HandSettings("fp32", True, True, True): 2.5}
+    seen = []
+    monkeypatch.setattr(hand, "hand_precisions", lambda device: ["fp32"])
+    monkeypatch.setattr(hand, "_time_candidate", lambda mk, loader, dev, s, steps, warm: seen.append(s) or fake[s])
+    loader = DataLoader(SyntheticImages(32, size=8), batch_size=8)
+    best, log = search_hand_settings(_tiny, loader, torch.device("cpu"))
+    assert best == HandSettings("fp32", True, True)  # compile measured slower: not kept
+    assert set(log["tried"]) == {"fp32", "fp32+channels_last", "fp32+fused", "fp32+channels_last+fused",
+                                 "fp32+channels_last+fused+compile"}
+    assert len(seen) == 4 * 2 + 1  # two interleaved passes over the grid, then compile on the winner
+    fake[HandSettings("fp32", True, True, True)] = 1.0
+    assert search_hand_settings(_tiny, loader, torch.device("cpu"))[0].compile
+
+
+def test_hand_loop_trains_and_channels_last_is_applied():
+    loader = DataLoader(SyntheticImages(64, size=8), batch_size=16, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
+    loop = HandLoop(_tiny(), loader, torch.device("cpu"), settings=HandSettings("fp32", True, True), lr=0.1)
+    assert loop.model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert loop.opt.defaults.get("fused") is True
+    loop.run(1)
+    first = loop.train_loss()
+    loop.restart()
+    loop.run(12)
+    assert loop.train_loss() < first
+    assert 0.0 <= loop.evaluate(loader) <= 1.0
+
+
+def test_bench_has_a_hand_row_and_reports_all_over_hand(tmp_path):
+    names = [c.name for c in bench_configs(torch.device("cpu"))]
+    assert names[-2:] == ["hand", "all"] and "omp_passive" in names
+    res = run_bench(model="mlp", batch_size=32, steps=2, rounds=2, warmup=1, device="cpu", configs=["hand", "all"],
+                    eval_batches=1, train_size=256, compile=False, progress=False)
+    assert [r.config for r in res.rows] == ["naive", "hand", "all"]
+    hand_row = res.rows[1]
+    search = json.loads(hand_row.decisions["search"])
+    assert search["chosen"] == hand_row.decisions["hand_settings"] and len(search["tried"]) == 2  # fused or not
+    assert res.meta["all_over_hand"] > 0 and len(res.meta["all_over_hand_runs"]) == 2
+    # the hand row trains the same steps from the same weights: its loss is close to naive's
+    assert hand_row.train_loss == pytest.approx(res.rows[0].train_loss, rel=0.05)
+    assert all(r.mfu is None for r in res.rows)  # no MFU on a CPU
+
+
+def test_omp_passive_row_starts_its_process_with_the_wait_policy():
+    cfg = next(c for c in bench_configs(torch.device("cpu")) if c.name == "omp_passive")
+    assert dict(cfg.env) == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_training_flops_and_gpu_peaks():
+    # ResNet-50 at 224 px: 4.1 GMACs forward, so about 3 x 8.2 GFLOPs for forward + backward
+    assert 23e9 < train_flops_per_sample("resnet50", image_size=224) < 26e9
+    # the CIFAR ResNet-18 forward is 0.56 GMACs
+    assert train_flops_per_sample("resnet18") == pytest.approx(3 * 2 * 0.556e9, rel=0.01)
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_bf16_flops("NVIDIA H200") == 989.4e12
+    assert peak_bf16_flops("AMD EPYC") is None
+    assert mfu(samples_per_s=1000, flops_per_sample=24.3e9, device_name="NVIDIA H100 80GB HBM3") == pytest.approx(
+        24.3e12 / 989.4e12)
+
+
+def test_resnets_take_the_imagenet_stem_from_64_px():
+    small, big = create_model("resnet50", image_size=32), create_model("resnet50", image_size=224)
+    assert small.conv1.kernel_size == (3, 3) and isinstance(small.maxpool, torch.nn.Identity)
+    assert big.conv1.kernel_size == (7, 7) and isinstance(big.maxpool, torch.nn.MaxPool2d)
+    r20 = create_model("resnet20")
+    assert sum(p.numel() for p in r20.parameters()) == pytest.approx(0.27e6, rel=0.03)
