@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-__all__ = ["EnvInfo", "detect", "cpu_flags", "find_tcmalloc", "allocator_in_use", "format_env", "parallel_speedup"]
+__all__ = ["EnvInfo", "detect", "cpu_flags", "find_tcmalloc", "allocator_in_use", "format_env", "parallel_speedup",
+           "usable_cores", "default_device"]
 
 TCMALLOC_PATTERNS = (
     "/usr/lib/*/libtcmalloc_minimal.so*",
@@ -87,6 +88,13 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def default_device(device=None):
+    """`device` as a torch.device; None means the GPU when torch sees one, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def usable_cores() -> int:

@@ -67,7 +67,7 @@ def test_bf16_fused_skips_a_nan_step_on_the_device_without_touching_weights():
     """The "device" guard: the fused kernel reads found_inf, so a NaN loss changes nothing and costs no sync."""
     t = Trainer(_mlp(), device="cuda", config=TrainConfig(precision="bf16", compile=False, progress=False,
                                                            schedule=None, log_every=100))
-    assert t._nf_mode == "device"
+    assert t.guard.mode == "device"
     before = [p.detach().clone() for p in t.module.parameters()]
     x, y = torch.randn(8, 16, device="cuda"), torch.randint(0, 4, (8,), device="cuda")
     t.train_step((x * float("nan"), y))

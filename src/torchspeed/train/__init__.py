@@ -1,4 +1,4 @@
-"""The fast training loop (`fit`, `Trainer`) and the techniques it composes, each public."""
+"""The fast training loop (`Trainer`) and the techniques it composes, each public (`torchspeed.fit` is above it)."""
 
 from torchspeed.train.backends import configure_backends
 from torchspeed.train.compile import CompileDecision, compile_model
@@ -16,7 +16,7 @@ from torchspeed.train.optim import OPTIMIZERS, create_optimizer, zero_grad
 from torchspeed.train.precision import Precision, make_grad_scaler, resolve_precision
 from torchspeed.train.schedule import SCHEDULES, create_scheduler, scale_lr
 from torchspeed.train.step import backward, optimizer_step
-from torchspeed.train.trainer import FitResult, Trainer, TrainConfig, fit
+from torchspeed.train.trainer import FitResult, Trainer, TrainConfig
 from torchspeed.train.transfer import Prefetcher, loader_kwargs, to_device
 
 __all__ = [
@@ -27,6 +27,6 @@ __all__ = [
     "apply_channels_last", "has_conv2d", "is_channels_last", "to_channels_last", "DeviceMeter",
     "OPTIMIZERS", "create_optimizer", "zero_grad", "Precision", "make_grad_scaler", "resolve_precision",
     "SCHEDULES", "create_scheduler", "scale_lr", "backward", "optimizer_step", "FitResult", "Trainer",
-    "TrainConfig", "fit", "Prefetcher", "loader_kwargs", "to_device",
+    "TrainConfig", "Prefetcher", "loader_kwargs", "to_device",
     "init_distributed", "wrap_ddp", "distributed_loader", "reduce_metrics", "is_rank_zero", "unwrap_model",
 ]

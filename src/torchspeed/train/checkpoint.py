@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -46,6 +47,7 @@ import torch
 from torch import nn
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "check_state_dict", "CheckpointManager",
+           "find_resume", "check_resumable", "update_best",
            "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError", "ResumeMismatchError",
            "FoundCheckpoint"]
 
@@ -294,6 +296,59 @@ class CheckpointManager:
 
 
 # ---------------------------------------------------------------------- helpers
+def find_resume(resume: str | os.PathLike, manager: "CheckpointManager | None") -> FoundCheckpoint | None:
+    """The checkpoint `resume` points at: "auto" (the newest good one under `manager`), a folder, or a file.
+
+    Returns None when a folder holds no checkpoint yet (a first run with resume="auto").
+    """
+    if resume == "auto" or Path(resume).is_dir():
+        manager = manager if resume == "auto" else CheckpointManager(resume)
+        found = manager.latest() if manager is not None else None
+        if found is None:
+            log.info("resume: no checkpoint in %s yet; starting from the beginning",
+                     manager.directory if manager else resume)
+        return found
+    return FoundCheckpoint(path=Path(resume), state=load_checkpoint(resume))
+
+
+def check_resumable(found: FoundCheckpoint, *, steps_per_epoch: int | None, total_steps: int | None,
+                    has_scheduler: bool) -> dict:
+    """The training state in `found`, after checking that this run can continue it exactly."""
+    state = found.state
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"{found.path} holds only weights, not a training state; load it with "
+                              "torchspeed.train.checkpoint.load_checkpoint(path, model=model) before fit, "
+                              "and leave resume unset")
+    if state["steps_per_epoch"] not in (None, steps_per_epoch):
+        raise ResumeMismatchError(
+            f"{found.path} was written with {state['steps_per_epoch']} batches per epoch, but this loader has "
+            f"{steps_per_epoch}: resume with the same data and batch size, or use a new checkpoint_dir")
+    if has_scheduler and state.get("scheduler") is not None and state.get("total_steps") != total_steps:
+        raise ResumeMismatchError(
+            f"{found.path} was written by a run of {state.get('total_steps')} optimizer steps, but this run's "
+            f"learning-rate schedule spans {total_steps} (epochs or max_steps changed): resume with the same epochs "
+            "and max_steps, or start a new run from its weights with load_checkpoint(path, model=model)")
+    return state
+
+
+def update_best(best: dict | None, row: dict, metric: str | None, *, step: int) -> tuple[dict | None, bool]:
+    """(new best record, improved?) after an epoch's `row`; metric "auto" is val_acc when the task has an
+    accuracy, else val_loss, else train_loss (regression and language models get the loss)."""
+    if metric is None:
+        return best, False
+    if metric == "auto":
+        metric = next((k for k in ("val_acc", "val_loss", "train_loss") if row.get(k) is not None), None)
+    value = row.get(metric) if metric else None
+    if value is None or not math.isfinite(value):
+        return best, False
+    higher = "acc" in metric
+    if best is not None and best["metric"] == metric:
+        old = best["value"]
+        if (value <= old) if higher else (value >= old):
+            return best, False
+    return {"metric": metric, "value": float(value), "epoch": row["epoch"], "step": step}, True
+
+
 def _sha256(f, *, limit: int | None = None) -> bytes:
     h = hashlib.sha256()
     remaining = limit

@@ -215,6 +215,8 @@ class CompileController:
             torch.compiler.cudagraph_mark_step_begin()  # this step's outputs may overwrite the last step's
         return self.active(*args, **kwargs)
 
+    __call__ = forward  # the controller stands in for the model: `controller(x)` runs the chosen module
+
     def _use(self, mode: str | None) -> None:
         if mode not in self._compiled:
             self._compiled[mode] = compile_model(self.model, mode=mode)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchspeed.train.batch import StepOutput, default_loss, forward_loss
 from torchspeed.train.metrics import DeviceMeter
 from torchspeed.train.precision import Precision, resolve_precision
 from torchspeed.train.transfer import to_device
@@ -40,14 +41,19 @@ def tta_views(x: torch.Tensor, *, flip: bool = False, scales: Sequence[float] = 
 
 
 def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str | None = None,
-             precision: Precision | str = "fp32", loss_fn: Callable | None = None,
+             precision: Precision | str = "fp32", loss_fn: Callable | None = None, step_fn: Callable | None = None,
              channels_last: bool = False, tta: str | None = None,
              tta_scales: Sequence[float] = ()) -> dict[str, float | None]:
-    """Mean loss and top-1 accuracy of `model` over `loader` (inputs, integer targets)."""
+    """Mean loss, and top-1 accuracy where the task is classification, of `model` over `loader`.
+
+    Batches follow the contract in `torchspeed.train.batch` (tuples, dicts, models returning
+    their loss, `step_fn`). `val_acc` is None for regression and loss-only models; per token
+    for sequence models.
+    """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if isinstance(precision, str):
         precision = resolve_precision(precision, device=device)
-    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    loss_fn = loss_fn or default_loss()
     if tta not in (None, "flip"):
         raise ValueError(f"tta={tta!r}: use None or 'flip' (and tta_scales for multi-scale)")
     meter = DeviceMeter(device)
@@ -56,18 +62,28 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str |
     try:
         with torch.inference_mode():
             for batch in loader:
-                x, y = to_device(batch, device, channels_last=channels_last)[:2]
+                batch = to_device(batch, device, channels_last=channels_last)
                 with precision.autocast():
-                    views = tta_views(x, flip=tta == "flip", scales=tta_scales)
-                    if len(views) == 1:
-                        logits = model(x).float()
-                        loss = loss_fn(logits, y)
+                    if (tta == "flip" or tta_scales) and step_fn is None:
+                        out = _tta_forward(model, batch, flip=tta == "flip", scales=tta_scales)
                     else:
-                        probs = torch.stack([F.softmax(model(v).float(), dim=-1) for v in views]).mean(0)
-                        logits = probs.clamp_min(1e-12).log()
-                        loss = F.nll_loss(logits, y)
-                meter.update(loss, n=y.shape[0], correct=(logits.argmax(-1) == y).sum())
+                        out = forward_loss(model, batch, loss_fn=loss_fn, step_fn=step_fn)
+                correct = out.correct()
+                meter.update(out.loss.float(), n=out.n, correct=None if correct is None else correct[0],
+                             counted=None if correct is None else correct[1])
     finally:
         model.train(was_training)
     m = meter.compute()
     return {"val_loss": m["loss"], "val_acc": m["acc"], "samples": m["samples"]}
+
+
+def _tta_forward(model: nn.Module, batch, *, flip: bool, scales: Sequence[float]) -> StepOutput:
+    """Average the softmax over the views of an image batch `(x, y)`."""
+    if not isinstance(batch, (list, tuple)) or len(batch) != 2 or batch[0].dim() != 4:
+        raise ValueError("test-time augmentation (tta/tta_scales) needs (images, labels) batches with images "
+                         "of shape (N, C, H, W)")
+    x, y = batch
+    views = tta_views(x, flip=flip, scales=scales)
+    probs = torch.stack([F.softmax(model(v).float(), dim=-1) for v in views]).mean(0)
+    logits = probs.clamp_min(1e-12).log()
+    return StepOutput(F.nll_loss(logits, y), logits, y, int(y.shape[0]))

@@ -10,7 +10,7 @@ checkpoints already written are untouched, so the last good one is intact.
 Where the check runs, and what it costs:
 
 - On CPU the loss is already in host memory: reading it is free, so every step is
-  checked before its backward pass (a skipped step also saves the backward).
+  checked.
 - On CUDA, reading the loss each step would be a host-device sync that empties the GPU's
   queue (T13). For fused optimizers (torchspeed's default there) the check stays on the
   device: the flag `~isfinite(loss)` is handed to the fused kernel as `found_inf`, which
@@ -32,16 +32,20 @@ Example:
     ...     if is_out_of_memory(e):
     ...         raise out_of_memory_error(e, batch_size=len(batch[1]), device=trainer.device) from e
     ...     raise
+
+`NonFiniteGuard` is the state machine the trainer runs: `observe` each micro-batch's loss,
+`step` in place of the optimizer step, `check` where the loop may read the device.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
 __all__ = ["NonFiniteLossError", "TrainingOutOfMemoryError", "is_out_of_memory", "out_of_memory_error",
-           "memory_report", "supports_device_skip"]
+           "memory_report", "supports_device_skip", "NonFiniteGuard"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -135,3 +139,88 @@ def _host_memory() -> tuple[int, int]:
             return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
         except (ValueError, OSError, AttributeError):
             return 0, 0
+
+
+class NonFiniteGuard:
+    """Skip optimizer steps whose loss was NaN/inf; stop after `max_nonfinite` in a row.
+
+    Modes: "scaler" (fp16: the GradScaler already skips), "device" (CUDA + fused optimizer:
+    skipped on the GPU, no sync), "host" (the loss is read each step; free on CPU), "off".
+    `all_ranks_max(flag)` reduces the skip flag over DDP ranks so every replica skips together.
+    """
+
+    def __init__(self, max_nonfinite: int | None, *, optimizer: torch.optim.Optimizer, device: torch.device,
+                 scaler=None, all_ranks_max: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.limit, self.device = max_nonfinite, device
+        if max_nonfinite is None:
+            self.mode = "off"
+        elif scaler is not None:
+            self.mode = "scaler"
+        else:
+            self.mode = "device" if supports_device_skip(optimizer, device) else "host"
+        self._all_ranks_max = all_ranks_max
+        self._window_bad: torch.Tensor | bool = False  # any NaN/inf loss since the last optimizer step
+        self.bad_run = torch.zeros((), dtype=torch.int64, device=device)  # skipped steps in a row
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # skipped steps in total
+
+    def observe(self, loss: torch.Tensor) -> torch.Tensor | None:
+        """A micro-batch's detached loss: the value to add to the metrics, or None to leave it out."""
+        if self.mode == "host":
+            bad = not bool(torch.isfinite(loss))  # a host read: free on CPU, one sync on CUDA (unfused)
+            self._window_bad = self._window_bad or bad
+            return None if bad else loss
+        if self.mode == "device":
+            bad_t = ~torch.isfinite(loss)  # stays on the device: no sync
+            self._window_bad = bad_t | self._window_bad
+            return torch.where(bad_t, torch.zeros_like(loss), loss)
+        return loss
+
+    def reset_window(self) -> None:
+        self._window_bad = False
+
+    def step(self, optimizer: torch.optim.Optimizer, update: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run `update()` (the optimizer step; returns 1 if it skipped, as fp16's scaler does) unless the
+        loss was bad; return 1 if the step was skipped, else 0, as a device tensor."""
+        if self.mode in ("off", "scaler"):
+            skip = update().to(self.device)
+        elif self.mode == "host":
+            bad = bool(self._window_bad)
+            if self._all_ranks_max is not None:
+                bad = bool(self._all_ranks_max(torch.tensor(float(bad), device=self.device)) > 0)
+            skip = torch.ones((), dtype=torch.int64, device=self.device) if bad else update().to(self.device)
+        else:  # "device": fused kernels read `found_inf` and skip the update on the GPU, as for fp16
+            flag = torch.as_tensor(self._window_bad, device=self.device).float()
+            if self._all_ranks_max is not None:
+                flag = self._all_ranks_max(flag)
+            optimizer.found_inf = flag
+            try:
+                update()
+            finally:
+                del optimizer.found_inf
+            skip = (flag > 0).to(torch.int64)
+        self._window_bad = False
+        self.bad_run = (self.bad_run + skip) * skip  # count of skipped steps in a row, on the device
+        self.skipped += skip
+        return skip
+
+    def due(self, step: int, log_every: int) -> bool:
+        """Whether to read the run counter now: every step where that is free, else at the log sync."""
+        return self.mode != "off" and (self.device.type != "cuda" or self.mode == "host" or step % log_every == 0)
+
+    def check(self, *, where: str, last_checkpoint=None) -> None:
+        run = int(self.bad_run)
+        if self.limit is not None and run >= self.limit:
+            last = f"the last checkpoint, {last_checkpoint}, is intact" if last_checkpoint else \
+                "no checkpoint was written (set checkpoint_dir to keep one)"
+            raise NonFiniteLossError(
+                f"the loss was NaN or inf in {run} optimizer steps in a row (up to {where}); each was skipped, and "
+                f"training stopped; {last}. Try a lower learning rate, gradient clipping (clip_grad_norm=1.0), "
+                "checking the inputs and labels for NaN/inf, or fp32/bf16 instead of fp16; max_nonfinite sets how "
+                "many bad steps in a row are tolerated")
+
+    def state_dict(self) -> dict:
+        return {"skipped": int(self.skipped), "bad_run": int(self.bad_run)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped.fill_(int(state["skipped"]))
+        self.bad_run.fill_(int(state["bad_run"]))

@@ -8,17 +8,32 @@ Example:
     >>> meter = DeviceMeter(device)
     >>> meter.update(loss.detach(), n=len(y), correct=(logits.argmax(1) == y).sum())
     >>> meter.compute()  # {'loss': ..., 'acc': ..., 'samples': ...}
+
+`write_metrics` writes the per-epoch history as metrics.json and metrics.csv (atomic).
 """
 
 from __future__ import annotations
 
+import csv
+import io
+import json
+import os
+from pathlib import Path
+
 import torch
 
-__all__ = ["DeviceMeter"]
+from torchspeed._io import atomic_write_text, write_json
+
+__all__ = ["DeviceMeter", "write_metrics", "jsonable"]
 
 
 class DeviceMeter:
-    """Running sums of loss x samples and correct predictions, on the device."""
+    """Running sums of loss x samples and correct predictions, on the device.
+
+    `correct` / `counted` are device tensors: for classification `counted` is the batch size
+    (the default), per token for sequences (padding left out). A batch without `correct`
+    (regression, a model that returns only its loss) adds to the loss alone.
+    """
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
@@ -27,16 +42,20 @@ class DeviceMeter:
     def reset(self) -> None:
         self._loss = torch.zeros((), device=self.device, dtype=torch.float64)
         self._correct = torch.zeros((), device=self.device, dtype=torch.float64)
+        self._counted = torch.zeros((), device=self.device, dtype=torch.float64)
         self._n = 0
-        self._n_acc = 0
+        self._has_acc = False
 
-    def update(self, loss: torch.Tensor, *, n: int, correct: torch.Tensor | None = None) -> None:
+    def update(self, loss: torch.Tensor, *, n: int, correct: torch.Tensor | None = None,
+               counted: torch.Tensor | int | None = None) -> None:
         # No .item() here: the add is queued on the device like any other kernel.
         self._loss += loss.detach().to(torch.float64) * n
         self._n += n
         if correct is not None:
             self._correct += correct.detach().to(torch.float64)
-            self._n_acc += n
+            self._counted += counted.detach().to(torch.float64) if isinstance(counted, torch.Tensor) else \
+                float(n if counted is None else counted)
+            self._has_acc = True
 
     @property
     def samples(self) -> int:
@@ -47,5 +66,34 @@ class DeviceMeter:
         if self._n == 0:
             return {"loss": float("nan"), "acc": None, "samples": 0}
         loss = self._loss.item() / self._n
-        acc = self._correct.item() / self._n_acc if self._n_acc else None
+        counted = self._counted.item() if self._has_acc else 0.0
+        acc = self._correct.item() / counted if counted else None
         return {"loss": loss, "acc": acc, "samples": self._n}
+
+    def state_dict(self) -> dict:
+        """The running sums, on the CPU (for checkpoints: a resumed epoch continues its averages)."""
+        return {"loss": self._loss.cpu(), "correct": self._correct.cpu(), "counted": self._counted.cpu(),
+                "n": self._n, "has_acc": self._has_acc}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._loss.copy_(state["loss"])
+        self._correct.copy_(state["correct"])
+        self._counted.copy_(state["counted"])
+        self._n, self._has_acc = int(state["n"]), bool(state["has_acc"])
+
+
+def jsonable(d: dict) -> dict:
+    """`d` with every value JSON can hold (others as their str)."""
+    return json.loads(json.dumps(d, default=str))
+
+
+def write_metrics(out_dir: str | os.PathLike, history: list[dict], *, decisions: dict, config: dict) -> None:
+    """metrics.json (history, decisions, config) and metrics.csv (one row per epoch), written atomically."""
+    out = Path(out_dir)
+    write_json(out / "metrics.json", {"history": history, "decisions": jsonable(decisions), "config": config})
+    keys = list(dict.fromkeys(k for row in history for k in row))
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=keys)
+    w.writeheader()
+    w.writerows(history)
+    atomic_write_text(out / "metrics.csv", buf.getvalue())

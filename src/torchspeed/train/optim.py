@@ -21,7 +21,7 @@ import inspect
 import torch
 from torch import nn
 
-__all__ = ["OPTIMIZERS", "create_optimizer", "zero_grad", "param_groups"]
+__all__ = ["OPTIMIZERS", "create_optimizer", "zero_grad", "param_groups", "describe_optimizer"]
 
 OPTIMIZERS = ("sgd", "adamw", "lamb", "lars")
 
@@ -83,3 +83,10 @@ def create_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: fl
 def zero_grad(optimizer: torch.optim.Optimizer, *, set_to_none: bool = True) -> None:
     """Clear gradients; `set_to_none=True` (T26) frees them instead of writing zeros."""
     optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def describe_optimizer(opt: torch.optim.Optimizer) -> str:
+    """e.g. "SGD (fused)": the optimizer class and its kernel (fused, foreach or for-loop)."""
+    d = opt.defaults
+    kind = "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
+    return f"{type(opt).__name__} ({kind})"

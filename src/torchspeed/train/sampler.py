@@ -12,6 +12,11 @@ Cost: none per step (one `randperm` per epoch). `Trainer.fit(resume=...)` calls
 the saved generator state and skips the batches already seen, reading them (slower, still
 exact for loaders whose randomness comes from torch's generator and `num_workers=0`).
 
+`DataPosition` is where a run stands in its data (epoch, batch, the generator state the
+epoch's order was drawn from, and a `StatefulDataLoader`'s own state when the loader has
+one: torchdata's loader resumes from its `state_dict()` without replaying anything, and
+streaming/IterableDataset loaders that support it resume exactly too).
+
 Example:
     >>> sampler = ResumableSampler(dataset, seed=0)
     >>> loader = DataLoader(dataset, batch_size=64, sampler=sampler)
@@ -20,12 +25,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Iterable, Iterator, Sized
 
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["ResumableSampler"]
+from torchspeed.train.rng import capture_rng_state, restore_rng_state
+
+__all__ = ["ResumableSampler", "DataPosition", "is_stateful_loader", "loader_length", "set_epoch"]
 
 
 class ResumableSampler(Sampler[int]):
@@ -62,3 +69,101 @@ class ResumableSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.n
+
+
+def is_stateful_loader(loader) -> bool:
+    """True for loaders that save and restore their own position (torchdata's StatefulDataLoader)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+class DataPosition:
+    """Where training stands in its data, and how to get back there exactly after a restart.
+
+    `epoch_iter(loader, skip)` returns the iterator for the current epoch positioned after
+    `skip` batches: a StatefulDataLoader loads its saved state; a `ResumableSampler` starts
+    there; any other loader replays the epoch's order from the saved generator state and
+    reads and drops the batches already trained on.
+    """
+
+    def __init__(self, *, keep_rng: bool):
+        self.keep_rng = keep_rng  # capture the generator state at each epoch start (only when checkpointing)
+        self.epoch = 0
+        self.batch = 0              # micro-batches consumed in this epoch
+        self.epoch_rng: dict | None = None
+        self.loader_state: dict | None = None  # a stateful loader's state after `batch` batches
+        self._states: dict[int, dict] = {}
+        self._stateful = None
+
+    def epoch_iter(self, loader: Iterable, skip: int) -> Iterator:
+        self._stateful = loader if is_stateful_loader(loader) else None
+        self._states = {}
+        if self._stateful is not None:
+            if skip and self.loader_state is not None:
+                self._stateful.load_state_dict(self.loader_state)
+            return self._tap(iter(self._stateful), skip)
+        if not skip:
+            # The loader's order (DataLoader(shuffle=True)) is drawn from the global generator now: keep its state.
+            self.epoch_rng = capture_rng_state() if self.keep_rng else None
+            return iter(loader)
+        at_checkpoint = capture_rng_state()
+        if self.epoch_rng is not None:
+            restore_rng_state(self.epoch_rng)  # replay the epoch's order exactly as it was drawn
+        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+        batch_size = getattr(loader, "batch_size", None)
+        if isinstance(sampler, ResumableSampler) and batch_size:
+            sampler.start_at(min(skip * batch_size, len(sampler)))  # no reading: the sampler starts there
+            it = iter(loader)
+        else:
+            it = iter(loader)
+            for _ in range(skip):  # any other loader: read and drop the batches already trained on
+                if next(it, None) is None:
+                    break
+        restore_rng_state(at_checkpoint)  # the generators continue from where the checkpoint left them
+        return it
+
+    def _tap(self, it: Iterator, start: int) -> Iterator:
+        # The state after each batch handed out, by count: a prefetcher may read one batch ahead of training.
+        k = start
+        for batch in it:
+            k += 1
+            self._states[k] = self._stateful.state_dict()
+            self._states.pop(k - 4, None)
+            yield batch
+
+    def advance(self) -> None:
+        self.batch += 1
+
+    def start_epoch(self, epoch: int, skip: int) -> None:
+        self.epoch, self.batch = epoch, skip
+
+    def state_dict(self) -> dict:
+        loader_state = self._states.get(self.batch) if self._stateful is not None and self.batch else None
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch, "epoch_rng": self.epoch_rng,
+                "loader_state": loader_state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch_in_epoch"])
+        self.epoch_rng = state.get("epoch_rng")
+        self.loader_state = state.get("loader_state")
+
+
+def loader_length(loader: Iterable, *, max_steps: int | None = None) -> int | None:
+    """Batches per epoch, or None for a loader without len() (streaming, IterableDataset) when
+    `max_steps` bounds the run; raises a clear error when neither is known or the loader is empty."""
+    try:
+        n = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        if max_steps:
+            return None
+        raise TypeError(f"the training loader ({type(loader).__name__}) has no len(), so the run has no length: "
+                        "pass max_steps=N (optimizer steps) to train on a streaming or IterableDataset loader") from None
+    if n == 0:
+        raise ValueError("the training loader is empty: check the dataset path and the batch size")
+    return n
+
+
+def set_epoch(loader, epoch: int) -> None:
+    """Tell the loader's sampler (DistributedSampler, ResumableSampler) which epoch starts."""
+    sampler = getattr(loader, "sampler", None)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)

@@ -1,0 +1,58 @@
+"""`torchspeed.fit`: the tuners, then the trainer (T06-T08, T15, T17, and every technique `Trainer` composes).
+
+`fit` sits on a floor above both `torchspeed.train` (the loop) and `torchspeed.tune` (the
+tuners, which themselves train a few steps with `torchspeed.train`): neither package
+imports the other's caller, so there is no import cycle between them.
+
+Example:
+    >>> result = torchspeed.fit(model, loader, epochs=3, val_loader=val, batch_size="auto", lr="auto")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from torchspeed.train.trainer import FitResult, Trainer, TrainConfig
+from torchspeed.tune.auto import tune_for_fit
+
+__all__ = ["fit"]
+
+
+def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
+        optimizer: str | torch.optim.Optimizer = "sgd", lr: float | str = 0.1, weight_decay: float = 5e-4,
+        epochs: int = 1, val_loader: Iterable | None = None, device: torch.device | str | None = None,
+        batch_size: int | str | None = None, loader: str | None = None, **config) -> FitResult:
+    """Train `model` on `train_loader` with every technique that pays on this machine.
+
+    Batches may be `(inputs..., target)` tuples, dicts (Hugging Face style), or anything
+    `step_fn(model, batch)` turns into a loss; models may return logits or their own loss
+    (see `torchspeed.train.batch`). `loss_fn(output, target)` replaces the default
+    cross-entropy (e.g. `nn.MSELoss()` for regression: metrics are then the loss alone).
+    `config` takes any `TrainConfig` field (precision, channels_last, compile, grad_accum,
+    clip_grad_norm, label_smoothing, schedule, log_every, max_steps, out_dir, ...).
+    `batch_size="auto"` (or an int), `lr="auto"` and `loader="auto"` run the tuners first and
+    rebuild the DataLoader from its dataset (see `torchspeed.tune.auto`).
+
+    Example:
+        >>> result = fit(model, loader, epochs=3, val_loader=val, precision="auto", compile="auto")
+    """
+    cfg = config.pop("config", None) or TrainConfig()
+    unknown = set(config) - set(TrainConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"fit() got unknown option(s) {sorted(unknown)}; "
+                        f"valid: {sorted(TrainConfig.__dataclass_fields__)}")
+    cfg = replace(cfg, epochs=epochs, **config)
+    tuned: dict = {}
+    if batch_size is not None or lr == "auto" or loader is not None:  # measured on this model and machine first
+        train_loader, lr, tuned = tune_for_fit(model, train_loader, batch_size=batch_size, lr=lr, loader=loader,
+                                               loss_fn=loss_fn, optimizer=optimizer, weight_decay=weight_decay,
+                                               device=device, precision=cfg.precision, schedule=cfg.schedule,
+                                               distributed=cfg.distributed, progress=cfg.progress)
+    trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer, lr=lr,
+                      weight_decay=weight_decay, device=device, config=cfg)
+    trainer.decisions.update(tuned)
+    return trainer.fit(train_loader, epochs=epochs, val_loader=val_loader)

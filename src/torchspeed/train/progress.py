@@ -1,0 +1,57 @@
+"""The training progress bar: samples/s, loss and time left (rich), shown on rank 0 only.
+
+The loss shown is the one the loop already reads every `log_every` steps (T13): the bar
+adds no host-device sync of its own.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+__all__ = ["TrainProgress"]
+
+
+class TrainProgress:
+    """A rich progress bar with samples/s and ETA (nothing when disabled); `total` may be None (unknown)."""
+
+    def __init__(self, *, enabled: bool, total: int | None):
+        self.enabled = enabled
+        self.total = total
+        self._p = None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._p = Progress(TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+                               TextColumn("{task.fields[rate]} samples/s"), TextColumn("loss {task.fields[loss]}"),
+                               TimeRemainingColumn(), transient=False)
+            self._p.__enter__()
+            self._task = self._p.add_task("train", total=self.total, epoch=1, rate="-", loss="-")
+            self._t0 = time.perf_counter()
+            self._samples = 0
+        return self
+
+    def advance(self, samples: int, *, loss: float, epoch: int) -> None:
+        if self._p is None:
+            return
+        self._samples += samples
+        rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
+        self._p.update(self._task, advance=1, epoch=epoch + 1, rate=f"{rate:,.0f}",
+                       loss="-" if math.isnan(loss) else f"{loss:.4f}")
+
+    def epoch_done(self, row: dict) -> None:
+        if self._p is None:
+            return
+        parts = [f"epoch {row['epoch']}", f"train_loss {row['train_loss']:.4f}"]
+        if row.get("val_acc") is not None:
+            parts.append(f"val_acc {row['val_acc']:.4f}")
+        elif row.get("val_loss") is not None:
+            parts.append(f"val_loss {row['val_loss']:.4f}")
+        parts.append(f"{row['samples_per_s']:,.1f} samples/s")
+        self._p.console.print("  ".join(parts))
+
+    def __exit__(self, *exc):
+        if self._p is not None:
+            self._p.__exit__(*exc)
