@@ -49,7 +49,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     tuned: dict = {}
     if batch_size is not None or lr == "auto" or loader is not None:  # measured on this model and machine first
         train_loader, lr, tuned = tune_for_fit(model, train_loader, batch_size=batch_size, lr=lr, loader=loader,
-                                               loss_fn=loss_fn, optimizer=optimizer, weight_decay=weight_decay,
+                                               loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer, weight_decay=weight_decay,
                                                device=device, precision=cfg.precision, schedule=cfg.schedule,
                                                distributed=cfg.distributed, progress=cfg.progress)
     trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer, lr=lr,

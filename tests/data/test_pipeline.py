@@ -36,3 +36,35 @@ def test_bad_paths(tmp_path, photo_folder):
         open_images(tmp_path / "x.bin")
     with pytest.raises(ValueError, match="larger than"):
         build_loaders(photo_folder, size=16, batch_size=64, workers=0, device="cpu")
+
+
+def test_device_loaders_split_between_processes(photo_folder, monkeypatch):
+    # What fit does under `torchspeed launch --nproc 2` (shard_loader -> DeviceLoader.shard), per rank by hand.
+    from torchspeed.train.distributed import shard_loader
+
+    p = build_loaders(photo_folder, size=16, batch_size=4, val_fraction=0.25, workers=0, device="cpu", progress=False)
+    train_idx, val_idx = p.train.loader.dataset.indices, p.val.loader.dataset.indices  # 18 and 6 of the 24
+    assert shard_loader(p.train) is p.train  # no process group: one process reads everything
+    train = [shard_loader(p.train, seed=0, rank=r, world_size=2) for r in (0, 1)]
+    assert all(t.device == p.train.device and t.augment is p.train.augment for t in train)
+    assert len(train[0]) == len(train[1]) == 2  # 9 images each, batch 4, drop_last: equal steps on both ranks
+    orders = []
+    for epoch in (0, 1):
+        seen = []
+        for t in train:
+            t.sampler.set_epoch(epoch)  # what fit does every epoch
+            seen.append([train_idx[i] for i in t.sampler])
+        assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == sorted(train_idx)
+        orders.append(seen[0])
+    assert orders[0] != orders[1]  # a new shuffle every epoch
+    assert [tuple(x.shape) for x, _ in train[1]] == [(4, 3, 16, 16)] * 2
+    val = [shard_loader(p.val, for_eval=True, rank=r, world_size=2) for r in (0, 1)]
+    val_seen = [[v.dataset.dataset.indices[i] for i in v.dataset.indices] for v in val]
+    assert not set(val_seen[0]) & set(val_seen[1]) and sorted(val_seen[0] + val_seen[1]) == sorted(val_idx)
+    assert sum(len(y) for v in val for _, y in v) == len(val_idx)  # every validation image counted once
+    with pytest.raises(ValueError, match="less than one batch"):
+        shard_loader(p.train, rank=0, world_size=6)  # 3 images per process, batch 4
+    monkeypatch.setenv("WORLD_SIZE", "3")  # under torchrun, before fit splits: the check counts per process
+    with pytest.raises(ValueError, match=r"\(6 per process, 3 processes\)"):
+        build_loaders(photo_folder, size=16, batch_size=8, val_fraction=0.25, workers=0, device="cpu",
+                      progress=False)

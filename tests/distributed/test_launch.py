@@ -47,7 +47,9 @@ def test_torchrun_command_shapes(tmp_path, monkeypatch):
     assert argv[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone", "train.py",
                         "--lr", "0.1"]
     assert torchrun_command(["python", "-m", "pkg.train"], nproc=2)[-2:] == ["-m", "pkg.train"]
-    assert torchrun_command(["torchspeed", "bench"], nproc=2)[-3:] == ["--no-python", "torchspeed", "bench"]
+    # torchspeed itself runs on launch's interpreter (no bin/ on PATH needed); other executables as they are
+    assert torchrun_command(["torchspeed", "bench"], nproc=2)[-3:] == ["-m", "torchspeed", "bench"]
+    assert torchrun_command(["mytool", "--x"], nproc=2)[-3:] == ["--no-python", "mytool", "--x"]
     multi = torchrun_command(["python", "t.py"], nproc=8, nnodes="2", rdzv_endpoint="head:29500", rdzv_id="j1")
     assert multi[multi.index("--rdzv-endpoint") + 1] == "head:29500" and "--standalone" not in multi
     static = torchrun_command(["python", "t.py"], nproc=8, nnodes="2", node_rank=1, master_addr="10.0.0.1")

@@ -2,7 +2,8 @@
 
 The FLOPs of one training step are counted by PyTorch's own `FlopCounterMode` on the meta
 device (no memory, no compute: shapes only), forward and backward, matrix multiplications
-and convolutions (2 FLOPs per multiply-add, the usual MFU convention). The peak is the
+and convolutions (2 FLOPs per multiply-add, the usual MFU convention); for `gpt` a sample is
+one window of tokens and attention counts in full (no causal halving). The peak is the
 GPU's dense bf16 Tensor Core rate from its datasheet, so fp32 rows are measured against
 the same ceiling as bf16 rows and the column says how much of the chip each loop uses.
 
@@ -33,11 +34,11 @@ def train_flops_per_sample(model: str, *, image_size: int = 32, num_classes: int
     """Forward + backward FLOPs of one sample of bench model `model` (counted on the meta device)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from torchspeed.bench.workloads import create_model
+    from torchspeed.bench.workloads import create_model, example_input
 
     with torch.device("meta"):
         m = create_model(model, num_classes=num_classes, image_size=image_size)
-        x = torch.randn(2, 3, image_size, image_size)
+        x = example_input(model, 2, image_size=image_size)  # images, or token ids for `gpt` (a sample: one window)
     with FlopCounterMode(display=False) as counter:
         m(x).sum().backward()
     return counter.get_total_flops() / 2

@@ -67,7 +67,8 @@ def _sync(device: torch.device) -> None:
 
 
 class HandLoop:
-    """A plain training loop: SGD (Nesterov momentum, no decay on biases and norms), cross-entropy."""
+    """A plain training loop: SGD (Nesterov momentum, no decay on biases and norms), cross-entropy
+    (per token for a language model's (B, T, V) logits)."""
 
     def __init__(self, model: nn.Module, loader: Iterable, device: torch.device, *, settings: HandSettings,
                  lr: float = 0.05, momentum: float = 0.9, weight_decay: float = 5e-4):
@@ -110,7 +111,8 @@ class HandLoop:
         for _ in range(n):
             x, y = next(self._it)
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
-                loss = F.cross_entropy(self.forward(x), y)
+                logits = self.forward(x)  # (B, classes), or (B, T, V) for a language model: flattened
+                loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
                 self.scaler.step(self.opt)
@@ -137,7 +139,7 @@ class HandLoop:
                 x = x.contiguous(memory_format=torch.channels_last)
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
                 correct += int((self.model(x).argmax(-1) == y).sum())
-            total += y.shape[0]
+            total += y.numel()  # per token for a language model
         return correct / max(total, 1)
 
 

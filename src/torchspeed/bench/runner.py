@@ -26,6 +26,10 @@ Rows (each technique switched on alone on top of `naive`):
                    trying precision x channels_last x fused optimizer, then compile (bench/hand.py)
   all              torchspeed's automatic choice (`TrainConfig()` defaults)
 
+A row whose technique cannot act on the model (channels_last and cudnn_benchmark on a model
+without 2D convolutions, such as `mlp` or `gpt`) is not run: it is reported "not applicable",
+samples/s None and the reason in its decisions, so every workload shows the same rows.
+
 `all/hand` (the median of per-round ratios) says whether torchspeed beats a skilled engineer's
 own loop on this machine. On GPUs each row also gets its MFU: model FLOPs/s over the GPU's
 dense bf16 peak (bench/flops.py).
@@ -65,9 +69,9 @@ class BenchConfig:
 @dataclass
 class BenchRow:
     config: str
-    samples_per_s: float
-    speedup: float
-    train_loss: float
+    samples_per_s: float | None  # None (with speedup and train_loss): not applicable to this model
+    speedup: float | None
+    train_loss: float | None
     val_acc: float | None
     samples_per_s_runs: list[float] = field(default_factory=list)
     decisions: dict = field(default_factory=dict)
@@ -199,11 +203,32 @@ def provenance() -> dict:
             "allocator": info.allocator, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: int = 128, steps: int = 2,
+def not_applicable(configs: list[BenchConfig], model: str, *, image_size: int = 32) -> dict[str, str]:
+    """{config name: why it cannot act on `model`} for the rows that would only measure noise."""
+    from torchspeed.bench.workloads import create_model
+    from torchspeed.train.memory_format import has_conv2d
+
+    with torch.device("meta"):  # shapes only: no memory, no weights initialised for real
+        conv = has_conv2d(create_model(model, image_size=image_size))
+    if conv:
+        return {}
+    why = {"channels_last": f"{model} has no 2D convolutions: channels_last (T23) changes no kernel",
+           "cudnn_benchmark": f"{model} has no 2D convolutions: cudnn.benchmark (T22) picks convolution algorithms"}
+    return {c.name: why[c.name] for c in configs if c.name in why}
+
+
+def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: int = 128, steps: int = 2,
               rounds: int = 3, warmup: int = 1, device: str | None = None, configs: list[str] | None = None,
               eval_batches: int | None = 2, train_size: int | None = None, lr: float = 0.05, seed: int = 0,
               compile: bool = True, hand: bool = True, image_size: int = 32, progress: bool = True) -> BenchResult:
-    """Train every config for warmup + rounds x steps steps, interleaved; return the table."""
+    """Train every config for warmup + rounds x steps steps, interleaved; return the table.
+
+    `data` None: the model's own kind of data (`text` for `gpt`, else `synthetic`).
+    """
+    from torchspeed.bench.workloads import check_workload, default_data
+
+    data = data or default_data(model)
+    check_workload(model, data)
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
@@ -224,7 +249,8 @@ def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: i
     procs: list[ConfigProcess] = []
     try:
         with Progress(disable=not progress, transient=True) as bar:
-            procs = [ConfigProcess(c, spec) for c in chosen]  # set-up runs in all processes at once
+            skipped = not_applicable(chosen, model, image_size=image_size)
+            procs = [ConfigProcess(c, spec) for c in chosen if c.name not in skipped]  # set-up: all at once
             task = bar.add_task("warm-up (includes compilation)", total=len(procs))
             for p in procs:
                 what = "hand-written loop: searching its settings" if p.cfg.kind == "hand" else p.cfg.name
@@ -250,6 +276,10 @@ def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: i
                                      fin["train_loss"], fin["val_acc"], rates,
                                      fin["decisions"] | {"warmup_steps": p.warmup_steps}))
                 bar.advance(task)
+            rows += [BenchRow(name, None, None, None, None, decisions={"not_applicable": why})
+                     for name, why in skipped.items()]
+            order = [c.name for c in chosen]
+            rows.sort(key=lambda r: order.index(r.config))
             times = {p.cfg.name: p.times for p in procs}
     finally:
         for p in procs:
@@ -258,7 +288,8 @@ def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: i
     flops = _flops_per_sample(model, image_size)
     if dev.type == "cuda" and flops:
         for r in rows:
-            r.mfu = mfu(samples_per_s=r.samples_per_s, flops_per_sample=flops, device_name=info.device_name)
+            if r.samples_per_s is not None:
+                r.mfu = mfu(samples_per_s=r.samples_per_s, flops_per_sample=flops, device_name=info.device_name)
     meta = provenance() | {"batch_size": batch_size, "steps_per_round": steps, "rounds": rounds,
                            "warmup_steps": warmup, "model": model, "data": data, "compile": compile,
                            "eval_batches": eval_batches, "image_size": image_size, "train_size": train_size,
@@ -268,8 +299,15 @@ def run_bench(*, model: str = "resnet18", data: str = "synthetic", batch_size: i
         meta["all_over_hand"] = statistics.median(h / a for h, a in zip(times["hand"], times["all"]))
         meta["all_over_hand_runs"] = [h / a for h, a in zip(times["hand"], times["all"])]
     return BenchResult(device=f"{info.device}: {info.device_name}", torch=torch.__version__,
-                       workload=f"{model} on {data} 3x{image_size}x{image_size}, batch {batch_size}", rows=rows,
+                       workload=f"{model} on {data} " + (f"(bytes, {_block_size()} per sample)" if data == "text" else
+                                                        f"3x{image_size}x{image_size}") + f", batch {batch_size}", rows=rows,
                        meta=meta)
+
+
+def _block_size() -> int:
+    from torchspeed.bench.workloads import BLOCK_SIZE
+
+    return BLOCK_SIZE
 
 
 def _flops_per_sample(model: str, image_size: int) -> float | None:
@@ -292,12 +330,12 @@ def plot_results(result: BenchResult, png_path: str | os.PathLike) -> None:
     import matplotlib.pyplot as plt
 
     names = [r.config for r in result.rows]
-    speed = [r.speedup for r in result.rows]
+    speed = [r.speedup or 0.0 for r in result.rows]  # a row not applicable: no bar, "n/a"
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.5))
     colors = ["#999999" if n == "naive" else "#2a7ab0" if n != "all" else "#d1495b" for n in names]
     ax.barh(names[::-1], speed[::-1], color=colors[::-1])
     for i, s in enumerate(speed[::-1]):
-        ax.text(s, i, f" {s:.2f}x", va="center")
+        ax.text(s, i, f" {s:.2f}x" if s else " n/a", va="center")
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_xlabel("speed-up over naive (samples/s ratio, median of interleaved rounds)")
     ax.set_title(f"torchspeed bench: {result.workload}\n{result.device}", fontsize=9)

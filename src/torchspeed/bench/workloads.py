@@ -13,6 +13,10 @@
   hundred steps) but not trivial in the first steps.
 - `digits`: scikit-learn's bundled handwritten digits (1,797 real 8x8 images), upsampled to
   32x32 and repeated over 3 channels, normalised.
+- `gpt` on `text`: a small nanoGPT-style language model on bytes of the Python standard
+  library's source (bench/text.py; vocabulary padded to a multiple of 64, T24). Image models
+  take image data and `gpt` takes `text`: `default_data` picks it, `check_workload` refuses
+  a mismatch.
 
 Example:
     >>> train, val = make_datasets("synthetic", train_size=2048, val_size=512)
@@ -25,10 +29,34 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-__all__ = ["resnet18_cifar", "create_model", "SyntheticImages", "digits", "make_datasets", "MODELS", "DATASETS"]
+__all__ = ["resnet18_cifar", "create_model", "SyntheticImages", "digits", "make_datasets", "MODELS", "DATASETS",
+           "TEXT_MODELS", "TEXT_DATASETS", "default_data", "check_workload", "example_input"]
 
-MODELS = ("resnet20", "resnet18", "resnet34", "resnet50", "mlp")
-DATASETS = ("synthetic", "digits")
+MODELS = ("resnet20", "resnet18", "resnet34", "resnet50", "mlp", "gpt")
+DATASETS = ("synthetic", "digits", "text")
+TEXT_MODELS = ("gpt",)      # models of token ids (B, T) -> logits (B, T, V)
+TEXT_DATASETS = ("text",)   # datasets of (B, T) token windows
+BLOCK_SIZE = 128            # tokens per text window (the GPT's context)
+
+
+def default_data(model: str) -> str:
+    """The bench dataset a model trains on when none is named: `text` for `gpt`, else `synthetic`."""
+    return "text" if model in TEXT_MODELS else "synthetic"
+
+
+def check_workload(model: str, data: str) -> None:
+    """Raise ValueError when `model` cannot train on `data` (a language model on images, or the reverse)."""
+    if (model in TEXT_MODELS) != (data in TEXT_DATASETS):
+        need = "text" if model in TEXT_MODELS else "an image dataset (synthetic or digits)"
+        raise ValueError(f"model {model!r} trains on {need}, not on {data!r}; "
+                         f"leave the data out to get {default_data(model)!r}")
+
+
+def example_input(model: str, n: int = 2, *, image_size: int = 32) -> torch.Tensor:
+    """A batch of `n` inputs of the shape and dtype `model` takes (on the current default device)."""
+    if model in TEXT_MODELS:
+        return torch.zeros(n, BLOCK_SIZE, dtype=torch.long)
+    return torch.randn(n, 3, image_size, image_size)
 
 
 def resnet18_cifar(num_classes: int = 10) -> nn.Module:
@@ -72,7 +100,7 @@ def resnet20(num_classes: int = 10, *, widths: tuple[int, int, int] = (16, 32, 6
 
 
 def create_model(name: str = "resnet18", *, num_classes: int = 10, image_size: int = 32) -> nn.Module:
-    """A bench model by name: ResNet-20, the torchvision ResNets, or 'mlp' (a small fully-connected net).
+    """A bench model by name: ResNet-20, the torchvision ResNets, 'mlp' (a small fully-connected net) or 'gpt'.
 
     The torchvision ResNets get the CIFAR stem under 64 px and their own ImageNet stem from 64 px up.
     """
@@ -87,6 +115,10 @@ def create_model(name: str = "resnet18", *, num_classes: int = 10, image_size: i
     if name == "mlp":
         return nn.Sequential(nn.Flatten(), nn.Linear(3 * image_size * image_size, 512), nn.ReLU(),
                              nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, num_classes))
+    if name == "gpt":  # a byte-level language model: num_classes and image_size do not apply
+        from torchspeed.bench.text import GPT
+
+        return GPT(block_size=BLOCK_SIZE)
     raise ValueError(f"model {name!r} is not one of {', '.join(MODELS)}")
 
 
@@ -135,10 +167,14 @@ def digits(*, size: int = 32, val_fraction: float = 0.25, seed: int = 0) -> tupl
 
 def make_datasets(name: str = "synthetic", *, train_size: int = 4096, val_size: int = 1024,
                   seed: int = 0, image_size: int = 32) -> tuple[Dataset, Dataset]:
-    """(train, val) for a bench dataset name, images `image_size` px square."""
+    """(train, val) for a bench dataset name, images `image_size` px square (`text`: windows of bytes)."""
     if name == "synthetic":
         return (SyntheticImages(train_size, seed=seed, size=image_size),
                 SyntheticImages(val_size, seed=seed + 10_000, size=image_size))
     if name == "digits":
         return digits(seed=seed, size=image_size)
+    if name == "text":
+        from torchspeed.bench.text import byte_text_datasets
+
+        return byte_text_datasets(train_size=train_size, val_size=val_size, block_size=BLOCK_SIZE, seed=seed)
     raise ValueError(f"dataset {name!r} is not one of {', '.join(DATASETS)}")

@@ -10,11 +10,13 @@ from torchspeed.cli.main import CLIError
 def register(sub) -> None:
     p = sub.add_parser("bench", help="train the default workload the naive way and the fast way, side by side")
     p.add_argument("--quick", action="store_true", help="fewer steps (under 2 minutes on 2 CPU cores)")
-    p.add_argument("--data", default="synthetic", choices=["synthetic", "digits"],
-                   help="synthetic (CIFAR-shaped, built in) or digits (scikit-learn's real handwritten digits)")
-    p.add_argument("--model", default="resnet18", choices=["resnet20", "resnet18", "resnet34", "resnet50", "mlp"],
+    p.add_argument("--data", default=None, choices=["synthetic", "digits", "text"],
+                   help="synthetic (CIFAR-shaped, built in), digits (scikit-learn's real handwritten digits) or "
+                        "text (bytes of the Python standard library's source, for gpt); default: the model's own")
+    p.add_argument("--model", default="resnet18",
+                   choices=["resnet20", "resnet18", "resnet34", "resnet50", "mlp", "gpt"],
                    help="ResNet-20 (CIFAR), torchvision ResNets (CIFAR stem under 64 px, ImageNet stem from 64 "
-                        "px), or a small MLP (default resnet18)")
+                        "px), a small MLP, or gpt (a small byte-level GPT language model) (default resnet18)")
     p.add_argument("--image-size", type=int, default=32, help="square image side in pixels (default 32; 224 for "
                                                                "the ImageNet-sized GPU benchmark)")
     p.add_argument("--batch-size", type=int, default=128, help="default 128 (64 with --quick)")
@@ -39,6 +41,13 @@ def run(args) -> int:
         raise CLIError(f"--steps must be positive, got {args.steps}")
     if args.image_size < 8:
         raise CLIError(f"--image-size must be at least 8, got {args.image_size}")
+    from torchspeed.bench.workloads import check_workload, default_data
+
+    args.data = args.data or default_data(args.model)
+    try:
+        check_workload(args.model, args.data)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
     if args.nproc is not None:
         from torchspeed.bench.scaling import run_scaling_cli
 
@@ -70,8 +79,11 @@ def run(args) -> int:
         table.add_column(col, justify="right" if col != "config" else "left")
     for r in result.rows:
         style = "bold red" if r.config == "all" else "bold" if r.config == "hand" else None
-        cells = [r.config, f"{r.samples_per_s:,.1f}", f"{r.speedup:.2f}x", f"{r.train_loss:.4f}",
-                 "-" if r.val_acc is None else f"{r.val_acc:.3f}"]
+        if r.samples_per_s is None:  # the technique cannot act on this model (the reason is in the JSON)
+            cells = [r.config, "n/a", "n/a", "n/a", "n/a"]
+        else:
+            cells = [r.config, f"{r.samples_per_s:,.1f}", f"{r.speedup:.2f}x", f"{r.train_loss:.4f}",
+                     "-" if r.val_acc is None else f"{r.val_acc:.3f}"]
         if show_mfu:
             cells.append("-" if r.mfu is None else f"{r.mfu:.1%}")
         table.add_row(*cells, style=style)

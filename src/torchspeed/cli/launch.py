@@ -1,10 +1,11 @@
 """`torchspeed launch --nproc N -- CMD...`: start N training processes with torchrun (T31).
 
 A thin wrapper over PyTorch's own launcher (`python -m torch.distributed.run`): it turns
-`python script.py ARGS` into `torchrun ... script.py ARGS` (and any other command into
-`torchrun --no-python CMD`), passes the multi-node flags through, and picks a sensible
-per-process thread count on CPU. Inside each process `fit` finds the torchrun environment
-and trains with DistributedDataParallel; nothing else changes in the script.
+`python script.py ARGS` into `torchrun ... script.py ARGS`, `torchspeed ARGS` into
+`torchrun ... -m torchspeed ARGS` (the same interpreter and install as `launch` itself), and
+any other command into `torchrun --no-python CMD`, passes the multi-node flags through, and
+picks a sensible per-process thread count on CPU. Inside each process `fit` finds the
+torchrun environment and trains with DistributedDataParallel; nothing else changes in the script.
 
 What it costs: one process per device (a model copy each) and torchrun's agent process.
 
@@ -12,6 +13,7 @@ Examples:
     torchspeed launch --nproc 4 -- python train.py --epochs 10           # one machine, 4 GPUs
     torchspeed launch --nnodes 2 --nproc 8 --rdzv-endpoint head:29500 --rdzv-id job1 -- python train.py
     torchspeed launch --nproc 2 --dry-run -- python train.py              # print the torchrun command
+    torchspeed launch --nproc 2 -- torchspeed train --data photos/ --device cpu   # the CLI trainer, 2 processes
 """
 
 from __future__ import annotations
@@ -103,8 +105,11 @@ def torchrun_command(cmd: list[str], *, nproc: str | int, nnodes: str = "1", nod
             if not os.path.isfile(rest[0]):
                 raise CLIError(f"no such script: {rest[0]} (the command after `--` is run in every process)")
             argv += rest
+    elif cmd[0] == "torchspeed":
+        # `torchspeed train ...`: this interpreter's torchspeed, found without the environment's bin/ on PATH
+        argv += ["-m", "torchspeed", *cmd[1:]]
     else:
-        argv += ["--no-python", *cmd]  # an executable (e.g. `torchspeed bench`) run as is in every process
+        argv += ["--no-python", *cmd]  # any other executable, run as is in every process
     return argv
 
 

@@ -7,6 +7,10 @@ DataLoader, random-resized-crop/flip/jitter/normalize on the device, and `torchs
 metrics.csv / metrics.json (per epoch), checkpoints/ (resumable), model.pt (final weights,
 classes and settings; atomic write, load with `torch.load(..., weights_only=True)`) and
 run.json (the settings actually used and what the pipeline decided).
+
+Under `torchspeed launch --nproc N -- torchspeed train ...` every process builds the same
+loaders, `fit` sets up the process group and gives each process its part of the data
+(T31), and only rank 0 prints and writes the outputs.
 """
 
 from __future__ import annotations
@@ -71,11 +75,19 @@ def run(args) -> int:
     import torchspeed
     from torchspeed.data.decode import ImageDecodeError
     from torchspeed.data.pipeline import build_loaders, create_classifier
+    from torchspeed.train.distributed import get_world_size, is_distributed, is_rank_zero
 
-    console = Console(quiet=args.no_progress)
+    rank0, world = is_rank_zero(), get_world_size()  # from torchrun's RANK/WORLD_SIZE (1 and rank 0 otherwise)
+    console = Console(quiet=args.no_progress or not rank0)
     device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda asked for, but no CUDA GPU is visible; use --device cpu")
+    if world > 1:
+        from torchspeed.data.packed import is_packed
+
+        if is_packed(args.data):  # its block-shuffle sampler has no distributed version (yet)
+            raise CLIError("a packed file cannot be split between processes yet: under `torchspeed launch` "
+                           "pass the ImageFolder it was packed from as --data")
     torch.manual_seed(args.seed)
     try:
         pipe = build_loaders(args.data, size=args.size, batch_size=args.batch_size, val_fraction=args.val_fraction,
@@ -91,7 +103,8 @@ def run(args) -> int:
     n_train = len(pipe.train.dataset) if pipe.train.dataset is not None else "?"
     console.print(f"[bold]torchspeed train[/]: {args.model} on {args.data} ({len(pipe.classes)} classes, "
                   f"{n_train} training images), {args.epochs} epoch(s), batch {args.batch_size}, size {args.size}, "
-                  f"{device}; {pipe.decisions['loader']}, random crop on the {pipe.decisions['augment']}")
+                  f"{device}{f' x {world} processes' if world > 1 else ''}; {pipe.decisions['loader']}, "
+                  f"random crop on the {pipe.decisions['augment']}")
     os.makedirs(args.out, exist_ok=True)
     compile_opt = {"auto": "auto", "on": True, "off": False}[args.compile]
     try:
@@ -103,11 +116,18 @@ def run(args) -> int:
                                 progress=not args.no_progress)
     except ImageDecodeError as e:
         raise CLIError(f"{e} (or run with --on-error skip)") from None
-    summary = {k: str(ds.summary()) for k, ds in pipe.datasets.items()}
     bad = sorted({b for ds in pipe.datasets.values() for b in ds.summary().bad})
+    if is_distributed():  # each process decoded only its part of the data: collect every rank's bad files
+        every = [None] * world
+        torch.distributed.all_gather_object(every, bad)
+        bad = sorted(set().union(*every))
+    if not rank0:  # the replicas are identical after DDP: one writer per file
+        return 0
+    summary = {k: str(ds.summary()) for k, ds in pipe.datasets.items()}
     _save_model(os.path.join(args.out, "model.pt"), model, args=args, classes=pipe.classes)
     run_info = {"args": vars(args) | {"func": None}, "classes": pipe.classes, "pipeline": pipe.decisions,
-                "fit_decisions": result.decisions, "data": summary, "bad_files": bad, "final": result.final}
+                "fit_decisions": result.decisions, "data": summary, "bad_files": bad, "final": result.final,
+                "world_size": world}
     write_json(os.path.join(args.out, "run.json"), run_info)
     final = result.final
     msg = f"done: {result.steps} steps, train_loss {final.get('train_loss', float('nan')):.4f}"

@@ -199,7 +199,8 @@ class DeviceLoader:
 
     Keeps `len()` and the loader's `sampler` (so `fit` can call `set_epoch`), so it can be
     passed to `torchspeed.fit` as the training or validation loader. On CUDA the uint8 copy
-    is asynchronous from pinned memory (T07) and is 4x smaller than a float batch.
+    is asynchronous from pinned memory (T07) and is 4x smaller than a float batch. Under
+    `torchspeed launch`, `fit` gives each process its part through `shard` (T31).
 
     Example:
         >>> train = DeviceLoader(DataLoader(ds, batch_size=64, num_workers=4, pin_memory=True,
@@ -222,6 +223,21 @@ class DeviceLoader:
     @property
     def dataset(self):
         return getattr(self.loader, "dataset", None)
+
+    def shard(self, rank: int, world_size: int, *, for_eval: bool = False, seed: int = 0) -> DeviceLoader:
+        """Process `rank`'s part of the data, on the same device with the same augmentation.
+
+        The loader inside is split by `torchspeed.train.distributed.shard_loader` (training: a
+        DistributedSampler, equal batch counts on every rank; evaluation: every world_size-th
+        sample, each counted once); `shard_loader` calls this for a DeviceLoader.
+
+        Example:
+            >>> half = loader.shard(1, 2)   # rank 1 of 2
+        """
+        from torchspeed.train.distributed import shard_loader
+
+        inner = shard_loader(self.loader, for_eval=for_eval, seed=seed, rank=rank, world_size=world_size)
+        return self if inner is self.loader else DeviceLoader(inner, self.augment, self.device)
 
     def __iter__(self) -> Iterator:
         nb = self.device.type == "cuda"

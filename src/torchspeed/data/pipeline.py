@@ -15,6 +15,11 @@ flip, the device only jitters (if asked), converts and normalizes. `"auto"` (def
 "device" on CUDA or with a cache, "cpu" on a CPU, where the batched float crop is slower
 than a uint8 crop per image in the workers (docs/data.md).
 
+Under `torchspeed launch` every process builds the same whole loaders; `fit` then gives each
+its part (`DeviceLoader.shard` through `shard_loader`, after it has set up the process group):
+a disjoint 1/N of the training set per epoch, equal step counts, validation split without
+padding (T31).
+
 Example:
     >>> p = build_loaders("photos/", size=128, batch_size=64, device="cuda")
     >>> torchspeed.fit(model, p.train, val_loader=p.val, epochs=10)
@@ -104,9 +109,14 @@ def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int =
     if cache_bytes:
         decisions["cache_bytes"] = cache_bytes
     train_set = Subset(train_ds, train_idx)
-    if batch_size > len(train_set):
-        raise ValueError(f"batch size {batch_size} is larger than the {len(train_set)} training images; "
-                         f"use --batch-size {max(1, len(train_set) // 4)} or fewer")
+    from torchspeed.train.distributed import get_world_size
+
+    world = get_world_size()  # under `torchspeed launch` fit splits the loaders later; each process gets 1/world
+    per_process = -(-len(train_set) // world)
+    if batch_size > per_process:
+        where = f" ({per_process} per process, {world} processes)" if world > 1 else ""
+        raise ValueError(f"batch size {batch_size} is larger than the {len(train_set)} training images{where}; "
+                         f"use --batch-size {max(1, per_process // 4)} or fewer")
     if workers == "auto":
         from torchspeed.tune.loader import tune_loader
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from torchspeed.env import detect
 from torchspeed.model.conv_bias import remove_conv_bias
+from torchspeed.train.batch import model_loss
 from torchspeed.train.memory_format import apply_channels_last, to_channels_last
 
 __all__ = ["FIXES", "verify_fixes"]
@@ -60,7 +61,11 @@ def _map(x, fn):
 
 
 def _generic_loss(out):
-    """A scalar to backpropagate: the model's own loss when it returns one, else a mean square."""
+    """A scalar to backpropagate: the model's own loss when it returns one (a 0-dim tensor, a dict with
+    "loss", an object with .loss: the batch contract of `torchspeed.train.batch`), else a mean square."""
+    loss, _ = model_loss(out)
+    if loss is not None:
+        return loss.float()
     if isinstance(out, torch.Tensor):
         return out.float() if out.dim() == 0 else out.float().square().mean()
     if isinstance(out, dict):

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["StepOutput", "split_batch", "forward_loss", "batch_size", "count_correct", "SequenceCrossEntropy",
+__all__ = ["StepOutput", "split_batch", "forward_loss", "batch_size", "count_correct", "SequenceCrossEntropy", "model_loss",
+           "call_model",
            "default_loss", "TARGET_KEYS", "IGNORE_INDEX"]
 
 TARGET_KEYS = ("labels", "label", "target", "targets", "y")

@@ -14,6 +14,13 @@ operator). So:
   training left, estimated from the measured eager steps) stays eager without compiling;
 - `compile=False` never compiles.
 
+Shapes: `dynamic=None` (torch's automatic dynamic shapes). The first shape compiles a static
+graph; the first time a dimension changes (a new padded sequence length, the last smaller
+batch) torch recompiles once with that dimension symbolic, and every later length reuses
+it. So varying lengths cost two compilations, not one per length (`dynamic=False` would
+recompile for each new length until torch's cache limit, then run eager), and fixed-shape
+image training keeps its fully static, fastest graph.
+
 `compile_model` is the plain function; `CompileTrial` is the measured decision and
 `CompileController` holds the compiled modules and the decision for the trainer.
 
@@ -41,7 +48,7 @@ log = logging.getLogger("torchspeed")
 MIN_RUN_S = 300.0
 
 
-def compile_model(model: nn.Module, *, mode: str | None = None, dynamic: bool | None = False) -> nn.Module:
+def compile_model(model: nn.Module, *, mode: str | None = None, dynamic: bool | None = None) -> nn.Module:
     """`torch.compile(model)`; the model itself (eager) if torch cannot compile here."""
     if not hasattr(torch, "compile"):
         log.warning("torch.compile is not available in torch %s; running eager", torch.__version__)

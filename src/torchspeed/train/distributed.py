@@ -345,10 +345,20 @@ def distributed_loader(loader: DataLoader, *, shuffle: bool | None = None, seed:
             raise ValueError(f"the loader uses a custom sampler ({type(loader.sampler).__name__}), which cannot be "
                              "split automatically; use torch.utils.data.DistributedSampler (or a distributed "
                              "version of your sampler) and call set_epoch each epoch")
-    sampler = DistributedSampler(loader.dataset, num_replicas=world_size or get_world_size(),
+    world_size = world_size or get_world_size()
+    sampler = DistributedSampler(loader.dataset, num_replicas=world_size,
                                  rank=get_rank() if rank is None else rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last)
-    kwargs: dict[str, Any] = dict(batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
+    if loader.drop_last and loader.batch_size and len(sampler) < loader.batch_size:
+        raise ValueError(f"{len(loader.dataset)} samples split between {world_size} processes leave "
+                         f"{len(sampler)} per process, less than one batch of {loader.batch_size}: use a batch "
+                         f"size of at most {len(sampler)} or fewer processes")
+    return DataLoader(loader.dataset, sampler=sampler, **_loader_settings(loader))
+
+
+def _loader_settings(loader: DataLoader) -> dict[str, Any]:
+    """Everything but the dataset and the sampler: what a rank's rebuilt copy of `loader` keeps."""
+    kwargs: dict[str, Any] = dict(batch_size=loader.batch_size, num_workers=loader.num_workers,
                                   collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
                                   drop_last=loader.drop_last, timeout=loader.timeout,
                                   worker_init_fn=loader.worker_init_fn,
@@ -358,36 +368,49 @@ def distributed_loader(loader: DataLoader, *, shuffle: bool | None = None, seed:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     if getattr(loader, "pin_memory_device", ""):
         kwargs["pin_memory_device"] = loader.pin_memory_device
-    return DataLoader(loader.dataset, **kwargs)
+    return kwargs
 
 
-def shard_loader(loader: Any, *, for_eval: bool = False, seed: int = 0) -> Any:
-    """This rank's part of a training or evaluation loader (a DataLoader or a list of batches).
+def shard_loader(loader: Any, *, for_eval: bool = False, seed: int = 0, rank: int | None = None,
+                 world_size: int | None = None) -> Any:
+    """This rank's part of a training or evaluation loader (a DataLoader, a list of batches, or a
+    loader with a `shard(rank, world_size, for_eval=, seed=)` method such as `DeviceLoader`).
 
     Training: `distributed_loader` (a DistributedSampler, equal batch counts on every rank).
     Evaluation: every world_size-th sample, in order, with no padding, so reduced metrics
     count each sample exactly once (ranks may get one batch more or less; evaluation has
-    no collective inside the loop, so that is fine).
+    no collective inside the loop, so that is fine). A wrapper such as `DeviceLoader` splits
+    the loader inside it with this same function and wraps the result again.
+
+    `rank` and `world_size` default to the process group's; without one (and without them)
+    the loader is returned as it is.
 
     Example:
         >>> train = shard_loader(train_loader, seed=0); val = shard_loader(val_loader, for_eval=True)
+        >>> shard_loader(loader, rank=1, world_size=2)   # rank 1's half, no process group needed
     """
-    if not is_distributed():
+    if rank is None and world_size is None and not is_distributed():
         return loader
+    rank = get_rank() if rank is None else rank
+    world_size = world_size or get_world_size()
+    if world_size == 1:
+        return loader
+    if callable(getattr(loader, "shard", None)):
+        return loader.shard(rank, world_size, for_eval=for_eval, seed=seed)
     if isinstance(loader, DataLoader):
         if not for_eval:
-            return distributed_loader(loader, seed=seed)
+            return distributed_loader(loader, seed=seed, rank=rank, world_size=world_size)
         if isinstance(loader.sampler, DistributedSampler) or isinstance(loader.dataset, IterableDataset):
             return loader
         if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
             return loader
-        ds = torch.utils.data.Subset(loader.dataset, range(get_rank(), len(loader.dataset), get_world_size()))
-        return DataLoader(ds, batch_size=loader.batch_size, shuffle=False, num_workers=loader.num_workers,
-                          collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last)
+        ds = torch.utils.data.Subset(loader.dataset, range(rank, len(loader.dataset), world_size))
+        return DataLoader(ds, shuffle=False, **_loader_settings(loader))
     if isinstance(loader, (list, tuple)):
-        return shard_batches(loader, even=not for_eval)
-    raise ValueError(f"cannot split a {type(loader).__name__} between {get_world_size()} processes: pass a "
-                     "DataLoader (torchspeed adds a DistributedSampler) or a list of batches")
+        return shard_batches(loader, rank=rank, world_size=world_size, even=not for_eval)
+    raise ValueError(f"cannot split a {type(loader).__name__} between {world_size} processes: pass a "
+                     "DataLoader (torchspeed adds a DistributedSampler), a list of batches, or a loader "
+                     "with a shard(rank, world_size, for_eval=, seed=) method")
 
 
 def shard_batches(batches: Sequence[_T], *, rank: int | None = None, world_size: int | None = None,

@@ -20,21 +20,15 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from torchspeed.train.batch import default_loss, forward_loss
+from torchspeed.train.distributed import unwrap_model as unwrap
+from torchspeed.train.guard import is_out_of_memory as is_oom
+from torchspeed.train.transfer import to_device
+
 T = TypeVar("T")
 
 __all__ = ["StateSnapshot", "decide_once", "is_oom", "release_memory", "unwrap", "model_device",
-           "make_batch", "TrainStep", "sync"]
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module inside DDP / DataParallel / torch.compile wrappers."""
-    while True:
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
+           "make_batch", "TrainStep", "sync", "to_device"]
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -127,15 +121,6 @@ def decide_once(fn: Callable[[], T]) -> T:
     return value
 
 
-def is_oom(e: BaseException) -> bool:
-    """True for CUDA out-of-memory and for the CPU allocator failing to allocate."""
-    if isinstance(e, torch.cuda.OutOfMemoryError):
-        return True
-    msg = str(e)
-    return isinstance(e, (RuntimeError, MemoryError)) and (
-        "out of memory" in msg or "can't allocate memory" in msg or isinstance(e, MemoryError))
-
-
 def release_memory(device: torch.device) -> None:
     """After an OOM: drop the failed step's tensors and give cached blocks back to the driver."""
     gc.collect()
@@ -155,25 +140,26 @@ def make_batch(dataset, batch_size: int, *, collate_fn=None, offset: int = 0):
     return (collate_fn or default_collate)(samples)
 
 
-def to_device(batch, device: torch.device):
-    return [b.to(device, non_blocking=True) if isinstance(b, torch.Tensor) else b for b in batch]
-
-
 class TrainStep:
-    """One plain training step (forward in `precision`, backward, optimizer step, zero_grad)."""
+    """One plain training step (forward in `precision`, backward, optimizer step, zero_grad).
+
+    Batches and losses follow `torchspeed.train.batch` (tuples, dicts, models returning their
+    loss, `step_fn`), as in the trainer.
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, loss_fn=None, precision=None,
-                 scaler=None):
+                 scaler=None, step_fn=None):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.loss_fn = loss_fn or nn.CrossEntropyLoss()
+        self.loss_fn, self.step_fn = loss_fn or default_loss(), step_fn
         self.precision = precision
 
-    def __call__(self, batch) -> torch.Tensor:
-        x, y = batch[0], batch[1]
+    def loss(self, batch) -> torch.Tensor:
         ctx = self.precision.autocast() if self.precision is not None else contextlib.nullcontext()
         with ctx:
-            out = self.model(x)
-            loss = self.loss_fn(out, y)
+            return forward_loss(self.model, batch, loss_fn=self.loss_fn, step_fn=self.step_fn).loss
+
+    def __call__(self, batch) -> torch.Tensor:
+        loss = self.loss(batch)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
             self.scaler.step(self.optimizer)

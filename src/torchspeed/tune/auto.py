@@ -54,7 +54,7 @@ def rebuild_loader(loader: DataLoader, *, batch_size: int | None = None, **setti
 
 
 def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | str | None, lr: float | str,
-                 loader: str | None, loss_fn: Callable | None, optimizer: str | torch.optim.Optimizer,
+                 loader: str | None, loss_fn: Callable | None, step_fn: Callable | None = None, optimizer: str | torch.optim.Optimizer,
                  weight_decay: float, device: torch.device | str | None, precision: str = "auto",
                  schedule: str | None = "onecycle", distributed: bool | str = "auto",
                  progress: bool = True) -> tuple[Iterable, float, dict]:
@@ -97,7 +97,7 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
         dataset = train_loader.dataset  # type: ignore[union-attr]
         if isinstance(dataset, IterableDataset):
             raise ValueError("batch_size='auto' needs a map-style dataset (len and indexing); got an IterableDataset")
-        res = find_batch_size(model, dataset, loss_fn=loss_fn, optimizer=scratch_optimizer(1e-3), precision=precision,
+        res = find_batch_size(model, dataset, loss_fn=loss_fn, step_fn=step_fn, optimizer=scratch_optimizer(1e-3), precision=precision,
                               collate_fn=train_loader.collate_fn,  # type: ignore[union-attr]
                               max_batch=max(8, min(1024, len(dataset) // 16 // 8 * 8)), progress=progress)
         new_batch = res.fastest
@@ -110,7 +110,7 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
         new_batch = batch_size
 
     if lr == "auto":
-        res_lr = find_lr(model, train_loader, loss_fn=loss_fn, optimizer=scratch_optimizer(1e-6),
+        res_lr = find_lr(model, train_loader, loss_fn=loss_fn, step_fn=step_fn, optimizer=scratch_optimizer(1e-6),
                          precision=precision, progress=progress)
         lr_val = res_lr.max_lr if schedule == "onecycle" else res_lr.suggestion
         decisions["lr_find"] = (f"{lr_val:.3g} ({'one-cycle max' if schedule == 'onecycle' else 'suggestion'} "

@@ -96,7 +96,7 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def find_batch_size(model: nn.Module, dataset, *, loss_fn: Callable | None = None,
+def find_batch_size(model: nn.Module, dataset, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
                     optimizer: torch.optim.Optimizer | None = None, precision: str = "fp32",
                     min_batch: int = 8, max_batch: int = 1024, multiple: int = 8, margin: float = 0.1,
                     memory_budget: int | None = None, steps: int = 3, rounds: int = 3, tolerance: float = 0.05, min_time: float = 0.1,
@@ -118,7 +118,7 @@ def find_batch_size(model: nn.Module, dataset, *, loss_fn: Callable | None = Non
         raise ValueError(f"max_batch={max_batch} is below min_batch={min_batch}")
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
-    return decide_once(lambda: _Finder(unwrap(model), dataset, loss_fn=loss_fn, optimizer=optimizer,
+    return decide_once(lambda: _Finder(unwrap(model), dataset, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer,
                                        precision=precision, min_batch=min_batch, max_batch=max_batch,
                                        multiple=multiple, margin=margin, memory_budget=memory_budget, steps=steps,
                                        rounds=rounds, tolerance=tolerance, min_time=min_time, collate_fn=collate_fn,
@@ -127,7 +127,7 @@ def find_batch_size(model: nn.Module, dataset, *, loss_fn: Callable | None = Non
 
 class _Finder:
     def __init__(self, model, dataset, *, loss_fn, optimizer, precision, min_batch, max_batch, multiple, margin,
-                 memory_budget, steps, rounds, tolerance, min_time, collate_fn, progress):
+                 memory_budget, steps, rounds, tolerance, min_time, collate_fn, progress, step_fn=None):
         from torchspeed.train.precision import make_grad_scaler, resolve_precision
 
         self.model, self.dataset, self.collate_fn = model, dataset, collate_fn
@@ -135,7 +135,7 @@ class _Finder:
         self.prec = resolve_precision(precision, device=self.device)
         self.optimizer = optimizer
         self.scaler = make_grad_scaler(self.prec)
-        self.loss_fn = loss_fn
+        self.loss_fn, self.step_fn = loss_fn, step_fn
         self.m, self.margin, self.steps, self.rounds, self.tolerance = multiple, margin, steps, rounds, tolerance
         self.min_batch, self.min_time = min_batch, min_time
         n = len(dataset)
@@ -205,9 +205,8 @@ class _Finder:
                 total += t.numel() * t.element_size()
             return t
 
-        x, y = self._batch(b)[:2]
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self.prec.autocast():
-            loss = (self.loss_fn or nn.CrossEntropyLoss())(self.model(x), y)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = self.train_step.loss(self._batch(b))
         loss.backward()
         self.opt.zero_grad(set_to_none=True)
         return total
@@ -233,7 +232,7 @@ class _Finder:
         try:
             self.opt = self.optimizer or torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
             self.train_step = TrainStep(self.model, self.opt, loss_fn=self.loss_fn, precision=self.prec,
-                                        scaler=self.scaler)
+                                        scaler=self.scaler, step_fn=self.step_fn)
             self.model.train()
             with Progress(disable=not self.progress, transient=True) as bar:
                 task = bar.add_task("batch size: searching the largest that fits", total=None)
@@ -338,7 +337,13 @@ class _Finder:
 
 
 def _batch_bytes(batch) -> int:
-    return sum(t.numel() * t.element_size() for t in batch if isinstance(t, torch.Tensor))
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    if isinstance(batch, dict):
+        return sum(_batch_bytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(_batch_bytes(v) for v in batch)
+    return 0
 
 
 def _gib(n: float) -> str:

@@ -62,15 +62,15 @@ class LRFinderResult:
         return asdict(self)
 
 
-def find_lr(model: nn.Module, data: Iterable, *, loss_fn: Callable | None = None,
+def find_lr(model: nn.Module, data: Iterable, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
             optimizer: torch.optim.Optimizer | None = None, scheduler=None, scaler=None,
             start_lr: float = 1e-6, end_lr: float = 10.0, num_steps: int = 100, batch_size: int = 64,
             precision: str = "fp32", diverge_factor: float = 4.0, plot: str | Path | None = None,
             progress: bool = True, seed: int = 0) -> LRFinderResult:
     """Exponential LR range test; restores everything it touched. Returns the curve and suggestions.
 
-    `data` is a DataLoader (or any iterable of (x, y) batches, cycled) or a Dataset (batched
-    here with `batch_size`). `optimizer` defaults to SGD with momentum 0.9; a given optimizer,
+    `data` is a DataLoader (or any iterable of batches, cycled) or a Dataset (batched here
+    with `batch_size`); batches, losses and `step_fn` follow `torchspeed.train.batch`. `optimizer` defaults to SGD with momentum 0.9; a given optimizer,
     `scheduler` and `scaler` are used as they are and restored afterwards. Under
     torch.distributed, rank 0 runs the test and every rank gets its result.
 
@@ -82,7 +82,7 @@ def find_lr(model: nn.Module, data: Iterable, *, loss_fn: Callable | None = None
         raise ValueError(f"need 0 < start_lr < end_lr, got start_lr={start_lr}, end_lr={end_lr}")
     if num_steps < 10:
         raise ValueError(f"num_steps={num_steps} is too few for a range test; use at least 10 (default 100)")
-    return decide_once(lambda: _find_lr(unwrap(model), data, loss_fn=loss_fn, optimizer=optimizer,
+    return decide_once(lambda: _find_lr(unwrap(model), data, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer,
                                         scheduler=scheduler, scaler=scaler, start_lr=start_lr, end_lr=end_lr,
                                         num_steps=num_steps, batch_size=batch_size, precision=precision,
                                         diverge_factor=diverge_factor, plot=plot, progress=progress, seed=seed))
@@ -103,7 +103,7 @@ def _batches(data, batch_size: int, seed: int):
             raise ValueError("the data for find_lr gave no batches: check the dataset and batch size")
 
 
-def _find_lr(model, data, *, loss_fn, optimizer, scheduler, scaler, start_lr, end_lr, num_steps, batch_size,
+def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, start_lr, end_lr, num_steps, batch_size,
              precision, diverge_factor, plot, progress, seed) -> LRFinderResult:
     device = model_device(model)
     prec = resolve_precision(precision, device=device)
@@ -113,7 +113,7 @@ def _find_lr(model, data, *, loss_fn, optimizer, scheduler, scaler, start_lr, en
         opt = optimizer or torch.optim.SGD(model.parameters(), lr=start_lr, momentum=0.9)
         base = [g["lr"] for g in opt.param_groups]
         ratios = [b / base[0] if base[0] else 1.0 for b in base]
-        step = TrainStep(model, opt, loss_fn=loss_fn, precision=prec,
+        step = TrainStep(model, opt, loss_fn=loss_fn, precision=prec, step_fn=step_fn,
                          scaler=make_grad_scaler(prec) if own_scaler else scaler)
         model.train()
         lrs: list[float] = []

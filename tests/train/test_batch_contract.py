@@ -1,0 +1,222 @@
+"""fit, evaluate and the tuners beyond (x, y) image classification: the batch contract and task-aware metrics."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+import torchspeed
+from torchspeed.train import Trainer, TrainConfig, evaluate
+from torchspeed.train.batch import count_correct, forward_loss, split_batch
+from torchspeed.train.checkpoint import load_checkpoint
+
+FAST = dict(compile=False, progress=False, precision="fp32")
+
+
+class HFStyleClassifier(nn.Module):
+    """Takes input_ids/attention_mask/labels keywords; returns an object with .loss and .logits."""
+
+    def __init__(self, vocab=50, classes=3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 16)
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        h = self.emb(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1)
+        logits = self.head(h.mean(1))
+        loss = F.cross_entropy(logits, labels) if labels is not None else None
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+class DictDataset(torch.utils.data.Dataset):
+    def __init__(self, n=96, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, 3, (n,), generator=g)
+        # the class is written into the tokens: learnable
+        self.ids = torch.randint(3, 50, (n, 12), generator=g)
+        self.ids[:, 0] = self.labels
+        self.mask = torch.ones(n, 12)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
+def test_hf_style_dict_batches_train_evaluate_and_find_lr():
+    loader = DataLoader(DictDataset(), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
+    model = HFStyleClassifier()
+    res = torchspeed.fit(model, loader, epochs=4, val_loader=DataLoader(DictDataset(seed=1), batch_size=32),
+                         lr=0.05, optimizer="adamw", **FAST)
+    assert res.history[-1]["train_loss"] < res.history[0]["train_loss"]
+    assert res.history[-1]["val_acc"] is not None and res.history[-1]["val_acc"] > 0.6  # chance is 1/3
+    out = evaluate(model, DataLoader(DictDataset(seed=1), batch_size=32), device="cpu")
+    assert out["samples"] == 96 and out["val_acc"] == pytest.approx(res.history[-1]["val_acc"])
+    lr = torchspeed.find_lr(model, loader, num_steps=12, progress=False)
+    assert len(lr.losses) >= 11 and all(math.isfinite(v) for v in lr.losses[:5])
+
+
+def test_dict_batch_passes_only_the_keywords_the_model_accepts():
+    class NoMask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    batch = {"x": torch.randn(6, 4), "labels": torch.tensor([0, 1, 0, 1, 1, 0]), "meta": torch.zeros(6)}
+    out = forward_loss(NoMask(), batch)
+    assert out.loss.dim() == 0 and out.n == 6 and out.correct()[1] == 6
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 8), nn.Linear(3, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, xa, xb):
+        return self.head(torch.relu(self.a(xa) + self.b(xb)))
+
+
+def test_model_with_two_inputs_trains_and_evaluates():
+    g = torch.Generator().manual_seed(0)
+    xa, xb = torch.randn(128, 5, generator=g), torch.randn(128, 3, generator=g)
+    y = ((xa[:, 0] + xb[:, 0]) > 0).long()
+    loader = DataLoader(TensorDataset(xa, xb, y), batch_size=16, shuffle=True, generator=g)
+    res = torchspeed.fit(TwoInputs(), loader, epochs=5, val_loader=DataLoader(TensorDataset(xa, xb, y), batch_size=64),
+                         lr=0.1, **FAST)
+    assert res.history[-1]["val_acc"] > 0.8
+
+
+def _regression_data(seed=0, n=256):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, (x @ torch.tensor([[1.0], [-2.0], [0.5], [0.0]])) * 0.3)
+
+
+def test_regression_reports_no_accuracy_and_best_checkpoint_follows_val_loss(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 1))
+    loader = DataLoader(_regression_data(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
+    res = torchspeed.fit(model, loader, epochs=4, val_loader=DataLoader(_regression_data(1), batch_size=64),
+                         loss_fn=nn.MSELoss(), lr=0.05, schedule=None, checkpoint_dir=str(tmp_path), **FAST)
+    hist = res.history
+    assert all(r["val_acc"] is None and r["train_acc"] is None for r in hist)
+    assert hist[-1]["val_loss"] < hist[0]["val_loss"]
+    best = load_checkpoint(tmp_path / "best.pt")["best"]
+    assert best["metric"] == "val_loss"
+    best_epoch = min(hist, key=lambda r: r["val_loss"])["epoch"]
+    assert best["epoch"] == best_epoch and best_epoch > 1
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=11, d=16):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx))  # (B, T, V)
+
+
+def test_language_model_accuracy_is_per_token():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 11, (40, 9), generator=g)
+    y = (x + 1) % 11  # next token = this token + 1: learnable per token
+    model = TinyLM()
+    res = torchspeed.fit(model, DataLoader(TensorDataset(x, y), batch_size=8), epochs=6, lr=0.5,
+                         val_loader=DataLoader(TensorDataset(x, y), batch_size=20), **FAST)
+    with torch.no_grad():
+        expected = (model(x).argmax(-1) == y).float().mean().item()  # correct tokens / tokens
+    assert res.history[-1]["val_acc"] == pytest.approx(expected, abs=1e-6)
+    assert 0.0 <= expected <= 1.0
+    # padding targets (-100) are not counted
+    logits = torch.zeros(1, 3, 4)
+    logits[0, :, 2] = 1.0
+    correct, counted = count_correct(logits, torch.tensor([[2, 1, -100]]))
+    assert int(correct) == 1 and int(counted) == 2
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        while True:  # endless
+            x = torch.randn(8, generator=g)
+            yield x, (x[0] > 0).long()
+
+
+def test_iterable_dataset_without_len_trains_with_max_steps():
+    loader = DataLoader(Stream(), batch_size=16)
+    res = torchspeed.fit(nn.Linear(8, 2), loader, max_steps=25, lr=0.1, **FAST)
+    assert res.steps == 25 and res.history[-1]["step"] == 25
+    with pytest.raises(TypeError, match="max_steps"):
+        torchspeed.fit(nn.Linear(8, 2), loader, lr=0.1, **FAST)
+
+
+def test_step_fn_hook_for_any_batch():
+    calls = []
+
+    def step_fn(model, batch):
+        calls.append(1)
+        x, y = batch["features"], batch["y"]
+        return F.mse_loss(model(x).squeeze(-1), y)
+
+    batches = [{"features": torch.randn(8, 3), "y": torch.randn(8)} for _ in range(6)]
+    res = torchspeed.fit(nn.Linear(3, 1), batches, epochs=2, step_fn=step_fn, lr=0.05, val_loader=batches[:2], **FAST)
+    assert len(calls) == 12 + 2 * 2 and res.history[-1]["val_acc"] is None
+    assert math.isfinite(res.history[-1]["val_loss"])
+
+
+def test_unclear_batches_get_errors_that_name_the_fix():
+    with pytest.raises(ValueError, match="no target"):
+        forward_loss(nn.Linear(3, 2), (torch.randn(4, 3),))
+    with pytest.raises(TypeError, match="step_fn"):
+        split_batch("not a batch")
+
+
+def test_stateful_dataloader_state_is_checkpointed_and_resume_is_exact(tmp_path):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make():
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        ds = TensorDataset(torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g))
+        return nn.Linear(6, 3), StatefulDataLoader(ds, batch_size=8, shuffle=True)
+
+    cfg = dict(lr=0.1, schedule=None, seed=0, **FAST)
+    model_a, loader_a = make()
+    torchspeed.fit(model_a, loader_a, epochs=2, **cfg)  # uninterrupted
+
+    model_b, loader_b = make()
+    torchspeed.fit(model_b, loader_b, epochs=2, max_steps=17, checkpoint_dir=str(tmp_path), checkpoint_every=5, **cfg)
+    state = load_checkpoint(sorted(tmp_path.glob("step-*.pt"))[-1])
+    assert state["loader_state"] is not None and state["batch_in_epoch"] == 5  # step 17 = epoch 2, batch 5
+    model_c, loader_c = make()  # a fresh process: new model, new loader
+    res = torchspeed.fit(model_c, loader_c, epochs=2, checkpoint_dir=str(tmp_path), resume="auto", **cfg)
+    assert res.steps == 24
+    for a, c in zip(model_a.parameters(), model_c.parameters()):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
+def test_compile_does_not_recompile_for_every_sequence_length():
+    """compile=True on varying lengths: automatic dynamic shapes, so a few graphs, not one per length."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = TinyLM()
+    t = Trainer(model, device="cpu", config=TrainConfig(compile=True, progress=False, precision="fp32",
+                                                        schedule=None))
+    for length in (5, 7, 9, 12, 16, 21):
+        x = torch.randint(0, 11, (4, length))
+        t.step_batch((x, (x + 1) % 11))
+    assert t.decisions["compile"].startswith("on")
+    frames = counters["stats"]["unique_graphs"]
+    assert 1 <= frames <= 3, f"{frames} graphs compiled for 6 lengths"
