@@ -47,8 +47,10 @@ def test_run_bench_end_to_end_json_and_png(tmp_path):
     assert names == ["naive", "channels_last", "all"]
     naive = res.rows[0]
     assert naive.speedup == 1.0 and len(naive.samples_per_s_runs) == 2
-    for r in res.rows:
+    for r in (res.rows[0], res.rows[2]):
         assert r.samples_per_s > 0 and r.train_loss == r.train_loss and 0 <= r.val_acc <= 1
+    cl = res.rows[1]  # an MLP has no convolutions: the row is there, marked not applicable, not run
+    assert cl.samples_per_s is None and cl.speedup is None and "channels_last" in cl.decisions["not_applicable"]
     # each config ran in its own process with its own settings
     assert res.rows[-1].decisions["channels_last"] == "False"  # an MLP has no convolutions
     assert res.rows[0].decisions["allocator"] == "glibc"

@@ -34,7 +34,8 @@ def test_text_windows_are_deterministic_shifted_and_split():
     assert int(train.starts.max()) + 33 <= cut
     for i in (0, 7):
         s = cut + int(val.starts[i])
-        assert torch.equal(val.x[i], text.data[s:s + 32].long()) and torch.equal(val.y[i], text.data[s + 1:s + 33].long())
+        assert torch.equal(val.x[i], text.data[s:s + 32].long())
+        assert torch.equal(val.y[i], text.data[s + 1:s + 33].long())
     assert b"import " in text.data[:50_000].numpy().tobytes()  # it is Python source
 
 

@@ -246,3 +246,12 @@ def test_planted_evidence_points_at_the_line(reports):
     f = r.finding("host-sync")
     assert ".item()" in f.evidence and ".tolist()" in f.evidence
     assert f.severity == "low"  # a host read costs microseconds on a CPU
+
+
+def test_language_model_vocabulary_not_a_multiple_of_8_is_found(reports):
+    r, _ = reports[0]["transformer_lm.py"]
+    f = r.finding("size-not-multiple-of-8")
+    assert f is not None, {x.rule for x in r.findings}
+    # the LM head over the 997-token vocabulary; every hidden size and the batch are multiples of 8
+    assert "head.out_features=997" in f.evidence and r.observation["model"]["odd_sizes"] == ["head.out_features=997"]
+    assert "vocabulary" in f.fix

@@ -184,3 +184,34 @@ def test_findings_are_ranked_by_severity_then_gain():
     order = {"high": 0, "medium": 1, "low": 2}
     ranks = [order[f.severity] for f in found]
     assert ranks == sorted(ranks) and found[0].rule == "data-bound"
+
+
+def test_odd_sizes_include_a_language_models_vocabulary_but_not_a_classifiers_classes():
+    import torch
+    from torch import nn
+
+    from torchspeed.doctor._static import Captured, examine_model
+
+    class LM(nn.Module):
+        def __init__(self, vocab):
+            super().__init__()
+            self.tok = nn.Embedding(vocab, 32)
+            self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+            self.head = nn.Linear(32, vocab, bias=False)
+            self.head.weight = self.tok.weight
+
+        def forward(self, idx):
+            return self.head(self.mlp(self.tok(idx)))
+
+    def odd(model, x):
+        obs = {"notes": [], "env": {}}
+        examine_model(Captured(model=model, args=(x,)), obs)
+        return obs["model"]["odd_sizes"]
+
+    ids = torch.randint(0, 997, (8, 16))
+    assert odd(LM(997), ids) == ["head.out_features=997"]  # the LM head over an odd vocabulary
+    assert odd(LM(1024), ids) == []
+    classifier = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))  # 10 classes: not a choice
+    assert odd(classifier, torch.randn(8, 32)) == []
+    obs = _obs(_set("model.odd_sizes", ["head.out_features=997"]))
+    assert "vocabulary" in RULES["size-not-multiple-of-8"].check(obs).fix

@@ -40,7 +40,7 @@ class DictDataset(torch.utils.data.Dataset):
         self.labels = torch.randint(0, 3, (n,), generator=g)
         # the class is written into the tokens: learnable
         self.ids = torch.randint(3, 50, (n, 12), generator=g)
-        self.ids[:, 0] = self.labels
+        self.ids[:, :6] = self.labels[:, None]
         self.mask = torch.ones(n, 12)
 
     def __len__(self):

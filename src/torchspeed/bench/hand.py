@@ -54,11 +54,10 @@ class HandSettings:
 
 def hand_precisions(device: torch.device) -> list[str]:
     """The precisions worth trying on `device`: fp32 and the half precision its hardware runs natively."""
-    if device.type == "cuda":
-        return ["fp32", "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp16"]
-    from torchspeed.env import detect
+    from torchspeed.train.precision import half_precision
 
-    return ["fp32", "bf16"] if detect().bf16_supported else ["fp32"]
+    half = half_precision(device)
+    return ["fp32"] + ([half] if half else [])
 
 
 def _sync(device: torch.device) -> None:

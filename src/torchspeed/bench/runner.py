@@ -50,7 +50,8 @@ from pathlib import Path
 import torch
 from torchspeed._io import write_json
 from torchspeed.bench.flops import mfu, peak_bf16_flops, train_flops_per_sample
-from torchspeed.env import detect
+from torchspeed.env import default_device, detect
+from torchspeed.train.precision import half_precision
 from torchspeed.train.trainer import TrainConfig
 
 __all__ = ["BenchConfig", "BenchRow", "BenchResult", "bench_configs", "run_bench", "provenance", "write_results"]
@@ -76,6 +77,14 @@ class BenchRow:
     samples_per_s_runs: list[float] = field(default_factory=list)
     decisions: dict = field(default_factory=dict)
     mfu: float | None = None
+    # Time to accuracy (bench/tta.py), naive and all rows only: means over seeds (None: not reached on every
+    # seed), the per-seed lists, and the val_acc of the timed rounds (val_acc becomes the accuracy reached).
+    time_to_target_s: float | None = None
+    steps_to_target: float | None = None
+    time_to_target_s_runs: list = field(default_factory=list)
+    steps_to_target_runs: list = field(default_factory=list)
+    val_acc_runs: list = field(default_factory=list)
+    rounds_val_acc: float | None = None
 
 
 @dataclass
@@ -85,10 +94,12 @@ class BenchResult:
     workload: str
     rows: list[BenchRow]
     meta: dict
+    tta: dict | None = None  # time to accuracy (bench/tta.py), when it ran
 
     def to_dict(self) -> dict:
-        return {"device": self.device, "torch": self.torch, "workload": self.workload,
-                "rows": [asdict(r) for r in self.rows], "meta": self.meta}
+        out = {"device": self.device, "torch": self.torch, "workload": self.workload,
+               "rows": [asdict(r) for r in self.rows], "meta": self.meta}
+        return out if self.tta is None else out | {"tta": self.tta}
 
 
 OMP_PASSIVE = (("OMP_WAIT_POLICY", "PASSIVE"),)
@@ -99,7 +110,7 @@ def bench_configs(device: torch.device, *, workers: int | None = None, compile: 
     """The ablation: naive, each technique alone on top of naive, the hand-written ceiling, and all."""
     info = detect()
     naive = TrainConfig.naive(schedule=None, progress=False)
-    fast_precision = info.best_precision if device.type == "cpu" else ("bf16" if info.bf16_supported else "fp16")
+    fast_precision = half_precision(device) or "fp32"
     n_workers = workers if workers is not None else min(4, max(1, info.cpu_cores - 1))
     cuda = device.type == "cuda"
     rows = [BenchConfig("naive", naive)]
@@ -135,22 +146,28 @@ def bench_configs(device: torch.device, *, workers: int | None = None, compile: 
     return rows
 
 
+def config_env(cfg: BenchConfig) -> dict[str, str]:
+    """The environment a config's process starts with: its allocator (LD_PRELOAD) and OpenMP settings."""
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if "OMP_WAIT_POLICY" not in dict(cfg.env):
+        env.pop("OMP_WAIT_POLICY", None)
+    env.update(dict(cfg.env))
+    if cfg.allocator == "tcmalloc":
+        lib = detect().tcmalloc_path
+        if lib:
+            env["LD_PRELOAD"] = lib
+    return env
+
+
 class ConfigProcess:
     """A bench config running in its own Python process (its own allocator, caches, threads)."""
 
     def __init__(self, cfg: BenchConfig, spec: dict):
         self.cfg = cfg
-        env = dict(os.environ)
-        env.pop("LD_PRELOAD", None)
-        if "OMP_WAIT_POLICY" not in dict(cfg.env):
-            env.pop("OMP_WAIT_POLICY", None)
-        env.update(dict(cfg.env))
-        if cfg.allocator == "tcmalloc":
-            lib = detect().tcmalloc_path
-            if lib:
-                env["LD_PRELOAD"] = lib
         self.proc = subprocess.Popen([sys.executable, "-m", "torchspeed.bench._worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, bufsize=1)
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     env=config_env(cfg), bufsize=1)
         self.spec = spec | {"train": asdict(cfg.train), "num_workers": cfg.num_workers, "kind": cfg.kind}
         self.times: list[float] = []
         self.send({"op": "setup", "spec": self.spec}, wait=False)
@@ -229,7 +246,7 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
 
     data = data or default_data(model)
     check_workload(model, data)
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = default_device(device or None)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
     chosen = bench_configs(dev, compile=compile, hand=hand)
@@ -298,9 +315,9 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
     if "all" in times and "hand" in times:  # does torchspeed beat the best loop written by hand, here?
         meta["all_over_hand"] = statistics.median(h / a for h, a in zip(times["hand"], times["all"]))
         meta["all_over_hand_runs"] = [h / a for h, a in zip(times["hand"], times["all"])]
+    shape = f"(bytes, {_block_size()} per sample)" if data == "text" else f"3x{image_size}x{image_size}"
     return BenchResult(device=f"{info.device}: {info.device_name}", torch=torch.__version__,
-                       workload=f"{model} on {data} " + (f"(bytes, {_block_size()} per sample)" if data == "text" else
-                                                        f"3x{image_size}x{image_size}") + f", batch {batch_size}", rows=rows,
+                       workload=f"{model} on {data} {shape}, batch {batch_size}", rows=rows,
                        meta=meta)
 
 

@@ -26,11 +26,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -59,10 +62,9 @@ class ScalingResult:
 
 
 def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    from torchspeed.env import usable_cores  # the one home of the rule (affinity, cgroups)
+
+    return usable_cores()
 
 
 def measure_scaling(*, nproc: int = 2, model: str = "mlp", data: str = "synthetic", batch_size: int = 64,
@@ -84,12 +86,14 @@ def measure_scaling(*, nproc: int = 2, model: str = "mlp", data: str = "syntheti
                 device=device)
     times: dict[str, list[float]] = {c[0]: [] for c in configs}
     losses: dict[str, float | None] = {}
+    restarted = 0
     for k in range(rounds):
         order = configs if k % 2 == 0 else configs[::-1]  # alternate so drift hits both sides
         for name, n, t in order:
             out = _run_job(spec, nproc=n, threads=t, timeout_s=timeout_s)
             times[name].append(out["samples_per_s"])
             losses[name] = out.get("loss")
+            restarted += out.get("attempts", 1) - 1
     rows = [ScalingRow(name, n, t, statistics.median(times[name]), times[name], losses.get(name))
             for name, n, t in configs]
     base, multi = rows[0], rows[1]
@@ -104,7 +108,8 @@ def measure_scaling(*, nproc: int = 2, model: str = "mlp", data: str = "syntheti
     ratios.update({k: statistics.median(v) for k, v in per_round.items()})
     meta = dict(spec, nproc=nproc, rounds=rounds, threads_per_proc=tpp, usable_cores=_usable_cores(),
                 method="each row: a fresh torchrun job, timed after warm-up; rows interleaved, order alternating "
-                       "each round; samples/s counts all processes; per-process batch fixed")
+                       "each round; samples/s counts all processes; per-process batch fixed",
+                jobs_restarted_after_a_crash=restarted)
     return ScalingResult(rows=rows, ratios=ratios, meta=dict(meta, per_round_ratios=per_round))
 
 
@@ -149,15 +154,65 @@ def _run_job(spec: dict, *, nproc: int, threads: int, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.json")
         job = dict(spec, out=out_path, threads=threads)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                "-m", "torchspeed.bench.scaling", json.dumps(job)]
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
-        if proc.returncode != 0 or not os.path.exists(out_path):
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-            raise RuntimeError(f"the {nproc}-process torchrun job failed (exit {proc.returncode}):\n{tail}")
-        with open(out_path) as f:
-            return json.load(f)
+        out, attempts = _torchrun(["-m", "torchspeed.bench.scaling", json.dumps(job)], nproc=nproc, threads=threads,
+                                  result=out_path, timeout_s=timeout_s)
+        return dict(out, attempts=attempts)
+
+
+# torchrun's failure summary: the first rank that failed, and how ("exitcode : -6 ... (SIGABRT)")
+_ROOT_CAUSE_EXIT = re.compile(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
+
+
+def _torchrun(cmd: list[str], *, nproc: int, threads: int, result: str, timeout_s: float,
+              attempts: int = 2) -> tuple[dict, int]:
+    """Run `cmd` (`script.py ARGS` or `-m module ARGS`) in `nproc` processes under torchrun; return the
+    JSON that rank 0 wrote to `result`, and the number of attempts it took.
+
+    Each rank's stdout and stderr go to files of their own (torchrun --redirects), and a failure
+    quotes the failing ranks' stderr: torchrun's summary says which rank died of which signal,
+    not why. A job whose first failing rank was killed by a signal (SIGABRT is what an uncaught
+    C++ exception in gloo's transport thread becomes, SIGKILL what the OOM killer sends) is
+    started again from scratch, up to `attempts` times, with a warning that quotes the crash; a
+    rank that exits with an error, or a job still running after `timeout_s`, fails at once.
+    """
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    for attempt in range(1, attempts + 1):
+        log_dir = tempfile.mkdtemp(prefix="torchspeed-torchrun-")
+        if os.path.exists(result):
+            os.remove(result)  # a failed attempt's rank 0 may have written it: only a clean run counts
+        try:
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                    "--log-dir", log_dir, "--redirects", "3", *cmd]
+            try:
+                proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
+            except subprocess.TimeoutExpired as e:
+                raise RuntimeError(f"the {nproc}-process torchrun job did not finish in {timeout_s:.0f} s"
+                                   f"{_rank_logs(log_dir)}") from e
+            if proc.returncode == 0 and os.path.exists(result):
+                with open(result) as f:
+                    return json.load(f), attempt
+            summary = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            failure = (f"the {nproc}-process torchrun job failed (exit {proc.returncode}, attempt {attempt} of "
+                       f"{attempts}):\n{summary}{_rank_logs(log_dir)}")
+        finally:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        root = _ROOT_CAUSE_EXIT.search(proc.stdout + proc.stderr)
+        if attempt == attempts or root is None or int(root.group(1)) >= 0:
+            raise RuntimeError(failure)
+        warnings.warn(f"{failure}\nstarting the job again", RuntimeWarning, stacklevel=2)
+    raise AssertionError("unreachable")
+
+
+def _rank_logs(log_dir: str, lines: int = 20) -> str:
+    """The last `lines` of every rank's stderr that torchrun --redirects wrote under `log_dir`."""
+    out = []
+    for root, _, files in sorted(os.walk(log_dir)):
+        if "stderr.log" in files:
+            with open(os.path.join(root, "stderr.log"), errors="replace") as f:
+                tail = f.read().strip().splitlines()[-lines:]
+            if tail:
+                out.append(f"\n--- rank {os.path.basename(root)} stderr ---\n" + "\n".join(tail))
+    return "".join(out)
 
 
 def _worker(job: dict) -> None:

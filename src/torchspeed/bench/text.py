@@ -72,7 +72,7 @@ def stdlib_text(max_bytes: int = TEXT_BYTES) -> TextSource:
 
 
 class ByteWindows(Dataset):
-    """`n` windows of `block_size` bytes from `data` at offsets drawn from `seed`; (x, y) int64, y is x shifted by one."""
+    """`n` windows of `block_size` bytes of `data` at offsets drawn from `seed`; (x, y) int64, y = x shifted by one."""
 
     def __init__(self, data: torch.Tensor, n: int, *, block_size: int = 128, seed: int = 0):
         if data.numel() < block_size + 2:
@@ -147,7 +147,7 @@ class GPT(nn.Module):
         cfg = GPTConfig(**overrides) if cfg is None else cfg
         self.cfg = cfg
         m = max(cfg.pad_vocab_to, 1)
-        self.vocab_size = (cfg.vocab_size + m - 1) // m * m  # padded rows are never a target: they learn to stay unlikely
+        self.vocab_size = (cfg.vocab_size + m - 1) // m * m  # padded rows are never targets: they stay unlikely
         self.tok = nn.Embedding(self.vocab_size, cfg.n_embd)
         self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.blocks = nn.Sequential(*(Block(cfg) for _ in range(cfg.n_layer)))

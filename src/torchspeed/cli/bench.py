@@ -31,6 +31,16 @@ def register(sub) -> None:
                    help="leave out the hand-written ceiling (its settings search trains every combination)")
     p.add_argument("--nproc", type=int, default=None,
                    help="instead: N DistributedDataParallel processes against 1, as torchrun jobs (T31)")
+    p.add_argument("--target-acc", type=float, default=None,
+                   help="time to accuracy: train naive and all until validation accuracy reaches this (0-1; "
+                        "default 0.90 with --data digits, off otherwise; 0 switches it off)")
+    p.add_argument("--no-tta", action="store_true", help="skip time to accuracy (as --target-acc 0)")
+    p.add_argument("--seeds", type=int, default=3, help="time to accuracy: seeds per config (default 3)")
+    p.add_argument("--tta-steps", type=int, default=None,
+                   help="time to accuracy: step budget per run, the one-cycle schedule's length (default 6 epochs)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="time to accuracy: optimizer steps between evaluations (default: twice the validation "
+                        "set in training samples)")
     p.set_defaults(func=run)
 
 
@@ -41,11 +51,20 @@ def run(args) -> int:
         raise CLIError(f"--steps must be positive, got {args.steps}")
     if args.image_size < 8:
         raise CLIError(f"--image-size must be at least 8, got {args.image_size}")
+    for name in ("seeds", "tta_steps", "eval_every"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise CLIError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     from torchspeed.bench.workloads import check_workload, default_data
 
     args.data = args.data or default_data(args.model)
     try:
         check_workload(args.model, args.data)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    from torchspeed.bench.tta import resolve_target
+
+    try:
+        target = resolve_target(args.data, args.target_acc, off=args.no_tta)
     except ValueError as e:
         raise CLIError(str(e)) from e
     if args.nproc is not None:
@@ -94,6 +113,15 @@ def run(args) -> int:
     if "all_over_hand" in result.meta:
         console.print(f"[bold]all/hand: {result.meta['all_over_hand']:.2f}x[/] (median of per-round ratios; "
                       ">= 1.00 means torchspeed matches or beats the best hand-written loop on this machine)")
+    if target is not None:  # time to accuracy (bench/tta.py): naive and all trained to the target, per seed
+        from torchspeed.bench.tta import attach_tta, print_tta, run_tta
+
+        tta = run_tta(model=args.model, data=args.data, target=target, seeds=args.seeds, batch_size=batch,
+                      max_steps=args.tta_steps, eval_every=args.eval_every, device=args.device,
+                      compile=not (args.quick or args.no_compile), train_size=result.meta.get("train_size"),
+                      image_size=args.image_size)
+        attach_tta(result, tta)
+        print_tta(console, tta)
     png = args.png or os.path.splitext(args.json)[0] + ".png"
     write_results(result, args.json, png)
     all_row = next((r for r in result.rows if r.config == "all"), None)

@@ -49,10 +49,9 @@ def register(sub) -> None:
 
 
 def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    from torchspeed.env import usable_cores  # the one home of the rule (affinity, cgroups)
+
+    return usable_cores()
 
 
 def torchrun_command(cmd: list[str], *, nproc: str | int, nnodes: str = "1", node_rank: int | None = None,

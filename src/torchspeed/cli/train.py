@@ -19,6 +19,7 @@ import os
 
 from torchspeed._io import write_json
 from torchspeed.cli.main import CLIError
+from torchspeed.env import default_device
 
 
 def register(sub) -> None:
@@ -79,7 +80,7 @@ def run(args) -> int:
 
     rank0, world = is_rank_zero(), get_world_size()  # from torchrun's RANK/WORLD_SIZE (1 and rank 0 otherwise)
     console = Console(quiet=args.no_progress or not rank0)
-    device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda asked for, but no CUDA GPU is visible; use --device cpu")
     if world > 1:

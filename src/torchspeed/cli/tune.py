@@ -12,6 +12,7 @@ from pathlib import Path
 
 from torchspeed._io import write_json
 from torchspeed.cli.main import CLIError
+from torchspeed.env import default_device
 
 WHAT = ("batch", "lr", "loader", "all")
 BUILTIN = ("synthetic", "digits", "jpeg")
@@ -82,14 +83,15 @@ def run(args) -> int:
     from torch.utils.data import DataLoader
 
     from torchspeed.bench.runner import provenance
-    from torchspeed.bench.workloads import MODELS, create_model
+    from torchspeed.bench.workloads import MODELS, TEXT_MODELS, create_model
     from torchspeed.tune import find_batch_size, find_lr, tune_loader
 
-    if args.model not in MODELS:
-        raise CLIError(f"--model {args.model}: not one of {', '.join(MODELS)}")
+    image_models = [m for m in MODELS if m not in TEXT_MODELS]  # tune's data are images
+    if args.model not in image_models:
+        raise CLIError(f"--model {args.model}: not one of {', '.join(image_models)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = default_device(args.device)
     console = Console()
     ds = _dataset(args)
     if len(ds) < args.batch_size:

@@ -145,7 +145,9 @@ def bench_pipelines(root: str | os.PathLike, *, size: int = 224, rounds: int = 5
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        from torchspeed.env import default_device
+
+        device = default_device()
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda: no CUDA GPU is visible to torch here; use --device cpu")

@@ -38,6 +38,7 @@ from torchspeed.data.augment import DeviceAugment, DeviceLoader
 from torchspeed.data.cache import CachedDataset
 from torchspeed.data.folder import FastImageFolder, ImageDataset, uint8_collate
 from torchspeed.data.packed import LocalShuffleSampler, PackedDataset, is_packed
+from torchspeed.env import default_device
 
 __all__ = ["Pipeline", "build_loaders", "open_images", "create_classifier", "simple_cnn"]
 
@@ -79,7 +80,7 @@ def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int =
         raise ValueError(f"augment must be 'auto', 'device' or 'cpu', got {augment!r}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(device)
     if augment == "auto":  # on a CPU the float passes of a batched crop cost more than a uint8 crop per image
         augment = "cpu" if device.type == "cpu" and not cache_bytes else "device"
     load_size = load_size or (round(size * 8 / 7) if augment == "device" else size)

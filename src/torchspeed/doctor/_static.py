@@ -4,7 +4,6 @@ model (static checks, T24/T27/T30/T31/T36/T37) and its datasets (decode vs trans
 
 from __future__ import annotations
 
-import os
 import resource
 import statistics
 import time
@@ -130,13 +129,9 @@ def capture(probe) -> Captured:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    while True:
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        else:
-            return model
+    from torchspeed.train.distributed import unwrap_model
+
+    return unwrap_model(model)
 
 
 def _run(model, args, kwargs=None):
@@ -277,11 +272,15 @@ def examine_model(cap: Captured, obs: dict) -> None:
         return
     mod_names = {id(m): n for n, m in copy_.named_modules()}
     weighted = [m for m in order if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))]
+    # a last Linear as wide as an embedding table is an LM head over the vocabulary: its width is
+    # a choice (padded vocabularies, as GPT-2's 50257 -> 50304), unlike a classifier's class count
+    vocab = {m.num_embeddings for m in order if isinstance(m, nn.Embedding)}
     odd = []
     for i, m in enumerate(weighted):
         n = mod_names.get(id(m), "?")
         if isinstance(m, nn.Linear):
-            sizes = [("in_features", m.in_features, i > 0), ("out_features", m.out_features, i < len(weighted) - 1)]
+            sizes = [("in_features", m.in_features, i > 0),
+                     ("out_features", m.out_features, i < len(weighted) - 1 or m.out_features in vocab)]
         else:
             sizes = [("in_channels", m.in_channels, i > 0 and m.in_channels > 4),
                      ("out_channels", m.out_channels, i < len(weighted) - 1)]
@@ -489,4 +488,6 @@ def probe_datasets(probe, obs: dict, *, samples: int = 12) -> None:
             entry["alt_decode"] = _alt_jpeg_speedup(timers.jpeg_files)
         out.append(entry)
     obs["datasets"] = out
-    obs["cpu_cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from torchspeed.env import usable_cores
+
+    obs["cpu_cores"] = usable_cores()

@@ -31,7 +31,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["StepOutput", "split_batch", "forward_loss", "batch_size", "count_correct", "SequenceCrossEntropy", "model_loss",

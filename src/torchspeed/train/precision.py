@@ -23,7 +23,7 @@ import torch
 
 from torchspeed.env import detect
 
-__all__ = ["Precision", "resolve_precision", "make_grad_scaler"]
+__all__ = ["Precision", "resolve_precision", "make_grad_scaler", "half_precision"]
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ALIASES = {"32": "fp32", "float32": "fp32", "bfloat16": "bf16", "16": "fp16", "float16": "fp16",
@@ -53,18 +53,29 @@ class Precision:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
 
+def half_precision(device: torch.device | str) -> str | None:
+    """The half precision `device` runs natively: "bf16" (CUDA sm80+, CPUs with AVX512-BF16/AMX),
+    "fp16" (older CUDA GPUs: Tensor Cores, no fast bf16), or None (a CPU without bf16 units, where
+    emulated bf16 runs slower than fp32). The one home of this rule (fit, bench, hand loop, doctor)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp16"
+    if device.type == "cpu" and detect().bf16_supported:
+        return "bf16"
+    return None
+
+
 def resolve_precision(precision: str = "auto", *, device: torch.device | str | None = None) -> Precision:
     """Turn "auto" | "fp32" | "bf16" | "fp16" into a `Precision` for `device`."""
     device = torch.device(device) if device is not None else torch.device(detect().device)
     key = _ALIASES.get(str(precision).lower(), str(precision).lower())
     if key == "auto":
-        info = detect()
+        half = half_precision(device)
         if device.type == "cuda":
             cc = torch.cuda.get_device_capability(device)
-            if cc >= (8, 0):
-                return Precision("bf16", "cuda", f"CUDA sm{cc[0]}{cc[1]} runs bf16 natively")
-            return Precision("fp16", "cuda", f"CUDA sm{cc[0]}{cc[1]} has fp16 Tensor Cores but no fast bf16")
-        if device.type == "cpu" and info.bf16_supported:
+            why = "runs bf16 natively" if half == "bf16" else "has fp16 Tensor Cores but no fast bf16"
+            return Precision(half, "cuda", f"CUDA sm{cc[0]}{cc[1]} {why}")
+        if half == "bf16":
             return Precision("bf16", "cpu", "CPU has AVX512-BF16/AMX")
         return Precision("fp32", device.type, f"no fast half precision on {device.type}")
     if key not in _DTYPES:

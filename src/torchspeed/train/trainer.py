@@ -1,16 +1,19 @@
-"""The fast loop: `fit` and `Trainer` compose the training techniques and hold none of them.
+"""The fast loop: `Trainer` composes the training techniques and holds none of them.
 
-Each technique lives in its own module as a public function (precision T21, channels_last
-T23, backends T22, optimizers T18/T26, schedules T14/T16/T17, accumulation and clipping
-T19/T20, transfer and prefetch T07/T12, device-side metrics T13, compile T25, validation
-T28/T33, label smoothing T32). The trainer only decides which to switch on and calls them
-in order, so a reader can follow one training step from top to bottom in `train_step`.
-
-Every switch is in `TrainConfig`; `TrainConfig.naive()` turns them all off, which is what
-the bench's `naive` row runs.
+Each technique lives in its own module as a public function or class: precision T21
+(precision.py), channels_last T23 (memory_format.py), backends T22 (backends.py),
+optimizers T18/T26 (optim.py), schedules T14/T16/T17 (schedule.py), accumulation and
+clipping T19/T20 (step.py), transfer and prefetch T07 (transfer.py), device-side metrics
+T13 (metrics.py), compile T25 (compile.py), validation T28/T33 (evaluate.py), the NaN/OOM
+guards (guard.py), exact resume (checkpoint.py, sampler.py), DDP T31 (distributed.py), the
+batch contract (batch.py), the progress bar (progress.py). The trainer only decides which
+to switch on and calls them in order, so a reader can follow one training step from top to
+bottom in `train_step`. Every switch is in `TrainConfig` (config.py); `torchspeed.fit`
+(fitting.py, above this package and the tuners) is the one-call entry point.
 
 Example:
-    >>> result = torchspeed.fit(model, train_loader, epochs=5, val_loader=val_loader)
+    >>> trainer = Trainer(model, config=TrainConfig(epochs=5))
+    >>> result = trainer.fit(train_loader, val_loader=val_loader)
     >>> result.history[-1]["val_acc"]
 """
 
@@ -33,7 +36,8 @@ from torchspeed.train.batch import batch_size, default_loss, forward_loss
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from torchspeed.train.checkpoint import (CheckpointManager, check_resumable, check_state_dict, find_resume,
                                          update_best)
-from torchspeed.train.compile import MIN_RUN_S, CompileController, sync
+from torchspeed.train.compile import CompileController, sync
+from torchspeed.train.config import TrainConfig, check_reliability_options
 from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object,
                                           convert_sync_batchnorm, is_rank_zero, maybe_init_distributed,
                                           reduce_metrics, scale_lr_world_size, shard_loader, unwrap_data_parallel,
@@ -54,55 +58,6 @@ from torchspeed.train.transfer import Prefetcher, to_device
 __all__ = ["TrainConfig", "Trainer", "FitResult"]
 
 log = logging.getLogger("torchspeed")
-
-
-@dataclass
-class TrainConfig:
-    """Every switch of the loop. Defaults are torchspeed's automatic choice."""
-
-    epochs: int = 1
-    precision: str = "auto"             # T21: "auto" | "fp32" | "bf16" | "fp16"
-    channels_last: bool | str = "auto"  # T23: "auto" = on when the model has 2D convolutions
-    compile: bool | str = "auto"        # T25: "auto" = keep compiled only if a measured trial is faster
-    compile_mode: str | None = None     # None (inductor default) | "reduce-overhead" (CUDA graphs) | ...
-    compile_min_run_s: float = MIN_RUN_S  # compile="auto" leaves runs with less eager time than this eager
-    cudnn_benchmark: bool | str = "auto"  # T22: "auto" = on for CUDA (fixed shapes)
-    set_to_none: bool = True            # T26
-    fused_optimizer: bool | str = "auto"  # fused/foreach kernels (T18)
-    prefetch: bool = True               # T07/T12: side-stream copies on CUDA
-    grad_accum: int = 1                 # T19
-    clip_grad_norm: float | None = None  # T20
-    label_smoothing: float = 0.0        # T32
-    schedule: str | None = "onecycle"   # T14/T16: "onecycle" | "cyclic" | "cosine" | None
-    warmup_steps: int | None = None
-    min_lr: float | None = None
-    log_every: int = 50                 # T13: host reads the loss every N steps (1 = .item() each step)
-    max_steps: int | None = None        # stop after this many optimizer steps in total
-    tta: str | None = None              # T33: None | "flip"
-    tta_scales: tuple[float, ...] = ()
-    progress: bool = True
-    out_dir: str | None = None          # per-epoch metrics.csv / metrics.json
-    seed: int | None = None
-    distributed: bool | str = "auto"    # T31: "auto" = DDP when torchrun started more than one process
-    sync_batchnorm: bool = False        # SyncBatchNorm over all ranks (GPUs only; for small per-GPU batches)
-    static_graph: bool = False          # DDP static_graph: only if every step uses the same parameters
-    scale_lr_world_size: bool = False   # T17: lr x world_size (the global batch is world_size times larger)
-    # Reliability (docs/reliability.md): checkpoints, exact resume, guards.
-    checkpoint_dir: str | None = None   # write checkpoints here (atomic, checksummed)
-    checkpoint_every: int | None = None  # optimizer steps between checkpoints (None: at each epoch end only)
-    keep_last: int = 3                  # step checkpoints kept (best.pt is kept besides)
-    best_metric: str | None = "auto"    # best.pt by this epoch metric: "auto" = val_acc, else val_loss/train_loss
-    resume: str | None = None           # None | "auto" (newest good checkpoint in checkpoint_dir) | a .pt path
-    max_nonfinite: int | None = 20      # stop after this many NaN/inf-loss steps in a row (each one is skipped)
-    deterministic: bool = False         # deterministic kernels + seeded RNGs: bit-identical reruns (slower)
-
-    @classmethod
-    def naive(cls, **overrides) -> "TrainConfig":
-        """The loop the seeds call "before": fp32, NCHW, memset zero_grad, .item() every step, no compile."""
-        base = dict(precision="fp32", channels_last=False, compile=False, cudnn_benchmark=False,
-                    set_to_none=False, fused_optimizer=False, prefetch=False, log_every=1)
-        base.update(overrides)
-        return cls(**base)
 
 
 @dataclass
@@ -137,7 +92,7 @@ class Trainer:
             seed_everything(cfg.seed if cfg.seed is not None else 0)
         elif cfg.seed is not None:
             torch.manual_seed(cfg.seed)
-        _check_reliability_options(cfg)
+        check_reliability_options(cfg)
         # T31: under torchrun, a process group from the environment and this rank's device (cuda:LOCAL_RANK).
         self.dist: DistInfo | None = maybe_init_distributed(cfg.distributed, device=device)
         self.device = self.dist.device if self.dist is not None else default_device(device)
@@ -437,20 +392,3 @@ class Trainer:
             out = {**reduce_metrics({k: v for k, v in out.items() if k != "samples"}, weight=n),
                    "samples": int(all_reduce_sum([n])[0])}
         return out
-
-
-# ---------------------------------------------------------------------- helpers
-def _check_reliability_options(cfg: TrainConfig) -> None:
-    if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every must be >= 1 optimizer steps, got {cfg.checkpoint_every}")
-    if cfg.checkpoint_every is not None and not cfg.checkpoint_dir:
-        raise ValueError("checkpoint_every needs checkpoint_dir: the folder to write checkpoints to")
-    if cfg.keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {cfg.keep_last}")
-    if cfg.max_nonfinite is not None and cfg.max_nonfinite < 1:
-        raise ValueError(f"max_nonfinite must be >= 1 (or None to switch the check off), got {cfg.max_nonfinite}")
-    if cfg.resume == "auto" and not cfg.checkpoint_dir:
-        raise ValueError("resume='auto' needs checkpoint_dir: the folder to look for checkpoints in")
-    if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
-        raise FileNotFoundError(f"resume={cfg.resume!r}: no such checkpoint file or folder; pass an existing "
-                                ".pt file, a checkpoint folder, or resume='auto' with checkpoint_dir")

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from torchspeed.env import default_device
 from torchspeed.train.schedule import scale_lr
 
 __all__ = ["tune_for_fit", "rebuild_loader"]
@@ -81,7 +82,7 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
     if info is not None:
         dev = info.device
     else:
-        dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = default_device(device)
     model.to(dev)
     decisions: dict[str, object] = {}
 

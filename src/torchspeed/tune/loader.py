@@ -40,6 +40,7 @@ from rich.progress import Progress
 from torch import nn
 from torch.utils.data import DataLoader
 
+from torchspeed.env import default_device
 from torchspeed.tune._common import (
     StateSnapshot,
     TrainStep,
@@ -134,7 +135,7 @@ class _Tuner:
         elif model is not None:
             self.device = model_device(model)
         else:
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            self.device = default_device()
         self.max_workers = usable_cores() if max_workers is None else max(0, max_workers)
         self.batches, self.min_time, self.rounds = batches, min_time, rounds
         self.prefetch_factors, self.plateau, self.min_gain = prefetch_factors, plateau, min_gain

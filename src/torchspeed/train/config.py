@@ -1,0 +1,83 @@
+"""`TrainConfig`: every switch of the fast loop, and the checks of options that cannot work together.
+
+Defaults are torchspeed's automatic choice for this machine; `TrainConfig.naive()` turns
+every technique off (the bench's `naive` row). The technique IDs are in the comments
+(T13 host reads, T14/T16 schedules, T18 fused kernels, T19 accumulation, T20 clipping, T21
+precision, T22 backends, T23 channels_last, T25 compile, T26 set_to_none, T31 DDP, T32
+label smoothing, T33 test-time augmentation); docs/techniques.md maps each to its module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchspeed.train.compile import MIN_RUN_S
+
+__all__ = ["TrainConfig", "check_reliability_options"]
+
+
+@dataclass
+class TrainConfig:
+    """Every switch of the loop. Defaults are torchspeed's automatic choice."""
+
+    epochs: int = 1
+    precision: str = "auto"             # T21: "auto" | "fp32" | "bf16" | "fp16"
+    channels_last: bool | str = "auto"  # T23: "auto" = on when the model has 2D convolutions
+    compile: bool | str = "auto"        # T25: "auto" = keep compiled only if a measured trial is faster
+    compile_mode: str | None = None     # None (inductor default) | "reduce-overhead" (CUDA graphs) | ...
+    compile_min_run_s: float = MIN_RUN_S  # compile="auto" leaves runs with less eager time than this eager
+    cudnn_benchmark: bool | str = "auto"  # T22: "auto" = on for CUDA (fixed shapes)
+    set_to_none: bool = True            # T26
+    fused_optimizer: bool | str = "auto"  # fused/foreach kernels (T18)
+    prefetch: bool = True               # T07/T12: side-stream copies on CUDA
+    grad_accum: int = 1                 # T19
+    clip_grad_norm: float | None = None  # T20
+    label_smoothing: float = 0.0        # T32
+    schedule: str | None = "onecycle"   # T14/T16: "onecycle" | "cyclic" | "cosine" | None
+    warmup_steps: int | None = None
+    min_lr: float | None = None
+    log_every: int = 50                 # T13: host reads the loss every N steps (1 = .item() each step)
+    max_steps: int | None = None        # stop after this many optimizer steps in total
+    tta: str | None = None              # T33: None | "flip"
+    tta_scales: tuple[float, ...] = ()
+    progress: bool = True
+    out_dir: str | None = None          # per-epoch metrics.csv / metrics.json
+    seed: int | None = None
+    distributed: bool | str = "auto"    # T31: "auto" = DDP when torchrun started more than one process
+    sync_batchnorm: bool = False        # SyncBatchNorm over all ranks (GPUs only; for small per-GPU batches)
+    static_graph: bool = False          # DDP static_graph: only if every step uses the same parameters
+    scale_lr_world_size: bool = False   # T17: lr x world_size (the global batch is world_size times larger)
+    # Reliability (docs/reliability.md): checkpoints, exact resume, guards.
+    checkpoint_dir: str | None = None   # write checkpoints here (atomic, checksummed)
+    checkpoint_every: int | None = None  # optimizer steps between checkpoints (None: at each epoch end only)
+    keep_last: int = 3                  # step checkpoints kept (best.pt is kept besides)
+    best_metric: str | None = "auto"    # best.pt by this epoch metric: "auto" = val_acc, else val_loss/train_loss
+    resume: str | None = None           # None | "auto" (newest good checkpoint in checkpoint_dir) | a .pt path
+    max_nonfinite: int | None = 20      # stop after this many NaN/inf-loss steps in a row (each one is skipped)
+    deterministic: bool = False         # deterministic kernels + seeded RNGs: bit-identical reruns (slower)
+
+    @classmethod
+    def naive(cls, **overrides) -> "TrainConfig":
+        """The loop the seeds call "before": fp32, NCHW, memset zero_grad, .item() every step, no compile."""
+        base = dict(precision="fp32", channels_last=False, compile=False, cudnn_benchmark=False,
+                    set_to_none=False, fused_optimizer=False, prefetch=False, log_every=1)
+        base.update(overrides)
+        return cls(**base)
+
+
+def check_reliability_options(cfg: TrainConfig) -> None:
+    """Clear errors for checkpoint, resume and guard options that cannot work together."""
+    if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be >= 1 optimizer steps, got {cfg.checkpoint_every}")
+    if cfg.checkpoint_every is not None and not cfg.checkpoint_dir:
+        raise ValueError("checkpoint_every needs checkpoint_dir: the folder to write checkpoints to")
+    if cfg.keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {cfg.keep_last}")
+    if cfg.max_nonfinite is not None and cfg.max_nonfinite < 1:
+        raise ValueError(f"max_nonfinite must be >= 1 (or None to switch the check off), got {cfg.max_nonfinite}")
+    if cfg.resume == "auto" and not cfg.checkpoint_dir:
+        raise ValueError("resume='auto' needs checkpoint_dir: the folder to look for checkpoints in")
+    if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
+        raise FileNotFoundError(f"resume={cfg.resume!r}: no such checkpoint file or folder; pass an existing "
+                                ".pt file, a checkpoint folder, or resume='auto' with checkpoint_dir")
