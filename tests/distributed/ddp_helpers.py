@@ -4,13 +4,17 @@ Each child gets the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_A
 MASTER_PORT) before the function runs, so `fit`/`Trainer` with distributed="auto" sees
 exactly what it sees under `torchspeed launch`. The functions live in this module so the
 spawned children can import them.
+
+The rendezvous store is served by the parent, as torchrun's agent serves it: bound to a port
+the OS picks at that moment, and every rank a client (TORCHELASTIC_USE_AGENT_STORE). A port
+picked in advance and bound seconds later by rank 0 could meanwhile be taken by any other
+process on the machine (another test run's gloo sockets, for one).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 import torch
 from torch import nn
@@ -18,15 +22,17 @@ from torch import nn
 WORLD = 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def serve_store(world: int):
+    """A TCPStore served from this process on a free port (bound now: no window for a collision)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size=world, is_master=True, wait_for_workers=False)
 
 
 def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      TORCHELASTIC_USE_AGENT_STORE="True")  # every rank a client of the parent's store
     torch.set_num_threads(1)
     try:
         fn(rank, *args)
@@ -40,7 +46,8 @@ def run_ranks(fn, *args, world: int = WORLD) -> None:
     """fn(rank, *args) in `world` processes; raises if any of them fails."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True, start_method="spawn")
+    store = serve_store(world)  # kept alive until every rank has finished
+    mp.start_processes(_entry, args=(fn, world, store.port, args), nprocs=world, join=True, start_method="spawn")
 
 
 # ---------------------------------------------------------------------- shared model and data

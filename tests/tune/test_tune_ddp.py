@@ -1,17 +1,10 @@
 """Under torch.distributed every tuner makes one decision on rank 0 and broadcasts it (2 CPU processes, gloo)."""
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -30,7 +23,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     # what this rank alone decides (no process group yet: the tuner runs locally)
     alone = find_batch_size(model, ds, memory_budget=budget, rounds=1, min_time=0.0, progress=False)
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # the parent serves the store (see below): every rank is a client, as under torchrun
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         bs = find_batch_size(model, ds, memory_budget=budget, rounds=1, min_time=0.0, progress=False)
@@ -46,7 +40,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_one_decision_broadcast_to_every_rank(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    # A store bound here, now, on a port the OS picks: a port picked in advance and bound later by
+    # rank 0 could be taken in between by another process on the machine.
+    store = dist.TCPStore("127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False)
+    mp.spawn(_worker, args=(2, store.port, str(tmp_path)), nprocs=2, join=True)
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     assert r0["alone"] != r1["alone"], (r0["alone"], r1["alone"])  # alone, the ranks would disagree
