@@ -1,7 +1,11 @@
 """Benchmark: the tuned DataLoader against num_workers=0 and the "4 x GPUs" rule, on a JPEG dataset.
 
 Claim tested: `tune_loader` picks settings at least as fast as the two usual choices on a
-decode-heavy dataset (JPEG bytes decoded with Pillow in `__getitem__`, T06-T08).
+decode-heavy dataset (JPEG bytes decoded with Pillow in `__getitem__`, T06-T08); and, where
+2 or more cores are free (2 processes run at least 1.4x faster than 1, measured before and
+after), it picks num_workers > 0 and the tuned loader is at least 1.1x num_workers=0. The test
+suite checks the tuner's decisions against fixed measurements; whether workers pay off is a
+property of the machine and its load, so it is measured here.
 
 Method: the dataset is JPEG crops of scikit-image's photos (no download). `tune_loader`
 runs first (its own cost is reported). Then the three loaders (persistent workers, built
@@ -11,6 +15,7 @@ batch of an epoch. Ratios are medians of per-round ratios. With `--model mlp`, e
 also goes through a training step of the model (end-to-end samples/s).
 
 Run:  python benchmarks/bench_loader.py            (writes benchmarks/results/cpu/bench_loader.json)
+      python benchmarks/bench_loader.py --check    (exit 1 when the workers claim applies and fails)
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--model", default=None, choices=[None, "mlp"], help="also run a training step per batch")
     p.add_argument("--json", default=None, help="default: benchmarks/results/<cpu|cuda>/bench_loader.json")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 when 2+ cores were free and the tuner did not pick paying workers")
     args = p.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -115,12 +122,21 @@ def main() -> None:
     }
     print(f"tuned / num_workers=0: {result['ratio_tuned_vs_workers0']:.2f}x;  "
           f"tuned / 4 x GPUs rule: {result['ratio_tuned_vs_4x_gpus_rule']:.2f}x  (medians of per-round ratios)")
+    free = usable_cores() >= 2 and min(spare, result["workload"]["parallel_speedup_2proc_after"]) >= 1.4
+    holds = tuned.num_workers > 0 and tuned.workers_help and result["ratio_tuned_vs_workers0"] >= 1.1
+    result["decode_heavy_gets_workers"] = {
+        "applies": free, "holds": holds, "num_workers": tuned.num_workers,
+        "rule": "with 2+ free cores the tuner picks num_workers > 0 and the tuned loader is >= 1.1x num_workers=0"}
+    verdict = ("holds" if holds else "FAILS") if free else "not applicable (fewer than 2 free cores)"
+    print(f"decode-heavy dataset gets workers: {verdict} (num_workers={tuned.num_workers})")
     path = Path(args.json or f"benchmarks/results/{device.type}/bench_loader.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2, default=str))
     os.replace(tmp, path)
     print(f"wrote {path}")
+    if args.check and free and not holds:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

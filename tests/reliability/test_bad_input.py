@@ -74,7 +74,7 @@ def test_launch_missing_script(capsys, tmp_path):
 def test_end_to_end_exit_code_and_one_line():
     """Through the real entry point: exit code 2, one line on stderr, no traceback."""
     p = subprocess.run([sys.executable, "-m", "torchspeed", "bench", "--batch-size", "-1"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 2
     assert p.stderr.strip() == "torchspeed bench: error: --batch-size must be positive, got -1"
 
