@@ -109,8 +109,9 @@ def test_bench_cli_runs_tta_for_digits_unless_switched_off(reached, monkeypatch,
 
     monkeypatch.setattr(tta, "run_tta", fake_tta)
     out = tmp_path / "b.json"
-    assert main(["bench", "--data", "digits", "--model", "resnet20", "--json", str(out)]) == 0
+    assert main(["bench", "--data", "digits", "--json", str(out)]) == 0
     assert len(calls) == 1 and calls[0]["target"] == 0.9 and calls[0]["data"] == "digits"
+    assert calls[0]["model"] == "resnet20"  # the digits' default model
     assert "tta" in json.loads(out.read_text())
     for off in (["--no-tta"], ["--target-acc", "0"]):
         assert main(["bench", "--data", "digits", "--model", "resnet20", "--json", str(out), *off]) == 0
