@@ -92,3 +92,19 @@ def test_resnets_take_the_imagenet_stem_from_64_px():
     assert big.conv1.kernel_size == (7, 7) and isinstance(big.maxpool, torch.nn.MaxPool2d)
     r20 = create_model("resnet20")
     assert sum(p.numel() for p in r20.parameters()) == pytest.approx(0.27e6, rel=0.03)
+
+
+def test_all_sleeps_its_openmp_threads_only_when_the_cores_are_shared(monkeypatch):
+    def env_of_all(busy):
+        return dict(next(c for c in bench_configs(torch.device("cpu"), busy=busy) if c.name == "all").env)
+
+    assert env_of_all(True) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert env_of_all(False) == {}
+    import torchspeed.env as env
+    from torchspeed.bench import runner
+
+    monkeypatch.setattr(env, "parallel_speedup", lambda: 1.1)  # a measured busy machine (no timing here)
+    monkeypatch.setattr(env, "usable_cores", lambda: 2)
+    assert runner.machine_busy() == (True, 1.1)
+    monkeypatch.setattr(env, "parallel_speedup", lambda: 1.95)
+    assert runner.machine_busy() == (False, 1.95)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import traceback
 
@@ -138,6 +139,7 @@ class _TrainerState(_State):
         decisions = {k: str(v) for k, v in self.trainer.decisions.items() if k != "compile_detail"}
         decisions["allocator"] = self.allocator
         decisions["num_workers"] = self.loader.num_workers
+        decisions["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "default (spin, then sleep)")
         return {"train_loss": loss, "val_acc": val, "decisions": decisions}
 
 
