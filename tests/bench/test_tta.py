@@ -9,7 +9,8 @@ from torchspeed.bench.tta import DEFAULT_TARGETS, attach_tta, resolve_target, ru
 from torchspeed.cli.main import main
 
 # A tiny workload: an MLP on a small synthetic set learns past 0.3 accuracy within a few steps.
-TINY = dict(model="mlp", data="synthetic", batch_size=32, train_size=256, val_size=128, device="cpu", progress=False)
+TINY = dict(model="mlp", data="synthetic", batch_size=32, train_size=256, val_size=128, device="cpu", progress=False,
+            busy=False)
 
 
 def _fake_bench() -> BenchResult:
@@ -74,7 +75,9 @@ def test_rows_and_json_carry_time_to_accuracy(reached, tmp_path):
 
 def test_an_unreachable_target_is_reported_not_reached_within_the_step_budget():
     # lr 0: the model never learns, so 0.99 cannot be reached; the budget ends every run.
-    res = run_tta(target=0.99, seeds=1, lr=0.0, max_steps=8, eval_every=3, **TINY)
+    res = run_tta(target=0.99, seeds=1, lr=0.0, max_steps=8, eval_every=3, **(TINY | {"busy": True}))
+    # all starts as the throughput bench starts it: on a busy CPU, with OpenMP's passive wait
+    assert res.runs[1].decisions["omp_wait_policy"] == "PASSIVE" != res.runs[0].decisions["omp_wait_policy"]
     for r in res.runs:
         assert not r.reached and r.time_to_target_s is None and r.steps_to_target is None
         assert r.steps == 8 and [c[0] for c in r.curve] == [3, 6, 8]

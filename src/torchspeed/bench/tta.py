@@ -31,7 +31,8 @@ Method:
 - **Seeds interleaved, one process per run.** naive seed 0, all seed 0, naive seed 1, ...,
   so slow drifts of a shared machine hit both alike. Each run is a fresh process started the
   way the throughput bench starts that config (its allocator, e.g. tcmalloc for `all` where
-  installed, its OpenMP settings), with its own thread pool and compile cache.
+  installed, its OpenMP wait policy, passive for `all` on a busy CPU), with its own thread pool
+  and compile cache.
 - **Reported per config:** mean, min, max and standard deviation over seeds of the time and
   steps to target and of the final val_acc, how many seeds reached the target, and the
   speed-up: naive's mean time over all's (only when every seed of both reached the target).
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -146,15 +148,17 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", target: float, see
             batch_size: int = 64, lr: float = DEFAULT_LR, max_steps: int | None = None,
             eval_every: int | None = None, device: str | None = None, compile: bool = True,
             train_size: int | None = None, val_size: int | None = None, image_size: int = 32,
-            progress: bool = True) -> TTAResult:
+            busy: bool | None = None, progress: bool = True) -> TTAResult:
     """Train naive and all to `target` val_acc on `seeds` seeds, interleaved, each run in its own process.
 
     `max_steps` (None: DEFAULT_MAX_STEPS) is the one-cycle schedule's length and the most a run
     trains; `lr` is its peak. `eval_every` None: the validation set's size in training samples.
+    `busy`: whether other jobs share the cores, which decides how `all` starts (runner.bench_configs);
+    None measures it (CPU), as the throughput bench does; pass the throughput bench's answer to match it.
     """
     import torch
 
-    from torchspeed.bench.runner import bench_configs, provenance
+    from torchspeed.bench.runner import bench_configs, machine_busy, provenance
     from torchspeed.env import default_device
 
     if not 0.0 < target <= 1.0:
@@ -166,7 +170,9 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", target: float, see
             raise ValueError(f"{name} must be positive, got {v}")
     max_steps = max_steps or DEFAULT_MAX_STEPS
     dev = default_device(device or None)
-    chosen = {c.name: c for c in bench_configs(dev, compile=compile, hand=False) if c.name in CONFIGS}
+    if busy is None:
+        busy = machine_busy()[0] if dev.type == "cpu" else False
+    chosen = {c.name: c for c in bench_configs(dev, compile=compile, hand=False, busy=busy) if c.name in CONFIGS}
     if train_size is None:
         train_size = 2048 if image_size < 64 else 4 * batch_size
     if val_size is None:
@@ -196,7 +202,8 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", target: float, see
     meta = provenance() | {"model": model, "data": data, "batch_size": batch_size, "lr_peak": lr,
                            "schedule": "onecycle", "optimizer": "SGD momentum 0.9, weight decay 5e-4",
                            "image_size": image_size, "train_size": runs[0].decisions.get("train_samples"),
-                           "val_size": runs[0].decisions.get("val_samples"), "torch_threads": torch.get_num_threads()}
+                           "val_size": runs[0].decisions.get("val_samples"), "torch_threads": torch.get_num_threads(),
+                           "busy": busy}
     return TTAResult(target=target, seeds=seed_list, max_steps=runs[0].max_steps, eval_every=runs[0].eval_every,
                      runs=runs, summary=summary, speedup=speedup, speedup_runs=ratios, meta=meta)
 
@@ -305,6 +312,7 @@ def train_to_target(spec: dict) -> TTARun:
             break
     decisions = {k: str(v) for k, v in trainer.decisions.items() if k != "compile_detail"}
     decisions |= {"allocator": allocator_in_use(), "num_workers": loader.num_workers,
+                  "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default (spin, then sleep)"),
                   "train_samples": len(loader.dataset), "val_samples": len(val_loader.dataset)}
     last = curve[-1]
     return TTARun(config=spec["config"], seed=spec["seed"], reached=reached_at is not None,

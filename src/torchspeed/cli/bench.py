@@ -125,7 +125,7 @@ def run(args) -> int:
         tta = run_tta(model=args.model, data=args.data, target=target, seeds=args.seeds, batch_size=batch,
                       max_steps=args.tta_steps, eval_every=args.eval_every, device=args.device,
                       compile=not (args.quick or args.no_compile), train_size=result.meta.get("train_size"),
-                      image_size=args.image_size)
+                      image_size=args.image_size, busy=result.meta.get("busy"))
         attach_tta(result, tta)
         print_tta(console, tta)
     png = args.png or os.path.splitext(args.json)[0] + ".png"
