@@ -1,3 +1,3 @@
-from torchspeed.cli.main import main
+from torchspeed.cli.main import run
 
-raise SystemExit(main())
+run()

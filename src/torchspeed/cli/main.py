@@ -45,3 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"torchspeed {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def run(argv: list[str] | None = None) -> None:
+    """The `torchspeed` command and `python -m torchspeed`: `main`, then exit with its status.
+
+    A rank started by `torchspeed launch` that built a process group ends through
+    `exit_process`, which skips the interpreter teardown that can abort a finished DDP rank.
+    """
+    code = main(argv)
+    dist = sys.modules.get("torch.distributed")  # never imported: no process group to end
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from torchspeed.train.distributed import exit_process
+
+        exit_process(code)
+    sys.exit(code)
