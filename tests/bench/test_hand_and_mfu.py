@@ -63,6 +63,8 @@ def test_bench_has_a_hand_row_and_reports_all_over_hand(tmp_path):
     search = json.loads(hand_row.decisions["search"])
     assert search["chosen"] == hand_row.decisions["hand_settings"] and len(search["tried"]) == 2  # fused or not
     assert res.meta["all_over_hand"] > 0 and len(res.meta["all_over_hand_runs"]) == 2
+    assert res.meta["all_over_hand_verdict"] in ("faster", "matches", "slower")
+    assert res.meta["all_over_hand_interval"]["low"] <= res.meta["all_over_hand"] <= res.meta["all_over_hand_interval"]["high"]
     # the hand row trains the same steps from the same weights: its loss is close to naive's
     assert hand_row.train_loss == pytest.approx(res.rows[0].train_loss, rel=0.05)
     assert all(r.mfu is None for r in res.rows)  # no MFU on a CPU

@@ -334,8 +334,12 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
                            "train_flops_per_sample": flops,
                            "peak_bf16_flops": peak_bf16_flops(info.device_name) if dev.type == "cuda" else None}
     if "all" in times and "hand" in times:  # does torchspeed beat the best loop written by hand, here?
-        meta["all_over_hand"] = statistics.median(h / a for h, a in zip(times["hand"], times["all"]))
+        from torchspeed.bench.compare import compare_ratios
+
         meta["all_over_hand_runs"] = [h / a for h, a in zip(times["hand"], times["all"])]
+        meta["all_over_hand_interval"] = compare_ratios(meta["all_over_hand_runs"])
+        meta["all_over_hand"] = meta["all_over_hand_interval"]["median"]
+        meta["all_over_hand_verdict"] = meta["all_over_hand_interval"]["verdict"]
     shape = f"(bytes, {_block_size()} per sample)" if data == "text" else f"3x{image_size}x{image_size}"
     return BenchResult(device=f"{info.device}: {info.device_name}", torch=torch.__version__,
                        workload=f"{model} on {data} {shape}, batch {batch_size}", rows=rows,

@@ -57,6 +57,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 
+from torchspeed.bench.compare import compare_ratios, describe_comparison
+
 __all__ = ["DEFAULT_TARGETS", "DEFAULT_MAX_STEPS", "DEFAULT_LR", "TTARun", "TTAResult", "resolve_target", "run_tta",
            "attach_tta", "print_tta", "train_to_target"]
 
@@ -114,6 +116,7 @@ class TTAResult:
                 "eval_every": self.eval_every, "summary": self.summary, "speedup_naive_over_all": self.speedup,
                 "speedup_runs": self.speedup_runs,
                 "speedup_median": statistics.median(self.speedup_runs) if self.speedup_runs else None,
+                "speedup_interval": compare_ratios(self.speedup_runs) if self.speedup_runs else None,
                 "message": self.message(), "meta": self.meta,
                 "runs": [asdict(r) for r in self.runs]}
 
@@ -257,8 +260,9 @@ def print_tta(console, tta: TTAResult) -> None:
     elif tta.speedup is not None:
         console.print(f"[bold]time to accuracy: all {tta.speedup:.2f}x naive[/] (naive's mean time over all's; "
                       "per seed: " + ", ".join(f"{r:.2f}x" for r in tta.speedup_runs)
-                      + f"; median {statistics.median(tta.speedup_runs):.2f}x; >= 1.00 means all reached "
-                      f"{tta.target:g} no slower than naive)")
+                      + f"; median {statistics.median(tta.speedup_runs):.2f}x): "
+                      + describe_comparison(compare_ratios(tta.speedup_runs), candidate="all", baseline="naive")
+                      + f" in time to {tta.target:g}")
 
 
 # ---------------------------------------------------------------------- one run, in its own process

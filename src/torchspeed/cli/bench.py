@@ -117,8 +117,11 @@ def run(args) -> int:
     if hand_row is not None:
         console.print(f"hand: the best hand-written loop found here was {hand_row.decisions.get('hand_settings')}")
     if "all_over_hand" in result.meta:
-        console.print(f"[bold]all/hand: {result.meta['all_over_hand']:.2f}x[/] (median of per-round ratios; "
-                      ">= 1.00 means torchspeed matches or beats the best hand-written loop on this machine)")
+        from torchspeed.bench.compare import describe_comparison
+
+        console.print(f"[bold]all/hand: {result.meta['all_over_hand']:.2f}x[/] (median of per-round ratios): "
+                      + describe_comparison(result.meta["all_over_hand_interval"], candidate="all",
+                                            baseline="the best hand-written loop"))
     if target is not None:  # time to accuracy (bench/tta.py): naive and all trained to the target, per seed
         from torchspeed.bench.tta import attach_tta, print_tta, run_tta
 
