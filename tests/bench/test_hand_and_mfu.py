@@ -110,3 +110,16 @@ def test_all_sleeps_its_openmp_threads_only_when_the_cores_are_shared(monkeypatc
     assert runner.machine_busy() == (True, 1.1)
     monkeypatch.setattr(env, "parallel_speedup", lambda: 1.95)
     assert runner.machine_busy() == (False, 1.95)
+
+
+def test_bench_cli_prints_all_over_hand_with_its_interval(tmp_path, capsys):
+    from torchspeed.cli.main import main
+
+    out = tmp_path / "out.json"
+    assert main(["bench", "--quick", "--model", "mlp", "--configs", "hand,all", "--rounds", "3", "--json", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    meta = json.loads(out.read_text())["meta"]
+    cmp = meta["all_over_hand_interval"]
+    assert cmp["pairs"] == 3 and meta["all_over_hand_verdict"] == cmp["verdict"]
+    assert f"all/hand: {meta['all_over_hand']:.2f}x" in printed
+    assert f"interval {cmp['low']:.2f}-{cmp['high']:.2f} over 3 pairs" in printed
