@@ -81,10 +81,11 @@ def run(args) -> int:
 
     from torchspeed.bench.runner import run_bench, write_results
 
-    # --quick: batch 64, fewer steps, and no torch.compile (its ~40 s of compilation on 2 CPU
-    # cores alone would exceed the quick budget).
-    steps = args.steps or 2
-    rounds = args.rounds or (2 if args.quick else 3)
+    # --quick: batch 64 and no torch.compile (its ~40 s of compilation on 2 CPU cores alone would
+    # exceed the quick budget); 4 rounds of 3 steps, enough pairs for all/hand's interval (2
+    # rounds of 2 steps read all/hand anywhere from 0.90 to 1.01 on idle cores here).
+    steps = args.steps or (3 if args.quick else 2)
+    rounds = args.rounds or (4 if args.quick else 3)
     batch = args.batch_size if args.batch_size != 128 or not args.quick else 64
     configs = args.configs.split(",") if args.configs else None
     console = Console()
