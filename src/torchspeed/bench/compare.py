@@ -14,6 +14,12 @@ verdict read from the interval:
 - "slower": the whole interval is below 1.0;
 - "matches": the interval holds 1.0, i.e. the difference is within this machine's noise.
 
+The interval covers the noise from one pair to the next, not a lasting difference between
+two processes (each config runs in a process of its own, and a process can keep a slightly
+slower placement on a virtual machine for its whole life): with few pairs, two configs that
+run the same kernels can read "slower" or "faster" by a few percent. More rounds, and a
+repeat of the run, tell the two apart.
+
 Two configs that run the same kernels (the `all` row and the best hand-written loop, when
 the hand search finds the same settings torchspeed picks) read "matches" on a quiet machine.
 
