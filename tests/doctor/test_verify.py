@@ -106,21 +106,8 @@ def test_verify_with_keyword_only_model_returning_its_loss():
     assert "error" not in res["autocast"] and res["autocast"]["speedup"] > 0
 
 
-class _FakeClock:
-    """`time` for the verify module: perf_counter only moves when a step calls `advance`."""
-
-    def __init__(self):
-        self.now = 50.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def test_interleave_reports_the_median_ratio_of_fixed_step_times(monkeypatch):
-    clock = _FakeClock()
+def test_interleave_reports_the_median_ratio_of_fixed_step_times(monkeypatch, fake_clock):
+    clock = fake_clock  # perf_counter only moves when a step calls `advance` (conftest.py)
     monkeypatch.setattr(verify_mod, "time", clock)
     cand_ms = iter([1.0, 1.0] + [1.0] * 20 + [0.5] * 20 + [1.25] * 20 + [1.0] * 20)  # warm-up, then rounds
 

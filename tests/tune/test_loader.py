@@ -48,24 +48,10 @@ def _fake(monkeypatch, rates: FakeRates, model_rate: float | None = None) -> Fak
     return rates
 
 
-class FakeClock:
-    """`time` for the loader module: perf_counter only moves when the code under test calls `advance`."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 @pytest.fixture
-def clock(monkeypatch):
-    c = FakeClock()
-    monkeypatch.setattr(loader_mod, "time", c)
-    return c
+def clock(monkeypatch, fake_clock):
+    monkeypatch.setattr(loader_mod, "time", fake_clock)  # FakeClock (conftest.py)
+    return fake_clock
 
 
 def test_decode_heavy_dataset_gets_workers(monkeypatch):

@@ -112,11 +112,12 @@ class TTAResult:
                 + ", ".join(missed) + " (reported as None; lower --target-acc or raise --tta-steps)")
 
     def to_dict(self) -> dict:
+        interval = compare_ratios(self.speedup_runs) if self.speedup_runs else None
         return {"target": self.target, "seeds": self.seeds, "max_steps": self.max_steps,
                 "eval_every": self.eval_every, "summary": self.summary, "speedup_naive_over_all": self.speedup,
                 "speedup_runs": self.speedup_runs,
-                "speedup_median": statistics.median(self.speedup_runs) if self.speedup_runs else None,
-                "speedup_interval": compare_ratios(self.speedup_runs) if self.speedup_runs else None,
+                "speedup_median": interval["median"] if interval else None,
+                "speedup_interval": interval,
                 "message": self.message(), "meta": self.meta,
                 "runs": [asdict(r) for r in self.runs]}
 
@@ -258,11 +259,11 @@ def print_tta(console, tta: TTAResult) -> None:
     if tta.message():
         console.print(f"[yellow]{tta.message()}[/]")
     elif tta.speedup is not None:
+        cmp = compare_ratios(tta.speedup_runs)
         console.print(f"[bold]time to accuracy: all {tta.speedup:.2f}x naive[/] (naive's mean time over all's; "
                       "per seed: " + ", ".join(f"{r:.2f}x" for r in tta.speedup_runs)
-                      + f"; median {statistics.median(tta.speedup_runs):.2f}x): "
-                      + describe_comparison(compare_ratios(tta.speedup_runs), candidate="all", baseline="naive")
-                      + f" in time to {tta.target:g}")
+                      + f"; median {cmp['median']:.2f}x): "
+                      + describe_comparison(cmp, candidate="all", baseline="naive") + f" in time to {tta.target:g}")
 
 
 # ---------------------------------------------------------------------- one run, in its own process
