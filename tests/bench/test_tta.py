@@ -34,7 +34,7 @@ def test_both_configs_reach_a_low_target_from_the_same_start(reached):
         assert 0 < r.steps_to_target <= 30 and r.steps_to_target % 5 == 0
         assert r.time_to_target_s > 0 and r.time_to_target_s <= r.train_s + 1e-9
         assert r.steps == r.steps_to_target  # a run stops at the first evaluation at or above the target
-    assert res.runs[0].decisions["compile"] == "off"
+    assert res.runs[0].decisions["compile"].startswith("False")
     assert res.runs[1].decisions["optimizer"] != res.runs[0].decisions["optimizer"]  # all is not naive
     # fair: per seed both configs start from the same weights and see the same batches, so they learn alike
     by = {(r.config, r.seed): r for r in res.runs}

@@ -109,7 +109,7 @@ def test_compile_failure_falls_back_to_eager_with_a_message(monkeypatch, caplog)
     with caplog.at_level("WARNING", logger="torchspeed"):
         res = torchspeed.fit(_tiny(), DataLoader(ds, batch_size=8), epochs=1, compile=True, progress=False)
     assert res.steps == 8
-    assert "continuing eager" in res.decisions["compile"]
+    assert res.decisions["compile"].value is False and "continuing eager" in res.decisions["compile"].reason
     assert "inductor exploded" in caplog.text
 
 
@@ -136,7 +136,7 @@ def test_compile_auto_trial_runs_real_compilation():
     res = torchspeed.fit(_tiny(), DataLoader(ds, batch_size=8), epochs=1, compile="auto", progress=False,
                          compile_min_run_s=0)
     assert res.steps == 16
-    detail = res.decisions["compile_detail"]
+    detail = res.decisions["compile"].measured
     assert detail["eager_s"] > 0 and detail["compiled_s"] > 0 and detail["compile_s"] > 0
 
 
@@ -191,8 +191,8 @@ def test_compile_auto_leaves_a_short_run_eager_without_compiling(monkeypatch):
     monkeypatch.setattr(compile_mod, "compile_model", lambda model, mode=None: calls.append(mode) or model)
     ds = TensorDataset(torch.randn(64, 3, 8, 8), torch.randint(0, 4, (64,)))
     res = torchspeed.fit(_tiny(), DataLoader(ds, batch_size=8), epochs=1, compile="auto", progress=False)
-    assert calls == [] and "too short to pay back a compilation" in res.decisions["compile"]
+    assert calls == [] and "too short to pay back a compilation" in res.decisions["compile"].reason
     # the same run with the threshold at 0 s goes through the trial and compiles
     res = torchspeed.fit(_tiny(), DataLoader(ds, batch_size=8), epochs=2, compile="auto", progress=False,
                          compile_min_run_s=0)
-    assert calls == [None] and res.decisions["compile_detail"]["compiled_s"] > 0
+    assert calls == [None] and res.decisions["compile"].measured["compiled_s"] > 0

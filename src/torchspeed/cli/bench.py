@@ -16,9 +16,10 @@ def register(sub) -> None:
                    help="synthetic (CIFAR-shaped, built in), digits (scikit-learn's real handwritten digits) or "
                         "text (bytes of the Python standard library's source, for gpt); default: the model's own")
     p.add_argument("--model", default=None,
-                   choices=["resnet20", "resnet18", "resnet34", "resnet50", "mlp", "gpt"],
+                   choices=["resnet20", "resnet18", "resnet18-small", "resnet34", "resnet50", "mlp", "gpt"],
                    help="ResNet-20 (CIFAR), torchvision ResNets (CIFAR stem under 64 px, ImageNet stem from 64 "
-                        "px), a small MLP, or gpt (a small byte-level GPT language model) (default resnet18; "
+                        "px; resnet18-small: the ImageNet stem on small images, as resnet18(num_classes=10) "
+                        "builds it), a small MLP, or gpt (a small byte-level GPT language model) (default resnet18; "
                         "resnet20 with --data digits)")
     p.add_argument("--image-size", type=int, default=32, help="square image side in pixels (default 32; 224 for "
                                                                "the ImageNet-sized GPU benchmark)")
@@ -137,6 +138,7 @@ def run(args) -> int:
     all_row = next((r for r in result.rows if r.config == "all"), None)
     if all_row is not None:
         console.print(f"all: {all_row.speedup:.2f}x naive; decisions: "
-                      + ", ".join(f"{k}={v}" for k, v in all_row.decisions.items()))
+                      + ", ".join(f"{k}={v['value'] if isinstance(v, dict) and 'value' in v else v}"
+                                  for k, v in all_row.decisions.items()))
     console.print(f"wrote {args.json} and {png}")
     return 0

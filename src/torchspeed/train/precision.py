@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from torchspeed.env import detect
+from torchspeed.env import DeviceCaps, detect
 
-__all__ = ["Precision", "resolve_precision", "make_grad_scaler", "half_precision"]
+__all__ = ["Precision", "resolve_precision", "make_grad_scaler", "half_precision", "normalize_precision"]
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ALIASES = {"32": "fp32", "float32": "fp32", "bfloat16": "bf16", "16": "fp16", "float16": "fp16",
@@ -53,33 +53,38 @@ class Precision:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
 
-def half_precision(device: torch.device | str) -> str | None:
+def half_precision(device: torch.device | str, *, caps: DeviceCaps | None = None) -> str | None:
     """The half precision `device` runs natively: "bf16" (CUDA sm80+, CPUs with AVX512-BF16/AMX),
     "fp16" (older CUDA GPUs: Tensor Cores, no fast bf16), or None (a CPU without bf16 units, where
-    emulated bf16 runs slower than fp32). The one home of this rule (fit, bench, hand loop, doctor)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp16"
-    if device.type == "cpu" and detect().bf16_supported:
-        return "bf16"
-    return None
+    emulated bf16 runs slower than fp32). The one home of this rule (fit, bench, hand loop, doctor);
+    `caps` injects the device's capabilities (default: this machine's)."""
+    return (caps or DeviceCaps.of(device)).half
 
 
-def resolve_precision(precision: str = "auto", *, device: torch.device | str | None = None) -> Precision:
-    """Turn "auto" | "fp32" | "bf16" | "fp16" into a `Precision` for `device`."""
-    device = torch.device(device) if device is not None else torch.device(detect().device)
+def normalize_precision(precision: str) -> str:
+    """"bf16-mixed" -> "bf16", "32" -> "fp32", ...; an unknown name is a ValueError."""
     key = _ALIASES.get(str(precision).lower(), str(precision).lower())
+    if key != "auto" and key not in _DTYPES:
+        raise ValueError(f"precision={precision!r} is not one of 'auto', 'fp32', 'bf16', 'fp16'")
+    return key
+
+
+def resolve_precision(precision: str = "auto", *, device: torch.device | str | None = None,
+                      caps: DeviceCaps | None = None) -> Precision:
+    """Turn "auto" | "fp32" | "bf16" | "fp16" into a `Precision` for `device` by the hardware rule
+    (the measured choice is `torchspeed.train.switches`; this rule is its prior)."""
+    device = torch.device(device) if device is not None else torch.device(detect().device)
+    caps = caps or DeviceCaps.of(device)
+    key = normalize_precision(precision)
     if key == "auto":
-        half = half_precision(device)
-        if device.type == "cuda":
-            cc = torch.cuda.get_device_capability(device)
+        half = caps.half
+        if caps.device_type == "cuda":
+            cc = caps.cuda_capability or (0, 0)
             why = "runs bf16 natively" if half == "bf16" else "has fp16 Tensor Cores but no fast bf16"
             return Precision(half, "cuda", f"CUDA sm{cc[0]}{cc[1]} {why}")
         if half == "bf16":
             return Precision("bf16", "cpu", "CPU has AVX512-BF16/AMX")
         return Precision("fp32", device.type, f"no fast half precision on {device.type}")
-    if key not in _DTYPES:
-        raise ValueError(f"precision={precision!r} is not one of 'auto', 'fp32', 'bf16', 'fp16'")
     return Precision(key, device.type, "asked for")
 
 

@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchspeed.env import default_device
-from torchspeed.train.backends import configure_backends
+from torchspeed.env import DeviceCaps, default_device
+from torchspeed.train.autoswitch import decide_switches, rule_choice
+from torchspeed.train.backends import configure_backends, tune_malloc
 from torchspeed.train.batch import batch_size, default_loss, forward_loss
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from torchspeed.train.checkpoint import (CheckpointManager, check_resumable, check_state_dict, find_resume,
@@ -44,11 +45,13 @@ from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_s
                                           wrap_ddp)
 from torchspeed.train.evaluate import evaluate
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
-from torchspeed.train.memory_format import apply_channels_last, has_conv2d
+from torchspeed.train.memory_format import apply_channels_last
 from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
+from torchspeed.train.decision import Decision
 from torchspeed.train.optim import create_optimizer, describe_optimizer, zero_grad
-from torchspeed.train.precision import Precision, make_grad_scaler, resolve_precision
-from torchspeed.train.progress import TrainProgress
+from torchspeed.train.precision import Precision, make_grad_scaler
+from torchspeed.train.switches import Switches, fusable, set_fused
+from torchspeed.train.progress import TrainProgress, decisions_header
 from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_rng_state, seed_everything
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
 from torchspeed.train.schedule import create_scheduler
@@ -83,7 +86,7 @@ class Trainer:
     def __init__(self, model: nn.Module, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
                  optimizer: str | torch.optim.Optimizer = "sgd", lr: float = 0.1, weight_decay: float = 5e-4,
                  momentum: float = 0.9, device: torch.device | str | None = None,
-                 config: TrainConfig | None = None):
+                 config: TrainConfig | None = None, caps: DeviceCaps | None = None):
         self.config = cfg = config or TrainConfig()
         if cfg.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {cfg.grad_accum}")
@@ -97,24 +100,28 @@ class Trainer:
         self.dist: DistInfo | None = maybe_init_distributed(cfg.distributed, device=device)
         self.device = self.dist.device if self.dist is not None else default_device(device)
         self.decisions: dict[str, object] = {}
+        # What this device can accelerate: every automatic choice below is a function of it (tests inject it).
+        self.caps = caps or DeviceCaps.of(self.device)
 
         benchmark = None if cfg.cudnn_benchmark == "auto" else bool(cfg.cudnn_benchmark)
         self.decisions.update(configure_backends(self.device, cudnn_benchmark=False if cfg.deterministic else benchmark))
+        if self.device.type == "cpu" and cfg.malloc:  # glibc malloc's training settings, in this process
+            self.decisions["malloc"] = tune_malloc()
 
         model = unwrap_data_parallel(model)
         self.model = model.to(self.device)
-        use_cl = has_conv2d(model) if cfg.channels_last == "auto" else bool(cfg.channels_last)
-        if use_cl:
+        # The rules decide now (the loop is usable at once); `prepare` measures the switches left on "auto".
+        prior, rules = rule_choice(self.model, caps=self.caps, precision=cfg.precision, channels_last=cfg.channels_last)
+        self.decisions.update(rules)
+        self.channels_last = prior.channels_last
+        if self.channels_last:
             apply_channels_last(self.model)
-        self.channels_last = use_cl
-        self.decisions["channels_last"] = use_cl
         self.module = self.model  # the plain module: evaluation, state_dict, checkpoints
         if self.dist is not None:
             self.module, self.model = self._wrap_ddp(cfg)
-
-        self.precision: Precision = resolve_precision(cfg.precision, device=self.device)
+        self.precision = Precision(prior.precision, self.device.type, rules["precision"].reason)
         self.scaler = make_grad_scaler(self.precision)
-        self.decisions["precision"] = f"{self.precision.name} ({self.precision.reason})"
+        self._prepared = False
 
         if loss_fn is None:
             loss_fn = default_loss(cfg.label_smoothing)
@@ -127,7 +134,8 @@ class Trainer:
             optimizer = create_optimizer(optimizer, self.model, lr=lr, weight_decay=weight_decay,
                                          momentum=momentum, fused=cfg.fused_optimizer)
         self.optimizer = optimizer
-        self.decisions["optimizer"] = describe_optimizer(optimizer)
+        self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), "asked for" if not isinstance(
+            cfg.fused_optimizer, str) else "rule: fused kernel where torch has one")
         if cfg.scale_lr_world_size and self.dist is not None:
             for g in optimizer.param_groups:  # before the schedule reads the lr as its peak
                 g["lr"] = scale_lr_world_size(g["lr"], world_size=self.dist.world_size)
@@ -240,6 +248,45 @@ class Trainer:
         sync(self.device)
         return time.perf_counter() - t0
 
+    # ------------------------------------------------------------------ measured switches
+    def prepare(self, loader: Iterable, *, remaining_steps: int | None = None) -> None:
+        """Measure the switches left on "auto" on this model and `loader`'s first batches and apply the winner
+        (`autoswitch.decide_switches`; `remaining_steps` None: a long run). Once; fit and the bench's `all` call it."""
+        if self._prepared:
+            return
+        self._prepared, cfg = True, self.config
+        trial = False if cfg.deterministic else cfg.trial  # a timing-dependent choice would break bit-identical reruns
+        # Under DDP the gradient buckets were laid out for the current memory format: the layout stays.
+        layout = self.channels_last if self.dist is not None else cfg.channels_last
+        chosen = decide_switches(self.module, self.optimizer, loader, device=self.device, caps=self.caps,
+                                 precision=cfg.precision, channels_last=layout, fused=cfg.fused_optimizer, trial=trial,
+                                 remaining_steps=remaining_steps, loss_fn=self.loss_fn,
+                                 step_fn=self.step_fn) if is_rank_zero() else None
+        sw, decisions = broadcast_object(chosen)  # every rank runs what rank 0 measured
+        self.apply_switches(sw)
+        self.decisions.update(decisions)
+
+    def apply_switches(self, sw: Switches) -> None:
+        """Put `sw` into effect: autocast dtype (and its scaler), memory layout, optimizer kernel, threads."""
+        if sw.precision != self.precision.name:
+            self.precision = Precision(sw.precision, self.device.type, "measured")
+            self.scaler = make_grad_scaler(self.precision)
+            self.guard = NonFiniteGuard(self.config.max_nonfinite, optimizer=self.optimizer, device=self.device,
+                                        scaler=self.scaler, all_ranks_max=all_reduce_max if self.dist else None)
+        if sw.channels_last != self.channels_last:
+            self.module.to(memory_format=torch.channels_last if sw.channels_last else torch.contiguous_format)
+        self.channels_last = sw.channels_last
+        if sw.fused is not None and fusable(self.optimizer) and bool(self.optimizer.defaults.get("fused")) != sw.fused:
+            set_fused(self.optimizer, sw.fused)
+            self.decisions["optimizer"] = Decision(describe_optimizer(self.optimizer), "measured")
+        if sw.threads is not None:
+            torch.set_num_threads(sw.threads)
+
+    def switches(self) -> Switches:  # in effect; saved in checkpoints: a resume runs what the run it continues ran
+        fused = bool(self.optimizer.defaults.get("fused")) if fusable(self.optimizer) else None
+        return Switches(self.precision.name, self.channels_last, fused, torch.get_num_threads() if self.dist is None
+                        and self.device.type == "cpu" else None)
+
     # ------------------------------------------------------------------ epochs
     def setup_schedule(self, steps_per_epoch: int | None, epochs: int) -> None:
         """The learning-rate schedule over the run: epochs x steps, or max_steps (needed without len())."""
@@ -260,11 +307,14 @@ class Trainer:
             self.setup_schedule(steps_per_epoch, epochs)
         self._steps_per_epoch = steps_per_epoch
         start_epoch, start_batch = self._resume(steps_per_epoch) if cfg.resume else (0, 0)
+        self.prepare(train_loader, remaining_steps=None if self.total_steps is None
+                     else (self.total_steps - self.step) * cfg.grad_accum)
         self.compiler.plan((self.total_steps - self.step) * cfg.grad_accum)  # short runs are not compiled
         total = (steps_per_epoch * (epochs - start_epoch) - start_batch if steps_per_epoch
                  else (self.total_steps - self.step) * cfg.grad_accum)
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
-        with TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total) as progress:
+        with TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total,
+                           header=decisions_header(self.decisions)) as progress:
             for epoch in range(start_epoch, epochs):
                 if done:
                     break
@@ -336,7 +386,7 @@ class Trainer:
             "steps_per_epoch": self._steps_per_epoch, "step": self.step, "total_steps": self.total_steps,
             **self.guard.state_dict(), "meter": self.meter.state_dict(),
             "history": jsonable({"h": self._history})["h"], "best": self._best,
-            "config": jsonable(asdict(self.config)),
+            "config": jsonable(asdict(self.config)), "switches": asdict(self.switches()),
         }
 
     def save_checkpoint(self, *, best: bool = False) -> Path | None:
@@ -361,6 +411,11 @@ class Trainer:
         state = check_resumable(found, steps_per_epoch=steps_per_epoch, total_steps=self.total_steps,
                                 has_scheduler=self.scheduler is not None)
         check_state_dict(self.module, state["model"], source=f"checkpoint {found.path}")
+        if state.get("switches"):  # the precision, layout and kernels the resumed run trained with
+            self.apply_switches(Switches(**state["switches"]))
+            self._prepared = True
+            self.decisions |= {k: Decision(state["switches"].get(k, "resumed"), "as in the run being resumed")
+                               for k in ("precision", "channels_last", "switch_trial")}
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         for part, key in ((self.scheduler, "scheduler"), (self.scaler, "scaler")):
