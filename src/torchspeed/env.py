@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 __all__ = ["EnvInfo", "detect", "cpu_flags", "find_tcmalloc", "allocator_in_use", "format_env", "parallel_speedup", "other_runnable", "GLIBC_MALLOC_ENV",
-           "usable_cores", "default_device", "CPU_PROFILES", "cpu_profile", "DeviceCaps"]
+           "usable_cores", "default_device", "CPU_PROFILES", "cpu_profile", "DeviceCaps", "sync", "host_memory"]
 
 TCMALLOC_PATTERNS = (
     "/usr/lib/*/libtcmalloc_minimal.so*",
@@ -129,6 +129,32 @@ def default_device(device=None):
     if device is not None:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work (CUDA); a no-op on the CPU. The one home of
+    `torch.cuda.synchronize` in the package: timings end with it so queued GPU work is counted."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory (/proc/meminfo's MemAvailable and MemTotal; sysconf elsewhere).
+    The one home of /proc/meminfo parsing."""
+    try:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                info[k] = int(v.split()[0]) * 1024
+        return info.get("MemAvailable", 0), info.get("MemTotal", 0)
+    except (OSError, ValueError, IndexError):
+        try:
+            page = os.sysconf("SC_PAGE_SIZE")
+            return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+        except (ValueError, OSError, AttributeError):
+            return 0, 0
 
 
 def usable_cores() -> int:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchspeed.train.compile import sync
+from torchspeed.env import sync
 
 __all__ = ["LightningLoop", "lightning_precision", "lightning_available"]
 

@@ -74,6 +74,8 @@ def run(args) -> int:
     except ValueError as e:
         raise CLIError(str(e)) from e
     if args.nproc is not None:
+        if args.nproc < 2:
+            raise CLIError(f"--nproc compares N processes with 1: give N >= 2, got {args.nproc}")
         from torchspeed.bench.scaling import run_scaling_cli
 
         return run_scaling_cli(args)

@@ -39,9 +39,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from torchspeed.env import sync
 from torchspeed.train.decision import Decision
 
-__all__ = ["compile_model", "CompileTrial", "CompileDecision", "CompileController", "sync", "MIN_RUN_S"]
+__all__ = ["compile_model", "CompileTrial", "CompileDecision", "CompileController", "MIN_RUN_S"]
 
 log = logging.getLogger("torchspeed")
 
@@ -170,11 +171,6 @@ class CompileTrial:
                                e, c, self.compile_s, mode=mode)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class CompileController:
     """The trainer's compile switch: which module runs the forward, and the decision behind it.
 
@@ -209,6 +205,11 @@ class CompileController:
             self.decisions["compile"] = Decision(True, "asked for" + ("" if mode is None else f", mode={mode}"))
         else:
             self.decisions["compile"] = Decision(False, "off")
+
+    @property
+    def wrapped_module(self) -> nn.Module:
+        """The user's module (`train.wrappers.unwrap_model` looks for this name)."""
+        return self.model
 
     @property
     def undecided(self) -> bool:

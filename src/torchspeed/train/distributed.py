@@ -45,7 +45,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from torchspeed.train.sampler import rebuild_loader
 from torchspeed.train.schedule import scale_lr
+from torchspeed.train.wrappers import unwrap_model
 
 __all__ = [
     "DistInfo", "launched_by_torchrun", "is_distributed", "get_rank", "get_local_rank", "get_world_size",
@@ -306,20 +308,6 @@ def convert_sync_batchnorm(model: nn.Module, *, device: torch.device | str) -> t
     return (nn.SyncBatchNorm.convert_sync_batchnorm(model), True) if has_bn else (model, False)
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain module inside DDP / DataParallel / torch.compile wrappers (for state_dict and eval).
-
-    Example:
-        >>> torch.save(unwrap_model(trainer.model).state_dict(), "model.pt")  # no "module." prefixes
-    """
-    while True:
-        if isinstance(model, (DDP, nn.DataParallel)):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        else:
-            return model
-
 
 def unwrap_data_parallel(model: nn.Module) -> nn.Module:
     """The module inside `nn.DataParallel`, with a warning that names the faster replacement (T31)."""
@@ -387,22 +375,8 @@ def distributed_loader(loader: DataLoader, *, shuffle: bool | None = None, seed:
         raise ValueError(f"{len(loader.dataset)} samples split between {world_size} processes leave "
                          f"{len(sampler)} per process, less than one batch of {loader.batch_size}: use a batch "
                          f"size of at most {len(sampler)} or fewer processes")
-    return DataLoader(loader.dataset, sampler=sampler, **_loader_settings(loader))
+    return rebuild_loader(loader, sampler=sampler)
 
-
-def _loader_settings(loader: DataLoader) -> dict[str, Any]:
-    """Everything but the dataset and the sampler: what a rank's rebuilt copy of `loader` keeps."""
-    kwargs: dict[str, Any] = dict(batch_size=loader.batch_size, num_workers=loader.num_workers,
-                                  collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-                                  drop_last=loader.drop_last, timeout=loader.timeout,
-                                  worker_init_fn=loader.worker_init_fn,
-                                  persistent_workers=loader.persistent_workers,
-                                  multiprocessing_context=loader.multiprocessing_context)
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    if getattr(loader, "pin_memory_device", ""):
-        kwargs["pin_memory_device"] = loader.pin_memory_device
-    return kwargs
 
 
 def shard_loader(loader: Any, *, for_eval: bool = False, seed: int = 0, rank: int | None = None,
@@ -439,7 +413,7 @@ def shard_loader(loader: Any, *, for_eval: bool = False, seed: int = 0, rank: in
         if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
             return loader
         ds = torch.utils.data.Subset(loader.dataset, range(rank, len(loader.dataset), world_size))
-        return DataLoader(ds, shuffle=False, **_loader_settings(loader))
+        return rebuild_loader(loader, dataset=ds)
     if isinstance(loader, (list, tuple)):
         return shard_batches(loader, rank=rank, world_size=world_size, even=not for_eval)
     raise ValueError(f"cannot split a {type(loader).__name__} between {world_size} processes: pass a "

@@ -47,9 +47,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
-from torchspeed.env import DeviceCaps
+from torchspeed.env import DeviceCaps, sync
 from torchspeed.train.batch import forward_loss
-from torchspeed.train.compile import sync
 from torchspeed.train.memory_format import has_conv2d
 from torchspeed.train.transfer import to_device
 

@@ -30,14 +30,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchspeed.env import DeviceCaps, default_device
+from torchspeed.env import DeviceCaps, default_device, sync
 from torchspeed.train.autoswitch import decide_switches, rule_choice
 from torchspeed.train.backends import configure_backends, tune_malloc
 from torchspeed.train.batch import batch_size, default_loss, forward_loss
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from torchspeed.train.checkpoint import (CheckpointManager, check_resumable, check_state_dict, find_resume,
                                          update_best)
-from torchspeed.train.compile import CompileController, sync
+from torchspeed.train.compile import CompileController
 from torchspeed.train.config import TrainConfig, check_reliability_options
 from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object,
                                           convert_sync_batchnorm, is_rank_zero, maybe_init_distributed,
