@@ -157,8 +157,11 @@ def test_fit_rejects_unknown_options_and_empty_loaders():
 
 def test_model_from_bench_workloads_trains_one_step():
     t = Trainer(create_model("resnet18"), device="cpu", config=TrainConfig(compile=False, progress=False))
+    before = [p.detach().clone() for p in t.module.parameters()]
     loss = t.train_step((torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))))
     assert torch.isfinite(loss) and t.step == 1
+    changed = sum(not torch.equal(b, p) for b, p in zip(before, t.module.parameters()))
+    assert changed == len(before)  # the optimizer step moved every parameter
 
 
 def test_compile_trial_picks_the_fastest_mode_and_skips_a_failed_one():
