@@ -94,7 +94,8 @@ _ACCEPTS: dict[int, tuple[bool, frozenset]] = {}
 
 def _keyword_args(model: Callable, inputs: dict) -> dict:
     """The dict entries `model`'s forward accepts (all of them if it takes **kwargs)."""
-    inner = unwrap_model(model)  # the user's module inside the compile controller, DDP and torch.compile    fn = getattr(inner, "forward", inner)
+    inner = unwrap_model(model)  # the user's module inside the compile controller, DDP and torch.compile
+    fn = getattr(inner, "forward", inner)
     key = id(getattr(fn, "__func__", fn))
     if key not in _ACCEPTS:
         try:
