@@ -216,7 +216,8 @@ def _worker(job: dict) -> None:
     from torch.utils.data import DataLoader
 
     from torchspeed.bench.workloads import create_model, make_datasets
-    from torchspeed.train.distributed import all_reduce_sum, barrier, is_rank_zero, shard_loader
+    from torchspeed.train.distributed import all_reduce_sum, barrier, is_rank_zero
+    from torchspeed.train.shard import shard_loader
     from torchspeed.train.trainer import Trainer, TrainConfig
 
     torch.set_num_threads(job["threads"])

@@ -9,7 +9,8 @@ from torchspeed.train.checkpoint import (CheckpointError, CheckpointManager, Che
 from torchspeed.train.guard import NonFiniteLossError, TrainingOutOfMemoryError
 from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_rng_state, seed_everything
 from torchspeed.train.sampler import ResumableSampler
-from torchspeed.train.distributed import distributed_loader, init_distributed, is_rank_zero, reduce_metrics, wrap_ddp
+from torchspeed.train.distributed import init_distributed, is_rank_zero, reduce_metrics, wrap_ddp
+from torchspeed.train.shard import distributed_loader
 from torchspeed.train.switches import Switches, SwitchTrial, candidate_grid
 from torchspeed.train.wrappers import unwrap_model
 from torchspeed.train.evaluate import evaluate, tta_views

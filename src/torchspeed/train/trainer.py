@@ -41,7 +41,7 @@ from torchspeed.train.compile import CompileController
 from torchspeed.train.config import TrainConfig, check_reliability_options
 from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object,
                                           convert_sync_batchnorm, is_rank_zero, maybe_init_distributed,
-                                          reduce_metrics, scale_lr_world_size, shard_loader, unwrap_data_parallel,
+                                          reduce_metrics, scale_lr_world_size, unwrap_data_parallel,
                                           wrap_ddp)
 from torchspeed.train.evaluate import evaluate
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
@@ -54,6 +54,7 @@ from torchspeed.train.switches import Switches, fusable, set_fused
 from torchspeed.train.progress import TrainProgress, decisions_header
 from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_rng_state, seed_everything
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
+from torchspeed.train.shard import shard_loader
 from torchspeed.train.schedule import create_scheduler
 from torchspeed.train.step import backward, optimizer_step
 from torchspeed.train.transfer import Prefetcher, to_device
