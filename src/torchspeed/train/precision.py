@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from torchspeed.env import DeviceCaps, detect
+from torchspeed.train.step import backward, optimizer_step
 
-__all__ = ["Precision", "resolve_precision", "make_grad_scaler", "half_precision", "normalize_precision"]
+__all__ = ["Precision", "MixedPrecision", "resolve_precision", "make_grad_scaler", "half_precision",
+           "normalize_precision"]
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ALIASES = {"32": "fp32", "float32": "fp32", "bfloat16": "bf16", "16": "fp16", "float16": "fp16",
@@ -51,6 +53,47 @@ class Precision:
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+
+class MixedPrecision:
+    """The precision axis of one run, as one object (Lightning Fabric's precision-plugin shape): the
+    autocast context, the backward (scaled for fp16), the unscale-clip-step-update, and the GradScaler
+    with its state. Nothing else in the loop holds the scaler.
+
+    Example:
+        >>> amp = MixedPrecision(resolve_precision("auto", device="cuda"))
+        >>> with amp.autocast():
+        ...     loss = loss_fn(model(x), y)
+        >>> amp.backward(loss)
+        >>> skipped = amp.step(optimizer, clip_grad_norm=1.0, parameters=model.parameters())
+    """
+
+    def __init__(self, precision: Precision):
+        self.precision = precision
+        self.scaler = make_grad_scaler(precision)
+
+    name = property(lambda self: self.precision.name)
+    dtype = property(lambda self: self.precision.dtype)
+    device_type = property(lambda self: self.precision.device_type)
+    reason = property(lambda self: self.precision.reason)
+
+    def autocast(self):
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor, *, accum_steps: int = 1) -> None:
+        backward(loss, scaler=self.scaler, accum_steps=accum_steps)
+
+    def step(self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None,
+             parameters=None) -> torch.Tensor:
+        """Unscale once, clip, step, update; a 0-d tensor: 1 if fp16's scaler skipped the step."""
+        return optimizer_step(optimizer, scaler=self.scaler, clip_grad_norm=clip_grad_norm, parameters=parameters)
+
+    def state_dict(self) -> dict | None:
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.scaler is not None and state is not None:
+            self.scaler.load_state_dict(state)
 
 
 def half_precision(device: torch.device | str, *, caps: DeviceCaps | None = None) -> str | None:

@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -49,14 +48,14 @@ from torchspeed.train.memory_format import apply_channels_last
 from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
 from torchspeed.train.decision import Decision
 from torchspeed.train.optim import create_optimizer, describe_optimizer, zero_grad
-from torchspeed.train.precision import Precision, make_grad_scaler
+from torchspeed.train.precision import MixedPrecision, Precision
 from torchspeed.train.switches import Switches, fusable, set_fused
 from torchspeed.train.progress import TrainProgress, decisions_header
 from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_rng_state, seed_everything
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
 from torchspeed.train.shard import shard_loader
 from torchspeed.train.schedule import create_scheduler
-from torchspeed.train.step import backward, optimizer_step
+from torchspeed.train.step import AccumulationWindow
 from torchspeed.train.transfer import Prefetcher, to_device
 
 __all__ = ["TrainConfig", "Trainer", "FitResult"]
@@ -78,7 +77,7 @@ class FitResult:
 
 
 class Trainer:
-    """Owns the model, optimizer, scaler and schedule for one run; see `torchspeed.fit` for the options.
+    """Owns the model, optimizer, precision and schedule for one run; see `torchspeed.fit` for the options.
 
     `loss_fn(output, target)` replaces the default cross-entropy; `step_fn(model, batch)`
     returns the loss for batches the contract in `batch.py` does not cover.
@@ -89,8 +88,7 @@ class Trainer:
                  momentum: float = 0.9, device: torch.device | str | None = None,
                  config: TrainConfig | None = None, caps: DeviceCaps | None = None):
         self.config = cfg = config or TrainConfig()
-        if cfg.grad_accum < 1:
-            raise ValueError(f"grad_accum must be >= 1, got {cfg.grad_accum}")
+        self.window = AccumulationWindow(cfg.grad_accum)  # T19: k micro-batches per optimizer step
         if cfg.deterministic:  # bit-identical reruns and resumes (docs/reliability.md); costs speed
             enable_determinism()
             seed_everything(cfg.seed if cfg.seed is not None else 0)
@@ -120,8 +118,8 @@ class Trainer:
         self.module = self.model  # the plain module: evaluation, state_dict, checkpoints
         if self.dist is not None:
             self.module, self.model = self._wrap_ddp(cfg)
-        self.precision = Precision(prior.precision, self.device.type, rules["precision"].reason)
-        self.scaler = make_grad_scaler(self.precision)
+        # T21: autocast, the (fp16-scaled) backward and step, and the GradScaler, in one object.
+        self.precision = MixedPrecision(Precision(prior.precision, self.device.type, rules["precision"].reason))
         self._prepared = False
 
         if loss_fn is None:
@@ -149,10 +147,10 @@ class Trainer:
                                           min_run_s=cfg.compile_min_run_s, decide_all_ranks=broadcast_object,
                                           decisions=self.decisions)
         self.meter = DeviceMeter(self.device)
-        self.guard = NonFiniteGuard(cfg.max_nonfinite, optimizer=optimizer, device=self.device, scaler=self.scaler,
+        self.guard = NonFiniteGuard(cfg.max_nonfinite, optimizer=optimizer, device=self.device,
+                                    scaler=self.precision.scaler,
                                     all_ranks_max=all_reduce_max if self.dist is not None else None)
         self.step = 0        # optimizer steps taken
-        self._micro = 0      # micro-batches since the last optimizer step
         self._last_loss = float("nan")
         self.checkpoints = CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.keep_last) if cfg.checkpoint_dir else None
         self.last_checkpoint: Path | None = None
@@ -182,29 +180,23 @@ class Trainer:
     # ------------------------------------------------------------------ the hot path
     def train_step(self, batch) -> torch.Tensor:
         """One micro-batch: forward, backward, and an optimizer step every `grad_accum` calls."""
-        cfg = self.config
-        last_micro = self._micro + 1 == cfg.grad_accum
-        # DDP: skip the gradient all-reduce on all but the last micro-batch (T19 + T31).
-        sync_ctx = self.model.no_sync() if hasattr(self.model, "no_sync") and not last_micro else contextlib.nullcontext()
-        with sync_ctx:
+        cfg, win = self.config, self.window
+        with win.sync(self.model):  # DDP: no gradient all-reduce on all but the last micro-batch (T19 + T31)
             with self.precision.autocast():
                 out = forward_loss(self.compiler, batch, loss_fn=self.loss_fn, step_fn=self.step_fn)
-            backward(out.loss, scaler=self.scaler, accum_steps=cfg.grad_accum)
-        self._micro += 1
+            self.precision.backward(out.loss, accum_steps=win.k)  # loss / k, scaled for fp16
         loss = out.loss.detach()
         metered = self.guard.observe(loss)
         if metered is not None:
             correct = out.correct()
             self.meter.update(metered, n=out.n, correct=None if correct is None else correct[0],
                               counted=None if correct is None else correct[1])
-        if last_micro:
-            self.guard.step(self.optimizer, lambda: optimizer_step(
-                self.optimizer, scaler=self.scaler, clip_grad_norm=cfg.clip_grad_norm,
-                parameters=self.model.parameters()))
+        if win.advance():  # the window's last micro-batch: unscale, clip, step (skipped on NaN/inf)
+            self.guard.step(self.optimizer, lambda: self.precision.step(
+                self.optimizer, clip_grad_norm=cfg.clip_grad_norm, parameters=self.model.parameters()))
             zero_grad(self.optimizer, set_to_none=cfg.set_to_none)
             if self.scheduler is not None:
                 self.scheduler.step()
-            self._micro = 0
             self.step += 1
             if self.step % cfg.log_every == 0:
                 # The only host-device sync of the loop, once every log_every steps (T13).
@@ -217,7 +209,7 @@ class Trainer:
     def _reset_micro(self) -> None:
         """A failed step left partial gradients: drop them and restart the accumulation window."""
         zero_grad(self.optimizer, set_to_none=True)
-        self._micro = 0
+        self.window.reset()
         self.guard.reset_window()
 
     def step_batch(self, batch) -> None:
@@ -270,10 +262,9 @@ class Trainer:
     def apply_switches(self, sw: Switches) -> None:
         """Put `sw` into effect: autocast dtype (and its scaler), memory layout, optimizer kernel, threads."""
         if sw.precision != self.precision.name:
-            self.precision = Precision(sw.precision, self.device.type, "measured")
-            self.scaler = make_grad_scaler(self.precision)
+            self.precision = MixedPrecision(Precision(sw.precision, self.device.type, "measured"))
             self.guard = NonFiniteGuard(self.config.max_nonfinite, optimizer=self.optimizer, device=self.device,
-                                        scaler=self.scaler, all_ranks_max=all_reduce_max if self.dist else None)
+                                        scaler=self.precision.scaler, all_ranks_max=all_reduce_max if self.dist else None)
         if sw.channels_last != self.channels_last:
             self.module.to(memory_format=torch.channels_last if sw.channels_last else torch.contiguous_format)
         self.channels_last = sw.channels_last
@@ -342,7 +333,7 @@ class Trainer:
             n = batch_size(batch)
             self._seen += n
             progress.advance(n, loss=self._last_loss, epoch=epoch)
-            if (cfg.checkpoint_every and self._micro == 0 and self.step % cfg.checkpoint_every == 0
+            if (cfg.checkpoint_every and self.window.at_boundary and self.step % cfg.checkpoint_every == 0
                     and self.position.batch != self._steps_per_epoch):  # the epoch end saves its own
                 self.save_checkpoint()
             if cfg.max_steps and self.step >= cfg.max_steps:
@@ -367,7 +358,7 @@ class Trainer:
         self._history.append(row)
         if self.config.out_dir and is_rank_zero():
             write_metrics(self.config.out_dir, self._history, decisions=self.decisions, config=asdict(self.config))
-        if self.checkpoints is not None and self._micro == 0:
+        if self.checkpoints is not None and self.window.at_boundary:
             pos = self.position
             if pos.batch == self._steps_per_epoch or (self._steps_per_epoch is None and not self._stopped()):
                 pos.start_epoch(pos.epoch + 1, 0)  # the position is the next epoch's start
@@ -382,7 +373,7 @@ class Trainer:
         return {
             "format": CHECKPOINT_FORMAT, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "scaler": self.precision.state_dict(),
             "rng": capture_rng_state(), **self.position.state_dict(),
             "steps_per_epoch": self._steps_per_epoch, "step": self.step, "total_steps": self.total_steps,
             **self.guard.state_dict(), "meter": self.meter.state_dict(),
@@ -419,9 +410,9 @@ class Trainer:
                                for k in ("precision", "channels_last", "switch_trial")}
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        for part, key in ((self.scheduler, "scheduler"), (self.scaler, "scaler")):
-            if part is not None and state[key] is not None:
-                part.load_state_dict(state[key])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state["scaler"])
         self.step = int(state["step"])
         self.guard.load_state_dict(state)
         self.meter.load_state_dict(state["meter"])
