@@ -224,3 +224,13 @@ def test_decisions_are_decision_objects_and_json_ready(tiny_cnn, tmp_path):
     import json
     written = json.loads((tmp_path / "metrics.json").read_text())["decisions"]
     assert written["channels_last"]["value"] in (True, False) and "reason" in written["precision"]
+
+
+def test_a_trial_that_cannot_run_leaves_the_rules_in_charge(tiny_cnn, monkeypatch):
+    def boom(self, grid, **kw):
+        raise RuntimeError("out of memory copying the model")
+    monkeypatch.setattr(SwitchTrial, "run", boom)
+    sw, d = decide_switches(tiny_cnn(), None, _loader(), device=torch.device("cpu"), caps=BF16_CPU, fused=False,
+                            trial=True, cache=TrialCache(path=None))
+    assert sw == Switches("bf16", True) and d["switch_trial"].value == "failed" and "out of memory" in \
+        d["switch_trial"].reason

@@ -151,7 +151,12 @@ def decide_switches(model: nn.Module, optimizer: torch.optim.Optimizer | None, l
     runner = SwitchTrial(model, optimizer, batches, device=device, loss_fn=loss_fn, step_fn=step_fn,
                          live_batches=(lambda: loader) if threads else None, measure_fn=measure_fn,
                          progress=progress, **TRIAL_SETTINGS)
-    sw, report = runner.run(grid, fused_choice=fused_choice, thread_choices=threads)
+    try:
+        sw, report = runner.run(grid, fused_choice=fused_choice, thread_choices=threads)
+    except Exception as e:  # e.g. no memory for a copy of a large model: the rules decide, and say why
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        return prior, _as_decisions(prior, "rule", rule_why, None, fixed=fixed) | {
+            "switch_trial": Decision("failed", f"the trial could not run ({why}); the fixed rules decide")}
     report["trial_s"] = time.perf_counter() - t0
     if measure_fn is None:
         cache.put(key, report)
