@@ -109,18 +109,21 @@ class HandLoop:
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
                 logits = self.forward(x)  # (B, classes), or (B, T, V) for a language model: flattened
                 loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
-            if self.scaler is not None:
-                self.scaler.scale(loss).backward()
-                self.scaler.step(self.opt)
-                self.scaler.update()
-            else:
-                loss.backward()
-                self.opt.step()
+            self._backward_and_step(loss)
             self.opt.zero_grad(set_to_none=True)
             self.loss_sum += loss.detach().float() * y.shape[0]
             self.samples += y.shape[0]
         sync(self.device)
         return time.perf_counter() - t0
+
+    def _backward_and_step(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.opt.step()
 
     def train_loss(self) -> float:
         return float(self.loss_sum.item()) / max(self.samples, 1)

@@ -19,14 +19,12 @@ Example:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from torchspeed.env import sync
+from torchspeed.bench.hand import HandLoop, HandSettings
 
 __all__ = ["LightningLoop", "lightning_precision", "lightning_available"]
 
@@ -46,59 +44,24 @@ def lightning_precision(device: torch.device) -> str:
     return {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(half_precision(device), "32-true")
 
 
-class LightningLoop:
-    """The training step a Lightning Fabric user writes; the same interface as `bench.hand.HandLoop`."""
+class LightningLoop(HandLoop):
+    """The training step a Lightning Fabric user writes: `HandLoop`'s loop (the same data, loss and
+    metrics) with Fabric's set-up, its autocast inside the module's forward, and `fabric.backward`."""
 
     def __init__(self, model: nn.Module, loader: Iterable, device: torch.device, *, lr: float = 0.05,
                  momentum: float = 0.9, weight_decay: float = 5e-4, precision: str | None = None):
         from lightning.fabric import Fabric
 
-        self.device, self.loader = device, loader
+        super().__init__(model, loader, device, settings=HandSettings(), lr=lr, momentum=momentum,
+                         weight_decay=weight_decay)
         self.precision = precision or lightning_precision(device)
         self.fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu", devices=1,
                              precision=self.precision)
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, nesterov=True, weight_decay=weight_decay)
-        self.model, self.opt = self.fabric.setup(model, opt)
-        self.loss_sum = torch.zeros((), device=device)
-        self.samples = 0
-        self._it = None
+        opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=momentum, nesterov=True,
+                              weight_decay=weight_decay)  # torch's default kernel, as a Fabric user writes it
+        self.model, self.opt = self.fabric.setup(self.model, opt)
+        self.forward = self.model  # Fabric runs the forward under its precision's autocast
 
-    def _batches(self):
-        while True:
-            for x, y in self.loader:
-                yield self.fabric.to_device(x), self.fabric.to_device(y)
-
-    def restart(self) -> None:
-        self._it = None
-        self.loss_sum.zero_()
-        self.samples = 0
-
-    def run(self, n: int) -> float:
-        if self._it is None:
-            self._it = self._batches()
-        self.model.train()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            x, y = next(self._it)
-            logits = self.model(x)  # Fabric runs the forward under its precision's autocast
-            loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
-            self.fabric.backward(loss)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            self.loss_sum += loss.detach().float() * y.shape[0]
-            self.samples += y.shape[0]
-        sync(self.device)
-        return time.perf_counter() - t0
-
-    def train_loss(self) -> float:
-        return float(self.loss_sum.item()) / max(self.samples, 1)
-
-    @torch.no_grad()
-    def evaluate(self, loader: Iterable) -> float:
-        self.model.eval()
-        correct = total = 0
-        for x, y in loader:
-            x, y = self.fabric.to_device(x), self.fabric.to_device(y)
-            correct += int((self.model(x).argmax(-1) == y).sum())
-            total += y.numel()
-        return correct / max(total, 1)
+    def _backward_and_step(self, loss: torch.Tensor) -> None:
+        self.fabric.backward(loss)  # loss scaling for "16-mixed" happens here
+        self.opt.step()
