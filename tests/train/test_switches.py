@@ -234,3 +234,18 @@ def test_a_trial_that_cannot_run_leaves_the_rules_in_charge(tiny_cnn, monkeypatc
                             trial=True, cache=TrialCache(path=None))
     assert sw == Switches("bf16", True) and d["switch_trial"].value == "failed" and "out of memory" in \
         d["switch_trial"].reason
+
+
+def test_threads_are_measured_only_when_loader_workers_share_the_cores(tiny_cnn):
+    from torchspeed.train.autoswitch import _thread_choices
+
+    ds = _loader().dataset
+    assert _thread_choices(DataLoader(ds, num_workers=1), torch.device("cpu"), AVX2) == (2, 1)
+    assert _thread_choices(DataLoader(ds), torch.device("cpu"), AVX2) == ()  # no workers: all cores
+    assert _thread_choices(DataLoader(ds, num_workers=1), torch.device("cpu"), DeviceCaps("cpu", cores=1)) == ()
+    fake = _fake({"fp32": 1.0, "fp32+channels_last": 0.8, "fp32+channels_last+2 threads": 0.8,
+                  "fp32+channels_last+1 threads": 0.6})
+    loader = DataLoader(ds, batch_size=16, num_workers=1)
+    sw, d = decide_switches(tiny_cnn(), None, loader, device=torch.device("cpu"), caps=AVX2, fused=False,
+                            measure_fn=fake)
+    assert sw == Switches("fp32", True, None, 1) and d["threads"].value == 1
