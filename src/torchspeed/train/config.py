@@ -40,6 +40,7 @@ class TrainConfig:
     schedule: str | None = "onecycle"   # T14/T16: "onecycle" | "cyclic" | "cosine" | None
     warmup_steps: int | None = None
     min_lr: float | None = None
+    noise_scale_every: int | None = None  # T17: estimate the gradient noise scale every N steps (train/noise.py)
     log_every: int = 50                 # T13: host reads the loss every N steps (1 = .item() each step)
     max_steps: int | None = None        # stop after this many optimizer steps in total
     tta: str | None = None              # T33: None | "flip"

@@ -46,6 +46,7 @@ from torchspeed.train.evaluate import evaluate
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
 from torchspeed.train.memory_format import apply_channels_last
 from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
+from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
 from torchspeed.train.decision import Decision
 from torchspeed.train.optim import create_optimizer, describe_optimizer, zero_grad
 from torchspeed.train.precision import MixedPrecision, Precision
@@ -147,6 +148,7 @@ class Trainer:
                                           min_run_s=cfg.compile_min_run_s, decide_all_ranks=broadcast_object,
                                           decisions=self.decisions)
         self.meter = DeviceMeter(self.device)
+        self.noise = NoiseScaleEstimator()
         self.guard = NonFiniteGuard(cfg.max_nonfinite, optimizer=optimizer, device=self.device,
                                     scaler=self.precision.scaler,
                                     all_ranks_max=all_reduce_max if self.dist is not None else None)
@@ -329,6 +331,9 @@ class Trainer:
         self._t0, self._seen = time.perf_counter(), 0
         for batch in self.batches(self.position.epoch_iter(train_loader, skip)):
             self.step_batch(batch)
+            if cfg.noise_scale_every and self.window.at_boundary and self.step % cfg.noise_scale_every == 0:
+                observe_batch(self.module, batch, self.noise, loss_fn=self.loss_fn, step_fn=self.step_fn,
+                              autocast=self.precision.autocast)  # two half-batch backwards; nothing trained
             self.position.advance()
             n = batch_size(batch)
             self._seen += n
@@ -350,6 +355,8 @@ class Trainer:
         row = {"epoch": epoch + 1, "step": self.step, "train_loss": m["loss"], "train_acc": m["acc"],
                "samples_per_s": seen / max(elapsed, 1e-9), "epoch_s": elapsed,
                "lr": self.optimizer.param_groups[0]["lr"], "skipped_steps": int(self.skipped.item())}
+        if self.config.noise_scale_every:
+            row["noise_scale"] = self.noise.value  # B_simple: about the critical batch size (T17)
         if val_loader is not None:
             row.update({k: v for k, v in self.evaluate(val_loader).items() if k != "samples"})
         return row

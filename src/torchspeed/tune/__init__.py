@@ -11,7 +11,7 @@ Under torch.distributed each tuner measures on rank 0 and broadcasts one decisio
 from torchspeed.tune.batch import BatchSizeResult, BatchTrial, find_batch_size
 from torchspeed.tune.loader import LoaderSettings, LoaderTrial, tune_loader
 from torchspeed.tune.lr import LRFinderResult, find_lr, plot_lr, suggest_lr
-from torchspeed.tune.noise import NoiseScaleEstimator, NoiseScaleResult, measure_noise_scale
+from torchspeed.train.noise import NoiseScaleEstimator, NoiseScaleResult, measure_noise_scale
 
 __all__ = ["BatchSizeResult", "BatchTrial", "find_batch_size", "LRFinderResult", "find_lr", "plot_lr", "suggest_lr",
            "LoaderSettings", "LoaderTrial", "tune_loader", "NoiseScaleEstimator", "NoiseScaleResult",

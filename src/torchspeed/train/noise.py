@@ -20,6 +20,10 @@ here, from two halves of a batch: `measure_noise_scale` runs the two halves' bac
 passes separately at the model's current weights, leaves the weights, gradients and RNG
 as they were, and reports B_simple with the critical batch size it implies.
 
+During training, `fit(noise_scale_every=N)` does the same on the current batch every N
+optimizer steps (two half-batch backward passes: about one extra step per N) and logs the
+running estimate as `noise_scale` in each epoch's row.
+
 Example:
     >>> res = measure_noise_scale(model, loader, batches=8)
     >>> res.noise_scale, res.suggestion
@@ -27,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -35,10 +40,11 @@ import torch
 from torch import nn
 
 from torchspeed.train.batch import batch_size, forward_loss
+from torchspeed.train.rng import capture_rng_state, restore_rng_state
 from torchspeed.train.transfer import to_device
-from torchspeed.tune._common import StateSnapshot, model_device
 
-__all__ = ["NoiseScaleEstimator", "NoiseScaleResult", "measure_noise_scale", "split_batch_in_two", "grad_sq_norm"]
+__all__ = ["NoiseScaleEstimator", "NoiseScaleResult", "measure_noise_scale", "split_batch_in_two", "grad_sq_norm",
+           "observe_batch"]
 
 
 def grad_sq_norm(params: Iterable[torch.Tensor]) -> float:
@@ -102,38 +108,59 @@ def split_batch_in_two(batch):
     return batch, batch
 
 
+def observe_batch(model: nn.Module, batch, est: NoiseScaleEstimator, *, loss_fn: Callable | None = None,
+                  step_fn: Callable | None = None, autocast: Callable | None = None) -> None:
+    """Feed `est` one measurement from `batch` (on the model's device) split in two halves, at the current
+    weights. Gradients, buffers (BatchNorm statistics) and RNGs are left as they were."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved_grads = [p.grad for p in params]
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+    rng = capture_rng_state()
+    halves = split_batch_in_two(batch)
+    b = batch_size(halves[0])
+    if b < 1:
+        raise ValueError("a batch of one sample cannot be split in two: use batches of 2 or more")
+    try:
+        grads, sq = [], []
+        for half in halves:
+            for p in params:
+                p.grad = None
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                loss = forward_loss(model, half, loss_fn=loss_fn, step_fn=step_fn).loss
+            loss.backward()
+            g = [p.grad.detach().float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+                 for p in params]
+            grads.append(g)
+            sq.append(float(torch.stack([x.pow(2).sum() for x in g]).sum()))
+        big = float(torch.stack([((a + c) / 2).pow(2).sum() for a, c in zip(*grads)]).sum())
+        est.update(sum(sq) / 2, big, b, 2 * b)
+    finally:
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(buffers[k])
+        restore_rng_state(rng)
+
+
 def measure_noise_scale(model: nn.Module, loader: Iterable, *, batches: int = 8, loss_fn: Callable | None = None,
                         step_fn: Callable | None = None, ema: float = 0.9) -> NoiseScaleResult:
     """B_simple of `model` at its current weights, from `batches` batches of `loader` split in halves.
 
-    Nothing is trained: weights, gradients, train/eval modes and RNGs are restored afterwards.
+    Nothing is trained: weights, gradients, buffers, train/eval modes and RNGs are left as they were.
     """
-    device = model_device(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    snap = StateSnapshot(model)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     est = NoiseScaleEstimator(ema=ema)
+    modes = {n: m.training for n, m in model.named_modules()}
     size = 0
     try:
         model.train()
         for batch in itertools.islice(iter(loader), batches):
-            batch = to_device(batch, device)
-            halves = split_batch_in_two(batch)
-            b = batch_size(halves[0])
-            if b < 1:
-                raise ValueError("a batch of one sample cannot be split in two: use batches of 2 or more")
-            grads, sq = [], []
-            for half in halves:
-                for p in params:
-                    p.grad = None
-                forward_loss(model, half, loss_fn=loss_fn, step_fn=step_fn).loss.backward()
-                g = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
-                grads.append(g)
-                sq.append(float(torch.stack([x.float().pow(2).sum() for x in g]).sum()))
-            big = float(torch.stack([((a + c) / 2).float().pow(2).sum() for a, c in zip(*grads)]).sum())
-            est.update(sum(sq) / 2, big, b, 2 * b)
-            size = 2 * b
+            observe_batch(model, to_device(batch, device), est, loss_fn=loss_fn, step_fn=step_fn)
+            size = 2 * batch_size(split_batch_in_two(batch)[0])
     finally:
-        snap.restore()
+        for n, m in model.named_modules():
+            m.training = modes[n]
     if est.updates == 0:
         raise ValueError("the loader yielded no batch: nothing to measure the gradient noise on")
     value = est.value

@@ -1,10 +1,10 @@
-"""The gradient noise scale (tune/noise.py) on a problem whose noise is known exactly."""
+"""The gradient noise scale (train/noise.py) on a problem whose noise is known exactly."""
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from torchspeed.tune.noise import NoiseScaleEstimator, measure_noise_scale, split_batch_in_two
+from torchspeed.train.noise import NoiseScaleEstimator, measure_noise_scale, split_batch_in_two
 
 
 def _known_noise(d=32, sigma=2.0, n=64 * 400, seed=0):
@@ -47,3 +47,21 @@ def test_estimator_formulas_and_bad_input():
         est.update(1.0, 1.0, 8, 8)
     a, b = split_batch_in_two({"x": torch.arange(6), "y": (torch.arange(6), torch.arange(6))})
     assert a["x"].tolist() == [0, 1, 2] and b["y"][1].tolist() == [3, 4, 5]
+
+
+def test_fit_logs_the_noise_scale_and_trains_exactly_as_without_it(tiny_cnn):
+    import torchspeed
+
+    def data():
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(128, 3, 8, 8, generator=g), torch.randint(0, 4, (128,), generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(1))
+
+    kw = dict(epochs=2, progress=False, compile=False, seed=0, precision="fp32", channels_last=False, lr=0.05)
+    plain = torchspeed.fit(tiny_cnn(), data(), val_loader=data(), **kw)
+    logged = torchspeed.fit(tiny_cnn(), data(), val_loader=data(), noise_scale_every=2, **kw)
+    assert all(r["noise_scale"] is not None and r["noise_scale"] == r["noise_scale"] for r in logged.history)
+    assert "noise_scale" not in plain.history[0]
+    # measuring touches no weight, gradient, BatchNorm statistic or RNG: the losses are the same
+    for key in ("train_loss", "val_loss"):  # val_loss reads the BatchNorm running statistics
+        assert [r[key] for r in logged.history] == [r[key] for r in plain.history]
