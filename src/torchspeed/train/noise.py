@@ -157,7 +157,7 @@ def measure_noise_scale(model: nn.Module, loader: Iterable, *, batches: int = 8,
         model.train()
         for batch in itertools.islice(iter(loader), batches):
             observe_batch(model, to_device(batch, device), est, loss_fn=loss_fn, step_fn=step_fn)
-            size = 2 * batch_size(split_batch_in_two(batch)[0])
+            size = max(size, 2 * batch_size(split_batch_in_two(batch)[0]))
     finally:
         for n, m in model.named_modules():
             m.training = modes[n]
