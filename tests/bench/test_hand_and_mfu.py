@@ -56,7 +56,8 @@ def test_hand_loop_trains_and_channels_last_is_applied():
 
 
 @pytest.mark.capability
-def test_bench_has_a_hand_row_and_reports_all_over_hand(tmp_path, cpu_profile):
+def test_bench_has_a_hand_row_and_reports_all_over_hand(tmp_path, cpu_profile, monkeypatch):
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path / "cache"))  # all's trial measures, not reads a cache
     names = [c.name for c in bench_configs(torch.device("cpu"))]
     assert names[-2:] == ["hand", "all"] and "omp_passive" in names
     res = run_bench(model="mlp", batch_size=32, steps=2, rounds=2, warmup=1, device="cpu", configs=["hand", "all"],

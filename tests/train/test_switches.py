@@ -249,3 +249,11 @@ def test_threads_are_measured_only_when_loader_workers_share_the_cores(tiny_cnn)
     sw, d = decide_switches(tiny_cnn(), None, loader, device=torch.device("cpu"), caps=AVX2, fused=False,
                             measure_fn=fake)
     assert sw == Switches("fp32", True, None, 1) and d["threads"].value == 1
+
+
+def test_decisions_dump_to_json_as_they_are():
+    import json
+    d = Decision("bf16", "measured", {"x": 1.0})
+    assert json.loads(json.dumps({"precision": d})) == {"precision": {"value": "bf16", "reason": "measured",
+                                                                      "measured": {"x": 1.0}}}
+    assert d.value == "bf16" and str(d) == "bf16 (measured)" and Decision(True, "r").measured is None

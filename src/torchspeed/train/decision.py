@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchspeed._io import write_json
@@ -29,20 +28,29 @@ from torchspeed._io import write_json
 __all__ = ["Decision", "TrialCache", "cache_dir"]
 
 
-@dataclass(frozen=True)
-class Decision:
-    """An automatic choice: its `value`, the `reason` in words, and what was `measured` (None: a rule)."""
+class Decision(dict):
+    """An automatic choice: its `value`, the `reason` in words, and what was `measured` (None: a rule).
 
-    value: object
-    reason: str
-    measured: dict | None = field(default=None, compare=False)
+    A dict underneath ({"value", "reason"[, "measured"]}), so `json.dump(result.decisions)` works as
+    it is; the attributes read the same keys."""
+
+    def __init__(self, value: object, reason: str = "", measured: dict | None = None):
+        super().__init__(value=value, reason=reason)
+        if measured is not None:
+            self["measured"] = measured
+
+    value = property(lambda self: self["value"])
+    reason = property(lambda self: self["reason"])
+    measured = property(lambda self: self.get("measured"))
 
     def __str__(self) -> str:
         return f"{self.value} ({self.reason})" if self.reason else str(self.value)
 
+    def __repr__(self) -> str:
+        return f"Decision({self.value!r}, {self.reason!r}{', measured=...' if 'measured' in self else ''})"
+
     def to_dict(self) -> dict:
-        out = {"value": self.value, "reason": self.reason}
-        return out if self.measured is None else out | {"measured": self.measured}
+        return dict(self)
 
 
 def cache_dir() -> Path:
