@@ -15,7 +15,11 @@ import tempfile
 
 from torchspeed.cli.main import CLIError
 
-FIX_NAMES = ("autocast", "channels_last", "workers", "pin_memory", "set_to_none", "conv_bias", "compile")
+def _fix_names() -> tuple[str, ...]:
+    """The fixes the rules declare (`register(..., fix=)`): the one table of fix names."""
+    from torchspeed.doctor.registry import fix_rules
+
+    return tuple(fix_rules())
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
@@ -25,7 +29,7 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true",
                    help="measure each applicable fix on the script's model (interleaved with the baseline)")
     p.add_argument("--fixes", default=None,
-                   help=f"comma-separated fixes for --verify (default: all that apply): {','.join(FIX_NAMES)}")
+                   help=f"comma-separated fixes for --verify (default: all that apply): {','.join(_fix_names())}")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile in --verify (it takes a while)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per fix in --verify (default 5)")
     p.add_argument("--time-limit", type=float, default=300.0, help="stop the script after this many seconds (default 300)")
@@ -85,11 +89,11 @@ def run(args) -> int:
     fixes = None
     if args.fixes:
         fixes = tuple(f.strip() for f in args.fixes.split(",") if f.strip())
-        bad = [f for f in fixes if f not in FIX_NAMES]
+        bad = [f for f in fixes if f not in _fix_names()]
         if bad:
-            raise CLIError(f"unknown fix(es) {', '.join(bad)}; choose from {', '.join(FIX_NAMES)}")
+            raise CLIError(f"unknown fix(es) {', '.join(bad)}; choose from {', '.join(_fix_names())}")
     elif args.no_compile:
-        fixes = tuple(f for f in FIX_NAMES if f != "compile")
+        fixes = tuple(f for f in _fix_names() if f != "compile")
     job = DoctorJob(script=args.script, args=tuple(script_args), steps=args.steps, warmup=args.warmup,
                     verify=args.verify, fixes=fixes, rounds=args.rounds, time_limit=args.time_limit)
     console = Console()

@@ -122,6 +122,6 @@ def diagnose(script: str, *, args: Sequence[str] = (), steps: int = 30, warmup: 
                     fixes=tuple(fixes) if fixes else None, rounds=rounds, time_limit=time_limit)
     if not isolate:
         _check_script(script)
-        from torchspeed.doctor._probe import run_job
+        from torchspeed.doctor._job import run_job
         return report_from_observation(run_job(job.to_spec()), script=script)
     return diagnose_many([job], quiet=quiet)[0]

@@ -1,8 +1,9 @@
 """The doctor's report: the environment (T01), the step-time breakdown (T02), ranked findings.
 
 `DoctorReport.to_dict()` is the `--json` format:
-`{"breakdown": {...}, "findings": [{"rule", "severity", "evidence", "fix", "est_gain"}], ...}`
-plus `env`, `script`, `status`, `traceback`, `verify` and `notes`.
+`{"breakdown": {...}, "findings": [{"rule", "severity", "evidence", "fix", "est_gain", "measured_gain"}], ...}`
+plus `env`, `script`, `status`, `traceback`, `verify`, `notes`, and `observation`: every number the
+rules read, in the declared schema (`torchspeed.doctor.observation.Observation`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Finding:
 
     def to_dict(self) -> dict:
         return {"rule": self.rule, "severity": self.severity, "evidence": self.evidence, "fix": self.fix,
-                "est_gain": self.est_gain}
+                "est_gain": self.est_gain, "measured_gain": self.measured_gain}
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class DoctorReport:
                 "script": self.script, "status": self.status, "traceback": self.traceback, "env": self.env,
                 "verify": list(self.verify.values()), "notes": list(self.notes),
                 "steps_observed": self.observation.get("steps_observed", 0),
-                "memory": self.observation.get("memory", {})}
+                "memory": self.observation.get("memory", {}), "observation": self.observation}
 
     def write_json(self, path: str) -> None:
         """Write `to_dict()` atomically (a temp file renamed into place)."""

@@ -18,6 +18,13 @@ def frac(obs: dict, key: str) -> float:
     return float(obs.get("breakdown", {}).get("fractions", {}).get(key, 0.0))
 
 
+def robust_frac(obs: dict, key: str) -> float:
+    """The smaller of the trimmed-mean share and the median step's share (`_summary`): robust to a few slow steps."""
+    med = obs.get("breakdown", {}).get("fractions_median", {})
+    mkey = {"data_wait": "data"}.get(key, key)
+    return min(frac(obs, key), float(med[mkey])) if mkey in med else frac(obs, key)
+
+
 def amdahl(share: float, speedup: float) -> float:
     """Whole-step gain when `share` of the step gets `speedup` times faster."""
     share = min(max(share, 0.0), 1.0)
@@ -67,3 +74,15 @@ def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: 
 def loader_summary(obs: dict) -> dict | None:
     loaders = obs.get("loaders") or []
     return loaders[0] if loaders else None
+
+
+def in_memory_fix() -> str:
+    """The fix for a TensorDataset fed through a DataLoader: index whole batches, no per-sample work."""
+    return ("the data is already in memory (TensorDataset): index whole batches instead of one sample at a "
+            "time, `perm = torch.randperm(len(X)); for i in range(0, len(X), B): idx = perm[i:i+B]; x, y = X[idx], "
+            "Y[idx]` (no per-sample __getitem__, no collate); workers would only add inter-process copies (T10, T06)")
+
+
+def workers_verdict(obs: dict) -> dict | None:
+    """--verify's worker measurement (the tuner's choice against the script's setting), when it ran."""
+    return verified(obs, "workers")

@@ -4,7 +4,7 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda
 
 
-@register("channels-last", techniques=("T23",), summary="2D convolutions on NCHW tensors")
+@register("channels-last", priority=80, techniques=("T23",), summary="2D convolutions on NCHW tensors", fix="channels_last")
 def check(obs: dict):
     m = obs.get("model", {})
     if not m.get("has_conv2d") or m.get("channels_last_weights"):

@@ -4,7 +4,7 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda
 
 
-@register("cudnn-benchmark", techniques=("T22",), summary="torch.backends.cudnn.benchmark is off for a conv net")
+@register("cudnn-benchmark", priority=90, techniques=("T22",), summary="torch.backends.cudnn.benchmark is off for a conv net")
 def check(obs: dict):
     m = obs.get("model", {})
     if not on_cuda(obs) or not m.get("has_conv2d") or obs.get("cudnn_benchmark"):

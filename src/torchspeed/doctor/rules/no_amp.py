@@ -17,7 +17,7 @@ def precision_speedup(obs: dict) -> float:
     return 1.5 if env.get("bf16_supported") else 0.5
 
 
-@register("no-amp", techniques=("T21",), summary="no autocast (mixed precision)")
+@register("no-amp", priority=70, techniques=("T21",), summary="no autocast (mixed precision)", fix="autocast")
 def check(obs: dict):
     m = obs.get("model", {})
     if not m.get("found") or m.get("autocast", True):

@@ -4,7 +4,7 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, on_cuda, saving_gain, step_ms
 
 
-@register("pin-memory", techniques=("T07", "T12"), summary="CUDA copies from unpinned DataLoader batches")
+@register("pin-memory", priority=30, techniques=("T07", "T12"), summary="CUDA copies from unpinned DataLoader batches", fix="pin_memory")
 def check(obs: dict):
     if not on_cuda(obs):
         return None  # pinned memory only matters for copies to an accelerator

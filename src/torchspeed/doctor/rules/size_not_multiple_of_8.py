@@ -6,7 +6,7 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda
 
 
-@register("size-not-multiple-of-8", techniques=("T24",), summary="channel/feature sizes or batch not multiples of 8")
+@register("size-not-multiple-of-8", priority=140, techniques=("T24",), summary="channel/feature sizes or batch not multiples of 8")
 def check(obs: dict):
     m = obs.get("model", {})
     odd = list(m.get("odd_sizes") or [])

@@ -4,7 +4,7 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, saving_gain, step_ms
 
 
-@register("zero-grad-memset", techniques=("T26",), summary="zero_grad(set_to_none=False)")
+@register("zero-grad-memset", priority=100, techniques=("T26",), summary="zero_grad(set_to_none=False)", fix="set_to_none")
 def check(obs: dict):
     z = obs.get("zero_grad", {})
     if not z.get("set_to_none_false"):
