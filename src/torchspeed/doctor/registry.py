@@ -14,13 +14,15 @@ CPU and a whole pipeline drain on CUDA, so the same code gets different severiti
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from torchspeed.doctor.report import Finding
 
-__all__ = ["Rule", "RULES", "RuleError", "register", "rule_ids", "fix_rules", "run_rules", "severity_for_gain",
+__all__ = ["Rule", "RULES", "RuleError", "register", "load_rules", "rule_ids", "fix_rules", "run_rules", "severity_for_gain",
            "HIGH_GAIN", "MEDIUM_GAIN"]
 
 HIGH_GAIN, MEDIUM_GAIN = 1.25, 1.08
@@ -67,10 +69,21 @@ def register(rule_id: str, *, priority: int, techniques: tuple[str, ...], summar
 
 
 def load_rules() -> dict[str, Rule]:
-    """Import every rule file (see `torchspeed.doctor.rules`) and return the registry."""
-    from torchspeed.doctor.rules import discover
+    """Import every rule file in `torchspeed.doctor.rules` and return the registry.
 
-    discover()
+    Raises RuleError for a file there (not `_`-prefixed) that registers no rule.
+    """
+    import torchspeed.doctor.rules as package
+
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        name = f"{package.__name__}.{info.name}"
+        importlib.import_module(name)
+        if not any(r.module == name for r in RULES.values()):
+            raise RuleError(f"{info.name}.py in the doctor's rules folder registers no rule: decorate its check "
+                            "with @register(rule_id, priority=..., techniques=..., summary=...) or rename it "
+                            f"_{info.name}.py if it is a helper")
     return RULES
 
 
