@@ -161,7 +161,7 @@ def test_rule_fires_on_its_problem(rule_id):
     assert f is not None and f.rule == rule_id
     assert f.severity in ("high", "medium", "low") and f.evidence and f.fix
     d = f.to_dict()
-    assert set(d) == {"rule", "severity", "evidence", "fix", "est_gain", "measured_gain"}
+    assert set(d) == {"rule", "severity", "evidence", "fix", "est_gain", "measured_gain", "patch"}
     assert d["est_gain"] is None or isinstance(d["est_gain"], float)
     assert RULES[rule_id].check(_obs()) is None  # and only there
 

@@ -46,11 +46,31 @@ def read_settings(obs: dict) -> None:
     obs["debug"] = {"anomaly_detection": bool(torch.is_anomaly_enabled()),
                     "profiler": bool(torch._C._autograd._profiler_enabled()),
                     "deterministic": bool(torch.are_deterministic_algorithms_enabled())}
+    try:  # raises once a script has used the per-backend API (torch.backends.*.fp32_precision)
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        legacy = "per-backend"
     obs["math"] = {"mkldnn_matmul": str(getattr(getattr(mk, "matmul", None), "fp32_precision", "none")),
                    "mkldnn_conv": str(getattr(getattr(mk, "conv", None), "fp32_precision", "none")),
-                   "float32_matmul_precision": torch.get_float32_matmul_precision()}
+                   "float32_matmul_precision": legacy}
     obs["threads"] = torch.get_num_threads()
     obs["cpu_cores"] = usable_cores()
+
+
+def _precision_settings() -> list[tuple[object, str]]:
+    """(backend object, fp32_precision) for every backend with the per-backend precision setting."""
+    b = torch.backends
+    objs = [b, b.mkldnn, getattr(b.mkldnn, "matmul", None), getattr(b.mkldnn, "conv", None), getattr(b.mkldnn, "rnn", None),
+            b.cuda.matmul, b.cudnn, getattr(b.cudnn, "conv", None), getattr(b.cudnn, "rnn", None)]
+    return [(o, o.fp32_precision) for o in objs if o is not None and hasattr(o, "fp32_precision")]
+
+
+def _restore_precision(saved: list[tuple[object, str]]) -> None:
+    for o, value in saved:
+        try:
+            o.fp32_precision = value
+        except Exception:  # a backend that refuses a value it reported: leave it
+            pass
 
 
 def _compile_events(records: list[dict]) -> dict:
@@ -65,9 +85,31 @@ def _compile_events(records: list[dict]) -> dict:
     return out
 
 
+def _run_script(script: str, source: str | None) -> None:
+    """`python script` semantics; with `source`, that text runs in place of the file's (a --fix candidate:
+    same path, folder, imports and `__file__`, so nothing is copied into the user's folder)."""
+    if source is None:
+        runpy.run_path(script, run_name="__main__")
+        return
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__file__, main.__builtins__ = script, __builtins__
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(compile(source, script, "exec"), main.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
+
+
 def _analyse(probe: Probe, job: dict, obs: dict) -> None:
     from torchspeed.doctor import _datasets, _kernels, _model_checks, _summary
     from torchspeed.doctor._capture import capture
+
+    if job.get("measure_only"):  # --fix timing runs: the step-time breakdown only
+        _summary.summarize(probe, obs)
+        return
 
     off = [torch.autocast("cpu", enabled=False)]
     if torch.cuda.is_available():
@@ -105,7 +147,8 @@ def run_job(job: dict) -> dict:
     saved = {"argv": sys.argv, "path": list(sys.path), "modules": set(sys.modules),
              "threads": torch.get_num_threads(), "cudnn": torch.backends.cudnn.benchmark,
              "dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled(), "cwd": os.getcwd(),
-             "anomaly": torch.is_anomaly_enabled(), "deterministic": torch.are_deterministic_algorithms_enabled()}
+             "anomaly": torch.is_anomaly_enabled(), "deterministic": torch.are_deterministic_algorithms_enabled(),
+             "precision": _precision_settings()}
     analysed = False
 
     def analyse() -> None:
@@ -133,7 +176,7 @@ def run_job(job: dict) -> dict:
         signal.setitimer(signal.ITIMER_REAL, float(job.get("time_limit", 300)))
         try:
             with compile_log, probe:
-                runpy.run_path(script, run_name="__main__")
+                _run_script(script, job.get("source"))
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
     except StopScript:
@@ -169,6 +212,7 @@ def run_job(job: dict) -> dict:
         torch.set_grad_enabled(saved["grad"])
         torch.autograd.set_detect_anomaly(saved["anomaly"])
         torch.use_deterministic_algorithms(saved["deterministic"])
+        _restore_precision(saved["precision"])
         if os.getcwd() != saved["cwd"]:
             os.chdir(saved["cwd"])
     obs["status"], obs["traceback"] = status, tb

@@ -40,11 +40,14 @@ class DoctorJob:
     rounds: int = 5
     time_limit: float = 300.0
     extra: dict = field(default_factory=dict)
+    source: str | None = None      # run this text as the script (a --fix candidate), the file is not read
+    measure_only: bool = False     # the step-time breakdown only (no model checks, no profiling)
 
     def to_spec(self) -> dict:
         return {"script": os.path.abspath(self.script), "args": list(self.args), "steps": self.steps,
                 "warmup": self.warmup, "verify": self.verify, "fixes": list(self.fixes) if self.fixes else None,
-                "rounds": self.rounds, "time_limit": self.time_limit}
+                "rounds": self.rounds, "time_limit": self.time_limit, "source": self.source,
+                "measure_only": self.measure_only}
 
 
 def report_from_observation(obs: dict, *, script: str | None = None) -> DoctorReport:

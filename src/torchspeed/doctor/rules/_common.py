@@ -54,8 +54,10 @@ def measured_text(v: dict) -> str:
 
 
 def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: dict, verify_fix: str | None = None,
-            severity: str | None = None) -> Finding:
-    """A finding whose severity follows the measured gain when --verify ran, else the estimate."""
+            severity: str | None = None, patch: str | None = None, patch_args: dict | None = None) -> Finding:
+    """A finding whose severity follows the measured gain when --verify ran, else the estimate.
+
+    `patch` names the source patch `--fix` writes for it (`torchspeed.doctor._patches`)."""
     measured = None
     if verify_fix:
         v = verified(obs, verify_fix)
@@ -68,7 +70,12 @@ def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: 
     else:
         sev = severity if severity is not None else severity_for_gain(est_gain)
     return Finding(rule=rule, severity=sev, evidence=evidence, fix=fix,
-                   est_gain=round(est_gain, 3) if est_gain is not None else None, measured_gain=measured)
+                   est_gain=round(est_gain, 3) if est_gain is not None else None, measured_gain=measured,
+                   patch=patch, patch_args=patch_args)
+
+
+def device_type(obs: dict) -> str:
+    return "cuda" if on_cuda(obs) else "cpu"
 
 
 def loader_summary(obs: dict) -> dict | None:

@@ -17,4 +17,5 @@ def check(obs: dict):
     evidence = "the model has Conv2d layers and runs them in NCHW (contiguous) layout"
     fix = ("model = torchspeed.apply_channels_last(model) (= model.to(memory_format=torch.channels_last)) and "
            "x = x.contiguous(memory_format=torch.channels_last) for each batch (T23)")
-    return finding("channels-last", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="channels_last")
+    return finding("channels-last", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="channels_last",
+                   patch="channels_last")

@@ -30,4 +30,4 @@ def check(obs: dict):
            "(bf16 inputs, fp32 accumulation, fp32 weights) or torch.autocast('cpu', dtype=torch.bfloat16) around "
            "forward and loss (T21)")
     est = amdahl(frac(obs, "compute") * share, BF16)
-    return finding("cpu-bf16-math", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="bf16_math")
+    return finding("cpu-bf16-math", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="bf16_math", patch="bf16_math")

@@ -27,4 +27,5 @@ def check(obs: dict):
            f"num_workers={workers}, or fewer workers (num_workers=0 when the data is cheap to load); measure both "
            "with `torchspeed doctor --verify` or `torchspeed tune` (T45, T06)")
     est = saving_gain(step_ms(obs), inside - alone)
-    return finding("cpu-oversubscribed", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="workers")
+    return finding("cpu-oversubscribed", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="workers",
+                   patch="threads", patch_args={"threads": max(1, cores - workers)})

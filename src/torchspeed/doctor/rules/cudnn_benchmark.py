@@ -11,4 +11,5 @@ def check(obs: dict):
         return None
     evidence = "the model runs Conv2d on CUDA with torch.backends.cudnn.benchmark=False"
     fix = "torch.backends.cudnn.benchmark = True when input shapes are fixed (torchspeed.configure_backends) (T22)"
-    return finding("cudnn-benchmark", evidence=evidence, fix=fix, est_gain=amdahl(frac(obs, "compute"), 1.1), obs=obs)
+    return finding("cudnn-benchmark", evidence=evidence, fix=fix, est_gain=amdahl(frac(obs, "compute"), 1.1), obs=obs,
+                   patch="cudnn")

@@ -45,14 +45,19 @@ def check(obs: dict):
     v = workers_verdict(obs)
     if ld.get("in_memory"):
         fix = in_memory_fix()
-        return finding("data-bound", evidence=evidence, fix=fix, est_gain=overlap_gain(obs), obs=obs)
+        return finding("data-bound", evidence=evidence, fix=fix, est_gain=overlap_gain(obs), obs=obs,
+                       patch="batched_index")
+    patch_args = None
     if v and v.get("direction") == "fewer" and v["speedup"] > 1.0:
+        patch_args = {"workers": int(v["candidate"].split("=")[1].split(",")[0])}
         fix = (f"use fewer workers: {v['candidate']} measured {v['speedup']:.2f}x faster than {v['current']} here "
                "(workers and the model's threads share the cores); `torchspeed tune` chooses the same (T06, T45)")
     elif ld.get("num_workers", 0) == 0:
+        patch_args = {"workers": min(4, max(1, int(obs.get("cpu_cores", 2))))}
         fix = ("load in parallel: DataLoader(..., num_workers=N, persistent_workers=True) with N measured by "
                "`torchspeed tune`; then cache decoded samples in memory if the dataset fits (T06, T10)")
     else:
         fix = ("cache decoded samples (T10), decode faster (T04), move augmentation to the accelerator in batches "
                "(T05); more workers only if cores are free: `--verify` and `torchspeed tune` measure fewer and more (T06)")
-    return finding("data-bound", evidence=evidence, fix=fix, est_gain=overlap_gain(obs), obs=obs, verify_fix="workers")
+    return finding("data-bound", evidence=evidence, fix=fix, est_gain=overlap_gain(obs), obs=obs, verify_fix="workers",
+                   patch="workers" if patch_args else None, patch_args=patch_args)

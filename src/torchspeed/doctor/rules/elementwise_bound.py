@@ -26,4 +26,4 @@ def check(obs: dict):
     fix = ("model = torch.compile(model) fuses chains of element-wise ops into one kernel; compile time is paid once "
            "(`torchspeed doctor --verify` measures it on this model) (T25)")
     est = amdahl(frac(obs, "compute") * share, FUSED)
-    return finding("elementwise-bound", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="compile")
+    return finding("elementwise-bound", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="compile", patch="compile")

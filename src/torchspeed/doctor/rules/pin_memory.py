@@ -17,4 +17,5 @@ def check(obs: dict):
     fix = ("DataLoader(..., pin_memory=True) and x.to(device, non_blocking=True) so copies overlap compute; "
            "or torchspeed.Prefetcher (side-stream prefetch)")
     est = saving_gain(step_ms(obs), 0.7 * b["copy_ms"])
-    return finding("pin-memory", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="pin_memory")
+    return finding("pin-memory", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="pin_memory",
+                   patch="workers", patch_args={"workers": loaders[0]["num_workers"], "pin_memory": True})

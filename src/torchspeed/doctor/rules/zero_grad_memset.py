@@ -15,4 +15,5 @@ def check(obs: dict):
                 f"gradient, {z['ms_per_call']:.3f} ms per call here, and backward then adds instead of writing")
     fix = "optimizer.zero_grad() (set_to_none=True is the default since torch 2.0) (T26)"
     return finding("zero-grad-memset", evidence=evidence, fix=fix,
-                   est_gain=saving_gain(step, 0.9 * z["ms_per_call"]), obs=obs, verify_fix="set_to_none")
+                   est_gain=saving_gain(step, 0.9 * z["ms_per_call"]), obs=obs, verify_fix="set_to_none",
+                   patch="set_to_none")
