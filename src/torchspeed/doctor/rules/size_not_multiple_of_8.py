@@ -1,5 +1,5 @@
 """`size-not-multiple-of-8`: hidden sizes, a language model's vocabulary or the batch leave Tensor Cores partly
-idle (T24). The sizes come from `_static.examine_model`: Linear/Conv widths between layers, and the last
+idle (T24). The sizes come from `_model_checks.examine_model`: Linear/Conv widths between layers, and the last
 Linear's out_features when it is an LM head (as wide as an nn.Embedding's vocabulary)."""
 
 from torchspeed.doctor.registry import register
