@@ -157,12 +157,15 @@ def test_allocator_needs_glibc_and_fault_churn():
 
 
 def test_oversubscription_needs_the_measured_slow_down():
-    over = {"workers": 2, "threads": 2, "cores": 2, "compute_ms_in_script": 9.0}
+    over = {"workers": 2, "threads": 2, "cores": 2, "compute_ms_in_script": 9.0, "worker_ms_per_batch": 4.0}
     assert RULES["cpu-oversubscribed"].check(_obs(_set("cpu", {**over, "compute_ms_alone": 6.0}))) is not None
     assert RULES["cpu-oversubscribed"].check(_obs(_set("cpu", {**over, "compute_ms_alone": 8.5}))) is None
     assert RULES["cpu-oversubscribed"].check(_obs(_set("cpu", {**over, "compute_ms_alone": None}))) is None
     within = {**over, "threads": 0, "compute_ms_alone": 6.0}
     assert RULES["cpu-oversubscribed"].check(_obs(_set("cpu", within))) is None
+    # idle workers (0.1 ms of work per batch) cannot explain 3 ms lost: the machine's other load does
+    idle = {**over, "compute_ms_alone": 6.0, "worker_ms_per_batch": 0.1}
+    assert RULES["cpu-oversubscribed"].check(_obs(_set("cpu", idle))) is None
 
 
 def test_dynamo_records_are_parsed_and_the_probes_own_guards_dropped():

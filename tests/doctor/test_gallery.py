@@ -175,8 +175,11 @@ def _jpeg_below(o):
 
 def _oversub_below(o):
     c = o["cpu"]
-    return c["workers"] + c["threads"] > c["cores"] and c["compute_ms_alone"] is not None and \
-        c["compute_ms_in_script"] < cpu_oversubscribed.RATIO * c["compute_ms_alone"]
+    if not (c["workers"] + c["threads"] > c["cores"] and c["compute_ms_alone"] is not None):
+        return False  # the contention was not measured: the rule had nothing to read
+    lost = c["compute_ms_in_script"] - c["compute_ms_alone"]
+    return c["compute_ms_in_script"] < cpu_oversubscribed.RATIO * c["compute_ms_alone"] or \
+        c["worker_ms_per_batch"] < cpu_oversubscribed.EXPLAINS * lost
 
 
 MEASURED = {

@@ -40,7 +40,8 @@ CLEAN = {
     "debug": {"anomaly_detection": False, "profiler": False, "deterministic": False},
     "math": {"mkldnn_matmul": "none", "mkldnn_conv": "none", "float32_matmul_precision": "highest"},
     "compile": {"graph_breaks": [], "recompiles": []},
-    "cpu": {"workers": 2, "threads": 1, "cores": 2, "compute_ms_in_script": 9.0, "compute_ms_alone": 8.8},
+    "cpu": {"workers": 2, "threads": 1, "cores": 2, "compute_ms_in_script": 9.0, "compute_ms_alone": 8.8,
+            "worker_ms_per_batch": 4.0},
     "threads": 1,
     "notes": [],
 }
@@ -88,7 +89,8 @@ def _design(o):
 
 
 def _oversubscribed(o):
-    o["cpu"] = {"workers": 2, "threads": 2, "cores": 2, "compute_ms_in_script": 9.0, "compute_ms_alone": 6.0}
+    o["cpu"] = {"workers": 2, "threads": 2, "cores": 2, "compute_ms_in_script": 9.0, "compute_ms_alone": 6.0,
+                "worker_ms_per_batch": 4.0}
 
 
 def _no_autocast_bf16_cpu(o):

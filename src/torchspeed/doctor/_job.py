@@ -122,9 +122,9 @@ def _analyse(probe: Probe, job: dict, obs: dict) -> None:
             captured = capture(probe)
             _model_checks.examine_model(captured, obs)
             _kernels.profile_kernels(captured, obs)
+            _datasets.probe_datasets(probe, obs)
             from torchspeed.doctor.verify import measure_contention
             measure_contention(captured, obs)
-            _datasets.probe_datasets(probe, obs)
             if job.get("verify"):
                 from torchspeed.doctor.verify import verify_fixes
                 obs["verify"] = verify_fixes(captured, obs, fixes=job.get("fixes"), rounds=int(job.get("rounds", 5)))

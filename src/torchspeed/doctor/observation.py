@@ -126,6 +126,7 @@ class CpuContention(TypedDict, total=False):
     cores: int
     compute_ms_in_script: float
     compute_ms_alone: float | None
+    worker_ms_per_batch: float   # `dataset[i]` x batch size: the CPU work the workers do per step
 
 
 class Observation(TypedDict, total=False):

@@ -97,7 +97,9 @@ def render_report(report: DoctorReport, console=None) -> None:
         console.print(Text(report.traceback.rstrip(), style="red"))
     b = report.breakdown
     if b.get("steps"):
-        t = Table(title=f"step time: {b['step_ms']:.2f} ms (mean of {b['steps']} steps after warm-up)")
+        out = b.get("outlier_steps", 0)
+        left = f", {out} start-up outlier(s) left out: {b.get('outlier_step_ms')} ms" if out else ""
+        t = Table(title=f"step time: {b['step_ms']:.2f} ms (trimmed mean of {b['steps']} steps after warm-up{left})")
         for col in ("data wait", "copy", "compute", "sync", "other"):
             t.add_column(col, justify="right")
         keys = ("data_wait", "copy", "compute", "sync", "other")

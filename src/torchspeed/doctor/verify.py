@@ -277,7 +277,10 @@ def measure_contention(cap, obs: dict) -> None:
     workers = max((ld["num_workers"] for ld in obs.get("loaders") or []), default=0)
     threads, cores = int(obs.get("threads", 1)), int(obs.get("cpu_cores", 1))
     c = {"workers": workers, "threads": threads, "cores": cores,
-         "compute_ms_in_script": (obs.get("breakdown") or {}).get("compute_ms", 0.0), "compute_ms_alone": None}
+         "compute_ms_in_script": (obs.get("breakdown") or {}).get("compute_ms", 0.0), "compute_ms_alone": None,
+         # the CPU work one batch costs in a worker (`dataset[i]` x batch size, timed after the run)
+         "worker_ms_per_batch": round(max((d["getitem_ms"] * (d.get("batch_size") or 1)
+                                           for d in obs.get("datasets") or []), default=0.0), 3)}
     model_on_cpu = cap.model is not None and next(cap.model.parameters()).device.type == "cpu"
     if workers and workers + threads > cores and model_on_cpu:
         alone = time_model_alone(cap)

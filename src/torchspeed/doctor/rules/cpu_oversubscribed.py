@@ -4,12 +4,15 @@ Each worker process decodes and augments on the same cores where the model's Ope
 so both slow down. The evidence is measured: the model's compute time per step in the script
 against the same step (a copy of the model, the captured batch) with nothing else running. The
 fix is a worker and thread count chosen by measuring (`--verify` runs the tuner, fewer and more).
+The workers must do enough work to explain the slow-down: at least a quarter of the compute time
+lost per step (`dataset[i]` x batch size); otherwise the slow-down is the rest of the machine's load.
 """
 
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, saving_gain, step_ms
 
 RATIO = 1.15  # compute in the script / compute alone worth reporting
+EXPLAINS = 0.25  # the workers' CPU work per step must be at least this share of the compute time lost
 
 
 @register("cpu-oversubscribed", priority=15, techniques=("T45", "T06"),
@@ -20,9 +23,12 @@ def check(obs: dict):
     alone, inside = c.get("compute_ms_alone"), c.get("compute_ms_in_script", 0.0)
     if workers == 0 or workers + threads <= cores or not alone or inside < RATIO * alone:
         return None
+    work = c.get("worker_ms_per_batch", 0.0)
+    if work < EXPLAINS * (inside - alone):
+        return None  # idle workers cannot cost this much: other load on the machine does
     evidence = (f"{workers} DataLoader workers + {threads} intra-op threads on {cores} usable cores: the model's "
                 f"step takes {inside:.2f} ms of compute in the script but {alone:.2f} ms alone "
-                f"({inside / alone:.2f}x slower while the workers run)")
+                f"({inside / alone:.2f}x slower while the workers run; they do {work:.1f} ms of CPU work per batch)")
     fix = (f"keep workers + threads within the {cores} cores: torch.set_num_threads({max(1, cores - workers)}) with "
            f"num_workers={workers}, or fewer workers (num_workers=0 when the data is cheap to load); measure both "
            "with `torchspeed doctor --verify` or `torchspeed tune` (T45, T06)")
