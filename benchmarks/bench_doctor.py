@@ -111,6 +111,12 @@ def run_fix(a) -> None:
                   "steps": a.steps, "warmup": 5, "rounds": a.rounds, "threads": a.threads, "scripts": rows}
         out = a.out if a.out != DEFAULT_OUT else str(HERE / "results" / "cpu" / "doctor_fix.json")
         os.makedirs(os.path.dirname(out), exist_ok=True)
+        if a.only and os.path.exists(out):  # re-measured scripts replace their rows; the others are kept
+            with open(out) as f:
+                old = json.load(f)
+            mine = {r["script"] for r in rows}
+            result["scripts"] = [r for r in old["scripts"] if r["script"] not in mine] + rows
+            result["command"] = old.get("command", "") + "; then " + result["command"]
         with open(out + ".tmp", "w") as f:
             json.dump(result, f, indent=2)
         os.replace(out + ".tmp", out)

@@ -69,6 +69,8 @@ def test_each_patch_keeps_comments_and_writes_the_change():
     assert 'torch.backends.mkldnn.matmul.fp32_precision = "bf16"' in out
     out = apply_patch("channels_last", src, ctx)
     assert "model(xb.contiguous(memory_format=torch.channels_last))" in out
+    debug = "torch.autograd.set_detect_anomaly(True)  # debugging a NaN\n" + src
+    assert apply_patch("debug_off", debug, ctx).startswith("torch.autograd.set_detect_anomaly(False)  # debugging")
     for name in PATCHES:  # every patch leaves valid Python and every comment in place
         try:
             out = apply_patch(name, src, ctx)

@@ -17,6 +17,7 @@ whose `.parameters()` the script passes to its optimizer; a script that builds i
     threads         torch.set_num_threads(N) (the script's own call, else one after the imports)
     batched_index   DataLoader over a TensorDataset indexes whole batches (BatchSampler, batch_size=None)
     cudnn           torch.backends.cudnn.benchmark = True after the imports (CUDA)
+    debug_off       set_detect_anomaly(True) / use_deterministic_algorithms(True) -> False
 """
 
 from __future__ import annotations
@@ -362,4 +363,17 @@ def _batched_index(source: str, ctx: PatchContext) -> str:
         new = (f"f({first}, batch_size=None, sampler=torch.utils.data.BatchSampler("
                f"torch.utils.data.{sampler}({ref}), {bs}, drop_last={kw.get('drop_last', 'False')}){keep})")
         return c.with_changes(args=cst.parse_expression(new).args)  # a TensorDataset indexes whole batches at once
+    return _transform_calls(source, want, change)
+
+
+@patch("debug_off")
+def _debug_off(source: str, ctx: PatchContext) -> str:
+    cst = _cst()
+
+    def want(c):
+        return _last_name(c.func) in ("set_detect_anomaly", "use_deterministic_algorithms") and c.args and \
+            isinstance(c.args[0].value, cst.Name) and c.args[0].value.value == "True"
+
+    def change(c):
+        return c.with_changes(args=[c.args[0].with_changes(value=cst.Name("False")), *c.args[1:]])
     return _transform_calls(source, want, change)

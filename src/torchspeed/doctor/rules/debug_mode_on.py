@@ -29,4 +29,4 @@ def check(obs: dict):
     evidence = "left on while training: " + ", ".join(on).replace("_", " ")
     sev = "high" if "anomaly_detection" in on else "medium" if "profiler" in on else "low"
     return finding("debug-mode-on", evidence=evidence, fix="; ".join(FIX[k] for k in on), est_gain=est, obs=obs,
-                   severity=sev)
+                   severity=sev, patch="debug_off" if set(on) & {"anomaly_detection", "deterministic"} else None)
