@@ -184,7 +184,13 @@ def test_dynamo_records_are_parsed_and_the_probes_own_guards_dropped():
 def test_every_rule_states_an_estimate_or_a_severity_on_its_trigger():
     from test_rules import TRIGGERS
 
+    from torchspeed.doctor._patches import PATCHES
+
+    patched = set()
     for rid, mods in TRIGGERS.items():
         f = RULES[rid].check(_obs(*mods))
         assert f.est_gain is None or f.est_gain > 0, rid
+        assert f.patch is None or f.patch in PATCHES, (rid, f.patch)  # a patch --fix can write
+        patched.add(f.patch)
+    assert {"set_to_none", "channels_last", "compile", "threads", "bf16_math", "debug_off", "workers"} <= patched
     assert run_rules(_obs()) == []
