@@ -329,10 +329,13 @@ def test_start_up_outliers_are_left_out_of_the_shares(reports):
 
 def test_in_memory_tensor_dataset_is_told_to_index_whole_batches(reports):
     r, _ = reports[0]["tensor_dataset.py"]
-    assert r.observation["loaders"][0]["in_memory"]
-    f = r.finding("data-bound")
-    assert "index whole batches" in f.fix and "num_workers=" not in f.fix
-    assert "dataloader-workers" not in r.rules
+    assert r.observation["loaders"][0]["in_memory"]  # seen as a TensorDataset
+    assert "dataloader-workers" not in r.rules       # never told to add workers
+    # data-bound follows its measured share (a loaded machine can move it under the threshold); when it
+    # fires, its advice is batched indexing (tested with fixed numbers in test_evidence.py)
+    fired = r.finding("data-bound")
+    assert (fired is not None) == (robust_frac(r.observation, "data_wait") >= data_bound.THRESHOLD)
+    assert fired is None or ("index whole batches" in fired.fix and fired.patch == "batched_index")
 
 
 def test_graph_breaks_name_the_line_and_the_reason(reports):
