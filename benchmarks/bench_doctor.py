@@ -77,6 +77,11 @@ def run_fix(a) -> None:
     if a.only:
         scripts = [s for s in scripts if s.stem in a.only.split(",")]
     rows = []
+    prev_path = a.out if a.out != DEFAULT_OUT else str(HERE / "results" / "cpu" / "doctor_fix.json")
+    previous = None
+    if a.only and os.path.exists(prev_path):
+        with open(prev_path) as f:
+            previous = json.load(f)
     for path in scripts:
         load = [other_runnable()]
         t0 = time.perf_counter()
@@ -111,9 +116,8 @@ def run_fix(a) -> None:
                   "steps": a.steps, "warmup": 5, "rounds": a.rounds, "threads": a.threads, "scripts": rows}
         out = a.out if a.out != DEFAULT_OUT else str(HERE / "results" / "cpu" / "doctor_fix.json")
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        if a.only and os.path.exists(out):  # re-measured scripts replace their rows; the others are kept
-            with open(out) as f:
-                old = json.load(f)
+        if a.only and previous is not None:  # re-measured scripts replace their rows; the others are kept
+            old = previous
             mine = {r["script"] for r in rows}
             result["scripts"] = [r for r in old["scripts"] if r["script"] not in mine] + rows
             result["command"] = old.get("command", "") + "; then " + result["command"]
