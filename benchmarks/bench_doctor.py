@@ -6,6 +6,14 @@ script's own model, baseline and candidate interleaved (5 rounds after warm-up),
 per-round ratios. Hardware and versions are recorded with the results.
 
     python benchmarks/bench_doctor.py --rounds 7 --threads 1   # writes benchmarks/results/cpu/doctor_verify.json
+
+`--fix` instead runs `torchspeed doctor --fix` on every script of the doctor's gallery
+(tests/doctor/scripts) and on benchmarks/doctor/slow_cpu_train.py: each patch the doctor writes
+is measured on the script itself, interleaved with the original, and the kept patches together
+end to end; the rule's estimate is recorded beside each measurement, and the machine's load
+(`torchspeed.env.other_runnable()`, runnable tasks besides this one) before and after each script.
+
+    python benchmarks/bench_doctor.py --fix --steps 20 --rounds 5   # writes benchmarks/results/cpu/doctor_fix.json
 """
 
 from __future__ import annotations
@@ -56,14 +64,84 @@ def measure_overhead(rounds: int = 7, steps: int = 50) -> dict:
             "overhead_ratio": round(statistics.median(p / q for p, q in zip(probed, plain)), 4)}
 
 
+def run_fix(a) -> None:
+    from torchspeed.doctor import DoctorJob, diagnose_many
+    from torchspeed.doctor.fix import fix_script
+    from torchspeed.env import other_runnable
+
+    gallery = sorted(p for p in (HERE.parent / "tests" / "doctor" / "scripts").glob("*.py")
+                     if not p.name.startswith("_") and p.stem not in ("crashes", "hangs"))
+    # the slowest scripts last, so a run cut short still records the rest (the JSON is rewritten per script)
+    heavy = ("big_activations", "oversubscribed", "elementwise_chain", "slow_cpu_train")
+    scripts = sorted(gallery + [HERE / "doctor" / "slow_cpu_train.py"], key=lambda p: (p.stem in heavy, p.stem))
+    if a.only:
+        scripts = [s for s in scripts if s.stem in a.only.split(",")]
+    rows = []
+    prev_path = a.out if a.out != DEFAULT_OUT else str(HERE / "results" / "cpu" / "doctor_fix.json")
+    previous = None
+    if a.only and os.path.exists(prev_path):
+        with open(prev_path) as f:
+            previous = json.load(f)
+    for path in scripts:
+        load = [other_runnable()]
+        t0 = time.perf_counter()
+        report = diagnose_many([DoctorJob(script=str(path), steps=a.steps, warmup=5, time_limit=600)], quiet=True,
+                               threads=a.threads)[0]
+        est = {f.rule: f.est_gain for f in report.findings}
+        row = {"script": str(path.relative_to(HERE.parent)), "status": report.status,
+               "findings": [f.rule for f in report.findings],
+               "patchable": [f.rule for f in report.findings if f.patch]}
+        if row["patchable"] and report.status in ("stopped", "finished"):
+            fx = fix_script(report, steps=a.steps, warmup=5, rounds=a.rounds, time_limit=600, threads=a.threads)
+            row["patches"] = [{"rule": p["rule"], "patch": p["patch"], "est_gain": est.get(p["rule"]),
+                               "speedup": p["speedup"], "ratios": p["ratios"], "kept": p["kept"],
+                               "original_ms": fx.get("original_ms"), "patched_ms": p["patched_ms"],
+                               **({"error": p["error"]} if "error" in p else {}), "diff": p["diff"]}
+                              for p in fx["patches"]]
+            row["skipped"] = fx["skipped"]
+            row["end_to_end_speedup"] = fx["end_to_end_speedup"]
+            row["end_to_end_ratios"] = fx.get("end_to_end_ratios")
+            row["combined_diff"] = fx["combined_diff"]
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        load.append(other_runnable())
+        row["other_runnable_before_after"] = load
+        rows.append(row)
+        print(path.name, row.get("end_to_end_speedup"), [(p["patch"], p["est_gain"], p["speedup"], p["kept"])
+                                                           for p in row.get("patches", [])], "load", load, flush=True)
+        result = {"benchmark": "doctor_fix", "claim": "each --fix patch measured on the script itself, interleaved "
+                  "with the original; the kept patches together end to end", "provenance": provenance(),
+                  "command": "python benchmarks/bench_doctor.py --fix " + " ".join(
+                      f"--{k.replace('_', '-')} {v}" for k, v in (("steps", a.steps), ("rounds", a.rounds),
+                                                                    ("threads", a.threads), ("only", a.only)) if v),
+                  "steps": a.steps, "warmup": 5, "rounds": a.rounds, "threads": a.threads, "scripts": rows}
+        out = a.out if a.out != DEFAULT_OUT else str(HERE / "results" / "cpu" / "doctor_fix.json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        if a.only and previous is not None:  # re-measured scripts replace their rows; the others are kept
+            old = previous
+            mine = {r["script"] for r in rows}
+            result["scripts"] = [r for r in old["scripts"] if r["script"] not in mine] + rows
+            result["command"] = old.get("command", "") + "; then " + result["command"]
+        with open(out + ".tmp", "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(out + ".tmp", out)
+
+
+DEFAULT_OUT = str(HERE / "results" / "cpu" / "doctor_verify.json")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--fix", action="store_true", help="measure --fix on every gallery script (doctor_fix.json)")
+    p.add_argument("--only", default=None, help="with --fix: comma-separated script names (no .py)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch threads in the script's process")
-    p.add_argument("--out", default=str(HERE / "results" / "cpu" / "doctor_verify.json"))
+    p.add_argument("--out", default=DEFAULT_OUT)
     a = p.parse_args()
+    if a.fix:
+        run_fix(a)
+        return
     fixes = ("autocast", "channels_last", "workers", "conv_bias", "set_to_none") + (() if a.no_compile else ("compile",))
     job = DoctorJob(script=str(HERE / "doctor" / "slow_cpu_train.py"), steps=a.steps, warmup=5, verify=True,
                     fixes=fixes, rounds=a.rounds, time_limit=600)

@@ -1,7 +1,7 @@
 """Every registered rule, on synthetic observations: it fires on its problem, stays quiet on a
 clean observation, and its severity follows the cost on the device (and --verify's measurement).
 
-The loop is over `RULES`, so a new rule file is covered once it has a TRIGGERS entry.
+The loop is over the registry, so a new rule file is covered once it has a TRIGGERS entry.
 """
 
 import copy
@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from torchspeed.doctor import RULE_IDS, RULES, run_rules
+from torchspeed.doctor import RULES, rule_ids, run_rules
 from torchspeed.doctor.registry import severity_for_gain
 
+RULE_IDS = rule_ids()
+
 CPU_ENV = {"device": "cpu", "cuda_available": False, "bf16_supported": False, "compute_capability": None,
-           "cpu_cores": 2}
+           "cpu_cores": 2, "amx": False, "allocator": "glibc", "tcmalloc_path": None}
+BF16_CPU = {**CPU_ENV, "bf16_supported": True}
 
 CLEAN = {
     "env": CPU_ENV, "cpu_cores": 2, "steps_observed": 30, "status": "stopped", "cudnn_benchmark": False,
@@ -33,8 +36,16 @@ CLEAN = {
               "unused_params": [], "unused_param_count": 0, "unused_param_fraction": 0.0, "never_called_modules": [],
               "design": {"grouped_convs": 0, "grouped_time_share": 0.0, "grouped_flops_share": 0.0},
               "input": {"dtype": "torch.float32", "mean": 0.0, "std": 1.0, "min": -3.0, "max": 3.0}},
+    "kernels": {"matmul_share": 0.6, "elementwise_share": 0.2, "ms_per_step": 8.0, "top": ["mm 50%"]},
+    "debug": {"anomaly_detection": False, "profiler": False, "deterministic": False},
+    "math": {"mkldnn_matmul": "none", "mkldnn_conv": "none", "float32_matmul_precision": "highest"},
+    "compile": {"graph_breaks": [], "recompiles": []},
+    "cpu": {"workers": 2, "threads": 1, "cores": 2, "compute_ms_in_script": 9.0, "compute_ms_alone": 8.8,
+            "worker_ms_per_batch": 4.0},
+    "threads": 1,
     "notes": [],
 }
+CLEAN["breakdown"]["minor_faults_per_step"] = 40.0
 
 
 def _cuda(o):
@@ -77,6 +88,16 @@ def _design(o):
     o["model"]["design"] = {"grouped_convs": 4, "grouped_time_share": 0.6, "grouped_flops_share": 0.1}
 
 
+def _oversubscribed(o):
+    o["cpu"] = {"workers": 2, "threads": 2, "cores": 2, "compute_ms_in_script": 9.0, "compute_ms_alone": 6.0,
+                "worker_ms_per_batch": 4.0}
+
+
+def _no_autocast_bf16_cpu(o):
+    o["env"] = BF16_CPU
+    o["model"]["autocast"] = False
+
+
 TRIGGERS = {
     "data-bound": [_slow_data],
     "dataloader-workers": [_workers0],
@@ -99,6 +120,13 @@ TRIGGERS = {
                           _set("model.unused_param_count", 2), _set("model.unused_param_fraction", 0.5)],
     "small-batch": [_set("model.batch_size", 4)],
     "model-design": [_design],
+    "cpu-oversubscribed": [_oversubscribed],
+    "elementwise-bound": [_set("kernels.elementwise_share", 0.55)],
+    "compile-graph-breaks": [_set("compile.graph_breaks", [{"site": "train.py:12", "reason": "Data-dependent "
+                                                            "branching", "count": 3}])],
+    "debug-mode-on": [_set("debug.anomaly_detection", True)],
+    "cpu-bf16-math": [_no_autocast_bf16_cpu],
+    "allocator": [_set("breakdown.minor_faults_per_step", 6000.0)],
     "input-not-normalized": [_set("model.input", {"dtype": "torch.float32", "mean": 120.0, "std": 70.0,
                                                   "min": 0.0, "max": 255.0})],
 }
@@ -111,13 +139,15 @@ def _obs(*mods):
     return o
 
 
-def test_registry_holds_every_stable_rule_id_one_file_each():
-    import torchspeed.doctor.rules  # noqa: F401
-    assert set(RULES) == set(RULE_IDS) and len(RULE_IDS) == 18
+def test_registry_is_every_rule_file_one_rule_each():
+    import torchspeed.doctor.rules
     folder = Path(torchspeed.doctor.rules.__file__).parent
-    for rid in RULE_IDS:
-        assert (folder / f"{rid.replace('-', '_')}.py").exists()
+    files = {p.stem for p in folder.glob("*.py") if not p.name.startswith("_")}
+    assert {rid.replace("-", "_") for rid in RULE_IDS} == files
+    assert {RULES[r].module.rsplit(".", 1)[1] for r in RULE_IDS} == files
     assert set(TRIGGERS) == set(RULE_IDS)
+    prios = [RULES[r].priority for r in RULE_IDS]
+    assert prios == sorted(prios) and len(set(prios)) == len(prios)
 
 
 def test_clean_observation_has_no_findings():
@@ -133,7 +163,7 @@ def test_rule_fires_on_its_problem(rule_id):
     assert f is not None and f.rule == rule_id
     assert f.severity in ("high", "medium", "low") and f.evidence and f.fix
     d = f.to_dict()
-    assert set(d) == {"rule", "severity", "evidence", "fix", "est_gain"}
+    assert set(d) == {"rule", "severity", "evidence", "fix", "est_gain", "measured_gain", "patch"}
     assert d["est_gain"] is None or isinstance(d["est_gain"], float)
     assert RULES[rule_id].check(_obs()) is None  # and only there
 
@@ -190,7 +220,8 @@ def test_odd_sizes_include_a_language_models_vocabulary_but_not_a_classifiers_cl
     import torch
     from torch import nn
 
-    from torchspeed.doctor._static import Captured, examine_model
+    from torchspeed.doctor._capture import Captured
+    from torchspeed.doctor._model_checks import examine_model
 
     class LM(nn.Module):
         def __init__(self, vocab):

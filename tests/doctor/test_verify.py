@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from torchspeed.doctor import DoctorJob, diagnose_many
-from torchspeed.doctor._static import Captured
+from torchspeed.doctor._capture import Captured
 from torchspeed.doctor.registry import severity_for_gain
 from torchspeed.doctor import verify as verify_mod
 from torchspeed.doctor.verify import _interleave, _Trainer, applicable_fixes, verify_fixes

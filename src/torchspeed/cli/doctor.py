@@ -1,4 +1,7 @@
-"""`torchspeed doctor train.py [-- script args] [--steps N] [--json PATH] [--verify]` (T02, T03).
+"""`torchspeed doctor train.py [-- script args] [--steps N] [--json PATH] [--verify] [--fix [--apply]]` (T02, T03).
+
+`--fix` writes each applicable finding as a patch of the script and measures it on the script
+itself (see `torchspeed.doctor.fix`); `--fix --apply` also writes the kept patches into the file.
 
 Runs an unmodified training script under the doctor's probe (see `torchspeed.doctor`), for
 a bounded number of optimizer steps, and prints the ranked report. The script's own output
@@ -15,7 +18,11 @@ import tempfile
 
 from torchspeed.cli.main import CLIError
 
-FIX_NAMES = ("autocast", "channels_last", "workers", "pin_memory", "set_to_none", "conv_bias", "compile")
+def _fix_names() -> tuple[str, ...]:
+    """The fixes the rules declare (`register(..., fix=)`): the one table of fix names."""
+    from torchspeed.doctor.registry import fix_rules
+
+    return tuple(fix_rules())
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
@@ -25,11 +32,18 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true",
                    help="measure each applicable fix on the script's model (interleaved with the baseline)")
     p.add_argument("--fixes", default=None,
-                   help=f"comma-separated fixes for --verify (default: all that apply): {','.join(FIX_NAMES)}")
+                   help=f"comma-separated fixes for --verify (default: all that apply): {','.join(_fix_names())}")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile in --verify (it takes a while)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per fix in --verify (default 5)")
     p.add_argument("--time-limit", type=float, default=300.0, help="stop the script after this many seconds (default 300)")
     p.add_argument("--show-output", action="store_true", help="let the script print to this terminal")
+    p.add_argument("--fix", action="store_true",
+                   help="write each applicable finding as a patch of the script and measure it on the script itself, "
+                        "interleaved with the original (needs libcst)")
+    p.add_argument("--apply", action="store_true", help="with --fix: write the patches that measured faster into the "
+                                                        "script (otherwise the user's files are never written)")
+    p.add_argument("--fix-rounds", type=int, default=3, help="interleaved runs of the original and each patched "
+                                                             "script in --fix (default 3)")
 
 
 def register(sub) -> None:
@@ -69,6 +83,23 @@ def _split_rest(args) -> list[str]:
     return tail
 
 
+def _fix(report, args, script_args, console):
+    import dataclasses
+
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from torchspeed.doctor.fix import fix_script
+
+    n = sum(1 for f in report.findings if f.patch)
+    with Progress(SpinnerColumn(), TextColumn(f"[bold]doctor --fix[/]: measuring {n} patch(es) on {args.script}, "
+                                              f"{args.fix_rounds} interleaved rounds"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        progress.add_task("fix", total=None)
+        result = fix_script(report, args=script_args, steps=args.steps, warmup=args.warmup, rounds=args.fix_rounds,
+                            time_limit=args.time_limit, apply=args.apply)
+    return dataclasses.replace(report, fix=result)
+
+
 def run(args) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -85,11 +116,21 @@ def run(args) -> int:
     fixes = None
     if args.fixes:
         fixes = tuple(f.strip() for f in args.fixes.split(",") if f.strip())
-        bad = [f for f in fixes if f not in FIX_NAMES]
+        bad = [f for f in fixes if f not in _fix_names()]
         if bad:
-            raise CLIError(f"unknown fix(es) {', '.join(bad)}; choose from {', '.join(FIX_NAMES)}")
+            raise CLIError(f"unknown fix(es) {', '.join(bad)}; choose from {', '.join(_fix_names())}")
     elif args.no_compile:
-        fixes = tuple(f for f in FIX_NAMES if f != "compile")
+        fixes = tuple(f for f in _fix_names() if f != "compile")
+    if args.apply and not args.fix:
+        raise CLIError("--apply writes what --fix measured: use --fix --apply")
+    if args.fix:
+        from torchspeed.doctor._patches import libcst_missing
+
+        hint = libcst_missing()
+        if hint:
+            raise CLIError(hint)
+        if args.fix_rounds < 1:
+            raise CLIError("--fix-rounds must be at least 1")
     job = DoctorJob(script=args.script, args=tuple(script_args), steps=args.steps, warmup=args.warmup,
                     verify=args.verify, fixes=fixes, rounds=args.rounds, time_limit=args.time_limit)
     console = Console()
@@ -107,6 +148,8 @@ def run(args) -> int:
         if report.status in ("raised", "exited", "killed") and os.path.exists(log):
             with open(log, errors="replace") as f:
                 tail = "".join(f.readlines()[-15:])
+    if args.fix and report.status in ("stopped", "finished"):
+        report = _fix(report, args, script_args, console)
     render_report(report, console)
     if tail:
         console.print("[dim]last lines the script printed:[/]")

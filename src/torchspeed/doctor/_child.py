@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     if spec.get("threads"):
         import torch
         torch.set_num_threads(int(spec["threads"]))
-    from torchspeed.doctor._probe import run_job
+    from torchspeed.doctor._job import run_job
 
     for i, job in enumerate(spec["jobs"]):
         try:

@@ -1,8 +1,7 @@
-"""The probe: run a user's script under instrumentation and record where its step time goes (T02, T03).
+"""The probe: instrumentation that records where a training script's step time goes (T02, T03, T13).
 
-`run_job` runs one script with `runpy.run_path` semantics (`__name__ == "__main__"`, the
-script's folder first on `sys.path`, the current directory unchanged, `sys.argv` set),
-with these patches in place:
+`Probe` is a context manager; inside it these patches are in place (`_job.run_job` runs the
+script inside one):
 
 - global optimizer step hooks: step boundaries; after `warmup + steps` steps a private
   `BaseException` stops the script (a script's `except Exception` cannot swallow it);
@@ -13,37 +12,32 @@ with these patches in place:
   `.numpy` / `.cpu` / `nonzero` called from user code (host-device syncs on an accelerator),
   `torch.tensor(ndarray)` (a copy where `torch.from_numpy` shares memory).
 
-Time is attributed exclusively (a sync inside a forward counts as sync, not compute).
-Every patch is undone when the script ends, whatever way it ends; a wall-clock limit
-(SIGALRM) stops a script that runs too long. After the script, the captured model, batch
-and datasets are examined statically (`_static`) and, with verify, timed (`verify`).
+Time is attributed exclusively (a sync inside a forward counts as sync, not compute). Each
+step record also holds the minor page faults of the step (the allocator rule reads them). At
+the first measured step the probe notes which optimizer parameters have a gradient and which
+do not. Every patch is undone on exit, whatever way the block ends.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import runpy
-import signal
+import resource
 import sys
 import sysconfig
 import time
-import traceback
 from collections import defaultdict
 
 import torch
 from torch import nn
 
-__all__ = ["Probe", "run_job", "StopScript", "TimeLimit"]
+from torchspeed.doctor._tree import clone_args
+
+__all__ = ["Probe", "StopScript", "is_user_file"]
 
 
 class StopScript(BaseException):
     """Raised from the optimizer step hook once enough steps were seen."""
-
-
-class TimeLimit(BaseException):
-    """Raised from SIGALRM when the script ran past its time limit."""
 
 
 def _lib_prefixes() -> tuple[str, ...]:
@@ -64,7 +58,7 @@ _LIBS = _lib_prefixes()
 
 
 @functools.lru_cache(maxsize=4096)
-def _is_user_file(filename: str) -> bool:
+def is_user_file(filename: str) -> bool:
     if not filename or filename.startswith("<"):
         return False
     return not os.path.realpath(filename).startswith(_LIBS)
@@ -73,37 +67,13 @@ def _is_user_file(filename: str) -> bool:
 def _user_site(depth: int = 2) -> str | None:
     """'file:line' of the calling user frame, or None when the caller is library code."""
     f = sys._getframe(depth)
-    if _is_user_file(f.f_code.co_filename):
+    if is_user_file(f.f_code.co_filename):
         return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
     return None
 
 
-def _clone_args(args):
-    def c(x):
-        if isinstance(x, torch.Tensor):
-            return x.detach().clone()
-        if isinstance(x, (list, tuple)):
-            return type(x)(c(v) for v in x) if isinstance(x, list) else tuple(c(v) for v in x)
-        if isinstance(x, dict):
-            return {k: c(v) for k, v in x.items()}
-        return x
-    return c(args)
-
-
-def _first_tensor(x):
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, (list, tuple)):
-        for v in x:
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    if isinstance(x, dict):
-        for v in x.values():
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    return None
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 class Probe:
@@ -134,6 +104,9 @@ class Probe:
         self.copies = {"count": 0, "ms": 0.0, "bytes": 0, "sites": defaultdict(int)}
         self.zero_grads = {"calls": 0, "set_to_none_false": 0, "ms": 0.0, "sites": defaultdict(int)}
         self.unused_at_step: list[str] | None = None
+        self.unused_ids: set[int] = set()
+        self.grad_ids: set[int] = set()
+        self._faults = _minor_faults()
         self.eval = {"calls": 0, "grad_calls": 0, "ms": 0.0, "grad_ms": 0.0}
         self.cuda_sync_warnings = 0
         self.on_stop = None  # called once, with the script still alive, right before StopScript
@@ -374,13 +347,13 @@ class Probe:
             elif self.last_output_id is not None and args and id(args[0]) == self.last_output_id:
                 if self.loss_module is None and len(self.records) >= 1 and len(args) >= 2:
                     self.loss_module = module
-                    self.loss_target = _clone_args(args[1])
+                    self.loss_target = clone_args(args[1])
         self._depth += 1
 
     def _capture_inputs(self, module, args, kwargs):
         info = self.modules.get(id(module))
         if info is not None and info["args"] is None and module.training and len(self.records) >= 1:
-            info["args"], info["kwargs"] = _clone_args(tuple(args)), _clone_args(dict(kwargs))
+            info["args"], info["kwargs"] = clone_args(tuple(args)), clone_args(dict(kwargs))
         return None
 
     def _on_forward_post(self, module, args, output):
@@ -403,10 +376,10 @@ class Probe:
             self.step_opt = opt
         if opt is self.step_opt:
             if self.unused_at_step is None and len(self.records) >= 1:
-                self.unused_at_step = [str(i) for g in opt.param_groups for i, p in enumerate(g["params"])
-                                       if p.requires_grad and p.grad is None]
-                self._unused_ids = {id(p) for g in opt.param_groups for p in g["params"]
-                                    if p.requires_grad and p.grad is None}
+                params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+                self.unused_at_step = [str(i) for i, p in enumerate(params) if p.grad is None]
+                self.unused_ids = {id(p) for p in params if p.grad is None}
+                self.grad_ids = {id(p) for p in params if p.grad is not None}
             self._enter("optim")
         return None
 
@@ -417,6 +390,8 @@ class Probe:
         now = time.perf_counter()
         rec = {k: v * 1e3 for k, v in self.cur.items()}
         rec["step"] = (now - self.last_mark) * 1e3
+        faults = _minor_faults()
+        rec["minflt"], self._faults = faults - self._faults, faults
         self.records.append(rec)
         self.cur = defaultdict(float)
         self.last_mark = now
@@ -424,103 +399,3 @@ class Probe:
             if self.on_stop is not None:
                 self.on_stop()
             raise StopScript()
-
-
-def _alarm(signum, frame):
-    raise TimeLimit()
-
-
-def run_job(job: dict) -> dict:
-    """Run one script under the probe; return the observation (JSON-ready dict)."""
-    from torchspeed.doctor import _static
-    from torchspeed.env import detect
-
-    script = os.path.abspath(job["script"])
-    script_dir = os.path.dirname(script)
-    steps, warmup = int(job.get("steps", 30)), int(job.get("warmup", 5))
-    obs: dict = {"script": job["script"], "argv": list(job.get("args", [])), "steps_requested": steps,
-                 "warmup": warmup, "env": detect().to_dict(), "notes": []}
-    probe = Probe(steps=steps, warmup=warmup)
-    saved = {"argv": sys.argv, "path": list(sys.path), "modules": set(sys.modules),
-             "threads": torch.get_num_threads(), "cudnn": torch.backends.cudnn.benchmark,
-             "dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled(), "cwd": os.getcwd()}
-    analysed = False
-
-    def analyse() -> None:
-        # Runs inside the last optimizer step while the script is still alive (its temp files,
-        # open datasets and models exist), with every patch already removed.
-        nonlocal analysed
-        if analysed:
-            return
-        analysed = True
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        probe._restore()
-        obs.setdefault("cudnn_benchmark", torch.backends.cudnn.benchmark)
-        obs["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        off = [torch.autocast("cpu", enabled=False)]
-        if torch.cuda.is_available():
-            off.append(torch.autocast("cuda", enabled=False))
-        try:
-            with torch.enable_grad(), contextlib.ExitStack() as stack:
-                for ctx in off:
-                    stack.enter_context(ctx)
-                _static.summarize(probe, obs)
-                captured = _static.capture(probe)
-                _static.examine_model(captured, obs)
-                _static.probe_datasets(probe, obs)
-                if job.get("verify"):
-                    from torchspeed.doctor.verify import verify_fixes
-                    obs["verify"] = verify_fixes(captured, obs, fixes=job.get("fixes"),
-                                                 rounds=int(job.get("rounds", 5)))
-        except Exception as e:  # a doctor failure must not look like the script's
-            obs["notes"].append(f"analysis failed: {type(e).__name__}: {e}")
-            obs.setdefault("analysis_traceback", traceback.format_exc())
-
-    probe.on_stop = analyse
-    old_handler = signal.signal(signal.SIGALRM, _alarm)
-    t_start = time.perf_counter()
-    status, tb = "finished", None
-    sys.argv = [script, *obs["argv"]]
-    sys.path.insert(0, script_dir)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, float(job.get("time_limit", 300)))
-        try:
-            with probe:
-                runpy.run_path(script, run_name="__main__")
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-    except StopScript:
-        status = "stopped"
-    except TimeLimit:
-        status = "timeout"
-    except SystemExit as e:
-        status = "finished" if e.code in (None, 0) else "exited"
-        if status == "exited":
-            tb = f"SystemExit: {e.code}"
-    except KeyboardInterrupt:
-        status, tb = "interrupted", "KeyboardInterrupt"
-    except BaseException as e:  # the user's script raised: report it with its traceback
-        status = "raised"
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if _is_user_file(f.filename)]
-        tb = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) + \
-            "".join(traceback.format_exception_only(type(e), e))
-    finally:
-        signal.signal(signal.SIGALRM, old_handler)
-        sys.argv = saved["argv"]
-        sys.path[:] = saved["path"]
-        for name in set(sys.modules) - saved["modules"]:
-            f = getattr(sys.modules.get(name), "__file__", None) or ""
-            if f and os.path.realpath(f).startswith(os.path.realpath(script_dir) + os.sep):
-                del sys.modules[name]
-        torch.set_num_threads(saved["threads"])
-        obs.setdefault("cudnn_benchmark", torch.backends.cudnn.benchmark)  # the script's own setting
-        torch.backends.cudnn.benchmark = saved["cudnn"]
-        torch.set_default_dtype(saved["dtype"])
-        torch.set_grad_enabled(saved["grad"])
-        if os.getcwd() != saved["cwd"]:
-            os.chdir(saved["cwd"])
-    obs["status"], obs["traceback"] = status, tb
-    obs["wall_s"] = round(time.perf_counter() - t_start, 3)
-    if not analysed:
-        analyse()  # the script ended before the step limit: examine what it left behind
-    return obs

@@ -40,11 +40,14 @@ class DoctorJob:
     rounds: int = 5
     time_limit: float = 300.0
     extra: dict = field(default_factory=dict)
+    source: str | None = None      # run this text as the script (a --fix candidate), the file is not read
+    measure_only: bool = False     # the step-time breakdown only (no model checks, no profiling)
 
     def to_spec(self) -> dict:
         return {"script": os.path.abspath(self.script), "args": list(self.args), "steps": self.steps,
                 "warmup": self.warmup, "verify": self.verify, "fixes": list(self.fixes) if self.fixes else None,
-                "rounds": self.rounds, "time_limit": self.time_limit}
+                "rounds": self.rounds, "time_limit": self.time_limit, "source": self.source,
+                "measure_only": self.measure_only}
 
 
 def report_from_observation(obs: dict, *, script: str | None = None) -> DoctorReport:
@@ -122,6 +125,6 @@ def diagnose(script: str, *, args: Sequence[str] = (), steps: int = 30, warmup: 
                     fixes=tuple(fixes) if fixes else None, rounds=rounds, time_limit=time_limit)
     if not isolate:
         _check_script(script)
-        from torchspeed.doctor._probe import run_job
+        from torchspeed.doctor._job import run_job
         return report_from_observation(run_job(job.to_spec()), script=script)
     return diagnose_many([job], quiet=quiet)[0]

@@ -1,8 +1,9 @@
 """The doctor's report: the environment (T01), the step-time breakdown (T02), ranked findings.
 
 `DoctorReport.to_dict()` is the `--json` format:
-`{"breakdown": {...}, "findings": [{"rule", "severity", "evidence", "fix", "est_gain"}], ...}`
-plus `env`, `script`, `status`, `traceback`, `verify` and `notes`.
+`{"breakdown": {...}, "findings": [{"rule", "severity", "evidence", "fix", "est_gain", "measured_gain"}], ...}`
+plus `env`, `script`, `status`, `traceback`, `verify`, `notes`, and `observation`: every number the
+rules read, in the declared schema (`torchspeed.doctor.observation.Observation`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ class Finding:
     fix: str
     est_gain: float | None
     measured_gain: float | None = None
+    patch: str | None = None          # the `--fix` source patch for this finding (`_patches.PATCHES`)
+    patch_args: dict | None = None    # what the patch needs: {"workers": 0}, {"threads": 1}, ...
 
     def to_dict(self) -> dict:
         return {"rule": self.rule, "severity": self.severity, "evidence": self.evidence, "fix": self.fix,
-                "est_gain": self.est_gain}
+                "est_gain": self.est_gain, "measured_gain": self.measured_gain, "patch": self.patch}
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class DoctorReport:
     verify: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     observation: dict = field(default_factory=dict, repr=False)
+    fix: dict = field(default_factory=dict)  # `--fix`: {"patches": [...], "end_to_end_speedup": ...}
 
     @property
     def rules(self) -> set[str]:
@@ -54,7 +58,8 @@ class DoctorReport:
                 "script": self.script, "status": self.status, "traceback": self.traceback, "env": self.env,
                 "verify": list(self.verify.values()), "notes": list(self.notes),
                 "steps_observed": self.observation.get("steps_observed", 0),
-                "memory": self.observation.get("memory", {})}
+                "memory": self.observation.get("memory", {}), "observation": self.observation,
+                **({"fix": self.fix} if self.fix else {})}
 
     def write_json(self, path: str) -> None:
         """Write `to_dict()` atomically (a temp file renamed into place)."""
@@ -92,7 +97,9 @@ def render_report(report: DoctorReport, console=None) -> None:
         console.print(Text(report.traceback.rstrip(), style="red"))
     b = report.breakdown
     if b.get("steps"):
-        t = Table(title=f"step time: {b['step_ms']:.2f} ms (mean of {b['steps']} steps after warm-up)")
+        out = b.get("outlier_steps", 0)
+        left = f", {out} start-up outlier(s) left out: {b.get('outlier_step_ms')} ms" if out else ""
+        t = Table(title=f"step time: {b['step_ms']:.2f} ms (trimmed mean of {b['steps']} steps after warm-up{left})")
         for col in ("data wait", "copy", "compute", "sync", "other"):
             t.add_column(col, justify="right")
         keys = ("data_wait", "copy", "compute", "sync", "other")
@@ -137,5 +144,31 @@ def render_report(report: DoctorReport, console=None) -> None:
                 note = (note + f" compile took {v['compile_s']} s").strip()
             t.add_row(v["fix"], f"{v['baseline_ms']:.2f}", f"{v['candidate_ms']:.2f}", f"{s:.2f}x", note)
         console.print(t)
+    if report.fix:
+        _render_fix(report, console)
     for n in report.notes:
         console.print(f"[dim]note: {n}[/]")
+
+
+def _render_fix(report: DoctorReport, console) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    fx = report.fix
+    t = Table(title=f"--fix: each patch measured on the script itself ({fx['rounds']} interleaved rounds of "
+                    f"{fx['steps']} steps)")
+    for col in ("rule", "patch", "speed-up", "kept", "note"):
+        t.add_column(col)
+    for p in fx["patches"]:
+        s = "-" if p["speedup"] is None else f"{p['speedup']:.2f}x"
+        note = p.get("error") or ("" if p["kept"] else "slower here: left out")
+        t.add_row(p["rule"], p["patch"], s, "yes" if p["kept"] else "no", note)
+    for p in fx.get("skipped", []):
+        t.add_row(p["rule"], p["patch"], "-", "no", f"not applied: {p['reason']}")
+    console.print(t)
+    if fx.get("end_to_end_speedup") is not None:
+        console.print(f"[bold]all kept patches together[/]: {fx['end_to_end_speedup']:.2f}x end to end "
+                      f"(ratios {fx.get('end_to_end_ratios')})")
+        console.print(Text(fx["combined_diff"].rstrip()), highlight=False)
+        console.print("[green]written to the script[/]" if fx.get("applied") else
+                      "[dim]the script was not changed; add --apply to write these patches[/]")

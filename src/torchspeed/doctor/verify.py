@@ -9,9 +9,11 @@ after an untimed warm-up. The speed-up is the median of the per-round ratios, so
 machine slows both sides alike.
 
 Fixes: `autocast` (T21: bf16, fp16 on pre-Ampere CUDA), `channels_last` (T23), `workers`
-(T06: DataLoader(num_workers>0), each step = next batch + train step), `pin_memory` (T07,
+(T06, T45: the worker count `torchspeed.tune.tune_loader` chooses, fewer or more than the
+script's, each step = next batch + train step), `pin_memory` (T07,
 CUDA), `set_to_none` (T26), `conv_bias` (T27), `compile` (T25; its compile time is reported
-separately). A fix that is slower on this machine is reported as a slow-down, never hidden.
+separately), `bf16_math` (T21: oneDNN fp32 matmuls/convolutions with bf16 inputs, CPUs with
+AVX512-BF16/AMX). A fix that is slower on this machine is reported as a slow-down, never hidden.
 
 Cost: a few seconds per fix for small models; the model copies need memory for 2 models.
 """
@@ -27,56 +29,18 @@ import time
 import torch
 from torch import nn
 
+from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
 from torchspeed.env import detect
 from torchspeed.model.conv_bias import remove_conv_bias
-from torchspeed.train.batch import model_loss
+from torchspeed.train.compile import sync
 from torchspeed.train.precision import half_precision
 from torchspeed.train.memory_format import apply_channels_last, to_channels_last
 
-__all__ = ["FIXES", "verify_fixes"]
+__all__ = ["IMPLEMENTED", "verify_fixes", "applicable_fixes", "time_model_alone", "measure_contention"]
 
-# fix name -> the rule whose advice it proves (None: reported in the verify table only)
-FIXES = {"autocast": "no-amp", "channels_last": "channels-last", "workers": "dataloader-workers",
-         "pin_memory": "pin-memory", "set_to_none": "zero-grad-memset", "conv_bias": "conv-bias-before-bn",
-         "compile": None}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _run(model, args, kwargs=None):
-    kwargs = kwargs or {}
-    return model(*args, **kwargs) if isinstance(args, (tuple, list)) else model(args, **kwargs)
-
-
-def _map(x, fn):
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map(v, fn) for v in x) if isinstance(x, list) else tuple(_map(v, fn) for v in x)
-    if isinstance(x, dict):
-        return {k: _map(v, fn) for k, v in x.items()}
-    return x
-
-
-def _generic_loss(out):
-    """A scalar to backpropagate: the model's own loss when it returns one (a 0-dim tensor, a dict with
-    "loss", an object with .loss: the batch contract of `torchspeed.train.batch`), else a mean square."""
-    loss, _ = model_loss(out)
-    if loss is not None:
-        return loss.float()
-    if isinstance(out, torch.Tensor):
-        return out.float() if out.dim() == 0 else out.float().square().mean()
-    if isinstance(out, dict):
-        if isinstance(out.get("loss"), torch.Tensor):
-            return out["loss"].float()
-        out = list(out.values())
-    if isinstance(out, (list, tuple)):
-        ts = [o for o in out if isinstance(o, torch.Tensor) and o.is_floating_point()]
-        return sum(t.float().square().mean() for t in ts)
-    raise TypeError(f"cannot build a loss from a model output of type {type(out).__name__}")
+# The fixes this module can measure. Which rule each one proves is declared by the rules themselves
+# (`register(..., fix=)`, read with `registry.fix_rules()`); a test checks the two sets agree.
+IMPLEMENTED = ("autocast", "bf16_math", "channels_last", "workers", "pin_memory", "set_to_none", "conv_bias", "compile")
 
 
 def _copy_model_and_optimizer(model: nn.Module, opt: torch.optim.Optimizer | None):
@@ -100,36 +64,50 @@ class _Trainer:
     """One training step on the captured batch, with or without a fix."""
 
     def __init__(self, cap, *, amp_dtype=None, channels_last=False, set_to_none=True, conv_bias=False,
-                 compile_model=False):
+                 compile_model=False, bf16_math=False):
         self.model, self.opt, self.note = _copy_model_and_optimizer(cap.model, cap.optimizer)
         self.device = next(self.model.parameters()).device
-        self.args = _map(cap.args, lambda t: t.clone())
-        self.kwargs = _map(cap.kwargs or {}, lambda t: t.clone())
+        self.args = map_tensors(cap.args, lambda t: t.clone())
+        self.kwargs = map_tensors(cap.kwargs or {}, lambda t: t.clone())
         self.loss_module, self.target = cap.loss_module, cap.target
         if conv_bias:
             # the removed biases stay in the optimizer without gradients: it skips them
             remove_conv_bias(self.model, example_input=self.args, example_kwargs=self.kwargs)
         if channels_last:
             apply_channels_last(self.model)
-            self.args = _map(self.args, to_channels_last)
-            self.kwargs = _map(self.kwargs, to_channels_last)
+            self.args = map_tensors(self.args, to_channels_last)
+            self.kwargs = map_tensors(self.kwargs, to_channels_last)
         if compile_model:
             self.model = torch.compile(self.model)
         self.set_to_none = set_to_none
         dev_type = self.device.type
         self.ctx = (lambda: torch.autocast(dev_type, dtype=amp_dtype)) if amp_dtype is not None else contextlib.nullcontext
+        if bf16_math:
+            self.ctx = _bf16_math
         self.model.train()
 
     def step(self) -> None:
         self.opt.zero_grad(set_to_none=self.set_to_none)
         with self.ctx():
-            out = _run(self.model, self.args, self.kwargs)
+            out = call_model(self.model, self.args, self.kwargs)
             if self.loss_module is not None and self.target is not None:
                 loss = self.loss_module(out, self.target)
             else:
-                loss = _generic_loss(out)
+                loss = generic_loss(out)
         loss.backward()
         self.opt.step()
+
+
+@contextlib.contextmanager
+def _bf16_math():
+    """oneDNN fp32 matmuls and convolutions with bf16 inputs and fp32 accumulation, for one step."""
+    mk = torch.backends.mkldnn
+    saved = (mk.matmul.fp32_precision, mk.conv.fp32_precision)
+    mk.matmul.fp32_precision = mk.conv.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        mk.matmul.fp32_precision, mk.conv.fp32_precision = saved
 
 
 class _LoaderStep:
@@ -157,7 +135,7 @@ class _LoaderStep:
             self.it = iter(self.loader)
             batch = next(self.it)
         if self.trainer.device.type != "cpu":
-            _map(batch, lambda t: t.to(self.trainer.device, non_blocking=self.non_blocking))
+            map_tensors(batch, lambda t: t.to(self.trainer.device, non_blocking=self.non_blocking))
         self.trainer.step()
 
     def close(self) -> None:
@@ -169,21 +147,21 @@ def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25) -> d
     for _ in range(2):  # warm-up: allocator, oneDNN primitives, worker start-up
         base()
         cand()
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     base()
-    _sync(device)
+    sync(device)
     one = max(1e-5, time.perf_counter() - t0)
     k = int(min(20, max(1, budget_s / one)))
     b_ms, c_ms, ratios = [], [], []
     for _ in range(rounds):
         times = []
         for fn in (base, cand):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             for _ in range(k):
                 fn()
-            _sync(device)
+            sync(device)
             times.append((time.perf_counter() - t0) / k * 1e3)
         b_ms.append(times[0])
         c_ms.append(times[1])
@@ -206,10 +184,12 @@ def applicable_fixes(cap, obs: dict) -> list[str]:
     env = detect()
     if not m.get("autocast"):
         out.append("autocast")
+        if m.get("device", "cpu") == "cpu" and env.bf16_supported:
+            out.append("bf16_math")
     if m.get("has_conv2d") and not m.get("channels_last_weights"):
         out.append("channels_last")
-    loaders = [ld for ld in cap.loaders if hasattr(ld.dataset, "__getitem__") and hasattr(ld.dataset, "__len__")]
-    if any(ld.num_workers == 0 for ld in loaders):
+    loaders = _map_style(cap.loaders)
+    if loaders:  # fewer workers can be the fix as well as more: the tuner measures both
         out.append("workers")
     if env.cuda_available and any(not ld.pin_memory for ld in loaders):
         out.append("pin_memory")
@@ -227,8 +207,92 @@ def _amp_dtype(device: torch.device) -> torch.dtype:
     return torch.float16 if half_precision(device) == "fp16" else torch.bfloat16
 
 
+def _map_style(loaders) -> list:
+    return [ld for ld in loaders if hasattr(ld.dataset, "__getitem__") and hasattr(ld.dataset, "__len__")]
+
+
+def tuned_workers(cap, loader) -> tuple[int, str]:
+    """The worker count `torchspeed.tune.tune_loader` chooses for this loader and model, and why.
+
+    The tuner measures fewer workers as well as more (0 up to the usable cores), end to end with a
+    training step of a copy of the script's model, so the doctor and `torchspeed tune` agree.
+    """
+    from torchspeed.tune.loader import tune_loader
+
+    model = copy.deepcopy(cap.model)
+    loss_fn = cap.loss_module if cap.loss_module is not None else None
+    s = tune_loader(loader.dataset, batch_size=loader.batch_size or 1, model=model, loss_fn=loss_fn,
+                    collate_fn=loader.collate_fn, progress=False, rounds=2, min_time=0.3)
+    return s.num_workers, s.reason
+
+
+def _verify_workers(cap, fix: str, device, rounds: int, entry: dict) -> None:
+    loaders = _map_style(cap.loaders)
+    if fix == "pin_memory":
+        loader = next(ld for ld in loaders if not ld.pin_memory)
+        nw, pin = loader.num_workers, True
+    else:
+        loader = max(loaders, key=lambda ld: ld.num_workers == 0)
+        try:
+            nw, why = tuned_workers(cap, loader)
+            entry["tuner"] = why
+        except Exception as e:  # a batch the tuner's step cannot train on: measure one step either way
+            nw = 0 if loader.num_workers > 0 else min(4, max(1, detect().cpu_cores))
+            entry["tuner"] = f"tune_loader failed ({type(e).__name__}: {e}); tried num_workers={nw}"
+        pin = loader.pin_memory
+    entry["current"] = f"num_workers={loader.num_workers}"
+    entry["candidate"] = f"num_workers={nw}" + (", pin_memory=True" if fix == "pin_memory" else "")
+    entry["direction"] = "fewer" if nw < loader.num_workers else "more" if nw > loader.num_workers else "same"
+    base = _Trainer(cap, set_to_none=cap.set_to_none)
+    b = _LoaderStep(base, loader, num_workers=loader.num_workers, pin_memory=loader.pin_memory)
+    c = _LoaderStep(base, loader, num_workers=nw, pin_memory=pin)
+    try:
+        entry.update(_interleave(b.step, c.step, device, rounds=rounds))
+    finally:
+        b.close()
+        c.close()
+
+
+def time_model_alone(cap, *, reps: int = 7) -> float | None:
+    """Median ms of one training step of a copy of the model on its captured batch, nothing else running."""
+    if cap.model is None or cap.args is None:
+        return None
+    t = _Trainer(cap, set_to_none=cap.set_to_none)
+    device = t.device
+    for _ in range(2):
+        t.step()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        t.step()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure_contention(cap, obs: dict) -> None:
+    """`obs["cpu"]`: workers, threads and cores, and, when workers + threads exceed the cores, the model's
+    step alone (nothing else running: the script's workers have filled their queue and wait)."""
+    workers = max((ld["num_workers"] for ld in obs.get("loaders") or []), default=0)
+    threads, cores = int(obs.get("threads", 1)), int(obs.get("cpu_cores", 1))
+    c = {"workers": workers, "threads": threads, "cores": cores,
+         "compute_ms_in_script": (obs.get("breakdown") or {}).get("compute_ms", 0.0), "compute_ms_alone": None,
+         # the CPU work one batch costs in a worker (`dataset[i]` x batch size, timed after the run)
+         "worker_ms_per_batch": round(max((d["getitem_ms"] * (d.get("batch_size") or 1)
+                                           for d in obs.get("datasets") or []), default=0.0), 3)}
+    model_on_cpu = cap.model is not None and next(cap.model.parameters()).device.type == "cpu"
+    if workers and workers + threads > cores and model_on_cpu:
+        alone = time_model_alone(cap)
+        c["compute_ms_alone"] = round(alone, 3) if alone is not None else None
+    obs["cpu"] = c
+
+
 def verify_fixes(cap, obs: dict, *, fixes=None, rounds: int = 5) -> dict:
     """Measure each applicable fix (or the ones named in `fixes`); return {fix: result}."""
+    from torchspeed.doctor.registry import fix_rules
+
+    proves = fix_rules()
     wanted = applicable_fixes(cap, obs)
     if fixes is not None:
         wanted = [f for f in wanted if f in set(fixes)]
@@ -240,22 +304,14 @@ def verify_fixes(cap, obs: dict, *, fixes=None, rounds: int = 5) -> dict:
     sp_default = cap.set_to_none
     for fix in wanted:
         t0 = time.perf_counter()
-        entry: dict = {"fix": fix, "rule": FIXES[fix]}
+        entry: dict = {"fix": fix, "rule": (proves.get(fix) or (None,))[0]}
         try:
-            base = _Trainer(cap, set_to_none=sp_default)
             if fix in ("workers", "pin_memory"):
-                map_style = [ld for ld in cap.loaders if hasattr(ld.dataset, "__getitem__") and hasattr(ld.dataset, "__len__")]
-                loader = next(ld for ld in map_style if (ld.num_workers == 0 if fix == "workers" else not ld.pin_memory))
-                cores = detect().cpu_cores
-                nw = loader.num_workers if fix == "pin_memory" else min(4, max(1, cores))
-                b = _LoaderStep(base, loader, num_workers=loader.num_workers, pin_memory=loader.pin_memory)
-                c = _LoaderStep(base, loader, num_workers=nw, pin_memory=(fix == "pin_memory") or loader.pin_memory)
-                entry.update(_interleave(b.step, c.step, device, rounds=rounds))
-                entry["candidate"] = f"num_workers={nw}" + (", pin_memory=True" if fix == "pin_memory" else "")
-                b.close()
-                c.close()
+                _verify_workers(cap, fix, device, rounds, entry)
             else:
-                kw = {"autocast": {"amp_dtype": _amp_dtype(device)}, "channels_last": {"channels_last": True},
+                base = _Trainer(cap, set_to_none=sp_default)
+                kw = {"autocast": {"amp_dtype": _amp_dtype(device)}, "bf16_math": {"bf16_math": True},
+                      "channels_last": {"channels_last": True},
                       "set_to_none": {"set_to_none": True}, "conv_bias": {"conv_bias": True},
                       "compile": {"compile_model": True}}[fix]
                 cand = _Trainer(cap, **{"set_to_none": sp_default, **kw})

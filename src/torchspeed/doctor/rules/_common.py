@@ -18,6 +18,13 @@ def frac(obs: dict, key: str) -> float:
     return float(obs.get("breakdown", {}).get("fractions", {}).get(key, 0.0))
 
 
+def robust_frac(obs: dict, key: str) -> float:
+    """The smaller of the trimmed-mean share and the median step's share (`_summary`): robust to a few slow steps."""
+    med = obs.get("breakdown", {}).get("fractions_median", {})
+    mkey = {"data_wait": "data"}.get(key, key)
+    return min(frac(obs, key), float(med[mkey])) if mkey in med else frac(obs, key)
+
+
 def amdahl(share: float, speedup: float) -> float:
     """Whole-step gain when `share` of the step gets `speedup` times faster."""
     share = min(max(share, 0.0), 1.0)
@@ -47,8 +54,10 @@ def measured_text(v: dict) -> str:
 
 
 def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: dict, verify_fix: str | None = None,
-            severity: str | None = None) -> Finding:
-    """A finding whose severity follows the measured gain when --verify ran, else the estimate."""
+            severity: str | None = None, patch: str | None = None, patch_args: dict | None = None) -> Finding:
+    """A finding whose severity follows the measured gain when --verify ran, else the estimate.
+
+    `patch` names the source patch `--fix` writes for it (`torchspeed.doctor._patches`)."""
     measured = None
     if verify_fix:
         v = verified(obs, verify_fix)
@@ -61,9 +70,26 @@ def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: 
     else:
         sev = severity if severity is not None else severity_for_gain(est_gain)
     return Finding(rule=rule, severity=sev, evidence=evidence, fix=fix,
-                   est_gain=round(est_gain, 3) if est_gain is not None else None, measured_gain=measured)
+                   est_gain=round(est_gain, 3) if est_gain is not None else None, measured_gain=measured,
+                   patch=patch, patch_args=patch_args)
+
+
+def device_type(obs: dict) -> str:
+    return "cuda" if on_cuda(obs) else "cpu"
 
 
 def loader_summary(obs: dict) -> dict | None:
     loaders = obs.get("loaders") or []
     return loaders[0] if loaders else None
+
+
+def in_memory_fix() -> str:
+    """The fix for a TensorDataset fed through a DataLoader: index whole batches, no per-sample work."""
+    return ("the data is already in memory (TensorDataset): index whole batches instead of one sample at a "
+            "time, `perm = torch.randperm(len(X)); for i in range(0, len(X), B): idx = perm[i:i+B]; x, y = X[idx], "
+            "Y[idx]` (no per-sample __getitem__, no collate); workers would only add inter-process copies (T10, T06)")
+
+
+def workers_verdict(obs: dict) -> dict | None:
+    """--verify's worker measurement (the tuner's choice against the script's setting), when it ran."""
+    return verified(obs, "workers")

@@ -4,7 +4,7 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda
 
 
-@register("channels-last", techniques=("T23",), summary="2D convolutions on NCHW tensors")
+@register("channels-last", priority=80, techniques=("T23",), summary="2D convolutions on NCHW tensors", fix="channels_last")
 def check(obs: dict):
     m = obs.get("model", {})
     if not m.get("has_conv2d") or m.get("channels_last_weights"):
@@ -17,4 +17,5 @@ def check(obs: dict):
     evidence = "the model has Conv2d layers and runs them in NCHW (contiguous) layout"
     fix = ("model = torchspeed.apply_channels_last(model) (= model.to(memory_format=torch.channels_last)) and "
            "x = x.contiguous(memory_format=torch.channels_last) for each batch (T23)")
-    return finding("channels-last", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="channels_last")
+    return finding("channels-last", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="channels_last",
+                   patch="channels_last")

@@ -6,7 +6,7 @@ from torchspeed.doctor.rules._common import finding
 EST = 1.02  # one broadcast add and one optimizer update per conv; --verify measures it
 
 
-@register("conv-bias-before-bn", techniques=("T27",), summary="Conv(bias=True) directly followed by BatchNorm")
+@register("conv-bias-before-bn", priority=120, techniques=("T27",), summary="Conv(bias=True) directly followed by BatchNorm", fix="conv_bias")
 def check(obs: dict):
     pairs = obs.get("model", {}).get("conv_bias_before_bn") or []
     if not pairs:

@@ -1,4 +1,8 @@
-"""`dataloader-workers`: batches are loaded in the training process (num_workers=0) (T06)."""
+"""`dataloader-workers`: batches are loaded in the training process (num_workers=0) (T06).
+
+Not for a TensorDataset: its rows are already in memory, and the fix there is indexing whole
+batches (`data-bound` says so), never workers.
+"""
 
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, frac, verified
@@ -7,20 +11,27 @@ from torchspeed.doctor.rules.data_bound import overlap_gain
 THRESHOLD = 0.05
 
 
-@register("dataloader-workers", techniques=("T06", "T08"), summary="DataLoader(num_workers=0) with a visible data wait")
+@register("dataloader-workers", priority=20, techniques=("T06", "T08"),
+          summary="DataLoader(num_workers=0) with a visible data wait", fix="workers")
 def check(obs: dict):
-    loaders = [ld for ld in obs.get("loaders", []) if ld["num_workers"] == 0 and ld.get("map_style", True)]
+    loaders = [ld for ld in obs.get("loaders", []) if ld["num_workers"] == 0 and ld.get("map_style", True)
+               and not ld.get("in_memory")]
     if not loaders:
         return None
     f = frac(obs, "data_wait")
-    if f < THRESHOLD and verified(obs, "workers") is None:
-        return None  # in-memory data: loading in the main process costs almost nothing here
+    v = verified(obs, "workers")
+    if v is not None and v.get("direction") != "more":
+        return None  # the tuner measured fewer and more workers and keeps loading in the main process
+    if f < THRESHOLD and v is None:
+        return None  # loading in the main process costs almost nothing here
     ld = loaders[0]
     cores = int(obs.get("cpu_cores", 2))
     n = min(4, max(1, cores))
     evidence = (f"DataLoader({ld['dataset']}, batch_size={ld['batch_size']}) has num_workers=0: the step waits "
                 f"{f:.0%} of its time ({obs['breakdown']['data_wait_ms']:.2f} ms) while nothing loads ahead")
+    if v is not None:
+        n = int(v["candidate"].split("=")[1].split(",")[0])
     fix = (f"DataLoader(..., num_workers={n}, persistent_workers=True, prefetch_factor=2); on {cores} cores "
            "workers share the CPU with compute, so measure it (`torchspeed doctor --verify`, `torchspeed tune`)")
     return finding("dataloader-workers", evidence=evidence, fix=fix, est_gain=overlap_gain(obs), obs=obs,
-                   verify_fix="workers")
+                   verify_fix="workers", patch="workers", patch_args={"workers": n})

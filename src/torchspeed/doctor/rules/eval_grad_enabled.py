@@ -6,7 +6,7 @@ from torchspeed.doctor.rules._common import finding, step_ms
 SAVED = 0.3  # share of a grad-enabled forward that no_grad/inference_mode saves (graph + kept activations)
 
 
-@register("eval-grad-enabled", techniques=("T28",), summary="model.eval() forward passes with gradients enabled")
+@register("eval-grad-enabled", priority=110, techniques=("T28",), summary="model.eval() forward passes with gradients enabled")
 def check(obs: dict):
     e = obs.get("eval", {})
     if not e.get("grad_calls"):

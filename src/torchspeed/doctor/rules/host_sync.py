@@ -11,7 +11,7 @@ from torchspeed.doctor.rules._common import finding, on_cuda, saving_gain, step_
 PER_STEP = 0.5  # calls per optimizer step worth reporting
 
 
-@register("host-sync", techniques=("T13",), summary="host-device synchronisation in every step")
+@register("host-sync", priority=60, techniques=("T13",), summary="host-device synchronisation in every step")
 def check(obs: dict):
     s = obs.get("syncs", {})
     if s.get("calls_per_step", 0.0) < PER_STEP:

@@ -4,7 +4,7 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding
 
 
-@register("input-not-normalized", techniques=("T30",), summary="model inputs are not normalized")
+@register("input-not-normalized", priority=180, techniques=("T30",), summary="model inputs are not normalized")
 def check(obs: dict):
     x = obs.get("model", {}).get("input")
     if not x:

@@ -4,7 +4,7 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, on_cuda, saving_gain, step_ms
 
 
-@register("pin-memory", techniques=("T07", "T12"), summary="CUDA copies from unpinned DataLoader batches")
+@register("pin-memory", priority=30, techniques=("T07", "T12"), summary="CUDA copies from unpinned DataLoader batches", fix="pin_memory")
 def check(obs: dict):
     if not on_cuda(obs):
         return None  # pinned memory only matters for copies to an accelerator
@@ -17,4 +17,5 @@ def check(obs: dict):
     fix = ("DataLoader(..., pin_memory=True) and x.to(device, non_blocking=True) so copies overlap compute; "
            "or torchspeed.Prefetcher (side-stream prefetch)")
     est = saving_gain(step_ms(obs), 0.7 * b["copy_ms"])
-    return finding("pin-memory", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="pin_memory")
+    return finding("pin-memory", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="pin_memory",
+                   patch="workers", patch_args={"workers": loaders[0]["num_workers"], "pin_memory": True})

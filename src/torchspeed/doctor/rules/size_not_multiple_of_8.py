@@ -1,12 +1,12 @@
 """`size-not-multiple-of-8`: hidden sizes, a language model's vocabulary or the batch leave Tensor Cores partly
-idle (T24). The sizes come from `_static.examine_model`: Linear/Conv widths between layers, and the last
+idle (T24). The sizes come from `_model_checks.examine_model`: Linear/Conv widths between layers, and the last
 Linear's out_features when it is an LM head (as wide as an nn.Embedding's vocabulary)."""
 
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda
 
 
-@register("size-not-multiple-of-8", techniques=("T24",), summary="channel/feature sizes or batch not multiples of 8")
+@register("size-not-multiple-of-8", priority=140, techniques=("T24",), summary="channel/feature sizes or batch not multiples of 8")
 def check(obs: dict):
     m = obs.get("model", {})
     odd = list(m.get("odd_sizes") or [])

@@ -6,7 +6,7 @@ from torchspeed.doctor.rules._common import finding, saving_gain, step_ms
 SHARE = 0.25  # decode share of __getitem__ worth reporting
 
 
-@register("slow-jpeg-decode", techniques=("T04",), summary="JPEG decoding with Pillow dominates __getitem__")
+@register("slow-jpeg-decode", priority=40, techniques=("T04",), summary="JPEG decoding with Pillow dominates __getitem__")
 def check(obs: dict):
     for ds in obs.get("datasets", []):
         if not any(k == "PIL JPEG" for k in ds.get("decoders", {})) or ds["decode_share"] < SHARE:

@@ -4,7 +4,7 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, on_cuda
 
 
-@register("small-batch", techniques=("T17",), summary="a batch too small to keep the device busy")
+@register("small-batch", priority=160, techniques=("T17",), summary="a batch too small to keep the device busy")
 def check(obs: dict):
     bs = obs.get("model", {}).get("batch_size")
     if not bs:

@@ -4,7 +4,7 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, saving_gain, step_ms
 
 
-@register("tensor-copy", techniques=("T11", "T12"), summary="torch.tensor() called on numpy arrays")
+@register("tensor-copy", priority=50, techniques=("T11", "T12"), summary="torch.tensor() called on numpy arrays")
 def check(obs: dict):
     c = obs.get("tensor_copies", {})
     if not c.get("count"):

@@ -6,7 +6,7 @@ from torchspeed.doctor.rules._common import finding
 MEDIUM_FRACTION = 0.2
 
 
-@register("unused-parameters", techniques=("T37",), summary="parameters that never receive a gradient")
+@register("unused-parameters", priority=150, techniques=("T37",), summary="parameters that never receive a gradient")
 def check(obs: dict):
     m = obs.get("model", {})
     unused = m.get("unused_params") or []

@@ -4,7 +4,7 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, saving_gain, step_ms
 
 
-@register("zero-grad-memset", techniques=("T26",), summary="zero_grad(set_to_none=False)")
+@register("zero-grad-memset", priority=100, techniques=("T26",), summary="zero_grad(set_to_none=False)", fix="set_to_none")
 def check(obs: dict):
     z = obs.get("zero_grad", {})
     if not z.get("set_to_none_false"):
@@ -15,4 +15,5 @@ def check(obs: dict):
                 f"gradient, {z['ms_per_call']:.3f} ms per call here, and backward then adds instead of writing")
     fix = "optimizer.zero_grad() (set_to_none=True is the default since torch 2.0) (T26)"
     return finding("zero-grad-memset", evidence=evidence, fix=fix,
-                   est_gain=saving_gain(step, 0.9 * z["ms_per_call"]), obs=obs, verify_fix="set_to_none")
+                   est_gain=saving_gain(step, 0.9 * z["ms_per_call"]), obs=obs, verify_fix="set_to_none",
+                   patch="set_to_none")

@@ -1,0 +1,81 @@
+"""Where the model's forward and backward time goes by kind of kernel (T25, T21), from the profiler.
+
+The captured model (a copy) runs a few training steps on its captured batch under
+`torch.profiler`, after untimed warm-up steps; each aten operator's self time is put in one of
+three groups: matrix products and convolutions (what bf16 math and autocast speed up), element-wise
+operators (activations, adds, multiplies, their backward, and the mean/var of hand-written
+normalisations: what `torch.compile` fuses into fewer passes over memory), and the rest. Backward
+starts from a tensor of ones at the model's output, so no stand-in loss adds kernels of its own. The shares are of the aten self time, so Python and autograd
+overhead do not dilute them.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import torch
+
+from torchspeed.doctor._capture import Captured
+from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
+
+__all__ = ["profile_kernels", "kernel_kind"]
+
+_MATMUL = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|matmul|_?convolution|mkldnn_convolution|"
+                     r"convolution_backward|_?mkldnn_.*linear.*|_scaled_dot_product.*|_efficient_attention.*|"
+                     r"_flash_attention.*|cudnn_convolution.*|_slow_conv2d.*|thnn_conv.*)$")
+_ELEMENTWISE = re.compile(
+    r"^aten::(add|add_|sub|sub_|mul|mul_|div|div_|neg|pow|sqrt|rsqrt|exp|log|abs|sign|clamp|clamp_|clamp_min|"
+    r"clamp_max|where|relu|relu_|threshold_backward|gelu|gelu_backward|silu|silu_|silu_backward|sigmoid|"
+    r"sigmoid_backward|tanh|tanh_backward|hardtanh|hardtanh_backward|leaky_relu|leaky_relu_backward|elu|"
+    r"elu_backward|softplus|softplus_backward|mish|mish_backward|hardswish|hardswish_backward|square|"
+    r"reciprocal|erf|sin|cos|maximum|minimum|addcmul|addcdiv|lerp|masked_fill|masked_fill_|"
+    r"native_dropout|native_dropout_backward|fill_|zero_|copy_|_to_copy|pow_|exp_|mul_out|add_out|"
+    r"var|var_mean|std|std_mean|mean)$")  # reductions in hand-written normalisations: compile fuses them too
+
+
+def kernel_kind(name: str) -> str:
+    """'matmul' (matrix products, convolutions), 'elementwise' or 'other' for an aten operator name."""
+    if _MATMUL.match(name):
+        return "matmul"
+    if _ELEMENTWISE.match(name):
+        return "elementwise"
+    return "other"
+
+
+def profile_kernels(cap: Captured, obs: dict, *, steps: int = 3, warmup: int = 2) -> None:
+    """Record `obs["kernels"]`: the matmul/conv and element-wise shares of forward + backward time."""
+    if cap.model is None or cap.args is None:
+        return
+    try:
+        model = copy.deepcopy(cap.model).train()
+        args = map_tensors(cap.args, lambda t: t.clone())
+        kwargs = map_tensors(cap.kwargs or {}, lambda t: t.clone())
+
+        def step():
+            out = call_model(model, args, kwargs)
+            if isinstance(out, torch.Tensor) and out.dim() > 0 and out.requires_grad:
+                out.backward(torch.ones_like(out))  # the model's own kernels only, no stand-in loss
+            else:
+                generic_loss(out).backward()  # the model returns its loss: that is the script's too
+            model.zero_grad(set_to_none=True)
+
+        for _ in range(warmup):
+            step()
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        events = [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.key.startswith("aten::")]
+    except Exception as e:  # a model the profiler cannot run: skip the kernel-based rules
+        obs["notes"].append(f"profiling the model failed ({type(e).__name__}: {e}); kernel shares skipped")
+        return
+    total = sum(t for _, t in events) or 1e-9
+    by_kind = {"matmul": 0.0, "elementwise": 0.0, "other": 0.0}
+    for name, t in events:
+        by_kind[kernel_kind(name)] += t
+    top = sorted(events, key=lambda kv: -kv[1])[:6]
+    obs["kernels"] = {"matmul_share": round(by_kind["matmul"] / total, 4),
+                      "elementwise_share": round(by_kind["elementwise"] / total, 4),
+                      "ms_per_step": round(total / steps / 1e3, 4),
+                      "top": [f"{n.removeprefix('aten::')} {t / total:.0%}" for n, t in top]}

@@ -1,0 +1,379 @@
+"""Source patches for `--fix` (T06, T10, T21, T23, T25, T26, T45): each finding that can be applied
+automatically becomes a change of the user's own script, written with libcst so comments and
+formatting stay as they were.
+
+Each patch is a function `(source, ctx) -> new source`, registered under its fix name with `@patch`;
+`ctx` says what the doctor saw (the model's device, the worker count the tuner chose, the cores).
+A patch that finds nothing to change raises `NotApplicable` with the reason. The model is the name
+whose `.parameters()` the script passes to its optimizer; a script that builds its model elsewhere
+(an attribute, a factory inside a class) gets no model patches, and the report says why.
+
+    autocast        wrap each statement that calls the model in torch.autocast(device, dtype=bfloat16)
+    bf16_math       torch.backends.mkldnn.{matmul,conv}.fp32_precision = "bf16" after the imports
+    channels_last   model.to(memory_format=torch.channels_last) and each model input made channels_last
+    compile         model = torch.compile(model) after the model is built
+    set_to_none     zero_grad(set_to_none=False) -> zero_grad()
+    workers         DataLoader(num_workers=N, persistent_workers=N > 0), pin_memory on CUDA
+    threads         torch.set_num_threads(N) (the script's own call, else one after the imports)
+    batched_index   DataLoader over a TensorDataset indexes whole batches (BatchSampler, batch_size=None)
+    cudnn           torch.backends.cudnn.benchmark = True after the imports (CUDA)
+    debug_off       set_detect_anomaly(True) / use_deterministic_algorithms(True) -> False
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["PATCHES", "PatchContext", "NotApplicable", "patch", "apply_patch", "libcst_missing"]
+
+INSTALL_HINT = "pip install 'torchspeed[fix]' (or: pip install libcst)"
+
+
+class NotApplicable(Exception):
+    """The patch has nothing to change in this script (the message says why)."""
+
+
+@dataclass(frozen=True)
+class PatchContext:
+    device: str = "cpu"
+    workers: int = 0          # the worker count to write (the tuner's choice when --verify measured it)
+    threads: int = 1
+    pin_memory: bool = False
+
+
+PATCHES: dict[str, Callable[[str, PatchContext], str]] = {}
+
+
+def patch(name: str):
+    def deco(fn):
+        PATCHES[name] = fn
+        return fn
+    return deco
+
+
+def libcst_missing() -> str | None:
+    """None when libcst imports, else the one-line install hint."""
+    try:
+        import libcst  # noqa: F401
+    except ImportError:
+        return f"--fix needs libcst: {INSTALL_HINT}"
+    return None
+
+
+def apply_patch(name: str, source: str, ctx: PatchContext) -> str:
+    out = PATCHES[name](source, ctx)
+    if out == source:
+        raise NotApplicable("nothing to change")
+    return out
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _cst():
+    import libcst as cst
+    return cst
+
+
+def _last_name(node) -> str | None:
+    cst = _cst()
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        return node.attr.value
+    return None
+
+
+def _kwarg(name: str, code: str):
+    return _cst().parse_expression(f"f({name}={code})").args[0]
+
+
+def _set_kwargs(call, values: dict[str, str | None]):
+    """`call` with keyword arguments set (None: removed), commas kept tidy."""
+    cst = _cst()
+    args = [a for a in call.args if not (a.keyword is not None and a.keyword.value in values)]
+    for k, v in values.items():
+        if v is not None:
+            args.append(_kwarg(k, v))
+    fixed = []
+    for i, a in enumerate(args):
+        last = i == len(args) - 1
+        if last:
+            a = a.with_changes(comma=cst.MaybeSentinel.DEFAULT)
+        elif a.comma is cst.MaybeSentinel.DEFAULT:
+            a = a.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+        fixed.append(a)
+    return call.with_changes(args=fixed)
+
+
+def model_names(source: str) -> set[str]:
+    """Names whose `.parameters()` the script passes to something (its optimizer): the model."""
+    cst = _cst()
+    names: set[str] = set()
+
+    class Find(cst.CSTVisitor):
+        def visit_Call(self, node):
+            f = node.func
+            if isinstance(f, cst.Attribute) and f.attr.value == "parameters" and isinstance(f.value, cst.Name):
+                names.add(f.value.value)
+
+    cst.parse_module(source).visit(Find())
+    return names
+
+
+def _model_name(source: str) -> str:
+    names = model_names(source)
+    if len(names) != 1:
+        raise NotApplicable("cannot tell which variable is the model (no single `name.parameters()` call)")
+    return names.pop()
+
+
+def _calls_name(node, name: str) -> bool:
+    cst = _cst()
+    found = []
+
+    class Find(cst.CSTVisitor):
+        def visit_Call(self, c):
+            if isinstance(c.func, cst.Name) and c.func.value == name:
+                found.append(c)
+
+    node.visit(Find())
+    return bool(found)
+
+
+def _after_statements(source: str, match: Callable, make: Callable[[], list], *, first_only=True) -> str:
+    """Insert `make()` statements after each (or the first) top-level or nested statement where `match` holds."""
+    cst = _cst()
+    done = []
+
+    class Insert(cst.CSTTransformer):
+        def _body(self, body):
+            out = []
+            for st in body:
+                out.append(st)
+                if (not done or not first_only) and match(st):
+                    out.extend(make())
+                    done.append(st)
+            return out
+
+        def leave_Module(self, orig, upd):
+            return upd.with_changes(body=self._body(upd.body))
+
+        def leave_IndentedBlock(self, orig, upd):
+            return upd.with_changes(body=self._body(upd.body))
+
+    out = cst.parse_module(source).visit(Insert())
+    if not done:
+        raise NotApplicable("no place to insert the change")
+    return out.code
+
+
+def _is_import(st) -> bool:
+    cst = _cst()
+    return isinstance(st, cst.SimpleStatementLine) and any(isinstance(s, (cst.Import, cst.ImportFrom)) for s in st.body)
+
+
+def _after_imports(source: str, lines: list[str]) -> str:
+    """`lines` after the last top-level import."""
+    cst = _cst()
+    mod = cst.parse_module(source)
+    idx = max((i for i, st in enumerate(mod.body) if _is_import(st)), default=-1)
+    if idx < 0:
+        raise NotApplicable("no top-level import to put the setting after")
+    new = [cst.parse_statement(line + "\n") for line in lines]
+    return mod.with_changes(body=[*mod.body[:idx + 1], *new, *mod.body[idx + 1:]]).code
+
+
+def _assigns(st, name: str) -> bool:
+    cst = _cst()
+    if not isinstance(st, cst.SimpleStatementLine):
+        return False
+    return any(isinstance(s, cst.Assign) and any(isinstance(t.target, cst.Name) and t.target.value == name
+                                                  for t in s.targets) for s in st.body)
+
+
+def _after_model(source: str, line_for: Callable[[str], str]) -> str:
+    cst = _cst()
+    name = _model_name(source)
+    # after the last assignment of the model that comes before its first use in a loop: the model as built
+    return _after_statements(source, lambda st: _assigns(st, name), lambda: [cst.parse_statement(line_for(name) + "\n")])
+
+
+def _transform_calls(source: str, want: Callable, change: Callable) -> str:
+    cst = _cst()
+    hits = []
+
+    class T(cst.CSTTransformer):
+        def leave_Call(self, orig, upd):
+            if want(orig):
+                hits.append(orig)
+                return change(upd)
+            return upd
+
+    out = cst.parse_module(source).visit(T())
+    if not hits:
+        raise NotApplicable("no matching call")
+    return out.code
+
+
+# -- the patches ---------------------------------------------------------------------------------
+@patch("set_to_none")
+def _set_to_none(source: str, ctx: PatchContext) -> str:
+    cst = _cst()
+
+    def want(c):
+        return _last_name(c.func) == "zero_grad" and any(
+            a.keyword is not None and a.keyword.value == "set_to_none" for a in c.args) or (
+            _last_name(c.func) == "zero_grad" and len(c.args) == 1 and c.args[0].keyword is None
+            and isinstance(c.args[0].value, cst.Name) and c.args[0].value.value == "False")
+
+    def change(c):
+        return c.with_changes(args=[])
+    return _transform_calls(source, want, change)
+
+
+@patch("workers")
+def _workers(source: str, ctx: PatchContext) -> str:
+    n = int(ctx.workers)
+    values = {"num_workers": str(n), "persistent_workers": "True" if n > 0 else None}
+    if n == 0:
+        values["prefetch_factor"] = None
+    if ctx.pin_memory:
+        values["pin_memory"] = "True"
+    return _transform_calls(source, lambda c: _last_name(c.func) == "DataLoader", lambda c: _set_kwargs(c, values))
+
+
+@patch("threads")
+def _threads(source: str, ctx: PatchContext) -> str:
+    cst = _cst()
+    n = max(1, int(ctx.threads))
+    try:
+        return _transform_calls(source, lambda c: _last_name(c.func) == "set_num_threads",
+                                lambda c: c.with_changes(args=[cst.Arg(cst.Integer(str(n)))]))
+    except NotApplicable:
+        return _after_imports(source, [f"torch.set_num_threads({n})  # workers + threads within the cores"])
+
+
+@patch("bf16_math")
+def _bf16_math(source: str, ctx: PatchContext) -> str:
+    return _after_imports(source, ['torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # bf16 math, fp32 weights',
+                                   'torch.backends.mkldnn.conv.fp32_precision = "bf16"'])
+
+
+@patch("cudnn")
+def _cudnn(source: str, ctx: PatchContext) -> str:
+    return _after_imports(source, ["torch.backends.cudnn.benchmark = True  # fixed input shapes: time the kernels"])
+
+
+@patch("compile")
+def _compile(source: str, ctx: PatchContext) -> str:
+    return _after_model(source, lambda name: f"{name} = torch.compile({name})")
+
+
+@patch("channels_last")
+def _channels_last(source: str, ctx: PatchContext) -> str:
+    cst = _cst()
+    name = _model_name(source)
+    out = _after_model(source, lambda n: f"{n} = {n}.to(memory_format=torch.channels_last)")
+
+    def change(c):
+        if not c.args or c.args[0].keyword is not None:
+            return c
+        v = c.args[0].value
+        text = cst.Module([]).code_for_node(v)
+        if not isinstance(v, (cst.Name, cst.Attribute, cst.Subscript, cst.Call)):
+            text = f"({text})"
+        x = cst.parse_expression(f"{text}.contiguous(memory_format=torch.channels_last)")
+        return c.with_changes(args=[c.args[0].with_changes(value=x), *c.args[1:]])
+    return _transform_calls(out, lambda c: isinstance(c.func, cst.Name) and c.func.value == name, change)
+
+
+@patch("autocast")
+def _autocast(source: str, ctx: PatchContext) -> str:
+    cst = _cst()
+    name = _model_name(source)
+    header = f'with torch.autocast("{ctx.device}", dtype=torch.bfloat16):\n    pass\n'
+    wrapped = []
+
+    class Wrap(cst.CSTTransformer):
+        def __init__(self):
+            self.loop = 0
+            self.inside_with = 0
+
+        def visit_For(self, node):
+            self.loop += 1
+
+        def leave_For(self, orig, upd):
+            self.loop -= 1
+            return upd
+
+        def visit_While(self, node):
+            self.loop += 1
+
+        def leave_While(self, orig, upd):
+            self.loop -= 1
+            return upd
+
+        def visit_With(self, node):
+            self.inside_with += 1
+
+        def leave_With(self, orig, upd):
+            self.inside_with -= 1
+            return upd
+
+        def leave_SimpleStatementLine(self, orig, upd):
+            if self.loop and not self.inside_with and _calls_name(orig, name):
+                wrapped.append(orig)
+                w = cst.parse_statement(header)
+                return w.with_changes(body=w.body.with_changes(body=[upd]), leading_lines=upd.leading_lines)
+            return upd
+
+    out = cst.parse_module(source).visit(Wrap())
+    if not wrapped:
+        raise NotApplicable(f"no statement in a loop calls `{name}(...)` outside a `with` block")
+    return out.code
+
+
+@patch("batched_index")
+def _batched_index(source: str, ctx: PatchContext) -> str:
+    cst = _cst()
+    code = cst.Module([]).code_for_node
+    datasets = set()
+
+    class FindDatasets(cst.CSTVisitor):
+        def visit_Assign(self, node):
+            if isinstance(node.value, cst.Call) and _last_name(node.value.func) == "TensorDataset":
+                datasets.update(t.target.value for t in node.targets if isinstance(t.target, cst.Name))
+
+    cst.parse_module(source).visit(FindDatasets())
+
+    def want(c):
+        if _last_name(c.func) != "DataLoader" or not c.args or c.args[0].keyword is not None:
+            return False
+        ds = c.args[0].value
+        return (isinstance(ds, cst.Call) and _last_name(ds.func) == "TensorDataset") or \
+            (isinstance(ds, cst.Name) and ds.value in datasets)
+
+    def change(c):
+        kw = {a.keyword.value: code(a.value) for a in c.args if a.keyword is not None}
+        ds = c.args[0].value
+        first, ref = (f"(_ds := {code(ds)})", "_ds") if isinstance(ds, cst.Call) else (ds.value, ds.value)
+        bs = kw.get("batch_size") or (code(c.args[1].value) if len(c.args) > 1 and c.args[1].keyword is None else "1")
+        sampler = "RandomSampler" if kw.get("shuffle", "False") != "False" else "SequentialSampler"
+        keep = "".join(f", {k}={v}" for k, v in kw.items() if k in ("num_workers", "pin_memory", "persistent_workers"))
+        new = (f"f({first}, batch_size=None, sampler=torch.utils.data.BatchSampler("
+               f"torch.utils.data.{sampler}({ref}), {bs}, drop_last={kw.get('drop_last', 'False')}){keep})")
+        return c.with_changes(args=cst.parse_expression(new).args)  # a TensorDataset indexes whole batches at once
+    return _transform_calls(source, want, change)
+
+
+@patch("debug_off")
+def _debug_off(source: str, ctx: PatchContext) -> str:
+    cst = _cst()
+
+    def want(c):
+        return _last_name(c.func) in ("set_detect_anomaly", "use_deterministic_algorithms") and c.args and \
+            isinstance(c.args[0].value, cst.Name) and c.args[0].value.value == "True"
+
+    def change(c):
+        return c.with_changes(args=[c.args[0].with_changes(value=cst.Name("False")), *c.args[1:]])
+    return _transform_calls(source, want, change)

@@ -1,0 +1,117 @@
+"""The step-time summary (T02, T03): where each optimizer step's time went, from the probe's per-step
+records, with robust statistics.
+
+A few steps can be far slower than the rest for reasons that a long run pays only once: DataLoader
+workers starting at an epoch boundary, a first evaluation, a lazy allocation. Over the doctor's short
+window they would dominate a mean and flip a verdict (a loop that waits for data at one step in ten
+would read as data-bound). So the breakdown is a trimmed mean: steps slower than
+`median + max(3 x 1.4826 x MAD, 0.5 x median)` are left out (at most a tenth of the steps, at least one
+when there are five or more), and the shares are read from the steps kept, so they still add up to the
+step. The steps left out are counted in the report. Next to these, `fractions_median` holds the median
+step's own shares: a verdict such as data-bound reads the smaller of the two, so a wait that only a
+few steps pay cannot carry it.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+
+import torch
+
+__all__ = ["summarize", "robust_steps"]
+
+
+def robust_steps(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(kept, left out): the step records without the start-up outliers (see the module docstring)."""
+    if len(records) < 5:
+        return list(records), []
+    steps = [r["step"] for r in records]
+    med = statistics.median(steps)
+    mad = statistics.median(abs(s - med) for s in steps)
+    limit = med + max(3 * 1.4826 * mad, 0.5 * med)
+    budget = max(1, len(records) // 10)
+    slowest = sorted(range(len(records)), key=lambda i: -steps[i])[:budget]
+    out = {i for i in slowest if steps[i] > limit}
+    return [r for i, r in enumerate(records) if i not in out], [r for i, r in enumerate(records) if i in out]
+
+
+def _mean(xs):
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def _top(counter: dict, n: int = 3) -> list[str]:
+    return [f"{k} ({v}x)" for k, v in sorted(counter.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def summarize(probe, obs: dict) -> None:
+    recs = probe.records
+    measured = recs[probe.warmup:] if len(recs) > probe.warmup else (recs[1:] or recs)
+    use, left_out = robust_steps(measured)
+    obs["steps_observed"] = len(recs)
+    obs["steps_measured"] = len(measured)
+
+    def m(key):
+        return round(_mean([r.get(key, 0.0) for r in use]), 4)
+
+    step = m("step")
+    data, copy, sync = m("data"), m("copy"), m("sync")
+    fwd, bwd, opt, zg = m("forward"), m("backward"), m("optim"), m("zero_grad")
+    compute = fwd + bwd + opt + zg
+    other = max(0.0, step - data - copy - compute - sync)
+    frac = (lambda v: round(v / step, 4) if step > 0 else 0.0)
+    obs["breakdown"] = {
+        "step_ms": round(step, 3),
+        "step_ms_median": round(statistics.median([r["step"] for r in measured]), 3) if measured else 0.0,
+        "step_ms_mean_all": round(_mean([r["step"] for r in measured]), 3),
+        "data_wait_ms": round(data, 3), "copy_ms": round(copy, 3), "compute_ms": round(compute, 3),
+        "sync_ms": round(sync, 3), "other_ms": round(other, 3),
+        "compute_detail_ms": {"forward": round(fwd, 3), "backward": round(bwd, 3), "optimizer": round(opt, 3),
+                              "zero_grad": round(zg, 3)},
+        "fractions": {"data_wait": frac(data), "copy": frac(copy), "compute": frac(compute), "sync": frac(sync),
+                      "other": frac(other)},
+        # the median step's shares: a wait that only a few steps pay (start-up) does not move these
+        "fractions_median": {k: round(statistics.median([r.get(k, 0.0) / r["step"] for r in use if r["step"] > 0]), 4)
+                             if use else 0.0 for k in ("data", "copy", "sync")},
+        "steps": len(use), "outlier_steps": len(left_out),
+        "outlier_step_ms": [round(r["step"], 3) for r in left_out],
+        "minor_faults_per_step": round(statistics.median([r.get("minflt", 0) for r in use]), 1) if use else 0.0,
+    }
+    n_steps = max(1, len(recs))
+    obs["syncs"] = {"calls": int(sum(probe.syncs.values())), "by_kind": dict(probe.syncs),
+                    "calls_per_step": round(sum(probe.syncs.values()) / n_steps, 3), "ms_per_step": round(sync, 4),
+                    "sites": _top(probe.sync_sites), "cuda_sync_warnings": probe.cuda_sync_warnings}
+    c = probe.copies
+    obs["tensor_copies"] = {"count": c["count"], "per_step": round(c["count"] / n_steps, 3),
+                            "ms_per_step": round(c["ms"] / n_steps, 4), "mib": round(c["bytes"] / 2**20, 3),
+                            "sites": _top(c["sites"])}
+    z = probe.zero_grads
+    obs["zero_grad"] = {"calls": z["calls"], "set_to_none_false": z["set_to_none_false"],
+                        "ms_per_call": round(z["ms"] / z["calls"], 4) if z["calls"] else 0.0, "sites": _top(z["sites"])}
+    obs["eval"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in probe.eval.items()}
+    obs["loaders"] = []
+    for lid, loader in probe.loaders.items():
+        ds = getattr(loader, "dataset", None)
+        obs["loaders"].append({
+            "num_workers": int(getattr(loader, "num_workers", 0)), "pin_memory": bool(getattr(loader, "pin_memory", False)),
+            "batch_size": getattr(loader, "batch_size", None),
+            "persistent_workers": bool(getattr(loader, "persistent_workers", False)),
+            "dataset": type(ds).__name__, "wait_ms_total": round(probe.loader_wait.get(lid, 0.0) * 1e3, 3),
+            "map_style": hasattr(ds, "__getitem__") and hasattr(ds, "__len__"),
+            "in_memory": _in_memory(ds),
+        })
+    obs["loaders"].sort(key=lambda d: -d["wait_ms_total"])
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    obs["memory"] = {"max_rss_mib": round(rss, 1)}
+    if torch.cuda.is_available():
+        obs["memory"]["cuda_max_allocated_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        obs["memory"]["cuda_total_mib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**20, 1)
+
+
+def _in_memory(ds) -> bool:
+    """A TensorDataset (or a Subset of one): every sample is a row of tensors already in memory."""
+    from torch.utils.data import Subset, TensorDataset
+
+    while isinstance(ds, Subset):
+        ds = ds.dataset
+    return isinstance(ds, TensorDataset)

@@ -1,0 +1,31 @@
+"""`allocator`: glibc malloc hands each step's large blocks back to the kernel and faults them in again (T44).
+
+Above its mmap threshold glibc serves a block with a fresh mmap and unmaps it on free, so every
+step's activations come back as new pages the kernel must fault in and zero. The probe counts the
+minor page faults per step; tcmalloc/jemalloc, or glibc with a fixed mmap threshold and a high trim
+threshold (`torchspeed.env.GLIBC_MALLOC_ENV`, what the bench uses), keep those blocks for reuse.
+"""
+
+from torchspeed.doctor.registry import register
+from torchspeed.doctor.rules._common import finding, on_cuda, saving_gain, step_ms
+
+FAULTS = 1000       # minor page faults per step worth reporting
+US_PER_FAULT = 0.7  # a fault plus zeroing a 4 KiB page, in microseconds
+
+
+@register("allocator", priority=95, techniques=("T44",), summary="glibc malloc with page-fault churn every step")
+def check(obs: dict):
+    env = obs.get("env") or {}
+    faults = (obs.get("breakdown") or {}).get("minor_faults_per_step", 0.0)
+    if on_cuda(obs) or env.get("allocator") != "glibc" or faults < FAULTS:
+        return None
+    step = step_ms(obs)
+    saved = faults * US_PER_FAULT / 1e3
+    evidence = (f"{faults:,.0f} minor page faults per step with glibc malloc (about {saved:.1f} ms of "
+                f"{step:.1f} ms at ~{US_PER_FAULT} us each): large blocks are unmapped on free and faulted in again")
+    tcm = env.get("tcmalloc_path")
+    fix = ((f"LD_PRELOAD={tcm} python train.py (tcmalloc), or " if tcm else "tcmalloc (`apt-get install "
+            "libtcmalloc-minimal4`, then LD_PRELOAD=libtcmalloc_minimal.so.4) or jemalloc, or ")
+           + "MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 python train.py (glibc keeps the "
+           "blocks; torchspeed bench and train use these) (T44)")
+    return finding("allocator", evidence=evidence, fix=fix, est_gain=saving_gain(step, saved), obs=obs)

@@ -1,0 +1,196 @@
+"""Sturdier evidence: robust step shares, used-by-gradient modules, in-memory data, workers chosen by the
+tuner, CPU-dependent rules under injected CPU profiles, Dynamo log parsing, the schema in the JSON."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchspeed.doctor import RULES, run_rules
+from torchspeed.doctor import verify as verify_mod
+from torchspeed.doctor._capture import Captured
+from torchspeed.doctor._compile_log import parse_record
+from torchspeed.doctor._model_checks import examine_model
+from torchspeed.doctor._probe import Probe
+from torchspeed.doctor._summary import summarize
+
+from test_rules import CLEAN, CPU_ENV, _obs, _set
+
+AVX2 = {**CPU_ENV, "bf16_supported": False, "amx": False}
+AVX512 = {**CPU_ENV, "bf16_supported": False, "amx": False}
+AVX512_BF16 = {**CPU_ENV, "bf16_supported": True, "amx": False}
+AMX = {**CPU_ENV, "bf16_supported": True, "amx": True}
+
+
+def _probe_with(records):
+    p = Probe(steps=len(records) - 2, warmup=2)
+    p.records = records
+    return p
+
+
+def test_start_up_outliers_do_not_make_a_loop_data_bound():
+    # 2 warm-up steps, then 10 steps of 10 ms with 0.2 ms data wait, one of which waits 150 ms for workers
+    steady = {"data": 0.2, "forward": 4.0, "backward": 4.8, "optim": 1.0, "step": 10.0}
+    recs = [dict(steady) for _ in range(12)]
+    recs[6] = {**steady, "data": 150.2, "step": 160.0}
+    obs = copy.deepcopy(CLEAN)
+    summarize(_probe_with(recs), obs)
+    b = obs["breakdown"]
+    assert b["outlier_steps"] == 1 and b["outlier_step_ms"] == [160.0] and b["steps"] == 9
+    assert b["fractions"]["data_wait"] == pytest.approx(0.02) and b["step_ms_mean_all"] == 25.0
+    assert RULES["data-bound"].check(obs) is None
+    # a loop that waits at every step is still data-bound
+    recs = [{**steady, "data": 5.2, "step": 15.0} for _ in range(12)]
+    summarize(_probe_with(recs), obs)
+    assert RULES["data-bound"].check(obs) is not None
+
+
+def test_the_median_steps_share_guards_the_verdict():
+    # waits spread over two steps in nine (no single outlier): the median step waits for nothing
+    o = _obs(_set("breakdown.fractions.data_wait", 0.3), _set("breakdown.fractions_median", {"data": 0.01}))
+    assert RULES["data-bound"].check(o) is None
+    o["breakdown"]["fractions_median"]["data"] = 0.3
+    assert RULES["data-bound"].check(o) is not None
+
+
+def _called_and_grads(model, x):
+    called = set()
+    hooks = [m.register_forward_pre_hook(lambda mod, a: called.add(id(mod))) for m in model.modules()]
+    model(x).square().mean().backward()
+    for h in hooks:
+        h.remove()
+    return called, {id(p) for p in model.parameters() if p.grad is not None}
+
+
+def test_a_module_whose_parameters_get_gradients_is_used():
+    torch.manual_seed(0)
+
+    class Enc(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(16, nhead=2, dim_feedforward=32, batch_first=True)
+            self.aux = nn.Linear(16, 64)  # really unused
+
+        def forward(self, x):
+            return self.layer(x)
+
+    model, x = Enc(), torch.randn(4, 6, 16)
+    called, grads = _called_and_grads(model, x)
+    assert id(model.layer.self_attn.out_proj) not in called  # MultiheadAttention uses it functionally
+    obs = {"notes": [], "env": {}}
+    examine_model(Captured(model=model, args=(x,), called=called, grad_ids=grads), obs)
+    assert obs["model"]["never_called_modules"] == ["aux"]
+
+
+def test_in_memory_data_is_told_to_index_whole_batches_never_to_add_workers():
+    o = _obs(_set("breakdown.fractions.data_wait", 0.6), _set("breakdown.data_wait_ms", 6.0),
+             _set("loaders", [{**CLEAN["loaders"][0], "num_workers": 0, "dataset": "TensorDataset",
+                               "in_memory": True}]))
+    f = RULES["data-bound"].check(o)
+    assert "index whole batches" in f.fix and "num_workers" not in f.fix
+    assert RULES["dataloader-workers"].check(o) is None
+
+
+def _workers_verdict(direction, candidate, current, speedup):
+    return _set("verify", {"workers": {"fix": "workers", "speedup": speedup, "baseline_ms": 10.0,
+                                       "candidate_ms": 10.0 / speedup, "rounds": 3, "within_noise": False,
+                                       "iqr": [speedup, speedup], "direction": direction,
+                                       "candidate": candidate, "current": current}})
+
+
+def test_fewer_workers_is_advised_when_measured_and_workers_never_against_the_tuner():
+    slow = (_set("breakdown.fractions.data_wait", 0.5), _set("breakdown.data_wait_ms", 5.0))
+    o = _obs(*slow, _workers_verdict("fewer", "num_workers=0", "num_workers=2", 1.8))
+    f = RULES["data-bound"].check(o)
+    assert f.fix.startswith("use fewer workers: num_workers=0") and f.measured_gain == 1.8
+    # the script loads in the main process and the tuner keeps it there: no advice to add workers
+    zero = _set("loaders", [{**CLEAN["loaders"][0], "num_workers": 0}])
+    o = _obs(*slow, zero, _workers_verdict("same", "num_workers=0", "num_workers=0", 1.0))
+    assert RULES["dataloader-workers"].check(o) is None
+    o = _obs(*slow, zero, _workers_verdict("more", "num_workers=2", "num_workers=0", 1.4))
+    assert "num_workers=2" in RULES["dataloader-workers"].check(o).fix
+
+
+def test_verify_tries_the_worker_count_the_tuner_chooses(monkeypatch):
+    from torchspeed.tune import loader as tune_mod
+
+    chosen = {}
+
+    def fake_tune_loader(dataset, **kw):
+        chosen["called"] = kw["batch_size"]
+        return type("S", (), {"num_workers": 0, "reason": "workers do not help (injected)"})()
+
+    monkeypatch.setattr(tune_mod, "tune_loader", fake_tune_loader)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    ds = TensorDataset(torch.randn(64, 8), torch.randint(0, 4, (64,)))
+    loader = DataLoader(ds, batch_size=16, num_workers=1)
+    cap = Captured(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), args=(torch.randn(16, 8),),
+                   loss_module=nn.CrossEntropyLoss(), target=torch.randint(0, 4, (16,)), loaders=[loader])
+    res = verify_mod.verify_fixes(cap, {"model": {"autocast": True}, "notes": []}, fixes=("workers",), rounds=1)
+    w = res["workers"]
+    assert "error" not in w, w
+    assert chosen["called"] == 16 and w["candidate"] == "num_workers=0" and w["direction"] == "fewer"
+    assert w["current"] == "num_workers=1" and "injected" in w["tuner"] and w["rule"] == "data-bound"
+
+
+@pytest.mark.parametrize("env,fires", [(AVX2, False), (AVX512, False), (AVX512_BF16, True), (AMX, True)])
+def test_cpu_bf16_math_follows_the_injected_cpu(env, fires):
+    o = _obs(_set("env", env), _set("model.autocast", False))
+    f = RULES["cpu-bf16-math"].check(o)
+    assert (f is not None) == fires
+    if fires:
+        assert ("AMX" in f.evidence) == env["amx"] and 'fp32_precision = "bf16"' in f.fix
+        o["math"]["mkldnn_matmul"] = "bf16"  # already on: nothing to say
+        assert RULES["cpu-bf16-math"].check(o) is None
+
+
+def test_allocator_needs_glibc_and_fault_churn():
+    churn = _set("breakdown.minor_faults_per_step", 6000.0)
+    assert RULES["allocator"].check(_obs(churn)) is not None
+    assert RULES["allocator"].check(_obs(churn, _set("env", {**CPU_ENV, "allocator": "tcmalloc"}))) is None
+    assert RULES["allocator"].check(_obs(churn, _set("env", {**CPU_ENV, "allocator": "glibc (tuned)"}))) is None
+    f = RULES["allocator"].check(_obs(churn, _set("env", {**CPU_ENV, "tcmalloc_path": "/x/libtcmalloc.so.4"})))
+    assert "LD_PRELOAD=/x/libtcmalloc.so.4" in f.fix
+
+
+def test_oversubscription_needs_the_measured_slow_down():
+    over = {"workers": 2, "threads": 2, "cores": 2, "compute_ms_in_script": 9.0, "worker_ms_per_batch": 4.0}
+    assert RULES["cpu-oversubscribed"].check(_obs(_set("cpu", {**over, "compute_ms_alone": 6.0}))) is not None
+    assert RULES["cpu-oversubscribed"].check(_obs(_set("cpu", {**over, "compute_ms_alone": 8.5}))) is None
+    assert RULES["cpu-oversubscribed"].check(_obs(_set("cpu", {**over, "compute_ms_alone": None}))) is None
+    within = {**over, "threads": 0, "compute_ms_alone": 6.0}
+    assert RULES["cpu-oversubscribed"].check(_obs(_set("cpu", within))) is None
+    # idle workers (0.1 ms of work per batch) cannot explain 3 ms lost: the machine's other load does
+    idle = {**over, "compute_ms_alone": 6.0, "worker_ms_per_batch": 0.1}
+    assert RULES["cpu-oversubscribed"].check(_obs(_set("cpu", idle))) is None
+
+
+def test_dynamo_records_are_parsed_and_the_probes_own_guards_dropped():
+    gb = ("Graph break in user code at /home/u/train.py:42\nGraph Break Reason: Data-dependent branching\n"
+          "  Explanation: Detected data-dependent branching.\n")
+    assert parse_record("graph_break", gb) == {"kind": "graph_break", "site": "train.py:42",
+                                               "reason": "Data-dependent branching (Detected data-dependent branching.)"}
+    rc = ("Recompiling function forward in /home/u/train.py:12\n    triggered by the following guard failure(s):\n"
+          "    - 0/0: tensor 'x' size mismatch at index 0. expected 8, actual 9")
+    assert parse_record("recompile", rc)["reason"] == "forward: 0/0: tensor 'x' size mismatch at index 0. expected 8, actual 9"
+    own = rc.replace("tensor 'x' size mismatch at index 0. expected 8, actual 9",
+                     "G['m']._global_forward_pre_hooks[5].__self__.called == {1, 2}")
+    assert parse_record("recompile", own) == {}
+
+
+def test_every_rule_states_an_estimate_or_a_severity_on_its_trigger():
+    from test_rules import TRIGGERS
+
+    from torchspeed.doctor._patches import PATCHES
+
+    patched = set()
+    for rid, mods in TRIGGERS.items():
+        f = RULES[rid].check(_obs(*mods))
+        assert f.est_gain is None or f.est_gain > 0, rid
+        assert f.patch is None or f.patch in PATCHES, (rid, f.patch)  # a patch --fix can write
+        patched.add(f.patch)
+    assert {"set_to_none", "channels_last", "compile", "threads", "bf16_math", "debug_off", "workers"} <= patched
+    assert run_rules(_obs()) == []

@@ -1,0 +1,161 @@
+"""--fix: patches written with libcst keep the script's comments, apply, and the patched script still trains;
+each patch is measured on the script itself, slower ones are left out, and only --apply writes the file."""
+
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from torchspeed.cli.main import main
+from torchspeed.doctor import diagnose
+from torchspeed.doctor import fix as fix_mod
+from torchspeed.doctor._patches import PATCHES, NotApplicable, PatchContext, apply_patch
+from torchspeed.doctor.fix import fix_script, plan_patches
+
+# A script in the style of a tutorial: a TensorDataset through a DataLoader, zero_grad(set_to_none=False),
+# fp32 forward; it prints its loss every epoch so the test can see that it still trains once patched.
+SCRIPT = '''
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+X = torch.randn(1024, 16)
+Y = (X[:, :4].sum(1) > 0).long()  # a learnable target
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))  # the model
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(TensorDataset(X, Y), batch_size=64, shuffle=True)
+for epoch in range(6):
+    total = 0.0
+    for xb, yb in loader:
+        opt.zero_grad(set_to_none=False)  # zeros every gradient
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.step()
+        total += loss.item()
+    print(f"epoch {epoch} loss {total / len(loader):.4f}", flush=True)
+'''
+
+
+def _losses(source: str, tmp_path: Path) -> list[float]:
+    f = tmp_path / "patched_run.py"
+    f.write_text(source)
+    out = subprocess.run([sys.executable, str(f)], capture_output=True, text=True, timeout=300, check=True).stdout
+    return [float(line.split()[-1]) for line in out.splitlines() if line.startswith("epoch")]
+
+
+def test_each_patch_keeps_comments_and_writes_the_change():
+    src = textwrap.dedent(SCRIPT)
+    ctx = PatchContext(device="cpu", workers=2, threads=1)
+    out = apply_patch("set_to_none", src, ctx)
+    assert "        opt.zero_grad()  # zeros every gradient\n" in out
+    out = apply_patch("batched_index", src, ctx)
+    assert ("loader = DataLoader((_ds := TensorDataset(X, Y)), batch_size=None, sampler=torch.utils.data."
+            "BatchSampler(torch.utils.data.RandomSampler(_ds), 64, drop_last=False))") in out
+    out = apply_patch("autocast", src, ctx)
+    assert ('        with torch.autocast("cpu", dtype=torch.bfloat16):\n'
+            "            loss = nn.functional.cross_entropy(model(xb), yb)\n") in out
+    out = apply_patch("compile", src, ctx)
+    assert "# the model\nmodel = torch.compile(model)\n" in out
+    out = apply_patch("workers", src, ctx)
+    assert "DataLoader(TensorDataset(X, Y), batch_size=64, shuffle=True, num_workers=2, persistent_workers=True)" in out
+    out = apply_patch("threads", src, ctx)
+    assert "from torch.utils.data import DataLoader, TensorDataset\ntorch.set_num_threads(1)" in out
+    out = apply_patch("bf16_math", src, ctx)
+    assert 'torch.backends.mkldnn.matmul.fp32_precision = "bf16"' in out
+    out = apply_patch("channels_last", src, ctx)
+    assert "model(xb.contiguous(memory_format=torch.channels_last))" in out
+    debug = "torch.autograd.set_detect_anomaly(True)  # debugging a NaN\n" + src
+    assert apply_patch("debug_off", debug, ctx).startswith("torch.autograd.set_detect_anomaly(False)  # debugging")
+    for name in PATCHES:  # every patch leaves valid Python and every comment in place
+        try:
+            out = apply_patch(name, src, ctx)
+        except NotApplicable:
+            continue
+        compile(out, "x.py", "exec")
+        assert all(c in out for c in ("# a learnable target", "# the model", "# zeros every gradient"))
+    with pytest.raises(NotApplicable):
+        apply_patch("set_to_none", src.replace("set_to_none=False", ""), ctx)
+
+
+def test_patched_script_still_trains(tmp_path):
+    src = textwrap.dedent(SCRIPT)
+    patched = src
+    for name in ("set_to_none", "batched_index", "autocast"):
+        patched = apply_patch(name, patched, PatchContext())
+    assert patched.count("\n") >= src.count("\n")
+    before, after = _losses(src, tmp_path), _losses(patched, tmp_path)
+    assert len(after) == 6 and after[-1] < after[0] * 0.8  # the patched script learns as the original does
+    assert before[-1] < before[0] * 0.8
+
+
+def _digest(folder: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def diagnosed(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("user")
+    script = folder / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    return script, diagnose(str(script), steps=4, warmup=2, quiet=True)
+
+
+def test_fix_measures_each_patch_and_keeps_only_faster_ones(diagnosed, monkeypatch):
+    script, report = diagnosed
+    assert "zero-grad-memset" in report.rules
+    calls = []
+
+    def fake_measure(path, args, sources, **kw):  # injected: patch 1 faster, patch 2 slower, ...
+        calls.append(sources)
+        speed = [1.0] + [(1.3, 0.8)[(i - 1) % 2] for i in range(1, len(sources))]
+        return [{"ratios": [s], "ms": [10.0], "error": None, "speedup": s} for s in speed]
+
+    monkeypatch.setattr(fix_mod, "_measure", fake_measure)
+    before = _digest(script.parent)
+    res = fix_script(report, steps=4, warmup=2, rounds=1)
+    assert calls[0][0] is None and len(calls) == 2 and calls[1][0] is None  # original first, then the combination
+    ps = res["patches"]
+    assert len(ps) >= 2, ps
+    assert [p["kept"] for p in ps] == [p["speedup"] > 1.0 for p in ps] and not all(p["kept"] for p in ps)
+    for p in ps:
+        assert p["diff"].startswith("--- a/train.py\n+++ b/train.py\n") and p["rule"] and p["speedup"] > 0
+    assert res["end_to_end_speedup"] == 1.3 and res["combined_diff"] and not res["applied"]
+    assert _digest(script.parent) == before  # without --apply nothing is written
+    res = fix_script(report, steps=4, warmup=2, rounds=1, apply=True)
+    assert res["applied"] and script.read_text() != textwrap.dedent(SCRIPT)
+    assert set(_digest(script.parent)) == set(before)  # the file changed, nothing was added
+    script.write_text(textwrap.dedent(SCRIPT))
+
+
+def test_cli_fix_json_measures_on_the_script_itself(diagnosed, tmp_path):
+    script, _ = diagnosed
+    before = _digest(script.parent)
+    out = tmp_path / "fix.json"
+    rc = main(["doctor", str(script), "--steps", "3", "--warmup", "2", "--fix", "--fix-rounds", "1",
+               "--json", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())["fix"]
+    assert d["patches"] and "end_to_end_speedup" in d
+    for p in d["patches"]:
+        assert {"rule", "diff", "speedup"} <= set(p) and "error" not in p, p
+        assert isinstance(p["speedup"], float) and p["diff"].startswith("--- a/train.py")
+    assert _digest(script.parent) == before
+
+
+def test_fix_usage_errors(capsys):
+    script = str(Path(__file__).parent / "scripts" / "crashes.py")
+    assert main(["doctor", script, "--apply"]) == 2
+    assert "--fix --apply" in capsys.readouterr().err
+
+
+def test_fix_without_libcst_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "libcst", None)  # `import libcst` now raises ImportError
+    script = str(Path(__file__).parent / "scripts" / "crashes.py")
+    assert main(["doctor", script, "--fix"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pip install" in err and "libcst" in err and len(err.splitlines()) == 1
