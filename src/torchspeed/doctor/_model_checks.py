@@ -21,6 +21,7 @@ from torch import nn
 from torchspeed.doctor._capture import Captured
 from torchspeed.doctor._tree import call_model, first_tensor, generic_loss
 from torchspeed.model.conv_bias import find_conv_bn_pairs
+from torchspeed.train.wrappers import is_compiled
 
 __all__ = ["examine_model", "leaf_trace"]
 
@@ -113,7 +114,7 @@ def examine_model(cap: Captured, obs: dict) -> None:
                                      and m.weight.is_contiguous(memory_format=torch.channels_last)
                                      and not m.weight.is_contiguous() for m in inner.modules()),
         "norm_layers": sum(isinstance(m, _NORMS) for m in inner.modules()),
-        "compiled": hasattr(model, "_orig_mod"),
+        "compiled": is_compiled(model),
     })
     # unused parameters (T37): in the optimizer but no gradient at a step, or in a module that is never
     # used. A module whose own forward never ran is still used when its parameters got gradients

@@ -32,7 +32,8 @@ from torch import nn
 from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
 from torchspeed.env import detect
 from torchspeed.model.conv_bias import remove_conv_bias
-from torchspeed.train.compile import sync
+from torchspeed.env import sync
+from torchspeed.train.sampler import rebuild_loader
 from torchspeed.train.precision import half_precision
 from torchspeed.train.memory_format import apply_channels_last, to_channels_last
 
@@ -114,16 +115,14 @@ class _LoaderStep:
     """Next batch from a DataLoader (moved to the model's device) plus a training step."""
 
     def __init__(self, trainer: _Trainer, loader, *, num_workers: int, pin_memory: bool):
-        from torch.utils.data import DataLoader
         kw = {}
         if num_workers > 0:
             kw["persistent_workers"] = True
             kw["prefetch_factor"] = 4
             if "fork" in multiprocessing.get_all_start_methods():
                 kw["multiprocessing_context"] = "fork"  # classes defined in the script's __main__ stay reachable
-        self.loader = DataLoader(loader.dataset, batch_size=loader.batch_size or 1, shuffle=False,
-                                 num_workers=num_workers, collate_fn=loader.collate_fn, drop_last=loader.drop_last,
-                                 pin_memory=pin_memory, **kw)
+        self.loader = rebuild_loader(loader, batch_size=loader.batch_size or 1, sampler=None,
+                                     replace_batch_sampler=True, num_workers=num_workers, pin_memory=pin_memory, **kw)
         self.trainer = trainer
         self.it = iter(self.loader)
         self.non_blocking = pin_memory

@@ -37,12 +37,15 @@ __all__ = ["ResumableSampler", "DataPosition", "is_stateful_loader", "loader_len
 _KEEP = object()
 
 
-def rebuild_loader(loader: DataLoader, *, dataset=_KEEP, batch_size=_KEEP, sampler=_KEEP, **settings) -> DataLoader:
+def rebuild_loader(loader: DataLoader, *, dataset=_KEEP, batch_size=_KEEP, sampler=_KEEP,
+                   replace_batch_sampler: bool = False, **settings) -> DataLoader:
     """A copy of `loader` with the given settings changed and every other one kept (collate_fn, workers,
     pin_memory and its device, timeout, worker_init_fn, multiprocessing context, generator, drop_last).
     The one home of rebuilding a DataLoader: the tuners (another batch size or worker count) and DDP
-    (a DistributedSampler per rank) both come here."""
-    if type(loader.batch_sampler) is not BatchSampler and loader.batch_sampler is not None:
+    (a DistributedSampler per rank) both come here. A custom batch_sampler is an error unless
+    `replace_batch_sampler` (plain batches of `batch_size` instead: the doctor's measuring copy)."""
+    custom = type(loader.batch_sampler) is not BatchSampler and loader.batch_sampler is not None
+    if custom and not replace_batch_sampler:
         raise ValueError(f"the DataLoader uses a custom batch_sampler ({type(loader.batch_sampler).__name__}); "
                          "it cannot be rebuilt with another batch size, worker count or sampler here: build "
                          "that DataLoader yourself (or pass batch_size=None to the tuners)")
