@@ -33,6 +33,7 @@ from torch import nn
 from torchspeed.env import default_device
 from torchspeed.train.backends import configure_backends
 from torchspeed.train.batch import batch_size, default_loss, forward_loss
+from torchspeed.train.callbacks import Callback, CallbackList
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from torchspeed.train.checkpoint import (CheckpointManager, check_resumable, check_state_dict, find_resume,
                                          update_best)
@@ -44,6 +45,7 @@ from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_s
                                           wrap_ddp)
 from torchspeed.train.evaluate import evaluate
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
+from torchspeed.train.loggers import LoggerCallback
 from torchspeed.train.memory_format import apply_channels_last, has_conv2d
 from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
 from torchspeed.train.optim import create_optimizer, describe_optimizer, zero_grad
@@ -77,13 +79,16 @@ class Trainer:
     """Owns the model, optimizer, scaler and schedule for one run; see `torchspeed.fit` for the options.
 
     `loss_fn(output, target)` replaces the default cross-entropy; `step_fn(model, batch)`
-    returns the loss for batches the contract in `batch.py` does not cover.
+    returns the loss for batches the contract in `batch.py` does not cover. `callbacks`
+    (callbacks.py: EarlyStopping, EMA, your own) and `loggers` (loggers.py) are not config:
+    they are objects, kept out of the config dict written to metrics.json and checkpoints.
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
                  optimizer: str | torch.optim.Optimizer = "sgd", lr: float = 0.1, weight_decay: float = 5e-4,
                  momentum: float = 0.9, device: torch.device | str | None = None,
-                 config: TrainConfig | None = None):
+                 config: TrainConfig | None = None, callbacks: Iterable[Callback] | None = None,
+                 loggers: Iterable | None = None):
         self.config = cfg = config or TrainConfig()
         if cfg.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {cfg.grad_accum}")
@@ -152,6 +157,9 @@ class Trainer:
         self._steps_per_epoch: int | None = None
         self._history: list[dict] = []
         self._best: dict | None = None
+        # Every callback and logger behind one object: the loop calls each event in one line.
+        self.callbacks = CallbackList([*(callbacks or ()), *([LoggerCallback(loggers)] if loggers else [])])
+        self.should_stop = False  # set by request_stop (a callback): the run ends after this step or epoch
 
     def _wrap_ddp(self, cfg: TrainConfig) -> tuple[nn.Module, nn.Module]:
         # DDP last, after .to(device) and channels_last: it broadcasts rank 0's weights now.
@@ -164,6 +172,17 @@ class Trainer:
                                          f"gradient_as_bucket_view, static_graph={cfg.static_graph}, "
                                          f"sync_batchnorm={synced}")
         return module, wrap_ddp(module, device=self.device, static_graph=cfg.static_graph)
+
+    @property
+    def last_loss(self) -> float:
+        """The loss read at the last step divisible by log_every (NaN before): no new device sync."""
+        return self._last_loss
+
+    def request_stop(self, reason: str) -> None:
+        """End training after the current step (or epoch); `reason` goes to decisions["stopped"]."""
+        self.should_stop = True
+        self.decisions["stopped"] = reason
+        log.warning("stopping: %s", reason)
 
     @property
     def skipped(self) -> torch.Tensor:
@@ -264,15 +283,22 @@ class Trainer:
         total = (steps_per_epoch * (epochs - start_epoch) - start_batch if steps_per_epoch
                  else (self.total_steps - self.step) * cfg.grad_accum)
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
-        with TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total) as progress:
-            for epoch in range(start_epoch, epochs):
-                if done:
-                    break
-                skip = start_batch if epoch == start_epoch else 0  # mid-epoch resume: batches already trained
-                done = self._train_epoch(train_loader, epoch, skip, progress)
-                row = self._epoch_row(epoch, val_loader)
-                progress.epoch_done(row)
-                self._end_epoch(row)
+        self.callbacks.on_train_start(self)
+        status = "failed"
+        try:
+            with TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total) as progress:
+                for epoch in range(start_epoch, epochs):
+                    if done or self.should_stop:
+                        break
+                    skip = start_batch if epoch == start_epoch else 0  # mid-epoch resume: batches already trained
+                    done = self._train_epoch(train_loader, epoch, skip, progress)
+                    row = self._epoch_row(epoch, val_loader)
+                    progress.epoch_done(row)
+                    self.callbacks.on_evaluate(self, row)
+                    self._end_epoch(row)
+            status = "success"
+        finally:
+            self.callbacks.on_train_end(self, status)
         return FitResult(history=self._history, config=asdict(cfg), decisions=dict(self.decisions), steps=self.step,
                          skipped_steps=int(self.skipped.item()))
 
@@ -288,13 +314,15 @@ class Trainer:
         for batch in self.batches(self.position.epoch_iter(train_loader, skip)):
             self.step_batch(batch)
             self.position.advance()
+            if self._micro == 0:
+                self.callbacks.on_step_end(self)  # EMA update, logging, a callback's stop (before the save)
             n = batch_size(batch)
             self._seen += n
             progress.advance(n, loss=self._last_loss, epoch=epoch)
             if (cfg.checkpoint_every and self._micro == 0 and self.step % cfg.checkpoint_every == 0
                     and self.position.batch != self._steps_per_epoch):  # the epoch end saves its own
                 self.save_checkpoint()
-            if cfg.max_steps and self.step >= cfg.max_steps:
+            if (cfg.max_steps and self.step >= cfg.max_steps) or self.should_stop:
                 return True
         return False
 
@@ -318,7 +346,8 @@ class Trainer:
             write_metrics(self.config.out_dir, self._history, decisions=self.decisions, config=asdict(self.config))
         if self.checkpoints is not None and self._micro == 0:
             pos = self.position
-            if pos.batch == self._steps_per_epoch or (self._steps_per_epoch is None and not self._stopped()):
+            if pos.batch == self._steps_per_epoch or (self._steps_per_epoch is None and not self._stopped()
+                                                      and not self.should_stop):
                 pos.start_epoch(pos.epoch + 1, 0)  # the position is the next epoch's start
             self.save_checkpoint(best=self._update_best(row))
 
@@ -337,6 +366,7 @@ class Trainer:
             **self.guard.state_dict(), "meter": self.meter.state_dict(),
             "history": jsonable({"h": self._history})["h"], "best": self._best,
             "config": jsonable(asdict(self.config)),
+            "callbacks": self.callbacks.state_dict(), "stopped": self.decisions.get("stopped"),
         }
 
     def save_checkpoint(self, *, best: bool = False) -> Path | None:
@@ -346,7 +376,8 @@ class Trainer:
         state = self.checkpoint_state()
         self.last_checkpoint = self.checkpoints.save(state, step=self.step)
         if best:
-            self.checkpoints.save_best(state)
+            self.checkpoints.save_best(self.callbacks.best_state(state))  # EMA: its weights as "model"
+        self.callbacks.on_save(self, self.last_checkpoint)
         return self.last_checkpoint
 
     def _update_best(self, row: dict) -> bool:
@@ -360,8 +391,9 @@ class Trainer:
             return 0, 0
         state = check_resumable(found, steps_per_epoch=steps_per_epoch, total_steps=self.total_steps,
                                 has_scheduler=self.scheduler is not None)
-        check_state_dict(self.module, state["model"], source=f"checkpoint {found.path}")
-        self.module.load_state_dict(state["model"])
+        weights = state.get("train_model", state["model"])  # best.pt with EMA keeps the training weights there
+        check_state_dict(self.module, weights, source=f"checkpoint {found.path}")
+        self.module.load_state_dict(weights)
         self.optimizer.load_state_dict(state["optimizer"])
         for part, key in ((self.scheduler, "scheduler"), (self.scaler, "scaler")):
             if part is not None and state[key] is not None:
@@ -370,6 +402,9 @@ class Trainer:
         self.guard.load_state_dict(state)
         self.meter.load_state_dict(state["meter"])
         self._history, self._best = list(state["history"]), state["best"]
+        self.callbacks.load_state_dict(state.get("callbacks"))
+        if state.get("stopped"):  # a callback had ended this run: it stays ended
+            self.should_stop, self.decisions["stopped"] = True, state["stopped"]
         self.position.load_state_dict(state)
         restore_rng_state(state["rng"])
         epoch, batch = self.position.epoch, self.position.batch
@@ -384,7 +419,7 @@ class Trainer:
         # The plain module: a DDP forward would issue collectives that uneven shards could leave waiting.
         if self.dist is not None:
             loader = shard_loader(loader, for_eval=True)
-        out = evaluate(self.module, loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
+        out = evaluate(self.callbacks.eval_module(self.module), loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
                        step_fn=self.step_fn, channels_last=self.channels_last, tta=self.config.tta,
                        tta_scales=self.config.tta_scales)
         if self.dist is not None:
