@@ -159,32 +159,32 @@ def test_early_stopped_run_stays_stopped_on_resume(tmp_path):
 
 
 # ---------------------------------------------------------------------- EMA as a plain object
-@pytest.mark.parametrize("buffers", ["average", "copy"])
-def test_ema_object_matches_the_formula(buffers):
+@pytest.mark.parametrize("buffers, warmup", [("average", False), ("copy", False), ("average", True)])
+def test_ema_object_matches_the_formula(buffers, warmup):
     model = _bn_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ema = EMA(0.8, buffers=buffers).attach(model)
-    ref = {k: v.clone().float() for k, v in model.state_dict().items()}
+    ema = EMA(0.8, buffers=buffers, warmup=warmup).attach(model)
+    ref = {}
     x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
-    for i in range(4):
+    decays = []
+    for t in range(40):
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
         ema.update()
-        live = model.state_dict()
-        for k, v in live.items():
-            if i == 0:
-                ref[k] = v.clone().float()           # the first update copies
-            elif k.endswith("num_batches_tracked") or (buffers == "copy" and "running" in k):
-                ref[k] = v.clone().float() if buffers == "copy" else ref[k] * 0.8 + v.float() * 0.2
+        d = min(0.8, (1 + t) / (10 + t)) if warmup else 0.8
+        decays.append(d)
+        for k, v in model.state_dict().items():
+            if t == 0 or (buffers == "copy" and "running" in k):
+                ref[k] = v.clone().float()           # the first update copies; "copy" copies the BN statistics
             else:
-                ref[k] = ref[k] * 0.8 + v.float() * 0.2
-    got = ema.module.state_dict()
-    for k, v in got.items():
+                ref[k] = ref[k] * d + v.float() * (1 - d)
+    for k, v in ema.module.state_dict().items():
         if k.endswith("num_batches_tracked"):
             continue  # an integer: BatchNorm reads it only with momentum=None (see the EMA docstring)
-        assert torch.allclose(v.float(), ref[k], atol=1e-6), k
-    assert ema.updates == 4 and not ema.module.training
+        assert torch.allclose(v.float(), ref[k], atol=1e-5), k
+    assert (decays[1] < 0.8) == warmup and decays[-1] == 0.8   # the warm-up ramps up to the cap
+    assert ema.updates == 40 and int(ema.averaged.n_averaged) == 40 and not ema.module.training
     assert not torch.equal(ema.module[0].weight, model[0].weight)
     # buffers="copy": the running statistics are the live model's; "average": they are not
     same_stats = torch.equal(ema.module[1].running_mean, model[1].running_mean)

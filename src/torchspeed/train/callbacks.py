@@ -201,10 +201,16 @@ class EarlyStopping(Callback):
 
 
 class EMA(Callback):
-    """An exponential moving average of the weights: `ema = decay * ema + (1 - decay) * weights` every step.
+    """An exponential moving average of the weights: `ema = d * ema + (1 - d) * weights` every step.
 
-    Built on `torch.optim.swa_utils.AveragedModel` with `get_ema_multi_avg_fn(decay)` (one fused
+    Built on `torch.optim.swa_utils.AveragedModel` with `get_ema_multi_avg_fn(d)` (one fused
     `_foreach_lerp_` per dtype and device). The first update copies the weights.
+
+    `warmup=True` (default): update t (from 0) uses d = min(decay, (1 + t) / (10 + t)), as timm's
+    and TensorFlow's EMAs do: early on the average spans about the last tenth of the steps taken,
+    so it never holds much of the random initial weights (without it, decay 0.98 after 40 steps
+    is still 45% initial weights: chance accuracy on the digits, docs/integrations.md); `decay`
+    caps d once the run is longer than about 9 / (1 - decay) steps. `warmup=False`: d = decay.
 
     State: the `AveragedModel` (a copy of the model: its `module` holds the averaged
     parameters and buffers, and `n_averaged` counts updates). Buffers (BatchNorm running
@@ -231,12 +237,14 @@ class EMA(Callback):
     span is a small part of the run (see docs/integrations.md for measured numbers).
     """
 
-    def __init__(self, decay: float = 0.999, *, buffers: str = "average", apply_at_end: bool = True):
+    def __init__(self, decay: float = 0.999, *, warmup: bool = True, buffers: str = "average",
+                 apply_at_end: bool = True):
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"EMA decay must be in [0, 1], got {decay}")
         if buffers not in ("average", "copy"):
             raise ValueError(f"buffers must be 'average' or 'copy', got {buffers!r}")
-        self.decay, self.buffers, self.apply_at_end = decay, buffers, apply_at_end
+        self.decay, self.warmup, self.buffers, self.apply_at_end = decay, warmup, buffers, apply_at_end
+        self.updates = 0  # counted on the host: the warm-up reads no device tensor
         self.model: nn.Module | None = None
         self.averaged: AveragedModel | None = None
         self._pending: dict | None = None
@@ -247,10 +255,12 @@ class EMA(Callback):
         self.model = model
         self.averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(self.decay),
                                       use_buffers=self.buffers == "average")
+        self.updates = 0
         self.averaged.requires_grad_(False)
         self.averaged.eval()
         if self._pending is not None:  # state restored from a checkpoint before the model was known
             self.averaged.load_state_dict(self._pending.pop("averaged"))
+            self.updates = int(self._pending["updates"])
             self._pending = None
         return self
 
@@ -259,7 +269,15 @@ class EMA(Callback):
         """One EMA step from `model` (default: the attached one)."""
         if self.averaged is None:
             raise RuntimeError("EMA.update() before attach(model): call ema.attach(model) first")
+        if self.warmup and self.updates:  # (the first update copies the weights whatever the decay)
+            self.averaged.multi_avg_fn = get_ema_multi_avg_fn(self.current_decay())
         self.averaged.update_parameters(model if model is not None else self.model)
+        self.updates += 1
+
+    def current_decay(self) -> float:
+        """The decay the next update uses."""
+        t = self.updates
+        return min(self.decay, (1 + t) / (10 + t)) if self.warmup else self.decay
 
     @property
     def module(self) -> nn.Module:
@@ -268,10 +286,6 @@ class EMA(Callback):
             raise RuntimeError("EMA.module before attach(model): call ema.attach(model) first")
         return self.averaged.module
 
-    @property
-    def updates(self) -> int:
-        return int(self.averaged.n_averaged) if self.averaged is not None else 0
-
     def copy_to(self, model: nn.Module | None = None) -> None:
         """Copy the EMA weights and buffers into `model` (default: the attached one)."""
         (model if model is not None else self.model).load_state_dict(self.module.state_dict())
@@ -279,18 +293,21 @@ class EMA(Callback):
     def state_dict(self) -> dict:
         if self.averaged is None:
             return dict(self._pending) if self._pending else {}
-        return {"decay": self.decay, "buffers": self.buffers, "averaged": self.averaged.state_dict()}
+        return {"decay": self.decay, "warmup": self.warmup, "buffers": self.buffers, "updates": self.updates,
+                "averaged": self.averaged.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if not state:
             return
-        if state.get("decay") != self.decay or state.get("buffers") != self.buffers:
-            log.warning("EMA: the checkpoint's EMA had decay=%s buffers=%s; continuing with decay=%s buffers=%s",
-                        state.get("decay"), state.get("buffers"), self.decay, self.buffers)
+        mine = {"decay": self.decay, "warmup": self.warmup, "buffers": self.buffers}
+        if any(state.get(k) != v for k, v in mine.items()):
+            log.warning("EMA: the checkpoint's EMA had %s; continuing with %s",
+                        {k: state.get(k) for k in mine}, mine)
         if self.averaged is None:
             self._pending = dict(state)
         else:
             self.averaged.load_state_dict(state["averaged"])
+            self.updates = int(state["updates"])
 
     # ------------------------------------------------------------------ as a trainer callback
     def on_train_start(self, trainer) -> None:
