@@ -16,7 +16,7 @@ already reduced over ranks, so EarlyStopping does). A callback that keeps state 
 `state_dict()` (tensors and plain values: checkpoints load with `weights_only=True`); it is saved
 in every checkpoint and given back to `load_state_dict` on resume, so a resumed run is exact.
 
-Built in: `EarlyStopping` and `EMA` (an exponential moving average of the weights on
+Built in: `EarlyStopping` and `EMA` (T40: an exponential moving average of the weights on
 `torch.optim.swa_utils.AveragedModel`, usable in your own loop too). The trainer talks to all
 of them through one `CallbackList`, one line per event.
 
@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterable
@@ -88,6 +89,17 @@ class CallbackList:
 
     def __len__(self) -> int:
         return len(self.callbacks)
+
+    @contextlib.contextmanager
+    def running(self, trainer):
+        """`on_train_start` on entry; `on_train_end` on exit, "success" or "failed" (an exception)."""
+        self.on_train_start(trainer)
+        status = "failed"
+        try:
+            yield self
+            status = "success"
+        finally:
+            self.on_train_end(trainer, status)
 
     def on_train_start(self, trainer) -> None:
         for cb in self.callbacks:
@@ -193,7 +205,8 @@ class EarlyStopping(Callback):
                                  f"for {self.patience} epoch(s) ({best})")
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "best_epoch": self.best_epoch, "wait": self.wait, "stopped_epoch": self.stopped_epoch}
+        return {"best": self.best, "best_epoch": self.best_epoch, "wait": self.wait,
+                "stopped_epoch": self.stopped_epoch}
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.best_epoch = state["best"], state["best_epoch"]

@@ -283,22 +283,18 @@ class Trainer:
         total = (steps_per_epoch * (epochs - start_epoch) - start_batch if steps_per_epoch
                  else (self.total_steps - self.step) * cfg.grad_accum)
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
-        self.callbacks.on_train_start(self)
-        status = "failed"
-        try:
-            with TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total) as progress:
-                for epoch in range(start_epoch, epochs):
-                    if done or self.should_stop:
-                        break
-                    skip = start_batch if epoch == start_epoch else 0  # mid-epoch resume: batches already trained
-                    done = self._train_epoch(train_loader, epoch, skip, progress)
-                    row = self._epoch_row(epoch, val_loader)
-                    progress.epoch_done(row)
-                    self.callbacks.on_evaluate(self, row)
-                    self._end_epoch(row)
-            status = "success"
-        finally:
-            self.callbacks.on_train_end(self, status)
+        # on_train_start now, on_train_end("success" | "failed") when the loop ends (callbacks.py)
+        with self.callbacks.running(self), TrainProgress(enabled=cfg.progress and is_rank_zero(),
+                                                         total=total) as progress:
+            for epoch in range(start_epoch, epochs):
+                if done or self.should_stop:
+                    break
+                skip = start_batch if epoch == start_epoch else 0  # mid-epoch resume: batches already trained
+                done = self._train_epoch(train_loader, epoch, skip, progress)
+                row = self._epoch_row(epoch, val_loader)
+                progress.epoch_done(row)
+                self.callbacks.on_evaluate(self, row)
+                self._end_epoch(row)
         return FitResult(history=self._history, config=asdict(cfg), decisions=dict(self.decisions), steps=self.step,
                          skipped_steps=int(self.skipped.item()))
 
@@ -419,7 +415,8 @@ class Trainer:
         # The plain module: a DDP forward would issue collectives that uneven shards could leave waiting.
         if self.dist is not None:
             loader = shard_loader(loader, for_eval=True)
-        out = evaluate(self.callbacks.eval_module(self.module), loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
+        module = self.callbacks.eval_module(self.module)  # the EMA weights when an EMA callback is on
+        out = evaluate(module, loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
                        step_fn=self.step_fn, channels_last=self.channels_last, tta=self.config.tta,
                        tta_scales=self.config.tta_scales)
         if self.dist is not None:
