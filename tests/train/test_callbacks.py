@@ -253,7 +253,7 @@ def test_resume_with_ema_is_bit_identical(tmp_path):
     assert es.best is not None and es.best_epoch == max(range(1, 4), key=lambda e: (ref.history[e - 1]["val_acc"], -e))
 
 
-def test_resume_without_the_ema_state_differs(tmp_path):
+def test_resume_without_the_ema_state_differs(tmp_path, caplog):
     """The check above is sharp: an EMA restarted at the resume (its state not restored) ends elsewhere."""
     cfg = dict(_FIT, epochs=2, checkpoint_dir=str(tmp_path), checkpoint_every=1)
     ref_ema = EMA(0.9, apply_at_end=False)
@@ -267,6 +267,7 @@ def test_resume_without_the_ema_state_differs(tmp_path):
     torchspeed.fit(_bn_mlp(), _data(), callbacks=[ema], **dict(cfg, checkpoint_dir=None, checkpoint_every=None,
                                                                  resume=str(tmp_path / "no_ema.pt")))
     assert not _state_equal(ema.averaged.module.state_dict(), ref_ema.averaged.module.state_dict())
+    assert "the checkpoint has no state for callback EMA; it starts afresh" in caplog.text
 
 
 def test_callback_list_keys_state_by_class():
