@@ -1,9 +1,9 @@
-"""Child process of the kill test: train a tiny MLP with a checkpoint every step, resuming if asked.
+"""Child process of the kill test: train a tiny MLP with an EMA and a checkpoint every step, resuming if asked.
 
 usage: python _kill_child.py CHECKPOINT_DIR FINAL_PATH [--resume]
 
-Prints "resumed <step>" when it continued from a checkpoint and writes the final weights to
-FINAL_PATH when training ends. Deterministic: one thread, deterministic kernels, fixed seeds.
+Prints "resumed <step>" when it continued from a checkpoint and writes the final weights and the
+EMA's state (its averaged weights and update count) to FINAL_PATH when training ends. Deterministic: one thread, deterministic kernels, fixed seeds.
 """
 
 import sys
@@ -16,6 +16,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import torchspeed  # noqa: E402
+from torchspeed.train.callbacks import EMA  # noqa: E402
 from torchspeed.train.checkpoint import save_checkpoint  # noqa: E402
 from torchspeed.train.sampler import ResumableSampler  # noqa: E402
 
@@ -33,12 +34,15 @@ def main() -> None:
     torch.manual_seed(0)
     # Dropout draws from the global generator every step: a resume with the wrong RNG state would differ.
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 3))
+    # The EMA's state is in every checkpoint: a resume that lost or repeated one update would differ.
+    ema = EMA(0.9, apply_at_end=False)
     result = torchspeed.fit(model, loader, epochs=EPOCHS, device="cpu", optimizer="adamw", lr=3e-3,
                             precision="fp32", compile=False, progress=False, deterministic=True, seed=0,
-                            checkpoint_dir=ckpt_dir, checkpoint_every=1, keep_last=3, resume=resume)
+                            checkpoint_dir=ckpt_dir, checkpoint_every=1, keep_last=3, resume=resume,
+                            callbacks=[ema])
     if "resumed_from" in result.decisions:
         print("resumed", result.decisions["resumed_from"], flush=True)
-    save_checkpoint(final_path, {"model": model.state_dict(), "steps": result.steps})
+    save_checkpoint(final_path, {"model": model.state_dict(), "ema": ema.averaged.state_dict(), "steps": result.steps})
     print("done", result.steps, flush=True)
 
 

@@ -1,11 +1,11 @@
 """Fault test: kill -9 a training process at random points, resume each time, end bit-identical.
 
-A child process trains a tiny MLP on CPU in deterministic mode with a checkpoint every
-optimizer step. The parent waits until the newest checkpoint passes a random step, waits
+A child process trains a tiny MLP on CPU in deterministic mode with an EMA of its weights
+(the EMA callback) and a checkpoint every optimizer step. The parent waits until the newest checkpoint passes a random step, waits
 a random few milliseconds more (so kills also land inside checkpoint writes), and sends
 SIGKILL; after every kill every checkpoint file on disk must load and pass its checksum.
 Then it restarts the child with resume="auto". After at least 10 kills the run is let
-finish, and its final weights must equal those of an uninterrupted run bit for bit.
+finish, and its final weights and EMA weights must equal those of an uninterrupted run bit for bit.
 """
 
 import os
@@ -93,5 +93,9 @@ def test_kill_nine_resume_is_bit_identical(tmp_path):
     assert a["steps"] == b["steps"] == TOTAL_STEPS
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), f"{k} differs after {kills} kills"
+    assert int(a["ema"]["n_averaged"]) == int(b["ema"]["n_averaged"]) == TOTAL_STEPS  # one EMA update per step
+    for k in a["ema"]:
+        assert torch.equal(a["ema"][k], b["ema"][k]), f"EMA {k} differs after {kills} kills"
+    assert not torch.equal(a["ema"]["module.0.weight"], a["model"]["0.weight"])  # the EMA is not the weights
     # No temporary file from a write cut short is ever mistaken for a checkpoint.
     assert all(p.name.startswith("step-") or p.name == "best.pt" for p in run_dir.glob("*.pt"))

@@ -79,6 +79,19 @@ def test_sgd_is_fused_nesterov_and_norms_get_no_weight_decay():
     assert create_optimizer("sgd", _model(), lr=0.1, fused=False).defaults["fused"] in (None, False)
 
 
+def test_weight_decay_groups_are_timms_without_timm():
+    """`param_groups` is torchspeed's own (SGD/AdamW need no timm): the same groups, same order, as timm's."""
+    from timm.optim import param_groups_weight_decay
+
+    from torchspeed.bench.workloads import resnet20
+    from torchspeed.train.optim import param_groups
+
+    for model in (_model(), resnet20(), torch.nn.TransformerEncoderLayer(16, 2, 32)):
+        ours, theirs = param_groups(model, 0.1), param_groups_weight_decay(model, weight_decay=0.1)
+        assert [g["weight_decay"] for g in ours] == [g["weight_decay"] for g in theirs]
+        assert [[id(p) for p in g["params"]] for g in ours] == [[id(p) for p in g["params"]] for g in theirs]
+
+
 def test_unknown_names_give_clear_errors():
     with pytest.raises(ValueError, match="not one of"):
         create_optimizer("adagradx", _model(), lr=0.1)

@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+from torchspeed._extras import require
 from torchspeed._io import write_json
 from torchspeed.bench.flops import mfu, peak_bf16_flops, train_flops_per_sample
 from torchspeed.env import GLIBC_MALLOC_ENV, default_device, detect
@@ -259,9 +260,7 @@ def provenance() -> dict:
     except (OSError, subprocess.SubprocessError):
         commit = None
     info = detect()
-    import torchvision
-
-    return {"commit": commit, "torch": torch.__version__, "torchvision": torchvision.__version__,
+    return {"commit": commit, "torch": torch.__version__, "torchvision": info.torchvision,
             "python": platform.python_version(), "device": f"{info.device}: {info.device_name}",
             "cpu": info.cpu_model, "cores": info.cpu_cores, "threads": torch.get_num_threads(),
             "cpu_flags": {"avx512": info.avx512, "avx512_bf16": info.avx512_bf16, "amx": info.amx},
@@ -397,8 +396,7 @@ def write_results(result: BenchResult, json_path: str | os.PathLike, png_path: s
 
 
 def plot_results(result: BenchResult, png_path: str | os.PathLike) -> None:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plot", feature="the bench's PNG (the JSON is already written)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

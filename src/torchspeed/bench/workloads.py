@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from torchspeed._extras import require
+
 __all__ = ["resnet18_cifar", "create_model", "SyntheticImages", "digits", "make_datasets", "MODELS", "DATASETS",
            "TEXT_MODELS", "TEXT_DATASETS", "default_data", "check_workload", "example_input"]
 
@@ -68,8 +70,7 @@ def resnet18_cifar(num_classes: int = 10) -> nn.Module:
 
 
 def _cifar_resnet(name: str, num_classes: int) -> nn.Module:
-    import torchvision
-
+    torchvision = require("torchvision", "bench", feature=f"model {name!r}")
     model = getattr(torchvision.models, name)(num_classes=num_classes)
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
@@ -116,8 +117,7 @@ def create_model(name: str = "resnet18", *, num_classes: int = 10, image_size: i
         return torchvision.models.resnet18(num_classes=num_classes)
     if name in ("resnet18", "resnet34", "resnet50"):
         if image_size >= 64:
-            import torchvision
-
+            torchvision = require("torchvision", "bench", feature=f"model {name!r}")
             return getattr(torchvision.models, name)(num_classes=num_classes)
         return _cifar_resnet(name, num_classes)
     if name == "mlp":
@@ -160,8 +160,7 @@ class SyntheticImages(Dataset):
 
 def digits(*, size: int = 32, val_fraction: float = 0.25, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """scikit-learn's real handwritten digits as 3x`size`x`size` normalised tensors (train, val)."""
-    from sklearn.datasets import load_digits
-
+    load_digits = require("sklearn.datasets", "bench", feature="the digits workload").load_digits
     d = load_digits()
     x = torch.from_numpy(d.images).float().unsqueeze(1) / 16.0  # from_numpy: no copy (T11)
     x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)

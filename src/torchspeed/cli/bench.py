@@ -78,7 +78,10 @@ def run(args) -> int:
             raise CLIError(f"--nproc compares N processes with 1: give N >= 2, got {args.nproc}")
         from torchspeed.bench.scaling import run_scaling_cli
 
-        return run_scaling_cli(args)
+        try:
+            return run_scaling_cli(args)
+        except (ValueError, RuntimeError) as e:  # a bad combination or a failed rank: one line, no traceback
+            raise CLIError(str(e)) from e
     from rich.console import Console
     from rich.table import Table
 

@@ -1,7 +1,7 @@
 """`torchspeed <command>`: the entry point. Each subcommand module has `register(subparsers)`.
 
-Expected mistakes (bad flags, missing paths, bad data) end with a one-line message and a
-non-zero exit code, not a traceback: subcommands raise `CLIError` for them.
+Expected mistakes (bad flags, missing paths, bad data, a feature whose extra is not installed)
+end with a one-line message and a non-zero exit code, not a traceback: subcommands raise `CLIError` for them.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from torchspeed._extras import MissingExtraError
 
 __all__ = ["main", "CLIError", "COMMANDS"]
 
@@ -39,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as e:
         print(f"torchspeed {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
-        print(f"torchspeed {args.command}: error: {e}", file=sys.stderr)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, MissingExtraError) as e:
+        print(f"torchspeed {args.command}: error: {e}", file=sys.stderr)  # MissingExtraError: the pip install
         return 2
     except KeyboardInterrupt:
         print(f"torchspeed {args.command}: interrupted", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torchspeed._extras import require
 from torchspeed._io import write_json
 from torchspeed.cli.main import CLIError
 from torchspeed.env import default_device
@@ -52,7 +53,7 @@ def _dataset(args):
         raise CLIError(f"--data {args.data}: no such folder, and not one of {', '.join(BUILTIN)}")
     if not path.is_dir():
         raise CLIError(f"--data {args.data}: expected a folder of class sub-folders with images")
-    import torchvision
+    torchvision = require("torchvision", "data", feature=f"--data {args.data} (an image folder)")
     from torchvision import transforms
 
     tf = transforms.Compose([transforms.Resize(args.image_size), transforms.CenterCrop(args.image_size),

@@ -37,6 +37,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
+from torchspeed._extras import require
+
 __all__ = ["DeviceAugment", "DeviceLoader", "IMAGENET_MEAN", "IMAGENET_STD", "random_boxes"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -156,8 +158,7 @@ class DeviceAugment(nn.Module):
 
     @staticmethod
     def _crop(xf: torch.Tensor, boxes: torch.Tensor, size: int | tuple[int, int]) -> torch.Tensor:
-        from torchvision.ops import roi_align
-
+        roi_align = require("torchvision.ops", "data", feature="DeviceAugment's crop").roi_align
         rois = torch.cat([torch.arange(len(boxes), device=boxes.device, dtype=boxes.dtype)[:, None], boxes], 1)
         # sampling_ratio=0: ceil(box/size) samples per output pixel and axis, i.e. area-averaging when shrinking.
         hw = (size, size) if isinstance(size, int) else size

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from torchspeed._extras import require
 from torchspeed.env import sync
 
 __all__ = ["PipelineRow", "DataBenchResult", "bench_pipelines", "single_thread"]
@@ -64,8 +65,7 @@ class DataBenchResult:
 @contextlib.contextmanager
 def single_thread():
     """torch and OpenCV on one thread (Pillow and simplejpeg are single-threaded anyway)."""
-    import cv2
-
+    cv2 = require("cv2", "data")
     t, c = torch.get_num_threads(), cv2.getNumThreads()
     torch.set_num_threads(1)
     cv2.setNumThreads(1)
@@ -78,7 +78,7 @@ def single_thread():
 
 def _gpu_random_resized_crop(img: torch.Tensor, size: int) -> torch.Tensor:
     """torchvision's RandomResizedCrop + RandomHorizontalFlip on one CHW uint8 image on the GPU."""
-    from torchvision.transforms import RandomResizedCrop
+    RandomResizedCrop = require("torchvision.transforms", "data").RandomResizedCrop
     from torchvision.transforms.v2 import functional as F
 
     top, left, h, w = RandomResizedCrop.get_params(img, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
@@ -103,7 +103,8 @@ def _nvjpeg_pipeline(paths: list[str], size: int, device: torch.device, batch: i
 
 
 def _pipelines(root: str, size: int, limit: int | None, device: torch.device | None = None):
-    import simplejpeg
+    simplejpeg = require("simplejpeg", "data")
+    require("torchvision", "data", feature="the torchvision row of the data bench")
     from torchvision import datasets, transforms as T
 
     from torchspeed.data.folder import FastImageFolder

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from torchspeed._extras import require
+
 __all__ = ["ImageDecodeError", "decode_image", "decode_jpeg", "decode_jpeg_batch", "image_size", "is_jpeg",
            "available_backends", "pick_backend", "BACKENDS"]
 
@@ -81,7 +83,7 @@ def _as_hw(size_hint) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------- backends (bytes -> HWC uint8 RGB)
 def _simplejpeg(data, min_h: int, min_w: int, fast: bool = False) -> np.ndarray:
-    import simplejpeg
+    simplejpeg = require("simplejpeg", "data")
 
     if min_h or min_w:
         # Only 1/2, 1/4 and 1/8 have SIMD inverse DCTs in libjpeg-turbo; the other n/8 scales
@@ -104,7 +106,7 @@ def _reduce_factor(h: int, w: int, min_h: int, min_w: int) -> int:
 
 
 def _opencv(data, min_h: int, min_w: int, fast: bool = False) -> np.ndarray:
-    import cv2
+    cv2 = require("cv2", "data")
 
     flag = cv2.IMREAD_COLOR
     if min_h or min_w:
@@ -119,7 +121,7 @@ def _opencv(data, min_h: int, min_w: int, fast: bool = False) -> np.ndarray:
 
 
 def _pillow(data, min_h: int, min_w: int, fast: bool = False) -> np.ndarray:
-    from PIL import Image
+    Image = require("PIL.Image", "data")
 
     with Image.open(io.BytesIO(bytes(data))) as im:
         if (min_h or min_w) and im.format == "JPEG":
@@ -134,6 +136,7 @@ def _torchvision(data, min_h: int, min_w: int, fast: bool = False) -> np.ndarray
 
     with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders in favour of torchcodec
         warnings.simplefilter("ignore", DeprecationWarning)
+        require("torchvision", "data")
         from torchvision.io import ImageReadMode, decode_jpeg as tv_decode
 
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -158,7 +161,7 @@ def available_backends() -> list[str]:
 
 def _sample_jpeg() -> bytes:
     """A real photo (scikit-image's astronaut), 512x512, quality 90: timings on a gradient mislead."""
-    import simplejpeg
+    simplejpeg = require("simplejpeg", "data")
 
     from torchspeed.data.synthetic import load_photo
 
@@ -204,8 +207,7 @@ def image_size(data) -> tuple[int, int]:
             return int(h), int(w)
         except Exception:
             pass
-    from PIL import Image
-
+    Image = require("PIL.Image", "data")
     try:
         with Image.open(io.BytesIO(bytes(data))) as im:
             return im.height, im.width

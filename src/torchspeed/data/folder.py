@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from torchspeed._extras import require
 from torchspeed.data.decode import ImageDecodeError, decode_image, image_size, is_jpeg
 
 __all__ = ["FastImageFolder", "ImageDataset", "DataSummary", "load_image", "random_resized_crop_box",
@@ -91,8 +92,7 @@ def random_resized_crop_box(h: int, w: int, *, scale=(0.08, 1.0), ratio=(3 / 4, 
 
 
 def _resize(img: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    import cv2
-
+    cv2 = require("cv2", "data")
     h, w = img.shape[:2]
     if (h, w) == size:
         return np.ascontiguousarray(img)
@@ -135,9 +135,7 @@ def load_image(data, *, size: int | None = None, crop: str | None = "random", sc
             ch, cw = max(1, min(h - top, round(ch * sy))), max(1, min(w - left, round(cw * sx)))
         img = _resize(img[top:top + ch, left:left + cw], (size, size))
     if flip and rng.random() < 0.5:
-        import cv2
-
-        return cv2.flip(img, 1)
+        return require("cv2", "data").flip(img, 1)
     return np.ascontiguousarray(img)
 
 

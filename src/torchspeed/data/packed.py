@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from torchspeed._extras import require
 from torchspeed.data.decode import ImageDecodeError, decode_image
 from torchspeed.data.folder import DataSummary, ImageDataset, _scan
 
@@ -71,9 +72,7 @@ def pack_folder(src: str | os.PathLike, dst: str | os.PathLike, *, max_side: int
         >>> r = pack_folder("photos/", "photos.tspack", max_side=256)
         >>> r.images, r.bytes
     """
-    import cv2
-    import simplejpeg
-
+    cv2, simplejpeg = require("cv2", "data"), require("simplejpeg", "data")
     from torchspeed.data._progress import track
 
     if on_error not in ("raise", "skip"):

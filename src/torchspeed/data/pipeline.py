@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from torchspeed._extras import require
 from torchspeed.data.augment import DeviceAugment, DeviceLoader
 from torchspeed.data.cache import CachedDataset
 from torchspeed.data.folder import FastImageFolder, ImageDataset, uint8_collate
@@ -169,12 +170,10 @@ def create_classifier(name: str, *, num_classes: int) -> nn.Module:
     """
     if name == "simple_cnn":
         return simple_cnn(num_classes)
-    import torchvision
-
+    torchvision = require("torchvision", "data", feature=f"model {name!r}")
     if name in torchvision.models.list_models():
         return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
-    import timm
-
+    timm = require("timm", "timm", feature=f"model {name!r} (not a torchvision name)")
     if timm.is_model(name):
         return timm.create_model(name, pretrained=False, num_classes=num_classes)
     import difflib

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from torchspeed._extras import require
+
 __all__ = ["PHOTOS", "load_photo", "make_jpeg_folder"]
 
 # Colour photos bundled with scikit-image (no download needed).
@@ -26,11 +28,9 @@ PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immu
 
 
 def load_photo(name: str) -> np.ndarray:
-    import skimage.data
-
     if name not in PHOTOS:
         raise ValueError(f"unknown photo {name!r}; choose from {', '.join(PHOTOS)}")
-    img = getattr(skimage.data, name)()
+    img = getattr(require("skimage.data", "data", feature="the bundled sample photos"), name)()
     if isinstance(img, tuple):  # stereo_motorcycle returns (left, right, disparity)
         img = img[0]
     return np.ascontiguousarray(img[..., :3])
@@ -48,9 +48,7 @@ def make_jpeg_folder(dst: str | os.PathLike, *, n_per_class: int = 25, classes: 
     Example:
         >>> root = make_jpeg_folder("photos", n_per_class=25, classes=4)
     """
-    import cv2
-    import simplejpeg
-
+    cv2, simplejpeg = require("cv2", "data"), require("simplejpeg", "data")
     names = PHOTOS[:classes] if isinstance(classes, int) else tuple(classes)
     if not names or len(names) > len(PHOTOS):
         raise ValueError(f"classes must be 1..{len(PHOTOS)} or names from {PHOTOS}")

@@ -2,10 +2,12 @@
 
 from torchspeed.train.autoswitch import decide_switches
 from torchspeed.train.backends import configure_backends, tune_malloc
+from torchspeed.train.callbacks import EMA, Callback, EarlyStopping
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.compile import CompileDecision, compile_model
 from torchspeed.train.checkpoint import (CheckpointError, CheckpointManager, CheckpointMismatchError,
                                          CorruptCheckpointError, load_checkpoint, save_checkpoint)
+from torchspeed.train.loggers import TensorBoardLogger
 from torchspeed.train.guard import NonFiniteLossError, TrainingOutOfMemoryError
 from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_rng_state, seed_everything
 from torchspeed.train.sampler import ResumableSampler
@@ -32,6 +34,7 @@ __all__ = [
     "OPTIMIZERS", "create_optimizer", "zero_grad", "Precision", "make_grad_scaler", "resolve_precision",
     "SCHEDULES", "create_scheduler", "scale_lr", "backward", "optimizer_step", "FitResult", "Trainer",
     "TrainConfig", "Prefetcher", "loader_kwargs", "to_device",
+    "Callback", "EarlyStopping", "EMA", "TensorBoardLogger",
     "init_distributed", "wrap_ddp", "distributed_loader", "reduce_metrics", "is_rank_zero", "unwrap_model",
     "Decision", "TrialCache", "decide_switches", "Switches", "SwitchTrial", "candidate_grid", "tune_malloc",
 ]

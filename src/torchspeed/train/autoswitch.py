@@ -24,13 +24,17 @@ from torch import nn
 
 from torchspeed.env import DeviceCaps, detect
 from torchspeed.train.decision import Decision, TrialCache
+from torchspeed.train.distributed import all_reduce_max, broadcast_object, is_rank_zero
+from torchspeed.train.guard import NonFiniteGuard
+from torchspeed.train.optim import describe_optimizer
+from torchspeed.train.precision import MixedPrecision, Precision
 from torchspeed.train.memory_format import has_conv2d
 from torchspeed.train.precision import normalize_precision
 from torchspeed.train.rng import capture_rng_state, restore_rng_state
 from torchspeed.train.switches import (MIN_RUN_FACTOR, Switches, SwitchTrial, batch_signature, candidate_grid,
-                                       fusable, model_signature, rule_switches, trial_steps)
+                                       fusable, model_signature, rule_switches, set_fused, trial_steps)
 
-__all__ = ["decide_switches", "rule_choice", "first_batches", "TRIAL_SETTINGS"]
+__all__ = ["decide_switches", "rule_choice", "first_batches", "TRIAL_SETTINGS", "MeasuredSwitches"]
 
 TRIAL_SETTINGS = {"rounds": 2, "steps": 2, "warmup": 1}
 
@@ -167,3 +171,45 @@ def decide_switches(model: nn.Module, optimizer: torch.optim.Optimizer | None, l
 
 def _summary(report: dict) -> str:
     return "; ".join(f"{s['stage']}: {s['chosen']}, {s['why']}" for s in report.get("stages", []))
+
+
+class MeasuredSwitches:
+    """The trainer's side of the measured switches (a mixin of `Trainer`): run the decision once, put the
+    winner into effect on the live model, optimizer and precision, and report what is in effect."""
+
+    def prepare(self, loader: Iterable, *, remaining_steps: int | None = None) -> None:
+        """Measure the switches left on "auto" on this model and `loader`'s first batches and apply the winner
+        (`autoswitch.decide_switches`; `remaining_steps` None: a long run). Once; fit and the bench's `all` call it."""
+        if self._prepared:
+            return
+        self._prepared, cfg = True, self.config
+        trial = False if cfg.deterministic else cfg.trial  # a timing-dependent choice would break bit-identical reruns
+        # Under DDP the gradient buckets were laid out for the current memory format: the layout stays.
+        layout = self.channels_last if self.dist is not None else cfg.channels_last
+        chosen = decide_switches(self.module, self.optimizer, loader, device=self.device, caps=self.caps,
+                                 precision=cfg.precision, channels_last=layout, fused=cfg.fused_optimizer, trial=trial,
+                                 remaining_steps=remaining_steps, loss_fn=self.loss_fn,
+                                 step_fn=self.step_fn) if is_rank_zero() else None
+        sw, decisions = broadcast_object(chosen)  # every rank runs what rank 0 measured
+        self.apply_switches(sw)
+        self.decisions.update(decisions)
+
+    def apply_switches(self, sw: Switches) -> None:
+        """Put `sw` into effect: autocast dtype (and its scaler), memory layout, optimizer kernel, threads."""
+        if sw.precision != self.precision.name:
+            self.precision = MixedPrecision(Precision(sw.precision, self.device.type, "measured"))
+            self.guard = NonFiniteGuard(self.config.max_nonfinite, optimizer=self.optimizer, device=self.device,
+                                        scaler=self.precision.scaler, all_ranks_max=all_reduce_max if self.dist else None)
+        if sw.channels_last != self.channels_last:
+            self.module.to(memory_format=torch.channels_last if sw.channels_last else torch.contiguous_format)
+        self.channels_last = sw.channels_last
+        if sw.fused is not None and fusable(self.optimizer) and bool(self.optimizer.defaults.get("fused")) != sw.fused:
+            set_fused(self.optimizer, sw.fused)
+            self.decisions["optimizer"] = Decision(describe_optimizer(self.optimizer), "measured")
+        if sw.threads is not None:
+            torch.set_num_threads(sw.threads)
+
+    def switches(self) -> Switches:  # in effect; saved in checkpoints: a resume runs what the run it continues ran
+        fused = bool(self.optimizer.defaults.get("fused")) if fusable(self.optimizer) else None
+        return Switches(self.precision.name, self.channels_last, fused, torch.get_num_threads() if self.dist is None
+                        and self.device.type == "cpu" else None)

@@ -51,7 +51,7 @@ __all__ = [
     "DistInfo", "launched_by_torchrun", "is_distributed", "get_rank", "get_local_rank", "get_world_size",
     "is_rank_zero", "rank_zero_only", "init_distributed", "maybe_init_distributed", "cleanup_distributed",
     "exit_process",
-    "wrap_ddp", "convert_sync_batchnorm", "unwrap_model", "reduce_metrics",
+    "wrap_ddp", "wrap_for_training", "convert_sync_batchnorm", "unwrap_model", "reduce_metrics",
     "all_reduce_sum", "all_reduce_max", "broadcast_object", "barrier", "scale_lr_world_size", "unwrap_data_parallel",
 ]
 
@@ -254,6 +254,19 @@ def exit_process(code: int = 0) -> NoReturn:
 
 
 # ---------------------------------------------------------------------- the model
+def wrap_for_training(module: nn.Module, *, dist: DistInfo, static_graph: bool = False, sync_batchnorm: bool = False,
+                      grad_accum: int = 1) -> tuple[nn.Module, nn.Module, str]:
+    """The trainer's DDP set-up: (the plain module, maybe with SyncBatchNorm; its DDP wrapper; the decision).
+    Call it after .to(device) and channels_last: DDP broadcasts rank 0's weights when it is built."""
+    if static_graph and grad_accum > 1:
+        raise ValueError("static_graph=True cannot be combined with grad_accum > 1: DDP's static graph "
+                         "does not support the no_sync() micro-steps; drop static_graph or grad_accum")
+    module, synced = convert_sync_batchnorm(module, device=dist.device) if sync_batchnorm else (module, False)
+    decision = (f"DDP, {dist.world_size} processes ({dist.backend}), gradient_as_bucket_view, "
+                f"static_graph={static_graph}, sync_batchnorm={synced}")
+    return module, wrap_ddp(module, device=dist.device, static_graph=static_graph), decision
+
+
 def wrap_ddp(model: nn.Module, *, device: torch.device | str, gradient_as_bucket_view: bool = True,
              static_graph: bool = False, find_unused_parameters: bool = False,
              broadcast_buffers: bool = True, bucket_cap_mb: float | None = None) -> DDP:

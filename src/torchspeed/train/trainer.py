@@ -30,27 +30,28 @@ import torch
 from torch import nn
 
 from torchspeed.env import DeviceCaps, default_device, sync
-from torchspeed.train.autoswitch import decide_switches, rule_choice
+from torchspeed.train.autoswitch import MeasuredSwitches, rule_choice
 from torchspeed.train.backends import configure_backends, tune_malloc
 from torchspeed.train.batch import batch_size, default_loss, forward_loss
+from torchspeed.train.callbacks import Callback, CallbackList
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from torchspeed.train.checkpoint import (CheckpointManager, check_resumable, check_state_dict, find_resume,
                                          update_best)
 from torchspeed.train.compile import CompileController
 from torchspeed.train.config import TrainConfig, check_reliability_options
 from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object,
-                                          convert_sync_batchnorm, is_rank_zero, maybe_init_distributed,
-                                          reduce_metrics, scale_lr_world_size, unwrap_data_parallel,
-                                          wrap_ddp)
+                                          is_rank_zero, maybe_init_distributed, reduce_metrics,
+                                          scale_lr_world_size, unwrap_data_parallel, wrap_for_training)
 from torchspeed.train.evaluate import evaluate
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
+from torchspeed.train.loggers import LoggerCallback
 from torchspeed.train.memory_format import apply_channels_last
 from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
 from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
 from torchspeed.train.decision import Decision
 from torchspeed.train.optim import create_optimizer, describe_optimizer, zero_grad
 from torchspeed.train.precision import MixedPrecision, Precision
-from torchspeed.train.switches import Switches, fusable, set_fused
+from torchspeed.train.switches import Switches
 from torchspeed.train.progress import TrainProgress, decisions_header
 from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_rng_state, seed_everything
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
@@ -77,17 +78,20 @@ class FitResult:
         return self.history[-1] if self.history else {}
 
 
-class Trainer:
+class Trainer(MeasuredSwitches):
     """Owns the model, optimizer, precision and schedule for one run; see `torchspeed.fit` for the options.
 
     `loss_fn(output, target)` replaces the default cross-entropy; `step_fn(model, batch)`
-    returns the loss for batches the contract in `batch.py` does not cover.
+    returns the loss for batches the contract in `batch.py` does not cover. `callbacks`
+    (callbacks.py: EarlyStopping, EMA, your own) and `loggers` (loggers.py) are not config:
+    they are objects, kept out of the config dict written to metrics.json and checkpoints.
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
                  optimizer: str | torch.optim.Optimizer = "sgd", lr: float = 0.1, weight_decay: float = 5e-4,
                  momentum: float = 0.9, device: torch.device | str | None = None,
-                 config: TrainConfig | None = None, caps: DeviceCaps | None = None):
+                 config: TrainConfig | None = None, caps: DeviceCaps | None = None,
+                 callbacks: Iterable[Callback] | None = None, loggers: Iterable | None = None):
         self.config = cfg = config or TrainConfig()
         self.window = AccumulationWindow(cfg.grad_accum)  # T19: k micro-batches per optimizer step
         if cfg.deterministic:  # bit-identical reruns and resumes (docs/reliability.md); costs speed
@@ -117,8 +121,10 @@ class Trainer:
         if self.channels_last:
             apply_channels_last(self.model)
         self.module = self.model  # the plain module: evaluation, state_dict, checkpoints
-        if self.dist is not None:
-            self.module, self.model = self._wrap_ddp(cfg)
+        if self.dist is not None:  # DDP last, after .to(device) and channels_last: it broadcasts rank 0's weights
+            self.module, self.model, self.decisions["distributed"] = wrap_for_training(
+                self.module, dist=self.dist, static_graph=cfg.static_graph, sync_batchnorm=cfg.sync_batchnorm,
+                grad_accum=cfg.grad_accum)
         # T21: autocast, the (fp16-scaled) backward and step, and the GradScaler, in one object.
         self.precision = MixedPrecision(Precision(prior.precision, self.device.type, rules["precision"].reason))
         self._prepared = False
@@ -161,18 +167,20 @@ class Trainer:
         self._steps_per_epoch: int | None = None
         self._history: list[dict] = []
         self._best: dict | None = None
+        # Every callback and logger behind one object: the loop calls each event in one line.
+        self.callbacks = CallbackList([*(callbacks or ()), *([LoggerCallback(loggers)] if loggers else [])])
+        self.should_stop = False  # set by request_stop (a callback): the run ends after this step or epoch
 
-    def _wrap_ddp(self, cfg: TrainConfig) -> tuple[nn.Module, nn.Module]:
-        # DDP last, after .to(device) and channels_last: it broadcasts rank 0's weights now.
-        if cfg.static_graph and cfg.grad_accum > 1:
-            raise ValueError("static_graph=True cannot be combined with grad_accum > 1: DDP's static graph "
-                             "does not support the no_sync() micro-steps; drop static_graph or grad_accum")
-        module, synced = (convert_sync_batchnorm(self.module, device=self.device) if cfg.sync_batchnorm
-                          else (self.module, False))
-        self.decisions["distributed"] = (f"DDP, {self.dist.world_size} processes ({self.dist.backend}), "
-                                         f"gradient_as_bucket_view, static_graph={cfg.static_graph}, "
-                                         f"sync_batchnorm={synced}")
-        return module, wrap_ddp(module, device=self.device, static_graph=cfg.static_graph)
+    @property
+    def last_loss(self) -> float:
+        """The loss read at the last step divisible by log_every (NaN before): no new device sync."""
+        return self._last_loss
+
+    def request_stop(self, reason: str) -> None:
+        """End training after the current step (or epoch); `reason` goes to decisions["stopped"]."""
+        self.should_stop = True
+        self.decisions["stopped"] = reason
+        log.warning("stopping: %s", reason)
 
     @property
     def skipped(self) -> torch.Tensor:
@@ -243,44 +251,6 @@ class Trainer:
         sync(self.device)
         return time.perf_counter() - t0
 
-    # ------------------------------------------------------------------ measured switches
-    def prepare(self, loader: Iterable, *, remaining_steps: int | None = None) -> None:
-        """Measure the switches left on "auto" on this model and `loader`'s first batches and apply the winner
-        (`autoswitch.decide_switches`; `remaining_steps` None: a long run). Once; fit and the bench's `all` call it."""
-        if self._prepared:
-            return
-        self._prepared, cfg = True, self.config
-        trial = False if cfg.deterministic else cfg.trial  # a timing-dependent choice would break bit-identical reruns
-        # Under DDP the gradient buckets were laid out for the current memory format: the layout stays.
-        layout = self.channels_last if self.dist is not None else cfg.channels_last
-        chosen = decide_switches(self.module, self.optimizer, loader, device=self.device, caps=self.caps,
-                                 precision=cfg.precision, channels_last=layout, fused=cfg.fused_optimizer, trial=trial,
-                                 remaining_steps=remaining_steps, loss_fn=self.loss_fn,
-                                 step_fn=self.step_fn) if is_rank_zero() else None
-        sw, decisions = broadcast_object(chosen)  # every rank runs what rank 0 measured
-        self.apply_switches(sw)
-        self.decisions.update(decisions)
-
-    def apply_switches(self, sw: Switches) -> None:
-        """Put `sw` into effect: autocast dtype (and its scaler), memory layout, optimizer kernel, threads."""
-        if sw.precision != self.precision.name:
-            self.precision = MixedPrecision(Precision(sw.precision, self.device.type, "measured"))
-            self.guard = NonFiniteGuard(self.config.max_nonfinite, optimizer=self.optimizer, device=self.device,
-                                        scaler=self.precision.scaler, all_ranks_max=all_reduce_max if self.dist else None)
-        if sw.channels_last != self.channels_last:
-            self.module.to(memory_format=torch.channels_last if sw.channels_last else torch.contiguous_format)
-        self.channels_last = sw.channels_last
-        if sw.fused is not None and fusable(self.optimizer) and bool(self.optimizer.defaults.get("fused")) != sw.fused:
-            set_fused(self.optimizer, sw.fused)
-            self.decisions["optimizer"] = Decision(describe_optimizer(self.optimizer), "measured")
-        if sw.threads is not None:
-            torch.set_num_threads(sw.threads)
-
-    def switches(self) -> Switches:  # in effect; saved in checkpoints: a resume runs what the run it continues ran
-        fused = bool(self.optimizer.defaults.get("fused")) if fusable(self.optimizer) else None
-        return Switches(self.precision.name, self.channels_last, fused, torch.get_num_threads() if self.dist is None
-                        and self.device.type == "cpu" else None)
-
     # ------------------------------------------------------------------ epochs
     def setup_schedule(self, steps_per_epoch: int | None, epochs: int) -> None:
         """The learning-rate schedule over the run: epochs x steps, or max_steps (needed without len())."""
@@ -307,15 +277,17 @@ class Trainer:
         total = (steps_per_epoch * (epochs - start_epoch) - start_batch if steps_per_epoch
                  else (self.total_steps - self.step) * cfg.grad_accum)
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
-        with TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total,
-                           header=decisions_header(self.decisions)) as progress:
+        # on_train_start now, on_train_end("success" | "failed") when the loop ends (callbacks.py)
+        with self.callbacks.running(self), TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total,
+                                                         header=decisions_header(self.decisions)) as progress:
             for epoch in range(start_epoch, epochs):
-                if done:
+                if done or self.should_stop:
                     break
                 skip = start_batch if epoch == start_epoch else 0  # mid-epoch resume: batches already trained
                 done = self._train_epoch(train_loader, epoch, skip, progress)
                 row = self._epoch_row(epoch, val_loader)
                 progress.epoch_done(row)
+                self.callbacks.on_evaluate(self, row)
                 self._end_epoch(row)
         return FitResult(history=self._history, config=asdict(cfg), decisions=dict(self.decisions), steps=self.step,
                          skipped_steps=int(self.skipped.item()))
@@ -335,13 +307,15 @@ class Trainer:
                 observe_batch(self.module, batch, self.noise, loss_fn=self.loss_fn, step_fn=self.step_fn,
                               autocast=self.precision.autocast)  # two half-batch backwards; nothing trained
             self.position.advance()
+            if self.window.at_boundary:
+                self.callbacks.on_step_end(self)  # EMA update, logging, a callback's stop (before the save)
             n = batch_size(batch)
             self._seen += n
             progress.advance(n, loss=self._last_loss, epoch=epoch)
             if (cfg.checkpoint_every and self.window.at_boundary and self.step % cfg.checkpoint_every == 0
                     and self.position.batch != self._steps_per_epoch):  # the epoch end saves its own
                 self.save_checkpoint()
-            if cfg.max_steps and self.step >= cfg.max_steps:
+            if (cfg.max_steps and self.step >= cfg.max_steps) or self.should_stop:
                 return True
         return False
 
@@ -367,7 +341,8 @@ class Trainer:
             write_metrics(self.config.out_dir, self._history, decisions=self.decisions, config=asdict(self.config))
         if self.checkpoints is not None and self.window.at_boundary:
             pos = self.position
-            if pos.batch == self._steps_per_epoch or (self._steps_per_epoch is None and not self._stopped()):
+            if pos.batch == self._steps_per_epoch or (self._steps_per_epoch is None and not self._stopped()
+                                                      and not self.should_stop):
                 pos.start_epoch(pos.epoch + 1, 0)  # the position is the next epoch's start
             self.save_checkpoint(best=self._update_best(row))
 
@@ -386,6 +361,7 @@ class Trainer:
             **self.guard.state_dict(), "meter": self.meter.state_dict(),
             "history": jsonable({"h": self._history})["h"], "best": self._best,
             "config": jsonable(asdict(self.config)), "switches": asdict(self.switches()),
+            "callbacks": self.callbacks.state_dict(), "stopped": self.decisions.get("stopped"),
         }
 
     def save_checkpoint(self, *, best: bool = False) -> Path | None:
@@ -395,7 +371,8 @@ class Trainer:
         state = self.checkpoint_state()
         self.last_checkpoint = self.checkpoints.save(state, step=self.step)
         if best:
-            self.checkpoints.save_best(state)
+            self.checkpoints.save_best(self.callbacks.best_state(state))  # EMA: its weights as "model"
+        self.callbacks.on_save(self, self.last_checkpoint)
         return self.last_checkpoint
 
     def _update_best(self, row: dict) -> bool:
@@ -409,13 +386,14 @@ class Trainer:
             return 0, 0
         state = check_resumable(found, steps_per_epoch=steps_per_epoch, total_steps=self.total_steps,
                                 has_scheduler=self.scheduler is not None)
-        check_state_dict(self.module, state["model"], source=f"checkpoint {found.path}")
+        weights = state.get("train_model", state["model"])  # best.pt with EMA keeps the training weights there
+        check_state_dict(self.module, weights, source=f"checkpoint {found.path}")
         if state.get("switches"):  # the precision, layout and kernels the resumed run trained with
             self.apply_switches(Switches(**state["switches"]))
             self._prepared = True
             self.decisions |= {k: Decision(state["switches"].get(k, "resumed"), "as in the run being resumed")
                                for k in ("precision", "channels_last", "switch_trial")}
-        self.module.load_state_dict(state["model"])
+        self.module.load_state_dict(weights)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -424,6 +402,9 @@ class Trainer:
         self.guard.load_state_dict(state)
         self.meter.load_state_dict(state["meter"])
         self._history, self._best = list(state["history"]), state["best"]
+        self.callbacks.load_state_dict(state.get("callbacks"))
+        if state.get("stopped"):  # a callback had ended this run: it stays ended
+            self.should_stop, self.decisions["stopped"] = True, state["stopped"]
         self.position.load_state_dict(state)
         restore_rng_state(state["rng"])
         epoch, batch = self.position.epoch, self.position.batch
@@ -438,7 +419,8 @@ class Trainer:
         # The plain module: a DDP forward would issue collectives that uneven shards could leave waiting.
         if self.dist is not None:
             loader = shard_loader(loader, for_eval=True)
-        out = evaluate(self.module, loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
+        module = self.callbacks.eval_module(self.module)  # the EMA weights when an EMA callback is on
+        out = evaluate(module, loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
                        step_fn=self.step_fn, channels_last=self.channels_last, tta=self.config.tta,
                        tta_scales=self.config.tta_scales)
         if self.dist is not None:

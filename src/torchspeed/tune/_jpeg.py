@@ -17,14 +17,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from torchspeed._extras import require
+
 __all__ = ["JpegImages"]
 
 _PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemistry", "hubble_deep_field")
 
 
 def _photos() -> list[np.ndarray]:
-    from skimage import data
-
+    data = require("skimage.data", "data", feature="the jpeg workload's photos")
     out = []
     for name in _PHOTOS:
         img = getattr(data, name, None)
@@ -43,7 +44,7 @@ class JpegImages(Dataset):
 
     def __init__(self, n: int, *, size: int = 192, out_size: int = 64, num_classes: int = 10, seed: int = 0,
                  quality: int = 90):
-        from PIL import Image
+        Image = require("PIL.Image", "data")
 
         rng = np.random.default_rng(seed)
         photos = _photos()

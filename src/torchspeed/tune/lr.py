@@ -35,6 +35,7 @@ import torch
 from rich.progress import Progress
 from torch import nn
 
+from torchspeed._extras import require
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
 from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device, to_device, unwrap
 
@@ -210,8 +211,7 @@ def suggest_lr(lrs, losses, *, diverged: bool = False) -> LRFinderResult:
 
 def plot_lr(result: LRFinderResult, path: str | Path) -> None:
     """Loss against LR (log scale), with the suggestion, the valley and the one-cycle max LR marked."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plot", feature="find_lr(plot=...)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
