@@ -35,7 +35,7 @@ from torchspeed.train.backends import configure_backends
 from torchspeed.train.batch import batch_size, default_loss, forward_loss
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from torchspeed.train.checkpoint import (CheckpointManager, check_resumable, check_state_dict, find_resume,
-                                         update_best)
+                                         is_extension, load_checkpoint, update_best)
 from torchspeed.train.compile import CompileController, sync
 from torchspeed.train.config import TrainConfig, check_reliability_options
 from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object,
@@ -152,6 +152,9 @@ class Trainer:
         self._steps_per_epoch: int | None = None
         self._history: list[dict] = []
         self._best: dict | None = None
+        self._best_weights: dict | None = None  # restore_best without a checkpoint folder: a CPU copy
+        self._group_defaults: list[dict] | None = None  # the optimizer's settings before any schedule
+        self._keep_best = False
 
     def _wrap_ddp(self, cfg: TrainConfig) -> tuple[nn.Module, nn.Module]:
         # DDP last, after .to(device) and channels_last: it broadcasts rank 0's weights now.
@@ -246,6 +249,7 @@ class Trainer:
         max_steps = self.config.max_steps
         total = max(1, math.ceil(steps_per_epoch / self.config.grad_accum) * epochs) if steps_per_epoch else None
         total = min(total, max_steps) if total and max_steps else (total or max_steps)
+        self._group_defaults = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.scheduler = create_scheduler(self.config.schedule, self.optimizer, total_steps=total,
                                           warmup_steps=self.config.warmup_steps, min_lr=self.config.min_lr)
         self.total_steps = total
@@ -264,6 +268,7 @@ class Trainer:
         total = (steps_per_epoch * (epochs - start_epoch) - start_batch if steps_per_epoch
                  else (self.total_steps - self.step) * cfg.grad_accum)
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
+        self._keep_best = cfg.restore_best is True or (cfg.restore_best == "auto" and val_loader is not None)
         with TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total) as progress:
             for epoch in range(start_epoch, epochs):
                 if done:
@@ -273,6 +278,8 @@ class Trainer:
                 row = self._epoch_row(epoch, val_loader)
                 progress.epoch_done(row)
                 self._end_epoch(row)
+        if self._keep_best:
+            self._restore_best()
         return FitResult(history=self._history, config=asdict(cfg), decisions=dict(self.decisions), steps=self.step,
                          skipped_steps=int(self.skipped.item()))
 
@@ -321,6 +328,20 @@ class Trainer:
             if pos.batch == self._steps_per_epoch or (self._steps_per_epoch is None and not self._stopped()):
                 pos.start_epoch(pos.epoch + 1, 0)  # the position is the next epoch's start
             self.save_checkpoint(best=self._update_best(row))
+        elif self.checkpoints is None and self._update_best(row) and self._keep_best:
+            self._best_weights = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def _restore_best(self) -> None:
+        """Load the best epoch's weights (kept in memory, or best.pt) into the model; record it."""
+        weights, best = self._best_weights, self._best
+        if weights is None and best is not None and self.checkpoints and self.checkpoints.best_path.exists():
+            weights = load_checkpoint(self.checkpoints.best_path)["model"]
+        if weights is None or best is None:
+            return
+        self.module.load_state_dict(weights)
+        last = self._history[-1]["epoch"] if self._history else None
+        self.decisions["restored_best"] = (f"epoch {best['epoch']} of {last} ({best['metric']} {best['value']:.4g})"
+                                           + (": the last epoch" if best["epoch"] == last else ""))
 
     def _stopped(self) -> bool:
         return bool(self.config.max_steps and self.step >= self.config.max_steps)
@@ -363,10 +384,13 @@ class Trainer:
         check_state_dict(self.module, state["model"], source=f"checkpoint {found.path}")
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        for part, key in ((self.scheduler, "scheduler"), (self.scaler, "scaler")):
+        extend = is_extension(state, self.total_steps)
+        for part, key in ((None if extend else self.scheduler, "scheduler"), (self.scaler, "scaler")):
             if part is not None and state[key] is not None:
                 part.load_state_dict(state[key])
         self.step = int(state["step"])
+        if extend:
+            self._new_segment(int(state["total_steps"]))
         self.guard.load_state_dict(state)
         self.meter.load_state_dict(state["meter"])
         self._history, self._best = list(state["history"]), state["best"]
@@ -379,6 +403,20 @@ class Trainer:
             self.decisions["resume_passed_over"] = list(found.skipped)
         log.warning("resuming from %s: epoch %d, batch %d, step %d", found.path, epoch + 1, batch, self.step)
         return epoch, batch
+
+    def _new_segment(self, done: int) -> None:
+        """Extend a finished run: this run's optimizer settings and a new schedule over the added steps."""
+        for g, d in zip(self.optimizer.param_groups, self._group_defaults or []):
+            for k in [k for k in g if k != "params"]:
+                del g[k]  # the old schedule's keys (initial_lr, max_lr, ...) and its last LR
+            g.update(d)
+        cfg = self.config
+        self.scheduler = create_scheduler(cfg.schedule, self.optimizer, total_steps=self.total_steps - self.step,
+                                          warmup_steps=cfg.warmup_steps, min_lr=cfg.min_lr)
+        self.decisions["extended"] = (f"a finished run of {done} steps extended to {self.total_steps}: "
+                                      f"a new {cfg.schedule or 'constant'} schedule segment over the "
+                                      f"{self.total_steps - self.step} added steps")
+        log.warning("extending a finished run of %d steps to %d (a new schedule segment)", done, self.total_steps)
 
     def evaluate(self, loader: Iterable) -> dict:
         # The plain module: a DDP forward would issue collectives that uneven shards could leave waiting.
