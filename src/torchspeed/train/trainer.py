@@ -81,8 +81,8 @@ class Trainer:
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
-                 optimizer: str | torch.optim.Optimizer = "sgd", lr: float = 0.1, weight_decay: float = 5e-4,
-                 momentum: float = 0.9, device: torch.device | str | None = None,
+                 optimizer: str | torch.optim.Optimizer = "sgd", lr: float = 0.1, weight_decay: float | None = None,
+                 momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999), device: torch.device | str | None = None,
                  config: TrainConfig | None = None):
         self.config = cfg = config or TrainConfig()
         if cfg.grad_accum < 1:
@@ -125,7 +125,7 @@ class Trainer:
 
         if isinstance(optimizer, str):
             optimizer = create_optimizer(optimizer, self.model, lr=lr, weight_decay=weight_decay,
-                                         momentum=momentum, fused=cfg.fused_optimizer)
+                                         momentum=momentum, betas=betas, fused=cfg.fused_optimizer)
         self.optimizer = optimizer
         self.decisions["optimizer"] = describe_optimizer(optimizer)
         if cfg.scale_lr_world_size and self.dist is not None:
