@@ -156,7 +156,7 @@ def run(args) -> int:
     from torchspeed.train.distributed import get_world_size, is_distributed, is_rank_zero
 
     rank0, world = is_rank_zero(), get_world_size()  # from torchrun's RANK/WORLD_SIZE (1 and rank 0 otherwise)
-    console = Console(quiet=not rank0)  # --no-progress drops the bars, never the summary
+    console = Console(quiet=not rank0, soft_wrap=True)  # --no-progress drops the bars, never the summary
     device = default_device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda asked for, but no CUDA GPU is visible; use --device cpu")
