@@ -4,6 +4,12 @@ Runs on a built-in workload (synthetic CIFAR-shaped images, scikit-learn digits,
 JPEG-encoded photos decoded per sample) or an image folder (`--data PATH`, one
 sub-folder per class), prints each tuner's table, and writes `tune.json` (and `lr.png`)
 to `--out`.
+
+`--model` also takes your own model (`package.module:function` or `file.py:function`,
+called with `num_classes=N`; cli/_model_spec.py). `--image-size auto` (the default) is 32
+for the built-in data and the images' median side (at most 224) for a folder. The batch
+finder is capped so an epoch keeps at least 16 steps (`MIN_STEPS`): on 400 samples the
+largest batch it reports is 24, not 400.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from torchspeed.env import default_device
 
 WHAT = ("batch", "lr", "loader", "all")
 BUILTIN = ("synthetic", "digits", "jpeg")
+MIN_STEPS = 16  # the batch finder's cap: an epoch keeps at least this many optimizer steps
 
 
 def register(sub) -> None:
@@ -23,9 +30,12 @@ def register(sub) -> None:
     p.add_argument("what", nargs="?", default="all", choices=WHAT, help="which tuner to run (default: all)")
     p.add_argument("--data", default="synthetic",
                    help="synthetic | digits | jpeg (built in, no download) or PATH to an image folder (class/img.jpg)")
-    p.add_argument("--model", default="mlp", help="mlp | resnet18 | resnet34 | resnet50 (default mlp)")
+    p.add_argument("--model", default="mlp", help="mlp | resnet18 | resnet34 | resnet50 (default mlp), or your own: "
+                                                  "package.module:function or path/to/file.py:function")
     p.add_argument("--batch-size", type=int, default=64, help="batch for the LR and loader tuners (default 64)")
-    p.add_argument("--image-size", type=int, default=32, help="images are resized to this size (default 32)")
+    p.add_argument("--image-size", default="auto",
+                   help="images are resized to this size; auto: 32 for the built-in data, the images' median side "
+                        "(at most 224) for a folder")
     p.add_argument("--max-batch", type=int, default=1024, help="largest batch the batch finder tries (default 1024)")
     p.add_argument("--memory-budget-mb", type=float, default=None,
                    help="CPU: the memory a step may use (default: half of what the OS reports available)")
@@ -72,7 +82,42 @@ def _num_classes(ds) -> int:
     return 10
 
 
+def _image_size(args) -> int:
+    from torchspeed.cli._auto import auto_size, parse_size
+
+    try:
+        size = parse_size(args.image_size, "--image-size")
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    if size != "auto":
+        return size
+    if args.data in BUILTIN:
+        return 32
+    if not Path(args.data).is_dir():
+        raise CLIError(f"--data {args.data}: no such folder, and not one of {', '.join(BUILTIN)}")
+    try:
+        return auto_size(args.data)
+    except (FileNotFoundError, ValueError) as e:
+        raise CLIError(f"--data {args.data}: {e}") from None
+
+
+def _model(args, num_classes: int):
+    from torchspeed.bench.workloads import MODELS, TEXT_MODELS, create_model
+    from torchspeed.cli._model_spec import build_model, is_custom
+
+    image_models = [m for m in MODELS if m not in TEXT_MODELS]  # tune's data are images
+    try:
+        if is_custom(args.model):
+            return build_model(args.model, num_classes=num_classes)
+        if args.model not in image_models:
+            raise CLIError(f"--model {args.model}: not one of {', '.join(image_models)}, nor module:function")
+        return create_model(args.model, num_classes=num_classes, image_size=args.image_size)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
 def run(args) -> int:
+    args.image_size = _image_size(args)
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be positive, got {args.batch_size}")
     if args.max_batch < 8:
@@ -83,12 +128,8 @@ def run(args) -> int:
     from torch.utils.data import DataLoader
 
     from torchspeed.bench.runner import provenance
-    from torchspeed.bench.workloads import MODELS, TEXT_MODELS, create_model
     from torchspeed.tune import find_batch_size, find_lr, tune_loader
 
-    image_models = [m for m in MODELS if m not in TEXT_MODELS]  # tune's data are images
-    if args.model not in image_models:
-        raise CLIError(f"--model {args.model}: not one of {', '.join(image_models)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
     device = default_device(args.device)
@@ -97,10 +138,7 @@ def run(args) -> int:
     if len(ds) < args.batch_size:
         raise CLIError(f"--data {args.data} has {len(ds)} samples, fewer than one batch of {args.batch_size}")
     torch.manual_seed(0)
-    try:
-        model = create_model(args.model, num_classes=_num_classes(ds), image_size=args.image_size).to(device)
-    except ValueError as e:
-        raise CLIError(str(e)) from e
+    model = _model(args, _num_classes(ds)).to(device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"workload": {"model": args.model, "data": args.data, "samples": len(ds),
@@ -111,9 +149,12 @@ def run(args) -> int:
 
     if args.what in ("batch", "all"):
         budget = int(args.memory_budget_mb * 2 ** 20) if args.memory_budget_mb else None
-        res = find_batch_size(model, ds, max_batch=args.max_batch, memory_budget=budget,
+        cap = max(8, len(ds) // MIN_STEPS // 8 * 8)
+        res = find_batch_size(model, ds, max_batch=min(args.max_batch, cap), memory_budget=budget,
                               rounds=2 if args.quick else 3)
-        t = Table(title=f"batch size: largest {res.largest} (limited by {res.limited_by}), fastest {res.fastest}")
+        limit = (f"an epoch of {len(ds)} samples keeps {MIN_STEPS}+ steps" if cap < args.max_batch
+                 and res.limited_by != "memory" else f"limited by {res.limited_by}")
+        t = Table(title=f"batch size: largest {res.largest} ({limit}), fastest {res.fastest}")
         for col in ("batch", "fits", "samples/s", "memory", "note"):
             t.add_column(col, justify="left" if col == "note" else "right")
         for r in res.table:
@@ -141,11 +182,13 @@ def run(args) -> int:
         s = tune_loader(ds, batch_size=args.batch_size, model=model, device=device, batches=8 if args.quick else 16)
         t = Table(title=f"DataLoader: num_workers={s.num_workers}, prefetch_factor={s.prefetch_factor}, "
                         f"pin_memory={s.pin_memory}, persistent_workers={s.persistent_workers}")
-        for col in ("workers", "pin", "prefetch", "samples/s", "start-up s", "measured"):
-            t.add_column(col, justify="right")
+        for col in ("trial", "workers", "pin", "prefetch", "samples/s", "start-up s", "measured"):
+            t.add_column(col, justify="left" if col == "trial" else "right")
         for r in s.table:
-            t.add_row(str(r.num_workers), str(r.pin_memory), str(r.prefetch_factor or "-"), f"{r.samples_per_s:,.0f}",
-                      f"{r.startup_s:.2f}" if not r.end_to_end else "-", "load + step" if r.end_to_end else "loader")
+            t.add_row(r.note or "-", str(r.num_workers), str(r.pin_memory), str(r.prefetch_factor or "-"),
+                      f"{r.samples_per_s:,.0f}", f"{r.startup_s:.2f}" if not r.end_to_end else "-",
+                      "load + step" if r.end_to_end else "loader",
+                      style="bold" if r.note.startswith("median") else None)
         console.print(t)
         console.print(s.reason)
         report["loader"] = s.to_dict()
