@@ -176,6 +176,7 @@ def run(args) -> int:
             t.add_row(name, f"{v:.3g}")
         console.print(t)
         console.print(f"suggestion by: {res_lr.rule}" + ("; stopped when the loss diverged" if res_lr.diverged else ""))
+        console.print(f"confidence: {res_lr.confidence}" + (f" ({res_lr.warning})" if res_lr.warning else ""))
         report["lr"] = res_lr.to_dict()
 
     if args.what in ("loader", "all"):

@@ -115,7 +115,8 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
                          precision=precision, progress=progress)
         lr_val = res_lr.max_lr if schedule == "onecycle" else res_lr.suggestion
         decisions["lr_find"] = (f"{lr_val:.3g} ({'one-cycle max' if schedule == 'onecycle' else 'suggestion'} "
-                                f"of the range test{f' at batch {old_batch}' if old_batch else ''}; {res_lr.rule})")
+                                f"of the range test{f' at batch {old_batch}' if old_batch else ''}; {res_lr.rule}; "
+                                f"confidence {res_lr.confidence}{': ' + res_lr.warning if res_lr.warning else ''})")
     else:
         lr_val = float(lr)
     if new_batch != old_batch and old_batch:
