@@ -35,9 +35,9 @@ HAND_LRS = (0.01, 0.1, 1.0)
 OUT = Path(__file__).resolve().parent / "results" / "cpu" / "cli_defaults.json"
 
 
-def _train(data: Path, out: Path, *, epochs: int, model: str, seed: int, lr: float | None) -> dict:
-    argv = ["train", "--data", str(data), "--epochs", str(epochs), "--model", model, "--seed", str(seed),
-            "--out", str(out), "--no-progress"] + (["--lr", str(lr)] if lr is not None else [])
+def _train(data: Path, out: Path, *, epochs: int, model: str, size: str, seed: int, lr: float | None) -> dict:
+    argv = ["train", "--data", str(data), "--epochs", str(epochs), "--model", model, "--size", size,
+            "--seed", str(seed), "--out", str(out), "--no-progress"] + (["--lr", str(lr)] if lr is not None else [])
     with contextlib.redirect_stdout(io.StringIO()):
         code = cli(argv)
     if code != 0:
@@ -56,7 +56,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--epochs", type=int, default=15)
-    ap.add_argument("--model", default="simple_cnn")
+    ap.add_argument("--model", default="resnet18")
+    ap.add_argument("--size", default="48", help="training side in pixels (auto: the images' median side)")
     ap.add_argument("--json", default=str(OUT))
     args = ap.parse_args()
     load_before = other_runnable()
@@ -66,7 +67,8 @@ def main() -> None:
         for seed in args.seeds:
             for lr in (None, *HAND_LRS):
                 name = "default" if lr is None else f"lr={lr:g}"
-                r = _train(data, Path(tmp) / f"{name}-{seed}", epochs=args.epochs, model=args.model, seed=seed, lr=lr)
+                r = _train(data, Path(tmp) / f"{name}-{seed}", epochs=args.epochs, model=args.model, size=args.size,
+                           seed=seed, lr=lr)
                 rows.append({"run": name, "seed": seed, **r})
                 print(f"seed {seed} {name:9s} lr {r['lr']:.3g}: val_acc {r['val_acc_final_model']:.3f} "
                       f"(last epoch {r['val_acc_last_epoch']:.3f}), {r['epoch_s']:.0f} s", flush=True)
@@ -82,7 +84,7 @@ def main() -> None:
                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                   for k, v in vars(args).items() if k != "json"),
                   "other_runnable_before": load_before, "other_runnable_after": other_runnable(),
-                  "hand_lrs": HAND_LRS, "epochs": args.epochs, "model": args.model},
+                  "hand_lrs": HAND_LRS, "epochs": args.epochs, "model": args.model, "size": args.size},
               "rows": rows, "verdict": verdict}
     write_json(args.json, result)
     for seed, v in verdict.items():

@@ -92,3 +92,20 @@ def test_momentum_and_betas_reach_the_optimizer():
     assert res.optimizer.param_groups[0]["momentum"] == 0.8
     res = Trainer(_model(), optimizer="adamw", betas=(0.8, 0.95), device="cpu")
     assert res.optimizer.param_groups[0]["betas"] == (0.8, 0.95)
+
+
+@pytest.mark.parametrize("name, key, value", [("sgd", "momentum", 0.8), ("sgd", "momentum", 0.9),
+                                              ("adamw", "betas", 0.8)])
+def test_one_cycle_keeps_the_momentum_asked_for(name, key, value):
+    from torchspeed.train.schedule import create_scheduler
+
+    opt = create_optimizer(name, _model(), lr=0.1, **({"momentum": value} if key == "momentum"
+                                                       else {"betas": (value, 0.999)}))
+    sched = create_scheduler("onecycle", opt, total_steps=20)
+    seen = []
+    for _ in range(20):
+        g = opt.param_groups[0]
+        seen.append(g["momentum"] if key == "momentum" else g["betas"][0])
+        opt.step()
+        sched.step()
+    assert max(seen) == pytest.approx(value + 0.05) and min(seen) == pytest.approx(value - 0.05, abs=1e-3)
