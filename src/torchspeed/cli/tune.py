@@ -8,8 +8,8 @@ to `--out`.
 `--model` also takes your own model (`package.module:function` or `file.py:function`,
 called with `num_classes=N`; cli/_model_spec.py). `--image-size auto` (the default) is 32
 for the built-in data and the images' median side (at most 224) for a folder. The batch
-finder is capped so an epoch keeps at least 16 steps (`MIN_STEPS`): on 400 samples the
-largest batch it reports is 24, not 400.
+finder is capped so an epoch keeps at least `--min-steps` (16) steps: on 400 samples the
+largest batch it reports is 24, not 400 (`--min-steps 1` lifts the cap).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from torchspeed.env import default_device
 
 WHAT = ("batch", "lr", "loader", "all")
 BUILTIN = ("synthetic", "digits", "jpeg")
-MIN_STEPS = 16  # the batch finder's cap: an epoch keeps at least this many optimizer steps
 
 
 def register(sub) -> None:
@@ -37,6 +36,8 @@ def register(sub) -> None:
                    help="images are resized to this size; auto: 32 for the built-in data, the images' median side "
                         "(at most 224) for a folder")
     p.add_argument("--max-batch", type=int, default=1024, help="largest batch the batch finder tries (default 1024)")
+    p.add_argument("--min-steps", type=int, default=16,
+                   help="the batch finder stops at a batch that leaves an epoch this many steps (16; 1: no cap)")
     p.add_argument("--memory-budget-mb", type=float, default=None,
                    help="CPU: the memory a step may use (default: half of what the OS reports available)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
@@ -120,6 +121,8 @@ def run(args) -> int:
     args.image_size = _image_size(args)
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be positive, got {args.batch_size}")
+    if args.min_steps < 1:
+        raise CLIError(f"--min-steps must be at least 1, got {args.min_steps}")
     if args.max_batch < 8:
         raise CLIError(f"--max-batch must be at least 8, got {args.max_batch}")
     import torch
@@ -149,10 +152,10 @@ def run(args) -> int:
 
     if args.what in ("batch", "all"):
         budget = int(args.memory_budget_mb * 2 ** 20) if args.memory_budget_mb else None
-        cap = max(8, len(ds) // MIN_STEPS // 8 * 8)
+        cap = max(8, len(ds) // args.min_steps // 8 * 8)
         res = find_batch_size(model, ds, max_batch=min(args.max_batch, cap), memory_budget=budget,
                               rounds=2 if args.quick else 3)
-        limit = (f"an epoch of {len(ds)} samples keeps {MIN_STEPS}+ steps" if cap < args.max_batch
+        limit = (f"an epoch of {len(ds)} samples keeps {args.min_steps}+ steps" if cap < args.max_batch
                  and res.limited_by != "memory" else f"limited by {res.limited_by}")
         t = Table(title=f"batch size: largest {res.largest} ({limit}), fastest {res.fastest}")
         for col in ("batch", "fits", "samples/s", "memory", "note"):
