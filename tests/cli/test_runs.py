@@ -175,3 +175,20 @@ def test_lr_auto_runs_the_range_test_with_the_chosen_optimizer(folder, tmp_path,
     assert seen == {"optimizer": "AdamW", "precision": "fp32"}
     run = json.loads((tmp_path / "r" / "run.json").read_text())
     assert run["lr"] > 0 and "lr_find" in run["fit_decisions"]
+
+
+def test_model_name_hints_are_not_repeated():
+    from torchspeed.data.pipeline import create_classifier
+
+    with pytest.raises(ValueError, match="did you mean") as e:
+        create_classifier("resnet_18", num_classes=2)
+    names = str(e.value).split("did you mean ")[1].rstrip("?").split(", ")
+    assert len(names) == len(set(names)) and "resnet18" in names
+
+
+def test_bench_builds_your_model(tmp_path):
+    from torchspeed.bench.workloads import create_model
+
+    (tmp_path / "benchnet.py").write_text("import torch.nn as nn\ndef net(num_classes=10):\n"
+                                          "    return nn.Sequential(nn.Flatten(), nn.Linear(12, num_classes))\n")
+    assert create_model(f"{tmp_path}/benchnet.py:net", num_classes=3)[1].out_features == 3
