@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--epochs", type=int, default=15)
     ap.add_argument("--model", default="resnet18")
-    ap.add_argument("--size", default="48", help="training side in pixels (auto: the images' median side)")
+    ap.add_argument("--size", default="32", help="training side in pixels (auto: the images' median side)")
     ap.add_argument("--json", default=str(OUT))
     args = ap.parse_args()
     load_before = other_runnable()

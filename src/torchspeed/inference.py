@@ -1,4 +1,5 @@
-"""Use a trained run: `load_model(run_dir)` and `predict(...)` (the preprocessing of validation, T04/T05).
+"""Use a trained run: `load_model(run_dir)` and `predict(...)` under inference mode (T28), with validation's
+preprocessing (fast decode T04, normalize T30).
 
 `torchspeed train` writes `model.pt` (weights, class names, model spec, image side and the
 normalization). `load_model` rebuilds the model from it (the same built-in name, or the
@@ -70,7 +71,7 @@ class LoadedModel:
         norm = DeviceAugment(size=self.size, train=False, mean=self.mean, std=self.std).to(self.device)
         return norm(x)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def predict(self, images: Sequence, *, batch_size: int = 64) -> list[Prediction]:
         """The class and probabilities for each image (in fp32, in batches of `batch_size`)."""
         out: list[Prediction] = []

@@ -1,4 +1,4 @@
-"""What `torchspeed train` / `data bench` / `tune` pick when an option is `auto` (T04, T05).
+"""What `torchspeed train` / `data bench` / `tune` pick when an option is `auto` (T05, T35: sizes and crops).
 
 - `--size auto`: the median shorter side of up to 256 images of the dataset (read from
   the file headers, nothing decoded), rounded down to a multiple of 8 and kept within

@@ -1,5 +1,7 @@
 """`--model`: a built-in name, or your own model as `package.module:factory` or `path/to/file.py:factory`.
 
+No technique of its own (docs/techniques.md): it only decides which model the techniques act on.
+
 The factory is called with `num_classes=N` when it takes that argument, else with no
 argument, and must return an `nn.Module`. A module name is imported with the current
 folder first on the import path (as `python -m` does), so `--model mymod:make_net` finds

@@ -1,4 +1,4 @@
-"""`torchspeed predict RUN_DIR IMAGES...`: the class and probability of each image, from a trained run (T04/T05).
+"""`torchspeed predict RUN_DIR IMAGES...`: the class and probability of each image, from a trained run (T28).
 
 RUN_DIR is the `--out` folder of `torchspeed train` (or its model.pt). Each image gets the
 validation preprocessing (see `torchspeed.inference`); a folder among IMAGES stands for

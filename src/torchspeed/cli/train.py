@@ -1,4 +1,4 @@
-"""`torchspeed train --data PATH`: train an image classifier on a folder of images, the fast way (T04-T11).
+"""`torchspeed train --data PATH`: train an image classifier on a folder of images, the fast way (T04-T11, T15, T18).
 
 PATH is an ImageFolder (one subfolder per class) or a file made by `torchspeed data pack`.
 The whole pipeline: fast JPEG decoding to uint8, optional shared RAM cache, a measured
