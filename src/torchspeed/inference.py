@@ -104,7 +104,7 @@ def load_model(run: str | os.PathLike, *, device: torch.device | str | None = No
         >>> m = load_model("runs/cnn", device="cpu")
         >>> [p.label for p in m.predict(paths)]
     """
-    from torchspeed.cli._model_spec import build_model
+    from torchspeed.model.spec import build_model
     from torchspeed.data.augment import IMAGENET_MEAN, IMAGENET_STD
     from torchspeed.train.checkpoint import load_checkpoint
 

@@ -62,7 +62,7 @@ def run(args) -> int:
     # --data digits alone: ResNet-20, the CIFAR-sized net that trains to 90% on them in seconds per seed.
     args.model = args.model or ("resnet20" if args.data == "digits" else "resnet18")
     from torchspeed.bench.workloads import MODELS
-    from torchspeed.cli._model_spec import build_model, is_custom, portable_spec
+    from torchspeed.model.spec import build_model, is_custom, portable_spec
 
     if is_custom(args.model):
         try:  # import it here, so a mistake is one line now and not a worker's traceback later

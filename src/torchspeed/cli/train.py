@@ -14,7 +14,7 @@ optimizer and precision (`find_lr`, T15); the weight decay is the optimizer's de
 best epoch's weights are restored at the end when there is a validation set.
 `--resume` continues the run in `--out` (a finished run given more `--epochs` gets a new
 schedule segment over the added epochs); `--init-from` starts a new run from saved weights.
-`--model` takes a built-in name or your own `module:factory` (cli/_model_spec.py).
+`--model` takes a built-in name or your own `module:factory` (model/spec.py).
 
 Under `torchspeed launch --nproc N -- torchspeed train ...` every process builds the same
 loaders, `fit` sets up the process group and gives each process its part of the data
@@ -149,7 +149,7 @@ def run(args) -> int:
 
     import torchspeed
     from torchspeed.cli._auto import auto_size, small_val_warning
-    from torchspeed.cli._model_spec import build_model
+    from torchspeed.model.spec import build_model
     from torchspeed.data.decode import ImageDecodeError
     from torchspeed.data.pipeline import build_loaders
     from torchspeed.train.checkpoint import CheckpointError
@@ -243,7 +243,7 @@ def _print_summary(console, result, *, classes, lr, bad, out) -> None:
 
 def _save_model(path: str, model, *, args, classes: list[str]) -> None:
     """model.pt: weights, classes and how to rebuild and feed the model (`torchspeed.load_model`)."""
-    from torchspeed.cli._model_spec import portable_spec
+    from torchspeed.model.spec import portable_spec
     from torchspeed.data.augment import IMAGENET_MEAN, IMAGENET_STD
     from torchspeed.train.checkpoint import save_checkpoint  # atomic + fsync + checksum
 

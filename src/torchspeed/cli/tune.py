@@ -6,7 +6,7 @@ sub-folder per class), prints each tuner's table, and writes `tune.json` (and `l
 to `--out`.
 
 `--model` also takes your own model (`package.module:function` or `file.py:function`,
-called with `num_classes=N`; cli/_model_spec.py). `--image-size auto` (the default) is 32
+called with `num_classes=N`; model/spec.py). `--image-size auto` (the default) is 32
 for the built-in data and the images' median side (at most 224) for a folder. The batch
 finder is capped so an epoch keeps at least `--min-steps` (16) steps: on 400 samples the
 largest batch it reports is 24, not 400 (`--min-steps 1` lifts the cap).
@@ -104,7 +104,7 @@ def _image_size(args) -> int:
 
 def _model(args, num_classes: int):
     from torchspeed.bench.workloads import MODELS, TEXT_MODELS, create_model
-    from torchspeed.cli._model_spec import build_model, is_custom
+    from torchspeed.model.spec import build_model, is_custom
 
     image_models = [m for m in MODELS if m not in TEXT_MODELS]  # tune's data are images
     try:

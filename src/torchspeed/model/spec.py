@@ -1,4 +1,5 @@
-"""`--model`: a built-in name, or your own model as `package.module:factory` or `path/to/file.py:factory`.
+"""A model by spec (the CLI's `--model`, `load_model`): a built-in name, or your own model as
+`package.module:factory` or `path/to/file.py:factory`.
 
 No technique of its own (docs/techniques.md): it only decides which model the techniques act on.
 
@@ -22,6 +23,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import zlib
 from pathlib import Path
 
 from torch import nn
@@ -37,7 +39,7 @@ def is_custom(spec: str) -> bool:
 def split_spec(spec: str) -> tuple[str, str]:
     where, _, fn = spec.rpartition(":")
     if not where or not fn.isidentifier():
-        raise ValueError(f"--model {spec!r}: expected package.module:function or path/to/file.py:function")
+        raise ValueError(f"model {spec!r}: expected package.module:function or path/to/file.py:function")
     return where, fn
 
 
@@ -53,8 +55,8 @@ def _import(where: str, spec: str):
     if where.endswith(".py") or os.sep in where or "/" in where:
         path = Path(where)
         if not path.is_file():
-            raise ValueError(f"--model {spec!r}: no such file {where}; pass an existing .py file")
-        name = f"_torchspeed_user_{abs(hash(str(path.resolve())))}"
+            raise ValueError(f"model {spec!r}: no such file {where}; pass an existing .py file")
+        name = f"_torchspeed_user_{zlib.crc32(str(path.resolve()).encode()):08x}"
         loader_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[name] = module  # dataclasses and pickling look the module up by name
@@ -62,7 +64,7 @@ def _import(where: str, spec: str):
             loader_spec.loader.exec_module(module)
         except Exception as e:
             sys.modules.pop(name, None)
-            raise ValueError(f"--model {spec!r}: importing {where} failed ({type(e).__name__}: {e})") from None
+            raise ValueError(f"model {spec!r}: importing {where} failed ({type(e).__name__}: {e})") from None
         return module
     cwd = os.getcwd()
     added = cwd not in sys.path
@@ -71,10 +73,10 @@ def _import(where: str, spec: str):
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as e:
-        raise ValueError(f"--model {spec!r}: no module named {e.name!r}; run from the folder that holds "
+        raise ValueError(f"model {spec!r}: no module named {e.name!r}; run from the folder that holds "
                          f"{where.replace('.', '/')}.py, or pass path/to/file.py:function") from None
     except Exception as e:
-        raise ValueError(f"--model {spec!r}: importing {where} failed ({type(e).__name__}: {e})") from None
+        raise ValueError(f"model {spec!r}: importing {where} failed ({type(e).__name__}: {e})") from None
     finally:
         if added:
             sys.path.remove(cwd)
@@ -92,7 +94,7 @@ def build_model(spec: str, *, num_classes: int) -> nn.Module:
     if not callable(factory):
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
                        and getattr(v, "__module__", None) == module.__name__)
-        raise ValueError(f"--model {spec!r}: {where} has no function {fn!r}"
+        raise ValueError(f"model {spec!r}: {where} has no function {fn!r}"
                          + (f"; it defines {', '.join(names[:8])}" if names else ""))
     try:
         params = inspect.signature(factory).parameters
@@ -102,8 +104,8 @@ def build_model(spec: str, *, num_classes: int) -> nn.Module:
     try:
         model = factory(num_classes=num_classes) if takes else factory()
     except Exception as e:
-        raise ValueError(f"--model {spec!r}: {fn}({'num_classes=' + str(num_classes) if takes else ''}) raised "
+        raise ValueError(f"model {spec!r}: {fn}({'num_classes=' + str(num_classes) if takes else ''}) raised "
                          f"{type(e).__name__}: {e}") from None
     if not isinstance(model, nn.Module):
-        raise ValueError(f"--model {spec!r}: {fn} returned a {type(model).__name__}, not a torch.nn.Module")
+        raise ValueError(f"model {spec!r}: {fn} returned a {type(model).__name__}, not a torch.nn.Module")
     return model
