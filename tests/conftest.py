@@ -1,10 +1,35 @@
 import os
+import tempfile
 
 import pytest
 import torch
 
 # Tests run on 2 cores next to other work: keep torch's threads predictable.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+# Measured decisions are cached per machine (torchspeed.train.decision.TrialCache): the suite keeps
+# its own cache, so no test reads a decision measured outside it.
+os.environ["TORCHSPEED_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchspeed-test-cache-")
+
+# The CPU kinds the suite must pass on (torchspeed.env.CPU_PROFILES). A test marked `capability`
+# depends on what the CPU can run natively: it runs once under each profile, injected through
+# TORCHSPEED_CPU_PROFILE, whatever CPU this is (docs/architecture.md).
+PROFILES = ("avx2", "avx512", "avx512_bf16")
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("capability") is not None:
+        metafunc.fixturenames.append("cpu_profile")
+        metafunc.parametrize("cpu_profile", PROFILES, indirect=True)
+
+
+@pytest.fixture
+def cpu_profile(request, monkeypatch):
+    """The injected CPU profile's name (parametrized over PROFILES for `capability` tests)."""
+    name = getattr(request, "param", None) or os.environ.get("TORCHSPEED_CPU_PROFILE") or "avx2"
+    monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", name)
+    return name
 
 
 def pytest_collection_modifyitems(config, items):

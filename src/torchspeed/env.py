@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 __all__ = ["EnvInfo", "detect", "cpu_flags", "find_tcmalloc", "allocator_in_use", "format_env", "parallel_speedup", "other_runnable", "GLIBC_MALLOC_ENV",
-           "usable_cores", "default_device"]
+           "usable_cores", "default_device", "CPU_PROFILES", "cpu_profile", "DeviceCaps", "sync", "host_memory"]
 
 TCMALLOC_PATTERNS = (
     "/usr/lib/*/libtcmalloc_minimal.so*",
@@ -66,9 +66,43 @@ class EnvInfo:
         return asdict(self)
 
 
-@functools.lru_cache(maxsize=1)
+# The CPU kinds this project's machines come in, by the flags that change a decision. The
+# environment variable TORCHSPEED_CPU_PROFILE=<name> makes `cpu_flags()` (and so `detect()`,
+# `precision="auto"`, the bench's hand search and the doctor) see that kind of CPU, whatever
+# this one is: the suite's capability tests run under each (tests/conftest.py, docs/architecture.md).
+_VECTOR_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16", "avx512_vnni",
+                           "amx_bf16", "amx_tile", "amx_int8"})
+CPU_PROFILES: dict[str, frozenset[str]] = {
+    "avx2": frozenset({"avx", "avx2", "fma"}),
+    "avx512": frozenset({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}),
+    "avx512_bf16": frozenset({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd",
+                              "avx512_bf16", "avx512_vnni"}),
+    "amx": frozenset({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd",
+                      "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8"}),
+}
+
+
+def cpu_profile() -> str | None:
+    """The injected CPU kind (TORCHSPEED_CPU_PROFILE), or None for this machine's own."""
+    name = os.environ.get("TORCHSPEED_CPU_PROFILE") or None
+    if name is not None and name not in CPU_PROFILES:
+        raise ValueError(f"TORCHSPEED_CPU_PROFILE={name!r} is not one of {sorted(CPU_PROFILES)}; unset it to "
+                         "use this machine's CPU flags")
+    return name
+
+
 def cpu_flags() -> frozenset[str]:
-    """CPU feature flags from /proc/cpuinfo (empty set where that file does not exist)."""
+    """CPU feature flags from /proc/cpuinfo (empty set where that file does not exist); with
+    TORCHSPEED_CPU_PROFILE set, the vector flags are that profile's instead."""
+    flags = _proc_cpu_flags()
+    profile = cpu_profile()
+    if profile is not None:
+        return (flags - _VECTOR_FLAGS) | CPU_PROFILES[profile]
+    return flags
+
+
+@functools.lru_cache(maxsize=1)
+def _proc_cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -95,6 +129,32 @@ def default_device(device=None):
     if device is not None:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work (CUDA); a no-op on the CPU. The one home of
+    `torch.cuda.synchronize` in the package: timings end with it so queued GPU work is counted."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory (/proc/meminfo's MemAvailable and MemTotal; sysconf elsewhere).
+    The one home of /proc/meminfo parsing."""
+    try:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                info[k] = int(v.split()[0]) * 1024
+        return info.get("MemAvailable", 0), info.get("MemTotal", 0)
+    except (OSError, ValueError, IndexError):
+        try:
+            page = os.sysconf("SC_PAGE_SIZE")
+            return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+        except (ValueError, OSError, AttributeError):
+            return 0, 0
 
 
 def usable_cores() -> int:
@@ -196,9 +256,14 @@ def _cpu_bf16_fast(flags: frozenset[str]) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-@functools.lru_cache(maxsize=1)
 def detect() -> EnvInfo:
-    """Describe this machine and what it can accelerate (cached: the machine does not change)."""
+    """Describe this machine and what it can accelerate (cached per injected CPU profile: the
+    machine does not change)."""
+    return _detect(cpu_profile())
+
+
+@functools.lru_cache(maxsize=8)
+def _detect(profile: str | None) -> EnvInfo:
     flags = cpu_flags()
     try:
         import torchvision
@@ -263,6 +328,39 @@ def detect() -> EnvInfo:
         compile_available=compile_ok,
         notes=tuple(notes),
     )
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """What a device can accelerate, as the decisions read it: every automatic choice that depends on
+    the hardware is a pure function of one of these, so a test injects a CUDA sm_80 GPU or a bf16 CPU
+    on any machine (`DeviceCaps(device_type="cuda", cuda_capability=(8, 0))`)."""
+
+    device_type: str = "cpu"
+    cpu_bf16: bool = False                      # AVX512-BF16 or AMX: bf16 matmuls and convs run natively
+    amx: bool = False
+    cuda_capability: tuple[int, int] | None = None
+    cores: int = 1
+
+    @classmethod
+    def of(cls, device: "torch.device | str") -> "DeviceCaps":
+        """This machine's capabilities for `device` (the CPU flags follow TORCHSPEED_CPU_PROFILE)."""
+        device = torch.device(device)
+        info = detect()
+        cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        return cls(device_type=device.type, cpu_bf16=_cpu_bf16_fast(cpu_flags()), amx=info.amx,
+                   cuda_capability=cc, cores=usable_cores())
+
+    @property
+    def half(self) -> str | None:
+        """The half precision this device runs natively: "bf16" (CUDA sm80+, CPUs with AVX512-BF16/AMX),
+        "fp16" (older CUDA GPUs: Tensor Cores, no fast bf16), or None (a CPU without bf16 units, where
+        emulated bf16 runs slower than fp32)."""
+        if self.device_type == "cuda":
+            return "bf16" if (self.cuda_capability or (0, 0)) >= (8, 0) else "fp16"
+        if self.device_type == "cpu" and self.cpu_bf16:
+            return "bf16"
+        return None
 
 
 def format_env(info: EnvInfo | None = None):

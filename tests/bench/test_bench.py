@@ -52,7 +52,7 @@ def test_run_bench_end_to_end_json_and_png(tmp_path):
     cl = res.rows[1]  # an MLP has no convolutions: the row is there, marked not applicable, not run
     assert cl.samples_per_s is None and cl.speedup is None and "channels_last" in cl.decisions["not_applicable"]
     # each config ran in its own process with its own settings
-    assert res.rows[-1].decisions["channels_last"] == "False"  # an MLP has no convolutions
+    assert res.rows[-1].decisions["channels_last"]["value"] is False  # an MLP has no convolutions
     assert res.rows[0].decisions["allocator"] == "glibc"
     write_results(res, tmp_path / "b.json", tmp_path / "b.png")
     data = json.loads((tmp_path / "b.json").read_text())

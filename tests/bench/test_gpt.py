@@ -126,7 +126,8 @@ def test_gpt_training_flops_match_the_formula():
     assert train_flops_per_sample("gpt") == pytest.approx(expected, rel=0.1)
 
 
-def test_run_bench_gpt_reports_channels_last_not_applicable(tmp_path):
+@pytest.mark.capability
+def test_run_bench_gpt_reports_channels_last_not_applicable(tmp_path, cpu_profile):
     res = run_bench(model="gpt", batch_size=4, steps=1, rounds=1, warmup=1, device="cpu",
                     configs=["channels_last", "hand", "all"], eval_batches=1, train_size=32, compile=False,
                     progress=False)
@@ -137,8 +138,9 @@ def test_run_bench_gpt_reports_channels_last_not_applicable(tmp_path):
     for r in (res.rows[0], res.rows[2], res.rows[3]):
         assert r.samples_per_s > 0 and 0 < r.train_loss < 6.0 and 0 <= r.val_acc <= 1
     assert res.rows[2].decisions["channels_last"] == "False"
-    # same weights, same batches, same numerics (fp32 on this CPU): hand and all train like naive
-    assert res.rows[3].train_loss == pytest.approx(res.rows[0].train_loss, rel=0.02)
+    # same weights, same batches: all trains like naive (bf16, where its trial picked it, within its noise)
+    same_numerics = res.rows[3].decisions["precision"]["value"] == "fp32"
+    assert res.rows[3].train_loss == pytest.approx(res.rows[0].train_loss, rel=0.02 if same_numerics else 0.05)
     assert res.meta["train_flops_per_sample"] > 1e8
 
 

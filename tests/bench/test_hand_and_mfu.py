@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchspeed.bench.flops import mfu, peak_bf16_flops, train_flops_per_sample
-from torchspeed.bench.hand import HandLoop, HandSettings, search_hand_settings
+from torchspeed.bench.hand import HandLoop, HandSettings, hand_precisions, search_hand_settings
 from torchspeed.bench.runner import bench_configs, run_bench
 from torchspeed.bench.workloads import SyntheticImages, create_model
 from torchspeed.env import GLIBC_MALLOC_ENV, detect
@@ -55,7 +55,8 @@ def test_hand_loop_trains_and_channels_last_is_applied():
     assert 0.0 <= loop.evaluate(loader) <= 1.0
 
 
-def test_bench_has_a_hand_row_and_reports_all_over_hand(tmp_path):
+@pytest.mark.capability
+def test_bench_has_a_hand_row_and_reports_all_over_hand(tmp_path, cpu_profile):
     names = [c.name for c in bench_configs(torch.device("cpu"))]
     assert names[-2:] == ["hand", "all"] and "omp_passive" in names
     res = run_bench(model="mlp", batch_size=32, steps=2, rounds=2, warmup=1, device="cpu", configs=["hand", "all"],
@@ -63,12 +64,20 @@ def test_bench_has_a_hand_row_and_reports_all_over_hand(tmp_path):
     assert [r.config for r in res.rows] == ["naive", "hand", "all"]
     hand_row = res.rows[1]
     search = json.loads(hand_row.decisions["search"])
-    assert search["chosen"] == hand_row.decisions["hand_settings"] and len(search["tried"]) == 2  # fused or not
+    # fused or not, for fp32 and (on a CPU with native bf16) bf16: an MLP has no layout to try
+    precisions = ["fp32", "bf16"] if cpu_profile in ("avx512_bf16", "amx") else ["fp32"]
+    assert hand_precisions(torch.device("cpu")) == precisions
+    assert search["chosen"] == hand_row.decisions["hand_settings"] and len(search["tried"]) == 2 * len(precisions)
+    assert {k.split("+")[0] for k in search["tried"]} == set(precisions)
     assert res.meta["all_over_hand"] > 0 and len(res.meta["all_over_hand_runs"]) == 2
-    assert res.meta["all_over_hand_verdict"] in ("faster", "matches", "slower")
+    from torchspeed.bench.compare import compare_ratios
+    assert res.meta["all_over_hand_verdict"] == compare_ratios(res.meta["all_over_hand_runs"])["verdict"]
     assert res.meta["all_over_hand_interval"]["low"] <= res.meta["all_over_hand"] <= res.meta["all_over_hand_interval"]["high"]
     # the hand row trains the same steps from the same weights: its loss is close to naive's
     assert hand_row.train_loss == pytest.approx(res.rows[0].train_loss, rel=0.05)
+    # all measured its switches on this model (fit's trial) and reports the cost in its decisions
+    trial = res.rows[2].decisions["switch_trial"]
+    assert trial["value"] == "measured" and trial["measured"]["steps"] > 0 and trial["measured"]["trial_s"] > 0
     assert all(r.mfu is None for r in res.rows)  # no MFU on a CPU
 
 

@@ -34,7 +34,7 @@ def test_both_configs_reach_a_low_target_from_the_same_start(reached):
         assert 0 < r.steps_to_target <= 30 and r.steps_to_target % 5 == 0
         assert r.time_to_target_s > 0 and r.time_to_target_s <= r.train_s + 1e-9
         assert r.steps == r.steps_to_target  # a run stops at the first evaluation at or above the target
-    assert res.runs[0].decisions["compile"] == "off"
+    assert res.runs[0].decisions["compile"].startswith("False")
     assert res.runs[1].decisions["optimizer"] != res.runs[0].decisions["optimizer"]  # all is not naive
     # fair: per seed both configs start from the same weights and see the same batches, so they learn alike
     by = {(r.config, r.seed): r for r in res.runs}
@@ -69,7 +69,9 @@ def test_rows_and_json_carry_time_to_accuracy(reached, tmp_path):
     tta = data["tta"]
     assert tta["target"] == 0.3 and tta["seeds"] == [0, 1]
     assert set(tta["summary"]) == {"naive", "all"} and tta["speedup_naive_over_all"] > 0 and tta["speedup_median"] > 0
-    assert tta["speedup_interval"]["verdict"] in ("faster", "matches", "slower")
+    from torchspeed.bench.compare import compare_ratios
+    ratios = [n / a for n, a in zip(rows["naive"]["time_to_target_s_runs"], rows["all"]["time_to_target_s_runs"])]
+    assert tta["speedup_interval"]["verdict"] == compare_ratios(ratios)["verdict"]
     assert {"mean", "min", "max", "std"} <= set(tta["summary"]["all"]["time_to_target_s"])
     assert "commit" in tta["meta"] and len(tta["runs"]) == 4
 

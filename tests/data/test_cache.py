@@ -115,8 +115,11 @@ def test_pool_rejects_tiny_budget():
 def test_loader_with_collate(photo_folder):
     base = FastImageFolder(photo_folder, size=16, crop="center")
     ds = CachedDataset(base, budget_bytes=1 << 22)
-    batches = [list(DataLoader(ds, batch_size=8, collate_fn=uint8_collate)) for _ in range(2)]
-    for (a, ya), (b, yb) in zip(*batches):
+    first = list(DataLoader(ds, batch_size=8, collate_fn=uint8_collate))
+    assert ds.stats().items == len(ds) and ds.stats().misses == len(ds)  # the first epoch filled the cache
+    second = list(DataLoader(ds, batch_size=8, collate_fn=uint8_collate))
+    assert ds.stats().hits == len(ds)  # the second epoch read it back
+    for (a, ya), (b, yb) in zip(first, second):
         assert torch.equal(a, b) and torch.equal(ya, yb)
 
 

@@ -5,9 +5,11 @@ from torchspeed.env import detect
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
 
 
-def test_auto_picks_bf16_exactly_when_the_cpu_has_bf16():
+@pytest.mark.capability
+def test_auto_picks_bf16_exactly_when_the_cpu_has_bf16(cpu_profile):
     p = resolve_precision("auto", device="cpu")
-    assert p.name == ("bf16" if detect().bf16_supported else "fp32")
+    assert detect().bf16_supported == (cpu_profile in ("avx512_bf16", "amx"))
+    assert p.name == ("bf16" if cpu_profile in ("avx512_bf16", "amx") else "fp32")
 
 
 def test_explicit_precisions_and_aliases():

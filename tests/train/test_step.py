@@ -1,9 +1,12 @@
 import copy
 
+import pytest
+
 import torch
 
 from torchspeed.train import Trainer, TrainConfig
 from torchspeed.train.optim import zero_grad
+from torchspeed.train.precision import resolve_precision
 from torchspeed.train.step import backward, optimizer_step
 
 
@@ -105,3 +108,50 @@ def test_clipping_bounds_the_gradient_norm_in_the_trainer():
                 config=TrainConfig(precision="fp32", compile=False, schedule=None, progress=False, clip_grad_norm=0.01))
     t.train_step((x * 100, y))
     assert float(seen["norm"]) <= 0.01 + 1e-6
+
+
+def test_accumulation_window_closes_every_k_and_skips_ddp_sync_until_the_last():
+    from torchspeed.train.step import AccumulationWindow
+
+    class FakeDDP:
+        def __init__(self):
+            self.no_sync_calls = 0
+
+        def no_sync(self):
+            self.no_sync_calls += 1
+            import contextlib
+            return contextlib.nullcontext()
+
+    win, ddp = AccumulationWindow(3), FakeDDP()
+    closed = []
+    for _ in range(6):
+        with win.sync(ddp):
+            pass
+        closed.append(win.advance())
+    assert closed == [False, False, True, False, False, True] and ddp.no_sync_calls == 4 and win.at_boundary
+    win.advance()
+    win.reset()
+    assert win.at_boundary
+    with pytest.raises(ValueError, match="grad_accum"):
+        AccumulationWindow(0)
+
+
+def test_mixed_precision_owns_its_scaler_and_state():
+    from torchspeed.train.precision import MixedPrecision
+
+    fp16 = MixedPrecision(resolve_precision("fp16", device="cpu"))
+    assert fp16.scaler is not None and fp16.name == "fp16"
+    state = fp16.state_dict()
+    state["scale"] = 1024.0
+    fp16.load_state_dict(state)
+    assert fp16.scaler.get_scale() == 1024.0
+    bf16 = MixedPrecision(resolve_precision("bf16", device="cpu"))
+    assert bf16.scaler is None and bf16.state_dict() is None
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with bf16.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    bf16.backward(loss)
+    before = model.weight.detach().clone()
+    assert int(bf16.step(opt, clip_grad_norm=1.0, parameters=model.parameters())) == 0
+    assert not torch.equal(before, model.weight)

@@ -82,7 +82,7 @@ def test_compile_auto_trial_on_cuda_tries_default_and_cuda_graphs():
     ds = TensorDataset(torch.randn(512, 3, 16, 16), torch.randint(0, 4, (512,)))
     res = torchspeed.fit(_conv(), DataLoader(ds, batch_size=16, drop_last=True), epochs=1, compile="auto",
                          progress=False, compile_min_run_s=0, device="cuda", schedule=None)
-    detail = res.decisions["compile_detail"]
+    detail = res.decisions["compile"].measured
     assert detail["compiled_s"] > 0 and detail["compile_s"] > 0, detail
     assert "default" in detail["reason"] and "reduce-overhead" in detail["reason"], detail  # both modes timed
     assert res.history[-1]["train_loss"] == res.history[-1]["train_loss"]  # finite, not NaN
@@ -97,7 +97,7 @@ def test_cuda_graphs_training_matches_eager():
                              device="cuda", schedule=None, precision="fp32", channels_last=False, seed=0, **kw)
         losses[mode] = [h["train_loss"] for h in res.history]
         if mode:
-            assert "mode=reduce-overhead" in res.decisions["compile"]
+            assert "mode=reduce-overhead" in res.decisions["compile"].reason
     assert losses["reduce-overhead"] == pytest.approx(losses[False], rel=2e-3)
     assert losses[False][-1] < losses[False][0]
 

@@ -7,7 +7,8 @@ from torch.utils.data import DataLoader, RandomSampler
 from torchspeed import fit, scale_lr
 from torchspeed.bench.workloads import create_model, digits
 from torchspeed.cli.main import main
-from torchspeed.tune.auto import rebuild_loader, tune_for_fit
+from torchspeed.train.sampler import rebuild_loader
+from torchspeed.tune.auto import tune_for_fit
 
 
 @pytest.fixture(scope="module")

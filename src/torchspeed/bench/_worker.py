@@ -96,6 +96,9 @@ class _TrainerState(_State):
         cfg = TrainConfig(**spec["train"])
         self.trainer = Trainer(_model(spec), optimizer="sgd", lr=spec["lr"], device=self.device, config=cfg)
         self._it = None
+        # What fit() does before training: measure the switches left on "auto" on this model and these
+        # batches (the bench stands for a long run, so the trial is not skipped as too short).
+        self.trainer.prepare(self.loader)
         # Kept to restart from after the warm-up: every config then trains the same number of steps from
         # the same weights on the same batches, however many steps its warm-up (compile trial) took.
         self._initial = (copy.deepcopy(self.trainer.module.state_dict()),
@@ -136,7 +139,9 @@ class _TrainerState(_State):
         if eval_batches is not None:
             loader = [b for _, b in zip(range(eval_batches), loader)]
         val = self.trainer.evaluate(loader)["val_acc"]
-        decisions = {k: str(v) for k, v in self.trainer.decisions.items() if k != "compile_detail"}
+        from torchspeed.train.metrics import jsonable
+
+        decisions = jsonable(self.trainer.decisions)  # each a {"value", "reason", "measured"} (the trial's cost too)
         decisions["allocator"] = self.allocator
         decisions["num_workers"] = self.loader.num_workers
         decisions["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "default (spin, then sleep)")
@@ -205,6 +210,29 @@ class _HandState(_State):
         return {"train_loss": loss, "val_acc": self.loop.evaluate(loader), "decisions": decisions}
 
 
+class _LightningState(_HandState):
+    """Lightning Fabric with the precision a user picks for speed here (bench/peers.py)."""
+
+    def warm_up(self, n: int) -> dict:
+        from torchspeed.bench.peers import LightningLoop
+
+        self.loop = LightningLoop(self._fresh(), self.loader, self.device, lr=self.spec["lr"])
+        self.search = {"precision": self.loop.precision}
+        self._opt_state = copy.deepcopy(self.loop.opt.state_dict())
+        seconds = self.loop.run(n)
+        self._restart()
+        self._release()
+        return {"seconds": seconds, "steps": n}
+
+    def finish(self, eval_batches: int | None) -> dict:
+        loader = self.val_loader
+        if eval_batches is not None:
+            loader = [b for _, b in zip(range(eval_batches), loader)]
+        decisions = {"precision": self.loop.precision, "lightning": "Fabric, SGD (torch default kernel)",
+                     "allocator": self.allocator, "num_workers": self.loader.num_workers}
+        return {"train_loss": self.loop.train_loss(), "val_acc": self.loop.evaluate(loader), "decisions": decisions}
+
+
 def main() -> int:
     state: _State | None = None
     for line in sys.stdin:
@@ -213,7 +241,9 @@ def main() -> int:
             op = cmd["op"]
             if op == "setup":
                 spec = cmd["spec"]
-                state = _HandState(spec) if spec.get("kind") == "hand" else _TrainerState(spec)
+                kind = spec.get("kind")
+                state = (_HandState(spec) if kind == "hand" else _LightningState(spec) if kind == "lightning"
+                         else _TrainerState(spec))
                 _reply({"ok": True, "allocator": state.allocator})
             elif op == "warmup":
                 _reply({"ok": True, **state.warm_up(cmd["n"])})

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchspeed.env import sync
+
 __all__ = ["HandSettings", "HandLoop", "search_hand_settings", "hand_precisions"]
 
 
@@ -58,11 +60,6 @@ def hand_precisions(device: torch.device) -> list[str]:
 
     half = half_precision(device)
     return ["fp32"] + ([half] if half else [])
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class HandLoop:
@@ -122,7 +119,7 @@ class HandLoop:
             self.opt.zero_grad(set_to_none=True)
             self.loss_sum += loss.detach().float() * y.shape[0]
             self.samples += y.shape[0]
-        _sync(self.device)
+        sync(self.device)
         return time.perf_counter() - t0
 
     def train_loss(self) -> float:

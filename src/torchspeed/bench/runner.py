@@ -10,6 +10,8 @@ rounds; its speed-up is the median of the per-round ratios to `naive`.
 
 Rows (each technique switched on alone on top of `naive`):
   naive            fp32, NCHW, num_workers=0, zero_grad(set_to_none=False), .item() every step, eager
+  plain            the plain fp32 PyTorch loop most users write (bench/peers.py): `all` must not be slower
+  lightning        Lightning Fabric with the precision a user picks for speed here (when lightning is installed)
   bf16 / fp16      autocast (T21), the precision this device runs fast
   channels_last    T23
   no_item_sync     losses kept on the device, read every 50 steps (T13)
@@ -66,7 +68,8 @@ class BenchConfig:
     num_workers: int = 0
     allocator: str = "glibc"   # "glibc" (the system default) or "tcmalloc" (LD_PRELOAD at process start)
     env: tuple[tuple[str, str], ...] = ()  # environment set at process start (OpenMP reads it once)
-    kind: str = "trainer"      # "trainer" (torchspeed's Trainer) or "hand" (bench/hand.py, plain PyTorch)
+    kind: str = "trainer"      # "trainer" (torchspeed's Trainer), "hand" (bench/hand.py, plain PyTorch), "lightning"
+    hand_settings: tuple = ()  # kind "hand": fixed HandSettings fields (empty: searched, the hand-written ceiling)
 
 
 @dataclass
@@ -123,6 +126,12 @@ def bench_configs(device: torch.device, *, workers: int | None = None, compile: 
     n_workers = workers if workers is not None else min(4, max(1, info.cpu_cores - 1))
     cuda = device.type == "cuda"
     rows = [BenchConfig("naive", naive)]
+    if hand:  # where users would otherwise go (bench/peers.py): a plain fp32 loop, and Lightning
+        rows.append(BenchConfig("plain", naive, kind="hand", hand_settings=(("precision", "fp32"),)))
+        from torchspeed.bench.peers import lightning_available
+
+        if lightning_available():
+            rows.append(BenchConfig("lightning", naive, kind="lightning"))
     if fast_precision != "fp32":
         rows.append(BenchConfig(fast_precision, replace(naive, precision=fast_precision)))
     rows += [
@@ -206,6 +215,8 @@ class ConfigProcess:
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env=config_env(cfg), bufsize=1)
         self.spec = spec | {"train": asdict(cfg.train), "num_workers": cfg.num_workers, "kind": cfg.kind}
+        if cfg.hand_settings:
+            self.spec["hand"] = spec.get("hand", {}) | {"settings": dict(cfg.hand_settings)}
         self.times: list[float] = []
         self.send({"op": "setup", "spec": self.spec}, wait=False)
 

@@ -4,6 +4,10 @@
   no max-pool), the usual model for 32 px images. The torchvision ResNets (18/34/50) take
   the CIFAR stem under 64 px and torchvision's own ImageNet stem from 64 px up (ResNet-50
   at 224 px is the usual GPU benchmark).
+- `resnet18-small`: torchvision's ResNet-18 exactly as `resnet18(num_classes=10)` builds it
+  (the ImageNet stem: 7x7 stride-2 conv and max-pool) on small images. What a user who does
+  not rewrite the stem trains on 32 px: after the stem the feature maps are 8x8 to 1x1, where
+  the fixed rules (bf16 + channels_last on a bf16 CPU) lose to a plain fp32 loop.
 - `resnet20`: He et al.'s CIFAR ResNet-20 (3 stages of 3 basic blocks, 16/32/64 channels,
   0.27 M parameters, 41 MFLOPs per 32 px image forward): a real residual conv net small
   enough to train to a target accuracy in seconds on 2 CPU cores (the default CPU bench).
@@ -32,7 +36,7 @@ from torch.utils.data import Dataset, TensorDataset
 __all__ = ["resnet18_cifar", "create_model", "SyntheticImages", "digits", "make_datasets", "MODELS", "DATASETS",
            "TEXT_MODELS", "TEXT_DATASETS", "default_data", "check_workload", "example_input"]
 
-MODELS = ("resnet20", "resnet18", "resnet34", "resnet50", "mlp", "gpt")
+MODELS = ("resnet20", "resnet18", "resnet18-small", "resnet34", "resnet50", "mlp", "gpt")
 DATASETS = ("synthetic", "digits", "text")
 TEXT_MODELS = ("gpt",)      # models of token ids (B, T) -> logits (B, T, V)
 TEXT_DATASETS = ("text",)   # datasets of (B, T) token windows
@@ -111,6 +115,10 @@ def create_model(name: str = "resnet18", *, num_classes: int = 10, image_size: i
         return build_model(name, num_classes=num_classes)
     if name == "resnet20":
         return resnet20(num_classes)
+    if name == "resnet18-small":
+        import torchvision
+
+        return torchvision.models.resnet18(num_classes=num_classes)
     if name in ("resnet18", "resnet34", "resnet50"):
         if image_size >= 64:
             import torchvision

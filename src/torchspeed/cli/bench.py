@@ -17,7 +17,8 @@ def register(sub) -> None:
                         "text (bytes of the Python standard library's source, for gpt); default: the model's own")
     p.add_argument("--model", default=None,
                    help="resnet20 (CIFAR), resnet18/34/50 (torchvision; CIFAR stem under 64 px, ImageNet stem from "
-                        "64 px), mlp, gpt (a small byte-level GPT language model), or your own image model: "
+                        "64 px; resnet18-small: the ImageNet stem on small images, as resnet18(num_classes=10) "
+                        "builds it), mlp, gpt (a small byte-level GPT language model), or your own image model: "
                         "package.module:function or path/to/file.py:function (default resnet18; resnet20 with "
                         "--data digits)")
     p.add_argument("--image-size", type=int, default=32, help="square image side in pixels (default 32; 224 for "
@@ -84,6 +85,8 @@ def run(args) -> int:
     except ValueError as e:
         raise CLIError(str(e)) from e
     if args.nproc is not None:
+        if args.nproc < 2:
+            raise CLIError(f"--nproc compares N processes with 1: give N >= 2, got {args.nproc}")
         from torchspeed.bench.scaling import run_scaling_cli
 
         return run_scaling_cli(args)
@@ -148,6 +151,7 @@ def run(args) -> int:
     all_row = next((r for r in result.rows if r.config == "all"), None)
     if all_row is not None:
         console.print(f"all: {all_row.speedup:.2f}x naive; decisions: "
-                      + ", ".join(f"{k}={v}" for k, v in all_row.decisions.items()))
+                      + ", ".join(f"{k}={v['value'] if isinstance(v, dict) and 'value' in v else v}"
+                                  for k, v in all_row.decisions.items()))
     console.print(f"wrote {args.json} and {png}")
     return 0

@@ -25,6 +25,7 @@ import subprocess
 import sys
 
 from torchspeed.cli.main import CLIError
+from torchspeed.env import usable_cores
 
 __all__ = ["register", "run", "torchrun_command"]
 
@@ -47,11 +48,6 @@ def register(sub) -> None:
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after `--`: python train.py ARGS")
     p.set_defaults(func=run)
 
-
-def _usable_cores() -> int:
-    from torchspeed.env import usable_cores  # the one home of the rule (affinity, cgroups)
-
-    return usable_cores()
 
 
 def torchrun_command(cmd: list[str], *, nproc: str | int, nnodes: str = "1", node_rank: int | None = None,
@@ -125,7 +121,7 @@ def run(args) -> int:
     if args.threads is not None or "OMP_NUM_THREADS" not in env:
         # torchrun's default is 1 thread per process; on CPU training that leaves cores idle.
         per_node = int(args.nproc) if str(args.nproc).isdigit() else None
-        threads = args.threads or (max(1, _usable_cores() // per_node) if per_node else 1)
+        threads = args.threads or (max(1, usable_cores() // per_node) if per_node else 1)
         env["OMP_NUM_THREADS"] = str(threads)
     if args.dry_run:
         print(f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} " + shlex.join(argv))

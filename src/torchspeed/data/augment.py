@@ -227,14 +227,14 @@ class DeviceLoader:
     def shard(self, rank: int, world_size: int, *, for_eval: bool = False, seed: int = 0) -> DeviceLoader:
         """Process `rank`'s part of the data, on the same device with the same augmentation.
 
-        The loader inside is split by `torchspeed.train.distributed.shard_loader` (training: a
+        The loader inside is split by `torchspeed.train.shard.shard_loader` (training: a
         DistributedSampler, equal batch counts on every rank; evaluation: every world_size-th
         sample, each counted once); `shard_loader` calls this for a DeviceLoader.
 
         Example:
             >>> half = loader.shard(1, 2)   # rank 1 of 2
         """
-        from torchspeed.train.distributed import shard_loader
+        from torchspeed.train.shard import shard_loader
 
         inner = shard_loader(self.loader, for_eval=for_eval, seed=seed, rank=rank, world_size=world_size)
         return self if inner is self.loader else DeviceLoader(inner, self.augment, self.device)

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from torchspeed.env import sync
+
 __all__ = ["PipelineRow", "DataBenchResult", "bench_pipelines", "single_thread"]
 
 PIPELINES = ("torchvision", "torchspeed", "decode-only")
@@ -95,7 +97,7 @@ def _nvjpeg_pipeline(paths: list[str], size: int, device: torch.device, batch: i
                     datas.append(f.read())
             imgs = decode_jpeg_batch(datas, device=device)
             torch.stack([_gpu_random_resized_crop(im, size) for im in imgs])
-        torch.cuda.synchronize(device)
+        sync(device)
 
     return run_nvjpeg
 

@@ -1,14 +1,18 @@
 """The fast training loop (`Trainer`) and the techniques it composes, each public (`torchspeed.fit` is above it)."""
 
-from torchspeed.train.backends import configure_backends
+from torchspeed.train.autoswitch import decide_switches
+from torchspeed.train.backends import configure_backends, tune_malloc
+from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.compile import CompileDecision, compile_model
 from torchspeed.train.checkpoint import (CheckpointError, CheckpointManager, CheckpointMismatchError,
                                          CorruptCheckpointError, load_checkpoint, save_checkpoint)
 from torchspeed.train.guard import NonFiniteLossError, TrainingOutOfMemoryError
 from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_rng_state, seed_everything
 from torchspeed.train.sampler import ResumableSampler
-from torchspeed.train.distributed import (distributed_loader, init_distributed, is_rank_zero, reduce_metrics,
-                                          unwrap_model, wrap_ddp)
+from torchspeed.train.distributed import init_distributed, is_rank_zero, reduce_metrics, wrap_ddp
+from torchspeed.train.shard import distributed_loader
+from torchspeed.train.switches import Switches, SwitchTrial, candidate_grid
+from torchspeed.train.wrappers import unwrap_model
 from torchspeed.train.evaluate import evaluate, tta_views
 from torchspeed.train.memory_format import apply_channels_last, has_conv2d, is_channels_last, to_channels_last
 from torchspeed.train.metrics import DeviceMeter
@@ -29,4 +33,5 @@ __all__ = [
     "SCHEDULES", "create_scheduler", "scale_lr", "backward", "optimizer_step", "FitResult", "Trainer",
     "TrainConfig", "Prefetcher", "loader_kwargs", "to_device",
     "init_distributed", "wrap_ddp", "distributed_loader", "reduce_metrics", "is_rank_zero", "unwrap_model",
+    "Decision", "TrialCache", "decide_switches", "Switches", "SwitchTrial", "candidate_grid", "tune_malloc",
 ]

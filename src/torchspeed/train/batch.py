@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchspeed.train.wrappers import unwrap_model
+
 __all__ = ["StepOutput", "split_batch", "forward_loss", "batch_size", "count_correct", "SequenceCrossEntropy", "model_loss",
            "call_model",
            "default_loss", "TARGET_KEYS", "IGNORE_INDEX"]
@@ -92,14 +94,7 @@ _ACCEPTS: dict[int, tuple[bool, frozenset]] = {}
 
 def _keyword_args(model: Callable, inputs: dict) -> dict:
     """The dict entries `model`'s forward accepts (all of them if it takes **kwargs)."""
-    inner = model
-    for _ in range(4):  # the user's module inside the compile controller, DDP and torch.compile wrappers
-        nxt = getattr(inner, "model", None) if type(inner).__name__ == "CompileController" else \
-            getattr(inner, "_orig_mod", None) or (inner.module if isinstance(
-                inner, (nn.DataParallel, nn.parallel.DistributedDataParallel)) else None)
-        if nxt is None:
-            break
-        inner = nxt
+    inner = unwrap_model(model)  # the user's module inside the compile controller, DDP and torch.compile
     fn = getattr(inner, "forward", inner)
     key = id(getattr(fn, "__func__", fn))
     if key not in _ACCEPTS:

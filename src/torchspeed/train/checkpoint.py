@@ -46,6 +46,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from torchspeed.train.wrappers import strip_wrapper_prefixes, unwrap_model
+
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "check_state_dict", "CheckpointManager",
            "find_resume", "check_resumable", "is_extension", "update_best",
            "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError", "ResumeMismatchError",
@@ -57,7 +59,6 @@ FORMAT = "torchspeed-checkpoint/1"
 _MAGIC = b"TSCKSUM1"          # trailer: magic + 32-byte SHA-256 of everything before it
 _TRAILER = len(_MAGIC) + 32
 _STEP_RE = re.compile(r"^step-(\d+)\.pt$")
-_PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel and torch.compile wrappers
 
 
 class CheckpointError(RuntimeError):
@@ -181,8 +182,8 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module | None = None,
 
 def check_state_dict(model: nn.Module | Mapping, weights: Mapping, *, source: str = "the checkpoint") -> None:
     """Raise `CheckpointMismatchError` unless `weights` has exactly `model`'s keys and shapes."""
-    expected = _strip(model.state_dict() if isinstance(model, nn.Module) else model)
-    got = _strip(weights)
+    expected = strip_wrapper_prefixes(model.state_dict() if isinstance(model, nn.Module) else model)
+    got = strip_wrapper_prefixes(weights)
     missing = [k for k in expected if k not in got]
     unexpected = [k for k in got if k not in expected]
     shapes = [(k, tuple(_shape(got[k])), tuple(_shape(v))) for k, v in expected.items()
@@ -205,9 +206,8 @@ def check_state_dict(model: nn.Module | Mapping, weights: Mapping, *, source: st
 
 
 def _load_model(model: nn.Module, weights: Mapping, *, strict: bool, source) -> None:
-    target = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
-    target = getattr(target, "_orig_mod", target)
-    weights = _strip(weights)
+    target = unwrap_model(model)
+    weights = strip_wrapper_prefixes(weights)
     if strict:
         check_state_dict(target, weights, source=f"checkpoint {source}")
         target.load_state_dict(weights, strict=True)
@@ -392,17 +392,6 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _strip(sd: Mapping) -> dict:
-    # Remove a wrapper prefix only when every key carries it (a submodule may be named "module").
-    out = dict(sd)
-    changed = True
-    while changed and out:
-        changed = False
-        for p in _PREFIXES:
-            if all(k.startswith(p) for k in out):
-                out = {k[len(p):]: v for k, v in out.items()}
-                changed = True
-    return out
 
 
 def _shape(v) -> tuple:

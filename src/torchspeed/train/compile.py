@@ -39,7 +39,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["compile_model", "CompileTrial", "CompileDecision", "CompileController", "sync", "MIN_RUN_S"]
+from torchspeed.env import sync
+from torchspeed.train.decision import Decision
+
+__all__ = ["compile_model", "CompileTrial", "CompileDecision", "CompileController", "MIN_RUN_S"]
 
 log = logging.getLogger("torchspeed")
 
@@ -168,11 +171,6 @@ class CompileTrial:
                                e, c, self.compile_s, mode=mode)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class CompileController:
     """The trainer's compile switch: which module runs the forward, and the decision behind it.
 
@@ -190,7 +188,7 @@ class CompileController:
                  min_run_s: float = MIN_RUN_S, decide_all_ranks: Callable[[CompileDecision], CompileDecision]
                  | None = None, decisions: dict | None = None):
         self.model, self.device, self.setting = model, device, setting
-        self.decisions: dict[str, object] = decisions if decisions is not None else {}  # "compile", "compile_detail"
+        self.decisions: dict[str, object] = decisions if decisions is not None else {}  # "compile": a Decision
         self._compiled: dict[str | None, nn.Module] = {}
         self._broadcast = decide_all_ranks or (lambda d: d)
         self.active: nn.Module = model
@@ -204,9 +202,14 @@ class CompileController:
         elif setting is True:
             self._use(mode)
             self._verified = False
-            self.decisions["compile"] = "on (asked for)" + ("" if mode is None else f", mode={mode}")
+            self.decisions["compile"] = Decision(True, "asked for" + ("" if mode is None else f", mode={mode}"))
         else:
-            self.decisions["compile"] = "off"
+            self.decisions["compile"] = Decision(False, "off")
+
+    @property
+    def wrapped_module(self) -> nn.Module:
+        """The user's module (`train.wrappers.unwrap_model` looks for this name)."""
+        return self.model
 
     @property
     def undecided(self) -> bool:
@@ -292,5 +295,4 @@ class CompileController:
         else:
             self._eager()
             self._compiled.clear()
-        self.decisions["compile"] = decision.reason
-        self.decisions["compile_detail"] = asdict(decision)
+        self.decisions["compile"] = Decision(bool(decision.use_compiled), decision.reason, asdict(decision))

@@ -30,6 +30,9 @@ class TrainConfig:
     cudnn_benchmark: bool | str = "auto"  # T22: "auto" = on for CUDA (fixed shapes)
     set_to_none: bool = True            # T26
     fused_optimizer: bool | str = "auto"  # fused/foreach kernels (T18)
+    trial: bool | str = "auto"          # measure precision x channels_last x fused x threads on this model (switches.py):
+                                        # "auto" = when the run is >= 10x the trial's steps; True = always; False = rules
+    malloc: bool = True                 # CPU: glibc malloc's training settings in-process (backends.tune_malloc)
     prefetch: bool = True               # T07/T12: side-stream copies on CUDA
     grad_accum: int = 1                 # T19
     clip_grad_norm: float | None = None  # T20
@@ -62,7 +65,8 @@ class TrainConfig:
     def naive(cls, **overrides) -> "TrainConfig":
         """The loop the seeds call "before": fp32, NCHW, memset zero_grad, .item() every step, no compile."""
         base = dict(precision="fp32", channels_last=False, compile=False, cudnn_benchmark=False,
-                    set_to_none=False, fused_optimizer=False, prefetch=False, log_every=1)
+                    set_to_none=False, fused_optimizer=False, prefetch=False, log_every=1, trial=False,
+                    malloc=False)
         base.update(overrides)
         return cls(**base)
 

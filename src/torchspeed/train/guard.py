@@ -44,6 +44,8 @@ from collections.abc import Callable
 
 import torch
 
+from torchspeed.env import host_memory
+
 __all__ = ["NonFiniteLossError", "TrainingOutOfMemoryError", "is_out_of_memory", "out_of_memory_error",
            "memory_report", "supports_device_skip", "NonFiniteGuard"]
 
@@ -76,7 +78,7 @@ def memory_report(device: torch.device | str) -> str:
                 f"peak {_gib(torch.cuda.max_memory_allocated(device))}; the GPU has {_gib(total)} "
                 f"with {_gib(free)} free")
     rss = _rss_bytes()
-    avail, total = _host_memory()
+    avail, total = host_memory()
     parts = [f"this process uses {_gib(rss)}" if rss else "process memory unknown"]
     if total:
         parts.append(f"the machine has {_gib(total)} with {_gib(avail)} available")
@@ -124,21 +126,6 @@ def _rss_bytes() -> int:
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak, in KiB on Linux
 
-
-def _host_memory() -> tuple[int, int]:
-    try:
-        info = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                k, v = line.split(":", 1)
-                info[k] = int(v.split()[0]) * 1024
-        return info.get("MemAvailable", 0), info.get("MemTotal", 0)
-    except (OSError, ValueError):
-        try:
-            page = os.sysconf("SC_PAGE_SIZE")
-            return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-        except (ValueError, OSError, AttributeError):
-            return 0, 0
 
 
 class NonFiniteGuard:

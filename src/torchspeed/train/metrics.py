@@ -84,7 +84,11 @@ class DeviceMeter:
 
 def jsonable(d: dict) -> dict:
     """`d` with every value JSON can hold (others as their str)."""
-    return json.loads(json.dumps(d, default=str))
+    return json.loads(json.dumps(d, default=_plain))
+
+
+def _plain(obj):
+    return obj.to_dict() if hasattr(obj, "to_dict") else str(obj)
 
 
 def write_metrics(out_dir: str | os.PathLike, history: list[dict], *, decisions: dict, config: dict) -> None:

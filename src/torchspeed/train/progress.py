@@ -9,15 +9,23 @@ from __future__ import annotations
 import math
 import time
 
-__all__ = ["TrainProgress"]
+__all__ = ["TrainProgress", "decisions_header"]
+
+
+def decisions_header(decisions: dict) -> str:
+    """One line: each automatic switch's value (e.g. "precision fp32 | channels_last True | compile False")."""
+    keys = ("precision", "channels_last", "optimizer", "compile", "threads", "switch_trial")
+    return "torchspeed: " + " | ".join(f"{k} {getattr(decisions[k], 'value', decisions[k])}"
+                                       for k in keys if k in decisions)
 
 
 class TrainProgress:
     """A rich progress bar with samples/s and ETA (nothing when disabled); `total` may be None (unknown)."""
 
-    def __init__(self, *, enabled: bool, total: int | None):
+    def __init__(self, *, enabled: bool, total: int | None, header: str | None = None):
         self.enabled = enabled
         self.total = total
+        self.header = header  # printed once above the bar: what the loop switched on
         self._p = None
 
     def __enter__(self):
@@ -28,6 +36,8 @@ class TrainProgress:
                                TextColumn("{task.fields[rate]} samples/s"), TextColumn("loss {task.fields[loss]}"),
                                TimeRemainingColumn(), transient=False)
             self._p.__enter__()
+            if self.header:
+                self._p.console.print(self.header)
             self._task = self._p.add_task("train", total=self.total, epoch=1, rate="-", loss="-")
             self._t0 = time.perf_counter()
             self._samples = 0

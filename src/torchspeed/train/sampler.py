@@ -28,11 +28,40 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sized
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from torchspeed.train.rng import capture_rng_state, restore_rng_state
 
-__all__ = ["ResumableSampler", "DataPosition", "is_stateful_loader", "loader_length", "set_epoch"]
+__all__ = ["ResumableSampler", "DataPosition", "is_stateful_loader", "loader_length", "set_epoch", "rebuild_loader"]
+
+_KEEP = object()
+
+
+def rebuild_loader(loader: DataLoader, *, dataset=_KEEP, batch_size=_KEEP, sampler=_KEEP, **settings) -> DataLoader:
+    """A copy of `loader` with the given settings changed and every other one kept (collate_fn, workers,
+    pin_memory and its device, timeout, worker_init_fn, multiprocessing context, generator, drop_last).
+    The one home of rebuilding a DataLoader: the tuners (another batch size or worker count) and DDP
+    (a DistributedSampler per rank) both come here."""
+    if type(loader.batch_sampler) is not BatchSampler and loader.batch_sampler is not None:
+        raise ValueError(f"the DataLoader uses a custom batch_sampler ({type(loader.batch_sampler).__name__}); "
+                         "it cannot be rebuilt with another batch size, worker count or sampler here: build "
+                         "that DataLoader yourself (or pass batch_size=None to the tuners)")
+    kw = dict(num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
+              worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+              generator=loader.generator, collate_fn=loader.collate_fn, drop_last=loader.drop_last,
+              batch_size=loader.batch_size if batch_size is _KEEP else batch_size)
+    if getattr(loader, "pin_memory_device", ""):
+        kw["pin_memory_device"] = loader.pin_memory_device
+    if loader.num_workers > 0:
+        kw.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
+    kw.update(settings)
+    if kw["num_workers"] == 0:
+        kw.pop("prefetch_factor", None)
+        kw.pop("persistent_workers", None)
+    data = loader.dataset if dataset is _KEEP else dataset
+    if not isinstance(data, IterableDataset):
+        kw["sampler"] = (loader.sampler if dataset is _KEEP else None) if sampler is _KEEP else sampler
+    return DataLoader(data, **kw)
 
 
 class ResumableSampler(Sampler[int]):

@@ -19,11 +19,59 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
 
-__all__ = ["backward", "optimizer_step"]
+__all__ = ["backward", "optimizer_step", "AccumulationWindow"]
+
+
+class AccumulationWindow:
+    """The gradient-accumulation window (T19, with T31): `k` micro-batches make one optimizer step.
+
+    On every micro-batch but the last, DDP's gradient all-reduce is skipped (`sync(model)` is its
+    `no_sync()`); the loss is divided by `k` in `backward`; `advance()` says when the last one
+    has run, so the caller steps the optimizer. nanoGPT's loop in one object.
+
+    Example:
+        >>> win = AccumulationWindow(4)
+        >>> with win.sync(ddp_model):
+        ...     backward(loss, accum_steps=win.k)
+        >>> if win.advance():
+        ...     optimizer_step(opt)
+    """
+
+    def __init__(self, k: int = 1):
+        if k < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {k}")
+        self.k, self.micro = k, 0
+
+    @property
+    def last(self) -> bool:
+        """The next micro-batch closes the window (its backward all-reduces; then the step)."""
+        return self.micro + 1 == self.k
+
+    @property
+    def at_boundary(self) -> bool:
+        """No micro-batch of an open window has run (a safe point to checkpoint or stop)."""
+        return self.micro == 0
+
+    def sync(self, model):
+        """DDP's `no_sync()` on all but the last micro-batch; nothing to do otherwise."""
+        return model.no_sync() if not self.last and hasattr(model, "no_sync") else contextlib.nullcontext()
+
+    def advance(self) -> bool:
+        """Count a micro-batch; True when it closed the window (time for the optimizer step)."""
+        self.micro += 1
+        if self.micro == self.k:
+            self.micro = 0
+            return True
+        return False
+
+    def reset(self) -> None:
+        """Drop a partial window (after a failed step)."""
+        self.micro = 0
 
 
 def backward(loss: torch.Tensor, *, scaler: torch.amp.GradScaler | None = None, accum_steps: int = 1) -> None:

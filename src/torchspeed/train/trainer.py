@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -30,29 +29,34 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchspeed.env import default_device
-from torchspeed.train.backends import configure_backends
+from torchspeed.env import DeviceCaps, default_device, sync
+from torchspeed.train.autoswitch import decide_switches, rule_choice
+from torchspeed.train.backends import configure_backends, tune_malloc
 from torchspeed.train.batch import batch_size, default_loss, forward_loss
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from torchspeed.train.checkpoint import (CheckpointManager, check_resumable, check_state_dict, find_resume,
-                                         is_extension, load_checkpoint, update_best)
-from torchspeed.train.compile import CompileController, sync
+                                         is_extension)
+from torchspeed.train.compile import CompileController
 from torchspeed.train.config import TrainConfig, check_reliability_options
 from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object,
                                           convert_sync_batchnorm, is_rank_zero, maybe_init_distributed,
-                                          reduce_metrics, scale_lr_world_size, shard_loader, unwrap_data_parallel,
+                                          reduce_metrics, scale_lr_world_size, unwrap_data_parallel,
                                           wrap_ddp)
 from torchspeed.train.evaluate import evaluate
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
-from torchspeed.train.memory_format import apply_channels_last, has_conv2d
+from torchspeed.train.memory_format import apply_channels_last
 from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
+from torchspeed.train.decision import Decision
 from torchspeed.train.optim import create_optimizer, describe_optimizer, zero_grad
-from torchspeed.train.precision import Precision, make_grad_scaler, resolve_precision
-from torchspeed.train.progress import TrainProgress
+from torchspeed.train.precision import MixedPrecision, Precision
+from torchspeed.train.switches import Switches, fusable, set_fused
+from torchspeed.train.progress import TrainProgress, decisions_header
 from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_rng_state, seed_everything
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
+from torchspeed.train.shard import shard_loader
 from torchspeed.train.schedule import create_scheduler
-from torchspeed.train.step import backward, optimizer_step
+from torchspeed.train.segment import BestEpoch, extend_schedule, group_settings
+from torchspeed.train.step import AccumulationWindow
 from torchspeed.train.transfer import Prefetcher, to_device
 
 __all__ = ["TrainConfig", "Trainer", "FitResult"]
@@ -74,7 +78,7 @@ class FitResult:
 
 
 class Trainer:
-    """Owns the model, optimizer, scaler and schedule for one run; see `torchspeed.fit` for the options.
+    """Owns the model, optimizer, precision and schedule for one run; see `torchspeed.fit` for the options.
 
     `loss_fn(output, target)` replaces the default cross-entropy; `step_fn(model, batch)`
     returns the loss for batches the contract in `batch.py` does not cover.
@@ -83,10 +87,9 @@ class Trainer:
     def __init__(self, model: nn.Module, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
                  optimizer: str | torch.optim.Optimizer = "sgd", lr: float = 0.1, weight_decay: float | None = None,
                  momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999), device: torch.device | str | None = None,
-                 config: TrainConfig | None = None):
+                 config: TrainConfig | None = None, caps: DeviceCaps | None = None):
         self.config = cfg = config or TrainConfig()
-        if cfg.grad_accum < 1:
-            raise ValueError(f"grad_accum must be >= 1, got {cfg.grad_accum}")
+        self.window = AccumulationWindow(cfg.grad_accum)  # T19: k micro-batches per optimizer step
         if cfg.deterministic:  # bit-identical reruns and resumes (docs/reliability.md); costs speed
             enable_determinism()
             seed_everything(cfg.seed if cfg.seed is not None else 0)
@@ -97,24 +100,28 @@ class Trainer:
         self.dist: DistInfo | None = maybe_init_distributed(cfg.distributed, device=device)
         self.device = self.dist.device if self.dist is not None else default_device(device)
         self.decisions: dict[str, object] = {}
+        # What this device can accelerate: every automatic choice below is a function of it (tests inject it).
+        self.caps = caps or DeviceCaps.of(self.device)
 
         benchmark = None if cfg.cudnn_benchmark == "auto" else bool(cfg.cudnn_benchmark)
         self.decisions.update(configure_backends(self.device, cudnn_benchmark=False if cfg.deterministic else benchmark))
+        if self.device.type == "cpu" and cfg.malloc:  # glibc malloc's training settings, in this process
+            self.decisions["malloc"] = tune_malloc()
 
         model = unwrap_data_parallel(model)
         self.model = model.to(self.device)
-        use_cl = has_conv2d(model) if cfg.channels_last == "auto" else bool(cfg.channels_last)
-        if use_cl:
+        # The rules decide now (the loop is usable at once); `prepare` measures the switches left on "auto".
+        prior, rules = rule_choice(self.model, caps=self.caps, precision=cfg.precision, channels_last=cfg.channels_last)
+        self.decisions.update(rules)
+        self.channels_last = prior.channels_last
+        if self.channels_last:
             apply_channels_last(self.model)
-        self.channels_last = use_cl
-        self.decisions["channels_last"] = use_cl
         self.module = self.model  # the plain module: evaluation, state_dict, checkpoints
         if self.dist is not None:
             self.module, self.model = self._wrap_ddp(cfg)
-
-        self.precision: Precision = resolve_precision(cfg.precision, device=self.device)
-        self.scaler = make_grad_scaler(self.precision)
-        self.decisions["precision"] = f"{self.precision.name} ({self.precision.reason})"
+        # T21: autocast, the (fp16-scaled) backward and step, and the GradScaler, in one object.
+        self.precision = MixedPrecision(Precision(prior.precision, self.device.type, rules["precision"].reason))
+        self._prepared = False
 
         if loss_fn is None:
             loss_fn = default_loss(cfg.label_smoothing)
@@ -127,7 +134,8 @@ class Trainer:
             optimizer = create_optimizer(optimizer, self.model, lr=lr, weight_decay=weight_decay,
                                          momentum=momentum, betas=betas, fused=cfg.fused_optimizer)
         self.optimizer = optimizer
-        self.decisions["optimizer"] = describe_optimizer(optimizer)
+        self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), "asked for" if not isinstance(
+            cfg.fused_optimizer, str) else "rule: fused kernel where torch has one")
         if cfg.scale_lr_world_size and self.dist is not None:
             for g in optimizer.param_groups:  # before the schedule reads the lr as its peak
                 g["lr"] = scale_lr_world_size(g["lr"], world_size=self.dist.world_size)
@@ -140,10 +148,10 @@ class Trainer:
                                           min_run_s=cfg.compile_min_run_s, decide_all_ranks=broadcast_object,
                                           decisions=self.decisions)
         self.meter = DeviceMeter(self.device)
-        self.guard = NonFiniteGuard(cfg.max_nonfinite, optimizer=optimizer, device=self.device, scaler=self.scaler,
+        self.guard = NonFiniteGuard(cfg.max_nonfinite, optimizer=optimizer, device=self.device,
+                                    scaler=self.precision.scaler,
                                     all_ranks_max=all_reduce_max if self.dist is not None else None)
         self.step = 0        # optimizer steps taken
-        self._micro = 0      # micro-batches since the last optimizer step
         self._last_loss = float("nan")
         self.checkpoints = CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.keep_last) if cfg.checkpoint_dir else None
         self.last_checkpoint: Path | None = None
@@ -151,10 +159,7 @@ class Trainer:
         self.position = DataPosition(keep_rng=self.checkpoints is not None)
         self._steps_per_epoch: int | None = None
         self._history: list[dict] = []
-        self._best: dict | None = None
-        self._best_weights: dict | None = None  # restore_best without a checkpoint folder: a CPU copy
-        self._group_defaults: list[dict] | None = None  # the optimizer's settings before any schedule
-        self._keep_best = False
+        self.best = BestEpoch(cfg.best_metric, self.checkpoints.best_path if self.checkpoints else None)
 
     def _wrap_ddp(self, cfg: TrainConfig) -> tuple[nn.Module, nn.Module]:
         # DDP last, after .to(device) and channels_last: it broadcasts rank 0's weights now.
@@ -176,29 +181,23 @@ class Trainer:
     # ------------------------------------------------------------------ the hot path
     def train_step(self, batch) -> torch.Tensor:
         """One micro-batch: forward, backward, and an optimizer step every `grad_accum` calls."""
-        cfg = self.config
-        last_micro = self._micro + 1 == cfg.grad_accum
-        # DDP: skip the gradient all-reduce on all but the last micro-batch (T19 + T31).
-        sync_ctx = self.model.no_sync() if hasattr(self.model, "no_sync") and not last_micro else contextlib.nullcontext()
-        with sync_ctx:
+        cfg, win = self.config, self.window
+        with win.sync(self.model):  # DDP: no gradient all-reduce on all but the last micro-batch (T19 + T31)
             with self.precision.autocast():
                 out = forward_loss(self.compiler, batch, loss_fn=self.loss_fn, step_fn=self.step_fn)
-            backward(out.loss, scaler=self.scaler, accum_steps=cfg.grad_accum)
-        self._micro += 1
+            self.precision.backward(out.loss, accum_steps=win.k)  # loss / k, scaled for fp16
         loss = out.loss.detach()
         metered = self.guard.observe(loss)
         if metered is not None:
             correct = out.correct()
             self.meter.update(metered, n=out.n, correct=None if correct is None else correct[0],
                               counted=None if correct is None else correct[1])
-        if last_micro:
-            self.guard.step(self.optimizer, lambda: optimizer_step(
-                self.optimizer, scaler=self.scaler, clip_grad_norm=cfg.clip_grad_norm,
-                parameters=self.model.parameters()))
+        if win.advance():  # the window's last micro-batch: unscale, clip, step (skipped on NaN/inf)
+            self.guard.step(self.optimizer, lambda: self.precision.step(
+                self.optimizer, clip_grad_norm=cfg.clip_grad_norm, parameters=self.model.parameters()))
             zero_grad(self.optimizer, set_to_none=cfg.set_to_none)
             if self.scheduler is not None:
                 self.scheduler.step()
-            self._micro = 0
             self.step += 1
             if self.step % cfg.log_every == 0:
                 # The only host-device sync of the loop, once every log_every steps (T13).
@@ -211,7 +210,7 @@ class Trainer:
     def _reset_micro(self) -> None:
         """A failed step left partial gradients: drop them and restart the accumulation window."""
         zero_grad(self.optimizer, set_to_none=True)
-        self._micro = 0
+        self.window.reset()
         self.guard.reset_window()
 
     def step_batch(self, batch) -> None:
@@ -243,13 +242,51 @@ class Trainer:
         sync(self.device)
         return time.perf_counter() - t0
 
+    # ------------------------------------------------------------------ measured switches
+    def prepare(self, loader: Iterable, *, remaining_steps: int | None = None) -> None:
+        """Measure the switches left on "auto" on this model and `loader`'s first batches and apply the winner
+        (`autoswitch.decide_switches`; `remaining_steps` None: a long run). Once; fit and the bench's `all` call it."""
+        if self._prepared:
+            return
+        self._prepared, cfg = True, self.config
+        trial = False if cfg.deterministic else cfg.trial  # a timing-dependent choice would break bit-identical reruns
+        # Under DDP the gradient buckets were laid out for the current memory format: the layout stays.
+        layout = self.channels_last if self.dist is not None else cfg.channels_last
+        chosen = decide_switches(self.module, self.optimizer, loader, device=self.device, caps=self.caps,
+                                 precision=cfg.precision, channels_last=layout, fused=cfg.fused_optimizer, trial=trial,
+                                 remaining_steps=remaining_steps, loss_fn=self.loss_fn,
+                                 step_fn=self.step_fn) if is_rank_zero() else None
+        sw, decisions = broadcast_object(chosen)  # every rank runs what rank 0 measured
+        self.apply_switches(sw)
+        self.decisions.update(decisions)
+
+    def apply_switches(self, sw: Switches) -> None:
+        """Put `sw` into effect: autocast dtype (and its scaler), memory layout, optimizer kernel, threads."""
+        if sw.precision != self.precision.name:
+            self.precision = MixedPrecision(Precision(sw.precision, self.device.type, "measured"))
+            self.guard = NonFiniteGuard(self.config.max_nonfinite, optimizer=self.optimizer, device=self.device,
+                                        scaler=self.precision.scaler, all_ranks_max=all_reduce_max if self.dist else None)
+        if sw.channels_last != self.channels_last:
+            self.module.to(memory_format=torch.channels_last if sw.channels_last else torch.contiguous_format)
+        self.channels_last = sw.channels_last
+        if sw.fused is not None and fusable(self.optimizer) and bool(self.optimizer.defaults.get("fused")) != sw.fused:
+            set_fused(self.optimizer, sw.fused)
+            self.decisions["optimizer"] = Decision(describe_optimizer(self.optimizer), "measured")
+        if sw.threads is not None:
+            torch.set_num_threads(sw.threads)
+
+    def switches(self) -> Switches:  # in effect; saved in checkpoints: a resume runs what the run it continues ran
+        fused = bool(self.optimizer.defaults.get("fused")) if fusable(self.optimizer) else None
+        return Switches(self.precision.name, self.channels_last, fused, torch.get_num_threads() if self.dist is None
+                        and self.device.type == "cpu" else None)
+
     # ------------------------------------------------------------------ epochs
     def setup_schedule(self, steps_per_epoch: int | None, epochs: int) -> None:
         """The learning-rate schedule over the run: epochs x steps, or max_steps (needed without len())."""
         max_steps = self.config.max_steps
         total = max(1, math.ceil(steps_per_epoch / self.config.grad_accum) * epochs) if steps_per_epoch else None
         total = min(total, max_steps) if total and max_steps else (total or max_steps)
-        self._group_defaults = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self._group_settings = group_settings(self.optimizer)  # a finished run extended gets them back
         self.scheduler = create_scheduler(self.config.schedule, self.optimizer, total_steps=total,
                                           warmup_steps=self.config.warmup_steps, min_lr=self.config.min_lr)
         self.total_steps = total
@@ -264,12 +301,15 @@ class Trainer:
             self.setup_schedule(steps_per_epoch, epochs)
         self._steps_per_epoch = steps_per_epoch
         start_epoch, start_batch = self._resume(steps_per_epoch) if cfg.resume else (0, 0)
+        self.prepare(train_loader, remaining_steps=None if self.total_steps is None
+                     else (self.total_steps - self.step) * cfg.grad_accum)
         self.compiler.plan((self.total_steps - self.step) * cfg.grad_accum)  # short runs are not compiled
         total = (steps_per_epoch * (epochs - start_epoch) - start_batch if steps_per_epoch
                  else (self.total_steps - self.step) * cfg.grad_accum)
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
-        self._keep_best = cfg.restore_best is True or (cfg.restore_best == "auto" and val_loader is not None)
-        with TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total) as progress:
+        self.best.active = cfg.restore_best is True or (cfg.restore_best == "auto" and val_loader is not None)
+        with TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total,
+                           header=decisions_header(self.decisions)) as progress:
             for epoch in range(start_epoch, epochs):
                 if done:
                     break
@@ -278,8 +318,7 @@ class Trainer:
                 row = self._epoch_row(epoch, val_loader)
                 progress.epoch_done(row)
                 self._end_epoch(row)
-        if self._keep_best:
-            self._restore_best()
+        self.best.restore(self.module, self._history, self.decisions)  # restore_best: the best epoch's weights
         return FitResult(history=self._history, config=asdict(cfg), decisions=dict(self.decisions), steps=self.step,
                          skipped_steps=int(self.skipped.item()))
 
@@ -298,7 +337,7 @@ class Trainer:
             n = batch_size(batch)
             self._seen += n
             progress.advance(n, loss=self._last_loss, epoch=epoch)
-            if (cfg.checkpoint_every and self._micro == 0 and self.step % cfg.checkpoint_every == 0
+            if (cfg.checkpoint_every and self.window.at_boundary and self.step % cfg.checkpoint_every == 0
                     and self.position.batch != self._steps_per_epoch):  # the epoch end saves its own
                 self.save_checkpoint()
             if cfg.max_steps and self.step >= cfg.max_steps:
@@ -323,25 +362,13 @@ class Trainer:
         self._history.append(row)
         if self.config.out_dir and is_rank_zero():
             write_metrics(self.config.out_dir, self._history, decisions=self.decisions, config=asdict(self.config))
-        if self.checkpoints is not None and self._micro == 0:
+        if self.checkpoints is not None and self.window.at_boundary:
             pos = self.position
             if pos.batch == self._steps_per_epoch or (self._steps_per_epoch is None and not self._stopped()):
                 pos.start_epoch(pos.epoch + 1, 0)  # the position is the next epoch's start
-            self.save_checkpoint(best=self._update_best(row))
-        elif self.checkpoints is None and self._update_best(row) and self._keep_best:
-            self._best_weights = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
-
-    def _restore_best(self) -> None:
-        """Load the best epoch's weights (kept in memory, or best.pt) into the model; record it."""
-        weights, best = self._best_weights, self._best
-        if weights is None and best is not None and self.checkpoints and self.checkpoints.best_path.exists():
-            weights = load_checkpoint(self.checkpoints.best_path)["model"]
-        if weights is None or best is None:
-            return
-        self.module.load_state_dict(weights)
-        last = self._history[-1]["epoch"] if self._history else None
-        self.decisions["restored_best"] = (f"epoch {best['epoch']} of {last} ({best['metric']} {best['value']:.4g})"
-                                           + (": the last epoch" if best["epoch"] == last else ""))
+            self.save_checkpoint(best=self.best.update(row, self.step, self.module))
+        elif self.checkpoints is None:
+            self.best.update(row, self.step, self.module)  # keeps a CPU copy of the best for restore_best
 
     def _stopped(self) -> bool:
         return bool(self.config.max_steps and self.step >= self.config.max_steps)
@@ -352,12 +379,12 @@ class Trainer:
         return {
             "format": CHECKPOINT_FORMAT, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "scaler": self.precision.state_dict(),
             "rng": capture_rng_state(), **self.position.state_dict(),
             "steps_per_epoch": self._steps_per_epoch, "step": self.step, "total_steps": self.total_steps,
             **self.guard.state_dict(), "meter": self.meter.state_dict(),
-            "history": jsonable({"h": self._history})["h"], "best": self._best,
-            "config": jsonable(asdict(self.config)),
+            "history": jsonable({"h": self._history})["h"], "best": self.best.record,
+            "config": jsonable(asdict(self.config)), "switches": asdict(self.switches()),
         }
 
     def save_checkpoint(self, *, best: bool = False) -> Path | None:
@@ -370,10 +397,6 @@ class Trainer:
             self.checkpoints.save_best(state)
         return self.last_checkpoint
 
-    def _update_best(self, row: dict) -> bool:
-        self._best, improved = update_best(self._best, row, self.config.best_metric, step=self.step)
-        return improved
-
     def _resume(self, steps_per_epoch: int | None) -> tuple[int, int]:
         """Load the checkpoint `resume` points at; return the (epoch, batch) to continue from."""
         found = find_resume(self.config.resume, self.checkpoints)
@@ -382,18 +405,23 @@ class Trainer:
         state = check_resumable(found, steps_per_epoch=steps_per_epoch, total_steps=self.total_steps,
                                 has_scheduler=self.scheduler is not None)
         check_state_dict(self.module, state["model"], source=f"checkpoint {found.path}")
+        if state.get("switches"):  # the precision, layout and kernels the resumed run trained with
+            self.apply_switches(Switches(**state["switches"]))
+            self._prepared = True
+            self.decisions |= {k: Decision(state["switches"].get(k, "resumed"), "as in the run being resumed")
+                               for k in ("precision", "channels_last", "switch_trial")}
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        extend = is_extension(state, self.total_steps)
-        for part, key in ((None if extend else self.scheduler, "scheduler"), (self.scaler, "scaler")):
-            if part is not None and state[key] is not None:
-                part.load_state_dict(state[key])
+        if not (extend := is_extension(state, self.total_steps)) and self.scheduler and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state["scaler"])
         self.step = int(state["step"])
-        if extend:
-            self._new_segment(int(state["total_steps"]))
+        if extend:  # a finished run given more steps: this run's settings, a new schedule over the added steps
+            self.scheduler, self.decisions["extended"] = extend_schedule(
+                self.optimizer, self._group_settings, self.config, done=self.step, total=self.total_steps)
         self.guard.load_state_dict(state)
         self.meter.load_state_dict(state["meter"])
-        self._history, self._best = list(state["history"]), state["best"]
+        self._history, self.best.record = list(state["history"]), state["best"]
         self.position.load_state_dict(state)
         restore_rng_state(state["rng"])
         epoch, batch = self.position.epoch, self.position.batch
@@ -403,20 +431,6 @@ class Trainer:
             self.decisions["resume_passed_over"] = list(found.skipped)
         log.warning("resuming from %s: epoch %d, batch %d, step %d", found.path, epoch + 1, batch, self.step)
         return epoch, batch
-
-    def _new_segment(self, done: int) -> None:
-        """Extend a finished run: this run's optimizer settings and a new schedule over the added steps."""
-        for g, d in zip(self.optimizer.param_groups, self._group_defaults or []):
-            for k in [k for k in g if k != "params"]:
-                del g[k]  # the old schedule's keys (initial_lr, max_lr, ...) and its last LR
-            g.update(d)
-        cfg = self.config
-        self.scheduler = create_scheduler(cfg.schedule, self.optimizer, total_steps=self.total_steps - self.step,
-                                          warmup_steps=cfg.warmup_steps, min_lr=cfg.min_lr)
-        self.decisions["extended"] = (f"a finished run of {done} steps extended to {self.total_steps}: "
-                                      f"a new {cfg.schedule or 'constant'} schedule segment over the "
-                                      f"{self.total_steps - self.step} added steps")
-        log.warning("extending a finished run of %d steps to %d (a new schedule segment)", done, self.total_steps)
 
     def evaluate(self, loader: Iterable) -> dict:
         # The plain module: a DDP forward would issue collectives that uneven shards could leave waiting.

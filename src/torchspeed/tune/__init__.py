@@ -3,6 +3,7 @@
 - `find_batch_size`: the largest batch that fits and the fastest batch, with the measured table.
 - `find_lr`: an LR range test with a spike-proof suggestion; restores everything it touched.
 - `tune_loader`: num_workers / prefetch_factor / pin_memory / persistent_workers by throughput.
+- `measure_noise_scale`: the gradient noise scale B_simple, about the critical batch size.
 
 Under torch.distributed each tuner measures on rank 0 and broadcasts one decision to all ranks.
 """
@@ -10,6 +11,8 @@ Under torch.distributed each tuner measures on rank 0 and broadcasts one decisio
 from torchspeed.tune.batch import BatchSizeResult, BatchTrial, find_batch_size
 from torchspeed.tune.loader import LoaderSettings, LoaderTrial, tune_loader
 from torchspeed.tune.lr import LRFinderResult, find_lr, plot_lr, suggest_lr
+from torchspeed.tune.noise import NoiseScaleEstimator, NoiseScaleResult, measure_noise_scale
 
 __all__ = ["BatchSizeResult", "BatchTrial", "find_batch_size", "LRFinderResult", "find_lr", "plot_lr", "suggest_lr",
-           "LoaderSettings", "LoaderTrial", "tune_loader"]
+           "LoaderSettings", "LoaderTrial", "tune_loader", "NoiseScaleEstimator", "NoiseScaleResult",
+           "measure_noise_scale"]

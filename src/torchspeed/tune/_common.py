@@ -20,9 +20,11 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from torchspeed.env import sync
 from torchspeed.train.batch import default_loss, forward_loss
 from torchspeed.train.distributed import unwrap_model as unwrap
 from torchspeed.train.guard import is_out_of_memory as is_oom
+from torchspeed.train.step import backward, optimizer_step
 from torchspeed.train.transfer import to_device
 
 T = TypeVar("T")
@@ -37,9 +39,6 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class StateSnapshot:
@@ -125,7 +124,7 @@ def release_memory(device: torch.device) -> None:
     """After an OOM: drop the failed step's tensors and give cached blocks back to the driver."""
     gc.collect()
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        sync(device)
         torch.cuda.empty_cache()
 
 
@@ -160,12 +159,7 @@ class TrainStep:
 
     def __call__(self, batch) -> torch.Tensor:
         loss = self.loss(batch)
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            loss.backward()
-            self.optimizer.step()
+        backward(loss, scaler=self.scaler)        # the loop's own functions (train/step.py):
+        optimizer_step(self.optimizer, scaler=self.scaler)  # scale, step, update in one place
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()

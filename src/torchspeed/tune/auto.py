@@ -26,32 +26,14 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from torchspeed.env import default_device
+from torchspeed.train.sampler import rebuild_loader
 from torchspeed.train.schedule import scale_lr
 
 __all__ = ["tune_for_fit", "rebuild_loader"]
 
-
-def rebuild_loader(loader: DataLoader, *, batch_size: int | None = None, **settings) -> DataLoader:
-    """A copy of `loader` with another batch size and/or worker settings; sampler and collate kept."""
-    if type(loader.batch_sampler) is not BatchSampler and loader.batch_sampler is not None:
-        raise ValueError(f"the DataLoader uses a custom batch_sampler ({type(loader.batch_sampler).__name__}); "
-                         "its batch size cannot be changed here: pass batch_size=None and tune it yourself")
-    kw = dict(num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
-              worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
-              generator=loader.generator, collate_fn=loader.collate_fn, drop_last=loader.drop_last)
-    if loader.num_workers > 0:
-        kw.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
-    kw.update(settings)
-    if kw["num_workers"] == 0:
-        kw.pop("prefetch_factor", None)
-        kw.pop("persistent_workers", None)
-    bs = batch_size if batch_size is not None else loader.batch_size
-    if isinstance(loader.dataset, IterableDataset):
-        return DataLoader(loader.dataset, batch_size=bs, **kw)
-    return DataLoader(loader.dataset, batch_size=bs, sampler=loader.sampler, **kw)
 
 
 def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | str | None, lr: float | str,
@@ -138,5 +120,5 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
         settings = s.kwargs()
         decisions["loader"] = f"{settings} ({s.reason})"
     if new_batch != old_batch or settings:
-        train_loader = rebuild_loader(train_loader, batch_size=new_batch, **settings)  # type: ignore[arg-type]
+        train_loader = rebuild_loader(train_loader, **({"batch_size": new_batch} if new_batch else {}), **settings)  # type: ignore[arg-type]
     return train_loader, lr_val, decisions

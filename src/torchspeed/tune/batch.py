@@ -40,6 +40,7 @@ import torch
 from rich.progress import Progress
 from torch import nn
 
+from torchspeed.env import host_memory
 from torchspeed.tune._common import (
     StateSnapshot,
     TrainStep,
@@ -84,17 +85,7 @@ class BatchSizeResult:
 
 def available_memory() -> int:
     """Bytes of memory the OS says a process can still get (MemAvailable)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
+    return host_memory()[0]
 
 def find_batch_size(model: nn.Module, dataset, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
                     optimizer: torch.optim.Optimizer | None = None, precision: str = "fp32",
