@@ -9,8 +9,9 @@ Method: a generated folder of JPEGs (4 classes x 100, longer side 96 px; the def
 holds out 40 for validation, 360 train). For each seed, the default run and one run per
 hand-picked LR (--lr 0.01, 0.1, 1.0) are interleaved; each reports the validation accuracy
 of its final model (the restored best epoch) and of its last epoch. A small model
-(`--model simple_cnn`, 30k parameters) keeps the whole comparison to a few minutes on 2
-CPU cores; everything else is the CLI's default. Results with provenance (commit, versions,
+(`--model simple_cnn`, 30k parameters) keeps the whole comparison to minutes on 2 CPU
+cores (ResNet-18 took 5-8 minutes per run there, with other jobs on the cores); everything
+else is the CLI's default (--size auto, SGD, batch 64, one-cycle, restore best). Results with provenance (commit, versions,
 device) and the machine load go to benchmarks/results/cpu/cli_defaults.json.
 
     python benchmarks/bench_cli_defaults.py [--seeds 0 1] [--epochs 15] [--model simple_cnn]
@@ -56,11 +57,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--epochs", type=int, default=15)
-    ap.add_argument("--model", default="resnet18")
-    ap.add_argument("--size", default="32", help="training side in pixels (auto: the images' median side)")
+    ap.add_argument("--model", default="simple_cnn")
+    ap.add_argument("--size", default="auto", help="training side in pixels (auto: the images' median side)")
     ap.add_argument("--json", default=str(OUT))
     args = ap.parse_args()
-    load_before = other_runnable()
+    load_before, meta = other_runnable(), provenance()  # the commit that runs, recorded before it runs
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data = make_jpeg_folder(Path(tmp) / "data", n_per_class=100, classes=4, max_side=96, seed=0)
@@ -80,7 +81,7 @@ def main() -> None:
         verdict[str(seed)] = {"default": mine["val_acc_final_model"], "best_hand": hand["val_acc_final_model"],
                               "best_hand_lr": hand["lr"], "default_lr": mine["lr"],
                               "default_at_least_best_hand": mine["val_acc_final_model"] >= hand["val_acc_final_model"]}
-    result = {"meta": provenance() | {"command": "python benchmarks/bench_cli_defaults.py " + " ".join(
+    result = {"meta": meta | {"command": "python benchmarks/bench_cli_defaults.py " + " ".join(
                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                   for k, v in vars(args).items() if k != "json"),
                   "other_runnable_before": load_before, "other_runnable_after": other_runnable(),
