@@ -109,3 +109,20 @@ def test_one_cycle_keeps_the_momentum_asked_for(name, key, value):
         opt.step()
         sched.step()
     assert max(seen) == pytest.approx(value + 0.05) and min(seen) == pytest.approx(value - 0.05, abs=1e-3)
+
+
+def test_a_best_epoch_from_before_a_resume_comes_back_from_best_pt(tmp_path, monkeypatch):
+    accs = iter([0.5, 0.9, 0.6, 0.1])
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, loader: {"val_loss": 1.0, "val_acc": next(accs)})
+    after = []
+    real_end = Trainer._end_epoch
+    monkeypatch.setattr(Trainer, "_end_epoch", lambda self, row: (
+        after.append({k: v.clone() for k, v in self.module.state_dict().items()}), real_end(self, row)))
+    ck = str(tmp_path / "ck")
+    torchspeed.fit(_model(), _loader(), epochs=3, lr=0.05, val_loader=_loader(), checkpoint_dir=ck,
+                   restore_best=False, **FAST)
+    model = _model()
+    res = torchspeed.fit(model, _loader(), epochs=4, lr=0.05, val_loader=_loader(), checkpoint_dir=ck,
+                         resume="auto", **FAST)
+    assert str(res.decisions["restored_best"]).startswith("epoch 2 of 4")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in after[1].items())

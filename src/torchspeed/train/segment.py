@@ -6,9 +6,10 @@
   last, annealed LR and its own keys in the param groups) before a new schedule over the
   added steps only. Without it, the old schedule's state would not fit the new length, and
   a run that had no schedule (too short for one-cycle) left no `initial_lr` for a new one.
-- `BestEpoch`: the best epoch's record and, with `restore_best`, its weights of the best epoch (by the checkpoint
-  metric) are kept (a CPU copy when there is no checkpoint folder; else best.pt is read
-  back) and loaded into the model at the end of `fit`.
+- `BestEpoch`: the best epoch's record (by the checkpoint metric) and, with `restore_best`,
+  its weights: a CPU copy taken when an epoch improves on every rank (no rank reads a
+  best.pt that rank 0 may be writing), or best.pt for a best epoch from before a resume;
+  loaded into the model at the end of `fit`. Cost: one copy of the weights per improvement.
 
 Example:
     >>> defaults = group_settings(opt)                     # before the first schedule is built
@@ -49,7 +50,7 @@ def extend_schedule(optimizer: torch.optim.Optimizer, settings: list[dict], conf
 
 class BestEpoch:
     """The best epoch so far (`record`, by the checkpoint metric) and, for `restore_best`, its weights: a CPU
-    copy when there is no checkpoint folder, else best.pt (written by the trainer) is read back."""
+    copy taken when it improves; best.pt is read back only for a best epoch from before a resume."""
 
     def __init__(self, metric: str | None, best_path: Path | None):
         self.metric, self.best_path = metric, best_path
@@ -60,7 +61,7 @@ class BestEpoch:
     def update(self, row: dict, step: int, module: nn.Module) -> bool:
         """Record the epoch `row` if it is the best so far; True when it is (best.pt is then due)."""
         self.record, improved = update_best(self.record, row, self.metric, step=step)
-        if improved and self.active and self.best_path is None:
+        if improved and self.active:  # in memory on every rank: no rank reads a best.pt another is writing
             self.weights = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
         return improved
 

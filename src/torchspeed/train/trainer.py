@@ -368,7 +368,7 @@ class Trainer:
                 pos.start_epoch(pos.epoch + 1, 0)  # the position is the next epoch's start
             self.save_checkpoint(best=self.best.update(row, self.step, self.module))
         elif self.checkpoints is None:
-            self.best.update(row, self.step, self.module)  # keeps a CPU copy of the best for restore_best
+            self.best.update(row, self.step, self.module)  # the best epoch, for restore_best
 
     def _stopped(self) -> bool:
         return bool(self.config.max_steps and self.step >= self.config.max_steps)
