@@ -46,16 +46,16 @@ def auto_size(path: str | os.PathLike, *, cap: int = SIZE_CAP) -> int:
     return max(MIN_SIZE, min(cap, median // 8 * 8))
 
 
-def parse_size(value: str, flag: str = "--size") -> int | str:
-    """`auto` or a positive int of at least 16, else ValueError naming the flag."""
+def parse_size(value: str, flag: str = "--size", minimum: int = 16) -> int | str:
+    """`auto` or an int of at least `minimum`, else ValueError naming the flag."""
     if value == "auto":
         return value
     try:
         n = int(value)
     except ValueError:
         raise ValueError(f"{flag} must be a number of pixels or auto, got {value!r}") from None
-    if n < 16:
-        raise ValueError(f"{flag} {n} is too small; use at least 16 (or auto)")
+    if n < minimum:
+        raise ValueError(f"{flag} {n} is too small; use at least {minimum} (or auto)")
     return n
 
 

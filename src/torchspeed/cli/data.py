@@ -70,7 +70,7 @@ def run_bench(args) -> int:
     if args.rounds < 1:
         raise CLIError(f"--rounds must be at least 1, got {args.rounds}")
     try:
-        args.size = parse_size(args.size)
+        args.size = parse_size(args.size, minimum=8)
     except ValueError as e:
         raise CLIError(str(e)) from None
     if not os.path.isdir(args.path):

@@ -87,7 +87,7 @@ def _image_size(args) -> int:
     from torchspeed.cli._auto import auto_size, parse_size
 
     try:
-        size = parse_size(args.image_size, "--image-size")
+        size = parse_size(args.image_size, "--image-size", minimum=4)
     except ValueError as e:
         raise CLIError(str(e)) from None
     if size != "auto":
