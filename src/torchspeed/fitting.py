@@ -23,7 +23,8 @@ __all__ = ["fit"]
 
 
 def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
-        optimizer: str | torch.optim.Optimizer = "sgd", lr: float | str = 0.1, weight_decay: float = 5e-4,
+        optimizer: str | torch.optim.Optimizer = "sgd", lr: float | str = 0.1, weight_decay: float | None = None,
+        momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999),
         epochs: int = 1, val_loader: Iterable | None = None, device: torch.device | str | None = None,
         batch_size: int | str | None = None, loader: str | None = None, callbacks: Iterable | None = None,
         loggers: Iterable | None = None, **config) -> FitResult:
@@ -37,6 +38,9 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     clip_grad_norm, label_smoothing, schedule, log_every, max_steps, out_dir, ...).
     `batch_size="auto"` (or an int), `lr="auto"` and `loader="auto"` run the tuners first and
     rebuild the DataLoader from its dataset (see `torchspeed.tune.auto`).
+    `weight_decay=None` takes the optimizer's default (`torchspeed.train.optim.WEIGHT_DECAY`:
+    5e-4 for SGD, 0.05 for AdamW); biases and norm weights never decay. `momentum` (SGD,
+    LARS) and `betas` (AdamW, LAMB) go to the optimizer built from its name.
     `callbacks` (`EarlyStopping`, `EMA`, your own `Callback`s) and `loggers` (Lightning Fabric
     loggers, `TensorBoardLogger`, anything with `log_metrics(metrics, step)`): docs/integrations.md.
 
@@ -53,9 +57,11 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     if batch_size is not None or lr == "auto" or loader is not None:  # measured on this model and machine first
         train_loader, lr, tuned = tune_for_fit(model, train_loader, batch_size=batch_size, lr=lr, loader=loader,
                                                loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer, weight_decay=weight_decay,
+                                               optimizer_options={"momentum": momentum, "betas": betas},
                                                device=device, precision=cfg.precision, schedule=cfg.schedule,
                                                distributed=cfg.distributed, progress=cfg.progress)
     trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer, lr=lr,
-                      weight_decay=weight_decay, device=device, config=cfg, callbacks=callbacks, loggers=loggers)
+                      weight_decay=weight_decay, momentum=momentum, betas=betas, device=device, config=cfg,
+                      callbacks=callbacks, loggers=loggers)
     trainer.decisions.update(tuned)
     return trainer.fit(train_loader, epochs=epochs, val_loader=val_loader)

@@ -108,7 +108,12 @@ def create_model(name: str = "resnet18", *, num_classes: int = 10, image_size: i
     """A bench model by name: ResNet-20, the torchvision ResNets, 'mlp' (a small fully-connected net) or 'gpt'.
 
     The torchvision ResNets get the CIFAR stem under 64 px and their own ImageNet stem from 64 px up.
+    A `module:function` or `file.py:function` name is the user's own image model (model/spec.py).
     """
+    if ":" in name:
+        from torchspeed.model.spec import build_model
+
+        return build_model(name, num_classes=num_classes)
     if name == "resnet20":
         return resnet20(num_classes)
     if name == "resnet18-small":

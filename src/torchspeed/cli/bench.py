@@ -16,11 +16,11 @@ def register(sub) -> None:
                    help="synthetic (CIFAR-shaped, built in), digits (scikit-learn's real handwritten digits) or "
                         "text (bytes of the Python standard library's source, for gpt); default: the model's own")
     p.add_argument("--model", default=None,
-                   choices=["resnet20", "resnet18", "resnet18-small", "resnet34", "resnet50", "mlp", "gpt"],
-                   help="ResNet-20 (CIFAR), torchvision ResNets (CIFAR stem under 64 px, ImageNet stem from 64 "
-                        "px; resnet18-small: the ImageNet stem on small images, as resnet18(num_classes=10) "
-                        "builds it), a small MLP, or gpt (a small byte-level GPT language model) (default resnet18; "
-                        "resnet20 with --data digits)")
+                   help="resnet20 (CIFAR), resnet18/34/50 (torchvision; CIFAR stem under 64 px, ImageNet stem from "
+                        "64 px; resnet18-small: the ImageNet stem on small images, as resnet18(num_classes=10) "
+                        "builds it), mlp, gpt (a small byte-level GPT language model), or your own image model: "
+                        "package.module:function or path/to/file.py:function (default resnet18; resnet20 with "
+                        "--data digits)")
     p.add_argument("--image-size", type=int, default=32, help="square image side in pixels (default 32; 224 for "
                                                                "the ImageNet-sized GPU benchmark)")
     p.add_argument("--batch-size", type=int, default=128, help="default 128 (64 with --quick)")
@@ -62,6 +62,17 @@ def run(args) -> int:
 
     # --data digits alone: ResNet-20, the CIFAR-sized net that trains to 90% on them in seconds per seed.
     args.model = args.model or ("resnet20" if args.data == "digits" else "resnet18")
+    from torchspeed.bench.workloads import MODELS
+    from torchspeed.model.spec import build_model, is_custom, portable_spec
+
+    if is_custom(args.model):
+        try:  # import it here, so a mistake is one line now and not a worker's traceback later
+            build_model(args.model, num_classes=10)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+        args.model = portable_spec(args.model)  # the bench's worker processes import it too
+    elif args.model not in MODELS:
+        raise CLIError(f"--model {args.model}: not one of {', '.join(MODELS)}, nor package.module:function")
     args.data = args.data or default_data(args.model)
     try:
         check_workload(args.model, args.data)

@@ -23,7 +23,8 @@ def register(sub) -> None:
 
     b = dsub.add_parser("bench", help="img/s of torchvision vs torchspeed vs decode-only, one thread")
     b.add_argument("path", help="ImageFolder directory (one subfolder per class)")
-    b.add_argument("--size", type=int, default=224, help="crop size (224)")
+    b.add_argument("--size", default="auto",
+                   help="crop size in pixels, or auto: the images' median side, at most 224 (auto)")
     b.add_argument("--rounds", type=int, default=5, help="interleaved measuring rounds (5)")
     b.add_argument("--limit", type=int, default=None, help="use only the first N images")
     b.add_argument("--json", default=None, help="write the results JSON here")
@@ -64,12 +65,21 @@ def run_bench(args) -> int:
     from torchspeed.bench.runner import provenance
     from torchspeed.data.bench import bench_pipelines
 
-    if args.size < 8:
-        raise CLIError(f"--size must be at least 8, got {args.size}")
+    from torchspeed.cli._auto import auto_size, parse_size
+
     if args.rounds < 1:
         raise CLIError(f"--rounds must be at least 1, got {args.rounds}")
+    try:
+        args.size = parse_size(args.size, minimum=8)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     if not os.path.isdir(args.path):
         raise CLIError(f"{args.path} is not a directory: expected an ImageFolder (path/<class>/<image>.jpg)")
+    if args.size == "auto":
+        try:
+            args.size = auto_size(args.path)
+        except FileNotFoundError as e:
+            raise CLIError(str(e)) from None
     console = Console()
     console.print(f"[bold]torchspeed data bench[/]: {args.path}, size {args.size}, one process, one thread, "
                   f"{args.rounds} interleaved rounds after a warm-up pass")

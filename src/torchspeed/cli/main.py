@@ -15,7 +15,7 @@ from torchspeed._extras import MissingExtraError
 __all__ = ["main", "CLIError", "COMMANDS"]
 
 # Subcommand modules under torchspeed.cli, in help order.
-COMMANDS = ("env", "bench", "launch", "doctor", "data", "train", "tune")
+COMMANDS = ("env", "bench", "launch", "doctor", "data", "train", "tune", "predict")
 
 
 class CLIError(Exception):
@@ -24,7 +24,7 @@ class CLIError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchspeed", description="Make PyTorch training fast, and prove it.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND")  # "command" is doctor's script
     for name in COMMANDS:
         importlib.import_module(f"torchspeed.cli.{name}").register(sub)
     return parser
@@ -36,17 +36,20 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    name = args.subcommand
     try:
         return int(args.func(args) or 0)
-    except CLIError as e:
-        print(f"torchspeed {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, MissingExtraError) as e:
-        print(f"torchspeed {args.command}: error: {e}", file=sys.stderr)  # MissingExtraError: the pip install
+    except (CLIError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, MissingExtraError) as e:  # MissingExtraError: the pip install
+        print(f"torchspeed {name}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"torchspeed {args.command}: interrupted", file=sys.stderr)
+        print(f"torchspeed {name}: interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""`torchspeed train --data PATH`: train an image classifier on a folder of images, the fast way (T04-T11).
+"""`torchspeed train --data PATH`: train an image classifier on a folder of images, the fast way (T04-T11, T15, T18).
 
 PATH is an ImageFolder (one subfolder per class) or a file made by `torchspeed data pack`.
 The whole pipeline: fast JPEG decoding to uint8, optional shared RAM cache, a measured
@@ -7,6 +7,14 @@ DataLoader, random-resized-crop/flip/jitter/normalize on the device, and `torchs
 metrics.csv / metrics.json (per epoch), checkpoints/ (resumable), model.pt (final weights,
 classes and settings; atomic write, load with `torch.load(..., weights_only=True)`) and
 run.json (the settings actually used and what the pipeline decided).
+
+The defaults (each `auto` is in docs/train.md): `--size auto` is the images' median side
+(capped at 224); `--lr auto` is the peak LR from the range test run with the chosen
+optimizer and precision (`find_lr`, T15); the weight decay is the optimizer's default; the
+best epoch's weights are restored at the end when there is a validation set.
+`--resume` continues the run in `--out` (a finished run given more `--epochs` gets a new
+schedule segment over the added epochs); `--init-from` starts a new run from saved weights.
+`--model` takes a built-in name or your own `module:factory` (model/spec.py).
 
 Under `torchspeed launch --nproc N -- torchspeed train ...` every process builds the same
 loaders, `fit` sets up the process group and gives each process its part of the data
@@ -27,13 +35,22 @@ def register(sub) -> None:
     p.add_argument("--data", required=True, help="ImageFolder directory (root/<class>/<image>) or packed file")
     p.add_argument("--val", default=None, help="separate validation ImageFolder/packed file (default: hold out)")
     p.add_argument("--val-fraction", type=float, default=0.1, help="held out for validation when no --val (0.1)")
-    p.add_argument("--model", default="resnet18", help="a torchvision or timm model name, or simple_cnn")
+    p.add_argument("--model", default="resnet18",
+                   help="a torchvision or timm model name, simple_cnn, or your own: package.module:function or "
+                        "path/to/file.py:function (called with num_classes=N)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--size", type=int, default=224, help="training image side in pixels (224)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 0.1 for sgd, 1e-3 for adamw)")
-    p.add_argument("--optimizer", default="sgd", help="sgd | adamw | ... (see torchspeed.create_optimizer)")
-    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--size", default="auto",
+                   help="training image side in pixels, or auto: the images' median side, at most 224 (auto)")
+    p.add_argument("--crop-scale", default="0.08,1",
+                   help="random crop's share of the image area, LO,HI (0.08,1), or off: no random crop")
+    p.add_argument("--lr", default="auto",
+                   help="peak learning rate, or auto: the LR range test on this model, optimizer and precision")
+    p.add_argument("--optimizer", default="sgd", help="sgd | adamw | lamb | lars")
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help="default per optimizer: 5e-4 sgd/lars, 0.05 adamw, 0.02 lamb (never on biases and norms)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD/LARS momentum (0.9, Nesterov)")
+    p.add_argument("--betas", default="0.9,0.999", help="AdamW/LAMB betas B1,B2 (0.9,0.999)")
     p.add_argument("--workers", default="auto", help="DataLoader workers: a number, or auto (measured)")
     p.add_argument("--cache-gb", type=float, default=0.0, help="keep decoded images in shared RAM up to this size")
     p.add_argument("--augment", default="auto", choices=["auto", "device", "cpu"],
@@ -42,30 +59,87 @@ def register(sub) -> None:
     p.add_argument("--jitter", type=float, default=0.0,
                    help="brightness/contrast/saturation jitter strength, applied on the device (default 0: off)")
     p.add_argument("--precision", default="auto", help="auto | fp32 | bf16 | fp16")
-    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="auto: a measured trial keeps torch.compile only if faster, and only for runs of at "
+                        "least 300 s of eager time (shorter runs stay eager)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     p.add_argument("--out", default="runs/train", help="output folder (metrics, checkpoints, model.pt)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out; with more --epochs than it had, extend it (a new schedule "
+                        "segment over the added epochs)")
+    p.add_argument("--init-from", default=None, metavar="PATH",
+                   help="start a new run from these weights: a run folder (its model.pt) or a .pt file")
+    p.add_argument("--no-restore-best", action="store_true",
+                   help="keep the last epoch's weights (default: the best validation epoch's, restored at the end)")
     p.add_argument("--on-error", default="skip", choices=["skip", "raise"],
                    help="bad image files: skip and report them (default) or stop with an error")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (the summary is still printed)")
     p.set_defaults(func=run)
 
 
 def _check_args(args) -> None:
-    for name in ("epochs", "batch_size", "size"):
+    from torchspeed.cli._auto import parse_crop_scale, parse_size
+
+    for name in ("epochs", "batch_size"):
         if getattr(args, name) <= 0:
             raise CLIError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.size < 16:
-        raise CLIError(f"--size {args.size} is too small; use at least 16")
+    try:
+        args.size = parse_size(args.size)
+        args.crop_scale = parse_crop_scale(args.crop_scale)
+        args.betas = _floats(args.betas, "--betas", 2)
+        if args.lr != "auto":
+            args.lr = _floats(args.lr, "--lr", 1)[0]
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    if args.lr != "auto" and args.lr <= 0:
+        raise CLIError(f"--lr must be positive or auto, got {args.lr}")
     if not os.path.exists(args.data):
         raise CLIError(f"--data {args.data} does not exist: pass an ImageFolder directory or a packed file")
     if args.workers != "auto" and not (args.workers.isdigit()):
         raise CLIError(f"--workers must be a number or auto, got {args.workers!r}")
     if args.cache_gb < 0:
         raise CLIError(f"--cache-gb must be >= 0, got {args.cache_gb}")
+    if args.resume and args.init_from:
+        raise CLIError("--resume continues the run in --out and --init-from starts a new one: pass one of them")
+    if args.init_from and not os.path.exists(args.init_from):
+        raise CLIError(f"--init-from {args.init_from} does not exist: pass a run folder or a .pt file")
+
+
+def _floats(text: str, flag: str, n: int) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(v) for v in str(text).split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != n:
+        raise ValueError(f"{flag} must be {n} number{'s' if n > 1 else ''}" + (" separated by a comma" if n > 1 else "")
+                         + f", got {text!r}")
+    return vals
+
+
+def _previous_lr(out: str):
+    """On --resume, the LR the run in `out` trained with (so an extension keeps its peak)."""
+    import json
+
+    try:
+        with open(os.path.join(out, "run.json")) as f:
+            return float(json.load(f)["lr"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "auto"
+
+
+def _init_from(model, path: str) -> str:
+    from torchspeed.train.checkpoint import CheckpointError, load_checkpoint
+
+    file = os.path.join(path, "model.pt") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise CLIError(f"--init-from {path}: no model.pt in this folder; pass a run folder or a .pt file")
+    try:
+        load_checkpoint(file, model=model)
+    except CheckpointError as e:
+        raise CLIError(f"--init-from {path}: {e}") from None
+    return file
 
 
 def run(args) -> int:
@@ -74,12 +148,15 @@ def run(args) -> int:
     from rich.console import Console
 
     import torchspeed
+    from torchspeed.cli._auto import auto_size, small_val_warning
+    from torchspeed.model.spec import build_model
     from torchspeed.data.decode import ImageDecodeError
-    from torchspeed.data.pipeline import build_loaders, create_classifier
+    from torchspeed.data.pipeline import build_loaders
+    from torchspeed.train.checkpoint import CheckpointError
     from torchspeed.train.distributed import get_world_size, is_distributed, is_rank_zero
 
     rank0, world = is_rank_zero(), get_world_size()  # from torchrun's RANK/WORLD_SIZE (1 and rank 0 otherwise)
-    console = Console(quiet=args.no_progress or not rank0)
+    console = Console(quiet=not rank0, soft_wrap=True)  # --no-progress drops the bars, never the summary
     device = default_device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda asked for, but no CUDA GPU is visible; use --device cpu")
@@ -91,32 +168,44 @@ def run(args) -> int:
                            "pass the ImageFolder it was packed from as --data")
     torch.manual_seed(args.seed)
     try:
+        size_note = ""
+        if args.size == "auto":
+            args.size = auto_size(args.data)
+            size_note = " (auto: the images' median side)"
         pipe = build_loaders(args.data, size=args.size, batch_size=args.batch_size, val_fraction=args.val_fraction,
                              val_path=args.val, workers=args.workers if args.workers == "auto" else int(args.workers),
                              cache_bytes=int(args.cache_gb * (1 << 30)), augment=args.augment, jitter=args.jitter,
-                             device=device, on_error=args.on_error, seed=args.seed, progress=not args.no_progress)
-        model = create_classifier(args.model, num_classes=len(pipe.classes))
-    except ImageDecodeError as e:
+                             scale=args.crop_scale, device=device, on_error=args.on_error, seed=args.seed,
+                             progress=not args.no_progress)
+        model = build_model(args.model, num_classes=len(pipe.classes))
+    except (ImageDecodeError, ValueError) as e:
         raise CLIError(str(e)) from None
-    except ValueError as e:
-        raise CLIError(str(e)) from None
-    lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 1e-3)
+    init = _init_from(model, args.init_from) if args.init_from else None
+    lr = _previous_lr(args.out) if args.resume and args.lr == "auto" else args.lr
     n_train = len(pipe.train.dataset) if pipe.train.dataset is not None else "?"
+    n_val = len(pipe.val.dataset) if pipe.val is not None else 0
     console.print(f"[bold]torchspeed train[/]: {args.model} on {args.data} ({len(pipe.classes)} classes, "
-                  f"{n_train} training images), {args.epochs} epoch(s), batch {args.batch_size}, size {args.size}, "
-                  f"{device}{f' x {world} processes' if world > 1 else ''}; {pipe.decisions['loader']}, "
-                  f"random crop on the {pipe.decisions['augment']}")
+                  f"{n_train} training / {n_val} validation images), {args.epochs} epoch(s), batch {args.batch_size}, "
+                  f"size {args.size}{size_note}, {device}{f' x {world} processes' if world > 1 else ''}; "
+                  f"{pipe.decisions['loader']}, random crop on the {pipe.decisions['augment']}"
+                  + (f"; weights from {init}" if init else ""))
+    warning = small_val_warning(n_val)
+    if warning:
+        console.print(f"[yellow]warning[/]: {warning}")
     os.makedirs(args.out, exist_ok=True)
     compile_opt = {"auto": "auto", "on": True, "off": False}[args.compile]
     try:
         result = torchspeed.fit(model, pipe.train, val_loader=pipe.val, epochs=args.epochs, lr=lr,
-                                optimizer=args.optimizer, weight_decay=args.weight_decay, device=device,
-                                precision=args.precision, compile=compile_opt, max_steps=args.max_steps,
-                                out_dir=args.out, checkpoint_dir=os.path.join(args.out, "checkpoints"),
+                                optimizer=args.optimizer, weight_decay=args.weight_decay, momentum=args.momentum,
+                                betas=args.betas, device=device, precision=args.precision, compile=compile_opt,
+                                max_steps=args.max_steps, out_dir=args.out,
+                                checkpoint_dir=os.path.join(args.out, "checkpoints"),
                                 resume="auto" if args.resume else None, seed=args.seed,
-                                progress=not args.no_progress)
+                                restore_best=False if args.no_restore_best else "auto", progress=not args.no_progress)
     except ImageDecodeError as e:
         raise CLIError(f"{e} (or run with --on-error skip)") from None
+    except CheckpointError as e:
+        raise CLIError(f"--resume: {e}") from None
     bad = sorted({b for ds in pipe.datasets.values() for b in ds.summary().bad})
     if is_distributed():  # each process decoded only its part of the data: collect every rank's bad files
         every = [None] * world
@@ -124,27 +213,41 @@ def run(args) -> int:
         bad = sorted(set().union(*every))
     if not rank0:  # the replicas are identical after DDP: one writer per file
         return 0
-    summary = {k: str(ds.summary()) for k, ds in pipe.datasets.items()}
     _save_model(os.path.join(args.out, "model.pt"), model, args=args, classes=pipe.classes)
-    run_info = {"args": vars(args) | {"func": None}, "classes": pipe.classes, "pipeline": pipe.decisions,
-                "fit_decisions": result.decisions, "data": summary, "bad_files": bad, "final": result.final,
-                "world_size": world}
+    used_lr = float(result.decisions.get("peak_lr", lr))
+    data = {"train_images": n_train, "val_images": n_val,
+            "val_from": args.val or (f"{args.val_fraction:.0%} held out of --data" if n_val else "none"),
+            **{f"{k}_files": str(ds.summary()) for k, ds in pipe.datasets.items()
+               if k == "train" or args.val}}
+    run_info = {"args": vars(args) | {"func": None}, "lr": used_lr, "classes": pipe.classes,
+                "pipeline": pipe.decisions, "fit_decisions": result.decisions, "data": data, "bad_files": bad,
+                "final": result.final, "world_size": world}
     write_json(os.path.join(args.out, "run.json"), run_info)
-    final = result.final
-    msg = f"done: {result.steps} steps, train_loss {final.get('train_loss', float('nan')):.4f}"
-    if final.get("val_acc") is not None:
-        msg += f", val_acc {final['val_acc']:.4f} (chance {1 / len(pipe.classes):.3f})"
-    console.print(msg)
-    if bad:
-        console.print(f"[yellow]skipped {len(bad)} bad image file(s)[/]: " + ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))
-    console.print(f"wrote {args.out}/model.pt, metrics.csv, metrics.json, run.json and checkpoints/")
+    _print_summary(console, result, classes=pipe.classes, lr=used_lr, bad=bad, out=args.out)
     return 0
 
 
+def _print_summary(console, result, *, classes, lr, bad, out) -> None:
+    d, final = result.decisions, result.final
+    for key, what in (("lr_find", "lr"), ("extended", "extended"), ("restored_best", "restored the best weights")):
+        if key in d:
+            console.print(f"{what}: {d[key]}")
+    msg = f"done: {result.steps} steps, peak lr {lr:.3g}, train_loss {final.get('train_loss', float('nan')):.4f}"
+    if final.get("val_acc") is not None:
+        msg += f", val_acc {final['val_acc']:.4f} (last epoch; chance {1 / len(classes):.3f})"
+    console.print(msg)
+    if bad:
+        console.print(f"[yellow]skipped {len(bad)} bad image file(s)[/]: " + ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))
+    console.print(f"wrote {out}/model.pt, metrics.csv, metrics.json, run.json and checkpoints/")
+
+
 def _save_model(path: str, model, *, args, classes: list[str]) -> None:
-    state = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "classes": list(classes),
-             "model_name": args.model, "size": args.size}
+    """model.pt: weights, classes and how to rebuild and feed the model (`torchspeed.load_model`)."""
+    from torchspeed.model.spec import portable_spec
+    from torchspeed.data.augment import IMAGENET_MEAN, IMAGENET_STD
     from torchspeed.train.checkpoint import save_checkpoint  # atomic + fsync + checksum
 
+    state = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "classes": list(classes),
+             "model_name": portable_spec(args.model), "size": args.size, "crop": "center",
+             "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
     save_checkpoint(path, state)
-

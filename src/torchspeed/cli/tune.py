@@ -4,6 +4,12 @@ Runs on a built-in workload (synthetic CIFAR-shaped images, scikit-learn digits,
 JPEG-encoded photos decoded per sample) or an image folder (`--data PATH`, one
 sub-folder per class), prints each tuner's table, and writes `tune.json` (and `lr.png`)
 to `--out`.
+
+`--model` also takes your own model (`package.module:function` or `file.py:function`,
+called with `num_classes=N`; model/spec.py). `--image-size auto` (the default) is 32
+for the built-in data and the images' median side (at most 224) for a folder. The batch
+finder is capped so an epoch keeps at least `--min-steps` (16) steps: on 400 samples the
+largest batch it reports is 24, not 400 (`--min-steps 1` lifts the cap).
 """
 
 from __future__ import annotations
@@ -24,10 +30,15 @@ def register(sub) -> None:
     p.add_argument("what", nargs="?", default="all", choices=WHAT, help="which tuner to run (default: all)")
     p.add_argument("--data", default="synthetic",
                    help="synthetic | digits | jpeg (built in, no download) or PATH to an image folder (class/img.jpg)")
-    p.add_argument("--model", default="mlp", help="mlp | resnet18 | resnet34 | resnet50 (default mlp)")
+    p.add_argument("--model", default="mlp", help="mlp | resnet18 | resnet34 | resnet50 (default mlp), or your own: "
+                                                  "package.module:function or path/to/file.py:function")
     p.add_argument("--batch-size", type=int, default=64, help="batch for the LR and loader tuners (default 64)")
-    p.add_argument("--image-size", type=int, default=32, help="images are resized to this size (default 32)")
+    p.add_argument("--image-size", default="auto",
+                   help="images are resized to this size; auto: 32 for the built-in data, the images' median side "
+                        "(at most 224) for a folder")
     p.add_argument("--max-batch", type=int, default=1024, help="largest batch the batch finder tries (default 1024)")
+    p.add_argument("--min-steps", type=int, default=16,
+                   help="the batch finder stops at a batch that leaves an epoch this many steps (16; 1: no cap)")
     p.add_argument("--memory-budget-mb", type=float, default=None,
                    help="CPU: the memory a step may use (default: half of what the OS reports available)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
@@ -73,9 +84,46 @@ def _num_classes(ds) -> int:
     return 10
 
 
+def _image_size(args) -> int:
+    from torchspeed.cli._auto import auto_size, parse_size
+
+    try:
+        size = parse_size(args.image_size, "--image-size", minimum=4)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    if size != "auto":
+        return size
+    if args.data in BUILTIN:
+        return 32
+    if not Path(args.data).is_dir():
+        raise CLIError(f"--data {args.data}: no such folder, and not one of {', '.join(BUILTIN)}")
+    try:
+        return auto_size(args.data)
+    except (FileNotFoundError, ValueError) as e:
+        raise CLIError(f"--data {args.data}: {e}") from None
+
+
+def _model(args, num_classes: int):
+    from torchspeed.bench.workloads import MODELS, TEXT_MODELS, create_model
+    from torchspeed.model.spec import build_model, is_custom
+
+    image_models = [m for m in MODELS if m not in TEXT_MODELS]  # tune's data are images
+    try:
+        if is_custom(args.model):
+            return build_model(args.model, num_classes=num_classes)
+        if args.model not in image_models:
+            raise CLIError(f"--model {args.model}: not one of {', '.join(image_models)}, nor module:function")
+        return create_model(args.model, num_classes=num_classes, image_size=args.image_size)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
 def run(args) -> int:
+    args.image_size = _image_size(args)
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be positive, got {args.batch_size}")
+    if args.min_steps < 1:
+        raise CLIError(f"--min-steps must be at least 1, got {args.min_steps}")
     if args.max_batch < 8:
         raise CLIError(f"--max-batch must be at least 8, got {args.max_batch}")
     import torch
@@ -84,12 +132,8 @@ def run(args) -> int:
     from torch.utils.data import DataLoader
 
     from torchspeed.bench.runner import provenance
-    from torchspeed.bench.workloads import MODELS, TEXT_MODELS, create_model
     from torchspeed.tune import find_batch_size, find_lr, tune_loader
 
-    image_models = [m for m in MODELS if m not in TEXT_MODELS]  # tune's data are images
-    if args.model not in image_models:
-        raise CLIError(f"--model {args.model}: not one of {', '.join(image_models)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
     device = default_device(args.device)
@@ -98,10 +142,7 @@ def run(args) -> int:
     if len(ds) < args.batch_size:
         raise CLIError(f"--data {args.data} has {len(ds)} samples, fewer than one batch of {args.batch_size}")
     torch.manual_seed(0)
-    try:
-        model = create_model(args.model, num_classes=_num_classes(ds), image_size=args.image_size).to(device)
-    except ValueError as e:
-        raise CLIError(str(e)) from e
+    model = _model(args, _num_classes(ds)).to(device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"workload": {"model": args.model, "data": args.data, "samples": len(ds),
@@ -112,9 +153,12 @@ def run(args) -> int:
 
     if args.what in ("batch", "all"):
         budget = int(args.memory_budget_mb * 2 ** 20) if args.memory_budget_mb else None
-        res = find_batch_size(model, ds, max_batch=args.max_batch, memory_budget=budget,
+        cap = max(8, len(ds) // args.min_steps // 8 * 8)
+        res = find_batch_size(model, ds, max_batch=min(args.max_batch, cap), memory_budget=budget,
                               rounds=2 if args.quick else 3)
-        t = Table(title=f"batch size: largest {res.largest} (limited by {res.limited_by}), fastest {res.fastest}")
+        limit = (f"an epoch of {len(ds)} samples keeps {args.min_steps}+ steps" if cap < args.max_batch
+                 and res.limited_by != "memory" else f"limited by {res.limited_by}")
+        t = Table(title=f"batch size: largest {res.largest} ({limit}), fastest {res.fastest}")
         for col in ("batch", "fits", "samples/s", "memory", "note"):
             t.add_column(col, justify="left" if col == "note" else "right")
         for r in res.table:
@@ -136,17 +180,20 @@ def run(args) -> int:
             t.add_row(name, f"{v:.3g}")
         console.print(t)
         console.print(f"suggestion by: {res_lr.rule}" + ("; stopped when the loss diverged" if res_lr.diverged else ""))
+        console.print(f"confidence: {res_lr.confidence}" + (f" ({res_lr.warning})" if res_lr.warning else ""))
         report["lr"] = res_lr.to_dict()
 
     if args.what in ("loader", "all"):
         s = tune_loader(ds, batch_size=args.batch_size, model=model, device=device, batches=8 if args.quick else 16)
         t = Table(title=f"DataLoader: num_workers={s.num_workers}, prefetch_factor={s.prefetch_factor}, "
                         f"pin_memory={s.pin_memory}, persistent_workers={s.persistent_workers}")
-        for col in ("workers", "pin", "prefetch", "samples/s", "start-up s", "measured"):
-            t.add_column(col, justify="right")
+        for col in ("trial", "workers", "pin", "prefetch", "samples/s", "start-up s", "measured"):
+            t.add_column(col, justify="left" if col == "trial" else "right")
         for r in s.table:
-            t.add_row(str(r.num_workers), str(r.pin_memory), str(r.prefetch_factor or "-"), f"{r.samples_per_s:,.0f}",
-                      f"{r.startup_s:.2f}" if not r.end_to_end else "-", "load + step" if r.end_to_end else "loader")
+            t.add_row(r.note or "-", str(r.num_workers), str(r.pin_memory), str(r.prefetch_factor or "-"),
+                      f"{r.samples_per_s:,.0f}", f"{r.startup_s:.2f}" if not r.end_to_end else "-",
+                      "load + step" if r.end_to_end else "loader",
+                      style="bold" if r.note.startswith("median") else None)
         console.print(t)
         console.print(s.reason)
         report["loader"] = s.to_dict()

@@ -66,13 +66,15 @@ def open_images(path: str | os.PathLike, **options) -> ImageDataset:
 def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int = 64, val_fraction: float = 0.1,
                   val_path: str | os.PathLike | None = None, workers: int | str = "auto", cache_bytes: int = 0,
                   augment: str = "auto", load_size: int | None = None, jitter: float = 0.0,
-                  scale: tuple[float, float] = (0.08, 1.0), device: torch.device | str | None = None,
+                  scale: tuple[float, float] | None = (0.08, 1.0), device: torch.device | str | None = None,
                   on_error: str = "skip", seed: int = 0, progress: bool = True) -> Pipeline:
     """Training and validation loaders of device batches for the images at `path`.
 
     `val_fraction` of the items (a fixed random split) is held out unless `val_path` is
     given; `workers="auto"` measures the DataLoader (T06); `cache_bytes` > 0 keeps decoded
-    images in a shared LRU pool of that size (T10, `augment="device"` only).
+    images in a shared LRU pool of that size (T10, `augment="device"` only). `scale` is the
+    random crop's area range; None switches the random crop off (the whole image, resized
+    and centre-cropped as in validation, still randomly flipped).
 
     Example:
         >>> p = build_loaders("photos.tspack", size=64, batch_size=32, workers=0, device="cpu")
@@ -85,16 +87,19 @@ def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int =
     if augment == "auto":  # on a CPU the float passes of a batched crop cost more than a uint8 crop per image
         augment = "cpu" if device.type == "cpu" and not cache_bytes else "device"
     load_size = load_size or (round(size * 8 / 7) if augment == "device" else size)
-    decisions: dict = {"augment": augment, "size": size, "load_size": load_size}
+    decisions: dict = {"augment": augment, "size": size, "load_size": load_size,
+                       "crop_scale": list(scale) if scale else "off"}
     if augment == "device":
         train_base = open_images(path, size=load_size, crop="center", on_error=on_error)
-        train_aug = DeviceAugment(size=size, train=True, scale=scale, flip=True, brightness=jitter,
+        train_aug = DeviceAugment(size=size, train=True, scale=scale or (1.0, 1.0),
+                                  ratio=(3 / 4, 4 / 3) if scale else (1.0, 1.0), flip=True, brightness=jitter,
                                   contrast=jitter, saturation=jitter)
     else:
         if cache_bytes:
             raise ValueError("cache_bytes needs augment='device': with augment='cpu' every item is a new random "
                              "crop, and caching it would freeze epoch 1's crops")
-        train_base = open_images(path, size=size, crop="random", scale=scale, flip=True, on_error=on_error)
+        train_base = open_images(path, size=size, crop="random" if scale else "center", scale=scale or (0.08, 1.0),
+                                 flip=True, on_error=on_error)
         train_aug = DeviceAugment(size=size, train=True, crop=False, brightness=jitter, contrast=jitter,
                                   saturation=jitter)
     val_base = open_images(val_path or path, size=size, crop="center", on_error=on_error)
@@ -178,6 +183,7 @@ def create_classifier(name: str, *, num_classes: int) -> nn.Module:
         return timm.create_model(name, pretrained=False, num_classes=num_classes)
     import difflib
 
-    close = difflib.get_close_matches(name, torchvision.models.list_models() + timm.list_models() + ["simple_cnn"], n=3)
+    names = list(dict.fromkeys(torchvision.models.list_models() + timm.list_models() + ["simple_cnn"]))
+    close = difflib.get_close_matches(name, names, n=3)  # one of each: timm and torchvision share names
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise ValueError(f"unknown model {name!r}: not a torchvision or timm model name{hint}")

@@ -49,7 +49,7 @@ from torch import nn
 from torchspeed.train.wrappers import strip_wrapper_prefixes, unwrap_model
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "check_state_dict", "CheckpointManager",
-           "find_resume", "check_resumable", "update_best",
+           "find_resume", "check_resumable", "is_extension", "update_best",
            "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError", "ResumeMismatchError",
            "FoundCheckpoint"]
 
@@ -323,12 +323,26 @@ def check_resumable(found: FoundCheckpoint, *, steps_per_epoch: int | None, tota
         raise ResumeMismatchError(
             f"{found.path} was written with {state['steps_per_epoch']} batches per epoch, but this loader has "
             f"{steps_per_epoch}: resume with the same data and batch size, or use a new checkpoint_dir")
+    if is_extension(state, total_steps):  # a finished run given more steps: a new schedule segment
+        if total_steps is not None and total_steps <= state["step"]:
+            raise ResumeMismatchError(
+                f"{found.path} is the end of a run of {state['step']} optimizer steps and this run asks for "
+                f"{total_steps}: nothing to add; ask for more epochs to extend it")
+        return state
     if has_scheduler and state.get("scheduler") is not None and state.get("total_steps") != total_steps:
         raise ResumeMismatchError(
             f"{found.path} was written by a run of {state.get('total_steps')} optimizer steps, but this run's "
             f"learning-rate schedule spans {total_steps} (epochs or max_steps changed): resume with the same epochs "
-            "and max_steps, or start a new run from its weights with load_checkpoint(path, model=model)")
+            "and max_steps, or start a new run from its weights with load_checkpoint(path, model=model) "
+            "(torchspeed train: --init-from PATH)")
     return state
+
+
+def is_extension(state: Mapping, total_steps: int | None) -> bool:
+    """True when `state` is the last checkpoint of a finished run and this run's length differs:
+    resuming it continues with a new learning-rate schedule over the added steps."""
+    done = state.get("total_steps")
+    return bool(done and total_steps and done != total_steps and state.get("step", 0) >= done)
 
 
 def update_best(best: dict | None, row: dict, metric: str | None, *, step: int) -> tuple[dict | None, bool]:

@@ -58,6 +58,7 @@ class TrainConfig:
     keep_last: int = 3                  # step checkpoints kept (best.pt is kept besides)
     best_metric: str | None = "auto"    # best.pt by this epoch metric: "auto" = val_acc, else val_loss/train_loss
     resume: str | None = None           # None | "auto" (newest good checkpoint in checkpoint_dir) | a .pt path
+    restore_best: bool | str = "auto"   # load the best epoch's weights at the end; "auto" = when validating
     max_nonfinite: int | None = 20      # stop after this many NaN/inf-loss steps in a row (each one is skipped)
     deterministic: bool = False         # deterministic kernels + seeded RNGs: bit-identical reruns (slower)
 

@@ -36,7 +36,7 @@ from torchspeed.train.batch import batch_size, default_loss, forward_loss
 from torchspeed.train.callbacks import Callback, CallbackList
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from torchspeed.train.checkpoint import (CheckpointManager, check_resumable, check_state_dict, find_resume,
-                                         update_best)
+                                         is_extension)
 from torchspeed.train.compile import CompileController
 from torchspeed.train.config import TrainConfig, check_reliability_options
 from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object,
@@ -57,6 +57,7 @@ from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
 from torchspeed.train.shard import shard_loader
 from torchspeed.train.schedule import create_scheduler
+from torchspeed.train.segment import BestEpoch, extend_schedule, group_settings
 from torchspeed.train.step import AccumulationWindow
 from torchspeed.train.transfer import Prefetcher, to_device
 
@@ -88,8 +89,8 @@ class Trainer(MeasuredSwitches):
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
-                 optimizer: str | torch.optim.Optimizer = "sgd", lr: float = 0.1, weight_decay: float = 5e-4,
-                 momentum: float = 0.9, device: torch.device | str | None = None,
+                 optimizer: str | torch.optim.Optimizer = "sgd", lr: float = 0.1, weight_decay: float | None = None,
+                 momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999), device: torch.device | str | None = None,
                  config: TrainConfig | None = None, caps: DeviceCaps | None = None,
                  callbacks: Iterable[Callback] | None = None, loggers: Iterable | None = None):
         self.config = cfg = config or TrainConfig()
@@ -138,7 +139,7 @@ class Trainer(MeasuredSwitches):
 
         if isinstance(optimizer, str):
             optimizer = create_optimizer(optimizer, self.model, lr=lr, weight_decay=weight_decay,
-                                         momentum=momentum, fused=cfg.fused_optimizer)
+                                         momentum=momentum, betas=betas, fused=cfg.fused_optimizer)
         self.optimizer = optimizer
         self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), "asked for" if not isinstance(
             cfg.fused_optimizer, str) else "rule: fused kernel where torch has one")
@@ -166,7 +167,7 @@ class Trainer(MeasuredSwitches):
         self.position = DataPosition(keep_rng=self.checkpoints is not None)
         self._steps_per_epoch: int | None = None
         self._history: list[dict] = []
-        self._best: dict | None = None
+        self.best = BestEpoch(cfg.best_metric, self.checkpoints.best_path if self.checkpoints else None)
         # Every callback and logger behind one object: the loop calls each event in one line.
         self.callbacks = CallbackList([*(callbacks or ()), *([LoggerCallback(loggers)] if loggers else [])])
         self.should_stop = False  # set by request_stop (a callback): the run ends after this step or epoch
@@ -257,6 +258,7 @@ class Trainer(MeasuredSwitches):
         max_steps = self.config.max_steps
         total = max(1, math.ceil(steps_per_epoch / self.config.grad_accum) * epochs) if steps_per_epoch else None
         total = min(total, max_steps) if total and max_steps else (total or max_steps)
+        self._group_settings = group_settings(self.optimizer)  # a finished run extended gets them back
         self.scheduler = create_scheduler(self.config.schedule, self.optimizer, total_steps=total,
                                           warmup_steps=self.config.warmup_steps, min_lr=self.config.min_lr)
         self.total_steps = total
@@ -277,6 +279,7 @@ class Trainer(MeasuredSwitches):
         total = (steps_per_epoch * (epochs - start_epoch) - start_batch if steps_per_epoch
                  else (self.total_steps - self.step) * cfg.grad_accum)
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
+        self.best.active = cfg.restore_best is True or (cfg.restore_best == "auto" and val_loader is not None)
         # on_train_start now, on_train_end("success" | "failed") when the loop ends (callbacks.py)
         with self.callbacks.running(self), TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total,
                                                          header=decisions_header(self.decisions)) as progress:
@@ -289,6 +292,7 @@ class Trainer(MeasuredSwitches):
                 progress.epoch_done(row)
                 self.callbacks.on_evaluate(self, row)
                 self._end_epoch(row)
+        self.best.restore(self.module, self._history, self.decisions)  # restore_best: the best epoch's weights
         return FitResult(history=self._history, config=asdict(cfg), decisions=dict(self.decisions), steps=self.step,
                          skipped_steps=int(self.skipped.item()))
 
@@ -344,7 +348,9 @@ class Trainer(MeasuredSwitches):
             if pos.batch == self._steps_per_epoch or (self._steps_per_epoch is None and not self._stopped()
                                                       and not self.should_stop):
                 pos.start_epoch(pos.epoch + 1, 0)  # the position is the next epoch's start
-            self.save_checkpoint(best=self._update_best(row))
+            self.save_checkpoint(best=self.best.update(row, self.step, self.callbacks.eval_module(self.module)))
+        elif self.checkpoints is None:
+            self.best.update(row, self.step, self.callbacks.eval_module(self.module))  # what scored (EMA or not)
 
     def _stopped(self) -> bool:
         return bool(self.config.max_steps and self.step >= self.config.max_steps)
@@ -359,7 +365,7 @@ class Trainer(MeasuredSwitches):
             "rng": capture_rng_state(), **self.position.state_dict(),
             "steps_per_epoch": self._steps_per_epoch, "step": self.step, "total_steps": self.total_steps,
             **self.guard.state_dict(), "meter": self.meter.state_dict(),
-            "history": jsonable({"h": self._history})["h"], "best": self._best,
+            "history": jsonable({"h": self._history})["h"], "best": self.best.record,
             "config": jsonable(asdict(self.config)), "switches": asdict(self.switches()),
             "callbacks": self.callbacks.state_dict(), "stopped": self.decisions.get("stopped"),
         }
@@ -374,10 +380,6 @@ class Trainer(MeasuredSwitches):
             self.checkpoints.save_best(self.callbacks.best_state(state))  # EMA: its weights as "model"
         self.callbacks.on_save(self, self.last_checkpoint)
         return self.last_checkpoint
-
-    def _update_best(self, row: dict) -> bool:
-        self._best, improved = update_best(self._best, row, self.config.best_metric, step=self.step)
-        return improved
 
     def _resume(self, steps_per_epoch: int | None) -> tuple[int, int]:
         """Load the checkpoint `resume` points at; return the (epoch, batch) to continue from."""
@@ -395,13 +397,16 @@ class Trainer(MeasuredSwitches):
                                for k in ("precision", "channels_last", "switch_trial")}
         self.module.load_state_dict(weights)
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state["scheduler"] is not None:
+        if not (extend := is_extension(state, self.total_steps)) and self.scheduler and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state["scaler"])
         self.step = int(state["step"])
+        if extend:  # a finished run given more steps: this run's settings, a new schedule over the added steps
+            self.scheduler, self.decisions["extended"] = extend_schedule(
+                self.optimizer, self._group_settings, self.config, done=self.step, total=self.total_steps)
         self.guard.load_state_dict(state)
         self.meter.load_state_dict(state["meter"])
-        self._history, self._best = list(state["history"]), state["best"]
+        self._history, self.best.record = list(state["history"]), state["best"]
         self.callbacks.load_state_dict(state.get("callbacks"))
         if state.get("stopped"):  # a callback had ended this run: it stays ended
             self.should_stop, self.decisions["stopped"] = True, state["stopped"]

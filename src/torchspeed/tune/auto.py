@@ -38,9 +38,9 @@ __all__ = ["tune_for_fit", "rebuild_loader"]
 
 def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | str | None, lr: float | str,
                  loader: str | None, loss_fn: Callable | None, step_fn: Callable | None = None, optimizer: str | torch.optim.Optimizer,
-                 weight_decay: float, device: torch.device | str | None, precision: str = "auto",
+                 weight_decay: float | None, device: torch.device | str | None, precision: str = "auto",
                  schedule: str | None = "onecycle", distributed: bool | str = "auto",
-                 progress: bool = True) -> tuple[Iterable, float, dict]:
+                 progress: bool = True, optimizer_options: dict | None = None) -> tuple[Iterable, float, dict]:
     """Run the asked-for tuners; return (the loader to train on, the LR, decisions)."""
     from torchspeed.train.optim import create_optimizer
     from torchspeed.tune.batch import find_batch_size
@@ -72,7 +72,7 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
         # the tuners restore what they touch; a user optimizer is used as is, a name gets a fresh one
         if isinstance(optimizer, torch.optim.Optimizer):
             return optimizer
-        return create_optimizer(optimizer, model, lr=lr0, weight_decay=weight_decay)
+        return create_optimizer(optimizer, model, lr=lr0, weight_decay=weight_decay, **(optimizer_options or {}))
 
     old_batch = getattr(train_loader, "batch_size", None)
     new_batch = old_batch
@@ -97,13 +97,16 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
                          precision=precision, progress=progress)
         lr_val = res_lr.max_lr if schedule == "onecycle" else res_lr.suggestion
         decisions["lr_find"] = (f"{lr_val:.3g} ({'one-cycle max' if schedule == 'onecycle' else 'suggestion'} "
-                                f"of the range test at batch {old_batch}; {res_lr.rule})")
+                                f"of the range test{f' at batch {old_batch}' if old_batch else ''}; {res_lr.rule}; "
+                                f"confidence {res_lr.confidence}{': ' + res_lr.warning if res_lr.warning else ''})")
     else:
         lr_val = float(lr)
     if new_batch != old_batch and old_batch:
         scaled = scale_lr(lr_val, new_batch, old_batch)
         decisions["lr"] = f"{scaled:.3g} ({lr_val:.3g} x {new_batch}/{old_batch}: the linear scaling rule, T17)"
         lr_val = scaled
+    if lr == "auto" or new_batch != old_batch:
+        decisions["peak_lr"] = lr_val  # the number itself, for callers that record it
 
     if isinstance(optimizer, torch.optim.Optimizer) and (lr == "auto" or new_batch != old_batch):
         base = optimizer.param_groups[0]["lr"] or 1.0  # the Trainer uses a given optimizer's own lr

@@ -233,7 +233,7 @@ class _Tuner:
         bar.update(task, description="loader: timing the model step")
         model_rate = self._model_rate()
         bar.update(task, description="loader: num_workers=0")
-        base = self._trial(0, False, None, "main process")
+        base = self._trial(0, False, None, "round 1")
         outruns = None if model_rate is None else base.samples_per_s >= model_rate / self.min_gain
         if outruns:
             reason = (f"workers do not help: the main process loads {base.samples_per_s:,.0f} samples/s, "
@@ -254,7 +254,7 @@ class _Tuner:
         stop_note = ""
         for w in range(1, self.max_workers + 1):
             bar.update(task, description=f"loader: num_workers={w}")
-            t = self._trial(w, False, 2, "")
+            t = self._trial(w, False, 2, "round 1")
             if value(t) > value(best):
                 best = t
             if model_rate is not None and t.samples_per_s >= model_rate * (1 + self.plateau):
@@ -295,7 +295,7 @@ class _Tuner:
             if pf == 2:
                 continue
             bar.update(task, description=f"loader: prefetch_factor={pf}")
-            t = self._trial(workers, False, pf, "")
+            t = self._trial(workers, False, pf, f"prefetch {pf}")
             if value(t) > value(best) * (1 + self.plateau):
                 best, prefetch = t, pf
         pin = False

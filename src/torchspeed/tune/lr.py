@@ -11,6 +11,12 @@ usual exponential average that drags a spike over the next ~50 steps). The steep
 of that curve (per decade of LR), looked for before its minimum, is cross-checked with the
 valley rule (the longest run of falling loss, 2/3 of the way down it): if the steepest
 point lies inside the valley it is the suggestion, otherwise the valley point is.
+How far to trust it (`confidence`, with the reason in `warning`): "low" when the curve is
+flat (the smoothed loss falls by less than 10% of its start before its minimum: the LR
+hardly matters in this range, or the model does not learn from these batches) or noisy (the
+step-to-step scatter around the smoothed curve, as a median absolute deviation, is more
+than a quarter of that fall); "medium" when the steepest point lies outside the longest
+valley (the rules disagree); else "high".
 For one-cycle (T14): `max_lr` is the larger of the suggestion and a tenth of the LR at the
 loss minimum (fastai's "lr_min"), never above a third of it; `min_lr = max_lr / 10` (T15).
 
@@ -58,6 +64,8 @@ class LRFinderResult:
     rule: str                        # which rule gave the suggestion, and why
     diverged: bool                   # stopped early because the loss blew up
     plot: str | None = None
+    confidence: str = "high"         # "high" | "medium" | "low" (see the module docstring)
+    warning: str | None = None       # why the confidence is not high: flat, noisy, or rules disagree
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -202,11 +210,33 @@ def suggest_lr(lrs, losses, *, diverged: bool = False) -> LRFinderResult:
     suggestion = float(lrs_a[i_sug])
     min_loss_lr = float(lrs_a[i_min])
     max_lr = max(suggestion, min_loss_lr / 3)
-    return LRFinderResult(lrs=tuple(map(float, lrs_a)), losses=tuple(map(float, raw)),
+    confidence, warning = _confidence(raw, smooth, i_min, agree=v_start <= i_steep <= v_end)
+    return LRFinderResult(confidence=confidence, warning=warning,lrs=tuple(map(float, lrs_a)), losses=tuple(map(float, raw)),
                           smoothed=tuple(map(float, smooth)), suggestion=suggestion,
                           steepest_lr=float(lrs_a[i_steep]), valley_lr=float(lrs_a[i_valley]),
                           min_loss_lr=min_loss_lr, max_lr=float(max_lr), min_lr=float(max_lr / 10), rule=rule,
                           diverged=diverged)
+
+
+FLAT, NOISY = 0.10, 0.25
+
+
+def _confidence(raw: np.ndarray, smooth: np.ndarray, i_min: int, *, agree: bool) -> tuple[str, str | None]:
+    """("high" | "medium" | "low", why not high): is there a clear fall, above the noise, that the rules agree on?"""
+    start = float(np.median(smooth[:max(3, len(smooth) // 10)]))
+    fall = start - float(smooth[i_min])
+    upto = max(i_min + 1, 5)
+    scatter = float(np.median(np.abs(raw[:upto] - smooth[:upto])))
+    if not start > 0 or fall < FLAT * start:
+        return "low", (f"the loss curve is flat: it falls by {max(fall, 0) / start if start > 0 else 0:.0%} of its "
+                       f"start over the range (under {FLAT:.0%}), so the LR is a guess; try a wider range, more "
+                       "steps, or check that the model learns at all")
+    if scatter > NOISY * fall:
+        return "low", (f"the loss curve is noisy: its step-to-step scatter is {scatter / fall:.0%} of its fall "
+                       f"(over {NOISY:.0%}); use a larger batch or more steps for the range test")
+    if not agree:
+        return "medium", "the steepest descent and the valley rule disagree; the valley point was taken"
+    return "high", None
 
 
 def plot_lr(result: LRFinderResult, path: str | Path) -> None:

@@ -1,0 +1,81 @@
+"""Runs that go on: a finished run extended by a new schedule segment, and the best epoch restored (T14, T16).
+
+- `extend_schedule`: resuming the last checkpoint of a finished run with more epochs keeps
+  its weights, optimizer state (momentum), history and best epoch, and puts this run's
+  optimizer settings back (its peak LR, weight decay, momentum: the old schedule left its
+  last, annealed LR and its own keys in the param groups) before a new schedule over the
+  added steps only. Without it, the old schedule's state would not fit the new length, and
+  a run that had no schedule (too short for one-cycle) left no `initial_lr` for a new one.
+- `BestEpoch`: the best epoch's record (by the checkpoint metric) and, with `restore_best`,
+  its weights: a CPU copy taken when an epoch improves on every rank (no rank reads a
+  best.pt that rank 0 may be writing), or best.pt for a best epoch from before a resume;
+  loaded into the model at the end of `fit`. Cost: one copy of the weights per improvement.
+
+Example:
+    >>> defaults = group_settings(opt)                     # before the first schedule is built
+    >>> sched, decision = extend_schedule(opt, defaults, config, done=120, total=200)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchspeed.train.checkpoint import load_checkpoint, update_best
+from torchspeed.train.decision import Decision
+from torchspeed.train.schedule import create_scheduler
+
+__all__ = ["group_settings", "extend_schedule", "BestEpoch"]
+
+
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's settings (lr, weight_decay, momentum, ...) without its parameters."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def extend_schedule(optimizer: torch.optim.Optimizer, settings: list[dict], config, *, done: int,
+                    total: int):
+    """Put `settings` back into the param groups; (a `config.schedule` over steps done..total, its Decision)."""
+    for g, s in zip(optimizer.param_groups, settings):
+        for k in [k for k in g if k != "params"]:
+            del g[k]  # the old schedule's keys (initial_lr, max_lr, ...) and its last LR
+        g.update(s)
+    sched = create_scheduler(config.schedule, optimizer, total_steps=total - done, warmup_steps=config.warmup_steps,
+                             min_lr=config.min_lr)
+    return sched, Decision(f"{done} -> {total} steps", f"a finished run extended: a new {config.schedule or 'constant'}"
+                                                       f" schedule segment over the {total - done} added steps")
+
+
+class BestEpoch:
+    """The best epoch so far (`record`, by the checkpoint metric) and, for `restore_best`, its weights: a CPU
+    copy taken when it improves; best.pt is read back only for a best epoch from before a resume."""
+
+    def __init__(self, metric: str | None, best_path: Path | None):
+        self.metric, self.best_path = metric, best_path
+        self.record: dict | None = None
+        self.weights: dict | None = None
+        self.active = False  # restore at the end of this fit (restore_best)
+
+    def update(self, row: dict, step: int, module: nn.Module) -> bool:
+        """Record the epoch `row` if it is the best so far; True when it is (best.pt is then due)."""
+        self.record, improved = update_best(self.record, row, self.metric, step=step)
+        if improved and self.active:  # in memory on every rank: no rank reads a best.pt another is writing
+            self.weights = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+        return improved
+
+    def restore(self, module: nn.Module, history: list[dict], decisions: dict) -> None:
+        """Load the best weights into `module` and record it in `decisions` (when active and there is a best)."""
+        best, weights = self.record, self.weights
+        if not self.active or best is None:
+            return
+        if weights is None and self.best_path is not None and self.best_path.exists():
+            weights = load_checkpoint(self.best_path)["model"]
+        if weights is None:
+            return
+        module.load_state_dict(weights)
+        last = history[-1]["epoch"] if history else None
+        decisions["restored_best"] = Decision(f"epoch {best['epoch']} of {last}", f"{best['metric']} "
+                                              f"{best['value']:.4g}" + (", the last epoch" if best["epoch"] == last
+                                                                         else ""))
