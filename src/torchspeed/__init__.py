@@ -12,6 +12,7 @@ from torchspeed.env import EnvInfo, detect
 from torchspeed.train import *  # noqa: F403
 from torchspeed.train import __all__ as _train_all
 from torchspeed.fitting import fit
+from torchspeed.train.dcp import export_checkpoint
 
 from torchspeed.tune import (BatchSizeResult, LoaderSettings, LRFinderResult, find_batch_size, find_lr,
                              tune_loader)
@@ -23,7 +24,7 @@ from torchspeed.data import (CachedDataset, DeviceAugment, DeviceLoader, FastIma
                              pack_folder)
 
 __version__ = "0.1.0"
-__all__ = ["EnvInfo", "detect", "__version__", "fit", *_train_all,
+__all__ = ["EnvInfo", "detect", "__version__", "fit", "export_checkpoint", *_train_all,
            "find_batch_size", "find_lr", "tune_loader", "BatchSizeResult", "LRFinderResult", "LoaderSettings",
            "remove_conv_bias", "find_conv_bn_pairs", "ConvBNPair", "pad_to_multiple", "PaddingResult",
            "freeze_batchnorm", "apply_activation_checkpointing", "CheckpointWrapper",

@@ -25,7 +25,8 @@ __all__ = ["fit"]
 def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
         optimizer: str | torch.optim.Optimizer = "sgd", lr: float | str = 0.1, weight_decay: float = 5e-4,
         epochs: int = 1, val_loader: Iterable | None = None, device: torch.device | str | None = None,
-        batch_size: int | str | None = None, loader: str | None = None, **config) -> FitResult:
+        batch_size: int | str | None = None, loader: str | None = None, mesh=None,
+        on_checkpoint: Callable[[str, int], object] | None = None, **config) -> FitResult:
     """Train `model` on `train_loader` with every technique that pays on this machine.
 
     Batches may be `(inputs..., target)` tuples, dicts (Hugging Face style), or anything
@@ -36,6 +37,9 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     clip_grad_norm, label_smoothing, schedule, log_every, max_steps, out_dir, ...).
     `batch_size="auto"` (or an int), `lr="auto"` and `loader="auto"` run the tuners first and
     rebuild the DataLoader from its dataset (see `torchspeed.tune.auto`).
+    `parallel="fsdp2"` shards the model (`mesh`: your own DeviceMesh); `on_checkpoint(path, step)`
+    runs on every rank after each checkpoint. Inside a process group that already exists (Ray
+    Train, your own `init_process_group`), `fit` uses it and leaves it alive.
 
     Example:
         >>> result = fit(model, loader, epochs=3, val_loader=val, precision="auto", compile="auto")
@@ -53,6 +57,6 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
                                                device=device, precision=cfg.precision, schedule=cfg.schedule,
                                                distributed=cfg.distributed, progress=cfg.progress)
     trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer, lr=lr,
-                      weight_decay=weight_decay, device=device, config=cfg)
+                      weight_decay=weight_decay, device=device, config=cfg, mesh=mesh, on_checkpoint=on_checkpoint)
     trainer.decisions.update(tuned)
     return trainer.fit(train_loader, epochs=epochs, val_loader=val_loader)

@@ -5,10 +5,10 @@ Each technique lives in its own module as a public function or class: precision 
 optimizers T18/T26 (optim.py), schedules T14/T16/T17 (schedule.py), accumulation and
 clipping T19/T20 (step.py), transfer and prefetch T07 (transfer.py), device-side metrics
 T13 (metrics.py), compile T25 (compile.py), validation T28/T33 (evaluate.py), the NaN/OOM
-guards (guard.py), exact resume (checkpoint.py, sampler.py), DDP T31 (distributed.py), the
-batch contract (batch.py), the progress bar (progress.py). The trainer only decides which
-to switch on and calls them in order, so a reader can follow one training step from top to
-bottom in `train_step`. Every switch is in `TrainConfig` (config.py); `torchspeed.fit`
+guards (guard.py), exact resume (checkpoint.py, sampler.py, dcp.py), DDP and FSDP2 T31
+(distributed.py, fsdp.py), the batch contract (batch.py), the progress bar (progress.py). The
+trainer only decides which to switch on and calls them in order, so a reader can follow one
+training step from top to bottom in `train_step`. Every switch is in `TrainConfig` (config.py); `torchspeed.fit`
 (fitting.py, above this package and the tuners) is the one-call entry point.
 
 Example:
@@ -38,11 +38,12 @@ from torchspeed.train.checkpoint import (CheckpointManager, check_resumable, che
                                          update_best)
 from torchspeed.train.compile import CompileController
 from torchspeed.train.config import TrainConfig, check_reliability_options
-from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object,
-                                          convert_sync_batchnorm, is_rank_zero, maybe_init_distributed,
-                                          reduce_metrics, scale_lr_world_size, unwrap_data_parallel,
-                                          wrap_ddp)
+from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object, is_rank_zero,
+                                          maybe_init_distributed, reduce_metrics, scale_lr_world_size,
+                                          unwrap_data_parallel)
+from torchspeed.train.dcp import ShardedCheckpoints, notify_checkpoint
 from torchspeed.train.evaluate import evaluate
+from torchspeed.train.fsdp import check_optimizer, single_process_group, wrap_parallel
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
 from torchspeed.train.memory_format import apply_channels_last
 from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
@@ -86,7 +87,8 @@ class Trainer:
     def __init__(self, model: nn.Module, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
                  optimizer: str | torch.optim.Optimizer = "sgd", lr: float = 0.1, weight_decay: float = 5e-4,
                  momentum: float = 0.9, device: torch.device | str | None = None,
-                 config: TrainConfig | None = None, caps: DeviceCaps | None = None):
+                 config: TrainConfig | None = None, caps: DeviceCaps | None = None, mesh=None,
+                 on_checkpoint: Callable[[str, int], object] | None = None):
         self.config = cfg = config or TrainConfig()
         self.window = AccumulationWindow(cfg.grad_accum)  # T19: k micro-batches per optimizer step
         if cfg.deterministic:  # bit-identical reruns and resumes (docs/reliability.md); costs speed
@@ -97,6 +99,9 @@ class Trainer:
         check_reliability_options(cfg)
         # T31: under torchrun, a process group from the environment and this rank's device (cuda:LOCAL_RANK).
         self.dist: DistInfo | None = maybe_init_distributed(cfg.distributed, device=device)
+        if self.dist is None and cfg.parallel == "fsdp2":  # FSDP2 and DCP need a group, even of one process
+            self.dist = single_process_group(device)
+        self._prepared = self.sharded = False  # sharded: FSDP2 (fsdp.py), checkpoints in DCP folders (dcp.py)
         self.device = self.dist.device if self.dist is not None else default_device(device)
         self.decisions: dict[str, object] = {}
         # What this device can accelerate: every automatic choice below is a function of it (tests inject it).
@@ -116,11 +121,12 @@ class Trainer:
         if self.channels_last:
             apply_channels_last(self.model)
         self.module = self.model  # the plain module: evaluation, state_dict, checkpoints
-        if self.dist is not None:
-            self.module, self.model = self._wrap_ddp(cfg)
+        if self.dist is not None:  # DDP, or FSDP2 shards (no rank-0 switch trial: a sharded forward is collective)
+            self.module, self.model, self.sharded = wrap_parallel(self.module, cfg, self.dist, precision=prior.precision,
+                                                                  mesh=mesh, decisions=self.decisions)
+            self._prepared = self.sharded
         # T21: autocast, the (fp16-scaled) backward and step, and the GradScaler, in one object.
         self.precision = MixedPrecision(Precision(prior.precision, self.device.type, rules["precision"].reason))
-        self._prepared = False
 
         if loss_fn is None:
             loss_fn = default_loss(cfg.label_smoothing)
@@ -129,6 +135,7 @@ class Trainer:
                              "pass nn.CrossEntropyLoss(label_smoothing=...) as loss_fn instead")
         self.loss_fn, self.step_fn = loss_fn, step_fn
 
+        check_optimizer(optimizer, sharded=self.sharded)
         if isinstance(optimizer, str):
             optimizer = create_optimizer(optimizer, self.model, lr=lr, weight_decay=weight_decay,
                                          momentum=momentum, fused=cfg.fused_optimizer)
@@ -152,25 +159,15 @@ class Trainer:
                                     all_ranks_max=all_reduce_max if self.dist is not None else None)
         self.step = 0        # optimizer steps taken
         self._last_loss = float("nan")
-        self.checkpoints = CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.keep_last) if cfg.checkpoint_dir else None
+        self.checkpoints = ((ShardedCheckpoints if self.sharded else CheckpointManager)(
+            cfg.checkpoint_dir, keep_last=cfg.keep_last) if cfg.checkpoint_dir else None)
+        self.on_checkpoint = on_checkpoint  # (path, step) on every rank after each checkpoint (Ray: report)
         self.last_checkpoint: Path | None = None
         self.resumed_from: Path | None = None
         self.position = DataPosition(keep_rng=self.checkpoints is not None)
         self._steps_per_epoch: int | None = None
         self._history: list[dict] = []
         self._best: dict | None = None
-
-    def _wrap_ddp(self, cfg: TrainConfig) -> tuple[nn.Module, nn.Module]:
-        # DDP last, after .to(device) and channels_last: it broadcasts rank 0's weights now.
-        if cfg.static_graph and cfg.grad_accum > 1:
-            raise ValueError("static_graph=True cannot be combined with grad_accum > 1: DDP's static graph "
-                             "does not support the no_sync() micro-steps; drop static_graph or grad_accum")
-        module, synced = (convert_sync_batchnorm(self.module, device=self.device) if cfg.sync_batchnorm
-                          else (self.module, False))
-        self.decisions["distributed"] = (f"DDP, {self.dist.world_size} processes ({self.dist.backend}), "
-                                         f"gradient_as_bucket_view, static_graph={cfg.static_graph}, "
-                                         f"sync_batchnorm={synced}")
-        return module, wrap_ddp(module, device=self.device, static_graph=cfg.static_graph)
 
     @property
     def skipped(self) -> torch.Tensor:
@@ -368,10 +365,11 @@ class Trainer:
         return bool(self.config.max_steps and self.step >= self.config.max_steps)
 
     # ------------------------------------------------------------------ checkpoints and resume
-    def checkpoint_state(self) -> dict:
+    def checkpoint_state(self, *, weights: bool = True) -> dict:
         """Everything an exact resume needs: weights, optimizer, schedule, scaler, RNGs, data position."""
         return {
-            "format": CHECKPOINT_FORMAT, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "format": CHECKPOINT_FORMAT, "model": self.module.state_dict() if weights else None,
+            "optimizer": self.optimizer.state_dict() if weights else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.precision.state_dict(),
             "rng": capture_rng_state(), **self.position.state_dict(),
@@ -382,13 +380,19 @@ class Trainer:
         }
 
     def save_checkpoint(self, *, best: bool = False) -> Path | None:
-        """Write a checkpoint now (rank 0 only); `best` also writes best.pt. Returns the path."""
-        if self.checkpoints is None or not is_rank_zero():
+        """Write a checkpoint now (rank 0; every rank its shards under FSDP2); `best` also writes best.pt.
+        Returns the path; then `on_checkpoint(path, step)` runs on every rank."""
+        if self.checkpoints is None:
             return None
-        state = self.checkpoint_state()
-        self.last_checkpoint = self.checkpoints.save(state, step=self.step)
-        if best:
-            self.checkpoints.save_best(state)
+        if self.sharded:
+            self.last_checkpoint = self.checkpoints.save(self.module, self.optimizer, self.checkpoint_state(
+                weights=False), step=self.step, best=best)
+        elif is_rank_zero():
+            state = self.checkpoint_state()
+            self.last_checkpoint = self.checkpoints.save(state, step=self.step)
+            if best:
+                self.checkpoints.save_best(state)
+        notify_checkpoint(self.on_checkpoint, self.checkpoints.path_for(self.step), self.step)
         return self.last_checkpoint
 
     def _update_best(self, row: dict) -> bool:
@@ -397,19 +401,24 @@ class Trainer:
 
     def _resume(self, steps_per_epoch: int | None) -> tuple[int, int]:
         """Load the checkpoint `resume` points at; return the (epoch, batch) to continue from."""
-        found = find_resume(self.config.resume, self.checkpoints)
+        found = (ShardedCheckpoints.find(self.config.resume, self.checkpoints, world_size=self.dist.world_size,
+                                         steps_per_epoch=steps_per_epoch) if self.sharded  # any world size
+                 else find_resume(self.config.resume, self.checkpoints))
         if found is None:
             return 0, 0
         state = check_resumable(found, steps_per_epoch=steps_per_epoch, total_steps=self.total_steps,
                                 has_scheduler=self.scheduler is not None)
-        check_state_dict(self.module, state["model"], source=f"checkpoint {found.path}")
         if state.get("switches"):  # the precision, layout and kernels the resumed run trained with
             self.apply_switches(Switches(**state["switches"]))
             self._prepared = True
             self.decisions |= {k: Decision(state["switches"].get(k, "resumed"), "as in the run being resumed")
                                for k in ("precision", "channels_last", "switch_trial")}
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:  # DCP: each rank reads the pieces of its shards
+            ShardedCheckpoints.load(found.path, self.module, self.optimizer)
+        else:
+            check_state_dict(self.module, state["model"], source=f"checkpoint {found.path}")
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state["scaler"])
@@ -429,12 +438,12 @@ class Trainer:
 
     def evaluate(self, loader: Iterable) -> dict:
         # The plain module: a DDP forward would issue collectives that uneven shards could leave waiting.
-        if self.dist is not None:
+        if self.dist is not None and not self.sharded:  # FSDP2: every rank runs the whole set (collective forward)
             loader = shard_loader(loader, for_eval=True)
         out = evaluate(self.module, loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
                        step_fn=self.step_fn, channels_last=self.channels_last, tta=self.config.tta,
                        tta_scales=self.config.tta_scales)
-        if self.dist is not None:
+        if self.dist is not None and not self.sharded:
             n = out["samples"]
             out = {**reduce_metrics({k: v for k, v in out.items() if k != "samples"}, weight=n),
                    "samples": int(all_reduce_sum([n])[0])}
