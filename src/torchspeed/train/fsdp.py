@@ -119,7 +119,8 @@ def single_process_group(device=None):
 def shard_model(model: nn.Module, *, blocks: list[nn.Module], precision: str = "fp32",
                 reshard_after_forward: bool | int = True, mesh=None, cpu_offload: bool = False,
                 checkpoint_blocks: tuple[str, ...] = ()) -> nn.Module:
-    """`fully_shard` on each block, then on the root (in place; build the optimizer afterwards).
+    """`fully_shard` on each block, then on the root (in place; build the optimizer afterwards), after
+    broadcasting rank 0's weights.
 
     `precision` "bf16"/"fp16" sets the parameter dtype for compute with fp32 gradient reduction;
     `checkpoint_blocks` names block classes whose activations are recomputed in backward
@@ -142,6 +143,10 @@ def shard_model(model: nn.Module, *, blocks: list[nn.Module], precision: str = "
         for m in model.modules():
             if type(m).__name__ in wanted:
                 checkpoint(m)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # As DDP does: every rank starts from rank 0's weights (fully_shard keeps each rank's own slice).
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)
     for block in blocks:
         fully_shard(block, **kwargs)
