@@ -93,8 +93,10 @@ class ShardedCheckpoints:
         if best:
             self._write(self.best_path, model, optimizer, extra)
         if is_rank_zero():
-            for old in self.checkpoints()[self.keep_last:]:
-                shutil.rmtree(old, ignore_errors=True)  # only after the new one is renamed into place
+            for old in self.checkpoints()[self.keep_last:]:  # only after the new one is renamed into place
+                gone = old.with_name(f".{old.name}.old")
+                os.replace(old, gone)  # atomic: a kill mid-delete never leaves a half folder under a step name
+                shutil.rmtree(gone, ignore_errors=True)
         return path
 
     def _write(self, final: Path, model: nn.Module, optimizer, extra: dict) -> Path:
@@ -128,7 +130,7 @@ class ShardedCheckpoints:
         if self._cleaned or not self.directory.is_dir():
             return
         self._cleaned = True
-        for p in self.directory.glob(".*.tmp"):  # folders of a run killed mid-save
+        for p in [*self.directory.glob(".*.tmp"), *self.directory.glob(".*.old")]:  # a run killed mid-save
             shutil.rmtree(p, ignore_errors=True)
 
     def read(self, folder: str | os.PathLike) -> FoundCheckpoint:
