@@ -130,3 +130,35 @@ def worker_fit_record(rank: int, out: str, tag: str, options: dict) -> None:
                             checkpoint_dir=f"{out}/ckpt", **{**_fast(), **options})
     torch.save({"seen": seen, "steps": result.steps, "resumed": result.decisions.get("resumed_from")},
                f"{out}/{tag}-rank{rank}.pt")
+
+
+def worker_options(rank: int, out: str) -> None:
+    """One process: activation checkpointing by class and CPU offload train and match the plain FSDP2 step;
+    the errors for a misnamed block class and an optimizer built before sharding."""
+    from torchspeed.train.fsdp import full_state_dict
+
+    x, y = make_data(16)
+    results, errors = {}, {}
+    for name, options in {"plain": {}, "checkpointed": dict(activation_checkpointing=("Block",)),
+                          "offload": dict(cpu_offload=True)}.items():
+        trainer = sharded_trainer(make_block_model(seed=0), **options)
+        recomputed = []
+        trainer.module[1].fc1.register_forward_hook(lambda m, i, o: recomputed.append(torch.is_grad_enabled()))
+        trainer.train_step((x, y))
+        results[name] = {"weights": full_state_dict(trainer.module), "forwards": len(recomputed),
+                         "decision": trainer.decisions["distributed"]}
+    for name, make in {"bad_class": lambda: sharded_trainer(make_block_model(), activation_checkpointing=("Blok",)),
+                       "optimizer": lambda: _optimizer_instance()}.items():
+        try:
+            make()
+        except ValueError as e:
+            errors[name] = str(e)
+    torch.save({"results": results, "errors": errors}, f"{out}/options.pt")
+
+
+def _optimizer_instance():
+    from torchspeed.train.trainer import Trainer
+
+    model = make_block_model()
+    return Trainer(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device="cpu",
+                   config=plain_config(parallel="fsdp2"))

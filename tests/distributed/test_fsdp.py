@@ -12,7 +12,7 @@ from torch import nn
 
 from ddp_helpers import run_ranks
 from fsdp_helpers import (STEPS, make_block_model, make_data, resumable_loader, worker_existing_group,
-                          worker_fit_record, worker_fsdp_steps)
+                          worker_fit_record, worker_fsdp_steps, worker_options)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -103,3 +103,17 @@ def test_resume_from_two_processes_on_one_continues_at_the_same_sample(tmp_path)
     assert one["resumed"] and "step-00000002" in one["resumed"]
     assert one["seen"] == order[16:]
     assert one["steps"] == 2 + 4
+
+
+def test_activation_checkpointing_and_cpu_offload_train_the_same_and_bad_options_fail_clearly(tmp_path):
+    run_ranks(worker_options, str(tmp_path), world=1)
+    r = _load(tmp_path / "options.pt")
+    plain = r["results"]["plain"]
+    assert plain["forwards"] == 1
+    assert r["results"]["checkpointed"]["forwards"] == 2  # the block's forward ran again in backward
+    assert "cpu_offload=True" in r["results"]["offload"]["decision"]
+    for name in ("checkpointed", "offload"):
+        for k, v in plain["weights"].items():
+            assert torch.equal(r["results"][name]["weights"][k], v), (name, k)
+    assert "not module classes of this model" in r["errors"]["bad_class"]
+    assert "pass the optimizer by name" in r["errors"]["optimizer"]
