@@ -21,6 +21,9 @@ def test_find_blocks_picks_the_outermost_repeated_composite_module():
 
     gpt = GPT(n_layer=4, n_embd=32, n_head=2, block_size=16)
     assert find_blocks(gpt) == list(gpt.blocks)
+    # repeated nn.Sequential stages are blocks too
+    staged = nn.Sequential(nn.Linear(2, 4), *[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)])
+    assert find_blocks(staged) == [staged[1], staged[2]]
     # nothing repeats: the root alone is the unit
     assert find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))) == []
 

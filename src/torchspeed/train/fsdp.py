@@ -54,9 +54,8 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     for name, m in model.named_modules():
         if m is model or not any(True for _ in m.children()) or not any(True for _ in m.parameters()):
             continue
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and type(m) in (
-                nn.ModuleList, nn.ModuleDict, nn.Sequential):
-            continue  # containers hold blocks; they are not blocks themselves
+        if type(m) in (nn.ModuleList, nn.ModuleDict):
+            continue  # they hold blocks and have no forward (an nn.Sequential stage can be a block)
         by_class[type(m)].append(m)
     best, best_params = [], 0
     for instances in by_class.values():
