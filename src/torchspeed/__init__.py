@@ -13,6 +13,7 @@ from torchspeed.train import *  # noqa: F403
 from torchspeed.train import __all__ as _train_all
 from torchspeed.fitting import fit
 from torchspeed.inference import LoadedModel, Prediction, load_model, predict
+from torchspeed.train.dcp import export_checkpoint
 
 from torchspeed.tune import (BatchSizeResult, LoaderSettings, LRFinderResult, find_batch_size, find_lr,
                              tune_loader)
@@ -24,8 +25,8 @@ from torchspeed.data import (CachedDataset, DeviceAugment, DeviceLoader, FastIma
                              pack_folder)
 
 __version__ = "0.1.0"
-__all__ = ["EnvInfo", "detect", "__version__", "fit", "load_model", "predict", "LoadedModel", "Prediction",
-           *_train_all,
+__all__ = ["EnvInfo", "detect", "__version__", "fit", "export_checkpoint", "load_model", "predict", "LoadedModel",
+           "Prediction", *_train_all,
            "find_batch_size", "find_lr", "tune_loader", "BatchSizeResult", "LRFinderResult", "LoaderSettings",
            "remove_conv_bias", "find_conv_bn_pairs", "ConvBNPair", "pad_to_multiple", "PaddingResult",
            "freeze_batchnorm", "apply_activation_checkpointing", "CheckpointWrapper",

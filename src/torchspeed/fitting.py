@@ -27,7 +27,8 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
         momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999),
         epochs: int = 1, val_loader: Iterable | None = None, device: torch.device | str | None = None,
         batch_size: int | str | None = None, loader: str | None = None, callbacks: Iterable | None = None,
-        loggers: Iterable | None = None, **config) -> FitResult:
+        loggers: Iterable | None = None, mesh=None, on_checkpoint: Callable[[str, int], object] | None = None,
+        **config) -> FitResult:
     """Train `model` on `train_loader` with every technique that pays on this machine.
 
     Batches may be `(inputs..., target)` tuples, dicts (Hugging Face style), or anything
@@ -43,6 +44,9 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     LARS) and `betas` (AdamW, LAMB) go to the optimizer built from its name.
     `callbacks` (`EarlyStopping`, `EMA`, your own `Callback`s) and `loggers` (Lightning Fabric
     loggers, `TensorBoardLogger`, anything with `log_metrics(metrics, step)`): docs/integrations.md.
+    `parallel="fsdp2"` shards the model (`mesh`: your own DeviceMesh); `on_checkpoint(path, step)`
+    runs on every rank after each checkpoint. Inside a process group that already exists (Ray
+    Train, your own `init_process_group`), `fit` uses it and leaves it alive.
 
     Example:
         >>> result = fit(model, loader, epochs=3, val_loader=val, precision="auto", compile="auto")
@@ -62,6 +66,6 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
                                                distributed=cfg.distributed, progress=cfg.progress)
     trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer, lr=lr,
                       weight_decay=weight_decay, momentum=momentum, betas=betas, device=device, config=cfg,
-                      callbacks=callbacks, loggers=loggers)
+                      callbacks=callbacks, loggers=loggers, mesh=mesh, on_checkpoint=on_checkpoint)
     trainer.decisions.update(tuned)
     return trainer.fit(train_loader, epochs=epochs, val_loader=val_loader)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from torchspeed.cli.launch import torchrun_command
 from torchspeed.cli.main import CLIError
@@ -88,3 +89,22 @@ def test_launch_with_more_processes_than_gpus_fails_with_one_clear_message(tmp_p
                            "python", str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=570)
     assert proc.returncode != 0
     assert f"{n} processes on this machine but {n - 1} GPU(s) visible" in proc.stderr
+
+
+@pytest.mark.timeout(600)
+def test_launch_runs_an_fsdp2_script_with_dcp_checkpoints_and_export(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    script = Path(__file__).parent / "scripts" / "fsdp_fit.py"
+    proc = subprocess.run([sys.executable, "-m", "torchspeed", "launch", "--nproc", "2", "--threads", "1", "--",
+                           "python", str(script), str(tmp_path)], capture_output=True, text=True, timeout=570,
+                          env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert "FSDP2, 2 processes (gloo)" in r0["decisions"]["distributed"]
+    assert r0["decisions"]["fsdp_blocks"].startswith("2 x Sequential + root")
+    # 64 samples / 2 ranks / batch 8 = 4 steps per epoch; a checkpoint at each epoch end, hook on both ranks
+    assert r0["steps"] == r1["steps"] == 8 and r0["checkpoints"] == r1["checkpoints"] == [4, 8]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["best", "step-00000004", "step-00000008"]
+    weights = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert set(weights) == {"0.weight", "0.bias", "1.0.weight", "1.0.bias", "2.0.weight", "2.0.bias",
+                            "3.weight", "3.bias"}

@@ -35,6 +35,8 @@ def register(sub) -> None:
                    help="leave out the hand-written ceiling (its settings search trains every combination)")
     p.add_argument("--nproc", type=int, default=None,
                    help="instead: N DistributedDataParallel processes against 1, as torchrun jobs (T31)")
+    p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp2"],
+                   help="with --nproc: fsdp2 compares memory per process of FSDP2 against DDP (default model gpt)")
     p.add_argument("--target-acc", type=float, default=None,
                    help="time to accuracy: train naive and all until validation accuracy reaches this (0-1; "
                         "default 0.90 with --data digits, off otherwise; 0 switches it off)")
@@ -61,7 +63,10 @@ def run(args) -> int:
     from torchspeed.bench.workloads import check_workload, default_data
 
     # --data digits alone: ResNet-20, the CIFAR-sized net that trains to 90% on them in seconds per seed.
-    args.model = args.model or ("resnet20" if args.data == "digits" else "resnet18")
+    sharding = getattr(args, "parallel", "ddp") == "fsdp2"
+    if sharding and args.nproc is None:
+        raise CLIError("--parallel fsdp2 compares N sharded processes with N DDP processes: add --nproc 2")
+    args.model = args.model or ("gpt" if sharding else "resnet20" if args.data == "digits" else "resnet18")
     from torchspeed.bench.workloads import MODELS
     from torchspeed.model.spec import build_model, is_custom, portable_spec
 
@@ -87,6 +92,10 @@ def run(args) -> int:
     if args.nproc is not None:
         if args.nproc < 2:
             raise CLIError(f"--nproc compares N processes with 1: give N >= 2, got {args.nproc}")
+        if sharding:
+            from torchspeed.bench.sharding import run_sharding_cli
+
+            return run_sharding_cli(args)
         from torchspeed.bench.scaling import run_scaling_cli
 
         try:

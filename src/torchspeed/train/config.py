@@ -3,7 +3,7 @@
 Defaults are torchspeed's automatic choice for this machine; `TrainConfig.naive()` turns
 every technique off (the bench's `naive` row). The technique IDs are in the comments
 (T13 host reads, T14/T16 schedules, T18 fused kernels, T19 accumulation, T20 clipping, T21
-precision, T22 backends, T23 channels_last, T25 compile, T26 set_to_none, T31 DDP, T32
+precision, T22 backends, T23 channels_last, T25 compile, T26 set_to_none, T31 DDP and FSDP2, T32
 label smoothing, T33 test-time augmentation); docs/techniques.md maps each to its module.
 """
 
@@ -52,6 +52,10 @@ class TrainConfig:
     sync_batchnorm: bool = False        # SyncBatchNorm over all ranks (GPUs only; for small per-GPU batches)
     static_graph: bool = False          # DDP static_graph: only if every step uses the same parameters
     scale_lr_world_size: bool = False   # T17: lr x world_size (the global batch is world_size times larger)
+    parallel: str = "auto"              # T31: "ddp" | "fsdp2" (sharded, fsdp.py) | "auto" = DDP while a replica fits
+    reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (one more all-gather)
+    activation_checkpointing: tuple[str, ...] = ()  # FSDP2: recompute these block classes' activations
+    cpu_offload: bool = False           # FSDP2: weights, gradients and optimizer state in host memory
     # Reliability (docs/reliability.md): checkpoints, exact resume, guards.
     checkpoint_dir: str | None = None   # write checkpoints here (atomic, checksummed)
     checkpoint_every: int | None = None  # optimizer steps between checkpoints (None: at each epoch end only)
@@ -82,6 +86,8 @@ def check_reliability_options(cfg: TrainConfig) -> None:
         raise ValueError(f"keep_last must be >= 1, got {cfg.keep_last}")
     if cfg.max_nonfinite is not None and cfg.max_nonfinite < 1:
         raise ValueError(f"max_nonfinite must be >= 1 (or None to switch the check off), got {cfg.max_nonfinite}")
+    if cfg.parallel not in ("auto", "ddp", "fsdp2"):
+        raise ValueError(f"parallel must be 'auto', 'ddp' or 'fsdp2', got {cfg.parallel!r}")
     if cfg.resume == "auto" and not cfg.checkpoint_dir:
         raise ValueError("resume='auto' needs checkpoint_dir: the folder to look for checkpoints in")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():

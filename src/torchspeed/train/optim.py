@@ -56,6 +56,10 @@ def _supports(cls: type, kw: str) -> bool:
     return kw in inspect.signature(cls.__init__).parameters
 
 
+def _is_sharded(params) -> bool:
+    return any(type(p).__name__ == "DTensor" for g in params for p in g["params"])
+
+
 def _device_of(params) -> torch.device:
     for g in params:
         for p in g["params"]:
@@ -80,6 +84,8 @@ def create_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: fl
             kwargs.update(betas=betas)
         dev = _device_of(groups)
         want_fused = fused is True or (fused == "auto" and dev.type in ("cpu", "cuda"))
+        if key == "sgd" and fused == "auto" and _is_sharded(groups):
+            want_fused = False  # FSDP2's DTensor shards have no fused-SGD kernel (AdamW's works)
         if want_fused and _supports(cls, "fused"):
             try:
                 return cls(groups, fused=True, **kwargs)

@@ -5,10 +5,10 @@ Each technique lives in its own module as a public function or class: precision 
 optimizers T18/T26 (optim.py), schedules T14/T16/T17 (schedule.py), accumulation and
 clipping T19/T20 (step.py), transfer and prefetch T07 (transfer.py), device-side metrics
 T13 (metrics.py), compile T25 (compile.py), validation T28/T33 (evaluate.py), the NaN/OOM
-guards (guard.py), exact resume (checkpoint.py, sampler.py), DDP T31 (distributed.py), the
-batch contract (batch.py), the progress bar (progress.py). The trainer only decides which
-to switch on and calls them in order, so a reader can follow one training step from top to
-bottom in `train_step`. Every switch is in `TrainConfig` (config.py); `torchspeed.fit`
+guards (guard.py), exact resume (checkpoint.py, sampler.py, dcp.py), DDP and FSDP2 T31
+(distributed.py, fsdp.py), the batch contract (batch.py), the progress bar (progress.py). The
+trainer only decides which to switch on and calls them in order, so a reader can follow one
+training step from top to bottom in `train_step`. Every switch is in `TrainConfig` (config.py); `torchspeed.fit`
 (fitting.py, above this package and the tuners) is the one-call entry point.
 
 Example:
@@ -39,10 +39,12 @@ from torchspeed.train.checkpoint import (CheckpointManager, check_resumable, che
                                          is_extension)
 from torchspeed.train.compile import CompileController
 from torchspeed.train.config import TrainConfig, check_reliability_options
-from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object,
-                                          is_rank_zero, maybe_init_distributed, reduce_metrics,
-                                          scale_lr_world_size, unwrap_data_parallel, wrap_for_training)
+from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object, is_rank_zero,
+                                          maybe_init_distributed, reduce_metrics, scale_lr_world_size,
+                                          unwrap_data_parallel)
+from torchspeed.train.dcp import ShardedCheckpoints, notify_checkpoint
 from torchspeed.train.evaluate import evaluate
+from torchspeed.train.fsdp import check_optimizer, single_process_group, wrap_parallel
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
 from torchspeed.train.loggers import LoggerCallback
 from torchspeed.train.memory_format import apply_channels_last
@@ -92,7 +94,8 @@ class Trainer(MeasuredSwitches):
                  optimizer: str | torch.optim.Optimizer = "sgd", lr: float = 0.1, weight_decay: float | None = None,
                  momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999), device: torch.device | str | None = None,
                  config: TrainConfig | None = None, caps: DeviceCaps | None = None,
-                 callbacks: Iterable[Callback] | None = None, loggers: Iterable | None = None):
+                 callbacks: Iterable[Callback] | None = None, loggers: Iterable | None = None, mesh=None,
+                 on_checkpoint: Callable[[str, int], object] | None = None):
         self.config = cfg = config or TrainConfig()
         self.window = AccumulationWindow(cfg.grad_accum)  # T19: k micro-batches per optimizer step
         if cfg.deterministic:  # bit-identical reruns and resumes (docs/reliability.md); costs speed
@@ -103,6 +106,9 @@ class Trainer(MeasuredSwitches):
         check_reliability_options(cfg)
         # T31: under torchrun, a process group from the environment and this rank's device (cuda:LOCAL_RANK).
         self.dist: DistInfo | None = maybe_init_distributed(cfg.distributed, device=device)
+        if self.dist is None and cfg.parallel == "fsdp2":  # FSDP2 and DCP need a group, even of one process
+            self.dist = single_process_group(device)
+        self._prepared = self.sharded = False  # sharded: FSDP2 (fsdp.py), checkpoints in DCP folders (dcp.py)
         self.device = self.dist.device if self.dist is not None else default_device(device)
         self.decisions: dict[str, object] = {}
         # What this device can accelerate: every automatic choice below is a function of it (tests inject it).
@@ -122,13 +128,12 @@ class Trainer(MeasuredSwitches):
         if self.channels_last:
             apply_channels_last(self.model)
         self.module = self.model  # the plain module: evaluation, state_dict, checkpoints
-        if self.dist is not None:  # DDP last, after .to(device) and channels_last: it broadcasts rank 0's weights
-            self.module, self.model, self.decisions["distributed"] = wrap_for_training(
-                self.module, dist=self.dist, static_graph=cfg.static_graph, sync_batchnorm=cfg.sync_batchnorm,
-                grad_accum=cfg.grad_accum)
+        if self.dist is not None:  # DDP, or FSDP2 shards (no rank-0 switch trial: a sharded forward is collective)
+            self.module, self.model, self.sharded = wrap_parallel(self.module, cfg, self.dist, precision=prior.precision,
+                                                                  mesh=mesh, decisions=self.decisions)
+            self._prepared = self.sharded
         # T21: autocast, the (fp16-scaled) backward and step, and the GradScaler, in one object.
         self.precision = MixedPrecision(Precision(prior.precision, self.device.type, rules["precision"].reason))
-        self._prepared = False
 
         if loss_fn is None:
             loss_fn = default_loss(cfg.label_smoothing)
@@ -137,6 +142,7 @@ class Trainer(MeasuredSwitches):
                              "pass nn.CrossEntropyLoss(label_smoothing=...) as loss_fn instead")
         self.loss_fn, self.step_fn = loss_fn, step_fn
 
+        check_optimizer(optimizer, sharded=self.sharded)
         if isinstance(optimizer, str):
             optimizer = create_optimizer(optimizer, self.model, lr=lr, weight_decay=weight_decay,
                                          momentum=momentum, betas=betas, fused=cfg.fused_optimizer)
@@ -161,7 +167,9 @@ class Trainer(MeasuredSwitches):
                                     all_ranks_max=all_reduce_max if self.dist is not None else None)
         self.step = 0        # optimizer steps taken
         self._last_loss = float("nan")
-        self.checkpoints = CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.keep_last) if cfg.checkpoint_dir else None
+        self.checkpoints = ((ShardedCheckpoints if self.sharded else CheckpointManager)(
+            cfg.checkpoint_dir, keep_last=cfg.keep_last) if cfg.checkpoint_dir else None)
+        self.on_checkpoint = on_checkpoint  # (path, step) on every rank after each checkpoint (Ray: report)
         self.last_checkpoint: Path | None = None
         self.resumed_from: Path | None = None
         self.position = DataPosition(keep_rng=self.checkpoints is not None)
@@ -172,21 +180,15 @@ class Trainer(MeasuredSwitches):
         self.callbacks = CallbackList([*(callbacks or ()), *([LoggerCallback(loggers)] if loggers else [])])
         self.should_stop = False  # set by request_stop (a callback): the run ends after this step or epoch
 
-    @property
-    def last_loss(self) -> float:
-        """The loss read at the last step divisible by log_every (NaN before): no new device sync."""
-        return self._last_loss
+    last_loss = property(lambda self: self._last_loss, doc="The loss read at the last step divisible by log_every "
+                                                              "(NaN before): no new device sync.")
+    skipped = property(lambda self: self.guard.skipped, doc="Optimizer steps skipped because the loss was NaN/inf "
+                                                            "(a device tensor).")
 
     def request_stop(self, reason: str) -> None:
         """End training after the current step (or epoch); `reason` goes to decisions["stopped"]."""
-        self.should_stop = True
-        self.decisions["stopped"] = reason
+        self.should_stop, self.decisions["stopped"] = True, reason
         log.warning("stopping: %s", reason)
-
-    @property
-    def skipped(self) -> torch.Tensor:
-        """Optimizer steps skipped because the loss was NaN/inf (a device tensor)."""
-        return self.guard.skipped
 
     # ------------------------------------------------------------------ the hot path
     def train_step(self, batch) -> torch.Tensor:
@@ -356,10 +358,11 @@ class Trainer(MeasuredSwitches):
         return bool(self.config.max_steps and self.step >= self.config.max_steps)
 
     # ------------------------------------------------------------------ checkpoints and resume
-    def checkpoint_state(self) -> dict:
+    def checkpoint_state(self, *, weights: bool = True) -> dict:
         """Everything an exact resume needs: weights, optimizer, schedule, scaler, RNGs, data position."""
         return {
-            "format": CHECKPOINT_FORMAT, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "format": CHECKPOINT_FORMAT, "model": self.module.state_dict() if weights else None,
+            "optimizer": self.optimizer.state_dict() if weights else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.precision.state_dict(),
             "rng": capture_rng_state(), **self.position.state_dict(),
@@ -371,32 +374,43 @@ class Trainer(MeasuredSwitches):
         }
 
     def save_checkpoint(self, *, best: bool = False) -> Path | None:
-        """Write a checkpoint now (rank 0 only); `best` also writes best.pt. Returns the path."""
-        if self.checkpoints is None or not is_rank_zero():
+        """Write a checkpoint now (rank 0; every rank its shards under FSDP2); `best` also writes best.pt.
+        Returns the path; then `on_checkpoint(path, step)` runs on every rank."""
+        if self.checkpoints is None:
             return None
-        state = self.checkpoint_state()
-        self.last_checkpoint = self.checkpoints.save(state, step=self.step)
-        if best:
-            self.checkpoints.save_best(self.callbacks.best_state(state))  # EMA: its weights as "model"
+        if self.sharded:
+            self.last_checkpoint = self.checkpoints.save(self.module, self.optimizer, self.checkpoint_state(
+                weights=False), step=self.step, best=best)
+        elif is_rank_zero():
+            state = self.checkpoint_state()
+            self.last_checkpoint = self.checkpoints.save(state, step=self.step)
+            if best:
+                self.checkpoints.save_best(self.callbacks.best_state(state))  # EMA: its weights as "model"
         self.callbacks.on_save(self, self.last_checkpoint)
+        notify_checkpoint(self.on_checkpoint, self.checkpoints.path_for(self.step), self.step)
         return self.last_checkpoint
 
     def _resume(self, steps_per_epoch: int | None) -> tuple[int, int]:
         """Load the checkpoint `resume` points at; return the (epoch, batch) to continue from."""
-        found = find_resume(self.config.resume, self.checkpoints)
+        found = (ShardedCheckpoints.find(self.config.resume, self.checkpoints, world_size=self.dist.world_size,
+                                         steps_per_epoch=steps_per_epoch) if self.sharded  # any world size
+                 else find_resume(self.config.resume, self.checkpoints))
         if found is None:
             return 0, 0
         state = check_resumable(found, steps_per_epoch=steps_per_epoch, total_steps=self.total_steps,
                                 has_scheduler=self.scheduler is not None)
-        weights = state.get("train_model", state["model"])  # best.pt with EMA keeps the training weights there
-        check_state_dict(self.module, weights, source=f"checkpoint {found.path}")
         if state.get("switches"):  # the precision, layout and kernels the resumed run trained with
             self.apply_switches(Switches(**state["switches"]))
             self._prepared = True
             self.decisions |= {k: Decision(state["switches"].get(k, "resumed"), "as in the run being resumed")
                                for k in ("precision", "channels_last", "switch_trial")}
-        self.module.load_state_dict(weights)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:  # DCP: each rank reads the pieces of its shards
+            ShardedCheckpoints.load(found.path, self.module, self.optimizer)
+        else:
+            weights = state.get("train_model", state["model"])  # best.pt with EMA keeps the training weights there
+            check_state_dict(self.module, weights, source=f"checkpoint {found.path}")
+            self.module.load_state_dict(weights)
+            self.optimizer.load_state_dict(state["optimizer"])
         if not (extend := is_extension(state, self.total_steps)) and self.scheduler and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state["scaler"])
@@ -422,13 +436,13 @@ class Trainer(MeasuredSwitches):
 
     def evaluate(self, loader: Iterable) -> dict:
         # The plain module: a DDP forward would issue collectives that uneven shards could leave waiting.
-        if self.dist is not None:
+        if self.dist is not None and not self.sharded:  # FSDP2: every rank runs the whole set (collective forward)
             loader = shard_loader(loader, for_eval=True)
         module = self.callbacks.eval_module(self.module)  # the EMA weights when an EMA callback is on
         out = evaluate(module, loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
                        step_fn=self.step_fn, channels_last=self.channels_last, tta=self.config.tta,
                        tta_scales=self.config.tta_scales)
-        if self.dist is not None:
+        if self.dist is not None and not self.sharded:
             n = out["samples"]
             out = {**reduce_metrics({k: v for k, v in out.items() if k != "samples"}, weight=n),
                    "samples": int(all_reduce_sum([n])[0])}
