@@ -85,7 +85,6 @@ def run_sharding_cli(args) -> int:
     from rich.table import Table
 
     from torchspeed.bench.runner import provenance
-    from torchspeed.cli.main import CLIError
     from torchspeed.env import other_runnable
 
     steps = args.steps or (5 if args.quick else 10)
@@ -94,11 +93,9 @@ def run_sharding_cli(args) -> int:
     console.print(f"[bold]torchspeed bench --nproc {args.nproc} --parallel fsdp2[/]: {args.model} on {args.data}, "
                   f"batch {batch} per process, AdamW, DDP vs FSDP2 (fresh torchrun job each)")
     load = other_runnable()
-    try:
-        result = measure_sharding(nproc=args.nproc, model=args.model, data=args.data, batch_size=batch,
-                                  steps=steps, rounds=args.rounds or 1)
-    except (ValueError, RuntimeError) as e:
-        raise CLIError(str(e)) from e
+    # a ValueError / RuntimeError here reaches the CLI, which prints it as one line (cli/bench.py)
+    result = measure_sharding(nproc=args.nproc, model=args.model, data=args.data, batch_size=batch,
+                              steps=steps, rounds=args.rounds or 1)
     table = Table(title=f"memory per process, {args.nproc} processes")
     for col in ("parallel", "params + grads + AdamW state (MiB)", "peak RSS (MiB)", "peak RSS above base (MiB)",
                 "samples/s"):

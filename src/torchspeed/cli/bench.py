@@ -92,14 +92,11 @@ def run(args) -> int:
     if args.nproc is not None:
         if args.nproc < 2:
             raise CLIError(f"--nproc compares N processes with 1: give N >= 2, got {args.nproc}")
-        if sharding:
-            from torchspeed.bench.sharding import run_sharding_cli
-
-            return run_sharding_cli(args)
         from torchspeed.bench.scaling import run_scaling_cli
+        from torchspeed.bench.sharding import run_sharding_cli
 
         try:
-            return run_scaling_cli(args)
+            return run_sharding_cli(args) if sharding else run_scaling_cli(args)
         except (ValueError, RuntimeError) as e:  # a bad combination or a failed rank: one line, no traceback
             raise CLIError(str(e)) from e
     from rich.console import Console

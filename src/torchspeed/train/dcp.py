@@ -37,7 +37,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torchspeed.train.checkpoint import (CheckpointError, FoundCheckpoint, ResumeMismatchError, _fsync_dir,
