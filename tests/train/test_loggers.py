@@ -99,7 +99,7 @@ def test_builtin_tensorboard_logger_reads_back(tmp_path):
     assert [e.value for e in acc.Scalars("lr")][-1] == pytest.approx(r.final["lr"], rel=1e-6)
     hparams = _hparams(acc)
     assert hparams["config/log_every"] == 6 and hparams["config/checkpoint_dir"] == "None"
-    assert hparams["decisions/optimizer"] == r.decisions["optimizer"]
+    assert hparams["decisions/optimizer"] == str(r.decisions["optimizer"])  # "value (reason)"
     assert acc.Tags()["tensors"] == ["hparams/text_summary"]   # the readable table
 
 
