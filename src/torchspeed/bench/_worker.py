@@ -96,9 +96,6 @@ class _TrainerState(_State):
         cfg = TrainConfig(**spec["train"])
         self.trainer = Trainer(_model(spec), optimizer="sgd", lr=spec["lr"], device=self.device, config=cfg)
         self._it = None
-        # What fit() does before training: measure the switches left on "auto" on this model and these
-        # batches (the bench stands for a long run, so the trial is not skipped as too short).
-        self.trainer.prepare(self.loader)
         # Kept to restart from after the warm-up: every config then trains the same number of steps from
         # the same weights on the same batches, however many steps its warm-up (compile trial) took.
         self._initial = (copy.deepcopy(self.trainer.module.state_dict()),
@@ -114,6 +111,10 @@ class _TrainerState(_State):
         return self.trainer.run_steps(self._it, n)
 
     def warm_up(self, n: int) -> dict:
+        # What fit() does before training: measure the switches left on "auto" on this model and these batches
+        # (the bench stands for a long run: the trial is not skipped as too short). Here, not at set-up: the
+        # configs set up all at once but warm up one at a time, so the trial has the cores to itself.
+        self.trainer.prepare(self.loader)
         total, taken = self.steps(n), n
         while self.trainer.compiler.undecided:  # finish the compile="auto" trial
             total += self.steps(1)
