@@ -87,7 +87,8 @@ def test_bf16_cpu_where_bf16_loses_keeps_fp32(tiny_cnn):
     assert d["channels_last"].value is True and d["fused_optimizer"].value is True
     assert d["switch_trial"].value == "measured" and d["switch_trial"].measured["stages"][0]["chosen"] == \
         "fp32+channels_last+fused"
-    assert fake.calls.count("bf16+channels_last+fused") == 2  # interleaved rounds
+    from torchspeed.train.autoswitch import TRIAL_SETTINGS
+    assert fake.calls.count("bf16+channels_last+fused") == TRIAL_SETTINGS["rounds"]  # interleaved rounds
 
 
 def test_a_half_precision_that_moves_the_loss_is_not_taken(tiny_cnn):
@@ -138,8 +139,10 @@ def test_real_measurement_runs_each_candidate_and_the_second_fit_reads_the_cache
     kw = dict(epochs=1, trial=True, progress=False, compile=False, lr=0.05)
     r1 = torchspeed.fit(tiny_cnn(), _loader(), **kw)
     first = len(steps)
-    assert first >= 2 * 2 and r1.decisions["switch_trial"].value == "measured"
-    assert r1.decisions["switch_trial"].measured["steps"] == first * 3  # warm-up + 2 timed steps per measurement
+    from torchspeed.train.autoswitch import TRIAL_SETTINGS
+    per = TRIAL_SETTINGS["warmup"] + TRIAL_SETTINGS["steps"]  # warm-up + timed steps per measurement
+    assert first >= 2 * TRIAL_SETTINGS["rounds"] and r1.decisions["switch_trial"].value == "measured"
+    assert r1.decisions["switch_trial"].measured["steps"] == first * per
     r2 = torchspeed.fit(tiny_cnn(), _loader(), **kw)
     assert len(steps) == first  # no trial step the second time
     assert r2.decisions["switch_trial"].value == "cached"

@@ -36,7 +36,7 @@ from torchspeed.train.switches import (MIN_RUN_FACTOR, Switches, SwitchTrial, ba
 
 __all__ = ["decide_switches", "rule_choice", "first_batches", "TRIAL_SETTINGS", "MeasuredSwitches"]
 
-TRIAL_SETTINGS = {"rounds": 2, "steps": 2, "warmup": 1}
+TRIAL_SETTINGS = {"rounds": 3, "steps": 3, "warmup": 2}
 
 
 def _generators(loader) -> list[torch.Generator]:
