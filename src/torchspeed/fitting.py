@@ -10,7 +10,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 import torch
@@ -28,7 +28,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
         epochs: int = 1, val_loader: Iterable | None = None, device: torch.device | str | None = None,
         batch_size: int | str | None = None, loader: str | None = None, callbacks: Iterable | None = None,
         loggers: Iterable | None = None, mesh=None, on_checkpoint: Callable[[str, int], object] | None = None,
-        **config) -> FitResult:
+        recipe: str | None = None, recipe_parts: Sequence[str] | None = None, **config) -> FitResult:
     """Train `model` on `train_loader` with every technique that pays on this machine.
 
     Batches may be `(inputs..., target)` tuples, dicts (Hugging Face style), or anything
@@ -47,6 +47,11 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     `parallel="fsdp2"` shards the model (`mesh`: your own DeviceMesh); `on_checkpoint(path, step)`
     runs on every rank after each checkpoint. Inside a process group that already exists (Ray
     Train, your own `init_process_group`), `fit` uses it and leaves it alive.
+    `recipe="auto"` chooses the training recipe on this model and its training batches before
+    training (peak LR and floor from the range test, label smoothing, BatchNorm statistics of the
+    final weights, an EMA on long runs, Muon for AdamW on matrix-heavy models, flip TTA after
+    training; `torchspeed.tune.recipe`, docs/recipe.md). It replaces `lr` (and `lr="auto"`);
+    `recipe_parts` limits it to some parts (e.g. `("bn_stats", "label_smoothing")`).
 
     Example:
         >>> result = fit(model, loader, epochs=3, val_loader=val, precision="auto", compile="auto")
@@ -57,15 +62,73 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
         raise TypeError(f"fit() got unknown option(s) {sorted(unknown)}; "
                         f"valid: {sorted(TrainConfig.__dataclass_fields__)}")
     cfg = replace(cfg, epochs=epochs, **config)
+    if recipe not in (None, "auto"):
+        raise ValueError(f"recipe={recipe!r}: use recipe='auto' (measured on your model) or leave it out")
+    if recipe_parts is not None and recipe is None:
+        raise ValueError("recipe_parts needs recipe='auto'")
     tuned: dict = {}
+    if recipe and lr == "auto":
+        lr = 0.1  # the recipe's range test chooses it, at the final batch size
     if batch_size is not None or lr == "auto" or loader is not None:  # measured on this model and machine first
         train_loader, lr, tuned = tune_for_fit(model, train_loader, batch_size=batch_size, lr=lr, loader=loader,
                                                loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer, weight_decay=weight_decay,
                                                optimizer_options={"momentum": momentum, "betas": betas},
                                                device=device, precision=cfg.precision, schedule=cfg.schedule,
                                                distributed=cfg.distributed, progress=cfg.progress)
+    rec = None
+    if recipe:
+        rec, cfg, optimizer, lr, callbacks = _apply_recipe(model, train_loader, cfg, recipe_parts, optimizer=optimizer,
+                                                           lr=lr, weight_decay=weight_decay, loss_fn=loss_fn,
+                                                           step_fn=step_fn, device=device, callbacks=callbacks,
+                                                           optimizer_options={"momentum": momentum, "betas": betas})
+        tuned.update(rec.decisions)
     trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer, lr=lr,
                       weight_decay=weight_decay, momentum=momentum, betas=betas, device=device, config=cfg,
                       callbacks=callbacks, loggers=loggers, mesh=mesh, on_checkpoint=on_checkpoint)
     trainer.decisions.update(tuned)
-    return trainer.fit(train_loader, epochs=epochs, val_loader=val_loader)
+    result = trainer.fit(train_loader, epochs=epochs, val_loader=val_loader)
+    if rec is not None and "tta" in rec.parts:
+        _after_training(trainer, rec, result, val_loader)
+    return result
+
+
+def _apply_recipe(model, train_loader, cfg: TrainConfig, parts, *, optimizer, lr, weight_decay, loss_fn, step_fn,
+                  device, callbacks, optimizer_options):
+    """Choose the recipe (tune/recipe.py) and fold it into the config, optimizer, LR and callbacks."""
+    from torchspeed.train.sampler import loader_length
+    from torchspeed.tune.recipe import PARTS, choose_recipe
+
+    per_epoch = loader_length(train_loader, max_steps=cfg.max_steps)
+    total = -(-per_epoch // cfg.grad_accum) * cfg.epochs if per_epoch else None
+    total = min(total, cfg.max_steps) if total and cfg.max_steps else (total or cfg.max_steps)
+    rec = choose_recipe(model, train_loader, optimizer=optimizer, lr=float(lr), weight_decay=weight_decay,
+                        optimizer_options=optimizer_options, precision=cfg.precision, loss_fn=loss_fn,
+                        step_fn=step_fn, total_steps=total, schedule=cfg.schedule,
+                        parts=tuple(parts) if parts is not None else PARTS, device=device, progress=cfg.progress)
+    changes = rec.config()
+    if cfg.min_lr is not None:  # the user's own floor wins
+        changes.pop("min_lr", None)
+    if loss_fn is not None:
+        changes.pop("label_smoothing", None)
+    cfg = replace(cfg, **changes)
+    if rec.optimizer and isinstance(optimizer, str):
+        optimizer = rec.optimizer
+    return rec, cfg, optimizer, rec.lr if rec.lr is not None else lr, [*(callbacks or ()), *rec.callbacks()]
+
+
+def _after_training(trainer: Trainer, rec, result: FitResult, val_loader) -> None:
+    """The recipe's after-training part: flip TTA when it scores better on training batches (T33)."""
+    from torchspeed.train.evaluate import evaluate
+    from torchspeed.tune.recipe import choose_tta
+
+    module = trainer.callbacks.eval_module(trainer.module)
+    dec = choose_tta(module, rec.probe, device=trainer.device, precision=trainer.precision,
+                     channels_last=trainer.channels_last)
+    result.decisions["tta"] = trainer.decisions["tta"] = dec
+    if dec.value and trainer.config.tta is None:
+        trainer.config.tta = dec.value
+        if val_loader is not None and result.history:
+            out = evaluate(module, val_loader, device=trainer.device, precision=trainer.precision,
+                           loss_fn=trainer.loss_fn, step_fn=trainer.step_fn, channels_last=trainer.channels_last,
+                           tta=dec.value)
+            result.history[-1]["val_acc_tta"] = out["val_acc"]

@@ -1,55 +1,50 @@
-"""Time to accuracy: how long `naive` and `all` train until validation accuracy reaches a target.
+"""Time to accuracy, measured as record runs are: the shortest step budget that reaches the target on every seed.
 
-The throughput table (runner.py) says how fast one step is; this says whether the speed
-survives to the result. `all` is torchspeed's automatic choice (`TrainConfig()` defaults):
-autocast in the precision this device runs fast (T21), channels_last (T23), torch.compile
-where a measured trial pays and the run is long enough to pay back the compilation (T25),
-fused optimizer kernels (T18), the loss read every 50 steps instead of every step (T13),
-`zero_grad(set_to_none=True)` (T26), and on GPUs the side-stream prefetcher and
-cudnn.benchmark (T07, T12, T22). `naive` (`TrainConfig.naive()`) switches all of them off. A
-speed-up that costs accuracy (a precision that learns slower, say) shows up here as more
-steps to the target.
+The throughput table (runner.py) says how fast one step is; this says how soon the trained
+model is there. Three configs:
 
-Method:
-- **Same recipe.** Per seed both configs start from the same initial weights and see the
-  same batches in the same order; both train with SGD (momentum 0.9, weight decay 5e-4)
-  under the same one-cycle schedule (T14) over the same fixed step budget, same batch size
-  and peak learning rate. Only the speed switches differ. Their float rounding differs too
-  (channels_last and fused kernels sum in another order), and training amplifies it, so per
-  seed the two runs need not take the same number of steps; the seeds average that out.
-- **A step budget caps every run.** The run stops at the first evaluation at or above the
-  target, or when the budget is spent; a target never reached is reported as not reached
-  (time and steps None) with the accuracy the run ended at, never as an endless loop.
-- **The clock runs around the training steps only** (synced on GPUs): data loading, the
-  compile="auto" trial and any compilation count; evaluation does not. On short runs
-  compile="auto" keeps `all` eager without compiling (its short-run rule, train/compile.py).
-- **Evaluation every `eval_every` optimizer steps** on the whole validation set. By default
-  the model trains on as many samples between two evaluations as the validation set holds; a
-  forward costs about a third of a training step, so evaluation adds about a third to the wall
-  time and nothing to the measurement. Steps to target are multiples of `eval_every` (or the
-  budget).
-- **Seeds interleaved, one process per run.** naive seed 0, all seed 0, naive seed 1, ...,
-  so slow drifts of a shared machine hit both alike. Each run is a fresh process started the
-  way the throughput bench starts that config (its allocator, e.g. tcmalloc for `all` where
-  installed, its OpenMP wait policy, passive for `all` on a busy CPU), with its own thread pool
-  and compile cache.
-- **Reported per config:** mean, min, max, standard deviation and median over seeds of the
-  time and steps to target and of the final val_acc, how many seeds reached the target, and
-  the speed-up: naive's mean time over all's (only when every seed of both reached the
-  target), with the per-seed ratios and their median (robust to a burst of other work on a
-  shared machine, which the mean is not).
+- `naive`: today's recipe (SGD momentum 0.9, weight decay 5e-4, one-cycle with a fixed peak
+  LR of 0.1), speed switches off (`TrainConfig.naive()`);
+- `all`: the same recipe, torchspeed's speed switches on (`TrainConfig()` defaults: the
+  measured switch trial, fused kernels, T13 host reads, ...);
+- `auto`: the speed switches on plus the recipe `fit(recipe="auto")` chooses on the training
+  data (tune/recipe.py: peak LR and floor from the range test, label smoothing, BatchNorm
+  statistics of the final weights, flip TTA only where it scores better, ...).
 
-Here "tta" stands for time to accuracy, not test-time augmentation (`TrainConfig.tta`, T33).
+Method (why a budget grid): a one-cycle run's accuracy at step k depends on the schedule's
+length, so "the first evaluation above the target" rewards a long schedule caught mid-way.
+Record runs (airbench, the CIFAR-10 speedruns) instead fix the schedule and report the
+shortest one that ends at the target. So, for each config: train complete runs of a budget
+from the grid `BUDGETS` (the one-cycle's length in optimizer steps), evaluate once at the
+end, and find the shortest budget whose run ends at or above the target on every seed (a
+search over the grid: a budget is rejected as soon as one seed misses, so most rejected
+budgets cost one run). Reported per config and target: that budget, the samples it trains
+(budget x batch), the training time (mean over seeds of the run at that budget; the switch
+trial and any compilation count, evaluation does not), the tuning time (auto: choosing the
+recipe, once per seed, in its own process), and the final accuracy per seed. From these,
+the speed-ups against `all` (samples, training time, and tuning included) and the
+break-even: the run length (in `all`'s training seconds) beyond which auto's tuning has paid
+for itself.
+
+- Nothing of the recipe reads the validation split: it is chosen on training batches alone.
+- Seeds change the initial weights and the batch order; every config sees the same ones.
+- Each run is a fresh process started the way the throughput bench starts that config (its
+  allocator and OpenMP settings), so no state leaks between runs.
+- The search assumes a budget that passes stays passing when it grows (true of these curves
+  up to noise); it reports the budgets it tried and the final accuracy of every run.
+- `ablation=True` adds a leave-one-out row per recipe part that is on (and an add-one row per
+  part that is off): the budget each finds, so what each part saves.
+
+Here "tta" stands for time to accuracy, not test-time augmentation (T33).
 
 Example:
-    >>> res = run_tta(model="resnet20", data="digits", target=0.9, seeds=3)
-    >>> res.summary["all"]["time_to_target_s"]["mean"], res.speedup
+    >>> res = run_tta(model="resnet20", data="digits", targets=(0.97, 0.90), seeds=3)
+    >>> res.targets[0]["configs"]["auto"]["budget_steps"]
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -57,280 +52,448 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from torchspeed.bench.compare import compare_ratios, describe_comparison
+from torchspeed.bench.compare import compare_ratios
 
-__all__ = ["DEFAULT_TARGETS", "DEFAULT_MAX_STEPS", "DEFAULT_LR", "TTARun", "TTAResult", "resolve_target", "run_tta",
-           "attach_tta", "print_tta", "train_to_target"]
+__all__ = ["DEFAULT_TARGETS", "BUDGETS", "CONFIGS", "TTARun", "TTAResult", "resolve_targets", "run_tta",
+           "attach_tta", "print_tta", "train_budget", "shortest_budget"]
 
-# The target `torchspeed bench --data NAME` aims at when --target-acc is not given (no entry: off).
-# ResNet-20 at batch 64 reaches 0.90 on the digits in 56-72 of the 80 steps of the default one-cycle
-# (measured over 3 seeds x naive/all; 0.95-0.97 at that point).
-DEFAULT_TARGETS = {"digits": 0.90}
-# The step budget when not given: the one-cycle schedule's length, and where a run gives up.
-DEFAULT_MAX_STEPS = 80
-DEFAULT_LR = 0.1  # the one-cycle's peak learning rate (SGD, momentum 0.9)
-CONFIGS = ("naive", "all")
+# Targets per dataset, fixed before any tuning: the digits at 0.97, and 0.90 to compare with earlier results.
+DEFAULT_TARGETS = {"digits": (0.97, 0.90)}
+# Step budgets (one-cycle lengths), multiples of 8 then about x1.25.
+BUDGETS = (8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 96, 112, 128, 160, 192, 256, 320, 400)
+START = 80          # where the search starts for naive/all (today's default budget)
+DEFAULT_LR = 0.1    # today's recipe: the one-cycle's peak LR (SGD, momentum 0.9)
+CONFIGS = ("naive", "all", "auto")
 
 
 @dataclass
 class TTARun:
-    """One config, one seed."""
+    """One complete run: one config, one seed, one step budget."""
 
     config: str
     seed: int
-    reached: bool
-    time_to_target_s: float | None   # training seconds until the first evaluation >= target (None: not reached)
-    steps_to_target: int | None
-    val_acc: float                   # at that evaluation, or at the end of the budget when not reached
-    steps: int                       # optimizer steps trained
-    train_s: float                   # training seconds over all of them
-    max_steps: int
-    eval_every: int
-    curve: list = field(default_factory=list)  # [step, training seconds, val_acc] at each evaluation
+    budget: int                  # optimizer steps (the one-cycle's length)
+    val_acc: float | None        # at the end
+    val_loss: float
+    train_s: float               # training seconds (clock around the steps; evaluation off the clock)
+    samples: int
     decisions: dict = field(default_factory=dict)
 
 
 @dataclass
 class TTAResult:
-    target: float
-    seeds: list[int]
-    max_steps: int
-    eval_every: int
+    targets: list                # one entry per (workload, target): see `_target_entry`
     runs: list[TTARun]
-    summary: dict                    # per config: reached, time_to_target_s / steps_to_target / val_acc stats
-    speedup: float | None            # naive mean time / all mean time (every seed of both reached)
-    speedup_runs: list = field(default_factory=list)  # per seed, where both reached
+    recipes: dict                # seed -> the recipe auto chose (with its tuning time)
+    seeds: list[int]
     meta: dict = field(default_factory=dict)
-
-    def message(self) -> str | None:
-        """A sentence for configs that missed the target on some seed (None when all reached it)."""
-        missed = [f"{c} {s['reached']}/{len(self.seeds)} seeds" for c, s in self.summary.items()
-                  if s["reached"] < len(self.seeds)]
-        if not missed:
-            return None
-        return (f"target val_acc {self.target:g} not reached within {self.max_steps} steps by: "
-                + ", ".join(missed) + " (reported as None; lower --target-acc or raise --tta-steps)")
+    ablation: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        interval = compare_ratios(self.speedup_runs) if self.speedup_runs else None
-        return {"target": self.target, "seeds": self.seeds, "max_steps": self.max_steps,
-                "eval_every": self.eval_every, "summary": self.summary, "speedup_naive_over_all": self.speedup,
-                "speedup_runs": self.speedup_runs,
-                "speedup_median": interval["median"] if interval else None,
-                "speedup_interval": interval,
-                "message": self.message(), "meta": self.meta,
-                "runs": [asdict(r) for r in self.runs]}
+        return {"targets": self.targets, "ablation": self.ablation, "seeds": self.seeds, "meta": self.meta,
+                "recipes": self.recipes, "runs": [asdict(r) for r in self.runs]}
 
 
-def resolve_target(data: str, target_acc: float | None, *, off: bool = False) -> float | None:
-    """The target accuracy to run for, or None (off): given, the dataset's default, or off."""
+def resolve_targets(data: str, target_acc: float | None, *, off: bool = False) -> tuple[float, ...]:
+    """The targets to run for (empty: off): the one given, else the dataset's defaults."""
     if off:
-        return None
+        return ()
     if target_acc is None:
-        return DEFAULT_TARGETS.get(data)
+        return tuple(DEFAULT_TARGETS.get(data, ()))
     if not 0.0 <= target_acc <= 1.0:
         raise ValueError(f"--target-acc must be a validation accuracy between 0 and 1 (e.g. 0.9 for 90%), "
                          f"got {target_acc:g}; 0 switches time to accuracy off")
-    return target_acc or None
+    return (target_acc,) if target_acc else ()
+
+
+def _met(run: TTARun, target: float, metric: str) -> bool:
+    if metric == "val_loss":
+        return run.val_loss <= target
+    return run.val_acc is not None and run.val_acc >= target
+
+
+def shortest_budget(passes, budgets=BUDGETS, *, start: int | None = None) -> int | None:
+    """The shortest budget in `budgets` for which `passes(budget)` holds, searching from `start`; None: none.
+
+    Assumes that once a budget passes, longer ones do too. Each budget is asked at most once.
+    """
+    budgets = sorted(budgets)
+    lo, hi = -1, None   # lo: the longest known to fail; hi: the shortest known to pass
+    i = budgets.index(start) if start in budgets else min(len(budgets) - 1, len(budgets) // 2)
+    while True:
+        if passes(budgets[i]):
+            hi = i
+        else:
+            lo = i
+        if hi is None:
+            if lo >= len(budgets) - 1:
+                return None
+            i = lo + max(1, (len(budgets) - 1 - lo) // 3)  # climb: a third of what is left, at least one
+        elif hi - lo <= 1:
+            return budgets[hi]
+        else:
+            i = (lo + hi) // 2
+
+
+class _Search:
+    """Runs (cached) of one config over seeds and budgets; a budget passes when every seed meets the target."""
+
+    def __init__(self, name: str, seeds: list[int], run_one, bar=None):
+        self.name, self.seeds, self.run_one, self.bar = name, seeds, run_one, bar
+        self.runs: dict[tuple[int, int], TTARun] = {}
+        self.missed: list[int] = []  # seeds that missed before go first: a failing budget fails sooner
+
+    def run(self, budget: int, seed: int) -> TTARun:
+        if (budget, seed) not in self.runs:
+            if self.bar is not None:
+                self.bar(f"{self.name}: {budget} steps, seed {seed}")
+            self.runs[budget, seed] = self.run_one(self.name, seed, budget)
+        return self.runs[budget, seed]
+
+    def passes(self, budget: int, target: float, metric: str) -> bool:
+        order = sorted(self.seeds, key=lambda s: s not in self.missed)
+        for s in order:
+            if not _met(self.run(budget, s), target, metric):
+                if s not in self.missed:
+                    self.missed.append(s)
+                return False
+        return True
 
 
 def _stats(values: list[float]) -> dict | None:
     if not values:
         return None
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
-            "std": statistics.stdev(values) if len(values) > 1 else 0.0, "median": statistics.median(values)}
+            "std": statistics.stdev(values) if len(values) > 1 else 0.0}
 
 
-def _summary(runs: list[TTARun], config: str) -> dict:
-    mine = [r for r in runs if r.config == config]
-    hit = [r for r in mine if r.reached]
-    return {"reached": len(hit), "seeds": len(mine),
-            # times and steps: over the seeds that reached the target (see `reached`)
-            "time_to_target_s": _stats([r.time_to_target_s for r in hit]),
-            "steps_to_target": _stats([float(r.steps_to_target) for r in hit]),
-            "val_acc": _stats([r.val_acc for r in mine]),
-            "decisions": mine[0].decisions if mine else {}}
+def _config_entry(search: _Search, budget: int | None, batch: int, tuning: list[float]) -> dict:
+    runs = [search.runs.get((budget, s)) for s in search.seeds] if budget else []
+    tried = sorted({b for b, _ in search.runs})
+    best = max(tried) if tried else None
+    shown = runs if budget else [search.runs.get((best, s)) for s in search.seeds]
+    return {"budget_steps": budget, "samples_to_target": budget * batch if budget else None,
+            "train_time_s": statistics.fmean(r.train_s for r in runs) if budget else None,
+            "train_time_s_runs": [r.train_s for r in runs] if budget else [],
+            "tuning_time_s": statistics.fmean(tuning) if tuning else 0.0,
+            "reached": sum(1 for r in shown if r is not None) if budget else 0,
+            "seeds": len(search.seeds),
+            "val_acc": [r.val_acc if r else None for r in shown],
+            "val_loss": [r.val_loss if r else None for r in shown],
+            "budgets_tried": tried}
 
 
-def run_tta(*, model: str = "resnet20", data: str = "digits", target: float, seeds: int = 3, seed: int = 0,
-            batch_size: int = 64, lr: float = DEFAULT_LR, max_steps: int | None = None,
-            eval_every: int | None = None, device: str | None = None, compile: bool = True,
-            train_size: int | None = None, val_size: int | None = None, image_size: int = 32,
-            busy: bool | None = None, progress: bool = True) -> TTAResult:
-    """Train naive and all to `target` val_acc on `seeds` seeds, interleaved, each run in its own process.
+def _target_entry(workload: str, target: float, metric: str, searches: dict, budgets: dict, batch: int,
+                  tuning: dict) -> dict:
+    configs = {name: _config_entry(s, budgets[name], batch, tuning.get(name, [])) for name, s in searches.items()}
+    entry = {"workload": workload, "target": target, "metric": metric, "configs": configs}
+    a, b = configs.get("all"), configs.get("auto")
+    if a and b and a["budget_steps"] and b["budget_steps"]:
+        ratios = [x / y for x, y in zip(a["train_time_s_runs"], b["train_time_s_runs"])]
+        saved = a["train_time_s"] - b["train_time_s"]
+        tuned = b["tuning_time_s"] + b["train_time_s"]
+        entry["auto_vs_all"] = {
+            "samples": a["samples_to_target"] / b["samples_to_target"],
+            "train_time": a["train_time_s"] / b["train_time_s"],
+            "train_time_interval": compare_ratios(ratios),
+            "tuning_included": a["train_time_s"] / tuned,
+            # auto's tuning pays for itself on runs longer than this many seconds of all's training
+            "break_even_all_train_s": (b["tuning_time_s"] / (saved / a["train_time_s"])) if saved > 0 else None,
+        }
+    n = configs.get("naive")
+    if a and n and a["budget_steps"] and n["budget_steps"]:
+        entry["all_vs_naive"] = {"train_time": n["train_time_s"] / a["train_time_s"],
+                                 "samples": n["samples_to_target"] / a["samples_to_target"]}
+    return entry
 
-    `max_steps` (None: DEFAULT_MAX_STEPS) is the one-cycle schedule's length and the most a run
-    trains; `lr` is its peak. `eval_every` None: the validation set's size in training samples.
-    `busy`: whether other jobs share the cores, which decides how `all` starts (runner.bench_configs);
-    None measures it (CPU), as the throughput bench does; pass the throughput bench's answer to match it.
+
+def run_tta(*, model: str = "resnet20", data: str = "digits", targets: tuple[float, ...] = (0.97, 0.90),
+            metric: str = "val_acc", seeds: int = 3, seed: int = 0, batch_size: int = 64, lr: float | None = None,
+            optimizer: str | None = None, configs: tuple[str, ...] = CONFIGS, budgets: tuple[int, ...] = BUDGETS,
+            start: int = START, device: str | None = None, compile: bool = True, train_size: int | None = None,
+            val_size: int | None = None, image_size: int = 32, busy: bool | None = None, ablation: bool = False,
+            target_from: str | None = None, progress: bool = True) -> TTAResult:
+    """The shortest budget to each target per config (see the module docstring).
+
+    `metric` "val_acc" (reach >= target) or "val_loss" (reach <= target). `target_from`="all"
+    with `metric="val_loss"` and no targets: the target is the worst final validation loss
+    `all` reaches over the seeds at budget `start` (its default budget).
     """
-    import torch
-
     from torchspeed.bench.runner import bench_configs, machine_busy, provenance
     from torchspeed.env import default_device
 
-    if not 0.0 < target <= 1.0:
-        raise ValueError(f"target must be a validation accuracy in (0, 1], got {target}")
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
-    for name, v in (("max_steps", max_steps), ("eval_every", eval_every), ("batch_size", batch_size)):
-        if v is not None and v < 1:
-            raise ValueError(f"{name} must be positive, got {v}")
-    max_steps = max_steps or DEFAULT_MAX_STEPS
+    if metric not in ("val_acc", "val_loss"):
+        raise ValueError(f"metric must be 'val_acc' or 'val_loss', got {metric!r}")
+    for t in targets:
+        if metric == "val_acc" and not 0.0 < t <= 1.0:
+            raise ValueError(f"target must be a validation accuracy in (0, 1], got {t}")
+    if not targets and target_from != "all":
+        raise ValueError("give at least one target (or target_from='all' for a validation loss)")
+    bad = set(configs) - set(CONFIGS)
+    if bad:
+        raise ValueError(f"unknown time-to-accuracy config(s) {sorted(bad)}; choose from {', '.join(CONFIGS)}")
     dev = default_device(device or None)
     if busy is None:
         busy = machine_busy()[0] if dev.type == "cpu" else False
-    chosen = {c.name: c for c in bench_configs(dev, compile=compile, hand=False, busy=busy) if c.name in CONFIGS}
+    by_name = {c.name: c for c in bench_configs(dev, compile=compile, hand=False, busy=busy)}
+    proc_cfg = {"naive": by_name["naive"], "all": by_name["all"], "auto": by_name["all"]}
     if train_size is None:
         train_size = 2048 if image_size < 64 else 4 * batch_size
     if val_size is None:
         val_size = 1024 if image_size < 64 else 2 * batch_size
+    text = data == "text"
+    optimizer = optimizer or ("adamw" if text else "sgd")
+    lr = lr if lr is not None else (3e-3 if text else DEFAULT_LR)
     base = {"model": model, "data": data, "batch_size": batch_size, "train_size": train_size, "val_size": val_size,
-            "lr": lr, "data_seed": seed, "device": str(dev), "image_size": image_size, "target": target,
-            "max_steps": max_steps, "eval_every": eval_every}
+            "lr": lr, "optimizer": optimizer, "data_seed": seed, "device": str(dev), "image_size": image_size}
     seed_list = [seed + i for i in range(seeds)]
 
     from rich.progress import Progress
 
-    runs: list[TTARun] = []
+    recipes: dict[int, dict] = {}
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("time to accuracy", total=len(seed_list) * len(CONFIGS))
-        for s in seed_list:
-            for name in CONFIGS:
-                bar.update(task, description=f"time to accuracy {target:g}: {name}, seed {s}")
-                runs.append(_run_process(chosen[name], base | {"seed": s}))
-                bar.advance(task)
-    summary = {name: _summary(runs, name) for name in CONFIGS}
-    by = {(r.config, r.seed): r for r in runs}
-    pairs = [(by["naive", s], by["all", s]) for s in seed_list]
-    ratios = [n.time_to_target_s / a.time_to_target_s for n, a in pairs if n.reached and a.reached]
-    every = all(summary[c]["reached"] == len(seed_list) for c in CONFIGS)
-    speedup = (summary["naive"]["time_to_target_s"]["mean"] / summary["all"]["time_to_target_s"]["mean"]
-               if every else None)
+        task = bar.add_task("time to accuracy", total=None)
+
+        def say(what: str) -> None:
+            bar.update(task, description=f"time to accuracy: {what}")
+            bar.advance(task)
+
+        if "auto" in configs:  # the recipe, chosen once per seed on the training data (its time is tuning time)
+            for s in seed_list:
+                say(f"auto: choosing the recipe, seed {s}")
+                recipes[s] = _process(proc_cfg["auto"], base | {"mode": "choose", "seed": s, "config": "auto"})
+
+        def run_one(name: str, s: int, budget: int, parts: tuple | None = None) -> TTARun:
+            spec = base | {"mode": "train", "config": name, "seed": s, "budget": budget}
+            if name == "auto" or parts is not None:
+                spec["recipe"] = recipes[s]["recipe"]
+                spec["parts"] = list(parts) if parts is not None else None
+            return TTARun(**_process(proc_cfg["auto" if parts is not None else name], spec)["run"])
+
+        searches = {name: _Search(name, seed_list, run_one, say) for name in configs}
+        if not targets:  # the target is what `all` reaches in its default budget
+            ref = searches.get("all") or next(iter(searches.values()))
+            finals = [ref.run(start, s) for s in seed_list]
+            targets = (max(r.val_loss for r in finals),) if metric == "val_loss" else (min(r.val_acc for r in finals),)
+        order = sorted(targets, reverse=metric == "val_acc")  # the hardest first: the others start from it
+        found: dict[float, dict[str, int | None]] = {}
+        for t in order:
+            found[t] = {}
+            for name, srch in searches.items():
+                hint = next((found[p][name] for p in reversed(list(found)) if found[p].get(name)), None)
+                if hint is None and name == "auto" and "all" in found[t] and found[t]["all"]:
+                    hint = _nearest(budgets, found[t]["all"] // 2)
+                found[t][name] = shortest_budget(lambda b, srch=srch, t=t: srch.passes(b, t, metric), budgets,
+                                                 start=hint or start)
+        ablation_rows: list = []
+        if ablation and "auto" in searches and recipes:
+            ablation_rows = _ablation(recipes, seed_list, run_one, budgets, order[0], metric,
+                                      found[order[0]].get("auto"), batch_size, say)
+    tuning = {"auto": [r["tuning_s"] for r in recipes.values()]}
+    workload = f"{model} on {data}"
+    entries = [_target_entry(workload, t, metric, searches, found[t], batch_size, tuning) for t in targets]
+    runs = [r for s in searches.values() for r in s.runs.values()]
     meta = provenance() | {"model": model, "data": data, "batch_size": batch_size, "lr_peak": lr,
-                           "schedule": "onecycle", "optimizer": "SGD momentum 0.9, weight decay 5e-4",
-                           "image_size": image_size, "train_size": runs[0].decisions.get("train_samples"),
-                           "val_size": runs[0].decisions.get("val_samples"), "torch_threads": torch.get_num_threads(),
-                           "busy": busy}
-    return TTAResult(target=target, seeds=seed_list, max_steps=runs[0].max_steps, eval_every=runs[0].eval_every,
-                     runs=runs, summary=summary, speedup=speedup, speedup_runs=ratios, meta=meta)
+                           "optimizer": optimizer, "schedule": "onecycle", "budgets": list(budgets),
+                           "image_size": image_size, "busy": busy, "metric": metric}
+    return TTAResult(targets=entries, runs=runs, recipes={str(k): v for k, v in recipes.items()}, seeds=seed_list,
+                     meta=meta, ablation=ablation_rows)
+
+
+def _nearest(budgets, b: int) -> int:
+    return min(budgets, key=lambda x: abs(x - b))
+
+
+def _ablation(recipes: dict, seeds: list[int], run_one, budgets, target: float, metric: str, auto_budget: int | None,
+              batch: int, say) -> list:
+    """Leave one part out (parts auto turned on) or add one (parts it left off): the budget each needs."""
+    from torchspeed.tune.recipe import PARTS
+
+    first = next(iter(recipes.values()))["recipe"]
+    on = [p for p in first.get("on", [])]
+    rows = []
+    for part in PARTS:
+        if part in ("muon",):  # only for AdamW on matrix-heavy models: nothing to leave out here
+            continue
+        kind = "without" if part in on else "with"
+        parts = tuple(p for p in on if p != part) if kind == "without" else (*on, part)
+        srch = _Search(f"auto {kind} {part}", seeds, lambda name, s, b, parts=parts: run_one("auto", s, b, parts),
+                       say)
+        b = shortest_budget(lambda x: srch.passes(x, target, metric), budgets, start=auto_budget or START)
+        row = {"variant": f"{kind} {part}", "part": part, "budget_steps": b,
+               "samples_to_target": b * batch if b else None,
+               "steps_vs_auto": (b / auto_budget) if b and auto_budget else None,
+               "val_acc": {str(k): v.val_acc for k, v in srch.runs.items()}}
+        if b and auto_budget:
+            pairs = [(srch.runs.get((b, s)), None) for s in seeds]
+            row["train_time_s"] = statistics.fmean(r.train_s for r, _ in pairs if r)
+        rows.append(row)
+    return rows
 
 
 def attach_tta(result, tta: TTAResult) -> None:
-    """Put the time-to-accuracy numbers on the naive and all rows of a BenchResult and add its `tta` section."""
+    """Put the first target's numbers on the naive and all rows of a BenchResult and add the `tta` section."""
+    first = tta.targets[0] if tta.targets else None
     for row in result.rows:
-        s = tta.summary.get(row.config)
-        if s is None:
+        c = first["configs"].get(row.config) if first else None
+        if c is None:
             continue
-        mine = [r for r in tta.runs if r.config == row.config]
-        every = s["reached"] == s["seeds"]
-        row.rounds_val_acc = row.val_acc
-        row.val_acc = s["val_acc"]["mean"]
-        row.time_to_target_s = s["time_to_target_s"]["mean"] if every else None
-        row.steps_to_target = s["steps_to_target"]["mean"] if every else None
-        row.time_to_target_s_runs = [r.time_to_target_s for r in mine]
-        row.steps_to_target_runs = [r.steps_to_target for r in mine]
-        row.val_acc_runs = [r.val_acc for r in mine]
+        row.time_to_target_s = c["train_time_s"]
+        row.steps_to_target = c["budget_steps"]
+        row.val_acc_runs = c["val_acc"]
     result.tta = tta.to_dict()
 
 
 def print_tta(console, tta: TTAResult) -> None:
-    """The "time to accuracy" table: per config, mean [min-max] over seeds; then the naive/all ratio."""
+    """One table per target: budget, samples, training time, tuning time, final accuracy per config."""
     from rich.table import Table
 
     m = tta.meta
-    table = Table(title=f"time to accuracy: val_acc >= {tta.target:g} ({m.get('model')} on {m.get('data')}, "
-                        f"batch {m.get('batch_size')}, {len(tta.seeds)} seeds, one-cycle over {tta.max_steps} "
-                        f"steps, evaluated every {tta.eval_every}; evaluation off the clock)")
-    for col in ("config", "reached", "time to target (s)", "steps to target", "val acc", "speed-up"):
-        table.add_column(col, justify="left" if col == "config" else "right")
-
-    def cell(stats: dict | None, fmt: str) -> str:
-        if stats is None:
-            return "not reached"
-        return f"{stats['mean']:{fmt}} [{stats['min']:{fmt}}-{stats['max']:{fmt}}]"
-
-    for name, s in tta.summary.items():
-        speed = "1.00x" if name == "naive" else "-" if tta.speedup is None else f"{tta.speedup:.2f}x"
-        table.add_row(name, f"{s['reached']}/{s['seeds']}", cell(s["time_to_target_s"], ".1f"),
-                      cell(s["steps_to_target"], ".0f"), cell(s["val_acc"], ".3f"), speed,
-                      style="bold red" if name == "all" else None)
-    console.print(table)
-    if tta.message():
-        console.print(f"[yellow]{tta.message()}[/]")
-    elif tta.speedup is not None:
-        cmp = compare_ratios(tta.speedup_runs)
-        console.print(f"[bold]time to accuracy: all {tta.speedup:.2f}x naive[/] (naive's mean time over all's; "
-                      "per seed: " + ", ".join(f"{r:.2f}x" for r in tta.speedup_runs)
-                      + f"; median {cmp['median']:.2f}x): "
-                      + describe_comparison(cmp, candidate="all", baseline="naive") + f" in time to {tta.target:g}")
+    for e in tta.targets:
+        better = "<=" if e["metric"] == "val_loss" else ">="
+        table = Table(title=f"time to {e['metric']} {better} {e['target']:.4g}: {e['workload']}, batch "
+                            f"{m.get('batch_size')}, {len(tta.seeds)} seeds; the shortest one-cycle budget that ends "
+                            "there on every seed")
+        for col in ("config", "budget (steps)", "samples", "train time (s)", "tuning (s)", e["metric"] + " per seed"):
+            table.add_column(col, justify="left" if col == "config" else "right")
+        for name, c in e["configs"].items():
+            vals = ", ".join("-" if v is None else f"{v:.3f}" for v in c[e["metric"]])
+            if c["budget_steps"] is None:
+                table.add_row(name, f"not reached (<= {max(c['budgets_tried'])})", "-", "-", "-", vals)
+                continue
+            table.add_row(name, str(c["budget_steps"]), f"{c['samples_to_target']:,}", f"{c['train_time_s']:.1f}",
+                          f"{c['tuning_time_s']:.1f}", vals, style="bold red" if name == "auto" else None)
+        console.print(table)
+        av = e.get("auto_vs_all")
+        if av:
+            iv = av["train_time_interval"]
+            be = av["break_even_all_train_s"]
+            console.print(f"[bold]auto vs all[/]: {av['samples']:.2f}x fewer samples, {av['train_time']:.2f}x less "
+                          f"training time (per seed {iv['low']:.2f}-{iv['high']:.2f}), {av['tuning_included']:.2f}x "
+                          "with the recipe's tuning included"
+                          + (f"; the tuning pays for itself on runs over {be:.0f} s of all's training" if be else ""))
+    for row in tta.ablation:
+        console.print(f"ablation: auto {row['variant']}: budget {row['budget_steps'] or 'not reached'}"
+                      + (f" ({row['steps_vs_auto']:.2f}x auto's steps)" if row.get("steps_vs_auto") else ""))
 
 
 # ---------------------------------------------------------------------- one run, in its own process
-def _run_process(cfg, spec: dict) -> TTARun:
+def _process(cfg, spec: dict) -> dict:
     from torchspeed.bench._worker import PREFIX
     from torchspeed.bench.runner import config_env
 
-    spec = spec | {"config": cfg.name, "train": asdict(replace(cfg.train, schedule="onecycle")),
-                   "num_workers": cfg.num_workers}
+    spec = spec | {"train": asdict(replace(cfg.train, schedule="onecycle")), "num_workers": cfg.num_workers}
     proc = subprocess.run([sys.executable, "-m", "torchspeed.bench.tta"], input=json.dumps(spec) + "\n",
                           capture_output=True, text=True, env=config_env(cfg))
+    what = f"time to accuracy, config {spec['config']!r} seed {spec['seed']}" + (
+        f" budget {spec['budget']}" if "budget" in spec else "")
     for line in proc.stdout.splitlines():
         if line.startswith(PREFIX):
             reply = json.loads(line[len(PREFIX):])
             if not reply.get("ok"):
-                raise RuntimeError(f"time to accuracy, config {cfg.name!r} seed {spec['seed']} failed: "
-                                   f"{reply.get('error')}\n{reply.get('traceback', '')}")
-            return TTARun(**reply["run"])
+                raise RuntimeError(f"{what} failed: {reply.get('error')}\n{reply.get('traceback', '')}")
+            return reply
     tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-    raise RuntimeError(f"time to accuracy, config {cfg.name!r} seed {spec['seed']}: its process exited "
-                       f"(code {proc.returncode})\n{tail}")
+    raise RuntimeError(f"{what}: its process exited (code {proc.returncode})\n{tail}")
 
 
-def train_to_target(spec: dict) -> TTARun:
-    """Train one config from `spec` until val_acc >= spec['target'] or the step budget is spent."""
+def _setup(spec: dict):
     from torchspeed.bench._worker import _data, _model
-    from torchspeed.env import allocator_in_use
-    from torchspeed.train.trainer import Trainer, TrainConfig
 
     loader, val_loader, device = _data(spec)
-    steps_per_epoch = len(loader)
-    if steps_per_epoch < 1:
+    if len(loader) < 1:
         raise ValueError(f"the training set has fewer samples than one batch of {spec['batch_size']}")
-    max_steps = spec.get("max_steps") or DEFAULT_MAX_STEPS
-    eval_every = spec.get("eval_every") or max(1, math.ceil(len(val_loader.dataset) / spec["batch_size"]))
-    cfg = replace(TrainConfig(**spec["train"]), max_steps=max_steps, grad_accum=1)
-    trainer = Trainer(_model(spec), optimizer="sgd", lr=spec["lr"], device=device, config=cfg)
-    trainer.setup_schedule(None, 1)     # one-cycle over max_steps optimizer steps
-    trainer.compiler.plan(max_steps)    # compile="auto": its short-run rule sees the whole budget
+    return loader, val_loader, device, _model(spec)
+
+
+def choose(spec: dict) -> dict:
+    """Choose auto's recipe for one seed on the training data (no validation set is built here)."""
+    from torchspeed.bench._worker import _data, _model
+    from torchspeed.tune.recipe import choose_recipe
+
+    t0 = time.perf_counter()
+    loader, _, device = _data(spec)  # its validation loader is never read
+    model = _model(spec)
+    rec = choose_recipe(model, loader, optimizer=spec["optimizer"], lr=spec["lr"],
+                        precision=spec["train"]["precision"], device=device, progress=False)
+    d = rec.to_dict()
+    d["on"] = [p for p in rec.parts if _part_on(rec, p)]
+    return {"recipe": d, "tuning_s": time.perf_counter() - t0}
+
+
+def _part_on(rec, part: str) -> bool:
+    return {"lr": rec.lr is not None and "lr" in rec.parts, "label_smoothing": rec.label_smoothing > 0,
+            "bn_stats": rec.bn_stats, "ema": rec.ema_decay is not None, "tta": "tta" in rec.parts,
+            "muon": rec.optimizer == "muon"}.get(part, False)
+
+
+def train_budget(spec: dict) -> TTARun:
+    """One complete run of spec['budget'] optimizer steps (one-cycle over them); evaluated once, at the end."""
+    from torchspeed.env import allocator_in_use
+    from torchspeed.train.trainer import Trainer, TrainConfig
+    from torchspeed.tune.recipe import Recipe, choose_tta, probe_batches
+
+    loader, val_loader, device, model = _setup(spec)
+    budget = int(spec["budget"])
+    cfg = replace(TrainConfig(**spec["train"]), max_steps=budget, grad_accum=1, progress=False)
+    optimizer, lr, callbacks, rec = spec["optimizer"], spec["lr"], [], None
+    if spec.get("recipe"):
+        rec = Recipe.from_dict(spec["recipe"])
+        parts = spec.get("parts")
+        if parts is not None:  # the ablation: the recipe with some parts left out or put in
+            rec = _with_parts(rec, tuple(parts), spec)
+        cfg = replace(cfg, **rec.config())
+        lr = rec.lr if rec.lr is not None else lr
+        optimizer = rec.optimizer or optimizer
+        callbacks = rec.callbacks()
+    trainer = Trainer(model, optimizer=optimizer, lr=lr, device=device, config=cfg, callbacks=callbacks)
+    trainer.setup_schedule(None, 1)       # one-cycle over the budget
+    trainer.compiler.plan(budget)         # compile="auto": its short-run rule sees the whole budget
 
     def batches():
         while True:
             yield from trainer.batches(loader)
 
     t0 = time.perf_counter()
-    trainer.prepare(loader, remaining_steps=max_steps)  # what fit() does first; its time counts
-    it, clock, curve = batches(), time.perf_counter() - t0, []
-    reached_at = None
-    while trainer.step < max_steps:
-        clock += trainer.run_steps(it, min(eval_every, max_steps - trainer.step))  # synced
-        acc = trainer.evaluate(val_loader)["val_acc"]                              # off the clock
-        if acc is None:
-            raise ValueError(f"model {spec['model']!r} on {spec['data']!r} reports no accuracy: time to "
-                             "accuracy needs a classification workload")
-        curve.append([trainer.step, clock, acc])
-        if acc >= spec["target"]:
-            reached_at = curve[-1]
-            break
+    trainer.prepare(loader, remaining_steps=budget)  # what fit() does first; its time counts
+    it, clock = batches(), time.perf_counter() - t0
+    with trainer.callbacks.running(trainer):
+        while trainer.step < budget:
+            clock += trainer.run_steps(it, 1)
+            trainer.callbacks.on_step_end(trainer)
+    tta = None
+    if rec is not None and "tta" in rec.parts:  # decided on training batches, on the clock
+        t1 = time.perf_counter()
+        module = trainer.callbacks.eval_module(trainer.module)
+        dec = choose_tta(module, probe_batches(loader), device=device, precision=trainer.precision,
+                         channels_last=trainer.channels_last)
+        tta = dec.value
+        trainer.config.tta = tta
+        trainer.decisions["tta"] = dec
+        clock += time.perf_counter() - t1
+    out = trainer.evaluate(val_loader)    # off the clock
     decisions = {k: str(v) for k, v in trainer.decisions.items()}
     decisions |= {"allocator": allocator_in_use(), "num_workers": loader.num_workers,
                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default (spin, then sleep)"),
                   "train_samples": len(loader.dataset), "val_samples": len(val_loader.dataset)}
-    last = curve[-1]
-    return TTARun(config=spec["config"], seed=spec["seed"], reached=reached_at is not None,
-                  time_to_target_s=reached_at[1] if reached_at else None,
-                  steps_to_target=reached_at[0] if reached_at else None, val_acc=last[2], steps=last[0],
-                  train_s=last[1], max_steps=max_steps, eval_every=eval_every, curve=curve, decisions=decisions)
+    return TTARun(config=spec["config"], seed=spec["seed"], budget=budget, val_acc=out["val_acc"],
+                  val_loss=out["val_loss"], train_s=clock, samples=budget * spec["batch_size"], decisions=decisions)
+
+
+def _with_parts(rec, parts: tuple, spec: dict):
+    """The recipe with only `parts` on; a part put in that auto had off gets its usual setting."""
+    from torchspeed.tune.recipe import LABEL_SMOOTHING
+
+    return replace(rec, parts=parts,
+                   lr=rec.lr if "lr" in parts else spec["lr"],
+                   min_lr=rec.min_lr if "lr" in parts else None,
+                   label_smoothing=(rec.label_smoothing or LABEL_SMOOTHING) if "label_smoothing" in parts else 0.0,
+                   bn_stats="bn_stats" in parts,
+                   ema_decay=(rec.ema_decay or round(min(0.9999, max(0.5, 1 - 5 / int(spec["budget"]))), 4))
+                   if "ema" in parts else None,
+                   optimizer=rec.optimizer if "muon" in parts else None)
 
 
 def main() -> int:
@@ -338,10 +501,11 @@ def main() -> int:
 
     spec = json.loads(sys.stdin.readline())
     try:
-        t0 = time.perf_counter()
-        run = train_to_target(spec)
-        _reply({"ok": True, "run": asdict(run), "process_s": time.perf_counter() - t0})
-    except Exception as e:  # reported to the parent, which names the config and seed that failed
+        if spec.get("mode") == "choose":
+            _reply({"ok": True} | choose(spec))
+        else:
+            _reply({"ok": True, "run": asdict(train_budget(spec))})
+    except Exception as e:  # reported to the parent, which names the config, seed and budget that failed
         import traceback
 
         _reply({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})

@@ -38,15 +38,17 @@ def register(sub) -> None:
     p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp2"],
                    help="with --nproc: fsdp2 compares memory per process of FSDP2 against DDP (default model gpt)")
     p.add_argument("--target-acc", type=float, default=None,
-                   help="time to accuracy: train naive and all until validation accuracy reaches this (0-1; "
-                        "default 0.90 with --data digits, off otherwise; 0 switches it off)")
+                   help="time to accuracy: the validation accuracy naive, all and auto must end at (0-1; default "
+                        "0.97 and 0.90 with --data digits, off otherwise; 0 switches it off)")
+    p.add_argument("--target-loss", default=None,
+                   help="time to a validation loss instead (language models): a number, or 'all' for the loss all "
+                        "reaches in its default budget")
     p.add_argument("--no-tta", action="store_true", help="skip time to accuracy (as --target-acc 0)")
     p.add_argument("--seeds", type=int, default=3, help="time to accuracy: seeds per config (default 3)")
-    p.add_argument("--tta-steps", type=int, default=None,
-                   help="time to accuracy: step budget per run, the one-cycle schedule's length (default 80)")
-    p.add_argument("--eval-every", type=int, default=None,
-                   help="time to accuracy: optimizer steps between evaluations (default: the validation set's size "
-                        "in training samples)")
+    p.add_argument("--tta-configs", default="naive,all,auto",
+                   help="time to accuracy: which of naive, all, auto to run (default all three)")
+    p.add_argument("--ablation", action="store_true",
+                   help="time to accuracy: also leave each recipe part out (or add it) and find its budget")
     p.set_defaults(func=run)
 
 
@@ -57,7 +59,7 @@ def run(args) -> int:
         raise CLIError(f"--steps must be positive, got {args.steps}")
     if args.image_size < 8:
         raise CLIError(f"--image-size must be at least 8, got {args.image_size}")
-    for name in ("seeds", "tta_steps", "eval_every"):
+    for name in ("seeds",):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise CLIError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     from torchspeed.bench.workloads import check_workload, default_data
@@ -83,12 +85,26 @@ def run(args) -> int:
         check_workload(args.model, args.data)
     except ValueError as e:
         raise CLIError(str(e)) from e
-    from torchspeed.bench.tta import resolve_target
+    from torchspeed.bench.tta import CONFIGS as TTA_CONFIGS
+    from torchspeed.bench.tta import resolve_targets
 
     try:
-        target = resolve_target(args.data, args.target_acc, off=args.no_tta)
+        targets = resolve_targets(args.data, args.target_acc, off=args.no_tta or args.target_loss is not None)
     except ValueError as e:
         raise CLIError(str(e)) from e
+    loss_target = None
+    if args.target_loss is not None and not args.no_tta:
+        if args.target_loss != "all":
+            try:
+                loss_target = float(args.target_loss)
+            except ValueError:
+                raise CLIError(f"--target-loss takes a number or 'all', got {args.target_loss!r}") from None
+            if loss_target <= 0:
+                raise CLIError(f"--target-loss must be positive, got {loss_target:g}")
+    tta_on = bool(targets) or (args.target_loss is not None and not args.no_tta)
+    tta_configs = tuple(c.strip() for c in args.tta_configs.split(",") if c.strip())
+    if set(tta_configs) - set(TTA_CONFIGS) or not tta_configs:
+        raise CLIError(f"--tta-configs {args.tta_configs!r}: choose from {', '.join(TTA_CONFIGS)}")
     if args.nproc is not None:
         if args.nproc < 2:
             raise CLIError(f"--nproc compares N processes with 1: give N >= 2, got {args.nproc}")
@@ -114,7 +130,7 @@ def run(args) -> int:
     console = Console()
     console.print(f"[bold]torchspeed bench[/]: {args.model} on {args.data}, batch {batch}, "
                   f"{rounds} interleaved rounds of {steps} steps per config after warm-up"
-                  + (f"; then time to accuracy {target:g} (naive and all, {args.seeds} seeds)" if target else ""))
+                  + (f"; then time to target ({', '.join(tta_configs)}, {args.seeds} seeds)" if tta_on else ""))
     try:
         result = run_bench(model=args.model, data=args.data, batch_size=batch, steps=steps, rounds=rounds,
                            warmup=1, device=args.device, configs=configs, eval_batches=1 if args.quick else 2,
@@ -146,13 +162,15 @@ def run(args) -> int:
         console.print(f"[bold]all/hand: {result.meta['all_over_hand']:.2f}x[/] (median of per-round ratios): "
                       + describe_comparison(result.meta["all_over_hand_interval"], candidate="all",
                                             baseline="the best hand-written loop"))
-    if target is not None:  # time to accuracy (bench/tta.py): naive and all trained to the target, per seed
+    if tta_on:  # time to target (bench/tta.py): the shortest budget per config that ends at the target on every seed
         from torchspeed.bench.tta import attach_tta, print_tta, run_tta
 
-        tta = run_tta(model=args.model, data=args.data, target=target, seeds=args.seeds, batch_size=batch,
-                      max_steps=args.tta_steps, eval_every=args.eval_every, device=args.device,
+        by_loss = args.target_loss is not None
+        tta = run_tta(model=args.model, data=args.data, targets=(loss_target,) if loss_target else targets,
+                      metric="val_loss" if by_loss else "val_acc", target_from="all" if by_loss else None,
+                      seeds=args.seeds, batch_size=batch, configs=tta_configs, device=args.device,
                       compile=not (args.quick or args.no_compile), train_size=result.meta.get("train_size"),
-                      image_size=args.image_size, busy=result.meta.get("busy"))
+                      image_size=args.image_size, busy=result.meta.get("busy"), ablation=args.ablation)
         attach_tta(result, tta)
         print_tta(console, tta)
     png = args.png or os.path.splitext(args.json)[0] + ".png"

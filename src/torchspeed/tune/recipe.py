@@ -1,0 +1,275 @@
+"""A training recipe chosen by measuring the user's own model and training data: fewer steps to the same accuracy.
+
+The speed switches (precision, channels_last, fused kernels, compile) make each step cheaper;
+the recipe makes fewer steps do. `fit(..., recipe="auto")` calls `choose_recipe` before
+training; every part is also a plain function or object for your own loop. Each choice goes
+into `decisions` with its reason. Nothing here reads a validation set: the choices are made on
+training batches alone (a test replaces the validation set and checks they do not change).
+
+The parts (`PARTS`), and how each is chosen:
+
+- `lr` (T14, T15): the one-cycle peak LR and floor from the LR range test (`find_lr`), run
+  with the optimizer and precision the run trains with. When its curve is flat or noisy the
+  range test says so and falls back to a short measured trial of a few LRs.
+- `label_smoothing` (T32): 0.1 for classification with the default cross-entropy (a model
+  that returns its own loss, or your own `loss_fn`, is left alone).
+- `bn_stats` (T47): BatchNorm statistics averaged over the last tenth of the run
+  (`train.bnstats.FinalBatchNormStats`), so evaluation uses statistics of the final weights.
+  The largest single saving measured on the digits (docs/recipe.md). Costs nothing.
+- `ema` (T40): an EMA of the weights (`train.callbacks.EMA`, on `torch.optim.swa_utils`) for
+  runs long enough for the average to span a small part of them (>= `EMA_MIN_STEPS` steps;
+  decay so that it spans about a twentieth of the run). Shorter runs: off; on the digits at
+  48 steps it gained nothing (docs/recipe.md).
+- `tta` (T33): flip test-time augmentation, decided *after* training by `choose_tta` on a
+  few training batches: kept only when it scores better there (the digits are not
+  flip-invariant: it is refused there).
+- `muon` (T42): for an AdamW run of a model whose weights are mostly hidden 2D matrices
+  (transformers, MLPs), `torch.optim.Muon` for those matrices when a short trial says it
+  learns faster (`tune.optimizer_trial`).
+- The batch size is not a part: `fit(batch_size="auto")` tunes it (T17) and scales the LR to
+  it, with or without the recipe.
+
+Cost: the range test's steps (100 by default) and, when asked, the fallback and optimizer
+trials; `Recipe.tuning_s` and `Recipe.tuning_steps` report it, and the bench counts it
+("tuning included").
+
+Example:
+    >>> recipe = choose_recipe(model, loader, optimizer="sgd", total_steps=500)
+    >>> fit(model, loader, lr=recipe.lr, min_lr=recipe.min_lr, label_smoothing=recipe.label_smoothing,
+    ...     callbacks=recipe.callbacks())
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from torchspeed.train.decision import Decision
+
+__all__ = ["PARTS", "EMA_MIN_STEPS", "Recipe", "choose_recipe", "choose_tta", "is_classifier", "probe_batches"]
+
+PARTS = ("lr", "label_smoothing", "bn_stats", "ema", "tta", "muon")
+LABEL_SMOOTHING = 0.1
+EMA_MIN_STEPS = 2000
+PROBE_BATCHES = 4  # training batches kept for the after-training choices (tta)
+
+
+@dataclass
+class Recipe:
+    """What `choose_recipe` picked; `config()` and `callbacks()` hand it to `fit`/`Trainer`."""
+
+    lr: float | None = None              # one-cycle peak LR (None: the caller's own)
+    min_lr: float | None = None          # the schedule's floor (None: the schedule's default)
+    label_smoothing: float = 0.0
+    bn_stats: bool = False
+    ema_decay: float | None = None
+    optimizer: str | None = None         # "muon" when the trial picked it (None: the caller's)
+    tta: str | None = None               # decided after training (choose_tta)
+    parts: tuple[str, ...] = PARTS
+    tuning_s: float = 0.0                # seconds spent choosing
+    tuning_steps: int = 0                # training steps (forward + backward) spent choosing
+    decisions: dict = field(default_factory=dict)
+    probe: list = field(default_factory=list, repr=False)  # training batches for choose_tta
+
+    def config(self) -> dict:
+        """The `TrainConfig` fields this recipe sets."""
+        out: dict = {"label_smoothing": self.label_smoothing}
+        if self.min_lr is not None:
+            out["min_lr"] = self.min_lr
+        return out
+
+    def callbacks(self) -> list:
+        """The callbacks this recipe adds: BatchNorm statistics over the last steps, an EMA."""
+        from torchspeed.train.bnstats import FinalBatchNormStats
+        from torchspeed.train.callbacks import EMA
+
+        cbs: list = []
+        if self.bn_stats:
+            cbs.append(FinalBatchNormStats())
+        if self.ema_decay is not None:
+            cbs.append(EMA(self.ema_decay))
+        return cbs
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("probe")
+        d["decisions"] = {k: str(v) for k, v in self.decisions.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Recipe":
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__ and k != "probe"}
+        if "parts" in known:
+            known["parts"] = tuple(known["parts"])
+        return cls(**known)
+
+
+def is_classifier(model: nn.Module, batch, *, loss_fn: Callable | None = None,
+                  step_fn: Callable | None = None) -> bool:
+    """Whether `model` on `batch` is classification trained with the default cross-entropy (logits + class ids)."""
+    from torchspeed.train.batch import forward_loss
+
+    if loss_fn is not None or step_fn is not None:
+        return False
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = forward_loss(model, batch)
+    except Exception:  # a batch this check cannot read: leave classification parts off
+        return False
+    finally:
+        model.train(was)
+    if out.logits is None or out.target is None:
+        return False  # the model computes its own loss: not ours to smooth
+    return out.correct() is not None and out.logits.shape[-1] > 2
+
+
+def probe_batches(loader: Iterable, n: int = PROBE_BATCHES) -> list:
+    """The first `n` batches of `loader` (on the host, as the loader gives them)."""
+    out = []
+    for b in loader:
+        out.append(b)
+        if len(out) >= n:
+            break
+    if not out:
+        raise ValueError("the training loader gave no batches: check the dataset and batch size")
+    return out
+
+
+def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | torch.optim.Optimizer = "sgd",
+                  lr: float = 0.1, weight_decay: float | None = None, optimizer_options: dict | None = None,
+                  precision: str = "auto", loss_fn: Callable | None = None, step_fn: Callable | None = None,
+                  total_steps: int | None = None, schedule: str | None = "onecycle",
+                  parts: Sequence[str] = PARTS, device: torch.device | str | None = None,
+                  lr_steps: int = 100, progress: bool = True) -> Recipe:
+    """Choose each recipe part in `parts` from `model` and the training batches; leaves the model as it was.
+
+    `lr` is the peak LR used when the `lr` part is off; `total_steps` (optimizer steps of the
+    coming run) decides the EMA. The model's weights, optimizer state and RNG are restored by
+    the tuners (the range test and the trials put everything back bit for bit).
+    """
+    from torchspeed.env import default_device
+    from torchspeed.train.bnstats import batchnorm_layers
+    from torchspeed.train.optim import create_optimizer
+    from torchspeed.train.transfer import to_device
+
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown recipe part(s) {sorted(unknown)}; the parts are {', '.join(PARTS)}")
+    t0 = time.perf_counter()
+    dev = torch.device(device) if device is not None else default_device(None)
+    model.to(dev)
+    held = probe_batches(train_loader)
+    rec = Recipe(lr=lr, parts=tuple(parts), probe=held)
+    d = rec.decisions
+    classifier = is_classifier(model, to_device(held[0], dev), loss_fn=loss_fn, step_fn=step_fn)
+
+    if "label_smoothing" in parts:
+        if classifier:
+            rec.label_smoothing = LABEL_SMOOTHING
+            d["label_smoothing"] = Decision(LABEL_SMOOTHING, "classification with the default cross-entropy (T32)")
+        else:
+            d["label_smoothing"] = Decision(0.0, "not a classifier on the default cross-entropy: left alone")
+
+    if "bn_stats" in parts:
+        n_bn = len(batchnorm_layers(model))
+        rec.bn_stats = n_bn > 0
+        d["bn_stats"] = Decision(rec.bn_stats, f"{n_bn} BatchNorm layers: statistics averaged over the run's last "
+                                               "tenth (T47)" if n_bn else "no BatchNorm layer")
+
+    if "ema" in parts:
+        if total_steps and total_steps >= EMA_MIN_STEPS:
+            rec.ema_decay = round(min(0.9999, max(0.99, 1 - 20 / total_steps)), 6)
+            d["ema"] = Decision(rec.ema_decay, f"a run of {total_steps} steps: the average spans about its last "
+                                               "twentieth (T40)")
+        else:
+            d["ema"] = Decision(None, f"run of {total_steps or 'unknown'} steps, under {EMA_MIN_STEPS}: an "
+                                      "average of so few steps gained nothing measured (docs/recipe.md)")
+
+    opt_name = optimizer if isinstance(optimizer, str) else None
+    if "muon" in parts and opt_name == "adamw":
+        rec.optimizer = _choose_muon(model, train_loader, lr=lr, precision=precision, loss_fn=loss_fn,
+                                     step_fn=step_fn, decisions=d, rec=rec)
+
+    if "lr" in parts:
+        from torchspeed.tune.lr import find_lr
+
+        name = rec.optimizer or opt_name
+        scratch = optimizer if not isinstance(optimizer, str) else create_optimizer(
+            name, model, lr=1e-6, weight_decay=weight_decay, **(optimizer_options or {}))
+        lr_loss = loss_fn
+        if lr_loss is None and rec.label_smoothing:  # the range test trains on the loss the run trains on
+            from torchspeed.train.batch import default_loss
+
+            lr_loss = default_loss(rec.label_smoothing)
+        res = find_lr(model, train_loader, loss_fn=lr_loss, step_fn=step_fn, optimizer=scratch, precision=precision,
+                      num_steps=lr_steps, progress=progress)
+        rec.tuning_steps += len(res.lrs) + int(getattr(res, "trial_steps", 0) or 0)
+        onecycle = schedule == "onecycle"
+        rec.lr = float(res.max_lr if onecycle else res.suggestion)
+        if onecycle:
+            rec.min_lr = float(res.min_lr)
+        d["lr"] = Decision(rec.lr, f"{'one-cycle peak' if onecycle else 'suggestion'} of the range test on "
+                                   f"{name or type(optimizer).__name__} ({res.rule}; confidence {res.confidence}"
+                                   f"{': ' + res.warning if res.warning else ''}); floor "
+                                   f"{rec.min_lr if rec.min_lr is not None else 'default'} (T15)",
+                           measured={"steps": len(res.lrs), "suggestion": res.suggestion,
+                                     "min_loss_lr": res.min_loss_lr})
+
+    if "tta" in parts:
+        d["tta"] = Decision(None, "decided after training, on training batches (choose_tta)")
+    rec.tuning_s = time.perf_counter() - t0
+    d["recipe_cost"] = Decision(round(rec.tuning_s, 2), f"{rec.tuning_steps} training steps spent choosing",
+                                measured={"seconds": rec.tuning_s, "steps": rec.tuning_steps})
+    return rec
+
+
+def _choose_muon(model, train_loader, *, lr, precision, loss_fn, step_fn, decisions, rec) -> str | None:
+    """Muon for the hidden matrices when a short trial says it learns faster (T42); None keeps AdamW."""
+    try:
+        from torchspeed.tune.optimizer_trial import compare_optimizers, mostly_matrices
+    except ImportError:  # pragma: no cover - the trial ships with the package
+        return None
+    if not mostly_matrices(model):
+        decisions["optimizer"] = Decision("adamw", "most weights are not hidden 2D matrices: Muon not tried")
+        return None
+    trial = compare_optimizers(model, train_loader, ("adamw", "muon"), lr=lr, precision=precision,
+                               loss_fn=loss_fn, step_fn=step_fn, progress=False)
+    rec.tuning_steps += int(getattr(trial, "steps", 0) or 0) * 2
+    decisions["optimizer"] = Decision(trial.best, trial.reason, measured={"table": trial.table})
+    return "muon" if trial.best == "muon" else None
+
+
+def choose_tta(model: nn.Module, batches: Sequence, *, device: torch.device | str | None = None,
+               precision: str = "fp32", channels_last: bool = False, margin: float = 0.02) -> Decision:
+    """Flip test-time augmentation (T33) when it scores better on `batches` (training batches).
+
+    Only for image classifiers (4D inputs). "Better": a lower loss by more than `margin`
+    (relative) and an accuracy at least as high. Digits, text, or a model that learnt
+    orientation: refused. Returns a Decision with both scores measured.
+    """
+    from torchspeed.train.batch import split_batch
+    from torchspeed.train.evaluate import evaluate
+
+    if not batches:
+        return Decision(None, "no training batches to measure on")
+    inputs, target = split_batch(batches[0])
+    x = inputs[0] if isinstance(inputs, tuple) and inputs else None
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or target is None:
+        return Decision(None, "not an image classifier (4D inputs with targets): no flip")
+    kw = dict(device=device, precision=precision, channels_last=channels_last)
+    plain = evaluate(model, batches, **kw)
+    flip = evaluate(model, batches, tta="flip", **kw)
+    measured = {"plain": {"loss": plain["val_loss"], "acc": plain["val_acc"]},
+                "flip": {"loss": flip["val_loss"], "acc": flip["val_acc"]}}
+    better = (flip["val_loss"] < plain["val_loss"] * (1 - margin)
+              and (flip["val_acc"] or 0) >= (plain["val_acc"] or 0))
+    how = (f"training batches: loss {plain['val_loss']:.4f} plain vs {flip['val_loss']:.4f} with flips, "
+           f"accuracy {plain['val_acc']:.3f} vs {flip['val_acc']:.3f}")
+    return Decision("flip" if better else None, ("flip scores better on " if better else "flip does not score "
+                                                 "better on ") + how, measured=measured)

@@ -1,0 +1,123 @@
+"""The measured training recipe (tune/recipe.py, fit(recipe="auto")): what it chooses, and on what data."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchspeed.tune.recipe import EMA_MIN_STEPS, PARTS, Recipe, choose_recipe, choose_tta, is_classifier
+
+
+def _bn_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 4))
+
+
+def _loader(n=128, bs=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 4, (n,), generator=g)
+    x = torch.randn(n, 3, 8, 8, generator=g) + y.view(-1, 1, 1, 1).float()  # learnable: brightness is the class
+    return DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_short_bn_classifier_gets_smoothing_bn_statistics_and_a_measured_lr_and_is_left_as_it_was():
+    model = _bn_net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rec = choose_recipe(model, _loader(), total_steps=40, lr_steps=30, progress=False, precision="fp32")
+    assert rec.label_smoothing == 0.1 and rec.bn_stats and rec.ema_decay is None
+    assert rec.lr > 0 and rec.min_lr == pytest.approx(rec.lr / 10) and rec.lr != 0.1
+    assert rec.tuning_steps >= 30 and rec.tuning_s > 0
+    assert rec.decisions["lr"].measured["steps"] >= 10 and "range test" in rec.decisions["lr"].reason
+    assert "under 2000" in rec.decisions["ema"].reason
+    for k, v in model.state_dict().items():  # the range test restored every weight and buffer bit for bit
+        assert torch.equal(v, before[k]), k
+    assert [type(c).__name__ for c in rec.callbacks()] == ["FinalBatchNormStats"]
+    assert rec.config() == {"label_smoothing": 0.1, "min_lr": rec.min_lr}
+    back = Recipe.from_dict(rec.to_dict())
+    assert (back.lr, back.label_smoothing, back.bn_stats, back.parts) == (rec.lr, 0.1, True, PARTS)
+
+
+def test_parts_left_out_stay_as_today_and_unknown_parts_are_refused():
+    rec = choose_recipe(_bn_net(), _loader(), lr=0.05, parts=("bn_stats",), progress=False)
+    assert rec.lr == 0.05 and rec.min_lr is None and rec.label_smoothing == 0.0 and rec.bn_stats
+    assert rec.tuning_steps == 0 and "lr" not in rec.decisions
+    with pytest.raises(ValueError, match="unknown recipe part"):
+        choose_recipe(_bn_net(), _loader(), parts=("lr", "mixup"), progress=False)
+
+
+def test_no_smoothing_for_a_users_own_loss_or_a_regression_and_no_bn_part_without_batchnorm():
+    mlp = nn.Sequential(nn.Flatten(), nn.Linear(192, 4))
+    rec = choose_recipe(mlp, _loader(), loss_fn=nn.CrossEntropyLoss(), parts=("label_smoothing", "bn_stats"),
+                        progress=False)
+    assert rec.label_smoothing == 0.0 and not rec.bn_stats
+    batch = next(iter(_loader()))
+    assert is_classifier(mlp, batch) and not is_classifier(mlp, batch, loss_fn=nn.MSELoss())
+    assert not is_classifier(nn.Sequential(nn.Flatten(), nn.Linear(192, 1)), (batch[0], batch[1].float()))
+
+
+def test_a_long_run_gets_an_ema_spanning_about_a_twentieth_of_it():
+    rec = choose_recipe(_bn_net(), _loader(), total_steps=10_000, parts=("ema",), progress=False)
+    assert rec.ema_decay == pytest.approx(1 - 20 / 10_000)
+    assert [type(c).__name__ for c in rec.callbacks()] == ["EMA"]
+    short = choose_recipe(_bn_net(), _loader(), total_steps=EMA_MIN_STEPS - 1, parts=("ema",), progress=False)
+    assert short.ema_decay is None
+
+
+@pytest.mark.parametrize("plain, flip, chosen", [
+    ((0.50, 0.80), (0.40, 0.85), "flip"),     # flips score better: kept
+    ((0.50, 0.80), (0.495, 0.85), None),      # within the 2% margin: not worth doubling evaluation
+    ((0.50, 0.80), (0.40, 0.70), None),       # lower loss but fewer right: refused
+    ((0.30, 0.95), (0.90, 0.60), None),       # digits-like: flipped inputs are other symbols
+])
+def test_tta_is_kept_only_when_flips_score_better_on_training_batches(plain, flip, chosen, monkeypatch):
+    import importlib
+
+    ev = importlib.import_module("torchspeed.train.evaluate")
+
+    def fake(model, batches, *, tta=None, **kw):
+        loss, acc = flip if tta == "flip" else plain
+        return {"val_loss": loss, "val_acc": acc}
+
+    monkeypatch.setattr(ev, "evaluate", fake)
+    batches = [next(iter(_loader()))]
+    d = choose_tta(_bn_net(), batches)
+    assert d.value == chosen and set(d.measured) == {"plain", "flip"}
+
+
+def test_tta_is_not_tried_on_inputs_that_are_not_images():
+    tokens = [(torch.randint(0, 10, (4, 16)), torch.randint(0, 10, (4, 16)))]
+    assert choose_tta(nn.Embedding(10, 10), tokens).value is None
+
+
+def _fit_with(val_loader):
+    from torchspeed import fit
+
+    model = _bn_net()
+    return fit(model, _loader(), epochs=2, val_loader=val_loader, recipe="auto", progress=False, compile=False,
+               trial=False, precision="fp32")
+
+
+def test_fit_recipe_auto_chooses_on_training_data_only():
+    """Replacing the validation set changes none of the recipe's choices."""
+    g = torch.Generator().manual_seed(5)
+    val_a = DataLoader(TensorDataset(torch.randn(32, 3, 8, 8, generator=g), torch.randint(0, 4, (32,), generator=g)),
+                       batch_size=16)
+    val_b = DataLoader(TensorDataset(torch.randn(48, 3, 8, 8, generator=g) * 5, torch.zeros(48, dtype=torch.long)),
+                       batch_size=8)
+    a, b = _fit_with(val_a), _fit_with(val_b)
+    for key in ("lr", "label_smoothing", "ema", "tta"):
+        assert a.decisions[key].value == b.decisions[key].value, key
+    assert a.decisions["lr"].measured == b.decisions["lr"].measured
+    assert a.config["label_smoothing"] == 0.1 and a.config["min_lr"] == pytest.approx(a.decisions["lr"].value / 10)
+    assert "BatchNorm statistics averaged over the last 4 of 16 steps" in str(a.decisions["bn_stats"])
+    assert a.history[-1]["val_acc"] != b.history[-1]["val_acc"]  # the validation sets did differ
+
+
+def test_fit_refuses_unknown_recipes():
+    from torchspeed import fit
+
+    with pytest.raises(ValueError, match="recipe='auto'"):
+        fit(_bn_net(), _loader(), recipe="fast", progress=False)
+    with pytest.raises(ValueError, match="recipe_parts needs"):
+        fit(_bn_net(), _loader(), recipe_parts=("lr",), progress=False)
