@@ -43,3 +43,14 @@ def test_own_model(folder, tmp_path, monkeypatch):
     assert main(["tune", "lr", "--data", str(folder), "--model", "netdef:net", "--quick", "--batch-size", "16",
                  "--out", "o"]) == 0
     assert json.loads((tmp_path / "o" / "tune.json").read_text())["lr"]["confidence"] in ("high", "medium", "low")
+
+
+def test_noise_reports_the_critical_batch_size(tmp_path, capsys):
+    import json
+
+    assert main(["tune", "noise", "--data", "digits", "--quick", "--batch-size", "32", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "gradient noise scale" in printed and "critical batch size" in printed
+    noise = json.loads((tmp_path / "tune.json").read_text())["noise"]
+    assert noise["batches"] == 4 and noise["batch_size"] == 32 and noise["noise_scale"] > 0
+    assert noise["critical_batch_size"] == round(noise["noise_scale"]) and "batch" in noise["suggestion"]

@@ -1,4 +1,4 @@
-"""`torchspeed tune [batch|lr|loader|all]`: measure the batch size, LR and DataLoader settings (T06-T08, T15, T17).
+"""`torchspeed tune [batch|lr|loader|noise|all]`: measure the batch size, LR, DataLoader settings and gradient noise (T06-T08, T15, T17, T41).
 
 Runs on a built-in workload (synthetic CIFAR-shaped images, scikit-learn digits, or
 JPEG-encoded photos decoded per sample) or an image folder (`--data PATH`, one
@@ -21,7 +21,7 @@ from torchspeed._io import write_json
 from torchspeed.cli.main import CLIError
 from torchspeed.env import default_device
 
-WHAT = ("batch", "lr", "loader", "all")
+WHAT = ("batch", "lr", "loader", "noise", "all")
 BUILTIN = ("synthetic", "digits", "jpeg")
 
 
@@ -197,6 +197,19 @@ def run(args) -> int:
         console.print(t)
         console.print(s.reason)
         report["loader"] = s.to_dict()
+
+    if args.what in ("noise", "all"):
+        from torchspeed.tune import measure_noise_scale
+
+        loader = DataLoader(ds, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
+        ns = measure_noise_scale(model, loader, batches=4 if args.quick else 8)
+        crit = ns.critical_batch_size
+        console.print(f"[bold]gradient noise scale[/] B_simple ~{ns.noise_scale:,.0f} samples at the current weights "
+                      f"({ns.batches} batches of {ns.batch_size}, two halves each): critical batch size "
+                      f"{crit if crit else 'not measurable yet'}")
+        console.print(ns.suggestion)
+        report["noise"] = {"noise_scale": ns.noise_scale, "critical_batch_size": crit, "batches": ns.batches,
+                           "batch_size": ns.batch_size, "suggestion": ns.suggestion}
 
     write_json(out / "tune.json", report)
     console.print(f"wrote {out / 'tune.json'}" + (f" and {out / 'lr.png'}" if "lr" in report else ""))
