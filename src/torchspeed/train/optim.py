@@ -152,7 +152,8 @@ def hidden_matrices(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], l
     """(hidden, other): trainable parameters Muon should take, and those AdamW should, as (name, parameter).
 
     Hidden = 2-D weights that are not an embedding's (`nn.Embedding`, `nn.EmbeddingBag`) and not the
-    output head's (the last `nn.Linear` in the model, or a Linear whose weight is tied to an embedding).
+    output head's (the last `nn.Linear` registered in the model, so define the head last, or a Linear
+    whose weight is tied to an embedding).
     Everything else (embeddings, the head, biases, norm weights, conv kernels of 3 or more dims) is other.
     A parameter shared by several modules is listed once.
     """
@@ -207,8 +208,16 @@ class MuonAdamW(torch.optim.Optimizer):
         if adamw_groups:
             dev = _device_of(adamw_groups)
             want_fused = fused is True or (fused == "auto" and dev.type in ("cpu", "cuda"))
-            kind = {"fused": True} if want_fused else {"foreach": fused is not False}
-            self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, weight_decay=weight_decay, betas=betas, **kind)
+            kwargs = {"lr": lr, "weight_decay": weight_decay, "betas": betas}
+            self.adamw = None
+            if want_fused:
+                try:
+                    self.adamw = torch.optim.AdamW(adamw_groups, fused=True, **kwargs)
+                except (RuntimeError, ValueError):  # a device or dtype without a fused kernel
+                    if fused is True:
+                        raise
+            if self.adamw is None:
+                self.adamw = torch.optim.AdamW(adamw_groups, foreach=fused is not False, **kwargs)
         else:
             self.adamw = None
         groups = self.muon.param_groups + (self.adamw.param_groups if self.adamw else [])
@@ -217,6 +226,13 @@ class MuonAdamW(torch.optim.Optimizer):
         self._n_muon = len(self.muon.param_groups)
         super().__init__(groups, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum})
         self._link()
+        self._built = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_built", False):
+            raise ValueError("MuonAdamW cannot take a new param group (neither Muon nor AdamW would step it): "
+                             "build a new optimizer over the whole model with create_optimizer('muon', model, ...)")
+        super().add_param_group(param_group)
 
     def _link(self) -> None:
         """Point the inner optimizers at this optimizer's groups and state (after a load replaced them)."""
