@@ -125,3 +125,19 @@ def test_checkpoint_round_trip_restores_identical_state():
         o.step()
     for (n, p), q in zip(model.named_parameters(), clone.parameters()):
         assert torch.equal(p, q), n
+
+
+def test_grad_scaler_unscales_and_steps_both_parts():
+    from torchspeed.train.step import optimizer_step
+
+    model = _mlp()
+    opt = create_optimizer("muon", model, lr=1e-2, weight_decay=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+    skipped = optimizer_step(opt, scaler=scaler, clip_grad_norm=1.0)
+    assert int(skipped) == 0
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # every tensor moved
+    with pytest.raises(ValueError, match="new optimizer"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))]})
