@@ -13,7 +13,7 @@ batches. The validation loss is on 256 held-out windows (the last 10% of the tex
 Results (per run, and per optimizer and LR the mean over seeds) go to
 benchmarks/results/cpu/muon.json with provenance (commit, versions, machine, its load).
 
-    python benchmarks/bench_muon.py [--size tiny] [--steps 300] [--seeds 2] [--adamw-lrs 1e-3,3e-3,1e-2] [--muon-lrs ...]
+    python benchmarks/bench_muon.py [--size tiny] [--steps 300] [--seeds 2] [--adamw-lrs 3e-3,1e-2,3e-2] [--muon-lrs ...]
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--adamw-lrs", default="1e-3,3e-3,1e-2")
-    ap.add_argument("--muon-lrs", default="1e-3,3e-3,1e-2")
+    ap.add_argument("--adamw-lrs", default="3e-3,1e-2,3e-2")
+    ap.add_argument("--muon-lrs", default="3e-3,1e-2,3e-2")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     train, val = make_datasets("text", train_size=args.steps * args.batch_size, val_size=256)
