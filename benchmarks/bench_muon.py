@@ -13,7 +13,8 @@ batches. The validation loss is on 256 held-out windows (the last 10% of the tex
 Results (per run, and per optimizer and LR the mean over seeds) go to
 benchmarks/results/cpu/muon.json with provenance (commit, versions, machine, its load).
 
-    python benchmarks/bench_muon.py [--size tiny] [--steps 300] [--seeds 2] [--adamw-lrs 3e-3,1e-2,3e-2] [--muon-lrs ...]
+    python benchmarks/bench_muon.py [--size tiny] [--steps 300] [--seeds 2]
+                                    [--adamw-lrs 3e-3,1e-2,3e-2] [--muon-lrs 3e-3,1e-2,3e-2]
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     train, val = make_datasets("text", train_size=args.steps * args.batch_size, val_size=256)
-    arms = [("adamw", float(x)) for x in args.adamw_lrs.split(",")] + [("muon", float(x)) for x in args.muon_lrs.split(",")]
+    arms = ([("adamw", float(x)) for x in args.adamw_lrs.split(",")]
+            + [("muon", float(x)) for x in args.muon_lrs.split(",")])
     load_before = other_runnable()
     runs = []
     for seed in range(args.seeds):
@@ -80,12 +82,14 @@ def main() -> None:
         secs = [r["seconds"] for r in runs if r["optimizer"] == opt and r["lr"] == lr]
         summary.append({"optimizer": opt, "lr": lr, "val_loss_mean": statistics.mean(vals), "val_loss": vals,
                         "seconds_mean": statistics.mean(secs)})
-    best = {o: min((s for s in summary if s["optimizer"] == o), key=lambda s: s["val_loss_mean"]) for o in ("adamw", "muon")}
+    best = {o: min((s for s in summary if s["optimizer"] == o), key=lambda s: s["val_loss_mean"])
+            for o in ("adamw", "muon")}
     for s in summary:
         print(f"{s['optimizer']:>5} lr {s['lr']:g}: val_loss {s['val_loss_mean']:.4f} "
               f"({', '.join(f'{v:.4f}' for v in s['val_loss'])}), {s['seconds_mean']:.0f} s per run")
     gain = 1 - best["muon"]["val_loss_mean"] / best["adamw"]["val_loss_mean"]
-    print(f"best muon (lr {best['muon']['lr']:g}) vs best adamw (lr {best['adamw']['lr']:g}): {gain:+.1%} lower val loss")
+    print(f"best muon (lr {best['muon']['lr']:g}) vs best adamw (lr {best['adamw']['lr']:g}): "
+          f"{gain:+.1%} lower val loss")
     model = GPT(block_size=BLOCK_SIZE, **SIZES[args.size])
     meta = provenance() | {
         "workload": f"gpt ({args.size}: {SIZES[args.size]}, block {BLOCK_SIZE}, "
