@@ -41,7 +41,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     rebuild the DataLoader from its dataset (see `torchspeed.tune.auto`).
     `weight_decay=None` takes the optimizer's default (`torchspeed.train.optim.WEIGHT_DECAY`:
     5e-4 for SGD, 0.05 for AdamW); biases and norm weights never decay. `momentum` (SGD,
-    LARS) and `betas` (AdamW, LAMB) go to the optimizer built from its name.
+    LARS) and `betas` (AdamW, LAMB, the AdamW part of "muon") go to the optimizer built from its name.
     `callbacks` (`EarlyStopping`, `EMA`, your own `Callback`s) and `loggers` (Lightning Fabric
     loggers, `TensorBoardLogger`, anything with `log_metrics(metrics, step)`): docs/integrations.md.
     `parallel="fsdp2"` shards the model (`mesh`: your own DeviceMesh); `on_checkpoint(path, step)`

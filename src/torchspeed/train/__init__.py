@@ -18,7 +18,8 @@ from torchspeed.train.wrappers import unwrap_model
 from torchspeed.train.evaluate import evaluate, tta_views
 from torchspeed.train.memory_format import apply_channels_last, has_conv2d, is_channels_last, to_channels_last
 from torchspeed.train.metrics import DeviceMeter
-from torchspeed.train.optim import OPTIMIZERS, create_optimizer, zero_grad
+from torchspeed.train.optim import (OPTIMIZERS, MuonAdamW, create_optimizer, hidden_matrices, mostly_matrices,
+                                   zero_grad)
 from torchspeed.train.precision import Precision, make_grad_scaler, resolve_precision
 from torchspeed.train.schedule import SCHEDULES, create_scheduler, scale_lr
 from torchspeed.train.step import backward, optimizer_step
@@ -31,7 +32,8 @@ __all__ = [
     "restore_rng_state", "seed_everything", "enable_determinism", "ResumableSampler",
     "configure_backends", "CompileDecision", "compile_model", "evaluate", "tta_views",
     "apply_channels_last", "has_conv2d", "is_channels_last", "to_channels_last", "DeviceMeter",
-    "OPTIMIZERS", "create_optimizer", "zero_grad", "Precision", "make_grad_scaler", "resolve_precision",
+    "OPTIMIZERS", "create_optimizer", "zero_grad", "MuonAdamW", "hidden_matrices", "mostly_matrices",
+    "Precision", "make_grad_scaler", "resolve_precision",
     "SCHEDULES", "create_scheduler", "scale_lr", "backward", "optimizer_step", "FitResult", "Trainer",
     "TrainConfig", "Prefetcher", "loader_kwargs", "to_device",
     "Callback", "EarlyStopping", "EMA", "TensorBoardLogger",

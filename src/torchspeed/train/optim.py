@@ -1,10 +1,19 @@
-"""Optimizers by name, with fused kernels, and the cheap zero_grad (T18, T26).
+"""Optimizers by name, with fused kernels, and the cheap zero_grad (T18, T26, T42).
 
-- `create_optimizer("sgd" | "adamw" | "lamb" | "lars", model, lr=...)`: SGD with Nesterov
-  momentum, AdamW (decoupled weight decay), and timm's LAMB and LARS for large batches
-  (timm's implementations are maintained and tested; we do not rewrite them: the `timm`
-  extra). Bias and normalisation parameters get no weight decay (`param_groups`, the rule of
-  timm's `param_groups_weight_decay`, here so that SGD/AdamW need no timm).
+- `create_optimizer("sgd" | "adamw" | "lamb" | "lars" | "muon", model, lr=...)`: SGD with
+  Nesterov momentum, AdamW (decoupled weight decay), and timm's LAMB and LARS for large
+  batches (timm's implementations are maintained and tested; we do not rewrite them: the
+  `timm` extra). Bias and normalisation parameters get no weight decay (`param_groups`, the
+  rule of timm's `param_groups_weight_decay`, here so that SGD/AdamW need no timm).
+- "muon" (T42): torch's `torch.optim.Muon` for the hidden weight matrices and AdamW for
+  everything else (embeddings, the output head, biases, norms, conv kernels), as one
+  optimizer (`MuonAdamW`) that schedulers, clipping, GradScaler and checkpoints use like any
+  other. `hidden_matrices` says which parameters are hidden matrices (2-D weights that are
+  not an `nn.Embedding`'s and not the output head's: the last `nn.Linear`, or one tied to an
+  embedding); `mostly_matrices` says whether they hold most of the model's weights (where
+  Muon is worth a trial: `torchspeed.tune.optimizer_trial.compare_optimizers`). Muon runs
+  with `adjust_lr_fn="match_rms_adamw"`, which scales each matrix's update to AdamW's size, so
+  one learning rate (and weight decay) serves both parts and a scheduler drives both.
 - `fused="auto"` asks torch for its fused kernel (one kernel for all parameters) where the
   optimizer and device have one (SGD/Adam/AdamW on CPU and CUDA), else the foreach
   (multi-tensor) path. Fused SGD measured about +8% step throughput on a 2-core CPU.
@@ -27,10 +36,13 @@ from torch import nn
 
 from torchspeed._extras import require
 
-__all__ = ["OPTIMIZERS", "WEIGHT_DECAY", "default_weight_decay", "create_optimizer", "zero_grad", "param_groups", "describe_optimizer"]
+__all__ = ["OPTIMIZERS", "WEIGHT_DECAY", "default_weight_decay", "create_optimizer", "zero_grad", "param_groups",
+           "describe_optimizer", "MuonAdamW", "hidden_matrices", "matrix_share", "mostly_matrices"]
 
-OPTIMIZERS = ("sgd", "adamw", "lamb", "lars")
-WEIGHT_DECAY = {"sgd": 5e-4, "adamw": 0.05, "lamb": 0.02, "lars": 5e-4}
+OPTIMIZERS = ("sgd", "adamw", "lamb", "lars", "muon")
+# "muon": Muon with match_rms_adamw reuses AdamW's weight decay (Liu et al. 2025, "Muon is Scalable")
+WEIGHT_DECAY = {"sgd": 5e-4, "adamw": 0.05, "lamb": 0.02, "lars": 5e-4, "muon": 0.05}
+MUON_MOMENTUM = 0.95  # torch's and Keller Jordan's default
 
 
 def default_weight_decay(name: str) -> float:
@@ -70,11 +82,17 @@ def _device_of(params) -> torch.device:
 def create_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: float | None = 0.0,
                      momentum: float = 0.9, nesterov: bool = True, betas: tuple[float, float] = (0.9, 0.999),
                      fused: bool | str = "auto") -> torch.optim.Optimizer:
-    """Build optimizer `name` over `model`'s trainable parameters (`weight_decay=None`: its default)."""
+    """Build optimizer `name` over `model`'s trainable parameters (`weight_decay=None`: its default).
+
+    `momentum` and `nesterov` are SGD's and LARS's; `betas` are AdamW's and LAMB's (and the AdamW
+    part of "muon", whose Muon part keeps momentum 0.95 with Nesterov).
+    """
     key = name.lower()
     if weight_decay is None:
         weight_decay = default_weight_decay(key)
     groups = param_groups(model, weight_decay)
+    if key == "muon":
+        return _muon_adamw(model, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)
     if key in ("sgd", "adamw"):
         cls = torch.optim.SGD if key == "sgd" else torch.optim.AdamW
         kwargs: dict = {"lr": lr, "weight_decay": weight_decay}
@@ -110,6 +128,164 @@ def zero_grad(optimizer: torch.optim.Optimizer, *, set_to_none: bool = True) -> 
 
 def describe_optimizer(opt: torch.optim.Optimizer) -> str:
     """e.g. "SGD (fused)": the optimizer class and its kernel (fused, foreach or for-loop)."""
+    if isinstance(opt, MuonAdamW):
+        return opt.describe()
     d = opt.defaults
     kind = "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
     return f"{type(opt).__name__} ({kind})"
+
+
+# --- Muon for the hidden matrices, AdamW for the rest (T42) ---------------------------------------------------
+
+
+def _head_weights(model: nn.Module) -> set[int]:
+    """ids of the output head's weights: the last nn.Linear's, and any Linear weight tied to an embedding."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    heads = {id(m.weight) for m in linears if id(m.weight) in embeddings}
+    if linears:
+        heads.add(id(linears[-1].weight))
+    return heads
+
+
+def hidden_matrices(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """(hidden, other): trainable parameters Muon should take, and those AdamW should, as (name, parameter).
+
+    Hidden = 2-D weights that are not an embedding's (`nn.Embedding`, `nn.EmbeddingBag`) and not the
+    output head's (the last `nn.Linear` registered in the model, so define the head last, or a Linear
+    whose weight is tied to an embedding).
+    Everything else (embeddings, the head, biases, norm weights, conv kernels of 3 or more dims) is other.
+    A parameter shared by several modules is listed once.
+    """
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    excluded = embeddings | _head_weights(model)
+    hidden, other = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (hidden if p.ndim == 2 and id(p) not in excluded else other).append((name, p))
+    return hidden, other
+
+
+def matrix_share(model: nn.Module) -> float:
+    """The fraction of the model's trainable weights (by element count) in hidden matrices (see `hidden_matrices`)."""
+    hidden, other = hidden_matrices(model)
+    n_hidden = sum(p.numel() for _, p in hidden)
+    total = n_hidden + sum(p.numel() for _, p in other)
+    return n_hidden / total if total else 0.0
+
+
+def mostly_matrices(model: nn.Module, threshold: float = 0.5) -> bool:
+    """True when hidden matrices hold more than `threshold` of the weights: Muon is worth a trial (T42)."""
+    return matrix_share(model) > threshold
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """torch's Muon over the hidden matrices and AdamW over the rest, as one optimizer (T42).
+
+    `param_groups` are Muon's groups followed by AdamW's (the same dict objects), and both inner
+    optimizers share this optimizer's `state`, so the base class's `state_dict`,
+    `load_state_dict` and `zero_grad`, a scheduler writing `group["lr"]`, clipping and a
+    GradScaler (`unscale_`, `step`) all see every parameter. Every group has a "momentum": Muon's
+    momentum, or AdamW's beta1, which `step` copies into the group's "betas" first, so a scheduler
+    that cycles momentum (one-cycle, cyclic) drives both parts. `muon` and `adamw` are the inner
+    optimizers.
+
+    Example:
+        >>> hidden, other = hidden_matrices(model)
+        >>> opt = MuonAdamW([p for _, p in hidden], param_groups_of(other), lr=1e-3, weight_decay=0.05)
+    """
+
+    def __init__(self, muon_params, adamw_groups, *, lr: float, weight_decay: float = 0.05,
+                 momentum: float = MUON_MOMENTUM, betas: tuple[float, float] = (0.9, 0.999),
+                 adjust_lr_fn: str = "match_rms_adamw", fused: bool | str = "auto"):
+        muon_params = list(muon_params)
+        if not muon_params:
+            raise ValueError("Muon got no parameters: the model has no hidden 2-D weight matrices (only "
+                             "embeddings, the output head, biases, norms or conv kernels); use optimizer='adamw'")
+        self.muon = torch.optim.Muon(muon_params, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                     nesterov=True, adjust_lr_fn=adjust_lr_fn)
+        adamw_groups = [g for g in adamw_groups if g["params"]]
+        if adamw_groups:
+            dev = _device_of(adamw_groups)
+            want_fused = fused is True or (fused == "auto" and dev.type in ("cpu", "cuda"))
+            kwargs = {"lr": lr, "weight_decay": weight_decay, "betas": betas}
+            self.adamw = None
+            if want_fused:
+                try:
+                    self.adamw = torch.optim.AdamW(adamw_groups, fused=True, **kwargs)
+                except (RuntimeError, ValueError):  # a device or dtype without a fused kernel
+                    if fused is True:
+                        raise
+            if self.adamw is None:
+                self.adamw = torch.optim.AdamW(adamw_groups, foreach=fused is not False, **kwargs)
+        else:
+            self.adamw = None
+        groups = self.muon.param_groups + (self.adamw.param_groups if self.adamw else [])
+        for g in self.adamw.param_groups if self.adamw else []:
+            g["momentum"] = g["betas"][0]  # one key for both parts: what schedulers cycle
+        self._n_muon = len(self.muon.param_groups)
+        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum})
+        self._link()
+        self._built = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_built", False):
+            raise ValueError("MuonAdamW cannot take a new param group (neither Muon nor AdamW would step it): "
+                             "build a new optimizer over the whole model with create_optimizer('muon', model, ...)")
+        super().add_param_group(param_group)
+
+    def _link(self) -> None:
+        """Point the inner optimizers at this optimizer's groups and state (after a load replaced them)."""
+        self.muon.param_groups = self.param_groups[: self._n_muon]
+        self.muon.state = self.state
+        if self.adamw is not None:
+            self.adamw.param_groups = self.param_groups[self._n_muon:]
+            self.adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.adamw is not None:
+            for g in self.adamw.param_groups:
+                if g["momentum"] != g["betas"][0]:
+                    g["betas"] = (g["momentum"], *g["betas"][1:])
+            self.adamw.step()
+        self.muon.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if "muon" in self.__dict__:
+            self._link()
+
+    def describe(self) -> str:
+        n_muon = sum(len(g["params"]) for g in self.muon.param_groups)
+        if self.adamw is None:
+            return f"Muon ({n_muon} hidden matrices)"
+        n_adamw = sum(len(g["params"]) for g in self.adamw.param_groups)
+        d = self.adamw.defaults
+        kind = "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
+        return f"Muon ({n_muon} hidden matrices) + AdamW ({kind}, {n_adamw} other tensors)"
+
+
+def _muon_adamw(model: nn.Module, *, lr: float, weight_decay: float, betas, fused) -> MuonAdamW:
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        raise ValueError("optimizer='muon' needs whole weight matrices (its Newton-Schulz step), not FSDP2 "
+                         "shards; use optimizer='adamw' with parallel='fsdp2', or parallel='ddp' with 'muon'")
+    hidden, other = hidden_matrices(model)
+    if not hidden:
+        raise ValueError(f"optimizer='muon': {type(model).__name__} has no hidden 2-D weight matrices (Muon takes "
+                         "the weights of nn.Linear layers between the input and the output head; conv kernels, "
+                         "embeddings, the head, biases and norms go to AdamW); use optimizer='adamw'")
+    decay = [p for n, p in other if not (p.ndim <= 1 or n.endswith(".bias"))]
+    no_decay = [p for n, p in other if p.ndim <= 1 or n.endswith(".bias")]
+    groups = ([{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+              if weight_decay else [{"params": no_decay + decay}])
+    return MuonAdamW([p for _, p in hidden], groups, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)

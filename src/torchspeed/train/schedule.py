@@ -2,7 +2,8 @@
 
 - one-cycle (T14): warm up to `max_lr`, anneal far below it; trains in fewer epochs. It
   also cycles momentum (SGD) or beta1 (Adam) inversely, within +-0.05 of the optimizer's
-  own value (0.9 gives torch's default 0.85-0.95), so a momentum you set is the one used.
+  own value (0.9 gives torch's default 0.85-0.95), so a momentum you set is the one used;
+  each param group around its own value (the Muon and AdamW parts of "muon", T42).
 - cyclic (T14): triangular cycles between `min_lr` and `max_lr`.
 - warmup + cosine (T16): linear warm-up, then cosine decay to `min_lr`.
 - `scale_lr` (T17): the linear scaling rule lr = base_lr x world_size x batch / base_batch.
@@ -56,12 +57,16 @@ def create_scheduler(name: str | None, optimizer: torch.optim.Optimizer, *, tota
         pct = 0.25 if warmup_steps is None else min(0.9, max(warmup_steps, 1) / total_steps)
         pct = min(max(pct, 2 / total_steps), 1 - 2 / total_steps)
         div = 25.0 if min_lr is None else max_lr / min_lr
-        g = optimizer.param_groups[0]
-        m = g["betas"][0] if "betas" in g else g.get("momentum", 0.0)
+        # each group's own beta1 (Adam) or momentum (SGD; MuonAdamW, whose groups differ), as OneCycleLR reads them
+        beta1 = "betas" in optimizer.defaults
+        ms = [g["betas"][0] if beta1 else g.get("momentum", 0.0) for g in optimizer.param_groups]
+        base = [max(0.0, m - 0.05) for m in ms]
+        peak = [min(0.999, m + 0.05) for m in ms]
+        same = len(set(ms)) == 1
         return torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=pct, div_factor=div,
-            cycle_momentum=has_momentum and m > 0, base_momentum=max(0.0, m - 0.05),
-            max_momentum=min(0.999, m + 0.05), anneal_strategy="cos")
+            cycle_momentum=has_momentum and min(ms) > 0, base_momentum=base[0] if same else base,
+            max_momentum=peak[0] if same else peak, anneal_strategy="cos")
     if name == "cyclic":
         base = min_lr if min_lr is not None else max_lr / 10
         half = max(1, (cycle_steps or max(2, total_steps // 4)) // 2)

@@ -1,0 +1,186 @@
+"""Which optimizer learns faster on this model: a short trial of each, from the same state (T42, T18).
+
+What it does: `compare_optimizers` trains the model with each candidate optimizer (by name,
+`torchspeed.train.optim.create_optimizer`: "adamw", "muon", "sgd", ...) for `steps` steps,
+every candidate from the same saved weights, on the same batches in the same order, with the
+same seed. Each is scored by its mean loss on `eval_batches` held-back training batches (never
+trained on; no gradient, eval mode) after those steps: "learns faster" is a lower loss after
+the same number of steps. The first name is the baseline (the simpler optimizer): another
+candidate wins only when its loss is lower by more than `margin` (2%) of the baseline's, so
+noise does not switch optimizers. A candidate that does not apply (e.g. "muon" on a model
+with no hidden 2-D matrices) or whose loss is not finite loses, with the reason in the table.
+
+Afterwards the model's weights, buffers, gradients, train/eval modes and every RNG are put
+back bit for bit (`StateSnapshot`); the optimizers are built here and thrown away.
+
+When it helps: "muon" (Muon for the hidden matrices, AdamW for the rest) on models whose
+weights are mostly 2-D matrices (transformers, MLPs; `mostly_matrices(model)`), where it can
+reach a lower loss in the same steps; on a convolutional net it has little to work on.
+What it costs: `steps` training steps per candidate, plus the held-back batches in memory.
+
+Example:
+    >>> trial = compare_optimizers(model, train_set, lr=3e-3, steps=60)
+    >>> trial.best, trial.reason
+    >>> opt = create_optimizer(trial.best, model, lr=3e-3, weight_decay=None)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from torchspeed.train.optim import create_optimizer
+from torchspeed.train.precision import make_grad_scaler, resolve_precision
+from torchspeed.train.schedule import create_scheduler
+from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device, to_device, unwrap
+
+__all__ = ["OptimizerTrial", "compare_optimizers", "pick_optimizer"]
+
+
+@dataclass(frozen=True)
+class OptimizerTrial:
+    """The trial's winner, why, and one row per candidate (name, lr, loss, train_loss, error)."""
+
+    best: str
+    table: tuple[dict, ...]
+    reason: str
+    steps: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        rows = [f"  {r['name']:<8} lr {r['lr']:.2g}  held-back loss {r['loss']:.4f}"
+                + (f"  ({r['error']})" if r.get("error") else "") for r in self.table]
+        return f"optimizer: {self.best} ({self.reason})\n" + "\n".join(rows)
+
+
+def pick_optimizer(losses: Mapping[str, float], *, margin: float = 0.02) -> tuple[str, str]:
+    """(name, reason): the first name (the baseline) unless another's loss is lower by more than `margin`."""
+    names = list(losses)
+    if not names:
+        raise ValueError("no candidates to pick from")
+    base = names[0]
+    finite = {n: v for n, v in losses.items() if math.isfinite(v)}
+    if not finite:
+        raise RuntimeError(f"no candidate reached a finite loss ({', '.join(names)}): lower the learning rate")
+    best = min(finite, key=lambda n: (finite[n], names.index(n)))
+    if base not in finite:
+        return best, f"{base} did not reach a finite loss; {best} {finite[best]:.4f}"
+    if best == base:
+        return base, f"{base} {finite[base]:.4f} is the lowest loss"
+    gain = 1 - finite[best] / finite[base] if finite[base] > 0 else 0.0
+    if gain > margin:
+        return best, f"{best} {finite[best]:.4f} vs {base} {finite[base]:.4f}: {gain:.1%} lower loss"
+    return base, (f"{best} {finite[best]:.4f} vs {base} {finite[base]:.4f}: {gain:.1%} lower, within the "
+                  f"{margin:.0%} margin, so the simpler {base}")
+
+
+def _take_batches(data, n: int, batch_size: int, seed: int) -> list:
+    from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+    if isinstance(data, Dataset) and not isinstance(data, IterableDataset):
+        data = DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=len(data) > batch_size,
+                          generator=torch.Generator().manual_seed(seed))
+    out: list = []
+    while len(out) < n:
+        before = len(out)
+        for b in data:
+            out.append(b)
+            if len(out) == n:
+                break
+        if len(out) == before:
+            raise ValueError("the data for compare_optimizers gave no batches: check the dataset and batch size")
+    return out
+
+
+def compare_optimizers(model: nn.Module, data: Iterable, names: Sequence[str] = ("adamw", "muon"), *,
+                       lr: float | Mapping[str, float], steps: int = 50, loss_fn: Callable | None = None,
+                       step_fn: Callable | None = None, precision: str = "fp32", seed: int = 0,
+                       progress: bool = False, batch_size: int = 32, eval_batches: int = 4,
+                       weight_decay: float | None = None, schedule: str | None = None,
+                       margin: float = 0.02) -> OptimizerTrial:
+    """Train `model` `steps` steps with each optimizer in `names` from the same state; the one that learns faster.
+
+    `data` is a DataLoader (or any iterable of batches, cycled) or a Dataset (batched here with
+    `batch_size`); the first `eval_batches` batches are held back for scoring, the next `steps`
+    are trained on, the same for every candidate. `lr` is one learning rate or one per name
+    (e.g. {"adamw": 1e-3, "muon": 2e-3}); `weight_decay=None` takes each optimizer's default;
+    `schedule` (e.g. "onecycle") runs over the `steps`. Returns `best` (the first name unless
+    another is better by more than `margin`), the `reason`, and the `table`. Under
+    torch.distributed, rank 0 runs the trial and every rank gets its result.
+    """
+    names = tuple(n.lower() for n in names)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"names must be distinct optimizer names, got {names!r}")
+    if steps < 1 or eval_batches < 1:
+        raise ValueError(f"steps and eval_batches must be positive, got steps={steps}, eval_batches={eval_batches}")
+    if isinstance(lr, Mapping):
+        missing = [n for n in names if n not in lr]
+        if missing:
+            raise ValueError(f"lr has no learning rate for {missing}: give one per name, or one for all")
+        lrs = {n: float(lr[n]) for n in names}
+    else:
+        lrs = dict.fromkeys(names, float(lr))
+    return decide_once(lambda: _compare(unwrap(model), data, names, lrs=lrs, steps=steps, loss_fn=loss_fn,
+                                        step_fn=step_fn, precision=precision, seed=seed, progress=progress,
+                                        batch_size=batch_size, eval_batches=eval_batches,
+                                        weight_decay=weight_decay, schedule=schedule, margin=margin))
+
+
+def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, seed, progress, batch_size,
+             eval_batches, weight_decay, schedule, margin) -> OptimizerTrial:
+    from rich.progress import Progress
+
+    device = model_device(model)
+    prec = resolve_precision(precision, device=device)
+    snap = StateSnapshot(model)
+    rows: list[dict] = []
+    try:
+        batches = _take_batches(data, eval_batches + steps, batch_size, seed)
+        held, train = batches[:eval_batches], batches[eval_batches:]
+        with Progress(disable=not progress, transient=True) as bar:
+            for name in names:
+                snap.restore()
+                for p in model.parameters():
+                    p.grad = None
+                torch.manual_seed(seed)
+                row = {"name": name, "lr": lrs[name], "loss": math.inf, "train_loss": math.inf, "error": None}
+                rows.append(row)
+                try:
+                    opt = create_optimizer(name, model, lr=lrs[name], weight_decay=weight_decay)
+                except ValueError as e:  # e.g. "muon" on a model with no hidden matrices
+                    row["error"] = str(e)
+                    continue
+                sched = create_scheduler(schedule, opt, total_steps=steps)
+                step = TrainStep(model, opt, loss_fn=loss_fn, step_fn=step_fn, precision=prec,
+                                 scaler=make_grad_scaler(prec))
+                task = bar.add_task(f"optimizer trial: {name}", total=steps)
+                model.train()
+                losses: list[float] = []
+                for b in train:
+                    losses.append(float(step(to_device(b, device))))  # a host sync per step: fine for a trial
+                    if sched is not None:
+                        sched.step()
+                    bar.update(task, advance=1)
+                    if not math.isfinite(losses[-1]):
+                        row["error"] = f"the loss was not finite at step {len(losses)}"
+                        break
+                tail = losses[-max(1, len(losses) // 5):]
+                row["train_loss"] = sum(tail) / len(tail)
+                if row["error"] is None:
+                    model.eval()
+                    with torch.no_grad():
+                        held_losses = [float(step.loss(to_device(b, device))) for b in held]
+                    row["loss"] = sum(held_losses) / len(held_losses)
+                    if not math.isfinite(row["loss"]):
+                        row["error"], row["loss"] = "the held-back loss was not finite", math.inf
+                del opt, sched, step
+    finally:
+        snap.restore()
+    best, reason = pick_optimizer({r["name"]: r["loss"] for r in rows}, margin=margin)
+    return OptimizerTrial(best=best, table=tuple(rows), reason=reason, steps=steps)

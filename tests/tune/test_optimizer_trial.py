@@ -1,0 +1,81 @@
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from torchspeed.tune.optimizer_trial import compare_optimizers, pick_optimizer
+
+
+def _data(n=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g)
+    y = (x[:, :4] @ torch.randn(4, 4, generator=g)).argmax(1)
+    return TensorDataset(x, y)
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU(),
+                         nn.Dropout(0.1), nn.Linear(64, 4))
+
+
+def test_pick_prefers_the_baseline_unless_clearly_better():
+    assert pick_optimizer({"adamw": 2.00, "muon": 1.99})[0] == "adamw"       # 0.5%: within the margin
+    assert pick_optimizer({"adamw": 2.00, "muon": 1.90})[0] == "muon"        # 5%
+    assert pick_optimizer({"adamw": 1.90, "muon": 2.00})[0] == "adamw"
+    assert pick_optimizer({"adamw": float("nan"), "muon": 2.0})[0] == "muon"
+    assert pick_optimizer({"adamw": 2.0, "muon": float("inf")})[0] == "adamw"
+    with pytest.raises(RuntimeError, match="lower the learning rate"):
+        pick_optimizer({"adamw": float("inf"), "muon": float("nan")})
+
+
+def test_trial_restores_the_model_bit_for_bit_and_picks_the_lower_loss():
+    model = _mlp()
+    model.eval()  # a mode the trial must put back
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(123)
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    trial = compare_optimizers(model, _data(), ("adamw", "muon"), lr={"adamw": 3e-3, "muon": 3e-3}, steps=15,
+                               batch_size=32, eval_batches=2)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight)) and model[2].bias.grad is None
+    assert not model.training and not any(m.training for m in model.modules())
+    assert torch.equal(torch.get_rng_state(), rng[0]) and random.getstate() == rng[1]
+    assert np.array_equal(np.random.get_state()[1], rng[2])
+    losses = {r["name"]: r["loss"] for r in trial.table}
+    assert trial.best == pick_optimizer(losses)[0] and trial.steps == 15 and trial.reason
+    # the same trial again gives the same numbers (same state, batches and seed)
+    again = compare_optimizers(model, _data(), ("adamw", "muon"), lr=3e-3, steps=15, batch_size=32, eval_batches=2)
+    assert [r["loss"] for r in again.table] == [r["loss"] for r in trial.table]
+
+
+def test_trial_picks_the_candidate_that_learns():
+    # an LR of 0 cannot learn: the other candidate wins by far more than the margin, either way round
+    trial = compare_optimizers(_mlp(), _data(), ("adamw", "muon"), lr={"adamw": 0.0, "muon": 1e-2}, steps=20,
+                               batch_size=32, eval_batches=2)
+    assert trial.best == "muon" and "lower loss" in trial.reason
+    trial = compare_optimizers(_mlp(), _data(), ("adamw", "muon"), lr={"adamw": 1e-2, "muon": 0.0}, steps=20,
+                               batch_size=32, eval_batches=2)
+    assert trial.best == "adamw"
+    assert "adamw" in str(trial) and "muon" in str(trial)
+
+
+def test_muon_on_a_conv_net_loses_with_the_reason():
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, 2))
+    data = TensorDataset(torch.randn(64, 1, 8, 8), torch.randint(0, 2, (64,)))
+    trial = compare_optimizers(conv, data, lr=1e-2, steps=3, batch_size=16, eval_batches=1)
+    assert trial.best == "adamw"
+    assert "no hidden 2-D weight matrices" in trial.table[1]["error"]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="one per name"):
+        compare_optimizers(_mlp(), _data(), lr={"adamw": 1e-3}, steps=2)
+    with pytest.raises(ValueError, match="positive"):
+        compare_optimizers(_mlp(), _data(), lr=1e-3, steps=0)
