@@ -121,3 +121,26 @@ def test_fit_refuses_unknown_recipes():
         fit(_bn_net(), _loader(), recipe="fast", progress=False)
     with pytest.raises(ValueError, match="recipe_parts needs"):
         fit(_bn_net(), _loader(), recipe_parts=("lr",), progress=False)
+
+
+def test_muon_is_tried_for_adamw_on_a_matrix_heavy_model_and_not_on_a_conv_net(monkeypatch):
+    import torchspeed.tune.optimizer_trial as trial_mod
+    from torchspeed.tune.optimizer_trial import OptimizerTrial
+
+    mlp = nn.Sequential(nn.Flatten(), nn.Linear(192, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                        nn.Linear(128, 4))
+    asked = []
+
+    def fake(model, data, names, **kw):  # injected trial result: Muon learns faster here
+        asked.append(names)
+        return OptimizerTrial("muon", ({"name": "adamw", "loss": 1.0}, {"name": "muon", "loss": 0.8}),
+                              "muon's held-back loss is 20% lower", 10)
+
+    monkeypatch.setattr(trial_mod, "compare_optimizers", fake)
+    rec = choose_recipe(mlp, _loader(), optimizer="adamw", lr=1e-3, parts=("muon",), progress=False)
+    assert asked == [("adamw", "muon")] and rec.optimizer == "muon" and rec.tuning_steps == 20
+    assert rec.decisions["optimizer"].value == "muon" and "T42" in rec.decisions["optimizer"].reason
+    conv = choose_recipe(_bn_net(), _loader(), optimizer="adamw", lr=1e-3, parts=("muon",), progress=False)
+    assert conv.optimizer is None and "not tried" in conv.decisions["optimizer"].reason and len(asked) == 1
+    sgd = choose_recipe(mlp, _loader(), optimizer="sgd", parts=("muon",), progress=False)
+    assert sgd.optimizer is None and len(asked) == 1  # Muon replaces AdamW only

@@ -231,17 +231,18 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
 
 def _choose_muon(model, train_loader, *, lr, precision, loss_fn, step_fn, decisions, rec) -> str | None:
     """Muon for the hidden matrices when a short trial says it learns faster (T42); None keeps AdamW."""
-    try:
-        from torchspeed.tune.optimizer_trial import compare_optimizers, mostly_matrices
-    except ImportError:  # pragma: no cover - the trial ships with the package
-        return None
+    from torchspeed.train.optim import matrix_share, mostly_matrices
+    from torchspeed.tune.optimizer_trial import compare_optimizers
+
     if not mostly_matrices(model):
-        decisions["optimizer"] = Decision("adamw", "most weights are not hidden 2D matrices: Muon not tried")
+        decisions["optimizer"] = Decision("adamw", f"{matrix_share(model):.0%} of the weights are hidden 2D matrices "
+                                                   "(under half): Muon not tried (T42)")
         return None
     trial = compare_optimizers(model, train_loader, ("adamw", "muon"), lr=lr, precision=precision,
                                loss_fn=loss_fn, step_fn=step_fn, progress=False)
-    rec.tuning_steps += int(getattr(trial, "steps", 0) or 0) * 2
-    decisions["optimizer"] = Decision(trial.best, trial.reason, measured={"table": trial.table})
+    rec.tuning_steps += int(trial.steps or 0) * 2
+    decisions["optimizer"] = Decision("muon" if trial.best == "muon" else "adamw", f"{trial.reason} (T42)",
+                                      measured={"table": [dict(r) if isinstance(r, dict) else r for r in trial.table]})
     return "muon" if trial.best == "muon" else None
 
 
