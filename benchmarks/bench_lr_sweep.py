@@ -31,6 +31,7 @@ benchmarks/results/cpu/lr_sweep.json with provenance (commit, versions, device, 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
@@ -123,22 +124,27 @@ def train_score(make, train, val, batch: int, opt: str, seed: int, lr: float, st
     return {"val_loss": loss, "val_acc": m.get("val_acc")}
 
 
-def run_workload(name: str, *, seeds: list[int], steps: int, precision: str, fallback: bool, width: int) -> dict:
+def run_workload(name: str, *, seeds: list[int], steps: int, precision: str, fallback: bool, width: int,
+                 previous: dict | None = None) -> dict:
     make, train, val, batch, opt, desc = workload(name)
     tests = {s: range_test_lr(make, train, batch, opt, s, precision, fallback) for s in seeds}
     for s, t in tests.items():
-        print(f"[{name}] seed {s}: range test lr {t['lr']:.3g} ({t['seconds']:.0f} s): {t['decision']}")
+        print(f"[{name}] seed {s}: range test lr {t['lr']:.3g} ({t['seconds']:.0f} s): {t['decision']}", flush=True)
     centre = math.exp(statistics.mean(math.log(t["lr"]) for t in tests.values()))
     runs: dict[float, dict[int, dict]] = {}
 
-    def sweep(k: int) -> None:
-        lr = centre * 2.0 ** k
+    def sweep(lr: float) -> None:
         runs[lr] = {s: train_score(make, train, val, batch, opt, s, lr, steps, precision) for s in seeds}
-        print(f"[{name}] lr {lr:.3g}: val_loss " + ", ".join(f"{r['val_loss']:.4f}" for r in runs[lr].values()))
+        print(f"[{name}] lr {lr:.3g}: val_loss " + ", ".join(f"{r['val_loss']:.4f}" for r in runs[lr].values()),
+              flush=True)
 
-    ks = list(range(-(width // 2), width - width // 2))
-    for k in ks:
-        sweep(k)
+    if previous is not None:  # the sweep does not depend on the range test: reuse it, extend it if need be
+        if previous["steps"] != steps or sorted(previous["sweep"][0]["per_seed"]) != sorted(map(str, seeds)):
+            raise SystemExit(f"--sweep-from: {name}'s sweep used other steps or seeds")
+        runs = {row["lr"]: {int(s): r for s, r in row["per_seed"].items()} for row in previous["sweep"]}
+    else:
+        for k in range(-(width // 2), width - width // 2):
+            sweep(centre * 2.0 ** k)
 
     def mean_loss(lr):
         return statistics.mean(r["val_loss"] for r in runs[lr].values())
@@ -147,11 +153,9 @@ def run_workload(name: str, *, seeds: list[int], steps: int, precision: str, fal
         lrs = sorted(runs)
         best = min(lrs, key=mean_loss)
         if best == lrs[0]:
-            ks.insert(0, ks[0] - 1)
-            sweep(ks[0])
+            sweep(lrs[0] / 2)
         elif best == lrs[-1]:
-            ks.append(ks[-1] + 1)
-            sweep(ks[-1])
+            sweep(lrs[-1] * 2)
         else:
             break
     lrs = sorted(runs)
@@ -159,14 +163,14 @@ def run_workload(name: str, *, seeds: list[int], steps: int, precision: str, fal
     ratios = {s: t["lr"] / best for s, t in tests.items()}
     within = all(0.5 <= r <= 2.0 for r in ratios.values())
     print(f"[{name}] best sweep lr {best:.3g} (val_loss {mean_loss(best):.4f}); range test / best: "
-          + ", ".join(f"{r:.2f}" for r in ratios.values()) + f" -> within 2x: {within}")
+          + ", ".join(f"{r:.2f}" for r in ratios.values()) + f" -> within 2x: {within}", flush=True)
     return {"description": desc, "batch_size": batch, "optimizer": opt, "steps": steps,
             "range_test": {str(s): t for s, t in tests.items()},
             "sweep": [{"lr": lr, "mean_val_loss": mean_loss(lr), "per_seed": {str(s): r for s, r in runs[lr].items()}}
                       for lr in lrs],
             "best_lr": best, "best_at_edge": best in (lrs[0], lrs[-1]),
             "ratio_per_seed": {str(s): r for s, r in ratios.items()}, "within_2x": within,
-            "loss_at_range_test_lr_nearest": mean_loss(min(lrs, key=lambda lr: abs(math.log(lr / centre))))}
+            "sweep_reused": previous is not None}
 
 
 def main() -> None:
@@ -179,15 +183,19 @@ def main() -> None:
     ap.add_argument("--precision", default="auto", help="as fit's precision; 'auto' is resolved once for the device")
     ap.add_argument("--no-fallback", action="store_true", help="the range test without its measured fallback")
     ap.add_argument("--quick", action="store_true", help="1 seed, 5 LRs, half the steps")
+    ap.add_argument("--sweep-from", default=None,
+                    help="a previous result JSON: reuse its sweeps (same steps and seeds), rerun only the range tests")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     seeds = list(range(1 if args.quick else args.seeds))
     width = 5 if args.quick else args.width
     precision = resolve_precision(args.precision, device="cpu").name
+    previous = json.loads(Path(args.sweep_from).read_text())["results"] if args.sweep_from else {}
     load_before = other_runnable()
     t0 = time.perf_counter()
     results = {w: run_workload(w, seeds=seeds, steps=args.steps or STEPS[w] // (2 if args.quick else 1),
-                               precision=precision, fallback=not args.no_fallback, width=width)
+                               precision=precision, fallback=not args.no_fallback, width=width,
+                               previous=previous.get(w))
                for w in args.workloads.split(",")}
     meta = provenance() | {"precision": precision, "seeds": seeds, "sweep_factor": 2, "width": width,
                            "fallback": not args.no_fallback, "seconds": time.perf_counter() - t0,

@@ -64,10 +64,11 @@ def test_flat_curve_runs_the_trial_by_default_and_restores_bit_identical():
     rng = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
     res = find_lr(model, loader, optimizer=opt, num_steps=40, trial_steps=8, progress=False, precision="fp32")
     assert res.confidence == "low"
-    assert len(res.trial) == 5, "a low-confidence curve must fall back to the measured trial by default"
+    assert 5 <= len(res.trial) <= 7, "a low-confidence curve must fall back to the measured trial by default"
     lrs, scores = zip(*res.trial)
+    assert list(lrs) == sorted(lrs)
     assert res.suggestion == res.max_lr == lrs[int(np.argmin(scores))]
-    assert res.steps == len(res.lrs) + 5 * 8
+    assert res.steps == len(res.lrs) + len(res.trial) * 8
     assert "measured trial" in res.rule
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -90,7 +91,7 @@ def test_every_candidate_starts_from_the_same_state_on_the_same_batches(monkeypa
     monkeypatch.setattr(lr_mod, "_trial_run", spy)
     model, loader = _random_labels(seed=1)
     res = find_lr(model, loader, num_steps=40, trial_steps=8, progress=False, precision="fp32")
-    assert [s[0] for s in seen] == [lr for lr, _ in res.trial]
+    assert sorted(s[0] for s in seen) == [lr for lr, _ in res.trial]
     for _, w, b, m, r in seen[1:]:
         assert torch.equal(w, seen[0][1]) and b == seen[0][2] and torch.equal(r, seen[0][4])
         assert all(x is None for x in m)  # no momentum carried over from the range test or another candidate
@@ -107,7 +108,19 @@ def test_the_best_scoring_candidate_wins(monkeypatch):
 
     monkeypatch.setattr(lr_mod, "_trial_run", scored)
     res = find_lr(model, loader, num_steps=40, trial_steps=8, progress=False, precision="fp32")
+    assert len(target["lrs"]) == 5  # an inner candidate won: no extension
     assert res.suggestion == target["lrs"][1] and res.max_lr == target["lrs"][1]
+
+
+def test_a_best_at_the_top_edge_extends_the_trial_upwards_inside_the_range(monkeypatch):
+    monkeypatch.setattr(lr_mod, "_trial_run", lambda step, set_lr, lr, *a, **kw: 1.0 / lr)  # higher is better
+    model, loader = _random_labels(seed=3)
+    res = find_lr(model, loader, num_steps=40, trial_steps=8, progress=False, precision="fp32")
+    lrs = [lr for lr, _ in res.trial]
+    curve = suggest_lr(res.lrs, res.losses, diverged=res.diverged)  # the range test's own result
+    assert lrs[:5] == pytest.approx(trial_candidates(curve, n=5))
+    assert 5 < len(lrs) <= 5 + lr_mod.TRIAL_EXTEND or lrs[4] * 3 > lr_mod.trial_ceiling(curve)
+    assert all(lr <= lr_mod.trial_ceiling(curve) for lr in lrs[5:]) and res.suggestion == max(lrs)
 
 
 def test_no_trial_when_confidence_is_high_or_fallback_is_off():

@@ -28,14 +28,18 @@ did not diverge) downwards, each train `trial_steps` steps (24: a linear warm-up
 first 4, then the candidate LR held) from the same saved state on the same batches (drawn
 once after the range test) and the same RNG state; a candidate's score is the mean
 training loss of its last third of steps (each loss read before that step's update, so
-on batches the candidate has not yet trained on in this trial). The lowest score wins: it
+on batches the candidate has not yet trained on in this trial). When the best is the
+highest (lowest) candidate, one more LR a factor 3 past it is tried, twice at most, upwards
+only while the range test's smoothed loss was still within 10% of its start there (on a
+flat curve the LR of the lowest loss is noise, so the top of the grid may be too low). The
+lowest score wins: it
 becomes the suggestion and the one-cycle `max_lr` (`min_lr = max_lr / 10`); the table is
 in `trial`, `rule` says so, and `steps` counts every training step taken (range test plus
 trial). A candidate whose loss turns NaN/inf scores inf.
 
 When it helps: picking the LR for a new model/data/batch without a grid search.
 What it costs: `num_steps` training steps (default 100), plus `trial_lrs x trial_steps`
-(120) when the fallback runs, plus a copy of the model and optimizer state in memory.
+(120; 168 with both extensions) when the fallback runs, plus a copy of the model and optimizer state in memory.
 
 Example:
     >>> res = find_lr(model, train_loader, optimizer=opt, plot="lr.png")
@@ -58,7 +62,7 @@ from torchspeed._extras import require
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
 from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device, to_device, unwrap
 
-__all__ = ["LRFinderResult", "find_lr", "suggest_lr", "plot_lr", "trial_candidates", "choose_trial"]
+__all__ = ["LRFinderResult", "find_lr", "suggest_lr", "plot_lr", "trial_candidates", "trial_ceiling", "choose_trial"]
 
 
 @dataclass(frozen=True)
@@ -179,16 +183,27 @@ def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, sta
             result = suggest_lr(lrs, losses, diverged=diverged)
             result = replace(result, steps=len(lrs))
             if fallback and result.confidence == "low":
-                candidates = trial_candidates(result, n=trial_lrs)
                 batches = [next(it) for _ in range(trial_steps)]  # every candidate trains on these
-                task = bar.add_task("LR trial", total=len(candidates) * trial_steps)
-                scores = []
-                for lr in candidates:
-                    snap.restore()
+                task = bar.add_task("LR trial", total=trial_lrs * trial_steps)
+                table: dict[float, float] = {}
+
+                def run(lr: float) -> None:
+                    snap.restore()  # the same weights, optimizer state and RNG for every candidate
                     model.train()
-                    scores.append(_trial_run(step, set_lr, lr, batches, device,
-                                             tick=lambda: bar.update(task, advance=1)))
-                result = choose_trial(result, list(zip(candidates, scores)), trial_steps=trial_steps)
+                    table[lr] = _trial_run(step, set_lr, lr, batches, device, tick=lambda: bar.update(task, advance=1))
+
+                for lr in trial_candidates(result, n=trial_lrs):
+                    run(lr)
+                for _ in range(TRIAL_EXTEND):  # the best at an edge: one more LR past it, inside the tested range
+                    lrs_t = sorted(table)
+                    best_lr = min(lrs_t, key=lambda a: table[a])
+                    if best_lr == lrs_t[-1] and lrs_t[-1] * TRIAL_FACTOR <= trial_ceiling(result):
+                        run(lrs_t[-1] * TRIAL_FACTOR)
+                    elif best_lr == lrs_t[0] and lrs_t[0] / TRIAL_FACTOR >= result.lrs[0]:
+                        run(lrs_t[0] / TRIAL_FACTOR)
+                    else:
+                        break
+                result = choose_trial(result, sorted(table.items()), trial_steps=trial_steps)
     finally:
         snap.restore()
     if plot is not None:
@@ -197,7 +212,16 @@ def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, sta
     return result
 
 
-TRIAL_FACTOR, TRIAL_WARMUP = 3.0, 4
+TRIAL_FACTOR, TRIAL_WARMUP, TRIAL_EXTEND = 3.0, 4, 2
+
+
+def trial_ceiling(result: LRFinderResult) -> float:
+    """The highest LR of the range test before its smoothed loss rose 10% above where it started (diverging)."""
+    smooth = np.asarray(result.smoothed)
+    start = float(np.median(smooth[:max(3, len(smooth) // 10)]))
+    above = np.nonzero(smooth > 1.1 * max(start, float(smooth.min())))[0]
+    above = above[above > int(np.argmin(smooth))]
+    return float(result.lrs[int(above[0]) - 1] if len(above) else result.lrs[-1])
 
 
 def trial_candidates(result: LRFinderResult, *, n: int = 5, factor: float = TRIAL_FACTOR) -> list[float]:
