@@ -95,21 +95,31 @@ def _loader(train, batch: int, seed: int) -> DataLoader:
 
 
 def range_test_lr(make, train, batch: int, opt: str, seed: int, precision: str, fallback: bool) -> dict:
-    """The peak LR fit(lr="auto") would train with, and the range test's decision."""
+    """The peak LR fit(lr="auto") would train with (through `tune_for_fit`), its decision, and the curve."""
+    import torchspeed.tune.lr as lr_module
+
     model = _model(make, seed)
+    seen = []
+    find_lr = lr_module.find_lr
+
+    def recording(*args, **kwargs):  # tune_for_fit imports find_lr when called: record what it returns
+        res = find_lr(*args, **{**kwargs, "fallback": fallback})
+        seen.append(res)
+        return res
+
+    lr_module.find_lr = recording
     t0 = time.perf_counter()
-    if fallback:
+    try:
         _, lr, decisions = tune_for_fit(model, _loader(train, batch, seed), batch_size=None, lr="auto", loader=None,
                                         loss_fn=None, optimizer=opt, weight_decay=None, device="cpu",
                                         precision=precision, schedule="onecycle", distributed=False, progress=False)
-        return {"lr": lr, "decision": decisions["lr_find"], "seconds": time.perf_counter() - t0}
-    from torchspeed.train.optim import create_optimizer
-    from torchspeed.tune.lr import find_lr
-
-    res = find_lr(model, _loader(train, batch, seed), optimizer=create_optimizer(opt, model, lr=1e-6),
-                  precision=precision, progress=False, fallback=False)
-    return {"lr": res.max_lr, "decision": f"{res.rule}; confidence {res.confidence}",
-            "seconds": time.perf_counter() - t0}
+    finally:
+        lr_module.find_lr = find_lr
+    res = seen[0].to_dict()
+    keep = ("suggestion", "steepest_lr", "valley_lr", "min_loss_lr", "max_lr", "min_lr", "confidence", "trial",
+            "steps", "diverged", "lrs", "losses")
+    return {"lr": lr, "decision": decisions["lr_find"], "seconds": time.perf_counter() - t0,
+            "result": {k: res[k] for k in keep if k in res}}
 
 
 def train_score(make, train, val, batch: int, opt: str, seed: int, lr: float, steps: int, precision: str) -> dict:

@@ -119,7 +119,7 @@ def test_a_best_at_the_top_edge_extends_the_trial_upwards_inside_the_range(monke
     lrs = [lr for lr, _ in res.trial]
     curve = suggest_lr(res.lrs, res.losses, diverged=res.diverged)  # the range test's own result
     assert lrs[:5] == pytest.approx(trial_candidates(curve, n=5))
-    assert 5 < len(lrs) <= 5 + lr_mod.TRIAL_EXTEND or lrs[4] * 3 > lr_mod.trial_ceiling(curve)
+    assert 5 < len(lrs) <= 5 + lr_mod.TRIAL_EXTEND  # extended: the top candidate scored best
     assert all(lr <= lr_mod.trial_ceiling(curve) for lr in lrs[5:]) and res.suggestion == max(lrs)
 
 
@@ -137,3 +137,18 @@ def test_bad_trial_settings_are_refused():
     model, loader = _random_labels()
     with pytest.raises(ValueError, match="trial_lrs"):
         find_lr(model, loader, trial_lrs=1, progress=False)
+
+
+def test_one_cycle_peak_is_where_the_fall_ends_not_a_noisy_minimum_on_the_plateau():
+    """max_lr = max(suggestion, bottom_lr): the lowest LR with 90% of the fall done, however far the plateau runs."""
+    plateau = CLEAN.copy()
+    mask = (X > -1) & (X <= 0)
+    plateau[mask] = CLEAN[X > -1].min() - np.linspace(0, 0.02, mask.sum())  # a long bottom from 1e-1 to 1,
+    res = suggest_lr(LRS, plateau)                                         # its lowest point 10x past its start
+    assert res.min_loss_lr > 0.5
+    assert res.bottom_lr < 0.2 * res.min_loss_lr
+    assert res.max_lr == max(res.suggestion, res.bottom_lr) and res.min_lr == pytest.approx(res.max_lr / 10)
+    smooth = np.asarray(res.smoothed)
+    i = list(res.lrs).index(res.bottom_lr)
+    fall = np.median(smooth[:10]) - smooth.min()
+    assert smooth[i] <= smooth.min() + 0.1 * fall < smooth[i - 1]

@@ -18,8 +18,14 @@ hardly matters in this range, or the model does not learn from these batches) or
 step-to-step scatter around the smoothed curve, as a median absolute deviation, is more
 than a quarter of that fall); "medium" when the steepest point lies outside the longest
 valley (the rules disagree); else "high".
-For one-cycle (T14): `max_lr` is the larger of the suggestion and a third of the LR at the
-loss minimum; `min_lr = max_lr / 10` (T15).
+For one-cycle (T14): `max_lr` is the larger of the suggestion and the bottom LR, the lowest LR
+at which the smoothed loss has done 90% of its fall to its minimum (`bottom_lr`); `min_lr =
+max_lr / 10` (T15). The bottom, not the minimum itself: past the bottom the curve is often a
+plateau whose lowest point is noise (a small transformer's minimum moved from 8e-3 to 5e-2
+between two seeds on the same plateau; its bottom was 4e-3 on both). The suggestion alone
+was 4x below the best one-cycle peak of a sweep for SGD on ResNet-20 and an MLP
+(benchmarks/bench_lr_sweep.py, docs/tune.md): a one-cycle peak is held only briefly, so it
+can sit where the range test's loss stops falling.
 
 The fallback (`fallback=True`, the default): when the confidence is "low" the curve cannot
 be read, so a short measured trial decides instead. `trial_lrs` candidates (5), a factor 3
@@ -83,6 +89,7 @@ class LRFinderResult:
     plot: str | None = None
     confidence: str = "high"         # "high" | "medium" | "low" (see the module docstring)
     warning: str | None = None       # why the confidence is not high: flat, noisy, or rules disagree
+    bottom_lr: float = 0.0           # lowest LR where the smoothed loss has done 90% of its fall
     trial: tuple[tuple[float, float], ...] = ()  # the fallback's (lr, score) table; () when it did not run
     steps: int = 0                   # training steps taken: the range test's, plus the trial's
 
@@ -312,16 +319,19 @@ def suggest_lr(lrs, losses, *, diverged: bool = False) -> LRFinderResult:
                                  "longest valley, so it is noise, not learning")
     suggestion = float(lrs_a[i_sug])
     min_loss_lr = float(lrs_a[i_min])
-    max_lr = max(suggestion, min_loss_lr / 3)
+    start = float(np.median(smooth[:max(3, len(smooth) // 10)]))
+    near = smooth[:i_min + 1] <= smooth[i_min] + BOTTOM * max(start - float(smooth[i_min]), 0.0)
+    bottom_lr = float(lrs_a[int(np.argmax(near))])
+    max_lr = max(suggestion, bottom_lr)
     confidence, warning = _confidence(raw, smooth, i_min, agree=v_start <= i_steep <= v_end)
     return LRFinderResult(confidence=confidence, warning=warning,lrs=tuple(map(float, lrs_a)), losses=tuple(map(float, raw)),
                           smoothed=tuple(map(float, smooth)), suggestion=suggestion,
                           steepest_lr=float(lrs_a[i_steep]), valley_lr=float(lrs_a[i_valley]),
-                          min_loss_lr=min_loss_lr, max_lr=float(max_lr), min_lr=float(max_lr / 10), rule=rule,
+                          min_loss_lr=min_loss_lr, bottom_lr=bottom_lr, max_lr=float(max_lr), min_lr=float(max_lr / 10), rule=rule,
                           diverged=diverged)
 
 
-FLAT, NOISY = 0.10, 0.25
+FLAT, NOISY, BOTTOM = 0.10, 0.25, 0.10
 
 
 def _confidence(raw: np.ndarray, smooth: np.ndarray, i_min: int, *, agree: bool) -> tuple[str, str | None]:
