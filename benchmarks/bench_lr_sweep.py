@@ -200,7 +200,8 @@ def main() -> None:
     seeds = list(range(1 if args.quick else args.seeds))
     width = 5 if args.quick else args.width
     precision = resolve_precision(args.precision, device="cpu").name
-    previous = json.loads(Path(args.sweep_from).read_text())["results"] if args.sweep_from else {}
+    reused = json.loads(Path(args.sweep_from).read_text()) if args.sweep_from else {"results": {}, "meta": None}
+    previous = reused["results"]
     load_before = other_runnable()
     t0 = time.perf_counter()
     results = {w: run_workload(w, seeds=seeds, steps=args.steps or STEPS[w] // (2 if args.quick else 1),
@@ -209,6 +210,7 @@ def main() -> None:
                for w in args.workloads.split(",")}
     meta = provenance() | {"precision": precision, "seeds": seeds, "sweep_factor": 2, "width": width,
                            "fallback": not args.no_fallback, "seconds": time.perf_counter() - t0,
+                           "sweeps_reused_from": reused["meta"],
                            "other_runnable_before": load_before, "other_runnable_after": other_runnable()}
     write_json(args.out, {"meta": meta, "results": results})
     print(f"wrote {args.out} ({meta['seconds']:.0f} s)")
