@@ -323,6 +323,8 @@ def suggest_lr(lrs, losses, *, diverged: bool = False) -> LRFinderResult:
     near = smooth[:i_min + 1] <= smooth[i_min] + BOTTOM * max(start - float(smooth[i_min]), 0.0)
     bottom_lr = float(lrs_a[int(np.argmax(near))])
     max_lr = max(suggestion, bottom_lr)
+    if bottom_lr > suggestion:
+        rule += f"; one-cycle max_lr {bottom_lr:.2e}: where the smoothed loss has done 90% of its fall"
     confidence, warning = _confidence(raw, smooth, i_min, agree=v_start <= i_steep <= v_end)
     return LRFinderResult(confidence=confidence, warning=warning,lrs=tuple(map(float, lrs_a)), losses=tuple(map(float, raw)),
                           smoothed=tuple(map(float, smooth)), suggestion=suggestion,
