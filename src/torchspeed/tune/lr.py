@@ -21,7 +21,7 @@ valley (the rules disagree); else "high".
 For one-cycle (T14): `max_lr` is the larger of the suggestion and the bottom LR, the lowest LR
 at which the smoothed loss has done 90% of its fall to its minimum (`bottom_lr`); `min_lr =
 max_lr / 10` (T15). The bottom, not the minimum itself: past the bottom the curve is often a
-plateau whose lowest point is noise (a small transformer's minimum moved from 8e-3 to 5e-2
+plateau whose lowest point is noise (a small transformer's minimum moved from 8e-3 to 4e-2
 between two seeds on the same plateau; its bottom was 4e-3 on both). The suggestion alone
 was 4x below the best one-cycle peak of a sweep for SGD on ResNet-20 and an MLP
 (benchmarks/bench_lr_sweep.py, docs/tune.md): a one-cycle peak is held only briefly, so it
