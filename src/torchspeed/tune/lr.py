@@ -22,10 +22,11 @@ For one-cycle (T14): `max_lr` is the larger of the suggestion and the bottom LR,
 at which the smoothed loss has done 90% of its fall to its minimum (`bottom_lr`); `min_lr =
 max_lr / 10` (T15). The bottom, not the minimum itself: past the bottom the curve is often a
 plateau whose lowest point is noise (a small transformer's minimum moved from 8e-3 to 4e-2
-between two seeds on the same plateau; its bottom was 4e-3 on both). The suggestion alone
-was 4x below the best one-cycle peak of a sweep for SGD on ResNet-20 and an MLP
-(benchmarks/bench_lr_sweep.py, docs/tune.md): a one-cycle peak is held only briefly, so it
-can sit where the range test's loss stops falling.
+between two seeds on the same plateau; its bottom was 4e-3 on both). The former peak,
+max(suggestion, minimum / 3), was 4x below the best one-cycle peak of a sweep for SGD on
+ResNet-20 and an MLP (benchmarks/bench_lr_sweep.py, docs/tune.md); the bottom is 2.4x and
+2.7x below it there (still a miss: their best peak lies past the minimum, at the edge of
+divergence) and 1.4x above it on a small transformer.
 
 The fallback (`fallback=True`, the default): when the confidence is "low" the curve cannot
 be read, so a short measured trial decides instead. `trial_lrs` candidates (5), a factor 3
@@ -38,14 +39,14 @@ on batches the candidate has not yet trained on in this trial). When the best is
 highest (lowest) candidate, one more LR a factor 3 past it is tried, twice at most, upwards
 only while the range test's smoothed loss was still within 10% of its start there (on a
 flat curve the LR of the lowest loss is noise, so the top of the grid may be too low). The
-lowest score wins: it
-becomes the suggestion and the one-cycle `max_lr` (`min_lr = max_lr / 10`); the table is
-in `trial`, `rule` says so, and `steps` counts every training step taken (range test plus
-trial). A candidate whose loss turns NaN/inf scores inf.
+lowest score wins: it becomes the suggestion and the one-cycle `max_lr` (`min_lr = max_lr /
+10`); the table is in `trial`, `rule` says so, and `steps` counts every training step taken
+(range test plus trial). A candidate whose loss turns NaN/inf scores inf.
 
 When it helps: picking the LR for a new model/data/batch without a grid search.
 What it costs: `num_steps` training steps (default 100), plus `trial_lrs x trial_steps`
-(120; 168 with both extensions) when the fallback runs, plus a copy of the model and optimizer state in memory.
+(120; 168 with both extensions) when the fallback runs, plus a copy of the model and
+optimizer state in memory.
 
 Example:
     >>> res = find_lr(model, train_loader, optimizer=opt, plot="lr.png")
