@@ -80,14 +80,14 @@ def test_cpu_budget_bounds_the_largest_batch(images):
     assert per_sample == pytest.approx(2 * 4 * (192 + 512 + 256 + 10) + 4 * 192 + 8, rel=0.02)
     budget = finder.estimate(100)
     res = find_batch_size(model, images, max_batch=1024, margin=0.0, memory_budget=budget, rounds=1,
-                          min_time=0.01, progress=False)
+                          min_time=0.01, progress=False, precision="fp32")  # the estimate's precision
     assert res.limited_by == "memory" and res.largest == 96  # the largest multiple of 8 under the budget
     assert all((t.peak_bytes <= budget) == t.fits for t in res.table if t.peak_bytes is not None)
     bigger = find_batch_size(model, images, max_batch=1024, margin=0.0, memory_budget=finder.estimate(200),
-                             rounds=1, min_time=0.01, progress=False)
+                             rounds=1, min_time=0.01, progress=False, precision="fp32")
     assert bigger.largest == 200
     with pytest.raises(RuntimeError, match="does not fit"):
-        find_batch_size(model, images, memory_budget=1000, progress=False)
+        find_batch_size(model, images, memory_budget=1000, progress=False, precision="fp32")
 
 
 def test_fastest_is_measured_and_limited_by_the_dataset(images):

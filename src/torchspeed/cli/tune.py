@@ -176,8 +176,11 @@ def run(args) -> int:
         t.add_column("lr", justify="right")
         for name, v in (("suggestion", res_lr.suggestion), ("steepest (smoothed)", res_lr.steepest_lr),
                         ("valley", res_lr.valley_lr), ("loss minimum", res_lr.min_loss_lr),
+                        ("bottom of the fall (90%)", res_lr.bottom_lr),
                         ("one-cycle max_lr", res_lr.max_lr), ("one-cycle min_lr", res_lr.min_lr)):
             t.add_row(name, f"{v:.3g}")
+        for lr, score in res_lr.trial:  # the measured fallback, when the curve could not be read
+            t.add_row(f"trial: mean loss {score:.4g}", f"{lr:.3g}")
         console.print(t)
         console.print(f"suggestion by: {res_lr.rule}" + ("; stopped when the loss diverged" if res_lr.diverged else ""))
         console.print(f"confidence: {res_lr.confidence}" + (f" ({res_lr.warning})" if res_lr.warning else ""))

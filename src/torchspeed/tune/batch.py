@@ -88,14 +88,15 @@ def available_memory() -> int:
     return host_memory()[0]
 
 def find_batch_size(model: nn.Module, dataset, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
-                    optimizer: torch.optim.Optimizer | None = None, precision: str = "fp32",
+                    optimizer: torch.optim.Optimizer | None = None, precision: str = "auto",
                     min_batch: int = 8, max_batch: int = 1024, multiple: int = 8, margin: float = 0.1,
                     memory_budget: int | None = None, steps: int = 3, rounds: int = 3, tolerance: float = 0.05, min_time: float = 0.1,
                     collate_fn: Callable | None = None, progress: bool = True) -> BatchSizeResult:
     """Find the largest batch that fits and the fastest batch for training `model` on `dataset`.
 
     Batches are built from `dataset` samples (cycled if it is short), collated with
-    `collate_fn`, and trained with `optimizer` (default SGD with momentum) in `precision`.
+    `collate_fn`, and trained with `optimizer` (default SGD with momentum) in `precision`
+    ("auto": fit's rule, `resolve_precision`).
     On CPU, `memory_budget` (bytes) bounds the estimated peak; default half of MemAvailable.
     Under torch.distributed, rank 0 measures and every rank gets the same result.
 

@@ -1,4 +1,5 @@
-"""Learning-rate range test (T15) with a suggestion that noise and early spikes do not fool.
+"""Learning-rate range test (T15) with a suggestion that noise and early spikes do not fool, and a
+measured fallback (T15) when the curve cannot be read.
 
 What it does: trains for `num_steps` steps while the LR grows exponentially from `start_lr`
 to `end_lr`, records the loss at every step, stops when the loss diverges, then puts the
@@ -17,11 +18,34 @@ hardly matters in this range, or the model does not learn from these batches) or
 step-to-step scatter around the smoothed curve, as a median absolute deviation, is more
 than a quarter of that fall); "medium" when the steepest point lies outside the longest
 valley (the rules disagree); else "high".
-For one-cycle (T14): `max_lr` is the larger of the suggestion and a tenth of the LR at the
-loss minimum (fastai's "lr_min"), never above a third of it; `min_lr = max_lr / 10` (T15).
+For one-cycle (T14): `max_lr` is the larger of the suggestion and the bottom LR, the lowest LR
+at which the smoothed loss has done 90% of its fall to its minimum (`bottom_lr`); `min_lr =
+max_lr / 10` (T15). The bottom, not the minimum itself: past the bottom the curve is often a
+plateau whose lowest point is noise (a small transformer's minimum moved from 8e-3 to 4e-2
+between two seeds on the same plateau; its bottom was 4e-3 on both). The former peak,
+max(suggestion, minimum / 3), was 4x below the best one-cycle peak of a sweep for SGD on
+ResNet-20 and an MLP (benchmarks/bench_lr_sweep.py, docs/tune.md); the bottom is 2.4x and
+2.7x below it there (still a miss: their best peak lies past the minimum, at the edge of
+divergence) and 1.4x above it on a small transformer.
+
+The fallback (`fallback=True`, the default): when the confidence is "low" the curve cannot
+be read, so a short measured trial decides instead. `trial_lrs` candidates (5), a factor 3
+apart, from the LR where the smoothed loss is lowest (the top of the range where the loss
+did not diverge) downwards, each train `trial_steps` steps (24: a linear warm-up over the
+first 4, then the candidate LR held) from the same saved state on the same batches (drawn
+once after the range test) and the same RNG state; a candidate's score is the mean
+training loss of its last third of steps (each loss read before that step's update, so
+on batches the candidate has not yet trained on in this trial). When the best is the
+highest (lowest) candidate, one more LR a factor 3 past it is tried, twice at most, upwards
+only while the range test's smoothed loss was still within 10% of its start there (on a
+flat curve the LR of the lowest loss is noise, so the top of the grid may be too low). The
+lowest score wins: it becomes the suggestion and the one-cycle `max_lr` (`min_lr = max_lr /
+10`); the table is in `trial`, `rule` says so, and `steps` counts every training step taken
+(range test plus trial). A candidate whose loss turns NaN/inf scores inf.
 
 When it helps: picking the LR for a new model/data/batch without a grid search.
-What it costs: `num_steps` training steps (default 100) plus a copy of the model and
+What it costs: `num_steps` training steps (default 100), plus `trial_lrs x trial_steps`
+(120; 168 with both extensions) when the fallback runs, plus a copy of the model and
 optimizer state in memory.
 
 Example:
@@ -33,7 +57,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +69,7 @@ from torchspeed._extras import require
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
 from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device, to_device, unwrap
 
-__all__ = ["LRFinderResult", "find_lr", "suggest_lr", "plot_lr"]
+__all__ = ["LRFinderResult", "find_lr", "suggest_lr", "plot_lr", "trial_candidates", "trial_ceiling", "choose_trial"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +90,9 @@ class LRFinderResult:
     plot: str | None = None
     confidence: str = "high"         # "high" | "medium" | "low" (see the module docstring)
     warning: str | None = None       # why the confidence is not high: flat, noisy, or rules disagree
+    bottom_lr: float = 0.0           # lowest LR where the smoothed loss has done 90% of its fall
+    trial: tuple[tuple[float, float], ...] = ()  # the fallback's (lr, score) table; () when it did not run
+    steps: int = 0                   # training steps taken: the range test's, plus the trial's
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,13 +101,18 @@ class LRFinderResult:
 def find_lr(model: nn.Module, data: Iterable, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
             optimizer: torch.optim.Optimizer | None = None, scheduler=None, scaler=None,
             start_lr: float = 1e-6, end_lr: float = 10.0, num_steps: int = 100, batch_size: int = 64,
-            precision: str = "fp32", diverge_factor: float = 4.0, plot: str | Path | None = None,
-            progress: bool = True, seed: int = 0) -> LRFinderResult:
+            precision: str = "auto", diverge_factor: float = 4.0, plot: str | Path | None = None,
+            progress: bool = True, seed: int = 0, fallback: bool = True, trial_lrs: int = 5,
+            trial_steps: int = 24) -> LRFinderResult:
     """Exponential LR range test; restores everything it touched. Returns the curve and suggestions.
 
     `data` is a DataLoader (or any iterable of batches, cycled) or a Dataset (batched here
-    with `batch_size`); batches, losses and `step_fn` follow `torchspeed.train.batch`. `optimizer` defaults to SGD with momentum 0.9; a given optimizer,
-    `scheduler` and `scaler` are used as they are and restored afterwards. Under
+    with `batch_size`); batches, losses and `step_fn` follow `torchspeed.train.batch`.
+    `optimizer` defaults to SGD with momentum 0.9; a given optimizer, `scheduler` and
+    `scaler` are used as they are and restored afterwards. `precision="auto"` is fit's rule
+    (`resolve_precision`: bf16 on a CPU with AVX512-BF16/AMX, the GPU's half type on CUDA).
+    With `fallback` (default) a low-confidence curve is replaced by a measured trial of
+    `trial_lrs` LRs over `trial_steps` steps each (module docstring). Under
     torch.distributed, rank 0 runs the test and every rank gets its result.
 
     Example:
@@ -91,10 +123,14 @@ def find_lr(model: nn.Module, data: Iterable, *, loss_fn: Callable | None = None
         raise ValueError(f"need 0 < start_lr < end_lr, got start_lr={start_lr}, end_lr={end_lr}")
     if num_steps < 10:
         raise ValueError(f"num_steps={num_steps} is too few for a range test; use at least 10 (default 100)")
+    if fallback and (trial_lrs < 2 or trial_steps < 6):
+        raise ValueError(f"the fallback trial needs trial_lrs >= 2 and trial_steps >= 6, got {trial_lrs} and "
+                         f"{trial_steps} (defaults 5 and 24); or pass fallback=False")
     return decide_once(lambda: _find_lr(unwrap(model), data, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer,
                                         scheduler=scheduler, scaler=scaler, start_lr=start_lr, end_lr=end_lr,
                                         num_steps=num_steps, batch_size=batch_size, precision=precision,
-                                        diverge_factor=diverge_factor, plot=plot, progress=progress, seed=seed))
+                                        diverge_factor=diverge_factor, plot=plot, progress=progress, seed=seed,
+                                        fallback=fallback, trial_lrs=trial_lrs, trial_steps=trial_steps))
 
 
 def _batches(data, batch_size: int, seed: int):
@@ -113,17 +149,21 @@ def _batches(data, batch_size: int, seed: int):
 
 
 def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, start_lr, end_lr, num_steps, batch_size,
-             precision, diverge_factor, plot, progress, seed) -> LRFinderResult:
+             precision, diverge_factor, plot, progress, seed, fallback, trial_lrs, trial_steps) -> LRFinderResult:
     device = model_device(model)
     prec = resolve_precision(precision, device=device)
-    own_scaler = scaler is None and prec.needs_scaler
-    snap = StateSnapshot(model, optimizer, scheduler, scaler)
+    opt = optimizer or torch.optim.SGD(model.parameters(), lr=start_lr, momentum=0.9)
+    scaler = scaler if scaler is not None or not prec.needs_scaler else make_grad_scaler(prec)
+    snap = StateSnapshot(model, opt, scheduler, scaler)  # also the start of every trial candidate
     try:
-        opt = optimizer or torch.optim.SGD(model.parameters(), lr=start_lr, momentum=0.9)
         base = [g["lr"] for g in opt.param_groups]
         ratios = [b / base[0] if base[0] else 1.0 for b in base]
-        step = TrainStep(model, opt, loss_fn=loss_fn, precision=prec, step_fn=step_fn,
-                         scaler=make_grad_scaler(prec) if own_scaler else scaler)
+
+        def set_lr(lr: float) -> None:
+            for g, r in zip(opt.param_groups, ratios):
+                g["lr"] = lr * r
+
+        step = TrainStep(model, opt, loss_fn=loss_fn, precision=prec, step_fn=step_fn, scaler=scaler)
         model.train()
         lrs: list[float] = []
         losses: list[float] = []
@@ -134,8 +174,7 @@ def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, sta
             task = bar.add_task("LR range test", total=num_steps)
             for i in range(num_steps):
                 lr = start_lr * (end_lr / start_lr) ** (i / (num_steps - 1))
-                for g, r in zip(opt.param_groups, ratios):
-                    g["lr"] = lr * r
+                set_lr(lr)
                 loss = float(step(to_device(next(it), device)))  # a host sync per step: fine for a tuner
                 lrs.append(lr)
                 losses.append(loss)
@@ -149,13 +188,85 @@ def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, sta
                 if i >= 11 and recent > diverge_factor * best:
                     diverged = True
                     break
+            result = suggest_lr(lrs, losses, diverged=diverged)
+            result = replace(result, steps=len(lrs))
+            if fallback and result.confidence == "low":
+                batches = [next(it) for _ in range(trial_steps)]  # every candidate trains on these
+                task = bar.add_task("LR trial", total=trial_lrs * trial_steps)
+                table: dict[float, float] = {}
+
+                def run(lr: float) -> None:
+                    snap.restore()  # the same weights, optimizer state and RNG for every candidate
+                    model.train()
+                    table[lr] = _trial_run(step, set_lr, lr, batches, device, tick=lambda: bar.update(task, advance=1))
+
+                for lr in trial_candidates(result, n=trial_lrs):
+                    run(lr)
+                for _ in range(TRIAL_EXTEND):  # the best at an edge: one more LR past it, inside the tested range
+                    lrs_t = sorted(table)
+                    best_lr = min(lrs_t, key=lambda a: table[a])
+                    if best_lr == lrs_t[-1] and lrs_t[-1] * TRIAL_FACTOR <= trial_ceiling(result):
+                        run(lrs_t[-1] * TRIAL_FACTOR)
+                    elif best_lr == lrs_t[0] and lrs_t[0] / TRIAL_FACTOR >= result.lrs[0]:
+                        run(lrs_t[0] / TRIAL_FACTOR)
+                    else:
+                        break
+                result = choose_trial(result, sorted(table.items()), trial_steps=trial_steps)
     finally:
         snap.restore()
-    result = suggest_lr(lrs, losses, diverged=diverged)
     if plot is not None:
         plot_lr(result, plot)
-        result = LRFinderResult(**{**asdict(result), "plot": str(plot)})
+        result = replace(result, plot=str(plot))
     return result
+
+
+TRIAL_FACTOR, TRIAL_WARMUP, TRIAL_EXTEND = 3.0, 4, 2
+
+
+def trial_ceiling(result: LRFinderResult) -> float:
+    """The highest LR of the range test before its smoothed loss rose 10% above where it started (diverging)."""
+    smooth = np.asarray(result.smoothed)
+    start = float(np.median(smooth[:max(3, len(smooth) // 10)]))
+    above = np.nonzero(smooth > 1.1 * max(start, float(smooth.min())))[0]
+    above = above[above > int(np.argmin(smooth))]
+    return float(result.lrs[int(above[0]) - 1] if len(above) else result.lrs[-1])
+
+
+def trial_candidates(result: LRFinderResult, *, n: int = 5, factor: float = TRIAL_FACTOR) -> list[float]:
+    """The fallback's LRs, low to high: `n`, `factor` apart, the highest at the LR of the lowest smoothed loss
+    (past it the loss rises towards divergence), kept inside the tested range."""
+    top = max(result.min_loss_lr, result.suggestion, result.lrs[0] * factor ** (n - 1))
+    return [float(top / factor ** k) for k in reversed(range(n))]
+
+
+def _trial_run(step: TrainStep, set_lr, lr: float, batches: list, device, *, tick=lambda: None) -> float:
+    """Train on `batches` at `lr` (linear warm-up over the first TRIAL_WARMUP steps); the mean loss of the last third."""
+    losses = []
+    for i, b in enumerate(batches):
+        set_lr(lr * min(1.0, (i + 1) / TRIAL_WARMUP))
+        loss = float(step(to_device(b, device)))
+        tick()
+        losses.append(loss)
+        if not math.isfinite(loss):
+            return math.inf
+    return float(np.mean(losses[-max(2, len(losses) // 3):]))
+
+
+def choose_trial(result: LRFinderResult, table: list[tuple[float, float]], *, trial_steps: int) -> LRFinderResult:
+    """The range test's result with the suggestion, max_lr and min_lr taken from the trial's best-scoring LR."""
+    finite = [(lr, s) for lr, s in table if math.isfinite(s)]
+    if not finite:
+        return replace(result, trial=tuple(table), steps=result.steps + len(table) * trial_steps,
+                       rule=result.rule + "; the fallback trial diverged at every candidate, so the range test's "
+                                          "suggestion stands")
+    lr, score = min(finite, key=lambda t: t[1])
+    shown = ", ".join(f"{a:.2g}: {b:.3g}" for a, b in table)
+    return replace(result, suggestion=lr, max_lr=lr, min_lr=lr / 10, trial=tuple(table),
+                   steps=result.steps + len(table) * trial_steps,
+                   rule=(f"measured trial (confidence low: the curve cannot be read): {len(table)} LRs x "
+                         f"{trial_steps} steps from the same state, lowest mean loss over the last third wins: "
+                         f"{lr:.2g} (lr: loss {shown}); the curve's own pick was {result.suggestion:.2g} "
+                         f"({result.rule})"))
 
 
 def _running_median(x: np.ndarray, w: int) -> np.ndarray:
@@ -209,16 +320,21 @@ def suggest_lr(lrs, losses, *, diverged: bool = False) -> LRFinderResult:
                                  "longest valley, so it is noise, not learning")
     suggestion = float(lrs_a[i_sug])
     min_loss_lr = float(lrs_a[i_min])
-    max_lr = max(suggestion, min_loss_lr / 3)
+    start = float(np.median(smooth[:max(3, len(smooth) // 10)]))
+    near = smooth[:i_min + 1] <= smooth[i_min] + BOTTOM * max(start - float(smooth[i_min]), 0.0)
+    bottom_lr = float(lrs_a[int(np.argmax(near))])
+    max_lr = max(suggestion, bottom_lr)
+    if bottom_lr > suggestion:
+        rule += f"; one-cycle max_lr {bottom_lr:.2e}: where the smoothed loss has done 90% of its fall"
     confidence, warning = _confidence(raw, smooth, i_min, agree=v_start <= i_steep <= v_end)
     return LRFinderResult(confidence=confidence, warning=warning,lrs=tuple(map(float, lrs_a)), losses=tuple(map(float, raw)),
                           smoothed=tuple(map(float, smooth)), suggestion=suggestion,
                           steepest_lr=float(lrs_a[i_steep]), valley_lr=float(lrs_a[i_valley]),
-                          min_loss_lr=min_loss_lr, max_lr=float(max_lr), min_lr=float(max_lr / 10), rule=rule,
+                          min_loss_lr=min_loss_lr, bottom_lr=bottom_lr, max_lr=float(max_lr), min_lr=float(max_lr / 10), rule=rule,
                           diverged=diverged)
 
 
-FLAT, NOISY = 0.10, 0.25
+FLAT, NOISY, BOTTOM = 0.10, 0.25, 0.10
 
 
 def _confidence(raw: np.ndarray, smooth: np.ndarray, i_min: int, *, agree: bool) -> tuple[str, str | None]:
