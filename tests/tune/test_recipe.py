@@ -28,7 +28,7 @@ def test_a_short_bn_classifier_gets_smoothing_bn_statistics_and_a_measured_lr_an
     assert rec.label_smoothing == 0.1 and rec.bn_stats and rec.ema_decay is None
     assert rec.lr > 0 and rec.min_lr == pytest.approx(rec.lr / 10) and rec.lr != 0.1
     assert rec.tuning_steps >= 30 and rec.tuning_s > 0
-    assert rec.decisions["lr"].measured["steps"] >= 10 and "range test" in rec.decisions["lr"].reason
+    assert rec.decisions["lr"].measured["range_test_steps"] >= 10 and "range test" in rec.decisions["lr"].reason
     assert "under 2000" in rec.decisions["ema"].reason
     for k, v in model.state_dict().items():  # the range test restored every weight and buffer bit for bit
         assert torch.equal(v, before[k]), k

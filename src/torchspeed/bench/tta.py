@@ -128,7 +128,7 @@ def shortest_budget(passes, budgets=BUDGETS, *, start: int | None = None) -> int
         if hi is None:
             if lo >= len(budgets) - 1:
                 return None
-            i = lo + max(1, (len(budgets) - 1 - lo) // 3)  # climb: a third of what is left, at least one
+            i = lo + max(1, (len(budgets) - 1 - lo) // 2)  # climb: half of what is left, at least one
         elif hi - lo <= 1:
             return budgets[hi]
         else:
@@ -138,8 +138,8 @@ def shortest_budget(passes, budgets=BUDGETS, *, start: int | None = None) -> int
 class _Search:
     """Runs (cached) of one config over seeds and budgets; a budget passes when every seed meets the target."""
 
-    def __init__(self, name: str, seeds: list[int], run_one, bar=None):
-        self.name, self.seeds, self.run_one, self.bar = name, seeds, run_one, bar
+    def __init__(self, name: str, seeds: list[int], run_one, bar=None, run_many=None):
+        self.name, self.seeds, self.run_one, self.bar, self.run_many = name, seeds, run_one, bar, run_many
         self.runs: dict[tuple[int, int], TTARun] = {}
         self.missed: list[int] = []  # seeds that missed before go first: a failing budget fails sooner
 
@@ -152,6 +152,14 @@ class _Search:
 
     def passes(self, budget: int, target: float, metric: str) -> bool:
         order = sorted(self.seeds, key=lambda s: s not in self.missed)
+        todo = [s for s in order if (budget, s) not in self.runs]
+        if self.run_many is not None and len(todo) > 1 and not any(
+                not _met(self.runs[budget, s], target, metric) for s in order if (budget, s) in self.runs):
+            # one process trains the seeds in turn and stops at the first that misses (saves start-ups)
+            if self.bar is not None:
+                self.bar(f"{self.name}: {budget} steps, seeds {', '.join(map(str, todo))}")
+            for r in self.run_many(self.name, todo, budget, target, metric):
+                self.runs[budget, r.seed] = r
         for s in order:
             if not _met(self.run(budget, s), target, metric):
                 if s not in self.missed:
@@ -272,7 +280,15 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", targets: tuple[flo
                 spec["parts"] = list(parts) if parts is not None else None
             return TTARun(**_process(proc_cfg["auto" if parts is not None else name], spec)["run"])
 
-        searches = {name: _Search(name, seed_list, run_one, say) for name in configs}
+        def run_many(name: str, seeds_: list[int], budget: int, target: float, metric_: str) -> list[TTARun]:
+            spec = base | {"mode": "train", "config": name, "seed": seeds_[0], "seeds": seeds_, "budget": budget,
+                           "target": target, "metric": metric_}
+            if name == "auto":
+                spec["recipes"] = {str(s): recipes[s]["recipe"] for s in seeds_}
+                spec["parts"] = None
+            return [TTARun(**r) for r in _process(proc_cfg[name], spec)["runs"]]
+
+        searches = {name: _Search(name, seed_list, run_one, say, run_many) for name in configs}
         if not targets:  # the target is what `all` reaches in its default budget
             ref = searches.get("all") or next(iter(searches.values()))
             finals = [ref.run(start, s) for s in seed_list]
@@ -503,6 +519,17 @@ def main() -> int:
     try:
         if spec.get("mode") == "choose":
             _reply({"ok": True} | choose(spec))
+        elif "seeds" in spec:  # several seeds in turn, stopping at the first that misses the target
+            runs = []
+            for s in spec["seeds"]:
+                one = spec | {"seed": s}
+                if "recipes" in spec:
+                    one["recipe"] = spec["recipes"][str(s)]
+                run = train_budget(one)
+                runs.append(asdict(run))
+                if not _met(run, spec["target"], spec["metric"]):
+                    break
+            _reply({"ok": True, "runs": runs})
         else:
             _reply({"ok": True, "run": asdict(train_budget(spec))})
     except Exception as e:  # reported to the parent, which names the config, seed and budget that failed

@@ -55,7 +55,9 @@ __all__ = ["PARTS", "EMA_MIN_STEPS", "Recipe", "choose_recipe", "choose_tta", "i
 PARTS = ("lr", "label_smoothing", "bn_stats", "ema", "tta", "muon")
 LABEL_SMOOTHING = 0.1
 EMA_MIN_STEPS = 2000
-PROBE_BATCHES = 4  # training batches kept for the after-training choices (tta)
+PROBE_BATCHES = 4
+LR_TRIAL_FACTORS = (1.0, 2.0, 4.0)  # the one-cycle peaks the LR trial compares: the range test's pick, and above it
+LR_TRIAL_MARGIN = 0.02              # a higher peak must lower the trial's final loss by more than this  # training batches kept for the after-training choices (tta)
 
 
 @dataclass
@@ -146,7 +148,7 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
                   precision: str = "auto", loss_fn: Callable | None = None, step_fn: Callable | None = None,
                   total_steps: int | None = None, schedule: str | None = "onecycle",
                   parts: Sequence[str] = PARTS, device: torch.device | str | None = None,
-                  lr_steps: int = 100, progress: bool = True) -> Recipe:
+                  lr_steps: int = 100, lr_trial_steps: int = 24, progress: bool = True) -> Recipe:
     """Choose each recipe part in `parts` from `model` and the training batches; leaves the model as it was.
 
     `lr` is the peak LR used when the `lr` part is off; `total_steps` (optimizer steps of the
@@ -209,17 +211,36 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
             lr_loss = default_loss(rec.label_smoothing)
         res = find_lr(model, train_loader, loss_fn=lr_loss, step_fn=step_fn, optimizer=scratch, precision=precision,
                       num_steps=lr_steps, progress=progress)
-        rec.tuning_steps += len(res.lrs) + int(getattr(res, "trial_steps", 0) or 0)
+        rec.tuning_steps += int(res.steps or len(res.lrs))
         onecycle = schedule == "onecycle"
-        rec.lr = float(res.max_lr if onecycle else res.suggestion)
+        peak = float(res.max_lr if onecycle else res.suggestion)
+        how = f"{'one-cycle peak' if onecycle else 'suggestion'} of the range test"
+        measured: dict = {"range_test_steps": int(res.steps or len(res.lrs)), "suggestion": res.suggestion,
+                          "bottom_lr": res.bottom_lr, "min_loss_lr": res.min_loss_lr, "range_test_pick": peak}
+        if onecycle and lr_trial_steps and not res.trial:  # the range test's pick and 2x, 4x: a short one-cycle each
+            from torchspeed.tune.lr import trial_ceiling
+
+            cands = sorted({peak * f for f in LR_TRIAL_FACTORS if peak * f <= max(peak, trial_ceiling(res))})
+            if len(cands) > 1:
+                table = _lr_trial(model, train_loader, cands, optimizer=optimizer, name=name,
+                                  weight_decay=weight_decay, optimizer_options=optimizer_options,
+                                  precision=precision, loss_fn=lr_loss, step_fn=step_fn, steps=lr_trial_steps)
+                rec.tuning_steps += len(cands) * lr_trial_steps
+                best = min(table, key=lambda t: t[1])
+                if best[0] != peak and best[1] < min(sc for lr_, sc in table if lr_ == peak) * (1 - LR_TRIAL_MARGIN):
+                    peak, how = best[0], (f"a short one-cycle trial ({len(cands)} peaks x {lr_trial_steps} steps from "
+                                          "the same state, lowest training loss at the end) over the range test's "
+                                          f"pick {measured['range_test_pick']:.3g}")
+                else:
+                    how += f" (kept by a short one-cycle trial of {len(cands)} peaks)"
+                measured["trial"] = [[float(a), float(b)] for a, b in table]
+        rec.lr = peak
         if onecycle:
-            rec.min_lr = float(res.min_lr)
-        d["lr"] = Decision(rec.lr, f"{'one-cycle peak' if onecycle else 'suggestion'} of the range test on "
-                                   f"{name or type(optimizer).__name__} ({res.rule}; confidence {res.confidence}"
-                                   f"{': ' + res.warning if res.warning else ''}); floor "
-                                   f"{rec.min_lr if rec.min_lr is not None else 'default'} (T15)",
-                           measured={"steps": len(res.lrs), "suggestion": res.suggestion,
-                                     "min_loss_lr": res.min_loss_lr})
+            rec.min_lr = peak / 10
+        d["lr"] = Decision(rec.lr, f"{how} on {name or type(optimizer).__name__} ({res.rule}; confidence "
+                                   f"{res.confidence}{': ' + res.warning if res.warning else ''}); floor "
+                                   f"{rec.min_lr if rec.min_lr is not None else 'default'} (T14, T15)",
+                           measured=measured)
 
     if "tta" in parts:
         d["tta"] = Decision(None, "decided after training, on training batches (choose_tta)")
@@ -227,6 +248,54 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
     d["recipe_cost"] = Decision(round(rec.tuning_s, 2), f"{rec.tuning_steps} training steps spent choosing",
                                 measured={"seconds": rec.tuning_s, "steps": rec.tuning_steps})
     return rec
+
+
+def _lr_trial(model, loader, peaks, *, optimizer, name, weight_decay, optimizer_options, precision, loss_fn, step_fn,
+              steps: int) -> list[tuple[float, float]]:
+    """Each peak LR trained for `steps` steps as a one-cycle (25% warm-up from peak/10, cosine to peak/100) from
+    the same state on the same batches; the score is the mean training loss over the last third."""
+    import math
+
+    from torchspeed.train.optim import create_optimizer
+    from torchspeed.train.precision import make_grad_scaler, resolve_precision
+    from torchspeed.train.transfer import to_device
+    from torchspeed.tune._common import StateSnapshot, TrainStep, model_device
+    from torchspeed.tune.lr import _batches
+
+    device = model_device(model)
+    prec = resolve_precision(precision, device=device)
+    opt = optimizer if not isinstance(optimizer, str) else create_optimizer(
+        name, model, lr=peaks[0], weight_decay=weight_decay, **(optimizer_options or {}))
+    scaler = make_grad_scaler(prec) if prec.needs_scaler else None
+    base = [g["lr"] for g in opt.param_groups]
+    ratios = [b / base[0] if base[0] else 1.0 for b in base]
+    snap = StateSnapshot(model, opt, None, scaler)
+    it = _batches(loader, 64, 0)
+    batches = [next(it) for _ in range(steps)]
+    warm = max(1, steps // 4)
+    table = []
+    try:
+        for peak in peaks:
+            snap.restore()
+            model.train()
+            step = TrainStep(model, opt, loss_fn=loss_fn, precision=prec, step_fn=step_fn, scaler=scaler)
+            losses = []
+            for i, b in enumerate(batches):
+                if i < warm:
+                    f = 0.1 + 0.9 * i / warm
+                else:
+                    f = 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * (i - warm) / max(1, steps - warm)))
+                for g, r in zip(opt.param_groups, ratios):
+                    g["lr"] = peak * f * r
+                loss = float(step(to_device(b, device)))
+                losses.append(loss)
+                if not math.isfinite(loss):
+                    break
+            tail = losses[-max(2, steps // 3):]
+            table.append((float(peak), float(sum(tail) / len(tail)) if all(map(math.isfinite, tail)) else math.inf))
+    finally:
+        snap.restore()
+    return table
 
 
 def _choose_muon(model, train_loader, *, lr, precision, loss_fn, step_fn, decisions, rec) -> str | None:
