@@ -95,8 +95,13 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
 def _apply_recipe(model, train_loader, cfg: TrainConfig, parts, *, optimizer, lr, weight_decay, loss_fn, step_fn,
                   device, callbacks, optimizer_options):
     """Choose the recipe (tune/recipe.py) and fold it into the config, optimizer, LR and callbacks."""
+    from torchspeed.train.distributed import maybe_init_distributed
     from torchspeed.train.sampler import loader_length
     from torchspeed.tune.recipe import PARTS, choose_recipe
+
+    info = maybe_init_distributed(cfg.distributed, device=device)  # so that rank 0 measures for every rank
+    if info is not None:
+        device = info.device
 
     per_epoch = loader_length(train_loader, max_steps=cfg.max_steps)
     total = -(-per_epoch // cfg.grad_accum) * cfg.epochs if per_epoch else None
@@ -122,8 +127,10 @@ def _after_training(trainer: Trainer, rec, result: FitResult, val_loader) -> Non
     from torchspeed.tune.recipe import choose_tta
 
     module = trainer.callbacks.eval_module(trainer.module)
-    dec = choose_tta(module, rec.probe, device=trainer.device, precision=trainer.precision,
-                     channels_last=trainer.channels_last)
+    from torchspeed.tune._common import decide_once
+
+    dec = decide_once(lambda: choose_tta(module, rec.probe, device=trainer.device, precision=trainer.precision,
+                                         channels_last=trainer.channels_last))
     result.decisions["tta"] = trainer.decisions["tta"] = dec
     if dec.value and trainer.config.tta is None:
         trainer.config.tta = dec.value

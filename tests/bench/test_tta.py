@@ -73,7 +73,7 @@ def test_every_config_reaches_the_target_and_the_json_has_the_issue_schema(tiny)
         for key in ("budget_steps", "samples_to_target", "train_time_s", "tuning_time_s", "reached", "seeds",
                     "val_acc"):
             assert key in c
-        assert c["budget_steps"] in TINY["budgets"] and c["reached"] == c["seeds"] == 2
+        assert c["budget_steps"] in TINY["budgets"] and c["reached"] == c["seeds"] == 2 and e[name] is c
         assert c["samples_to_target"] == c["budget_steps"] * 32
         assert all(v >= 0.3 for v in c["val_acc"])  # every seed ends at the target at that budget
         shorter = [b for b in TINY["budgets"] if b < c["budget_steps"]]

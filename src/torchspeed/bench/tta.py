@@ -194,7 +194,8 @@ def _config_entry(search: _Search, budget: int | None, batch: int, tuning: list[
 def _target_entry(workload: str, target: float, metric: str, searches: dict, budgets: dict, batch: int,
                   tuning: dict) -> dict:
     configs = {name: _config_entry(s, budgets[name], batch, tuning.get(name, [])) for name, s in searches.items()}
-    entry = {"workload": workload, "target": target, "metric": metric, "configs": configs}
+    # per config under "configs", and the same under each config's own name (the schema the issue names)
+    entry = {"workload": workload, "target": target, "metric": metric, "configs": configs, **configs}
     a, b = configs.get("all"), configs.get("auto")
     if a and b and a["budget_steps"] and b["budget_steps"]:
         ratios = [x / y for x, y in zip(a["train_time_s_runs"], b["train_time_s_runs"])]

@@ -222,9 +222,12 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
 
             cands = sorted({peak * f for f in LR_TRIAL_FACTORS if peak * f <= max(peak, trial_ceiling(res))})
             if len(cands) > 1:
-                table = _lr_trial(model, train_loader, cands, optimizer=optimizer, name=name,
-                                  weight_decay=weight_decay, optimizer_options=optimizer_options,
-                                  precision=precision, loss_fn=lr_loss, step_fn=step_fn, steps=lr_trial_steps)
+                from torchspeed.tune._common import decide_once
+
+                table = decide_once(lambda: _lr_trial(  # rank 0 measures, every rank gets its table (DDP)
+                    model, train_loader, cands, optimizer=optimizer, name=name, weight_decay=weight_decay,
+                    optimizer_options=optimizer_options, precision=precision, loss_fn=lr_loss, step_fn=step_fn,
+                    steps=lr_trial_steps))
                 rec.tuning_steps += len(cands) * lr_trial_steps
                 best = min(table, key=lambda t: t[1])
                 if best[0] != peak and best[1] < min(sc for lr_, sc in table if lr_ == peak) * (1 - LR_TRIAL_MARGIN):
