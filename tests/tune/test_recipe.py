@@ -144,3 +144,15 @@ def test_muon_is_tried_for_adamw_on_a_matrix_heavy_model_and_not_on_a_conv_net(m
     assert conv.optimizer is None and "not tried" in conv.decisions["optimizer"].reason and len(asked) == 1
     sgd = choose_recipe(mlp, _loader(), optimizer="sgd", parts=("muon",), progress=False)
     assert sgd.optimizer is None and len(asked) == 1  # Muon replaces AdamW only
+
+
+def test_a_language_model_gets_no_label_smoothing():
+    from torchspeed.bench.text import GPT
+
+    torch.manual_seed(0)
+    gpt = GPT(block_size=16, n_layer=1, n_head=2, n_embd=32)
+    tokens = torch.randint(0, 64, (4, 17))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    assert not is_classifier(gpt, batch)
+    rec = choose_recipe(gpt, [batch] * 4, parts=("label_smoothing",), progress=False)
+    assert rec.label_smoothing == 0.0 and "left alone" in rec.decisions["label_smoothing"].reason

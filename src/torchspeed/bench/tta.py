@@ -490,6 +490,10 @@ def train_budget(spec: dict) -> TTARun:
         trainer.config.tta = tta
         trainer.decisions["tta"] = dec
         clock += time.perf_counter() - t1
+    if rec is not None and rec.label_smoothing:  # the target's loss is the plain cross-entropy, as for every config
+        from torchspeed.train.batch import default_loss
+
+        trainer.loss_fn = default_loss()
     out = trainer.evaluate(val_loader)    # off the clock
     decisions = {k: str(v) for k, v in trainer.decisions.items()}
     decisions |= {"allocator": allocator_in_use(), "num_workers": loader.num_workers,

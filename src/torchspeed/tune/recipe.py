@@ -11,8 +11,9 @@ The parts (`PARTS`), and how each is chosen:
 - `lr` (T14, T15): the one-cycle peak LR and floor from the LR range test (`find_lr`), run
   with the optimizer and precision the run trains with. When its curve is flat or noisy the
   range test says so and falls back to a short measured trial of a few LRs.
-- `label_smoothing` (T32): 0.1 for classification with the default cross-entropy (a model
-  that returns its own loss, or your own `loss_fn`, is left alone).
+- `label_smoothing` (T32): 0.1 for per-sample classification with the default cross-entropy
+  (a model that returns its own loss, your own `loss_fn`, and per-token outputs such as a
+  language model's are left alone).
 - `bn_stats` (T47): BatchNorm statistics averaged over the last tenth of the run
   (`train.bnstats.FinalBatchNormStats`), so evaluation uses statistics of the final weights.
   The largest single saving measured on the digits (docs/recipe.md). Costs nothing.
@@ -112,7 +113,7 @@ class Recipe:
 
 def is_classifier(model: nn.Module, batch, *, loss_fn: Callable | None = None,
                   step_fn: Callable | None = None) -> bool:
-    """Whether `model` on `batch` is classification trained with the default cross-entropy (logits + class ids)."""
+    """Whether `model` on `batch` is per-sample classification on the default cross-entropy: logits (B, C), C > 2."""
     from torchspeed.train.batch import forward_loss
 
     if loss_fn is not None or step_fn is not None:
@@ -128,6 +129,8 @@ def is_classifier(model: nn.Module, batch, *, loss_fn: Callable | None = None,
         model.train(was)
     if out.logits is None or out.target is None:
         return False  # the model computes its own loss: not ours to smooth
+    if out.logits.dim() != 2:
+        return False  # per-token (language models) or per-pixel outputs: smoothing is not part of their recipe
     return out.correct() is not None and out.logits.shape[-1] > 2
 
 
