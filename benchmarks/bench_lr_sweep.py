@@ -11,7 +11,9 @@ factor 2 apart around that LR (7 values, extended by one on a side while the bes
 that edge, up to 3 times), each trained by `fit` from the same initial weights and batch
 order with the same budget (one-cycle over `--steps` optimizer steps), scored by the
 validation loss at the end. The best sweep LR is the one with the lowest validation loss
-averaged over the seeds; the ratio is the range test's LR (per seed) over it.
+averaged over the seeds; the ratio is the range test's LR (per seed) over it. The same ratio
+is reported for the peak `fit(recipe="auto")` trains with (`recipe`: the range test, then the
+recipe's short one-cycle trial of 1x, 2x and 4x its pick; tune/recipe.py).
 
 Workloads (all small enough for 2 CPU cores):
 - resnet20: ResNet-20 on the digits (32 px, batch 64), SGD momentum 0.9, wd 5e-4.
@@ -122,6 +124,18 @@ def range_test_lr(make, train, batch: int, opt: str, seed: int, precision: str, 
             "result": {k: res[k] for k in keep if k in res}}
 
 
+def recipe_lr(make, train, batch: int, opt: str, seed: int, precision: str) -> dict:
+    """The peak LR fit(recipe="auto") trains with: the range test, then its short one-cycle trial (tune/recipe.py)."""
+    from torchspeed.tune.recipe import choose_recipe
+
+    model = _model(make, seed)
+    t0 = time.perf_counter()
+    rec = choose_recipe(model, _loader(train, batch, seed), optimizer=opt, precision=precision, parts=("lr",),
+                        device="cpu", progress=False)
+    return {"lr": rec.lr, "decision": str(rec.decisions["lr"]), "seconds": time.perf_counter() - t0,
+            "measured": rec.decisions["lr"].measured}
+
+
 def train_score(make, train, val, batch: int, opt: str, seed: int, lr: float, steps: int, precision: str) -> dict:
     model = _model(make, seed)
     loader = _loader(train, batch, seed)
@@ -140,6 +154,9 @@ def run_workload(name: str, *, seeds: list[int], steps: int, precision: str, fal
     tests = {s: range_test_lr(make, train, batch, opt, s, precision, fallback) for s in seeds}
     for s, t in tests.items():
         print(f"[{name}] seed {s}: range test lr {t['lr']:.3g} ({t['seconds']:.0f} s): {t['decision']}", flush=True)
+    recipes = {s: recipe_lr(make, train, batch, opt, s, precision) for s in seeds}
+    for s, t in recipes.items():
+        print(f"[{name}] seed {s}: recipe lr {t['lr']:.3g} ({t['seconds']:.0f} s)", flush=True)
     centre = math.exp(statistics.mean(math.log(t["lr"]) for t in tests.values()))
     runs: dict[float, dict[int, dict]] = {}
 
@@ -172,6 +189,9 @@ def run_workload(name: str, *, seeds: list[int], steps: int, precision: str, fal
     best = min(lrs, key=mean_loss)
     ratios = {s: t["lr"] / best for s, t in tests.items()}
     within = all(0.5 <= r <= 2.0 for r in ratios.values())
+    recipe_ratios = {s: t["lr"] / best for s, t in recipes.items()}
+    print(f"[{name}] recipe / best: " + ", ".join(f"{r:.2f}" for r in recipe_ratios.values())
+          + f" -> within 2x: {all(0.5 <= r <= 2.0 for r in recipe_ratios.values())}", flush=True)
     print(f"[{name}] best sweep lr {best:.3g} (val_loss {mean_loss(best):.4f}); range test / best: "
           + ", ".join(f"{r:.2f}" for r in ratios.values()) + f" -> within 2x: {within}", flush=True)
     return {"description": desc, "batch_size": batch, "optimizer": opt, "steps": steps,
@@ -180,6 +200,9 @@ def run_workload(name: str, *, seeds: list[int], steps: int, precision: str, fal
                       for lr in lrs],
             "best_lr": best, "best_at_edge": best in (lrs[0], lrs[-1]),
             "ratio_per_seed": {str(s): r for s, r in ratios.items()}, "within_2x": within,
+            "recipe": {str(s): t for s, t in recipes.items()},
+            "recipe_ratio_per_seed": {str(s): r for s, r in recipe_ratios.items()},
+            "recipe_within_2x": all(0.5 <= r <= 2.0 for r in recipe_ratios.values()),
             "sweep_reused": previous is not None}
 
 
