@@ -51,7 +51,8 @@ from torch import nn
 
 from torchspeed.train.decision import Decision
 
-__all__ = ["PARTS", "EMA_MIN_STEPS", "Recipe", "choose_recipe", "choose_tta", "is_classifier", "probe_batches"]
+__all__ = ["PARTS", "EMA_MIN_STEPS", "Recipe", "choose_recipe", "choose_tta", "is_classifier", "probe_batches",
+           "refine_onecycle_peak"]
 
 PARTS = ("lr", "label_smoothing", "bn_stats", "ema", "tta", "muon")
 LABEL_SMOOTHING = 0.1
@@ -221,25 +222,12 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
         measured: dict = {"range_test_steps": int(res.steps or len(res.lrs)), "suggestion": res.suggestion,
                           "bottom_lr": res.bottom_lr, "min_loss_lr": res.min_loss_lr, "range_test_pick": peak}
         if onecycle and lr_trial_steps and not res.trial:  # the range test's pick and 2x, 4x: a short one-cycle each
-            from torchspeed.tune.lr import trial_ceiling
-
-            cands = sorted({peak * f for f in LR_TRIAL_FACTORS if peak * f <= max(peak, trial_ceiling(res))})
-            if len(cands) > 1:
-                from torchspeed.tune._common import decide_once
-
-                table = decide_once(lambda: _lr_trial(  # rank 0 measures, every rank gets its table (DDP)
-                    model, train_loader, cands, optimizer=optimizer, name=name, weight_decay=weight_decay,
-                    optimizer_options=optimizer_options, precision=precision, loss_fn=lr_loss, step_fn=step_fn,
-                    steps=lr_trial_steps))
-                rec.tuning_steps += len(cands) * lr_trial_steps
-                best = min(table, key=lambda t: t[1])
-                if best[0] != peak and best[1] < min(sc for lr_, sc in table if lr_ == peak) * (1 - LR_TRIAL_MARGIN):
-                    peak, how = best[0], (f"a short one-cycle trial ({len(cands)} peaks x {lr_trial_steps} steps from "
-                                          "the same state, lowest training loss at the end) over the range test's "
-                                          f"pick {measured['range_test_pick']:.3g}")
-                else:
-                    how += f" (kept by a short one-cycle trial of {len(cands)} peaks)"
-                measured["trial"] = [[float(a), float(b)] for a, b in table]
+            peak, how, extra = refine_onecycle_peak(model, train_loader, res, optimizer=optimizer, name=name,
+                                                    weight_decay=weight_decay, optimizer_options=optimizer_options,
+                                                    precision=precision, loss_fn=lr_loss, step_fn=step_fn,
+                                                    steps=lr_trial_steps, how=how)
+            rec.tuning_steps += extra.get("steps", 0)
+            measured.update(extra)
         rec.lr = peak
         if onecycle:
             rec.min_lr = peak / 10
@@ -254,6 +242,37 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
     d["recipe_cost"] = Decision(round(rec.tuning_s, 2), f"{rec.tuning_steps} training steps spent choosing",
                                 measured={"seconds": rec.tuning_s, "steps": rec.tuning_steps})
     return rec
+
+
+def refine_onecycle_peak(model, loader, res, *, optimizer, name=None, weight_decay=None, optimizer_options=None,
+                         precision="auto", loss_fn=None, step_fn=None, steps: int = 24,
+                         how: str = "one-cycle peak of the range test") -> tuple[float, str, dict]:
+    """The range test's one-cycle pick, or 2x or 4x it when a short one-cycle of each says so (T14, T15).
+
+    The range test's loss minimum lags the LR (the LR grows while the model is still
+    learning), so on short SGD runs its pick sits 2-3x below the best peak of a sweep
+    (docs/tune.md). Each candidate (capped below where the range test's loss climbed) trains
+    `steps` steps as a one-cycle from the same state on the same batches; a higher peak is
+    taken only when its final training loss is lower by more than LR_TRIAL_MARGIN. Returns
+    (peak, how it was chosen, {"trial": table, "steps": steps spent}). Under DDP rank 0 measures.
+    """
+    from torchspeed.tune._common import decide_once
+    from torchspeed.tune.lr import trial_ceiling
+
+    peak = float(res.max_lr)
+    cands = sorted({peak * f for f in LR_TRIAL_FACTORS if peak * f <= max(peak, trial_ceiling(res))})
+    if len(cands) < 2:
+        return peak, how + " (no room above it for a trial: the loss climbed just past it)", {}
+    table = decide_once(lambda: _lr_trial(model, loader, cands, optimizer=optimizer, name=name,
+                                          weight_decay=weight_decay, optimizer_options=optimizer_options,
+                                          precision=precision, loss_fn=loss_fn, step_fn=step_fn, steps=steps))
+    extra = {"trial": [[float(a), float(b)] for a, b in table], "steps": len(cands) * steps}
+    best = min(table, key=lambda t: t[1])
+    at_pick = min(sc for lr_, sc in table if lr_ == peak)
+    if best[0] != peak and best[1] < at_pick * (1 - LR_TRIAL_MARGIN):
+        return best[0], (f"a short one-cycle trial ({len(cands)} peaks x {steps} steps from the same state, lowest "
+                         f"training loss at the end) over the range test's pick {peak:.3g}"), extra
+    return peak, how + f" (kept by a short one-cycle trial of {len(cands)} peaks)", extra
 
 
 def _lr_trial(model, loader, peaks, *, optimizer, name, weight_decay, optimizer_options, precision, loss_fn, step_fn,
