@@ -34,12 +34,16 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       TORCHELASTIC_USE_AGENT_STORE="True")  # every rank a client of the parent's store
     torch.set_num_threads(1)
+    from torchspeed.train.distributed import cleanup_distributed, exit_process
+
     try:
         fn(rank, *args)
-    finally:
-        from torchspeed.train.distributed import cleanup_distributed
-
+    except BaseException:
         cleanup_distributed()
+        raise  # spawn's wrapper reports it to the parent
+    # A rank that built a DDP model can die of SIGABRT in interpreter teardown (gloo's threads outlive the
+    # group): end the way torchspeed's own ranks do, after the group is destroyed and atexit has run.
+    exit_process(0)
 
 
 def run_ranks(fn, *args, world: int = WORLD) -> None:
