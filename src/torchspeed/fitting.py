@@ -97,15 +97,15 @@ def _apply_recipe(model, train_loader, cfg: TrainConfig, parts, *, optimizer, lr
     """Choose the recipe (tune/recipe.py) and fold it into the config, optimizer, LR and callbacks."""
     from torchspeed.train.distributed import maybe_init_distributed
     from torchspeed.train.sampler import loader_length
+    from torchspeed.train.schedule import steps_in_run
     from torchspeed.tune.recipe import PARTS, choose_recipe
 
     info = maybe_init_distributed(cfg.distributed, device=device)  # so that rank 0 measures for every rank
     if info is not None:
         device = info.device
 
-    per_epoch = loader_length(train_loader, max_steps=cfg.max_steps)
-    total = -(-per_epoch // cfg.grad_accum) * cfg.epochs if per_epoch else None
-    total = min(total, cfg.max_steps) if total and cfg.max_steps else (total or cfg.max_steps)
+    total = steps_in_run(loader_length(train_loader, max_steps=cfg.max_steps), cfg.epochs,
+                         grad_accum=cfg.grad_accum, max_steps=cfg.max_steps)
     rec = choose_recipe(model, train_loader, optimizer=optimizer, lr=float(lr), weight_decay=weight_decay,
                         optimizer_options=optimizer_options, precision=cfg.precision, loss_fn=loss_fn,
                         step_fn=step_fn, total_steps=total, schedule=cfg.schedule,
@@ -123,19 +123,9 @@ def _apply_recipe(model, train_loader, cfg: TrainConfig, parts, *, optimizer, lr
 
 def _after_training(trainer: Trainer, rec, result: FitResult, val_loader) -> None:
     """The recipe's after-training part: flip TTA when it scores better on training batches (T33)."""
-    from torchspeed.train.evaluate import evaluate
-    from torchspeed.tune.recipe import choose_tta
+    from torchspeed.tune.recipe import decide_tta
 
-    module = trainer.callbacks.eval_module(trainer.module)
-    from torchspeed.tune._common import decide_once
-
-    dec = decide_once(lambda: choose_tta(module, rec.probe, device=trainer.device, precision=trainer.precision,
-                                         channels_last=trainer.channels_last))
-    result.decisions["tta"] = trainer.decisions["tta"] = dec
-    if dec.value and trainer.config.tta is None:
-        trainer.config.tta = dec.value
-        if val_loader is not None and result.history:
-            out = evaluate(module, val_loader, device=trainer.device, precision=trainer.precision,
-                           loss_fn=trainer.loss_fn, step_fn=trainer.step_fn, channels_last=trainer.channels_last,
-                           tta=dec.value)
-            result.history[-1]["val_acc_tta"] = out["val_acc"]
+    asked = trainer.config.tta  # the user's own TTA stands, and the history already used it
+    dec = result.decisions["tta"] = decide_tta(trainer, rec.probe)
+    if dec.value and asked is None and val_loader is not None and result.history:
+        result.history[-1]["val_acc_tta"] = trainer.evaluate(val_loader)["val_acc"]

@@ -44,12 +44,17 @@ def test_a_budget_fails_as_soon_as_one_seed_misses_and_that_seed_goes_first_next
 
     calls = []
 
-    def run_one(name, seed, budget):
-        calls.append((seed, budget))
-        ok = budget >= (64 if seed == 2 else 16)
-        return TTARun(name, seed, budget, 0.99 if ok else 0.5, 0.1, 1.0, budget * 8)
+    def run_seeds(name, seeds, budget, target, metric):  # as the worker: in turn, stopping at the first miss
+        runs = []
+        for seed in seeds:
+            calls.append((seed, budget))
+            ok = budget >= (64 if seed == 2 else 16)
+            runs.append(TTARun(name, seed, budget, 0.99 if ok else 0.5, 0.1, 1.0, budget * 8))
+            if not ok:
+                break
+        return runs
 
-    s = _Search("all", [0, 1, 2], run_one)
+    s = _Search("all", [0, 1, 2], run_seeds)
     assert not s.passes(32, 0.97, "val_acc")
     assert calls == [(0, 32), (1, 32), (2, 32)]
     assert not s.passes(48, 0.97, "val_acc") and calls[-1] == (2, 48) and len(calls) == 4  # seed 2 first: 1 run

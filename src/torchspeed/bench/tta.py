@@ -136,43 +136,42 @@ def shortest_budget(passes, budgets=BUDGETS, *, start: int | None = None) -> int
 
 
 class _Search:
-    """Runs (cached) of one config over seeds and budgets; a budget passes when every seed meets the target."""
+    """Runs (cached) of one config over seeds and budgets; a budget passes when every seed meets the target.
 
-    def __init__(self, name: str, seeds: list[int], run_one, bar=None, run_many=None):
-        self.name, self.seeds, self.run_one, self.bar, self.run_many = name, seeds, run_one, bar, run_many
+    `run_seeds(name, seeds, budget, target, metric)` trains the seeds in turn in one process and
+    stops at the first that misses `target` (None: it trains them all); it returns their runs.
+    """
+
+    def __init__(self, name: str, seeds: list[int], run_seeds, bar=None):
+        self.name, self.seeds, self.run_seeds, self.bar = name, seeds, run_seeds, bar
         self.runs: dict[tuple[int, int], TTARun] = {}
         self.missed: list[int] = []  # seeds that missed before go first: a failing budget fails sooner
 
+    def _train(self, budget: int, seeds: list[int], target: float | None, metric: str | None) -> None:
+        if self.bar is not None:
+            self.bar(f"{self.name}: {budget} steps, seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}")
+        for r in self.run_seeds(self.name, seeds, budget, target, metric):
+            self.runs[budget, r.seed] = r
+
     def run(self, budget: int, seed: int) -> TTARun:
         if (budget, seed) not in self.runs:
-            if self.bar is not None:
-                self.bar(f"{self.name}: {budget} steps, seed {seed}")
-            self.runs[budget, seed] = self.run_one(self.name, seed, budget)
+            self._train(budget, [seed], None, None)
         return self.runs[budget, seed]
 
     def passes(self, budget: int, target: float, metric: str) -> bool:
         order = sorted(self.seeds, key=lambda s: s not in self.missed)
+        done = [self.runs[budget, s] for s in order if (budget, s) in self.runs]
         todo = [s for s in order if (budget, s) not in self.runs]
-        if self.run_many is not None and len(todo) > 1 and not any(
-                not _met(self.runs[budget, s], target, metric) for s in order if (budget, s) in self.runs):
-            # one process trains the seeds in turn and stops at the first that misses (saves start-ups)
-            if self.bar is not None:
-                self.bar(f"{self.name}: {budget} steps, seeds {', '.join(map(str, todo))}")
-            for r in self.run_many(self.name, todo, budget, target, metric):
-                self.runs[budget, r.seed] = r
+        if todo and all(_met(r, target, metric) for r in done):
+            self._train(budget, todo, target, metric)  # one process; it stops at the first seed that misses
         for s in order:
-            if not _met(self.run(budget, s), target, metric):
+            if (budget, s) not in self.runs:
+                return False  # a seed before it missed: never reached
+            if not _met(self.runs[budget, s], target, metric):
                 if s not in self.missed:
                     self.missed.append(s)
                 return False
         return True
-
-
-def _stats(values: list[float]) -> dict | None:
-    if not values:
-        return None
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
-            "std": statistics.stdev(values) if len(values) > 1 else 0.0}
 
 
 def _config_entry(search: _Search, budget: int | None, batch: int, tuning: list[float]) -> dict:
@@ -274,22 +273,17 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", targets: tuple[flo
                 say(f"auto: choosing the recipe, seed {s}")
                 recipes[s] = _process(proc_cfg["auto"], base | {"mode": "choose", "seed": s, "config": "auto"})
 
-        def run_one(name: str, s: int, budget: int, parts: tuple | None = None) -> TTARun:
-            spec = base | {"mode": "train", "config": name, "seed": s, "budget": budget}
-            if name == "auto" or parts is not None:
-                spec["recipe"] = recipes[s]["recipe"]
-                spec["parts"] = list(parts) if parts is not None else None
-            return TTARun(**_process(proc_cfg["auto" if parts is not None else name], spec)["run"])
-
-        def run_many(name: str, seeds_: list[int], budget: int, target: float, metric_: str) -> list[TTARun]:
+        def run_seeds(name: str, seeds_: list[int], budget: int, target: float | None, metric_: str | None,
+                      parts: tuple | None = None) -> list[TTARun]:
+            """`seeds_` in turn in one process of `name`'s kind (auto's recipe; `parts`: an ablation variant)."""
             spec = base | {"mode": "train", "config": name, "seed": seeds_[0], "seeds": seeds_, "budget": budget,
                            "target": target, "metric": metric_}
             if name == "auto":
                 spec["recipes"] = {str(s): recipes[s]["recipe"] for s in seeds_}
-                spec["parts"] = None
+                spec["parts"] = list(parts) if parts is not None else None
             return [TTARun(**r) for r in _process(proc_cfg[name], spec)["runs"]]
 
-        searches = {name: _Search(name, seed_list, run_one, say, run_many) for name in configs}
+        searches = {name: _Search(name, seed_list, run_seeds, say) for name in configs}
         if not targets:  # the target is what `all` reaches in its default budget
             ref = searches.get("all") or next(iter(searches.values()))
             finals = [ref.run(start, s) for s in seed_list]
@@ -306,7 +300,7 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", targets: tuple[flo
                                                  start=hint or start)
         ablation_rows: list = []
         if ablation and "auto" in searches and recipes:
-            ablation_rows = _ablation(recipes, seed_list, run_one, budgets, order[0], metric,
+            ablation_rows = _ablation(recipes, seed_list, run_seeds, budgets, order[0], metric,
                                       found[order[0]].get("auto"), batch_size, say)
     tuning = {"auto": [r["tuning_s"] for r in recipes.values()]}
     workload = f"{model} on {data}"
@@ -323,29 +317,28 @@ def _nearest(budgets, b: int) -> int:
     return min(budgets, key=lambda x: abs(x - b))
 
 
-def _ablation(recipes: dict, seeds: list[int], run_one, budgets, target: float, metric: str, auto_budget: int | None,
+def _ablation(recipes: dict, seeds: list[int], run_seeds, budgets, target: float, metric: str, auto_budget: int | None,
               batch: int, say) -> list:
     """Leave one part out (parts auto turned on) or add one (parts it left off): the budget each needs."""
     from torchspeed.tune.recipe import PARTS
 
     first = next(iter(recipes.values()))["recipe"]
-    on = [p for p in first.get("on", [])]
+    on = list(first.get("on", []))
     rows = []
     for part in PARTS:
-        if part in ("muon",):  # only for AdamW on matrix-heavy models: nothing to leave out here
+        if part == "muon":  # only for AdamW on matrix-heavy models: nothing to leave out here
             continue
         kind = "without" if part in on else "with"
         parts = tuple(p for p in on if p != part) if kind == "without" else (*on, part)
-        srch = _Search(f"auto {kind} {part}", seeds, lambda name, s, b, parts=parts: run_one("auto", s, b, parts),
-                       say)
+        srch = _Search(f"auto {kind} {part}", seeds,
+                       lambda _, ss, b, t, m, parts=parts: run_seeds("auto", ss, b, t, m, parts), say)
         b = shortest_budget(lambda x: srch.passes(x, target, metric), budgets, start=auto_budget or START)
         row = {"variant": f"{kind} {part}", "part": part, "budget_steps": b,
                "samples_to_target": b * batch if b else None,
                "steps_vs_auto": (b / auto_budget) if b and auto_budget else None,
                "val_acc": {str(k): v.val_acc for k, v in srch.runs.items()}}
         if b and auto_budget:
-            pairs = [(srch.runs.get((b, s)), None) for s in seeds]
-            row["train_time_s"] = statistics.fmean(r.train_s for r, _ in pairs if r)
+            row["train_time_s"] = statistics.fmean(srch.runs[b, s].train_s for s in seeds)
         rows.append(row)
     return rows
 
@@ -450,7 +443,7 @@ def train_budget(spec: dict) -> TTARun:
     """One complete run of spec['budget'] optimizer steps (one-cycle over them); evaluated once, at the end."""
     from torchspeed.env import allocator_in_use
     from torchspeed.train.trainer import Trainer, TrainConfig
-    from torchspeed.tune.recipe import Recipe, choose_tta, probe_batches
+    from torchspeed.tune.recipe import Recipe, decide_tta, probe_batches
 
     loader, val_loader, device, model = _setup(spec)
     budget = int(spec["budget"])
@@ -480,15 +473,9 @@ def train_budget(spec: dict) -> TTARun:
         while trainer.step < budget:
             clock += trainer.run_steps(it, 1)
             trainer.callbacks.on_step_end(trainer)
-    tta = None
     if rec is not None and "tta" in rec.parts:  # decided on training batches, on the clock
         t1 = time.perf_counter()
-        module = trainer.callbacks.eval_module(trainer.module)
-        dec = choose_tta(module, probe_batches(loader), device=device, precision=trainer.precision,
-                         channels_last=trainer.channels_last)
-        tta = dec.value
-        trainer.config.tta = tta
-        trainer.decisions["tta"] = dec
+        decide_tta(trainer, probe_batches(loader))
         clock += time.perf_counter() - t1
     if rec is not None and rec.label_smoothing:  # the target's loss is the plain cross-entropy, as for every config
         from torchspeed.train.batch import default_loss
@@ -524,19 +511,14 @@ def main() -> int:
     try:
         if spec.get("mode") == "choose":
             _reply({"ok": True} | choose(spec))
-        elif "seeds" in spec:  # several seeds in turn, stopping at the first that misses the target
+        else:  # the seeds in turn, stopping at the first that misses the target (when one is given)
             runs = []
             for s in spec["seeds"]:
-                one = spec | {"seed": s}
-                if "recipes" in spec:
-                    one["recipe"] = spec["recipes"][str(s)]
-                run = train_budget(one)
+                run = train_budget(spec | {"seed": s, "recipe": (spec.get("recipes") or {}).get(str(s))})
                 runs.append(asdict(run))
-                if not _met(run, spec["target"], spec["metric"]):
+                if spec.get("target") is not None and not _met(run, spec["target"], spec["metric"]):
                     break
             _reply({"ok": True, "runs": runs})
-        else:
-            _reply({"ok": True, "run": asdict(train_budget(spec))})
     except Exception as e:  # reported to the parent, which names the config, seed and budget that failed
         import traceback
 

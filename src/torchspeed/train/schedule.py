@@ -20,9 +20,17 @@ import math
 
 import torch
 
-__all__ = ["SCHEDULES", "create_scheduler", "scale_lr", "warmup_cosine_factor"]
+__all__ = ["SCHEDULES", "create_scheduler", "scale_lr", "warmup_cosine_factor", "steps_in_run"]
 
 SCHEDULES = ("onecycle", "cyclic", "cosine", "constant")
+
+
+def steps_in_run(steps_per_epoch: int | None, epochs: int, *, grad_accum: int = 1,
+                 max_steps: int | None = None) -> int | None:
+    """Optimizer steps a run takes: epochs x ceil(batches per epoch / grad_accum), capped by max_steps
+    (None: unknown, a loader without len() and no max_steps)."""
+    total = max(1, math.ceil(steps_per_epoch / grad_accum) * epochs) if steps_per_epoch else None
+    return min(total, max_steps) if total and max_steps else (total or max_steps)
 
 
 def scale_lr(base_lr: float, batch: int, base_batch: int, world_size: int = 1) -> float:

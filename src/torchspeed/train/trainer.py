@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -58,7 +57,7 @@ from torchspeed.train.progress import TrainProgress, decisions_header
 from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_rng_state, seed_everything
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
 from torchspeed.train.shard import shard_loader
-from torchspeed.train.schedule import create_scheduler
+from torchspeed.train.schedule import create_scheduler, steps_in_run
 from torchspeed.train.segment import BestEpoch, extend_schedule, group_settings
 from torchspeed.train.step import AccumulationWindow
 from torchspeed.train.transfer import Prefetcher, to_device
@@ -257,9 +256,8 @@ class Trainer(MeasuredSwitches):
     # ------------------------------------------------------------------ epochs
     def setup_schedule(self, steps_per_epoch: int | None, epochs: int) -> None:
         """The learning-rate schedule over the run: epochs x steps, or max_steps (needed without len())."""
-        max_steps = self.config.max_steps
-        total = max(1, math.ceil(steps_per_epoch / self.config.grad_accum) * epochs) if steps_per_epoch else None
-        total = min(total, max_steps) if total and max_steps else (total or max_steps)
+        total = steps_in_run(steps_per_epoch, epochs, grad_accum=self.config.grad_accum,
+                             max_steps=self.config.max_steps)
         self._group_settings = group_settings(self.optimizer)  # a finished run extended gets them back
         self.scheduler = create_scheduler(self.config.schedule, self.optimizer, total_steps=total,
                                           warmup_steps=self.config.warmup_steps, min_lr=self.config.min_lr)

@@ -239,11 +239,17 @@ def trial_candidates(result: LRFinderResult, *, n: int = 5, factor: float = TRIA
     return [float(top / factor ** k) for k in reversed(range(n))]
 
 
-def _trial_run(step: TrainStep, set_lr, lr: float, batches: list, device, *, tick=lambda: None) -> float:
-    """Train on `batches` at `lr` (linear warm-up over the first TRIAL_WARMUP steps); the mean loss of the last third."""
+def warmup_then_constant(i: int, n: int) -> float:
+    """The fallback trial's LR factor at step `i` of `n`: a linear warm-up over TRIAL_WARMUP steps, then 1."""
+    return min(1.0, (i + 1) / TRIAL_WARMUP)
+
+
+def _trial_run(step: TrainStep, set_lr, lr: float, batches: list, device, *, tick=lambda: None,
+               shape: Callable[[int, int], float] = warmup_then_constant) -> float:
+    """Train on `batches` at `lr` x `shape(step, steps)`; the mean loss of the last third (inf once not finite)."""
     losses = []
     for i, b in enumerate(batches):
-        set_lr(lr * min(1.0, (i + 1) / TRIAL_WARMUP))
+        set_lr(lr * shape(i, len(batches)))
         loss = float(step(to_device(b, device)))
         tick()
         losses.append(loss)

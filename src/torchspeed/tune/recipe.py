@@ -51,8 +51,8 @@ from torch import nn
 
 from torchspeed.train.decision import Decision
 
-__all__ = ["PARTS", "EMA_MIN_STEPS", "Recipe", "choose_recipe", "choose_tta", "is_classifier", "probe_batches",
-           "refine_onecycle_peak"]
+__all__ = ["PARTS", "EMA_MIN_STEPS", "Recipe", "choose_recipe", "choose_tta", "decide_tta", "is_classifier",
+           "probe_batches", "refine_onecycle_peak"]
 
 PARTS = ("lr", "label_smoothing", "bn_stats", "ema", "tta", "muon")
 LABEL_SMOOTHING = 0.1
@@ -275,17 +275,24 @@ def refine_onecycle_peak(model, loader, res, *, optimizer, name=None, weight_dec
     return peak, how + f" (kept by a short one-cycle trial of {len(cands)} peaks)", extra
 
 
-def _lr_trial(model, loader, peaks, *, optimizer, name, weight_decay, optimizer_options, precision, loss_fn, step_fn,
-              steps: int) -> list[tuple[float, float]]:
-    """Each peak LR trained for `steps` steps as a one-cycle (25% warm-up from peak/10, cosine to peak/100) from
-    the same state on the same batches; the score is the mean training loss over the last third."""
+def _onecycle_shape(i: int, n: int) -> float:
+    """The LR trial's factor at step `i` of `n`: 25% linear warm-up from 1/10, then a cosine down to 1/100."""
     import math
 
+    warm = max(1, n // 4)
+    if i < warm:
+        return 0.1 + 0.9 * i / warm
+    return 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * (i - warm) / max(1, n - warm)))
+
+
+def _lr_trial(model, loader, peaks, *, optimizer, name, weight_decay, optimizer_options, precision, loss_fn, step_fn,
+              steps: int) -> list[tuple[float, float]]:
+    """Each peak LR trained for `steps` steps as a one-cycle (`_onecycle_shape`) from the same state on the same
+    batches; the score is the mean training loss over the last third (the range test's `_trial_run`)."""
     from torchspeed.train.optim import create_optimizer
     from torchspeed.train.precision import make_grad_scaler, resolve_precision
-    from torchspeed.train.transfer import to_device
     from torchspeed.tune._common import StateSnapshot, TrainStep, model_device
-    from torchspeed.tune.lr import _batches
+    from torchspeed.tune.lr import _batches, _trial_run
 
     device = model_device(model)
     prec = resolve_precision(precision, device=device)
@@ -294,30 +301,21 @@ def _lr_trial(model, loader, peaks, *, optimizer, name, weight_decay, optimizer_
     scaler = make_grad_scaler(prec) if prec.needs_scaler else None
     base = [g["lr"] for g in opt.param_groups]
     ratios = [b / base[0] if base[0] else 1.0 for b in base]
+
+    def set_lr(lr: float) -> None:
+        for g, r in zip(opt.param_groups, ratios):
+            g["lr"] = lr * r
+
     snap = StateSnapshot(model, opt, None, scaler)
     it = _batches(loader, 64, 0)
     batches = [next(it) for _ in range(steps)]
-    warm = max(1, steps // 4)
+    step = TrainStep(model, opt, loss_fn=loss_fn, precision=prec, step_fn=step_fn, scaler=scaler)
     table = []
     try:
         for peak in peaks:
-            snap.restore()
+            snap.restore()  # the same weights, optimizer state and RNG for every peak
             model.train()
-            step = TrainStep(model, opt, loss_fn=loss_fn, precision=prec, step_fn=step_fn, scaler=scaler)
-            losses = []
-            for i, b in enumerate(batches):
-                if i < warm:
-                    f = 0.1 + 0.9 * i / warm
-                else:
-                    f = 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * (i - warm) / max(1, steps - warm)))
-                for g, r in zip(opt.param_groups, ratios):
-                    g["lr"] = peak * f * r
-                loss = float(step(to_device(b, device)))
-                losses.append(loss)
-                if not math.isfinite(loss):
-                    break
-            tail = losses[-max(2, steps // 3):]
-            table.append((float(peak), float(sum(tail) / len(tail)) if all(map(math.isfinite, tail)) else math.inf))
+            table.append((float(peak), _trial_run(step, set_lr, peak, batches, device, shape=_onecycle_shape)))
     finally:
         snap.restore()
     return table
@@ -368,3 +366,17 @@ def choose_tta(model: nn.Module, batches: Sequence, *, device: torch.device | st
            f"accuracy {plain['val_acc']:.3f} vs {flip['val_acc']:.3f}")
     return Decision("flip" if better else None, ("flip scores better on " if better else "flip does not score "
                                                  "better on ") + how, measured=measured)
+
+
+def decide_tta(trainer, batches: Sequence) -> Decision:
+    """`choose_tta` for a trained `Trainer` (the weights it evaluates: the EMA's when one is on), recorded in its
+    decisions; a chosen TTA becomes its `config.tta` unless one was set. Under DDP rank 0 decides for every rank."""
+    from torchspeed.tune._common import decide_once
+
+    module = trainer.callbacks.eval_module(trainer.module)
+    dec = decide_once(lambda: choose_tta(module, batches, device=trainer.device, precision=trainer.precision,
+                                         channels_last=trainer.channels_last))
+    trainer.decisions["tta"] = dec
+    if dec.value and trainer.config.tta is None:
+        trainer.config.tta = dec.value
+    return dec
