@@ -49,8 +49,9 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     Train, your own `init_process_group`), `fit` uses it and leaves it alive.
     `recipe="auto"` chooses the training recipe on this model and its training batches before
     training (peak LR and floor from the range test, label smoothing, BatchNorm statistics of the
-    final weights, an EMA on long runs, Muon for AdamW on matrix-heavy models, flip TTA after
-    training; `torchspeed.tune.recipe`, docs/recipe.md). It replaces `lr` (and `lr="auto"`);
+    final weights, an EMA on long runs, Muon for AdamW on matrix-heavy models, on long runs the
+    batch size with the least predicted time to a target, flip TTA after training;
+    `torchspeed.tune.recipe`, docs/recipe.md). It replaces `lr` (and `lr="auto"`);
     `recipe_parts` limits it to some parts (e.g. `("bn_stats", "label_smoothing")`).
 
     Example:
@@ -77,10 +78,13 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
                                                distributed=cfg.distributed, progress=cfg.progress)
     rec = None
     if recipe:
-        rec, cfg, optimizer, lr, callbacks = _apply_recipe(model, train_loader, cfg, recipe_parts, optimizer=optimizer,
-                                                           lr=lr, weight_decay=weight_decay, loss_fn=loss_fn,
-                                                           step_fn=step_fn, device=device, callbacks=callbacks,
-                                                           optimizer_options={"momentum": momentum, "betas": betas})
+        if batch_size is not None:  # the user's batch (or the tuner's, above) stands
+            recipe_parts = tuple(p for p in (recipe_parts if recipe_parts is not None else _recipe_parts())
+                                 if p != "batch")
+        rec, cfg, optimizer, lr, callbacks, train_loader = _apply_recipe(
+            model, train_loader, cfg, recipe_parts, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
+            loss_fn=loss_fn, step_fn=step_fn, device=device, callbacks=callbacks,
+            optimizer_options={"momentum": momentum, "betas": betas})
         tuned.update(rec.decisions)
     trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer, lr=lr,
                       weight_decay=weight_decay, momentum=momentum, betas=betas, device=device, config=cfg,
@@ -118,7 +122,18 @@ def _apply_recipe(model, train_loader, cfg: TrainConfig, parts, *, optimizer, lr
     cfg = replace(cfg, **changes)
     if rec.optimizer and isinstance(optimizer, str):
         optimizer = rec.optimizer
-    return rec, cfg, optimizer, rec.lr if rec.lr is not None else lr, [*(callbacks or ()), *rec.callbacks()]
+    if rec.batch_size and rec.batch_size != getattr(train_loader, "batch_size", None):
+        from torchspeed.train.sampler import rebuild_loader
+
+        train_loader = rebuild_loader(train_loader, batch_size=rec.batch_size)
+    return (rec, cfg, optimizer, rec.lr if rec.lr is not None else lr, [*(callbacks or ()), *rec.callbacks()],
+            train_loader)
+
+
+def _recipe_parts() -> tuple[str, ...]:
+    from torchspeed.tune.recipe import PARTS
+
+    return PARTS
 
 
 def _after_training(trainer: Trainer, rec, result: FitResult, val_loader) -> None:

@@ -27,8 +27,12 @@ The parts (`PARTS`), and how each is chosen:
 - `muon` (T42): for an AdamW run of a model whose weights are mostly hidden 2D matrices
   (transformers, MLPs), `torch.optim.Muon` for those matrices when a short trial says it
   learns faster (`tune.optimizer_trial`).
-- The batch size is not a part: `fit(batch_size="auto")` tunes it (T17) and scales the LR to
-  it, with or without the recipe.
+- `batch` (T17): for runs of at least `BATCH_MIN_STEPS` steps, the batch with the least
+  predicted time to a target: samples needed grow as 1 + B/B_noise (the gradient noise scale,
+  measured at the end of the LR trial), divided by the samples/s measured at half to four
+  times the loader's batch (`tune.batch_choice`). The LR follows (linear rule for SGD, square
+  root for Adam-family). `fit` rebuilds the DataLoader; a batch size given to `fit` switches
+  the part off.
 
 Cost: the range test's steps (100 by default) and, when asked, the fallback and optimizer
 trials; `Recipe.tuning_s` and `Recipe.tuning_steps` report it, and the bench counts it
@@ -50,16 +54,18 @@ import torch
 from torch import nn
 
 from torchspeed.train.decision import Decision
+from torchspeed.tune.batch_choice import BATCH_MIN_STEPS
 
 __all__ = ["PARTS", "EMA_MIN_STEPS", "Recipe", "choose_recipe", "choose_tta", "decide_tta", "is_classifier",
            "probe_batches", "refine_onecycle_peak"]
 
-PARTS = ("lr", "label_smoothing", "bn_stats", "ema", "tta", "muon")
+PARTS = ("lr", "label_smoothing", "bn_stats", "ema", "tta", "muon", "batch")
 LABEL_SMOOTHING = 0.1
 EMA_MIN_STEPS = 2000
 PROBE_BATCHES = 4
 LR_TRIAL_FACTORS = (1.0, 2.0, 4.0)  # the one-cycle peaks the LR trial compares: the range test's pick, and above it
-LR_TRIAL_MARGIN = 0.02              # a higher peak must lower the trial's final loss by more than this  # training batches kept for the after-training choices (tta)
+LR_TRIAL_MARGIN = 0.02              # a higher peak must lower the trial's final loss by more than this
+NOISE_BATCHES = 8                   # batches of the LR trial's own on which the batch part's noise scale is measured
 
 
 @dataclass
@@ -72,6 +78,7 @@ class Recipe:
     bn_stats: bool = False
     ema_decay: float | None = None
     optimizer: str | None = None         # "muon" when the trial picked it (None: the caller's)
+    batch_size: int | None = None        # the batch part's choice (None: the loader's own)
     tta: str | None = None               # decided after training (choose_tta)
     parts: tuple[str, ...] = PARTS
     tuning_s: float = 0.0                # seconds spent choosing
@@ -198,6 +205,13 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
                                       "average of so few steps gained nothing measured (docs/recipe.md)")
 
     opt_name = optimizer if isinstance(optimizer, str) else None
+    lr_loss = loss_fn  # the tuners train on the loss the run trains on
+    if lr_loss is None and rec.label_smoothing:
+        from torchspeed.train.batch import default_loss
+
+        lr_loss = default_loss(rec.label_smoothing)
+    batch_wanted = "batch" in parts and total_steps is not None and total_steps >= BATCH_MIN_STEPS
+    measured: dict = {}
     if "muon" in parts and opt_name == "adamw":
         rec.optimizer = _choose_muon(model, train_loader, lr=lr, precision=precision, loss_fn=loss_fn,
                                      step_fn=step_fn, decisions=d, rec=rec)
@@ -208,24 +222,20 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
         name = rec.optimizer or opt_name
         scratch = optimizer if not isinstance(optimizer, str) else create_optimizer(
             name, model, lr=1e-6, weight_decay=weight_decay, **(optimizer_options or {}))
-        lr_loss = loss_fn
-        if lr_loss is None and rec.label_smoothing:  # the range test trains on the loss the run trains on
-            from torchspeed.train.batch import default_loss
-
-            lr_loss = default_loss(rec.label_smoothing)
         res = find_lr(model, train_loader, loss_fn=lr_loss, step_fn=step_fn, optimizer=scratch, precision=precision,
                       num_steps=lr_steps, progress=progress)
         rec.tuning_steps += int(res.steps or len(res.lrs))
         onecycle = schedule == "onecycle"
         peak = float(res.max_lr if onecycle else res.suggestion)
         how = f"{'one-cycle peak' if onecycle else 'suggestion'} of the range test"
-        measured: dict = {"range_test_steps": int(res.steps or len(res.lrs)), "suggestion": res.suggestion,
-                          "bottom_lr": res.bottom_lr, "min_loss_lr": res.min_loss_lr, "range_test_pick": peak}
+        measured = {"range_test_steps": int(res.steps or len(res.lrs)), "suggestion": res.suggestion,
+                    "bottom_lr": res.bottom_lr, "min_loss_lr": res.min_loss_lr, "range_test_pick": peak}
         if onecycle and lr_trial_steps and not res.trial:  # the range test's pick and 2x, 4x: a short one-cycle each
             peak, how, extra = refine_onecycle_peak(model, train_loader, res, optimizer=optimizer, name=name,
                                                     weight_decay=weight_decay, optimizer_options=optimizer_options,
                                                     precision=precision, loss_fn=lr_loss, step_fn=step_fn,
-                                                    steps=lr_trial_steps, how=how)
+                                                    steps=lr_trial_steps, how=how,
+                                                    noise_batches=NOISE_BATCHES if batch_wanted else 0)
             rec.tuning_steps += extra.get("steps", 0)
             measured.update(extra)
         rec.lr = peak
@@ -235,6 +245,12 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
                                    f"{res.confidence}{': ' + res.warning if res.warning else ''}); floor "
                                    f"{rec.min_lr if rec.min_lr is not None else 'default'} (T14, T15)",
                            measured=measured)
+
+    if "batch" in parts:
+        _choose_batch(model, train_loader, rec, optimizer=optimizer, name=rec.optimizer or opt_name,
+                      weight_decay=weight_decay, optimizer_options=optimizer_options, precision=precision,
+                      loss_fn=lr_loss, step_fn=step_fn,
+                      total_steps=total_steps, noise_scale=measured.get("noise_scale"), progress=progress)
 
     if "tta" in parts:
         d["tta"] = Decision(None, "decided after training, on training batches (choose_tta)")
@@ -246,7 +262,8 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
 
 def refine_onecycle_peak(model, loader, res, *, optimizer, name=None, weight_decay=None, optimizer_options=None,
                          precision="auto", loss_fn=None, step_fn=None, steps: int = 24,
-                         how: str = "one-cycle peak of the range test") -> tuple[float, str, dict]:
+                         how: str = "one-cycle peak of the range test", noise_batches: int = 0
+                         ) -> tuple[float, str, dict]:
     """The range test's one-cycle pick, or 2x or 4x it when a short one-cycle of each says so (T14, T15).
 
     The range test's loss minimum lags the LR (the LR grows while the model is still
@@ -254,7 +271,9 @@ def refine_onecycle_peak(model, loader, res, *, optimizer, name=None, weight_dec
     (docs/tune.md). Each candidate (capped below where the range test's loss climbed) trains
     `steps` steps as a one-cycle from the same state on the same batches; a higher peak is
     taken only when its final training loss is lower by more than LR_TRIAL_MARGIN. Returns
-    (peak, how it was chosen, {"trial": table, "steps": steps spent}). Under DDP rank 0 measures.
+    (peak, how it was chosen, {"trial": table, "steps": steps spent}). With `noise_batches` > 0 the
+    gradient noise scale is measured at the end of each candidate's run on that many of its batches, and
+    the chosen peak's goes in as "noise_scale" (None when not measured). Under DDP rank 0 measures.
     """
     from torchspeed.tune._common import decide_once
     from torchspeed.tune.lr import trial_ceiling
@@ -263,15 +282,20 @@ def refine_onecycle_peak(model, loader, res, *, optimizer, name=None, weight_dec
     cands = sorted({peak * f for f in LR_TRIAL_FACTORS if peak * f <= max(peak, trial_ceiling(res))})
     if len(cands) < 2:
         return peak, how + " (no room above it for a trial: the loss climbed just past it)", {}
-    table = decide_once(lambda: _lr_trial(model, loader, cands, optimizer=optimizer, name=name,
-                                          weight_decay=weight_decay, optimizer_options=optimizer_options,
-                                          precision=precision, loss_fn=loss_fn, step_fn=step_fn, steps=steps))
+    rows = decide_once(lambda: _lr_trial(model, loader, cands, optimizer=optimizer, name=name,
+                                         weight_decay=weight_decay, optimizer_options=optimizer_options,
+                                         precision=precision, loss_fn=loss_fn, step_fn=step_fn, steps=steps,
+                                         noise_batches=noise_batches))
+    table = [(lr_, sc) for lr_, sc, _ in rows]
+    noise = {lr_: ns for lr_, _, ns in rows}
     extra = {"trial": [[float(a), float(b)] for a, b in table], "steps": len(cands) * steps}
     best = min(table, key=lambda t: t[1])
     at_pick = min(sc for lr_, sc in table if lr_ == peak)
     if best[0] != peak and best[1] < at_pick * (1 - LR_TRIAL_MARGIN):
+        extra["noise_scale"] = noise[best[0]]
         return best[0], (f"a short one-cycle trial ({len(cands)} peaks x {steps} steps from the same state, lowest "
                          f"training loss at the end) over the range test's pick {peak:.3g}"), extra
+    extra["noise_scale"] = noise[peak]
     return peak, how + f" (kept by a short one-cycle trial of {len(cands)} peaks)", extra
 
 
@@ -286,9 +310,11 @@ def _onecycle_shape(i: int, n: int) -> float:
 
 
 def _lr_trial(model, loader, peaks, *, optimizer, name, weight_decay, optimizer_options, precision, loss_fn, step_fn,
-              steps: int) -> list[tuple[float, float]]:
+              steps: int, noise_batches: int = 0) -> list[tuple[float, float, float | None]]:
     """Each peak LR trained for `steps` steps as a one-cycle (`_onecycle_shape`) from the same state on the same
-    batches; the score is the mean training loss over the last third (the range test's `_trial_run`)."""
+    batches; the score is the mean training loss over the last third (the range test's `_trial_run`). Rows are
+    (peak, score, the noise scale at the end of its run on `noise_batches` of its batches, or None)."""
+    from torchspeed.train.noise import measure_noise_scale
     from torchspeed.train.optim import create_optimizer
     from torchspeed.train.precision import make_grad_scaler, resolve_precision
     from torchspeed.tune._common import StateSnapshot, TrainStep, model_device
@@ -315,10 +341,48 @@ def _lr_trial(model, loader, peaks, *, optimizer, name, weight_decay, optimizer_
         for peak in peaks:
             snap.restore()  # the same weights, optimizer state and RNG for every peak
             model.train()
-            table.append((float(peak), _trial_run(step, set_lr, peak, batches, device, shape=_onecycle_shape)))
+            score = _trial_run(step, set_lr, peak, batches, device, shape=_onecycle_shape)
+            noise = None
+            if noise_batches:  # the weights a short run reached: the noise scale has grown from its start
+                noise = measure_noise_scale(model, batches[:noise_batches], loss_fn=loss_fn,
+                                            step_fn=step_fn).noise_scale
+            table.append((float(peak), score, noise))
     finally:
         snap.restore()
     return table
+
+
+def _choose_batch(model, loader, rec: Recipe, *, optimizer, name, weight_decay, optimizer_options, precision,
+                  loss_fn, step_fn, total_steps, noise_scale, progress) -> None:
+    """The batch part (T17, tune/batch_choice.py): the batch with the least predicted time to a target, the LR
+    (and floor) scaled to it."""
+    import torch.distributed as dist
+
+    from torchspeed.train.optim import create_optimizer
+    from torchspeed.tune.batch_choice import choose_batch_size, scale_lr_for_batch
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    b0 = getattr(loader, "batch_size", None)
+    scratch = optimizer if not isinstance(optimizer, str) else create_optimizer(
+        name, model, lr=1e-6, weight_decay=weight_decay, **(optimizer_options or {}))
+    new, dec = choose_batch_size(model, loader, total_steps=total_steps, noise_scale=noise_scale, optimizer=scratch,
+                                 precision=precision, loss_fn=loss_fn, step_fn=step_fn, world_size=world,
+                                 progress=progress)
+    rec.decisions["batch_size"] = dec
+    if new is None or not b0:
+        return
+    rec.batch_size = new
+    kind = name or type(optimizer).__name__
+    if rec.lr is not None:
+        old = rec.lr
+        rec.lr = scale_lr_for_batch(old, new, b0, kind)
+        if rec.min_lr is not None:
+            rec.min_lr = rec.min_lr * rec.lr / old
+        prev = rec.decisions.get("lr")
+        rule = "square root" if rec.lr / old != new / b0 else "linear"
+        rec.decisions["lr"] = Decision(rec.lr, (prev.reason + "; then " if prev is not None else "") +
+                                       f"{old:.3g} scaled to batch {new} by the {rule} rule for {kind} (T17)",
+                                       measured=getattr(prev, "measured", None))
 
 
 def _choose_muon(model, train_loader, *, lr, precision, loss_fn, step_fn, decisions, rec) -> str | None:

@@ -1,0 +1,140 @@
+"""The recipe's batch part (tune/batch_choice.py): predicted time to a target from the noise scale and samples/s."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchspeed.tune.batch import BatchSizeResult, BatchTrial
+from torchspeed.tune.batch_choice import (BATCH_MIN_STEPS, choose_batch_size, pick_batch_size, predicted_time,
+                                          scale_lr_for_batch)
+
+
+def test_predicted_time_follows_the_empirical_model_of_large_batch_training():
+    # samples needed grow as 1 + B/B_noise; at B = B_noise a run needs twice the minimum samples
+    assert predicted_time(100, 100.0, 1.0) == pytest.approx(2.0)
+    assert predicted_time(50, 100.0, 1.0, world_size=2) == pytest.approx(2.0)  # the global batch counts
+
+
+@pytest.mark.parametrize("noise, rates, chosen", [
+    # a GPU-like device: samples/s still grow with the batch, and the noise scale is large: go bigger
+    (1000.0, {32: 100.0, 64: 190.0, 128: 360.0, 256: 400.0}, 128),
+    # a CPU-like device: samples/s flat past 32, noise scale small: a smaller batch is predicted sooner, but the
+    # early noise scale is a lower bound, so only larger batches are taken: the batch stays
+    (20.0, {32: 100.0, 64: 105.0, 128: 108.0}, 64),
+    # within the margin: the loader's own batch stays
+    (173.0, {32: 1283.0, 64: 1428.0, 128: 1511.0}, 64),
+    # not measurable: stays
+    (float("inf"), {32: 100.0, 64: 200.0}, 64),
+])
+def test_pick_batch_size_takes_the_least_predicted_time(noise, rates, chosen):
+    best, rel = pick_batch_size(64, noise, rates)
+    assert best == chosen
+    if rel:
+        assert rel[64] == pytest.approx(1.0) and rel[best] == min(rel.values()) or best == 64
+
+
+def test_a_smaller_batch_is_taken_only_when_asked():
+    best, rel = pick_batch_size(64, 20.0, {32: 100.0, 64: 105.0, 128: 108.0}, smaller=True)
+    assert best == 32 and rel[32] < 0.9
+
+
+def test_pick_batch_size_keeps_the_batch_when_its_rate_is_unknown():
+    assert pick_batch_size(64, 50.0, {32: 100.0, 128: 100.0}) == (64, {})
+
+
+def test_the_lr_follows_the_batch_linearly_for_sgd_and_by_the_square_root_for_adam():
+    assert scale_lr_for_batch(0.1, 128, 64, "sgd") == pytest.approx(0.2)
+    assert scale_lr_for_batch(1e-3, 256, 64, "adamw") == pytest.approx(2e-3)
+    assert scale_lr_for_batch(1e-3, 16, 64, "muon") == pytest.approx(5e-4)
+    with pytest.raises(ValueError, match="positive"):
+        scale_lr_for_batch(0.1, 0, 64, "sgd")
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _loader(n=1024, bs=16):
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 3, (n,), generator=g)
+    x = torch.randn(n, 12, generator=g) + y.view(-1, 1).float()
+    return DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True, generator=torch.Generator().manual_seed(0))
+
+
+def _inject_rates(monkeypatch, rates: dict[int, float], asked: list):
+    import torchspeed.tune.batch as batch_mod
+
+    def fake(model, dataset, *, min_batch, max_batch, **kw):  # injected samples/s: no timing in a test
+        asked.append((min_batch, max_batch))
+        table = tuple(BatchTrial(b, True, r) for b, r in sorted(rates.items()) if min_batch <= b <= max_batch)
+        return BatchSizeResult(largest=max_batch, fastest=min_batch, largest_raw=max_batch, limited_by="max_batch",
+                               table=table, device="cpu", memory_budget=None, margin=0.1)
+
+    monkeypatch.setattr(batch_mod, "find_batch_size", fake)
+
+
+def test_choose_batch_size_measures_half_to_four_times_the_batch_and_picks(monkeypatch):
+    asked: list = []
+    _inject_rates(monkeypatch, {8: 100.0, 16: 190.0, 32: 360.0, 64: 370.0}, asked)
+    new, dec = choose_batch_size(_net(), _loader(), total_steps=BATCH_MIN_STEPS, noise_scale=1000.0)
+    assert asked == [(16, 64)]  # 16 .. 4 x 16, and an epoch of 1024 samples keeps >= 16 steps
+    assert new == 32 and dec.value == 32 and "sooner to a target" in dec.reason
+    assert dec.measured["noise_scale"] == 1000.0 and set(dec.measured["predicted_time"]) == {16, 32, 64}
+
+
+def test_choose_batch_size_keeps_the_batch_of_short_runs_and_of_loaders_it_cannot_rebuild(monkeypatch):
+    asked: list = []
+    _inject_rates(monkeypatch, {8: 100.0, 16: 190.0, 32: 360.0}, asked)
+    new, dec = choose_batch_size(_net(), _loader(), total_steps=BATCH_MIN_STEPS - 1, noise_scale=1000.0)
+    assert new is None and dec.value == 16 and "would not pay back" in dec.reason
+    batches = list(_loader())
+    new, dec = choose_batch_size(_net(), batches, total_steps=10_000, noise_scale=1000.0)
+    assert new is None and "not a torch DataLoader" in dec.reason
+    assert asked == []  # nothing measured for either
+
+
+def test_choose_batch_size_measures_the_noise_scale_when_none_is_given(monkeypatch):
+    asked: list = []
+    _inject_rates(monkeypatch, {8: 100.0, 16: 105.0, 32: 108.0, 64: 110.0}, asked)
+    new, dec = choose_batch_size(_net(), _loader(), total_steps=10_000)
+    ns = dec.measured["noise_scale"]
+    assert ns > 0 and "initial weights" in dec.measured["noise_measured"]
+    assert (new or 16) == pick_batch_size(16, ns, {8: 100.0, 16: 105.0, 32: 108.0, 64: 110.0})[0]
+
+
+def test_fit_rebuilds_the_loader_at_the_recipes_batch_and_scales_the_lr(monkeypatch):
+    """The recipe's batch part in fit: the run trains at the chosen batch (fewer steps per epoch), LR x2."""
+    from torchspeed import fit
+
+    asked: list = []
+    _inject_rates(monkeypatch, {8: 100.0, 16: 190.0, 32: 360.0, 64: 370.0}, asked)
+    import torchspeed.tune.batch_choice as bc
+
+    real = bc.choose_batch_size
+    monkeypatch.setattr(bc, "choose_batch_size", lambda *a, **kw: real(*a, **(kw | {"noise_scale": 1000.0,
+                                                                                      "min_steps": 1})))
+    res = fit(_net(), _loader(), epochs=1, lr=0.05, recipe="auto", recipe_parts=("batch",), progress=False,
+              compile=False, trial=False, precision="fp32")
+    assert res.decisions["batch_size"].value == 32
+    assert res.steps == 1024 // 32  # an epoch at batch 32, not 64 steps at 16
+    assert res.decisions["lr"].value == pytest.approx(0.1) and "linear rule" in res.decisions["lr"].reason
+    given = fit(_net(), _loader(), epochs=1, lr=0.05, batch_size=16, recipe="auto", recipe_parts=("batch",),
+                progress=False, compile=False, trial=False, precision="fp32")
+    assert given.steps == 1024 // 16 and "batch_size" not in given.decisions  # the given batch stands, unmeasured
+
+
+def test_the_lr_trial_reports_the_noise_scale_where_its_run_ended():
+    from torchspeed.tune.lr import find_lr
+    from torchspeed.tune.recipe import refine_onecycle_peak
+
+    model, loader = _net(), _loader()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
+    res = find_lr(model, loader, optimizer=opt, num_steps=30, progress=False, precision="fp32", fallback=False)
+    peak, how, extra = refine_onecycle_peak(model, loader, res, optimizer="sgd", name="sgd", steps=8,
+                                            precision="fp32", noise_batches=4)
+    assert "trial" in extra and extra["noise_scale"] > 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
