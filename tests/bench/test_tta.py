@@ -88,6 +88,12 @@ def test_every_config_reaches_the_target_and_the_json_has_the_issue_schema(tiny)
             assert runs and any(r.val_acc < 0.3 for r in runs)
     assert e["configs"]["auto"]["tuning_time_s"] > 0 == e["configs"]["all"]["tuning_time_s"]
     assert "auto_vs_all" in e and e["auto_vs_all"]["samples"] > 0
+    # final quality at equal length: auto trained for naive's budget on every seed, beside naive's own runs
+    sb, nb = e["auto_at_naive_budget"], e["configs"]["naive"]["budget_steps"]
+    assert sb["budget_steps"] == nb and len(sb["auto"]) == len(sb["naive"]) == 2
+    assert sb["auto"] == [r.val_acc for r in sorted((r for r in res.runs if r.config == "auto" and r.budget == nb),
+                                                     key=lambda r: r.seed)]
+    assert sb["not_worse"] == (sb["auto_mean"] >= sb["naive_mean"])
     # auto trains with its recipe: the range test's LR and label smoothing, chosen per seed
     for s in ("0", "1"):
         rec = res.recipes[s]["recipe"]

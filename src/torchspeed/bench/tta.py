@@ -158,6 +158,13 @@ class _Search:
             self._train(budget, [seed], None, None)
         return self.runs[budget, seed]
 
+    def every_seed(self, budget: int) -> list[TTARun]:
+        """Every seed's run at `budget` (the missing ones trained in one process, none stopped early)."""
+        todo = [s for s in self.seeds if (budget, s) not in self.runs]
+        if todo:
+            self._train(budget, todo, None, None)
+        return [self.runs[budget, s] for s in self.seeds]
+
     def passes(self, budget: int, target: float, metric: str) -> bool:
         order = sorted(self.seeds, key=lambda s: s not in self.missed)
         done = [self.runs[budget, s] for s in order if (budget, s) in self.runs]
@@ -298,6 +305,14 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", targets: tuple[flo
                     hint = _nearest(budgets, found[t]["all"] // 2)
                 found[t][name] = shortest_budget(lambda b, srch=srch, t=t: srch.passes(b, t, metric), budgets,
                                                  start=hint or start)
+        same_budget: dict[float, dict] = {}
+        if "naive" in searches and "auto" in searches:  # final quality at equal length: auto at naive's budget
+            for t in order:
+                b = found[t].get("naive")
+                if b:
+                    say(f"auto at naive's budget of {b} steps")
+                    same_budget[t] = _same_budget(b, searches["naive"].every_seed(b),
+                                                  searches["auto"].every_seed(b), metric)
         ablation_rows: list = []
         if ablation and "auto" in searches and recipes:
             ablation_rows = _ablation(recipes, seed_list, run_seeds, budgets, order[0], metric,
@@ -305,12 +320,26 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", targets: tuple[flo
     tuning = {"auto": [r["tuning_s"] for r in recipes.values()]}
     workload = f"{model} on {data}"
     entries = [_target_entry(workload, t, metric, searches, found[t], batch_size, tuning) for t in targets]
+    for e in entries:
+        if e["target"] in same_budget:
+            e["auto_at_naive_budget"] = same_budget[e["target"]]
     runs = [r for s in searches.values() for r in s.runs.values()]
     meta = provenance() | {"model": model, "data": data, "batch_size": batch_size, "lr_peak": lr,
                            "optimizer": optimizer, "schedule": "onecycle", "budgets": list(budgets),
                            "image_size": image_size, "busy": busy, "metric": metric}
     return TTAResult(targets=entries, runs=runs, recipes={str(k): v for k, v in recipes.items()}, seeds=seed_list,
                      meta=meta, ablation=ablation_rows)
+
+
+def _same_budget(budget: int, naive: list[TTARun], auto: list[TTARun], metric: str) -> dict:
+    """naive and auto trained for the same number of steps (naive's budget to the target), per seed."""
+    key = "val_loss" if metric == "val_loss" else "val_acc"
+    a, n = [getattr(r, key) for r in auto], [getattr(r, key) for r in naive]
+    better = (lambda x, y: x <= y) if metric == "val_loss" else (lambda x, y: x >= y)
+    return {"budget_steps": budget, "metric": key, "auto": a, "naive": n,
+            "auto_mean": statistics.fmean(a), "naive_mean": statistics.fmean(n),
+            "seeds_not_worse": sum(1 for x, y in zip(a, n) if better(x, y)),
+            "not_worse": better(statistics.fmean(a), statistics.fmean(n))}
 
 
 def _nearest(budgets, b: int) -> int:
@@ -384,6 +413,13 @@ def print_tta(console, tta: TTAResult) -> None:
                           f"training time (per seed {iv['low']:.2f}-{iv['high']:.2f}), {av['tuning_included']:.2f}x "
                           "with the recipe's tuning included"
                           + (f"; the tuning pays for itself on runs over {be:.0f} s of all's training" if be else ""))
+        sb = e.get("auto_at_naive_budget")
+        if sb:
+            console.print(f"[bold]auto at naive's budget[/] ({sb['budget_steps']} steps): {sb['metric']} "
+                          + ", ".join(f"{x:.3f}" for x in sb["auto"]) + " against naive's "
+                          + ", ".join(f"{x:.3f}" for x in sb["naive"])
+                          + f" ({'not below' if sb['not_worse'] else 'below'} naive on average; "
+                            f"{sb['seeds_not_worse']}/{len(sb['auto'])} seeds)")
     for row in tta.ablation:
         console.print(f"ablation: auto {row['variant']}: budget {row['budget_steps'] or 'not reached'}"
                       + (f" ({row['steps_vs_auto']:.2f}x auto's steps)" if row.get("steps_vs_auto") else ""))
