@@ -89,6 +89,8 @@ def test_choose_batch_size_keeps_the_batch_of_short_runs_and_of_loaders_it_canno
     _inject_rates(monkeypatch, {8: 100.0, 16: 190.0, 32: 360.0}, asked)
     new, dec = choose_batch_size(_net(), _loader(), total_steps=BATCH_MIN_STEPS - 1, noise_scale=1000.0)
     assert new is None and dec.value == 16 and "would not pay back" in dec.reason
+    new, dec = choose_batch_size(_net(), _loader(), total_steps=None, noise_scale=1000.0)
+    assert new is None and "length is unknown" in dec.reason
     batches = list(_loader())
     new, dec = choose_batch_size(_net(), batches, total_steps=10_000, noise_scale=1000.0)
     assert new is None and "not a torch DataLoader" in dec.reason

@@ -355,7 +355,7 @@ def _ablation(recipes: dict, seeds: list[int], run_seeds, budgets, target: float
     on = list(first.get("on", []))
     rows = []
     for part in PARTS:
-        if part == "muon":  # only for AdamW on matrix-heavy models: nothing to leave out here
+        if part in ("muon", "batch"):  # muon: AdamW on matrix-heavy models only; batch: runs of 300+ steps only
             continue
         kind = "without" if part in on else "with"
         parts = tuple(p for p in on if p != part) if kind == "without" else (*on, part)

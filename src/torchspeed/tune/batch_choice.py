@@ -121,7 +121,10 @@ def choose_batch_size(model: nn.Module, loader, *, total_steps: int | None, nois
     why_not = _rebuildable(loader)
     if why_not:
         return None, Decision(b0, f"kept: {why_not}")
-    if total_steps is not None and total_steps < min_steps:
+    if total_steps is None:
+        return None, Decision(b0, "kept: the run's length is unknown (no len() and no max_steps), so whether "
+                                  "measuring other batch sizes pays back is too")
+    if total_steps < min_steps:
         return None, Decision(b0, f"kept: a run of {total_steps} steps, under {min_steps}, would not pay back "
                                   "measuring other batch sizes")
     where = "after the LR trial"
