@@ -3,7 +3,8 @@
 Every configuration runs in its own process (its own allocator, compile cache and thread
 pool) and trains the same model from the same initial weights on the same batches. They run interleaved (round 1: every config, round 2: every config, ...) after a
 warm-up that is not timed (it includes compilation and the compile="auto" trial), so slow
-drifts of a noisy machine hit all configs alike. After its warm-up each config restarts
+drifts of a noisy machine hit all configs alike; a short pause before each config's turn lets
+the previous config's OpenMP threads stop spinning first. After its warm-up each config restarts
 from the initial weights and optimizer state, so every row trains the same number of steps
 and the loss and accuracy columns compare like with like. A config's throughput is the median over
 rounds; its speed-up is the median of the per-round ratios to `naive`.
@@ -60,6 +61,13 @@ from torchspeed.train.precision import half_precision
 from torchspeed.train.trainer import TrainConfig
 
 __all__ = ["BenchConfig", "BenchRow", "BenchResult", "bench_configs", "run_bench", "provenance", "write_results"]
+
+
+# A pause before each config's timed steps. The previous config's OpenMP threads spin for a few
+# ms after its last step (libgomp's default wait policy) and take the cores from whichever config
+# runs next: without the pause, `all` (which runs right after `hand`) measured 0.97x hand over 8
+# rounds on a 2-core CPU, with it 0.99x (0.95-1.01), and in reverse order 1.06x.
+PAUSE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -326,6 +334,7 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
             task = bar.add_task("measuring (interleaved rounds)", total=rounds * len(procs))
             for k in range(rounds):
                 for p in procs:
+                    time.sleep(PAUSE_S)
                     bar.update(task, description=f"round {k + 1}/{rounds}: {p.cfg.name}")
                     p.times.append(p.send({"op": "steps", "n": steps})["seconds"])
                     bar.advance(task)
