@@ -3,6 +3,7 @@
 from torchspeed.train.autoswitch import decide_switches
 from torchspeed.train.backends import configure_backends, tune_malloc
 from torchspeed.train.callbacks import EMA, Callback, EarlyStopping
+from torchspeed.train.batch_ramp import BatchRamp, BatchRampLR
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.compile import CompileDecision, compile_model
 from torchspeed.train.checkpoint import (CheckpointError, CheckpointManager, CheckpointMismatchError,
@@ -36,7 +37,7 @@ __all__ = [
     "Precision", "make_grad_scaler", "resolve_precision",
     "SCHEDULES", "create_scheduler", "scale_lr", "backward", "optimizer_step", "FitResult", "Trainer",
     "TrainConfig", "Prefetcher", "loader_kwargs", "to_device",
-    "Callback", "EarlyStopping", "EMA", "TensorBoardLogger",
+    "Callback", "EarlyStopping", "EMA", "BatchRamp", "BatchRampLR", "TensorBoardLogger",
     "init_distributed", "wrap_ddp", "distributed_loader", "reduce_metrics", "is_rank_zero", "unwrap_model",
     "Decision", "TrialCache", "decide_switches", "Switches", "SwitchTrial", "candidate_grid", "tune_malloc",
 ]

@@ -22,7 +22,8 @@ as they were, and reports B_simple with the critical batch size it implies.
 
 During training, `fit(noise_scale_every=N)` does the same on the current batch every N
 optimizer steps (two half-batch backward passes: about one extra step per N) and logs the
-running estimate as `noise_scale` in each epoch's row.
+running estimate as `noise_scale` in each epoch's row. `BatchRamp.from_noise_scale`
+(`train/batch_ramp.py`) turns a measured value into a batch-size warm-up.
 
 Example:
     >>> res = measure_noise_scale(model, loader, batches=8)
@@ -174,7 +175,10 @@ def _suggest(value: float, size: int) -> str:
     crit = round(value)
     if size < crit / 2:
         return (f"critical batch size ~{crit}: batches up to about {crit} samples still cut the steps nearly "
-                f"in proportion; a batch-size warm-up from {size} toward {crit} as training goes on saves steps")
+                f"in proportion; a batch-size warm-up from {size} toward {crit} as training goes on saves steps "
+                f"where larger batches cost little more time per step (a GPU): "
+                f"DataLoader(ds, batch_sampler=BatchRamp.from_noise_scale(RandomSampler(ds), {value:.0f}, "
+                f"start={size}, max_batch=..., ramp_samples=...)), torchspeed.train.batch_ramp")
     if size > 2 * crit:
         return (f"critical batch size ~{crit}: batches of {size} spend samples for little gain per step now; "
                 f"{crit}-{2 * crit} trains as fast per sample (the noise scale grows as the loss falls)")

@@ -195,7 +195,8 @@ def loader_length(loader: Iterable, *, max_steps: int | None = None) -> int | No
 
 
 def set_epoch(loader, epoch: int) -> None:
-    """Tell the loader's sampler (DistributedSampler, ResumableSampler) which epoch starts."""
-    sampler = getattr(loader, "sampler", None)
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(epoch)
+    """Tell the loader's sampler (DistributedSampler, ResumableSampler) and batch sampler (BatchRamp)
+    which epoch starts."""
+    for sampler in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)

@@ -2,7 +2,7 @@
 
 Each technique lives in its own module as a public function or class: precision T21
 (precision.py), channels_last T23 (memory_format.py), backends T22 (backends.py),
-optimizers T18/T26 (optim.py), schedules T14/T16/T17 (schedule.py), accumulation and
+optimizers T18/T26 (optim.py), schedules T14/T16/T17 (schedule.py), batch warm-up T17 (batch_ramp.py), accumulation and
 clipping T19/T20 (step.py), transfer and prefetch T07 (transfer.py), device-side metrics
 T13 (metrics.py), compile T25 (compile.py), validation T28/T33 (evaluate.py), the NaN/OOM
 guards (guard.py), exact resume (checkpoint.py, sampler.py, dcp.py), DDP and FSDP2 T31
@@ -58,6 +58,7 @@ from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
 from torchspeed.train.shard import shard_loader
 from torchspeed.train.schedule import create_scheduler, steps_in_run
+from torchspeed.train.batch_ramp import BatchRamp, BatchRampLR, lr_rule
 from torchspeed.train.segment import BestEpoch, extend_schedule, group_settings
 from torchspeed.train.step import AccumulationWindow
 from torchspeed.train.transfer import Prefetcher, to_device
@@ -173,6 +174,7 @@ class Trainer(MeasuredSwitches):
         self.resumed_from: Path | None = None
         self.position = DataPosition(keep_rng=self.checkpoints is not None)
         self._steps_per_epoch: int | None = None
+        self._ramp: BatchRamp | None = None
         self._history: list[dict] = []
         self.best = BestEpoch(cfg.best_metric, self.checkpoints.best_path if self.checkpoints else None)
         # Every callback and logger behind one object: the loop calls each event in one line.
@@ -269,14 +271,16 @@ class Trainer(MeasuredSwitches):
         if self.dist is not None:  # T31: each rank trains on its own shard (DistributedSampler)
             train_loader = shard_loader(train_loader, seed=cfg.seed or 0)
         steps_per_epoch = loader_length(train_loader, max_steps=cfg.max_steps)
-        if self.scheduler is None:
-            self.setup_schedule(steps_per_epoch, epochs)
+        self._ramp = ramp = self._batch_ramp(train_loader)  # T17: batches growing over the run
+        if self.scheduler is None:  # a ramp's epochs differ in length: the schedule spans its true count
+            self.setup_schedule(*((ramp.batches_in(epochs), 1) if ramp else (steps_per_epoch, epochs)))
         self._steps_per_epoch = steps_per_epoch
-        start_epoch, start_batch = self._resume(steps_per_epoch) if cfg.resume else (0, 0)
+        start_epoch, start_batch = (self._resume(None if ramp else steps_per_epoch) if cfg.resume else (0, 0))
         self.prepare(train_loader, remaining_steps=None if self.total_steps is None
                      else (self.total_steps - self.step) * cfg.grad_accum)
         self.compiler.plan((self.total_steps - self.step) * cfg.grad_accum)  # short runs are not compiled
-        total = (steps_per_epoch * (epochs - start_epoch) - start_batch if steps_per_epoch
+        total = (ramp.batches_in(epochs - start_epoch, first_epoch=start_epoch) - start_batch if ramp
+                 else steps_per_epoch * (epochs - start_epoch) - start_batch if steps_per_epoch
                  else (self.total_steps - self.step) * cfg.grad_accum)
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
         self.best.active = cfg.restore_best is True or (cfg.restore_best == "auto" and val_loader is not None)
@@ -296,11 +300,25 @@ class Trainer(MeasuredSwitches):
         return FitResult(history=self._history, config=asdict(cfg), decisions=dict(self.decisions), steps=self.step,
                          skipped_steps=int(self.skipped.item()))
 
+    def _batch_ramp(self, train_loader: Iterable) -> BatchRamp | None:
+        """The loader's BatchRamp, if it has one; its LR scaling joins the callbacks (once)."""
+        ramp = getattr(train_loader, "batch_sampler", None)
+        if not isinstance(ramp, BatchRamp):
+            return None
+        if not any(isinstance(cb, BatchRampLR) for cb in self.callbacks):
+            self.callbacks.callbacks.append(BatchRampLR(ramp))
+        self.decisions["batch_ramp"] = Decision(
+            f"{ramp.start}->{ramp.end}", f"the loader's BatchRamp over {ramp.ramp_samples:,} samples; the LR "
+            f"scales with the batch ({lr_rule(self.optimizer)} rule, the LR set is the one for {ramp.end})")
+        return ramp
+
     def _train_epoch(self, train_loader: Iterable, epoch: int, skip: int, progress: TrainProgress) -> bool:
         """One pass over the loader (or until max_steps); returns True when max_steps was reached."""
         cfg = self.config
         self.position.start_epoch(epoch, skip)
         set_epoch(train_loader, epoch)
+        if self._ramp is not None:
+            self._steps_per_epoch = len(self._ramp.sizes(epoch))
         self.model.train()
         if not skip:
             self.meter.reset()  # else: the sums restored from the checkpoint
