@@ -260,3 +260,21 @@ def test_decisions_dump_to_json_as_they_are():
     assert json.loads(json.dumps({"precision": d})) == {"precision": {"value": "bf16", "reason": "measured",
                                                                       "measured": {"x": 1.0}}}
     assert d.value == "bf16" and str(d) == "bf16 (measured)" and Decision(True, "r").measured is None
+
+
+def test_a_trial_measured_under_other_kernels_is_not_reused(tiny_cnn, tmp_path, monkeypatch):
+    """ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA change which kernels run (bf16 measured 12x slower with AVX2
+    kernels on a bf16 CPU): the cache key holds them, so a run under other kernels measures afresh."""
+    from torchspeed.train import autoswitch
+
+    cache = TrialCache(path=tmp_path / "trials.json")
+    fake = _fake({"fp32": 1.0, "bf16": 0.5})
+    kw = dict(device=torch.device("cpu"), caps=BF16_CPU, channels_last=False, fused=False, trial=True, cache=cache)
+    monkeypatch.setattr(autoswitch, "kernel_isa", lambda: {"aten": "AVX512", "onednn": None})
+    monkeypatch.setattr(SwitchTrial, "_measure", lambda self, s: fake(s))
+    _, d1 = decide_switches(tiny_cnn(), None, _loader(), **kw)
+    _, d2 = decide_switches(tiny_cnn(), None, _loader(), **kw)
+    assert d1["switch_trial"].value == "measured" and d2["switch_trial"].value == "cached"
+    monkeypatch.setattr(autoswitch, "kernel_isa", lambda: {"aten": "AVX2", "onednn": "AVX2"})
+    _, d3 = decide_switches(tiny_cnn(), None, _loader(), **kw)
+    assert d3["switch_trial"].value == "measured"

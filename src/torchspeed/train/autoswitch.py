@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -38,6 +39,13 @@ __all__ = ["decide_switches", "rule_choice", "first_batches", "TRIAL_SETTINGS", 
 
 TRIAL_SETTINGS = {"rounds": 3, "steps": 3, "warmup": 2}
 
+
+
+def kernel_isa() -> dict:
+    """The instruction sets torch's kernels run with here: ATen's dispatch level (ATEN_CPU_CAPABILITY can lower
+    it) and oneDNN's cap. A trial measured under other kernels is not reused."""
+    return {"aten": torch.backends.cpu.get_cpu_capability(),
+            "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")}
 
 def _generators(loader) -> list[torch.Generator]:
     found = []
@@ -143,7 +151,7 @@ def decide_switches(model: nn.Module, optimizer: torch.optim.Optimizer | None, l
                           "optimizer": type(optimizer).__name__, "caps": caps, "cpu": info.cpu_model,
                           "device": info.device_name if device.type != "cpu" else "cpu", "torch": torch.__version__,
                           "grid": [s.label() for s in grid], "fused_choice": fused_choice, "threads": threads,
-                          "loss": getattr(loss_fn, "__class__", type(None)).__name__})
+                          "loss": getattr(loss_fn, "__class__", type(None)).__name__, "kernels": kernel_isa()})
     hit = cache.get(key) if measure_fn is None else None
     if hit is not None:
         sw = Switches(**hit["switches"])
