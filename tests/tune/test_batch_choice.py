@@ -140,3 +140,23 @@ def test_the_lr_trial_reports_the_noise_scale_where_its_run_ended():
     assert "trial" in extra and extra["noise_scale"] > 0
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_a_larger_batch_reconsiders_the_ema_for_the_shorter_run(monkeypatch):
+    """The EMA's span follows the run length in steps, which the batch part changes (x2 batch: half the steps)."""
+    import torchspeed.tune.batch_choice as bc
+    from torchspeed.train.decision import Decision
+    from torchspeed.tune import recipe as rp
+
+    monkeypatch.setattr(bc, "choose_batch_size", lambda *a, **kw: (128, Decision(128, "injected")))
+    for total, on in ((8000, True), (2400, False)):
+        rec = rp.Recipe(lr=0.1, parts=("ema", "batch"))
+        rp._choose_ema(rec, total)
+        assert rec.ema_decay is not None  # both runs are long enough at the loader's batch
+        rp._choose_batch(_net(), _loader(bs=64), rec, optimizer="sgd", name="sgd", weight_decay=None,
+                         optimizer_options=None, precision="fp32", loss_fn=None, step_fn=None, total_steps=total,
+                         noise_scale=1000.0, progress=False)
+        assert rec.batch_size == 128 and f"{total // 2} steps at batch 128" in rec.decisions["ema"].reason
+        assert (rec.ema_decay is not None) is on
+        if on:
+            assert rec.ema_decay == pytest.approx(round(1 - 20 / (total // 2), 6))

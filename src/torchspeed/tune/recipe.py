@@ -196,13 +196,7 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
                                                "tenth (T47)" if n_bn else "no BatchNorm layer")
 
     if "ema" in parts:
-        if total_steps and total_steps >= EMA_MIN_STEPS:
-            rec.ema_decay = round(min(0.9999, max(0.99, 1 - 20 / total_steps)), 6)
-            d["ema"] = Decision(rec.ema_decay, f"a run of {total_steps} steps: the average spans about its last "
-                                               "twentieth (T40)")
-        else:
-            d["ema"] = Decision(None, f"run of {total_steps or 'unknown'} steps, under {EMA_MIN_STEPS}: an "
-                                      "average of so few steps gained nothing measured (docs/recipe.md)")
+        _choose_ema(rec, total_steps)
 
     opt_name = optimizer if isinstance(optimizer, str) else None
     lr_loss = loss_fn  # the tuners train on the loss the run trains on
@@ -352,6 +346,18 @@ def _lr_trial(model, loader, peaks, *, optimizer, name, weight_decay, optimizer_
     return table
 
 
+def _choose_ema(rec: Recipe, total_steps: int | None, why: str = "") -> None:
+    """The EMA part (T40): on for runs of EMA_MIN_STEPS+ steps, its average spanning about the last twentieth."""
+    if total_steps and total_steps >= EMA_MIN_STEPS:
+        rec.ema_decay = round(min(0.9999, max(0.99, 1 - 20 / total_steps)), 6)
+        rec.decisions["ema"] = Decision(rec.ema_decay, f"a run of {total_steps} steps{why}: the average spans "
+                                                       "about its last twentieth (T40)")
+    else:
+        rec.ema_decay = None
+        rec.decisions["ema"] = Decision(None, f"run of {total_steps or 'unknown'} steps{why}, under {EMA_MIN_STEPS}: "
+                                              "an average of so few steps gained nothing measured (docs/recipe.md)")
+
+
 def _choose_batch(model, loader, rec: Recipe, *, optimizer, name, weight_decay, optimizer_options, precision,
                   loss_fn, step_fn, total_steps, noise_scale, progress) -> None:
     """The batch part (T17, tune/batch_choice.py): the batch with the least predicted time to a target, the LR
@@ -372,6 +378,8 @@ def _choose_batch(model, loader, rec: Recipe, *, optimizer, name, weight_decay, 
     if new is None or not b0:
         return
     rec.batch_size = new
+    if "ema" in rec.parts and total_steps:  # the run is shorter in steps at the larger batch
+        _choose_ema(rec, max(1, total_steps * b0 // new), f" at batch {new}")
     kind = name or type(optimizer).__name__
     if rec.lr is not None:
         old = rec.lr
