@@ -46,9 +46,11 @@ def test_torchrun_command_shapes(tmp_path, monkeypatch):
     for name in ("train.py", "t.py"):
         (tmp_path / name).write_text("")
     argv = torchrun_command(["python", "train.py", "--lr", "0.1"], nproc=4)
-    assert argv[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone", "train.py",
-                        "--lr", "0.1"]
-    assert torchrun_command(["python", "-m", "pkg.train"], nproc=2)[-2:] == ["-m", "pkg.train"]
+    # a python command's script runs through the rank entry (unchanged, then a clean exit: cli/_rank.py)
+    assert argv[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+                        "-m", "torchspeed.cli._rank", "train.py", "--lr", "0.1"]
+    assert torchrun_command(["python", "-m", "pkg.train"], nproc=2)[-4:] == ["-m", "torchspeed.cli._rank", "-m",
+                                                                             "pkg.train"]
     # torchspeed itself runs on launch's interpreter (no bin/ on PATH needed); other executables as they are
     assert torchrun_command(["torchspeed", "bench"], nproc=2)[-3:] == ["-m", "torchspeed", "bench"]
     assert torchrun_command(["mytool", "--x"], nproc=2)[-3:] == ["--no-python", "mytool", "--x"]
@@ -108,3 +110,42 @@ def test_launch_runs_an_fsdp2_script_with_dcp_checkpoints_and_export(tmp_path):
     weights = torch.load(tmp_path / "model.pt", weights_only=True)
     assert set(weights) == {"0.weight", "0.bias", "1.0.weight", "1.0.bias", "2.0.weight", "2.0.bias",
                             "3.weight", "3.bias"}
+
+
+def _rank(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "torchspeed.cli._rank", *args], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+
+
+def test_the_rank_entry_runs_a_script_as_python_would_and_keeps_its_exit_status(tmp_path):
+    """`python -m torchspeed.cli._rank script ARGS` == `python script ARGS`: __main__, argv, sys.path[0], atexit,
+    the exit status (ended through exit_process, so the teardown that aborts gloo ranks is skipped)."""
+    sub = tmp_path / "proj"
+    sub.mkdir()
+    (sub / "helper.py").write_text("VALUE = 41\n")
+    (sub / "train.py").write_text(
+        "import atexit, sys\nimport helper\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "if __name__ == '__main__':\n"
+        "    print('main', sys.argv, helper.VALUE + 1)\n"
+        "    sys.exit(int(sys.argv[1]))\n")
+    ok = _rank(tmp_path, "proj/train.py", "0", "--lr", "0.1")
+    assert ok.returncode == 0, ok.stderr
+    assert "main ['proj/train.py', '0', '--lr', '0.1'] 42" in ok.stdout and "atexit ran" in ok.stdout
+    assert _rank(tmp_path, "proj/train.py", "3").returncode == 3
+    (sub / "boom.py").write_text("raise RuntimeError('the script failed')\n")
+    bad = _rank(tmp_path, "proj/boom.py")
+    assert bad.returncode == 1 and "RuntimeError: the script failed" in bad.stderr and "Traceback" in bad.stderr
+    (sub / "msg.py").write_text("import sys\nsys.exit('stopped: bad config')\n")
+    msg = _rank(tmp_path, "proj/msg.py")
+    assert msg.returncode == 1 and "stopped: bad config" in msg.stderr
+
+
+def test_the_rank_entry_runs_a_module(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text("import sys\nif __name__ == '__main__':\n    print('module', sys.argv[1:])\n")
+    out = _rank(tmp_path, "-m", "mypkg.train", "--x", "1")
+    assert out.returncode == 0 and "module ['--x', '1']" in out.stdout, out.stderr
+    assert _rank(tmp_path).returncode == 2

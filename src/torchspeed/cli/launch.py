@@ -1,7 +1,9 @@
 """`torchspeed launch --nproc N -- CMD...`: start N training processes with torchrun (T31).
 
 A thin wrapper over PyTorch's own launcher (`python -m torch.distributed.run`): it turns
-`python script.py ARGS` into `torchrun ... script.py ARGS`, `torchspeed ARGS` into
+`python script.py ARGS` into `torchrun ... -m torchspeed.cli._rank script.py ARGS` (the
+script unchanged, each rank then ended without the interpreter teardown that can abort a
+finished DDP rank: `cli/_rank.py`), `torchspeed ARGS` into
 `torchrun ... -m torchspeed ARGS` (the same interpreter and install as `launch` itself), and
 any other command into `torchrun --no-python CMD`, passes the multi-node flags through, and
 picks a sensible per-process thread count on CPU. Inside each process `fit` finds the
@@ -28,6 +30,8 @@ from torchspeed.cli.main import CLIError
 from torchspeed.env import usable_cores
 
 __all__ = ["register", "run", "torchrun_command"]
+
+RANK_ENTRY = "torchspeed.cli._rank"  # runs a `python` command's script or module, then exits cleanly
 
 
 def register(sub) -> None:
@@ -91,15 +95,16 @@ def torchrun_command(cmd: list[str], *, nproc: str | int, nnodes: str = "1", nod
         rest = cmd[1:]
         if not rest:
             raise CLIError("`python` needs a script or `-m module` to run")
+        # every rank runs the script through cli/_rank.py: unchanged, then ended by exit_process
         if rest[0] == "-m" and len(rest) >= 2:
-            argv += ["-m", *rest[1:]]
+            argv += ["-m", RANK_ENTRY, "-m", *rest[1:]]
         elif rest[0].startswith("-"):
             raise CLIError(f"cannot pass the python option {rest[0]!r} through torchrun; "
                            "launch `python script.py ...` or `python -m module ...`")
         else:
             if not os.path.isfile(rest[0]):
                 raise CLIError(f"no such script: {rest[0]} (the command after `--` is run in every process)")
-            argv += rest
+            argv += ["-m", RANK_ENTRY, *rest]
     elif cmd[0] == "torchspeed":
         # `torchspeed train ...`: this interpreter's torchspeed, found without the environment's bin/ on PATH
         argv += ["-m", "torchspeed", *cmd[1:]]
