@@ -40,12 +40,12 @@ __all__ = ["decide_switches", "rule_choice", "first_batches", "TRIAL_SETTINGS", 
 TRIAL_SETTINGS = {"rounds": 3, "steps": 3, "warmup": 2}
 
 
-
 def kernel_isa() -> dict:
     """The instruction sets torch's kernels run with here: ATen's dispatch level (ATEN_CPU_CAPABILITY can lower
     it) and oneDNN's cap. A trial measured under other kernels is not reused."""
     return {"aten": torch.backends.cpu.get_cpu_capability(),
             "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")}
+
 
 def _generators(loader) -> list[torch.Generator]:
     found = []

@@ -17,7 +17,7 @@ prints one, with the line to use).
 
 The LR follows the batch: `ramp.lr_factor(step, rule)` is the factor for the batch of `step`,
 relative to the LR you set for `end` (the linear rule for SGD, the square root for the Adam
-family, as in `torchspeed.tune.batch_choice`). `BatchRampLR` applies it after each step on top
+family: `schedule.lr_rule`, as the recipe's batch part uses). `BatchRampLR` applies it after each step on top
 of any schedule; `torchspeed.fit` adds it by itself when the loader's batch sampler is a
 `BatchRamp`, and makes the schedule span the ramp's true number of steps.
 
@@ -38,19 +38,12 @@ import itertools
 import math
 from collections.abc import Iterator, Sized
 
-import torch
 from torch.utils.data import Sampler
 
 from torchspeed.train.callbacks import Callback
+from torchspeed.train.schedule import batch_lr_factor, lr_rule
 
 __all__ = ["BatchRamp", "BatchRampLR", "lr_rule"]
-
-
-def lr_rule(optimizer: torch.optim.Optimizer | str | None) -> str:
-    """"sqrt" for the Adam family (an optimizer with betas, or its name), else "linear" (SGD, LARS)."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return "sqrt" if "betas" in optimizer.defaults else "linear"
-    return "sqrt" if (optimizer or "").lower() in ("adam", "adamw", "lamb", "muon", "nadam", "radam") else "linear"
 
 
 class BatchRamp(Sampler[list[int]]):
@@ -119,10 +112,7 @@ class BatchRamp(Sampler[list[int]]):
 
     def lr_factor(self, index: int, rule: str = "linear") -> float:
         """The LR factor for the `index`-th batch, relative to the LR for `end` ("linear" or "sqrt")."""
-        if rule not in ("linear", "sqrt"):
-            raise ValueError(f"rule must be 'linear' or 'sqrt', got {rule!r}")
-        ratio = self.size_of_batch(index) / self.end
-        return math.sqrt(ratio) if rule == "sqrt" else ratio
+        return batch_lr_factor(self.size_of_batch(index), self.end, rule)
 
     # ------------------------------------------------------------------ the Sampler protocol
     def set_epoch(self, epoch: int) -> None:

@@ -7,6 +7,9 @@
 - cyclic (T14): triangular cycles between `min_lr` and `max_lr`.
 - warmup + cosine (T16): linear warm-up, then cosine decay to `min_lr`.
 - `scale_lr` (T17): the linear scaling rule lr = base_lr x world_size x batch / base_batch.
+- `scale_lr_for_batch` (T17): the LR for another batch by the optimizer's rule (`lr_rule`):
+  linear for SGD and LARS, the square root for the Adam family; the recipe's batch part and the
+  batch-size warm-up (`batch_ramp.py`) both use it.
 
 Every scheduler here is stepped once per optimizer step (not per epoch).
 
@@ -20,9 +23,11 @@ import math
 
 import torch
 
-__all__ = ["SCHEDULES", "create_scheduler", "scale_lr", "warmup_cosine_factor", "steps_in_run"]
+__all__ = ["SCHEDULES", "create_scheduler", "scale_lr", "warmup_cosine_factor", "steps_in_run", "SQRT_RULE",
+           "lr_rule", "batch_lr_factor", "scale_lr_for_batch"]
 
 SCHEDULES = ("onecycle", "cyclic", "cosine", "constant")
+SQRT_RULE = ("adam", "adamw", "lamb", "muon", "nadam", "radam")  # optimizers whose LR follows the batch's square root
 
 
 def steps_in_run(steps_per_epoch: int | None, epochs: int, *, grad_accum: int = 1,
@@ -38,6 +43,28 @@ def scale_lr(base_lr: float, batch: int, base_batch: int, world_size: int = 1) -
     if batch <= 0 or base_batch <= 0 or world_size <= 0:
         raise ValueError("batch, base_batch and world_size must be positive")
     return base_lr * world_size * batch / base_batch
+
+
+def lr_rule(optimizer: torch.optim.Optimizer | str | None) -> str:
+    """"sqrt" for the Adam family (an optimizer with betas, or its name in SQRT_RULE), else "linear" (SGD, LARS)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return "sqrt" if "betas" in optimizer.defaults else "linear"
+    return "sqrt" if (optimizer or "").lower() in SQRT_RULE else "linear"
+
+
+def batch_lr_factor(batch: int, ref_batch: int, rule: str = "linear") -> float:
+    """The LR factor for `batch` relative to the LR for `ref_batch`, by `rule` ("linear" or "sqrt")."""
+    if rule not in ("linear", "sqrt"):
+        raise ValueError(f"rule must be 'linear' or 'sqrt', got {rule!r}")
+    if batch <= 0 or ref_batch <= 0:
+        raise ValueError(f"batch sizes must be positive, got {batch} and {ref_batch}")
+    ratio = batch / ref_batch
+    return math.sqrt(ratio) if rule == "sqrt" else ratio
+
+
+def scale_lr_for_batch(lr: float, batch: int, old_batch: int, optimizer: torch.optim.Optimizer | str | None) -> float:
+    """The LR for `batch` when `lr` suited `old_batch`: the square root rule for Adam-family optimizers, else linear."""
+    return lr * batch_lr_factor(batch, old_batch, lr_rule(optimizer))
 
 
 def warmup_cosine_factor(step: int, *, total_steps: int, warmup_steps: int, min_factor: float = 0.0) -> float:

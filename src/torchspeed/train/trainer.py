@@ -57,8 +57,8 @@ from torchspeed.train.progress import TrainProgress, decisions_header
 from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_rng_state, seed_everything
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
 from torchspeed.train.shard import shard_loader
-from torchspeed.train.schedule import create_scheduler, steps_in_run
-from torchspeed.train.batch_ramp import BatchRamp, BatchRampLR, lr_rule
+from torchspeed.train.schedule import create_scheduler, lr_rule, steps_in_run
+from torchspeed.train.batch_ramp import BatchRamp, BatchRampLR
 from torchspeed.train.segment import BestEpoch, extend_schedule, group_settings
 from torchspeed.train.step import AccumulationWindow
 from torchspeed.train.transfer import Prefetcher, to_device

@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from torchspeed.train.decision import Decision
+from torchspeed.train.schedule import scale_lr_for_batch  # the LR rule's one home (re-exported here)
 
 __all__ = ["BATCH_MIN_STEPS", "BATCH_MARGIN", "predicted_time", "pick_batch_size", "choose_batch_size",
            "scale_lr_for_batch"]
@@ -47,7 +48,6 @@ __all__ = ["BATCH_MIN_STEPS", "BATCH_MARGIN", "predicted_time", "pick_batch_size
 BATCH_MIN_STEPS = 300   # shorter runs keep the loader's batch: the measurement costs a few seconds
 BATCH_MARGIN = 0.10     # another batch must be predicted at least this much sooner to the target
 BATCH_FACTORS = (1, 2, 4)  # the batches measured, as multiples of the loader's own (only larger ones are taken)
-SQRT_RULE = ("adam", "adamw", "lamb", "muon")  # optimizers whose LR follows the square root of the batch
 
 
 def predicted_time(batch: int, noise_scale: float, samples_per_s: float, *, world_size: int = 1) -> float:
@@ -72,14 +72,6 @@ def pick_batch_size(current: int, noise_scale: float, rates: Mapping[int, float]
     if best != current and rel[best] <= 1.0 - margin:
         return best, rel
     return current, rel
-
-
-def scale_lr_for_batch(lr: float, batch: int, old_batch: int, optimizer: str | None) -> float:
-    """The LR for `batch` when `lr` suited `old_batch`: the square root rule for Adam-family optimizers, else linear."""
-    if batch <= 0 or old_batch <= 0:
-        raise ValueError(f"batch sizes must be positive, got {batch} and {old_batch}")
-    ratio = batch / old_batch
-    return lr * (math.sqrt(ratio) if (optimizer or "").lower() in SQRT_RULE else ratio)
 
 
 def _rebuildable(loader) -> str | None:
