@@ -1,10 +1,8 @@
-"""Every automatic switch measured on the user's model (train/switches.py, train/autoswitch.py).
+"""Every automatic switch measured on the run's own first steps (train/switches.py, train/autoswitch.py).
 
 The decisions are tested with injected device capabilities and injected measurements: nothing
 here depends on this machine's CPU, its load or the wall clock.
 """
-
-import copy
 
 import pytest
 import torch
@@ -12,10 +10,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
 from torchspeed.env import DeviceCaps
-from torchspeed.train.autoswitch import decide_switches, first_batches
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.precision import resolve_precision
-from torchspeed.train.switches import Switches, SwitchTrial, candidate_grid, choose, numerics_ok
+from torchspeed.train.switches import Switches, candidate_grid, choose, numerics_ok
 
 AVX2 = DeviceCaps("cpu", cpu_bf16=False, cores=2)
 BF16_CPU = DeviceCaps("cpu", cpu_bf16=True, cores=2)
@@ -27,17 +24,6 @@ def _loader(n=64, batch=16, size=8, classes=4):
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(n, 3, size, size, generator=g), torch.randint(0, classes, (n,), generator=g)
     return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(1))
-
-
-def _fake(seconds: dict[str, float], losses: dict[str, float] | None = None):
-    """A measure_fn: fixed seconds per step (and first-step loss) per candidate label; records the calls."""
-    calls = []
-
-    def measure(s: Switches):
-        calls.append(s.label())
-        return seconds[s.label()], (losses or {}).get(s.precision, 1.0)
-    measure.calls = calls
-    return measure
 
 
 def test_candidates_are_a_pure_function_of_the_capabilities():
@@ -76,78 +62,118 @@ def test_numerics_guard():
     assert not numerics_ok(2.30, float("nan"), tol=0.05)
 
 
+def _trainer(model, caps, *, seconds=None, optimizer=None, lr=0.05, **cfg):
+    """A Trainer with injected capabilities and, when `seconds` is given, injected step times per candidate label."""
+    from torchspeed.train.trainer import Trainer, TrainConfig
+
+    kw = dict(epochs=1, progress=False, compile=False, trial=True, fused_optimizer=False) | cfg
+    t = Trainer(model, optimizer=optimizer if optimizer is not None else "sgd", lr=lr, config=TrainConfig(**kw),
+                caps=caps)
+    if seconds is not None:
+        calls = []
+        def measure(s, sec):  # labels without "+foreach" stand for the foreach kernel the trainer built
+            calls.append(s.label())
+            return seconds[s.label()] if s.label() in seconds else seconds[s.label().replace("+foreach", "")]
+        t.switch_measure_fn = measure
+        t.calls = calls
+    return t
+
+
 def test_bf16_cpu_where_bf16_loses_keeps_fp32(tiny_cnn):
-    model = tiny_cnn()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
-    fake = _fake({"fp32+fused": 1.0, "fp32+channels_last+fused": 0.9, "bf16+fused": 1.1,
-                  "bf16+channels_last+fused": 1.4, "fp32+channels_last+foreach": 0.95})
-    sw, d = decide_switches(model, opt, _loader(), device=torch.device("cpu"), caps=BF16_CPU, measure_fn=fake)
-    assert sw == Switches("fp32", True, True)
+    seconds = {"fp32+fused": 1.0, "fp32+channels_last+fused": 0.9, "bf16+fused": 1.1,
+               "bf16+channels_last+fused": 1.4, "fp32+channels_last+foreach": 0.95}
+    t = _trainer(tiny_cnn(), BF16_CPU, seconds=seconds, fused_optimizer="auto")
+    res = t.fit(_loader(n=16 * 200))  # long enough for the full trial
+    d = res.decisions
+    assert t.switches() == Switches("fp32", True, True, t.switches().threads)
     assert isinstance(d["precision"], Decision) and d["precision"].value == "fp32"
     assert d["channels_last"].value is True and d["fused_optimizer"].value is True
     assert d["switch_trial"].value == "measured" and d["switch_trial"].measured["stages"][0]["chosen"] == \
         "fp32+channels_last+fused"
     from torchspeed.train.autoswitch import TRIAL_SETTINGS
-    assert fake.calls.count("bf16+channels_last+fused") == TRIAL_SETTINGS["rounds"]  # interleaved rounds
+    per = TRIAL_SETTINGS["warmup"] + TRIAL_SETTINGS["rounds"] * TRIAL_SETTINGS["steps"]
+    assert t.calls.count("bf16+channels_last+fused") == per  # warm-up, then interleaved rounds of timed steps
+    assert t.calls.index("bf16+fused") < t.calls.index("fp32+channels_last+fused", 4)  # interleaved, not in blocks
 
 
-def test_a_half_precision_that_moves_the_loss_is_not_taken(tiny_cnn):
-    fake = _fake({"fp32": 1.0, "fp32+channels_last": 1.0, "bf16": 0.5, "bf16+channels_last": 0.5},
-                 losses={"fp32": 2.3, "bf16": 2.9})
-    sw, d = decide_switches(tiny_cnn(), None, _loader(), device=torch.device("cpu"), caps=BF16_CPU,
-                            fused=False, measure_fn=fake)
-    assert sw.precision == "fp32" and "bf16" in d["switch_trial"].measured["rejected"]
+def test_a_half_precision_that_moves_the_loss_is_not_taken(tiny_cnn, monkeypatch):
+    from torchspeed.train.trainer import Trainer
+
+    monkeypatch.setattr(Trainer, "_numerics_losses", lambda self, batch: {"fp32": 2.3, "bf16": 2.9})
+    t = _trainer(tiny_cnn(), BF16_CPU, seconds={"fp32": 1.0, "fp32+channels_last": 1.0, "bf16": 0.5,
+                                                "bf16+channels_last": 0.5})
+    res = t.fit(_loader(n=320))
+    assert res.decisions["precision"].value == "fp32" and "bf16+foreach" in res.decisions["switch_trial"].measured["rejected"]
 
 
 def test_cuda_sm80_device_decision_is_measured_too(tiny_cnn):
-    fake = _fake({"fp32": 2.0, "bf16": 1.0})
-    sw, d = decide_switches(tiny_cnn(), None, _loader(), device=torch.device("cpu"), caps=SM80,
-                            channels_last=False, fused=False, measure_fn=fake)
-    assert sw.precision == "bf16" and "2.00x" in d["precision"].reason
+    t = _trainer(tiny_cnn(), SM80, seconds={"fp32": 2.0, "bf16": 1.0}, channels_last=False)
+    t.device = torch.device("cpu")  # the decision is a function of the injected capabilities; the steps run here
+    res = t.fit(_loader(n=320))
+    assert res.decisions["precision"].value == "bf16" and "2.00x" in res.decisions["precision"].reason
 
 
-def test_short_runs_keep_the_rules_and_say_so(tiny_cnn):
-    fake = _fake({})
-    sw, d = decide_switches(tiny_cnn(), None, _loader(), device=torch.device("cpu"), caps=BF16_CPU, fused=False,
-                            remaining_steps=20, measure_fn=fake)
-    assert sw == Switches("bf16", True) and fake.calls == []
-    assert d["switch_trial"].value == "skipped" and "too short" in d["switch_trial"].reason
-    assert d["precision"].reason.startswith("rule")
+def test_the_trial_steps_are_the_runs_own_steps(tiny_cnn):
+    """Every measured step trains: the run takes exactly its steps, and the measured ones are among them."""
+    t = _trainer(tiny_cnn(), AVX2, seconds={"fp32": 1.0, "fp32+channels_last": 0.5})
+    res = t.fit(_loader(n=640))  # 40 steps
+    trial = res.decisions["switch_trial"]
+    assert res.steps == 40 and trial.value == "measured" and 0 < trial.measured["steps"] <= res.steps
+    assert res.decisions["channels_last"].value is True and t.channels_last
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in t.module.parameters() if p.dim() == 4)
+    state = [v for st in t.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() == 4]
+    assert state and all(v.is_contiguous(memory_format=torch.channels_last) for v in state)  # the state followed
 
 
-def test_the_trial_leaves_model_rng_and_data_order_untouched(tiny_cnn):
-    model = tiny_cnn()
-    before = copy.deepcopy(model.state_dict())
-    loader = _loader()
-    order = [y.tolist() for _, y in _loader()]
-    torch.manual_seed(5)
-    rng = torch.get_rng_state()
-    decide_switches(model, None, loader, device=torch.device("cpu"), caps=AVX2, fused=False, trial=True,
-                    cache=TrialCache(path=None))
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert torch.equal(rng, torch.get_rng_state())
-    assert [y.tolist() for _, y in loader] == order
-    again = _loader()
-    assert len(first_batches(again, 2)) == 2 and [y.tolist() for _, y in again] == order
+def test_a_short_run_measures_what_it_can_afford_and_says_so(tiny_cnn):
+    t = _trainer(tiny_cnn(), BF16_CPU, seconds={"fp32": 1.0, "fp32+channels_last": 0.8, "bf16": 1.2,
+                                                "bf16+channels_last": 0.9})
+    res = t.fit(_loader(n=192))  # a 12-step run
+    trial = res.decisions["switch_trial"]
+    assert trial.value == "measured" and "affords 1 round" in trial.reason
+    assert res.steps == 12 and res.decisions["channels_last"].value is True and res.decisions["precision"].value == "fp32"
+    t2 = _trainer(tiny_cnn(), BF16_CPU, seconds={"fp32": 1.0, "fp32+channels_last": 0.8, "bf16": 1.2,
+                                                 "bf16+channels_last": 0.9})
+    res2 = t2.fit(_loader(n=48))  # 3 steps: fewer than the candidates; decided on what was measured
+    assert res2.steps == 3 and res2.decisions["switch_trial"].value == "measured"
+    assert res2.decisions["switch_trial"].measured["steps"] == 3
 
 
-def test_real_measurement_runs_each_candidate_and_the_second_fit_reads_the_cache(tiny_cnn, tmp_path, monkeypatch):
+def test_the_trial_leaves_rng_and_data_order_as_without_it(tiny_cnn):
+    """Nothing is read from the loader that the run does not train on: same batches, same global RNG."""
+    seen = {}
+    for trial in (True, False):
+        t = _trainer(tiny_cnn(), AVX2, trial=trial)
+        order = []
+        loader = _loader()
+        real = t.step_batch
+        t.step_batch = lambda b, real=real, order=order: order.append(b[1].tolist()) or real(b)
+        torch.manual_seed(5)
+        t.fit(loader)
+        seen[trial] = (order, torch.get_rng_state(), loader.generator.get_state())
+    assert seen[True][0] == seen[False][0]
+    assert torch.equal(seen[True][1], seen[False][1]) and torch.equal(seen[True][2], seen[False][2])
+
+
+def test_real_measurement_and_the_second_fit_measures_zero_steps(tiny_cnn, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
-    steps = []
-    real = SwitchTrial._measure
-    monkeypatch.setattr(SwitchTrial, "_measure", lambda self, s: steps.append(s) or real(self, s))
     kw = dict(epochs=1, trial=True, progress=False, compile=False, lr=0.05)
-    r1 = torchspeed.fit(tiny_cnn(), _loader(), **kw)
-    first = len(steps)
-    from torchspeed.train.autoswitch import TRIAL_SETTINGS
-    per = TRIAL_SETTINGS["warmup"] + TRIAL_SETTINGS["steps"]  # warm-up + timed steps per measurement
-    assert first >= 2 * TRIAL_SETTINGS["rounds"] and r1.decisions["switch_trial"].value == "measured"
-    assert r1.decisions["switch_trial"].measured["steps"] == first * per
-    r2 = torchspeed.fit(tiny_cnn(), _loader(), **kw)
-    assert len(steps) == first  # no trial step the second time
-    assert r2.decisions["switch_trial"].value == "cached"
+    r1 = torchspeed.fit(tiny_cnn(), _loader(n=320), **kw)
+    first = r1.decisions["switch_trial"]
+    assert first.value == "measured" and first.measured["steps"] > 0 and r1.steps == 20
+    r2 = torchspeed.fit(tiny_cnn(), _loader(n=320), **kw)
+    assert r2.decisions["switch_trial"].value == "cached" and r2.decisions["switch_trial"].measured["steps"] == 0
     assert r2.decisions["precision"].value == r1.decisions["precision"].value
     assert r2.decisions["channels_last"].value == r1.decisions["channels_last"].value
+
+
+def test_a_corrupt_cache_file_warns_and_the_run_completes(tiny_cnn, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    (tmp_path / "trials.json").write_text('{"abc": [1, 2, ')  # a half-written file
+    with caplog.at_level("WARNING", logger="torchspeed"):
+        res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1, trial=True, progress=False, compile=False, lr=0.05)
+    assert res.steps == 4 and res.decisions["switch_trial"].value == "measured"
+    assert any("ignored" in r.getMessage() and "trials.json" in r.getMessage() for r in caplog.records)
 
 
 def test_fit_and_the_bench_all_row_make_the_same_decisions(monkeypatch):
@@ -155,19 +181,20 @@ def test_fit_and_the_bench_all_row_make_the_same_decisions(monkeypatch):
     from torchspeed.bench import _worker
     from torchspeed.bench.runner import bench_configs
     from torchspeed.bench.workloads import create_model
+    from torchspeed.train.trainer import Trainer
 
     seconds = {"fp32+fused": 1.0, "fp32+channels_last+fused": 0.7, "bf16+fused": 0.9,
                "bf16+channels_last+fused": 0.8, "fp32+channels_last+foreach": 0.75}
     monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx512_bf16")
-    monkeypatch.setattr(SwitchTrial, "_measure", lambda self, s: (seconds[s.label()], 1.0))
+    monkeypatch.setattr(Trainer, "switch_measure_fn", staticmethod(lambda s, sec: seconds[s.label()]))
     all_cfg = next(c for c in bench_configs(torch.device("cpu"), compile=False) if c.name == "all").train
     from dataclasses import asdict
     spec = {"data": "synthetic", "train_size": 64, "val_size": 32, "seed": 0, "device": "cpu", "num_workers": 0,
-            "batch_size": 16, "model": "resnet20", "lr": 0.05, "train": asdict(all_cfg), "image_size": 16}
+            "batch_size": 16, "model": "resnet20", "lr": 0.05, "train": asdict(all_cfg), "image_size": 8}
     state = _worker._TrainerState(spec)
     state.warm_up(1)
     torch.manual_seed(0)
-    res = torchspeed.fit(create_model("resnet20", image_size=16), state.loader, epochs=1, max_steps=1, trial=True,
+    res = torchspeed.fit(create_model("resnet20", image_size=8), state.loader, epochs=10, trial=True,
                          progress=False, compile=False, lr=0.05, schedule=None)
     keys = ("precision", "channels_last", "fused_optimizer")
     assert {k: state.trainer.decisions[k].value for k in keys} == {k: res.decisions[k].value for k in keys} == \
@@ -229,14 +256,21 @@ def test_decisions_are_decision_objects_and_json_ready(tiny_cnn, tmp_path):
     assert written["channels_last"]["value"] in (True, False) and "reason" in written["precision"]
 
 
-def test_a_trial_that_cannot_run_leaves_the_rules_in_charge(tiny_cnn, monkeypatch):
-    def boom(self, grid, **kw):
-        raise RuntimeError("out of memory copying the model")
-    monkeypatch.setattr(SwitchTrial, "run", boom)
-    sw, d = decide_switches(tiny_cnn(), None, _loader(), device=torch.device("cpu"), caps=BF16_CPU, fused=False,
-                            trial=True, cache=TrialCache(path=None))
-    assert sw == Switches("bf16", True) and d["switch_trial"].value == "failed" and "out of memory" in \
-        d["switch_trial"].reason
+def test_a_candidate_that_cannot_run_is_out_of_the_race(tiny_cnn, monkeypatch):
+    from torchspeed.train.trainer import Trainer
+
+    real = Trainer.train_step
+
+    def step(self, batch):
+        if self.precision.name == "bf16":
+            raise RuntimeError("bf16 is not supported by this operator")
+        return real(self, batch)
+    monkeypatch.setattr(Trainer, "train_step", step)
+    t = _trainer(tiny_cnn(), BF16_CPU, seconds={"fp32": 1.0, "fp32+channels_last": 0.9, "bf16": 0.5,
+                                                "bf16+channels_last": 0.4})
+    res = t.fit(_loader(n=320))
+    assert res.steps == 20 and res.decisions["precision"].value == "fp32"
+    assert "bf16+foreach" in res.decisions["switch_trial"].measured["failed"]
 
 
 def test_threads_are_measured_only_when_loader_workers_share_the_cores(tiny_cnn):
@@ -246,12 +280,15 @@ def test_threads_are_measured_only_when_loader_workers_share_the_cores(tiny_cnn)
     assert _thread_choices(DataLoader(ds, num_workers=1), torch.device("cpu"), AVX2) == (2, 1)
     assert _thread_choices(DataLoader(ds), torch.device("cpu"), AVX2) == ()  # no workers: all cores
     assert _thread_choices(DataLoader(ds, num_workers=1), torch.device("cpu"), DeviceCaps("cpu", cores=1)) == ()
-    fake = _fake({"fp32": 1.0, "fp32+channels_last": 0.8, "fp32+channels_last+2 threads": 0.8,
-                  "fp32+channels_last+1 threads": 0.6})
-    loader = DataLoader(ds, batch_size=16, num_workers=1)
-    sw, d = decide_switches(tiny_cnn(), None, loader, device=torch.device("cpu"), caps=AVX2, fused=False,
-                            measure_fn=fake)
-    assert sw == Switches("fp32", True, None, 1) and d["threads"].value == 1
+    threads = torch.get_num_threads()
+    try:
+        t = _trainer(tiny_cnn(), AVX2, seconds={"fp32": 1.0, "fp32+channels_last": 0.8,
+                                                "fp32+channels_last+2 threads": 0.8,
+                                                "fp32+channels_last+1 threads": 0.6})
+        res = t.fit(DataLoader(ds, batch_size=4, num_workers=1))
+        assert res.decisions["threads"].value == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_decisions_dump_to_json_as_they_are():
@@ -267,14 +304,13 @@ def test_a_trial_measured_under_other_kernels_is_not_reused(tiny_cnn, tmp_path, 
     kernels on a bf16 CPU): the cache key holds them, so a run under other kernels measures afresh."""
     from torchspeed.train import autoswitch
 
-    cache = TrialCache(path=tmp_path / "trials.json")
-    fake = _fake({"fp32": 1.0, "bf16": 0.5})
-    kw = dict(device=torch.device("cpu"), caps=BF16_CPU, channels_last=False, fused=False, trial=True, cache=cache)
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autoswitch, "kernel_isa", lambda: {"aten": "AVX512", "onednn": None})
-    monkeypatch.setattr(SwitchTrial, "_measure", lambda self, s: fake(s))
-    _, d1 = decide_switches(tiny_cnn(), None, _loader(), **kw)
-    _, d2 = decide_switches(tiny_cnn(), None, _loader(), **kw)
-    assert d1["switch_trial"].value == "measured" and d2["switch_trial"].value == "cached"
+
+    def run():
+        t = _trainer(tiny_cnn(), BF16_CPU, channels_last=False)
+        t.fit(_loader(n=160))
+        return t.decisions["switch_trial"].value
+    assert run() == "measured" and run() == "cached"
     monkeypatch.setattr(autoswitch, "kernel_isa", lambda: {"aten": "AVX2", "onednn": "AVX2"})
-    _, d3 = decide_switches(tiny_cnn(), None, _loader(), **kw)
-    assert d3["switch_trial"].value == "measured"
+    assert run() == "measured"

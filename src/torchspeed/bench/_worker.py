@@ -111,12 +111,12 @@ class _TrainerState(_State):
         return self.trainer.run_steps(self._it, n)
 
     def warm_up(self, n: int) -> dict:
-        # What fit() does before training: measure the switches left on "auto" on this model and these batches
-        # (the bench stands for a long run: the trial is not skipped as too short). Here, not at set-up: the
-        # configs set up all at once but warm up one at a time, so the trial has the cores to itself.
+        # What fit() does: measure the switches left on "auto" on this model's first training steps (the bench
+        # stands for a long run: the full trial). Here, not at set-up: the configs set up all at once but warm up
+        # one at a time, so the trial has the cores to itself.
         self.trainer.prepare(self.loader)
         total, taken = self.steps(n), n
-        while self.trainer.compiler.undecided:  # finish the compile="auto" trial
+        while self.trainer.switch_trial is not None or self.trainer.compiler.undecided:  # finish both trials
             total += self.steps(1)
             taken += 1
         self._restart()

@@ -1,6 +1,5 @@
 """The fast training loop (`Trainer`) and the techniques it composes, each public (`torchspeed.fit` is above it)."""
 
-from torchspeed.train.autoswitch import decide_switches
 from torchspeed.train.backends import configure_backends, tune_malloc
 from torchspeed.train.callbacks import EMA, Callback, EarlyStopping
 from torchspeed.train.batch_ramp import BatchRamp, BatchRampLR
@@ -14,7 +13,7 @@ from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_
 from torchspeed.train.sampler import ResumableSampler
 from torchspeed.train.distributed import init_distributed, is_rank_zero, reduce_metrics, wrap_ddp
 from torchspeed.train.shard import distributed_loader
-from torchspeed.train.switches import Switches, SwitchTrial, candidate_grid
+from torchspeed.train.switches import LiveTrial, Switches, candidate_grid
 from torchspeed.train.wrappers import unwrap_model
 from torchspeed.train.evaluate import evaluate, tta_views
 from torchspeed.train.memory_format import apply_channels_last, has_conv2d, is_channels_last, to_channels_last
@@ -39,5 +38,5 @@ __all__ = [
     "TrainConfig", "Prefetcher", "loader_kwargs", "to_device",
     "Callback", "EarlyStopping", "EMA", "BatchRamp", "BatchRampLR", "TensorBoardLogger",
     "init_distributed", "wrap_ddp", "distributed_loader", "reduce_metrics", "is_rank_zero", "unwrap_model",
-    "Decision", "TrialCache", "decide_switches", "Switches", "SwitchTrial", "candidate_grid", "tune_malloc",
+    "Decision", "TrialCache", "Switches", "LiveTrial", "candidate_grid", "tune_malloc",
 ]

@@ -1,43 +1,48 @@
-"""`decide_switches`: the trainer's measured choice of precision, channels_last, fused kernels and threads
-(T18, T21, T23; the trial itself is `switches.py`).
+"""The trainer's measured choice of precision, channels_last, fused kernels and threads, on its own steps
+(T18, T21, T23; the candidates, the schedule and the choice are `switches.py`).
 
-One call turns the settings left on "auto" into `Decision`s: from the trial cache when this
-model, input shape, machine and torch version were measured before; by a `SwitchTrial` on a
-copy of the model and the first few real batches when the run is long enough to pay for it;
-else by the fixed rules (which the decision then names as such). Under DDP rank 0 decides and
-every rank applies its choice (`broadcast`). The user's model, optimizer, RNG and the loader's
-data order are untouched: the batches are drawn with every generator saved and put back.
+`MeasuredSwitches.prepare` turns the settings left on "auto" into a plan: the fixed rules when
+nothing is left to choose (or `trial=False`, or a deterministic run), else a `LiveTrial` armed
+for the run's first steps. At the first step the trial cache is read (this model, input
+shape, machine, kernels and torch version measured before: 0 steps measured); on a miss the
+candidates take turns on the real model and optimizer, each step a step of the run, until the
+trial decides and the winner stays in effect. Under DDP every rank runs the same schedule and
+applies rank 0's choice (`broadcast`); the memory layout stays (the gradient buckets were laid
+out for it). The user's RNG and the loader's data order are untouched: nothing is read from
+the loader that the run does not train on.
 
 Example:
-    >>> sw, decisions = decide_switches(model, optimizer, loader, device=dev, caps=DeviceCaps.of(dev),
-    ...                                 precision="auto", channels_last="auto", fused="auto", remaining_steps=5000)
+    >>> trainer.prepare(loader, remaining_steps=400)   # fit does this; the trial runs in the first steps
+    >>> trainer.decisions["switch_trial"]
 """
 
 from __future__ import annotations
 
-import itertools
+import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from torchspeed.env import DeviceCaps, detect
+from torchspeed.env import DeviceCaps, detect, sync
+from torchspeed.train.batch import forward_loss
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.distributed import all_reduce_max, broadcast_object, is_rank_zero
-from torchspeed.train.guard import NonFiniteGuard
-from torchspeed.train.optim import describe_optimizer
-from torchspeed.train.precision import MixedPrecision, Precision
+from torchspeed.train.guard import NonFiniteGuard, is_out_of_memory
 from torchspeed.train.memory_format import has_conv2d
-from torchspeed.train.precision import normalize_precision
-from torchspeed.train.rng import capture_rng_state, restore_rng_state
-from torchspeed.train.switches import (MIN_RUN_FACTOR, Switches, SwitchTrial, batch_signature, candidate_grid,
-                                       fusable, model_signature, rule_switches, set_fused, trial_steps)
+from torchspeed.train.optim import describe_optimizer
+from torchspeed.train.precision import MixedPrecision, Precision, normalize_precision
+from torchspeed.train.switches import (LiveTrial, Switches, batch_signature, candidate_grid, fusable, model_signature,
+                                       rule_switches, set_fused)
 
-__all__ = ["decide_switches", "rule_choice", "first_batches", "TRIAL_SETTINGS", "MeasuredSwitches"]
+__all__ = ["rule_choice", "trial_settings", "TRIAL_SETTINGS", "LIVE_SHARE", "MeasuredSwitches", "kernel_isa"]
 
-TRIAL_SETTINGS = {"rounds": 3, "steps": 3, "warmup": 2}
+log = logging.getLogger("torchspeed")
+
+TRIAL_SETTINGS = {"rounds": 3, "steps": 2, "warmup": 1}
+LIVE_SHARE = 0.25  # a short run spends at most about this share of its steps trying candidates (each step trains)
 
 
 def kernel_isa() -> dict:
@@ -47,31 +52,20 @@ def kernel_isa() -> dict:
             "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")}
 
 
-def _generators(loader) -> list[torch.Generator]:
-    found = []
-    for obj in (loader, getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        g = getattr(obj, "generator", None)
-        if isinstance(g, torch.Generator) and all(g is not h for h in found):
-            found.append(g)
-    return found
-
-
-def first_batches(loader: Iterable, n: int = 3) -> list:
-    """The first `n` batches of `loader`, leaving every RNG (global and the loader's own) as it was,
-    so the run that follows sees the same data order as it would without this call."""
-    gens = _generators(loader)
-    saved = [g.get_state() for g in gens]
-    rng = capture_rng_state()
-    try:
-        return list(itertools.islice(iter(loader), n))
-    finally:
-        for g, s in zip(gens, saved):
-            g.set_state(s)
-        restore_rng_state(rng)
-
-
-def _current_fused(optimizer) -> bool | None:
-    return bool(optimizer.defaults.get("fused")) if fusable(optimizer) else None
+def trial_settings(n_first: int, n_later: int, remaining_steps: int | None) -> tuple[dict, str]:
+    """Rounds, timed steps and warm-up steps for a trial of `n_first` grid candidates and `n_later` later ones,
+    within LIVE_SHARE of `remaining_steps` (None: a run of unknown length takes the full settings)."""
+    full = dict(TRIAL_SETTINGS)
+    if remaining_steps is None:
+        return full, ""
+    budget = max(2 * n_first, int(LIVE_SHARE * remaining_steps))
+    for rounds, steps in ((3, 2), (2, 2), (2, 1), (1, 1)):
+        cost = n_first * (1 + rounds * steps) + n_later * (1 + rounds * steps)
+        if cost <= budget or (rounds, steps) == (1, 1):
+            why = "" if (rounds, steps) == (3, 2) else (
+                f"; a {remaining_steps}-step run affords {rounds} round(s) of {steps} timed step(s) per candidate")
+            return {"rounds": rounds, "steps": steps, "warmup": 1}, why
+    return full, ""
 
 
 def _thread_choices(loader, device: torch.device, caps: DeviceCaps) -> tuple[int, ...]:
@@ -79,6 +73,10 @@ def _thread_choices(loader, device: torch.device, caps: DeviceCaps) -> tuple[int
     if device.type != "cpu" or workers <= 0 or caps.cores < 2:
         return ()
     return tuple(dict.fromkeys((caps.cores, max(1, caps.cores - workers))))
+
+
+def _current_fused(optimizer) -> bool | None:
+    return bool(optimizer.defaults.get("fused")) if fusable(optimizer) else None
 
 
 def _as_decisions(sw: Switches, how: str, why: str, measured: dict | None, *, fixed: dict) -> dict[str, Decision]:
@@ -95,7 +93,7 @@ def _as_decisions(sw: Switches, how: str, why: str, measured: dict | None, *, fi
 def rule_choice(model: nn.Module, *, caps: DeviceCaps, precision: str = "auto",
                 channels_last: bool | str = "auto") -> tuple[Switches, dict[str, Decision]]:
     """The fixed rules' precision and layout, with their decisions: what the loop runs until (or unless)
-    `decide_switches` measures. bf16/fp16 where the hardware runs it natively; channels_last for conv nets."""
+    the trial measures. bf16/fp16 where the hardware runs it natively; channels_last for conv nets."""
     key = normalize_precision(precision)
     sw = rule_switches(caps=caps, has_conv=has_conv2d(model), precision=key, channels_last=channels_last)
     half_why = {"bf16": f"{caps.device_type.upper()} runs bf16 natively", "fp16": "fp16 Tensor Cores, no fast bf16",
@@ -105,116 +103,205 @@ def rule_choice(model: nn.Module, *, caps: DeviceCaps, precision: str = "auto",
                     "rule: a conv net" if sw.channels_last else "rule: no 2D convolutions"))}
 
 
-def decide_switches(model: nn.Module, optimizer: torch.optim.Optimizer | None, loader: Iterable, *,
-                    device: torch.device, caps: DeviceCaps, precision: str = "auto",
-                    channels_last: bool | str = "auto", fused: bool | str = "auto", trial: bool | str = "auto",
-                    remaining_steps: int | None = None, loss_fn: Callable | None = None,
-                    step_fn: Callable | None = None, cache: TrialCache | None = None,
-                    progress: Callable[[str], None] | None = None,
-                    measure_fn: Callable | None = None) -> tuple[Switches, dict[str, Decision]]:
-    """Choose the switches for this run; return them and their decisions (see the module docstring)."""
-    precision = normalize_precision(precision)
-    has_conv = has_conv2d(model)
-    cur_fused = _current_fused(optimizer)
-    fixed = {"precision": None if precision == "auto" else "asked for",
-             "channels_last": None if channels_last == "auto" else ("asked for" if has_conv or not channels_last
-                                                                    else "asked for (no 2D convolutions to change)"),
-             "fused": None if fused == "auto" else "asked for"}
-    grid = candidate_grid(caps=caps, has_conv=has_conv, precision=precision, channels_last=channels_last,
-                          fused=cur_fused)
-    fused_choice = fused == "auto" and cur_fused is not None
-    threads = _thread_choices(loader, device, caps)
-    prior = rule_switches(caps=caps, has_conv=has_conv, precision=precision, channels_last=channels_last,
-                          fused=cur_fused)
-    n_cand = len(grid) + (1 if fused_choice else 0) + len(threads)
-    cost = trial_steps(n_cand, **{k: TRIAL_SETTINGS[k] for k in ("rounds", "steps", "warmup")})
-    if len(grid) == 1 and not fused_choice and len(threads) < 2:
-        return prior, _as_decisions(prior, "rule", "nothing left to choose", None, fixed=fixed) | {
-            "switch_trial": Decision("none", "every switch is fixed or has one option here")}
-    rule_why = (f"{prior.precision} is the half precision this {caps.device_type.upper()} runs natively"
-                if prior.precision != "fp32" else "no native half precision") + (
-        ", channels_last for a conv net" if prior.channels_last else "")
-    if trial is False:
-        return prior, _as_decisions(prior, "rule", rule_why, None, fixed=fixed) | {
-            "switch_trial": Decision("off", "trial=False: the fixed rules decide")}
-    if trial == "auto" and remaining_steps is not None and remaining_steps < MIN_RUN_FACTOR * cost:
-        return prior, _as_decisions(prior, "rule", rule_why, None, fixed=fixed) | {
-            "switch_trial": Decision("skipped", f"the run has {remaining_steps} steps left, under {MIN_RUN_FACTOR}x "
-                                                f"the trial's ~{cost} steps: too short to pay for measuring")}
-    batches = first_batches(loader)
-    if not batches:
-        return prior, _as_decisions(prior, "rule", rule_why, None, fixed=fixed) | {
-            "switch_trial": Decision("skipped", "the loader yielded no batch")}
-    info = detect()
-    cache = cache if cache is not None else TrialCache()
-    key = TrialCache.key({"model": model_signature(model), "batch": batch_signature(batches[0]),
-                          "optimizer": type(optimizer).__name__, "caps": caps, "cpu": info.cpu_model,
-                          "device": info.device_name if device.type != "cpu" else "cpu", "torch": torch.__version__,
-                          "grid": [s.label() for s in grid], "fused_choice": fused_choice, "threads": threads,
-                          "loss": getattr(loss_fn, "__class__", type(None)).__name__, "kernels": kernel_isa()})
-    hit = cache.get(key) if measure_fn is None else None
-    if hit is not None:
-        sw = Switches(**hit["switches"])
-        report = hit | {"steps": 0, "trial_s": 0.0, "cached_trial_s": hit.get("trial_s")}
-        return sw, _as_decisions(sw, "cached trial", _summary(hit), report, fixed=fixed) | {
-            "switch_trial": Decision("cached", f"measured before on this model, input and machine "
-                                               f"({hit.get('trial_s', 0):.1f} s then, 0 s now)", report)}
-    t0 = time.perf_counter()
-    runner = SwitchTrial(model, optimizer, batches, device=device, loss_fn=loss_fn, step_fn=step_fn,
-                         live_batches=(lambda: loader) if threads else None, measure_fn=measure_fn,
-                         progress=progress, **TRIAL_SETTINGS)
-    try:
-        sw, report = runner.run(grid, fused_choice=fused_choice, thread_choices=threads)
-    except Exception as e:  # e.g. no memory for a copy of a large model: the rules decide, and say why
-        why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-        return prior, _as_decisions(prior, "rule", rule_why, None, fixed=fixed) | {
-            "switch_trial": Decision("failed", f"the trial could not run ({why}); the fixed rules decide")}
-    report["trial_s"] = time.perf_counter() - t0
-    if measure_fn is None:
-        cache.put(key, report)
-    return sw, _as_decisions(sw, "measured", _summary(report), report, fixed=fixed) | {
-        "switch_trial": Decision("measured", f"{report['steps']} steps on a copy of the model, "
-                                             f"{report['trial_s']:.1f} s", report)}
-
-
 def _summary(report: dict) -> str:
     return "; ".join(f"{s['stage']}: {s['chosen']}, {s['why']}" for s in report.get("stages", []))
 
 
+def _layout(batch, channels_last: bool):
+    """4D float tensors of a device batch in the candidate's memory layout (either way)."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 4 and batch.is_floating_point():
+            return batch.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        return batch
+    if isinstance(batch, (list, tuple)):
+        moved = [_layout(b, channels_last) for b in batch]
+        return type(batch)(moved) if isinstance(batch, tuple) and not hasattr(batch, "_fields") else moved
+    if isinstance(batch, dict):
+        return {k: _layout(v, channels_last) for k, v in batch.items()}
+    return batch
+
+
+def _state_follows_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Optimizer state (momentum, Adam moments) in the memory layout of its parameter, after a layout change."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p)
+            if not st or p.dim() != 4:
+                continue
+            fmt = torch.channels_last if (p.is_contiguous(memory_format=torch.channels_last)
+                                          and not p.is_contiguous()) else torch.contiguous_format
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                    st[k] = v.contiguous(memory_format=fmt)
+
+
 class MeasuredSwitches:
-    """The trainer's side of the measured switches (a mixin of `Trainer`): run the decision once, put the
-    winner into effect on the live model, optimizer and precision, and report what is in effect."""
+    """The trainer's side of the measured switches (a mixin of `Trainer`): arm the trial, run each of the
+    run's first steps with the trial's candidate in effect, put the winner into effect, report it."""
+
+    switch_trial: LiveTrial | None = None
+    switch_measure_fn = None  # tests: (switches, measured seconds) -> the seconds to record
 
     def prepare(self, loader: Iterable, *, remaining_steps: int | None = None) -> None:
-        """Measure the switches left on "auto" on this model and `loader`'s first batches and apply the winner
-        (`autoswitch.decide_switches`; `remaining_steps` None: a long run). Once; fit and the bench's `all` call it."""
+        """Decide the switches left on "auto": the rules, or a trial on the run's first steps (`remaining_steps`
+        None: a run of unknown length). Once; fit and the bench's `all` call it."""
         if self._prepared:
             return
         self._prepared, cfg = True, self.config
-        trial = False if cfg.deterministic else cfg.trial  # a timing-dependent choice would break bit-identical reruns
+        precision = normalize_precision(cfg.precision)
         # Under DDP the gradient buckets were laid out for the current memory format: the layout stays.
         layout = self.channels_last if self.dist is not None else cfg.channels_last
-        chosen = decide_switches(self.module, self.optimizer, loader, device=self.device, caps=self.caps,
-                                 precision=cfg.precision, channels_last=layout, fused=cfg.fused_optimizer, trial=trial,
-                                 remaining_steps=remaining_steps, loss_fn=self.loss_fn,
-                                 step_fn=self.step_fn) if is_rank_zero() else None
-        sw, decisions = broadcast_object(chosen)  # every rank runs what rank 0 measured
+        fused = cfg.fused_optimizer
+        has_conv = has_conv2d(self.module)
+        cur_fused = _current_fused(self.optimizer)
+        self._fixed = {"precision": None if precision == "auto" else "asked for",
+                       "channels_last": None if layout == "auto" else (
+                           "asked for" if has_conv or not layout else "asked for (no 2D convolutions to change)"),
+                       "fused": None if fused == "auto" else "asked for"}
+        grid = candidate_grid(caps=self.caps, has_conv=has_conv, precision=precision, channels_last=layout,
+                              fused=cur_fused)
+        fused_choice = fused == "auto" and cur_fused is not None
+        threads = _thread_choices(loader, self.device, self.caps)
+        prior = rule_switches(caps=self.caps, has_conv=has_conv, precision=precision, channels_last=layout,
+                              fused=cur_fused)
+        rule_why = (f"{prior.precision} is the half precision this {self.caps.device_type.upper()} runs natively"
+                    if prior.precision != "fp32" else "no native half precision") + (
+            ", channels_last for a conv net" if prior.channels_last else "")
+        trial = False if cfg.deterministic else cfg.trial  # a timing-dependent choice would break bit-identical reruns
+        if len(grid) == 1 and not fused_choice and len(threads) < 2:
+            return self._settle(prior, "rule", "nothing left to choose", None, Decision(
+                "none", "every switch is fixed or has one option here"))
+        if trial is False:
+            return self._settle(prior, "rule", rule_why, None, Decision(
+                "off", "deterministic run: the fixed rules decide" if cfg.deterministic else
+                "trial=False: the fixed rules decide"))
+        n_later = (2 if fused_choice else 0) + (len(threads) if len(threads) > 1 else 0)
+        settings, short = trial_settings(len(grid), n_later, remaining_steps)
+        self.switch_trial = LiveTrial(grid, fused_choice=fused_choice, thread_choices=threads if len(threads) > 1
+                                      else (), **settings)
+        self._trial_meta = {"grid": [s.label() for s in grid], "fused_choice": fused_choice, "threads": threads,
+                            "short": short, "started": None, "cache_checked": False}
+        self.decisions["switch_trial"] = Decision("pending", "measured on the run's first steps" + short)
+
+    def _settle(self, sw: Switches, how: str, why: str, measured: dict | None, trial: Decision) -> None:
         self.apply_switches(sw)
-        self.decisions.update(decisions)
+        self.decisions.update(_as_decisions(sw, how, why, measured, fixed=self._fixed) | {"switch_trial": trial})
+
+    # ------------------------------------------------------------------ the run's first steps
+    def _cache_key(self, batch) -> str:
+        info = detect()
+        m = self._trial_meta
+        return TrialCache.key({"model": model_signature(self.module), "batch": batch_signature(batch),
+                               "optimizer": type(self.optimizer).__name__, "caps": self.caps, "cpu": info.cpu_model,
+                               "device": info.device_name if self.device.type != "cpu" else "cpu",
+                               "torch": torch.__version__, "grid": m["grid"], "fused_choice": m["fused_choice"],
+                               "threads": m["threads"], "loss": getattr(self.loss_fn, "__class__", type(None)).__name__,
+                               "kernels": kernel_isa(), "live": 1})
+
+    def _check_cache(self, batch) -> bool:
+        """At the first step: a trial measured before on this model, input and machine settles it (0 steps)."""
+        m = self._trial_meta
+        m["cache_checked"] = True
+        m["key"] = self._cache_key(batch)
+        hit = TrialCache().get(m["key"]) if is_rank_zero() and self.switch_measure_fn is None else None
+        hit = broadcast_object(hit)
+        if hit is None:
+            return False
+        self.switch_trial = None
+        sw = Switches(**hit["switches"])
+        report = hit | {"steps": 0, "extra_s": 0.0, "cached_extra_s": hit.get("extra_s")}
+        self._settle(sw, "cached trial", _summary(hit), report, Decision(
+            "cached", f"measured before on this model, input and machine ({hit.get('steps', 0)} steps then, "
+                      "0 now)", report))
+        return True
+
+    def _numerics_losses(self, batch) -> dict[str, float]:
+        """The loss at the current weights on `batch` in each candidate precision (eval mode, no grad): the guard."""
+        precisions = list(dict.fromkeys(s.precision for s in self.switch_trial.grid))
+        if len(precisions) < 2:
+            return {}
+        was, out = self.module.training, {}
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                for p in precisions:
+                    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[p]
+                    try:
+                        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+                            out[p] = float(forward_loss(self.module, batch, loss_fn=self.loss_fn,
+                                                        step_fn=self.step_fn).loss.float())
+                    except Exception:  # this precision cannot run the model: the trial finds out and says why
+                        continue
+        finally:
+            self.module.train(was)
+        return out
+
+    def trial_step(self, batch, run_step) -> None:
+        """One of the run's steps while the switch trial is on: the candidate's settings, the step, its time."""
+        trial = self.switch_trial
+        if not self._trial_meta["cache_checked"]:
+            if self._check_cache(batch):
+                return run_step(batch)
+            trial.losses = self._numerics_losses(batch)
+            self._trial_meta["started"] = time.perf_counter()
+        cand = trial.current()
+        self.apply_switches(cand)
+        batch = _layout(batch, cand.channels_last)
+        t0 = time.perf_counter()
+        try:
+            run_step(batch)
+        except Exception as e:
+            if is_out_of_memory(e) or cand == trial.grid[0]:
+                raise
+            trial.fail(e)
+            self._reset_micro()
+            self.apply_switches(trial.grid[0])
+            run_step(_layout(batch, trial.grid[0].channels_last))
+        else:
+            sync(self.device)
+            sec = time.perf_counter() - t0
+            trial.record(self.switch_measure_fn(cand, sec) if self.switch_measure_fn else sec)
+        if trial.done:
+            self.finish_switch_trial()
+
+    def finish_switch_trial(self) -> None:
+        """Decide on what the trial measured (all of it, or what a run that ended early allowed), apply, cache."""
+        trial = self.switch_trial
+        if trial is None:
+            return
+        self.switch_trial = None
+        if not trial.done:
+            trial.finish_early()
+        report = dict(trial.report)
+        report["extra_s"] = trial.extra_seconds()
+        started = self._trial_meta.get("started")
+        report["trial_s"] = (time.perf_counter() - started) if started else 0.0
+        sw = broadcast_object(trial.best)  # every rank runs what rank 0 measured
+        report["switches"] = {"precision": sw.precision, "channels_last": sw.channels_last, "fused": sw.fused,
+                              "threads": sw.threads}
+        if self.switch_measure_fn is None and is_rank_zero() and self._trial_meta.get("key") and report["steps"]:
+            TrialCache().put(self._trial_meta["key"], report)
+        self._settle(sw, "measured", _summary(report), report, Decision(
+            "measured", f"{report['steps']} of the run's own steps, each trained; measuring cost "
+                        f"{report['extra_s']:.2f} s over the winner{self._trial_meta['short']}", report))
 
     def apply_switches(self, sw: Switches) -> None:
-        """Put `sw` into effect: autocast dtype (and its scaler), memory layout, optimizer kernel, threads."""
+        """Put `sw` into effect: autocast dtype (and its scaler), memory layout (weights and optimizer state),
+        optimizer kernel, threads."""
         if sw.precision != self.precision.name:
             self.precision = MixedPrecision(Precision(sw.precision, self.device.type, "measured"))
+            counts = self.guard.state_dict()
             self.guard = NonFiniteGuard(self.config.max_nonfinite, optimizer=self.optimizer, device=self.device,
                                         scaler=self.precision.scaler, all_ranks_max=all_reduce_max if self.dist else None)
+            self.guard.load_state_dict(counts)
         if sw.channels_last != self.channels_last:
             self.module.to(memory_format=torch.channels_last if sw.channels_last else torch.contiguous_format)
+            _state_follows_layout(self.optimizer)
         self.channels_last = sw.channels_last
         if sw.fused is not None and fusable(self.optimizer) and bool(self.optimizer.defaults.get("fused")) != sw.fused:
             set_fused(self.optimizer, sw.fused)
             self.decisions["optimizer"] = Decision(describe_optimizer(self.optimizer), "measured")
-        if sw.threads is not None:
+        if sw.threads is not None and sw.threads != torch.get_num_threads():
             torch.set_num_threads(sw.threads)
 
     def switches(self) -> Switches:  # in effect; saved in checkpoints: a resume runs what the run it continues ran

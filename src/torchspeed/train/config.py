@@ -30,8 +30,8 @@ class TrainConfig:
     cudnn_benchmark: bool | str = "auto"  # T22: "auto" = on for CUDA (fixed shapes)
     set_to_none: bool = True            # T26
     fused_optimizer: bool | str = "auto"  # fused/foreach kernels (T18)
-    trial: bool | str = "auto"          # measure precision x channels_last x fused x threads on this model (switches.py):
-                                        # "auto" = when the run is >= 10x the trial's steps; True = always; False = rules
+    trial: bool | str = "auto"          # measure precision x channels_last x fused x threads on the run's own first
+                                        # steps (switches.py, autoswitch.py): "auto"/True = measure; False = rules
     malloc: bool = True                 # CPU: glibc malloc's training settings in-process (backends.tune_malloc)
     prefetch: bool = True               # T07/T12: side-stream copies on CUDA
     grad_accum: int = 1                 # T19

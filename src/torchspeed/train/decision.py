@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
 from torchspeed._io import write_json
 
 __all__ = ["Decision", "TrialCache", "cache_dir"]
+
+log = logging.getLogger("torchspeed")
+_WARNED: set = set()  # one warning per damaged file and process
 
 
 class Decision(dict):
@@ -75,9 +79,19 @@ class TrialCache:
 
     def _load(self) -> dict:
         try:
-            data = json.loads(self.path.read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
+            text = self.path.read_text()
+        except OSError:  # no cache yet (or unreadable): measure
+            return {}
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            return data
+        except ValueError as e:  # half-written by a killed run, or edited by hand: never stops a run
+            if self.path not in _WARNED:
+                _WARNED.add(self.path)
+                log.warning("torchspeed: the decision cache %s is damaged (%s) and was ignored; it is rewritten "
+                            "when this run caches", self.path, str(e).splitlines()[0][:80])
             return {}
 
     def get(self, key: str) -> dict | None:

@@ -1,4 +1,4 @@
-"""Every automatic switch measured on the user's own model (T18, T21, T23; T25 in compile.py; threads).
+"""Every automatic switch measured on the user's own model, on the run's own steps (T18, T21, T23; T25 in compile.py; threads).
 
 A fixed rule ("bf16 whenever the CPU has it", "channels_last for any conv net") loses on
 models unlike the one it was tuned on: torchvision's ImageNet-stem ResNet-18 on 32 px images
@@ -13,51 +13,46 @@ rules give 2x on a CIFAR ResNet-20. So `fit` measures instead:
    processes, the intra-op thread count (all usable cores, or the cores the workers leave).
    Switches interact (bf16 with channels_last can lose where each alone wins), so the first
    stage is a grid, not one switch at a time; the later stages are pruned to the winner.
-2. **Measurement** (`SwitchTrial`): a throw-away copy of the model and optimizer trains on a
-   few of the user's real batches; every candidate is timed for `steps` steps after a
-   `warmup` step, in `rounds` interleaved rounds (a slow phase of the machine hits every
-   candidate alike), median per candidate. The user's model, optimizer, RNG and data order
-   are left exactly as they were.
+2. **Measurement** (`LiveTrial`): the run's own first steps, on the real model and optimizer.
+   Each candidate is put into effect (autocast dtype, memory layout of the weights, the
+   optimizer state and the inputs, optimizer kernel, threads) and trains real steps: `warmup`
+   untimed, then `rounds` interleaved rounds of `steps` timed steps; median per candidate.
+   Every one of those steps counts toward the run, so the only cost of measuring is the time
+   the slower candidates lose (`LiveTrial.extra_seconds`), and no run is too short to measure:
+   a short run measures fewer rounds (`autoswitch.trial_settings`) and says so.
 3. **Choice** (`choose`, pure): the fastest candidate, except that a candidate with fewer
    changes from the plain loop wins when it is within `min_gain` (2%) of the fastest: noise
    does not buy a change. A half precision whose loss, at the same weights on the same
    batch, differs from fp32's by more than `loss_tol` is not taken (the numerics guard).
-4. **Cost**: the trial costs about `trial_steps()` steps; it runs only when the run has at
-   least `MIN_RUN_FACTOR` times as many steps left (otherwise the rules decide, and the
-   decision says so), and its result is cached per (model, input shape, machine, torch
-   version) in `TrialCache`, so the next run pays nothing.
+4. **Cache**: the result is cached per (model, input shape, machine, kernels, torch version) in
+   `TrialCache`, so the next run measures nothing.
 
 torch.compile is measured on real training steps after this trial, on top of its winner
-(`compile.py`): one compilation costs tens of seconds, too much to cross with every candidate.
+(`compile.py`).
 
 Example:
-    >>> trial = SwitchTrial(model, optimizer, batches, device=torch.device("cpu"))
-    >>> best, report = trial.run(candidate_grid(caps=DeviceCaps.of("cpu"), has_conv=True))
+    >>> trial = LiveTrial(candidate_grid(caps=DeviceCaps.of("cpu"), has_conv=True))
+    >>> while not trial.done:
+    ...     apply(trial.current()); trial.record(seconds_of_one_training_step())
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import statistics
-import time
-from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
 
-from torchspeed.env import DeviceCaps, sync
-from torchspeed.train.batch import forward_loss
+from torchspeed.env import DeviceCaps
 from torchspeed.train.memory_format import has_conv2d
-from torchspeed.train.transfer import to_device
 
-__all__ = ["Switches", "candidate_grid", "rule_switches", "choose", "numerics_ok", "SwitchTrial", "fusable",
-           "set_fused", "trial_steps", "MIN_RUN_FACTOR"]
+__all__ = ["Switches", "candidate_grid", "rule_switches", "choose", "numerics_ok", "LiveTrial", "fusable",
+           "set_fused", "trial_steps", "model_signature", "batch_signature"]
 
 log = logging.getLogger("torchspeed")
 
-MIN_RUN_FACTOR = 10  # the trial runs when the run has >= 10x its steps left (it costs <= ~10% of the run)
 FUSABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
@@ -149,150 +144,133 @@ def choose(times: dict[Switches, list[float]], *, plain: Switches, min_gain: flo
 
 
 def trial_steps(n_candidates: int, *, rounds: int, steps: int, warmup: int) -> int:
-    return n_candidates * rounds * (steps + warmup)
+    return n_candidates * (warmup + rounds * steps)
 
 
-def _clone_optimizer(optimizer: torch.optim.Optimizer | None, model: nn.Module, source: nn.Module,
-                     fused: bool | None) -> torch.optim.Optimizer:
-    """The same optimizer class and hyper-parameters over `model` (a copy of `source`), fresh state."""
-    index = {id(p): i for i, p in enumerate(source.parameters())}
-    params = list(model.parameters())
-    if optimizer is None:
-        return torch.optim.SGD(params, lr=1e-3)
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [params[index[id(p)]] for p in g["params"]
-                                                                           if id(p) in index]}
-              for g in optimizer.param_groups]
-    groups = [g for g in groups if g["params"]]
-    try:
-        opt = type(optimizer)(groups)
-    except Exception:  # an optimizer that cannot be rebuilt from its groups: time with SGD instead
-        return torch.optim.SGD(params, lr=1e-3)
-    if fused is not None and fusable(opt):
-        set_fused(opt, fused)
-    return opt
+class LiveTrial:
+    """The schedule and the record of a switch trial run on the run's own training steps.
 
-
-class SwitchTrial:
-    """Measure `Switches` candidates on a throw-away copy of `model` with the user's real `batches`.
-
-    `batches` are host batches as the loader yields them (a few are enough: they are cycled).
-    `measure_fn(switches) -> (seconds per step, loss at the starting weights)` replaces the
-    timing (tests inject measurements with it; nothing else changes).
+    Each step the trainer asks `current()` for the candidate to train with, applies it, trains
+    one real step and `record`s its seconds. Stage 1 (the `grid`): every candidate gets `warmup`
+    untimed steps, then `rounds` interleaved rounds of `steps` timed steps each (a slow phase of
+    the machine hits every candidate alike). Stage 2 (`fused_choice`): the winner's optimizer
+    kernel against the other one; stage 3 (`thread_choices`): intra-op thread counts on the
+    winner. `losses` (precision -> loss at the same weights on the same batch, measured before
+    the first step) feed the numerics guard. Every step trains: nothing is thrown away.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batches: list, *,
-                 device: torch.device, loss_fn: Callable | None = None, step_fn: Callable | None = None,
-                 rounds: int = 2, steps: int = 2, warmup: int = 1, min_gain: float = 1.02, loss_tol: float = 0.05,
-                 live_batches: Callable[[], Iterable] | None = None,
-                 measure_fn: Callable[[Switches], tuple[float, float]] | None = None,
-                 progress: Callable[[str], None] | None = None):
-        self.source, self.optimizer, self.batches, self.device = model, optimizer, batches, device
-        self.loss_fn, self.step_fn = loss_fn, step_fn
+    def __init__(self, grid: list[Switches], *, fused_choice: bool = False, thread_choices: tuple[int, ...] = (),
+                 rounds: int = 3, steps: int = 2, warmup: int = 1, min_gain: float = 1.02, loss_tol: float = 0.05,
+                 losses: dict[str, float] | None = None):
+        self.grid, self.fused_choice, self.thread_choices = grid, fused_choice, thread_choices
         self.rounds, self.steps, self.warmup = rounds, steps, warmup
         self.min_gain, self.loss_tol = min_gain, loss_tol
-        self.live_batches = live_batches
-        self.measure_fn = measure_fn or self._measure
-        self.progress = progress
+        self.losses = dict(losses or {})
+        self.report: dict = {"failed": {}, "rejected": {}, "stages": [], "rounds": rounds, "steps_per_round": steps,
+                             "warmup": warmup}
         self.steps_run = 0
-        self._copy: nn.Module | None = None
-        self._start: dict | None = None
+        self._extra = 0.0
+        self.best: Switches | None = None
+        self._stages = self._stage_list()
+        self._start_stage(self._stages.pop(0))
 
-    # ------------------------------------------------------------------ one measurement
-    def _model_copy(self) -> nn.Module:
-        if self._copy is None:
-            self._copy = copy.deepcopy(self.source)
-            self._start = copy.deepcopy(self._copy.state_dict())
-        self._copy.load_state_dict(self._start)  # every candidate starts from the same weights
-        return self._copy
+    # ------------------------------------------------------------------ the schedule
+    def _stage_list(self) -> list[str]:
+        return ["precision x layout"] + (["optimizer kernel"] if self.fused_choice else []) + (
+            ["threads"] if len(self.thread_choices) > 1 else [])
 
-    def _measure(self, s: Switches) -> tuple[float, float]:
-        model = self._model_copy()
-        model.to(memory_format=torch.channels_last if s.channels_last else torch.contiguous_format)
-        model.train()
-        opt = _clone_optimizer(self.optimizer, model, self.source, s.fused)
-        dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[s.precision]
-        threads = torch.get_num_threads()
-        if s.threads is not None:
-            torch.set_num_threads(s.threads)
-        live = iter(self.live_batches()) if (s.threads is not None and self.live_batches) else None
-        first_loss = float("nan")
-        try:
-            times = []
-            for i in range(self.warmup + self.steps):
-                batch = next(live) if live is not None else self.batches[i % len(self.batches)]
-                t0 = time.perf_counter()
-                batch = to_device(batch, self.device, channels_last=s.channels_last)
-                with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
-                    loss = forward_loss(model, batch, loss_fn=self.loss_fn, step_fn=self.step_fn).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if i == 0:
-                    first_loss = float(loss.detach().float())  # at the shared starting weights: the numerics guard
-                sync(self.device)
-                times.append(time.perf_counter() - t0)
-                self.steps_run += 1
-        finally:
-            torch.set_num_threads(threads)
-        return statistics.median(times[self.warmup:]), first_loss
+    def _stage_candidates(self, name: str) -> list[Switches]:
+        if name == "precision x layout":
+            return list(self.grid)
+        if name == "optimizer kernel":
+            return [self.best, replace(self.best, fused=not self.best.fused)] if self.best.fused is not None else []
+        return [replace(self.best, threads=n) for n in self.thread_choices]
 
-    # ------------------------------------------------------------------ the search
-    def _interleaved(self, candidates: list[Switches], report: dict) -> tuple[dict, dict]:
-        times: dict[Switches, list[float]] = {s: [] for s in candidates}
-        losses: dict[Switches, float] = {}
-        for r in range(self.rounds):  # interleaved: a slow phase of the machine hits every candidate alike
-            for s in candidates:
-                if self.progress:
-                    self.progress(f"measuring {s.label()} (round {r + 1}/{self.rounds})")
-                try:
-                    sec, loss = self.measure_fn(s)
-                except Exception as e:  # e.g. a precision this model cannot run: out of the race, said why
-                    report["failed"][s.label()] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                    times.pop(s, None)
-                    continue
-                if s in times:
-                    times[s].append(sec)
-                    losses.setdefault(s, loss)
-        return times, losses
+    def _start_stage(self, name: str) -> None:
+        cands = self._stage_candidates(name)
+        self.stage, self.candidates = name, cands
+        self.times: dict[Switches, list[float]] = {s: [] for s in cands}
+        warm = [(s, False) for s in cands for _ in range(self.warmup) if s != self.best]  # the winner is warm
+        timed = [(s, True) for _ in range(self.rounds) for s in cands for _ in range(self.steps)]
+        self._queue = warm + timed
 
-    @staticmethod
-    def _stage(name: str, times: dict, chosen: Switches, why: str) -> dict:
-        return {"stage": name, "chosen": chosen.label(), "why": why,
-                "seconds_per_step": {s.label(): statistics.median(t) for s, t in times.items() if t}}
+    @property
+    def done(self) -> bool:
+        return not self._queue
 
-    def run(self, grid: list[Switches], *, fused_choice: bool = False,
-            thread_choices: tuple[int, ...] = ()) -> tuple[Switches, dict]:
-        """Stage 1 on `grid`, then fused vs foreach and thread counts on the winner; (winner, report)."""
-        report: dict = {"failed": {}, "rejected": {}, "stages": []}
-        plain = grid[0]
-        times, losses = self._interleaved(grid, report)
+    @property
+    def planned_steps(self) -> int:
+        """Steps left in this stage plus the later stages (an estimate for the later ones)."""
+        later = {"optimizer kernel": 2, "threads": len(self.thread_choices)}
+        return len(self._queue) + sum(later[s] * (self.rounds * self.steps) + self.warmup for s in self._stages)
+
+    def current(self) -> Switches:
+        return self._queue[0][0]
+
+    def record(self, seconds: float) -> None:
+        """The seconds the current candidate's step took (warm-up steps are not timed)."""
+        s, timed = self._queue.pop(0)
+        self.steps_run += 1
+        if timed and s in self.times:
+            self.times[s].append(seconds)
+        if not self._queue:
+            self._end_stage()
+
+    def fail(self, error: BaseException) -> None:
+        """The current candidate cannot run (a precision this model cannot take): out of the race, said why."""
+        s = self.current()
+        self.report["failed"][s.label()] = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        self.times.pop(s, None)
+        self._queue = [(c, t) for c, t in self._queue if c != s]
+        if not self._queue:
+            self._end_stage()
+
+    def finish_early(self) -> None:
+        """The run ended inside the trial: decide on what was measured so far."""
+        while self._queue or self._stages:
+            self._queue = []
+            self._end_stage()
+
+    def _end_stage(self) -> None:
+        name, times = self.stage, self.times
+        if name == "precision x layout":
+            plain = self.grid[0]
+            rejected = self._numerics(plain)
+            best, why = choose(times, plain=plain, min_gain=self.min_gain, rejected=rejected)
+            if best not in times or not times.get(best):
+                best = plain if not times.get(plain) and not rejected else best
+        else:
+            plain = replace(self.best, fused=False) if name == "optimizer kernel" else self.candidates[0]
+            best, why = choose(times, plain=plain, min_gain=self.min_gain)
+            if not any(times.values()):
+                best, why = self.best, "not measured (the run ended first): kept"
+        self.report["stages"].append({"stage": name, "chosen": best.label(), "why": why, "seconds_per_step": {
+            s.label(): statistics.median(t) for s, t in times.items() if t}})
+        self.best = best
+        med = {c: statistics.median(t) for c, t in times.items() if t}
+        if best in med:
+            self._extra += sum(max(0.0, m - med[best]) * len(times[c]) for c, m in med.items())
+        if self._stages:
+            self._start_stage(self._stages.pop(0))
+        else:
+            self.report.update(steps=self.steps_run, chosen=best.label(), switches=asdict(best))
+
+    def _numerics(self, plain: Switches) -> dict[Switches, str]:
+        ref = self.losses.get(plain.precision)
         rejected = {}
-        ref = losses.get(plain)
-        for s, loss in losses.items():
-            if ref is not None and s.precision != plain.precision and not numerics_ok(ref, loss, tol=self.loss_tol):
-                rejected[s] = (f"loss {loss:.4g} vs {ref:.4g} in {plain.precision} at the same weights "
-                               f"(> {self.loss_tol:.0%} apart)")
-                report["rejected"][s.label()] = rejected[s]
-        best, why = choose(times, plain=plain, min_gain=self.min_gain, rejected=rejected)
-        report["stages"].append(self._stage("precision x layout", times, best, why))
-        report["losses"] = {s.label(): v for s, v in losses.items()}
-        if fused_choice and best.fused is not None:
-            other = replace(best, fused=not best.fused)
-            t2, _ = self._interleaved([best, other], report)
-            pick, why = choose(t2, plain=replace(best, fused=False), min_gain=self.min_gain)
-            report["stages"].append(self._stage("optimizer kernel", t2, pick, why))
-            best = pick
-        if len(thread_choices) > 1:
-            cands = [replace(best, threads=n) for n in thread_choices]
-            t3, _ = self._interleaved(cands, report)
-            pick, why = choose(t3, plain=cands[0], min_gain=self.min_gain)
-            report["stages"].append(self._stage("threads", t3, pick, why))
-            best = pick
-        report["steps"] = self.steps_run
-        report["chosen"] = best.label()
-        report["switches"] = asdict(best)
-        self._copy = self._start = None  # free the copy
-        return best, report
+        for s in self.times:
+            loss = self.losses.get(s.precision)
+            if ref is None or loss is None or s.precision == plain.precision:
+                continue
+            if not numerics_ok(ref, loss, tol=self.loss_tol):
+                rejected[s] = f"loss {loss:.4g} vs {ref:.4g} in {plain.precision} at the same weights (> {self.loss_tol:.0%} apart)"
+                self.report["rejected"][s.label()] = rejected[s]
+        self.report["losses"] = dict(self.losses)
+        return rejected
+
+    def extra_seconds(self) -> float:
+        """What measuring cost: the timed steps' seconds above their stage winner's median (every step trained)."""
+        return self._extra
 
 
 def model_signature(model: nn.Module) -> dict:

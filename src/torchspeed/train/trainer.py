@@ -227,9 +227,12 @@ class Trainer(MeasuredSwitches):
         self.guard.reset_window()
 
     def step_batch(self, batch) -> None:
-        """Train on one device batch (runs the compile trial while it is undecided)."""
+        """Train on one device batch (runs the switch trial, then the compile trial, while they are undecided)."""
         try:
-            self.compiler.run(self.train_step, batch, on_fallback=self._reset_micro, is_fatal=is_out_of_memory)
+            if self.switch_trial is not None:  # the run's first steps: the switch candidates take turns (autoswitch.py)
+                self.trial_step(batch, self.train_step)
+            else:
+                self.compiler.run(self.train_step, batch, on_fallback=self._reset_micro, is_fatal=is_out_of_memory)
         except Exception as e:
             if isinstance(e, TrainingOutOfMemoryError) or not is_out_of_memory(e):
                 raise
@@ -296,6 +299,7 @@ class Trainer(MeasuredSwitches):
                 progress.epoch_done(row)
                 self.callbacks.on_evaluate(self, row)
                 self._end_epoch(row)
+        self.finish_switch_trial()  # a run shorter than its trial decides on what it measured
         self.best.restore(self.module, self._history, self.decisions)  # restore_best: the best epoch's weights
         return FitResult(history=self._history, config=asdict(cfg), decisions=dict(self.decisions), steps=self.step,
                          skipped_steps=int(self.skipped.item()))
