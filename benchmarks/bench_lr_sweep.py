@@ -13,7 +13,7 @@ order with the same budget (one-cycle over `--steps` optimizer steps), scored by
 validation loss at the end. The best sweep LR is the one with the lowest validation loss
 averaged over the seeds; the ratio is the range test's LR (per seed) over it. The same ratio
 is reported for the peak `fit(recipe="auto")` trains with (`recipe`: the range test, then the
-recipe's short one-cycle trial of 1x, 2x and 4x its pick; tune/recipe.py).
+recipe's short one-cycle trial of 1x, 2x and 4x its pick; plan/recipe.py).
 
 Workloads (all small enough for 2 CPU cores):
 - resnet20: ResNet-20 on the digits (32 px, batch 64), SGD momentum 0.9, wd 5e-4.
@@ -125,8 +125,8 @@ def range_test_lr(make, train, batch: int, opt: str, seed: int, precision: str, 
 
 
 def recipe_lr(make, train, batch: int, opt: str, seed: int, precision: str) -> dict:
-    """The peak LR fit(recipe="auto") trains with: the range test, then its short one-cycle trial (tune/recipe.py)."""
-    from torchspeed.tune.recipe import choose_recipe
+    """The peak LR fit(recipe="auto") trains with: the range test, then its short one-cycle trial (plan/recipe.py)."""
+    from torchspeed.plan.recipe import choose_recipe
 
     model = _model(make, seed)
     t0 = time.perf_counter()

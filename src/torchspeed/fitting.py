@@ -1,8 +1,8 @@
-"""`torchspeed.fit`: the tuners, then the trainer (T06-T08, T15, T17, and every technique `Trainer` composes).
+"""`torchspeed.fit`: the plan, then the trainer (T06-T08, T15, T17, and every technique `Trainer` composes).
 
-`fit` sits on a floor above both `torchspeed.train` (the loop) and `torchspeed.tune` (the
-tuners, which themselves train a few steps with `torchspeed.train`): neither package
-imports the other's caller, so there is no import cycle between them.
+`fit` sits on the top floor: `torchspeed.plan.make_plan` resolves every automatic choice once
+(with the tuners of `torchspeed.tune` and the recipe, within a tuning budget), and
+`torchspeed.train.Trainer` applies it, measuring the switches on the run's own first steps.
 
 Example:
     >>> result = torchspeed.fit(model, loader, epochs=3, val_loader=val, batch_size="auto", lr="auto")
@@ -16,8 +16,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from torchspeed.plan import as_decisions, make_plan
+from torchspeed.train.distributed import is_rank_zero
 from torchspeed.train.trainer import FitResult, Trainer, TrainConfig
-from torchspeed.tune.auto import tune_for_fit
 
 __all__ = ["fit"]
 
@@ -51,7 +52,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     training (peak LR and floor from the range test, label smoothing, BatchNorm statistics of the
     final weights, an EMA on long runs, Muon for AdamW on matrix-heavy models, on long runs the
     batch size with the least predicted time to a target, flip TTA after training;
-    `torchspeed.tune.recipe`, docs/recipe.md). It replaces `lr` (and `lr="auto"`);
+    `torchspeed.plan.recipe`, docs/recipe.md). It replaces `lr` (and `lr="auto"`);
     `recipe_parts` limits it to some parts (e.g. `("bn_stats", "label_smoothing")`).
 
     Example:
@@ -63,82 +64,34 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
         raise TypeError(f"fit() got unknown option(s) {sorted(unknown)}; "
                         f"valid: {sorted(TrainConfig.__dataclass_fields__)}")
     cfg = replace(cfg, epochs=epochs, **config)
-    if recipe not in (None, "auto"):
-        raise ValueError(f"recipe={recipe!r}: use recipe='auto' (measured on your model) or leave it out")
-    if recipe_parts is not None and recipe is None:
-        raise ValueError("recipe_parts needs recipe='auto'")
-    tuned: dict = {}
-    if recipe and lr == "auto":
-        lr = 0.1  # the recipe's range test chooses it, at the final batch size
-    if batch_size is not None or lr == "auto" or loader is not None:  # measured on this model and machine first
-        train_loader, lr, tuned = tune_for_fit(model, train_loader, batch_size=batch_size, lr=lr, loader=loader,
-                                               loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer, weight_decay=weight_decay,
-                                               optimizer_options={"momentum": momentum, "betas": betas},
-                                               device=device, precision=cfg.precision, schedule=cfg.schedule,
-                                               distributed=cfg.distributed, progress=cfg.progress)
-    rec = None
-    if recipe:
-        if batch_size is not None:  # the user's batch (or the tuner's, above) stands
-            recipe_parts = tuple(p for p in (recipe_parts if recipe_parts is not None else _recipe_parts())
-                                 if p != "batch")
-        rec, cfg, optimizer, lr, callbacks, train_loader = _apply_recipe(
-            model, train_loader, cfg, recipe_parts, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
-            loss_fn=loss_fn, step_fn=step_fn, device=device, callbacks=callbacks,
-            optimizer_options={"momentum": momentum, "betas": betas})
-        tuned.update(rec.decisions)
-    trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer, lr=lr,
-                      weight_decay=weight_decay, momentum=momentum, betas=betas, device=device, config=cfg,
-                      callbacks=callbacks, loggers=loggers, mesh=mesh, on_checkpoint=on_checkpoint)
-    trainer.decisions.update(tuned)
-    result = trainer.fit(train_loader, epochs=epochs, val_loader=val_loader)
+    plan = make_plan(model, train_loader, cfg, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
+                     optimizer_options={"momentum": momentum, "betas": betas}, loss_fn=loss_fn, step_fn=step_fn,
+                     device=device, batch_size=batch_size, loader=loader, recipe=recipe, recipe_parts=recipe_parts,
+                     callbacks=callbacks)
+    trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=plan.optimizer, lr=plan.lr,
+                      weight_decay=weight_decay, momentum=momentum, betas=betas, device=device, config=plan.config,
+                      callbacks=plan.callbacks, loggers=loggers, mesh=mesh, on_checkpoint=on_checkpoint)
+    trainer.decisions.update(plan.decisions)
+    if plan.config.progress and is_rank_zero():
+        _print_plan(plan)
+    result = trainer.fit(plan.loader, epochs=epochs, val_loader=val_loader)
+    rec = plan.recipe
     if rec is not None and "tta" in rec.parts:
         _after_training(trainer, rec, result, val_loader)
+    result.decisions = as_decisions(result.decisions)
     return result
 
 
-def _apply_recipe(model, train_loader, cfg: TrainConfig, parts, *, optimizer, lr, weight_decay, loss_fn, step_fn,
-                  device, callbacks, optimizer_options):
-    """Choose the recipe (tune/recipe.py) and fold it into the config, optimizer, LR and callbacks."""
-    from torchspeed.train.distributed import maybe_init_distributed
-    from torchspeed.train.sampler import loader_length
-    from torchspeed.train.schedule import steps_in_run
-    from torchspeed.tune.recipe import PARTS, choose_recipe
+def _print_plan(plan) -> None:
+    """The plan before training: what was chosen, from what evidence, at what cost, what the run still measures."""
+    from rich.console import Console
 
-    info = maybe_init_distributed(cfg.distributed, device=device)  # so that rank 0 measures for every rank
-    if info is not None:
-        device = info.device
-
-    total = steps_in_run(loader_length(train_loader, max_steps=cfg.max_steps), cfg.epochs,
-                         grad_accum=cfg.grad_accum, max_steps=cfg.max_steps)
-    rec = choose_recipe(model, train_loader, optimizer=optimizer, lr=float(lr), weight_decay=weight_decay,
-                        optimizer_options=optimizer_options, precision=cfg.precision, loss_fn=loss_fn,
-                        step_fn=step_fn, total_steps=total, schedule=cfg.schedule,
-                        parts=tuple(parts) if parts is not None else PARTS, device=device, progress=cfg.progress)
-    changes = rec.config()
-    if cfg.min_lr is not None:  # the user's own floor wins
-        changes.pop("min_lr", None)
-    if loss_fn is not None:
-        changes.pop("label_smoothing", None)
-    cfg = replace(cfg, **changes)
-    if rec.optimizer and isinstance(optimizer, str):
-        optimizer = rec.optimizer
-    if rec.batch_size and rec.batch_size != getattr(train_loader, "batch_size", None):
-        from torchspeed.train.sampler import rebuild_loader
-
-        train_loader = rebuild_loader(train_loader, batch_size=rec.batch_size)
-    return (rec, cfg, optimizer, rec.lr if rec.lr is not None else lr, [*(callbacks or ()), *rec.callbacks()],
-            train_loader)
-
-
-def _recipe_parts() -> tuple[str, ...]:
-    from torchspeed.tune.recipe import PARTS
-
-    return PARTS
+    Console(stderr=True).print(plan.summary(), markup=False, highlight=False)
 
 
 def _after_training(trainer: Trainer, rec, result: FitResult, val_loader) -> None:
     """The recipe's after-training part: flip TTA when it scores better on training batches (T33)."""
-    from torchspeed.tune.recipe import decide_tta
+    from torchspeed.plan.recipe import decide_tta
 
     asked = trainer.config.tta  # the user's own TTA stands, and the history already used it
     dec = result.decisions["tta"] = decide_tta(trainer, rec.probe)

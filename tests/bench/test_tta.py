@@ -64,7 +64,7 @@ def test_a_budget_fails_as_soon_as_one_seed_misses_and_that_seed_goes_first_next
 # ------------------------------------------------------------------ end to end on a tiny workload
 @pytest.fixture(scope="module")
 def tiny():
-    """naive, all and auto on two seeds to a low target (auto's recipe chosen once per seed)."""
+    """naive, all, auto (cold cache) and auto_warm on two seeds to a low target."""
     return run_tta(targets=(0.3,), seeds=2, **TINY)
 
 
@@ -73,10 +73,10 @@ def test_every_config_reaches_the_target_and_the_json_has_the_issue_schema(tiny)
     assert res.seeds == [0, 1] and len(res.targets) == 1
     e = res.targets[0]
     assert e["workload"] == "mlp on synthetic" and e["target"] == 0.3 and e["metric"] == "val_acc"
-    for name in ("naive", "all", "auto"):
+    for name in ("naive", "all", "auto", "auto_warm"):
         c = e["configs"][name]
-        for key in ("budget_steps", "samples_to_target", "train_time_s", "tuning_time_s", "reached", "seeds",
-                    "val_acc"):
+        for key in ("budget_steps", "samples_to_target", "train_time_s", "tuning_time_s", "total_time_s",
+                    "tuning_share", "reached", "seeds", "val_acc"):
             assert key in c
         assert c["budget_steps"] in TINY["budgets"] and c["reached"] == c["seeds"] == 2 and e[name] is c
         assert c["samples_to_target"] == c["budget_steps"] * 32
@@ -86,15 +86,22 @@ def test_every_config_reaches_the_target_and_the_json_has_the_issue_schema(tiny)
             below = max(shorter)
             runs = [r for r in res.runs if r.config == name and r.budget == below]
             assert runs and any(r.val_acc < 0.3 for r in runs)
-    assert e["configs"]["auto"]["tuning_time_s"] > 0 == e["configs"]["all"]["tuning_time_s"]
-    assert "auto_vs_all" in e and e["auto_vs_all"]["samples"] > 0
+    assert e["configs"]["auto"]["tuning_time_s"] > 0 == e["configs"]["all"]["tuning_time_s"]  # counted, cold
+    for key in ("auto_vs_all", "auto_vs_naive", "auto_warm_vs_all"):
+        assert e[key]["samples"] > 0 and e[key]["tuning_included"] > 0 and 0 <= e[key]["tuning_share"] < 1
+    # cold: a run's recipe cannot afford the range test (100+ steps) in a budget of at most 32 steps: the prior LR
+    cold = [r for r in res.runs if r.config == "auto"]
+    assert cold and all(r.tuning_steps == 0 and "prior" in r.decisions["lr"] for r in cold)
+    warm = [r for r in res.runs if r.config == "auto_warm"]  # the earlier run's measurement, 0 steps now
+    assert warm and all(r.tuning_steps == 0 and "cached" in r.decisions["lr"] for r in warm)
+    assert all("cached" in r.decisions["switch_trial"] for r in warm)
     # final quality at equal length: auto trained for naive's budget on every seed, beside naive's own runs
     sb, nb = e["auto_at_naive_budget"], e["configs"]["naive"]["budget_steps"]
     assert sb["budget_steps"] == nb and len(sb["auto"]) == len(sb["naive"]) == 2
     assert sb["auto"] == [r.val_acc for r in sorted((r for r in res.runs if r.config == "auto" and r.budget == nb),
                                                      key=lambda r: r.seed)]
     assert sb["not_worse"] == (sb["auto_mean"] >= sb["naive_mean"])
-    # auto trains with its recipe: the range test's LR and label smoothing, chosen per seed
+    # the warm cache holds the recipe measured with no budget: the range test's LR and label smoothing, per seed
     for s in ("0", "1"):
         rec = res.recipes[s]["recipe"]
         assert rec["lr"] > 0 and rec["label_smoothing"] == 0.1 and rec["bn_stats"] is False  # an MLP: no BatchNorm
@@ -119,11 +126,11 @@ def test_rows_and_json_carry_the_targets(tiny, tmp_path):
     assert "commit" in tta["meta"] and tta["runs"]
 
 
-def test_the_recipe_is_chosen_without_reading_the_validation_split(monkeypatch):
+def test_the_recipe_is_chosen_without_reading_the_validation_split(monkeypatch, tmp_path):
     """auto's choice runs on training batches alone: a different validation set changes nothing."""
     import torchspeed.bench._worker as worker
     from torchspeed.bench.runner import bench_configs
-    from torchspeed.bench.tta import choose
+    from torchspeed.bench.tta import warm
 
     import torch
     cfg = next(c for c in bench_configs(torch.device("cpu"), compile=False, hand=False) if c.name == "all")
@@ -131,7 +138,7 @@ def test_the_recipe_is_chosen_without_reading_the_validation_split(monkeypatch):
     spec = {"model": "mlp", "data": "synthetic", "batch_size": 32, "train_size": 256, "val_size": 128, "lr": 0.1,
             "optimizer": "sgd", "data_seed": 0, "seed": 0, "device": "cpu", "image_size": 32, "num_workers": 0,
             "train": asdict(replace(cfg.train, schedule="onecycle", trial=False))}
-    first = choose(spec)["recipe"]
+    first = warm(spec | {"cache_dir": str(tmp_path / "a")})["recipe"]
     real = worker._data
 
     def other_validation(s):
@@ -140,7 +147,7 @@ def test_the_recipe_is_chosen_without_reading_the_validation_split(monkeypatch):
         return loader, torch.utils.data.DataLoader(bad, batch_size=16), dev
 
     monkeypatch.setattr(worker, "_data", other_validation)
-    second = choose(spec)["recipe"]
+    second = warm(spec | {"cache_dir": str(tmp_path / "b")})["recipe"]
     for key in ("lr", "min_lr", "label_smoothing", "bn_stats", "ema_decay", "optimizer"):
         assert first[key] == second[key]
 

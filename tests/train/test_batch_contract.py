@@ -14,7 +14,7 @@ from torchspeed.train import Trainer, TrainConfig, evaluate
 from torchspeed.train.batch import count_correct, forward_loss, split_batch
 from torchspeed.train.checkpoint import load_checkpoint
 
-FAST = dict(compile=False, progress=False, precision="fp32")
+FAST = dict(compile=False, progress=False, precision="fp32", trial=False)  # bit-exact comparisons: no timing-based choice
 
 
 class HFStyleClassifier(nn.Module):

@@ -92,7 +92,7 @@ def test_a_callback_stops_training_after_the_step():
             if trainer.step == 5:
                 trainer.request_stop("enough")
     r = torchspeed.fit(_bn_mlp(), _data(), epochs=3, val_loader=_val(), callbacks=[StopAt()], **_FIT)
-    assert r.steps == 5 and len(r.history) == 1 and r.decisions["stopped"] == "enough"
+    assert r.steps == 5 and len(r.history) == 1 and r.decisions["stopped"].value == "enough"
     assert r.history[0]["step"] == 5 and "val_acc" in r.history[0]  # the partial epoch is evaluated
 
 
@@ -129,7 +129,7 @@ def test_early_stopping_stops_when_val_loss_stops_improving():
     assert losses[2] == losses[3] == losses[4]               # frozen: no improvement
     assert len(r.history) == 5 and r.steps == 5 * 12          # stopped at epoch 5 = 3 + patience
     assert es.best_epoch == 3 and es.stopped_epoch == 5 and es.best == losses[2]
-    assert "early stopping at epoch 5: val_loss did not improve for 2 epoch(s)" in r.decisions["stopped"]
+    assert "early stopping at epoch 5: val_loss did not improve for 2 epoch(s)" in str(r.decisions["stopped"])
     # the control: the same run without EarlyStopping trains all 10 epochs
     r_all = torchspeed.fit(_plain_mlp(), _data(), epochs=10, val_loader=_val(), schedule=None,
                            callbacks=[FreezeAfter(3)], **_FIT)
@@ -246,7 +246,7 @@ def test_resume_with_ema_is_bit_identical(tmp_path):
     model, ema = _bn_mlp(seed=7), EMA(0.9, apply_at_end=False)
     es = EarlyStopping("val_acc", patience=5)
     r = torchspeed.fit(model, _data(), callbacks=[ema, es], resume="auto", **cfg)
-    assert "step 16" in r.decisions["resumed_from"]
+    assert "step 16" in str(r.decisions["resumed_from"])
     assert _state_equal(model.state_dict(), ref_model.state_dict())
     assert _state_equal(ema.averaged.state_dict(), ref_ema.averaged.state_dict())
     assert [h["val_acc"] for h in r.history] == [h["val_acc"] for h in ref.history]

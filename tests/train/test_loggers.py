@@ -16,7 +16,7 @@ import torchspeed
 import torchspeed.train.loggers as loggers_mod
 from torchspeed.train.loggers import TensorBoardLogger
 
-_FIT = dict(device="cpu", progress=False, seed=0, compile=False, precision="fp32", lr=0.05)
+_FIT = dict(device="cpu", progress=False, seed=0, compile=False, precision="fp32", lr=0.05, trial=False)  # hparams are logged at the start, before a switch trial would decide
 STEPS_PER_EPOCH = 12
 
 

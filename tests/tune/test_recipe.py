@@ -1,11 +1,11 @@
-"""The measured training recipe (tune/recipe.py, fit(recipe="auto")): what it chooses, and on what data."""
+"""The measured training recipe (plan/recipe.py, fit(recipe="auto")): what it chooses, and on what data."""
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from torchspeed.tune.recipe import EMA_MIN_STEPS, PARTS, Recipe, choose_recipe, choose_tta, is_classifier
+from torchspeed.plan.recipe import EMA_MIN_STEPS, PARTS, Recipe, choose_recipe, choose_tta, is_classifier
 
 
 def _bn_net():

@@ -8,7 +8,7 @@ model is there. Three configs:
 - `all`: the same recipe, torchspeed's speed switches on (`TrainConfig()` defaults: the
   measured switch trial, fused kernels, T13 host reads, ...);
 - `auto`: the speed switches on plus the recipe `fit(recipe="auto")` chooses on the training
-  data (tune/recipe.py: peak LR and floor from the range test, label smoothing, BatchNorm
+  data (plan/recipe.py: peak LR and floor from the range test, label smoothing, BatchNorm
   statistics of the final weights, flip TTA only where it scores better, ...).
 
 Method (why a budget grid): a one-cycle run's accuracy at step k depends on the schedule's
@@ -49,6 +49,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -63,7 +64,8 @@ DEFAULT_TARGETS = {"digits": (0.97, 0.90)}
 BUDGETS = (8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 96, 112, 128, 160, 192, 256, 320, 400)
 START = 80          # where the search starts for naive/all (today's default budget)
 DEFAULT_LR = 0.1    # today's recipe: the one-cycle's peak LR (SGD, momentum 0.9)
-CONFIGS = ("naive", "all", "auto")
+CONFIGS = ("naive", "all", "auto", "auto_warm")
+COLD = ("naive", "all", "auto")  # each run starts from an empty decision cache: every measurement counts
 
 
 @dataclass
@@ -75,16 +77,22 @@ class TTARun:
     budget: int                  # optimizer steps (the one-cycle's length)
     val_acc: float | None        # at the end
     val_loss: float
-    train_s: float               # training seconds (clock around the steps; evaluation off the clock)
+    train_s: float               # training seconds (clock around the steps, the switch trial's included; evaluation off)
     samples: int
     decisions: dict = field(default_factory=dict)
+    tuning_s: float = 0.0        # choosing the recipe in the run's own process, before training (auto)
+    tuning_steps: int = 0        # training steps off the run that choosing spent
+
+    @property
+    def total_s(self) -> float:
+        return self.train_s + self.tuning_s
 
 
 @dataclass
 class TTAResult:
     targets: list                # one entry per (workload, target): see `_target_entry`
     runs: list[TTARun]
-    recipes: dict                # seed -> the recipe auto chose (with its tuning time)
+    recipes: dict                # seed -> the recipe the warm cache holds (measured with no budget, off the clock)
     seeds: list[int]
     meta: dict = field(default_factory=dict)
     ablation: list = field(default_factory=list)
@@ -189,7 +197,13 @@ def _config_entry(search: _Search, budget: int | None, batch: int, tuning: list[
     return {"budget_steps": budget, "samples_to_target": budget * batch if budget else None,
             "train_time_s": statistics.fmean(r.train_s for r in runs) if budget else None,
             "train_time_s_runs": [r.train_s for r in runs] if budget else [],
-            "tuning_time_s": statistics.fmean(tuning) if tuning else 0.0,
+            "tuning_time_s": statistics.fmean(r.tuning_s for r in runs) if budget else 0.0,
+            "tuning_steps": statistics.fmean(r.tuning_steps for r in runs) if budget else 0.0,
+            "total_time_s": statistics.fmean(r.total_s for r in runs) if budget else None,
+            "total_time_s_runs": [r.total_s for r in runs] if budget else [],
+            "tuning_share": (statistics.fmean(r.tuning_s for r in runs) / statistics.fmean(r.total_s for r in runs))
+            if budget else None,
+            "warm_cache_tuning_s": statistics.fmean(tuning) if tuning else None,
             "reached": sum(1 for r in shown if r is not None) if budget else 0,
             "seeds": len(search.seeds),
             "val_acc": [r.val_acc if r else None for r in shown],
@@ -197,25 +211,30 @@ def _config_entry(search: _Search, budget: int | None, batch: int, tuning: list[
             "budgets_tried": tried}
 
 
+def _versus(a: dict, b: dict) -> dict:
+    """b against a: samples, training time, and time with every second of choosing counted (the headline)."""
+    ratios = [x / y for x, y in zip(a["total_time_s_runs"], b["total_time_s_runs"])]
+    saved = a["train_time_s"] - b["train_time_s"]
+    return {"samples": a["samples_to_target"] / b["samples_to_target"],
+            "train_time": a["train_time_s"] / b["train_time_s"],
+            "tuning_included": a["total_time_s"] / b["total_time_s"],
+            "tuning_included_interval": compare_ratios(ratios),
+            "tuning_share": b["tuning_share"],
+            # b's choosing pays for itself on runs longer than this many seconds of a's training
+            "break_even_train_s": (b["tuning_time_s"] / (saved / a["train_time_s"])) if saved > 0 and b["tuning_time_s"]
+            else None}
+
+
 def _target_entry(workload: str, target: float, metric: str, searches: dict, budgets: dict, batch: int,
                   tuning: dict) -> dict:
     configs = {name: _config_entry(s, budgets[name], batch, tuning.get(name, [])) for name, s in searches.items()}
     # per config under "configs", and the same under each config's own name (the schema the issue names)
     entry = {"workload": workload, "target": target, "metric": metric, "configs": configs, **configs}
-    a, b = configs.get("all"), configs.get("auto")
-    if a and b and a["budget_steps"] and b["budget_steps"]:
-        ratios = [x / y for x, y in zip(a["train_time_s_runs"], b["train_time_s_runs"])]
-        saved = a["train_time_s"] - b["train_time_s"]
-        tuned = b["tuning_time_s"] + b["train_time_s"]
-        entry["auto_vs_all"] = {
-            "samples": a["samples_to_target"] / b["samples_to_target"],
-            "train_time": a["train_time_s"] / b["train_time_s"],
-            "train_time_interval": compare_ratios(ratios),
-            "tuning_included": a["train_time_s"] / tuned,
-            # auto's tuning pays for itself on runs longer than this many seconds of all's training
-            "break_even_all_train_s": (b["tuning_time_s"] / (saved / a["train_time_s"])) if saved > 0 else None,
-        }
-    n = configs.get("naive")
+    for base, cand in (("all", "auto"), ("naive", "auto"), ("all", "auto_warm"), ("naive", "auto_warm")):
+        a, b = configs.get(base), configs.get(cand)
+        if a and b and a["budget_steps"] and b["budget_steps"]:
+            entry[f"{cand}_vs_{base}"] = _versus(a, b)
+    a, n = configs.get("all"), configs.get("naive")
     if a and n and a["budget_steps"] and n["budget_steps"]:
         entry["all_vs_naive"] = {"train_time": n["train_time_s"] / a["train_time_s"],
                                  "samples": n["samples_to_target"] / a["samples_to_target"]}
@@ -253,7 +272,7 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", targets: tuple[flo
     if busy is None:
         busy = machine_busy()[0] if dev.type == "cpu" else False
     by_name = {c.name: c for c in bench_configs(dev, compile=compile, hand=False, busy=busy)}
-    proc_cfg = {"naive": by_name["naive"], "all": by_name["all"], "auto": by_name["all"]}
+    proc_cfg = {"naive": by_name["naive"], "all": by_name["all"], "auto": by_name["all"], "auto_warm": by_name["all"]}
     if train_size is None:
         train_size = 2048 if image_size < 64 else 4 * batch_size
     if val_size is None:
@@ -268,26 +287,28 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", targets: tuple[flo
     from rich.progress import Progress
 
     recipes: dict[int, dict] = {}
-    with Progress(disable=not progress, transient=True) as bar:
+    warm_dirs: dict[int, str] = {}
+    with tempfile.TemporaryDirectory(prefix="torchspeed-warm-") as warm_root, \
+            Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("time to accuracy", total=None)
 
         def say(what: str) -> None:
             bar.update(task, description=f"time to accuracy: {what}")
             bar.advance(task)
 
-        if "auto" in configs:  # the recipe, chosen once per seed on the training data (its time is tuning time)
+        if "auto_warm" in configs:  # an earlier run measured everything (no budget): its cache, off the clock
             for s in seed_list:
-                say(f"auto: choosing the recipe, seed {s}")
-                recipes[s] = _process(proc_cfg["auto"], base | {"mode": "choose", "seed": s, "config": "auto"})
+                say(f"auto_warm: measuring the recipe and the switches for the cache, seed {s}")
+                warm_dirs[s] = os.path.join(warm_root, str(s))
+                recipes[s] = _process(proc_cfg["auto_warm"], base | {"mode": "warm", "seed": s, "config": "auto_warm",
+                                                                    "cache_dir": warm_dirs[s]})
 
         def run_seeds(name: str, seeds_: list[int], budget: int, target: float | None, metric_: str | None,
                       parts: tuple | None = None) -> list[TTARun]:
             """`seeds_` in turn in one process of `name`'s kind (auto's recipe; `parts`: an ablation variant)."""
             spec = base | {"mode": "train", "config": name, "seed": seeds_[0], "seeds": seeds_, "budget": budget,
-                           "target": target, "metric": metric_}
-            if name == "auto":
-                spec["recipes"] = {str(s): recipes[s]["recipe"] for s in seeds_}
-                spec["parts"] = list(parts) if parts is not None else None
+                           "target": target, "metric": metric_, "parts": list(parts) if parts is not None else None,
+                           "cache_dirs": {str(s): warm_dirs[s] for s in seeds_} if name == "auto_warm" else {}}
             return [TTARun(**r) for r in _process(proc_cfg[name], spec)["runs"]]
 
         searches = {name: _Search(name, seed_list, run_seeds, say) for name in configs}
@@ -314,10 +335,11 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", targets: tuple[flo
                     same_budget[t] = _same_budget(b, searches["naive"].every_seed(b),
                                                   searches["auto"].every_seed(b), metric)
         ablation_rows: list = []
-        if ablation and "auto" in searches and recipes:
-            ablation_rows = _ablation(recipes, seed_list, run_seeds, budgets, order[0], metric,
-                                      found[order[0]].get("auto"), batch_size, say)
-    tuning = {"auto": [r["tuning_s"] for r in recipes.values()]}
+        if ablation and "auto" in searches and found[order[0]].get("auto"):
+            first = searches["auto"].runs[found[order[0]]["auto"], seed_list[0]]
+            ablation_rows = _ablation({"on": first.decisions.get("recipe_on", [])}, seed_list, run_seeds, budgets,
+                                      order[0], metric, found[order[0]].get("auto"), batch_size, say)
+    tuning = {"auto_warm": [r["tuning_s"] for r in recipes.values()]}
     workload = f"{model} on {data}"
     entries = [_target_entry(workload, t, metric, searches, found[t], batch_size, tuning) for t in targets]
     for e in entries:
@@ -349,10 +371,9 @@ def _nearest(budgets, b: int) -> int:
 def _ablation(recipes: dict, seeds: list[int], run_seeds, budgets, target: float, metric: str, auto_budget: int | None,
               batch: int, say) -> list:
     """Leave one part out (parts auto turned on) or add one (parts it left off): the budget each needs."""
-    from torchspeed.tune.recipe import PARTS
+    from torchspeed.plan.recipe import PARTS
 
-    first = next(iter(recipes.values()))["recipe"]
-    on = list(first.get("on", []))
+    on = list(recipes["on"]) if "on" in recipes else []
     rows = []
     for part in PARTS:
         if part in ("muon", "batch"):  # muon: AdamW on matrix-heavy models only; batch: runs of 300+ steps only
@@ -386,7 +407,7 @@ def attach_tta(result, tta: TTAResult) -> None:
 
 
 def print_tta(console, tta: TTAResult) -> None:
-    """One table per target: budget, samples, training time, tuning time, final accuracy per config."""
+    """One table per target: budget, samples, training time, choosing time, their total, final metric per seed."""
     from rich.table import Table
 
     m = tta.meta
@@ -394,25 +415,29 @@ def print_tta(console, tta: TTAResult) -> None:
         better = "<=" if e["metric"] == "val_loss" else ">="
         table = Table(title=f"time to {e['metric']} {better} {e['target']:.4g}: {e['workload']}, batch "
                             f"{m.get('batch_size')}, {len(tta.seeds)} seeds; the shortest one-cycle budget that ends "
-                            "there on every seed")
-        for col in ("config", "budget (steps)", "samples", "train time (s)", "tuning (s)", e["metric"] + " per seed"):
+                            "there on every seed; every config from an empty cache but auto_warm")
+        for col in ("config", "budget (steps)", "samples", "train (s)", "choosing (s)", "total (s)",
+                    e["metric"] + " per seed"):
             table.add_column(col, justify="left" if col == "config" else "right")
         for name, c in e["configs"].items():
             vals = ", ".join("-" if v is None else f"{v:.3f}" for v in c[e["metric"]])
             if c["budget_steps"] is None:
-                table.add_row(name, f"not reached (<= {max(c['budgets_tried'])})", "-", "-", "-", vals)
+                table.add_row(name, f"not reached (<= {max(c['budgets_tried'])})", "-", "-", "-", "-", vals)
                 continue
             table.add_row(name, str(c["budget_steps"]), f"{c['samples_to_target']:,}", f"{c['train_time_s']:.1f}",
-                          f"{c['tuning_time_s']:.1f}", vals, style="bold red" if name == "auto" else None)
+                          f"{c['tuning_time_s']:.1f}", f"{c['total_time_s']:.1f}", vals,
+                          style="bold red" if name == "auto" else None)
         console.print(table)
-        av = e.get("auto_vs_all")
-        if av:
-            iv = av["train_time_interval"]
-            be = av["break_even_all_train_s"]
-            console.print(f"[bold]auto vs all[/]: {av['samples']:.2f}x fewer samples, {av['train_time']:.2f}x less "
-                          f"training time (per seed {iv['low']:.2f}-{iv['high']:.2f}), {av['tuning_included']:.2f}x "
-                          "with the recipe's tuning included"
-                          + (f"; the tuning pays for itself on runs over {be:.0f} s of all's training" if be else ""))
+        for key, label in (("auto_vs_all", "auto vs all"), ("auto_vs_naive", "auto vs naive"),
+                           ("auto_warm_vs_all", "auto (warm cache) vs all")):
+            av = e.get(key)
+            if not av:
+                continue
+            iv = av["tuning_included_interval"]
+            console.print(f"[bold]{label}[/]: {av['tuning_included']:.2f}x sooner with choosing counted (per seed "
+                          f"{iv['low']:.2f}-{iv['high']:.2f}); {av['samples']:.2f}x fewer samples, "
+                          f"{av['train_time']:.2f}x less training time; choosing {av['tuning_share'] or 0:.0%} "
+                          "of its time")
         sb = e.get("auto_at_naive_budget")
         if sb:
             console.print(f"[bold]auto at naive's budget[/] ({sb['budget_steps']} steps): {sb['metric']} "
@@ -454,16 +479,29 @@ def _setup(spec: dict):
     return loader, val_loader, device, _model(spec)
 
 
-def choose(spec: dict) -> dict:
-    """Choose auto's recipe for one seed on the training data (no validation set is built here)."""
+def warm(spec: dict) -> dict:
+    """What an earlier run leaves in the cache: the recipe measured with no budget and the switch trial, both
+    written to spec["cache_dir"] (the auto_warm row reads them; this time is not on its clock)."""
     from torchspeed.bench._worker import _data, _model
-    from torchspeed.tune.recipe import choose_recipe
+    from torchspeed.plan.recipe import choose_recipe
+    from torchspeed.train.decision import TrialCache
+    from torchspeed.train.trainer import Trainer, TrainConfig
 
+    os.environ["TORCHSPEED_CACHE_DIR"] = spec["cache_dir"]
     t0 = time.perf_counter()
     loader, _, device = _data(spec)  # its validation loader is never read
     model = _model(spec)
-    rec = choose_recipe(model, loader, optimizer=spec["optimizer"], lr=spec["lr"],
-                        precision=spec["train"]["precision"], device=device, progress=False)
+    rec = choose_recipe(model, loader, optimizer=spec["optimizer"], lr=spec["lr"], precision=spec["train"]["precision"],
+                        device=device, progress=False, schedule="onecycle", cache=TrialCache())
+    cfg = replace(TrainConfig(**spec["train"]), progress=False, **rec.config())
+    trainer = Trainer(model, optimizer=rec.optimizer or spec["optimizer"], lr=rec.lr or spec["lr"], device=device,
+                      config=cfg)
+    trainer.prepare(loader)  # a run of unknown length: the full switch trial, cached for the next run
+    while trainer.switch_trial is not None:
+        for batch in trainer.batches(loader):
+            trainer.step_batch(batch)
+            if trainer.switch_trial is None:
+                break
     d = rec.to_dict()
     d["on"] = [p for p in rec.parts if _part_on(rec, p)]
     return {"recipe": d, "tuning_s": time.perf_counter() - t0}
@@ -479,17 +517,20 @@ def train_budget(spec: dict) -> TTARun:
     """One complete run of spec['budget'] optimizer steps (one-cycle over them); evaluated once, at the end."""
     from torchspeed.env import allocator_in_use
     from torchspeed.train.trainer import Trainer, TrainConfig
-    from torchspeed.tune.recipe import Recipe, decide_tta, probe_batches
+    from torchspeed.plan.recipe import decide_tta
 
+    # cold: an empty decision cache for this run alone (the switch trial and the recipe measure, on the clock);
+    # auto_warm: the cache an earlier run left
+    os.environ["TORCHSPEED_CACHE_DIR"] = spec.get("cache_dir") or tempfile.mkdtemp(prefix="torchspeed-cold-")
     loader, val_loader, device, model = _setup(spec)
     budget = int(spec["budget"])
     cfg = replace(TrainConfig(**spec["train"]), max_steps=budget, grad_accum=1, progress=False)
     optimizer, lr, callbacks, rec = spec["optimizer"], spec["lr"], [], None
-    if spec.get("recipe"):
-        rec = Recipe.from_dict(spec["recipe"])
-        parts = spec.get("parts")
-        if parts is not None:  # the ablation: the recipe with some parts left out or put in
-            rec = _with_parts(rec, tuple(parts), spec)
+    tuning_s = 0.0
+    if spec["config"] in ("auto", "auto_warm"):  # the plan's recipe, chosen in this run for this run's length
+        t0 = time.perf_counter()
+        rec = _choose_for_run(model, loader, spec, device, budget)
+        tuning_s = time.perf_counter() - t0
         cfg = replace(cfg, **rec.config())
         lr = rec.lr if rec.lr is not None else lr
         optimizer = rec.optimizer or optimizer
@@ -511,7 +552,7 @@ def train_budget(spec: dict) -> TTARun:
             trainer.callbacks.on_step_end(trainer)
     if rec is not None and "tta" in rec.parts:  # decided on training batches, on the clock
         t1 = time.perf_counter()
-        decide_tta(trainer, probe_batches(loader))
+        decide_tta(trainer, rec.probe)
         clock += time.perf_counter() - t1
     if rec is not None and rec.label_smoothing:  # the target's loss is the plain cross-entropy, as for every config
         from torchspeed.train.batch import default_loss
@@ -522,13 +563,31 @@ def train_budget(spec: dict) -> TTARun:
     decisions |= {"allocator": allocator_in_use(), "num_workers": loader.num_workers,
                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default (spin, then sleep)"),
                   "train_samples": len(loader.dataset), "val_samples": len(val_loader.dataset)}
+    if rec is not None:
+        decisions["recipe_on"] = [p for p in rec.parts if _part_on(rec, p)]
     return TTARun(config=spec["config"], seed=spec["seed"], budget=budget, val_acc=out["val_acc"],
-                  val_loss=out["val_loss"], train_s=clock, samples=budget * spec["batch_size"], decisions=decisions)
+                  val_loss=out["val_loss"], train_s=clock, samples=budget * spec["batch_size"], decisions=decisions,
+                  tuning_s=tuning_s, tuning_steps=rec.tuning_steps if rec is not None else 0)
+
+
+def _choose_for_run(model, loader, spec: dict, device, budget: int):
+    """The recipe as `fit(recipe="auto")` chooses it for a run of `budget` steps: within the tuning budget, from
+    the cache when it holds a measurement. The ablation's `parts` then switch parts off or on."""
+    from torchspeed.plan.budget import TuningBudget
+    from torchspeed.plan.recipe import PARTS, choose_recipe
+    from torchspeed.train.decision import TrialCache
+
+    rec = choose_recipe(model, loader, optimizer=spec["optimizer"], lr=spec["lr"], precision=spec["train"]["precision"],
+                        device=device, progress=False, total_steps=budget, schedule="onecycle", parts=PARTS,
+                        budget=TuningBudget(budget), cache=TrialCache())
+    if spec.get("parts") is not None:  # the ablation: the recipe with some parts left out or put in
+        rec = _with_parts(rec, tuple(spec["parts"]), spec)
+    return rec
 
 
 def _with_parts(rec, parts: tuple, spec: dict):
     """The recipe with only `parts` on; a part put in that auto had off gets its usual setting."""
-    from torchspeed.tune.recipe import LABEL_SMOOTHING
+    from torchspeed.plan.recipe import LABEL_SMOOTHING
 
     return replace(rec, parts=parts,
                    lr=rec.lr if "lr" in parts else spec["lr"],
@@ -545,12 +604,12 @@ def main() -> int:
 
     spec = json.loads(sys.stdin.readline())
     try:
-        if spec.get("mode") == "choose":
-            _reply({"ok": True} | choose(spec))
+        if spec.get("mode") == "warm":
+            _reply({"ok": True} | warm(spec))
         else:  # the seeds in turn, stopping at the first that misses the target (when one is given)
             runs = []
             for s in spec["seeds"]:
-                run = train_budget(spec | {"seed": s, "recipe": (spec.get("recipes") or {}).get(str(s))})
+                run = train_budget(spec | {"seed": s, "cache_dir": (spec.get("cache_dirs") or {}).get(str(s))})
                 runs.append(asdict(run))
                 if spec.get("target") is not None and not _met(run, spec["target"], spec["metric"]):
                     break

@@ -237,7 +237,12 @@ class MeasuredSwitches:
         return out
 
     def trial_step(self, batch, run_step) -> None:
-        """One of the run's steps while the switch trial is on: the candidate's settings, the step, its time."""
+        """One of the run's steps while the switch trial is on: the candidate's settings, the step, its time.
+        The steps run eager (a compiled module would recompile for each candidate); compile comes after."""
+        with self.compiler.eager():
+            self._trial_step(batch, run_step)
+
+    def _trial_step(self, batch, run_step) -> None:
         trial = self.switch_trial
         if not self._trial_meta["cache_checked"]:
             if self._check_cache(batch):
@@ -284,6 +289,9 @@ class MeasuredSwitches:
         self._settle(sw, "measured", _summary(report), report, Decision(
             "measured", f"{report['steps']} of the run's own steps, each trained; measuring cost "
                         f"{report['extra_s']:.2f} s over the winner{self._trial_meta['short']}", report))
+        if self.total_steps is not None:  # the compile trial starts from the winner's eager steps
+            self.compiler.after_switch_trial(trial.winner_times(),
+                                             max(0, (self.total_steps - self.step) * self.config.grad_accum))
 
     def apply_switches(self, sw: Switches) -> None:
         """Put `sw` into effect: autocast dtype (and its scaler), memory layout (weights and optimizer state),

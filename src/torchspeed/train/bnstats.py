@@ -124,8 +124,10 @@ class FinalBatchNormStats(Callback):
         n = self.steps if self.steps is not None else tail_steps(total)
         self.start = None if not total or not n else max(0, total - n)
         if self.start is not None:
-            trainer.decisions["bn_stats"] = (f"BatchNorm statistics averaged over the last {total - self.start} "
-                                             f"of {total} steps (T47)")
+            from torchspeed.train.decision import Decision
+
+            trainer.decisions["bn_stats"] = Decision(True, f"BatchNorm statistics averaged over the last "
+                                                           f"{total - self.start} of {total} steps (T47)")
             if trainer.step > self.start:  # a resume inside the tail: keep averaging, do not reset
                 self._begin(trainer, reset=False)
             elif trainer.step == self.start:

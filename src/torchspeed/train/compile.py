@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -220,12 +221,46 @@ class CompileController:
         if self.trial is not None and not self.trial.eager_times:
             self.trial.remaining_steps = remaining_steps
 
+    def after_switch_trial(self, eager_times: list[float], remaining_steps: int) -> None:
+        """The switch trial's timed steps of its winner are eager steps of this run's settings: the compile trial
+        starts from them (no eager phase of its own) and may decide at once that the rest of the run is too short."""
+        trial = self.trial
+        if trial is None or trial.eager_times or not eager_times:
+            return
+        need = trial.warmup + trial.steps
+        times = ([eager_times[0]] * trial.warmup + list(eager_times))[:max(need, trial.warmup + len(eager_times))]
+        while len(times) < need:
+            times.append(statistics.median(eager_times))
+        trial.eager_times = times
+        trial.remaining_steps = remaining_steps + len(times)
+        self._finish_if_done()
+
+    def finish(self) -> None:
+        """The run ended with the trial undecided: decide on what was measured (eager when nothing was)."""
+        trial = self.trial
+        if trial is None:
+            return
+        if len(trial.eager_times) <= trial.warmup:
+            self.apply(CompileDecision(False, "kept eager: the run ended before the compile trial could measure"))
+        else:
+            self.apply(self._broadcast(trial.decide()))
+
     def forward(self, *args, **kwargs):
         if self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # this step's outputs may overwrite the last step's
         return self.active(*args, **kwargs)
 
     __call__ = forward  # the controller stands in for the model: `controller(x)` runs the chosen module
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Run the plain module inside this block (the switch trial's steps), then what was active again."""
+        saved = self.active, self.mode
+        self.active, self.mode = self.model, None
+        try:
+            yield
+        finally:
+            self.active, self.mode = saved
 
     def _use(self, mode: str | None) -> None:
         if mode not in self._compiled:

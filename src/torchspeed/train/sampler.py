@@ -25,6 +25,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+
 from collections.abc import Iterable, Iterator, Sized
 
 import torch
@@ -32,7 +35,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from torchspeed.train.rng import capture_rng_state, restore_rng_state
 
-__all__ = ["ResumableSampler", "DataPosition", "is_stateful_loader", "loader_length", "set_epoch", "rebuild_loader"]
+__all__ = ["ResumableSampler", "DataPosition", "is_stateful_loader", "loader_length", "set_epoch", "rebuild_loader", "take_batches", "keep_rng"]
 
 _KEEP = object()
 
@@ -200,3 +203,37 @@ def set_epoch(loader, epoch: int) -> None:
     for sampler in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
+
+
+def _loader_generators(loader) -> list[torch.Generator]:
+    found = []
+    for obj in (loader, getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        g = getattr(obj, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not h for h in found):
+            found.append(g)
+    return found
+
+
+@contextlib.contextmanager
+def keep_rng(loader=None):
+    """Every RNG as it was afterwards: the global ones and the loader's own generators (its sampler's too), so
+    reading batches for a measurement does not change the data order or the randomness of the run that follows."""
+    gens = _loader_generators(loader) if loader is not None else []
+    saved = [g.get_state() for g in gens]
+    rng = capture_rng_state()
+    try:
+        yield
+    finally:
+        for g, st in zip(gens, saved):
+            g.set_state(st)
+        restore_rng_state(rng)
+
+
+def take_batches(loader, n: int) -> list:
+    """The first `n` batches of `loader`, as it gives them, with every RNG left as it was (`keep_rng`): the one
+    batch taker of the plan's probes."""
+    with keep_rng(loader):
+        out = list(itertools.islice(iter(loader), n))
+    if not out:
+        raise ValueError("the training loader gave no batches: check the dataset and batch size")
+    return out

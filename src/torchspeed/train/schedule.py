@@ -24,7 +24,7 @@ import math
 import torch
 
 __all__ = ["SCHEDULES", "create_scheduler", "scale_lr", "warmup_cosine_factor", "steps_in_run", "SQRT_RULE",
-           "lr_rule", "batch_lr_factor", "scale_lr_for_batch"]
+           "lr_rule", "batch_lr_factor", "scale_lr_for_batch", "rescale_lr"]
 
 SCHEDULES = ("onecycle", "cyclic", "cosine", "constant")
 SQRT_RULE = ("adam", "adamw", "lamb", "muon", "nadam", "radam")  # optimizers whose LR follows the batch's square root
@@ -117,3 +117,19 @@ def create_scheduler(name: str | None, optimizer: torch.optim.Optimizer, *, tota
         return torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: warmup_cosine_factor(s, total_steps=total_steps, warmup_steps=warm, min_factor=floor))
     raise ValueError(f"schedule {name!r} is not one of {', '.join(SCHEDULES)}")
+
+
+def rescale_lr(optimizer: torch.optim.Optimizer, scheduler, factor: float) -> None:
+    """Multiply a running schedule's LRs by `factor` in place, keeping its shape and position: the current LR,
+    the peak, start and floor of every group (OneCycleLR, cosine's LambdaLR, CyclicLR), so a peak LR measured
+    during the run's first steps takes over from the one it started with."""
+    for g in optimizer.param_groups:
+        for key in ("lr", "initial_lr", "max_lr", "min_lr"):
+            if key in g and isinstance(g[key], (int, float)):
+                g[key] = g[key] * factor
+    if scheduler is None:
+        return
+    for attr in ("base_lrs", "max_lrs", "_last_lr"):
+        vals = getattr(scheduler, attr, None)
+        if isinstance(vals, list):
+            setattr(scheduler, attr, [v * factor for v in vals])

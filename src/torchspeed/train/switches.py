@@ -170,6 +170,7 @@ class LiveTrial:
                              "warmup": warmup}
         self.steps_run = 0
         self._extra = 0.0
+        self._seen: dict[Switches, list[float]] = {}
         self.best: Switches | None = None
         self._stages = self._stage_list()
         self._start_stage(self._stages.pop(0))
@@ -213,6 +214,7 @@ class LiveTrial:
         self.steps_run += 1
         if timed and s in self.times:
             self.times[s].append(seconds)
+            self._seen.setdefault(s, []).append(seconds)
         if not self._queue:
             self._end_stage()
 
@@ -267,6 +269,10 @@ class LiveTrial:
                 self.report["rejected"][s.label()] = rejected[s]
         self.report["losses"] = dict(self.losses)
         return rejected
+
+    def winner_times(self) -> list[float]:
+        """The timed steps of the chosen settings (eager seconds per step: what a compile trial compares against)."""
+        return list(self._seen.get(self.best, []))
 
     def extra_seconds(self) -> float:
         """What measuring cost: the timed steps' seconds above their stage winner's median (every step trained)."""

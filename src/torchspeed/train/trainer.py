@@ -152,7 +152,7 @@ class Trainer(MeasuredSwitches):
         if cfg.scale_lr_world_size and self.dist is not None:
             for g in optimizer.param_groups:  # before the schedule reads the lr as its peak
                 g["lr"] = scale_lr_world_size(g["lr"], world_size=self.dist.world_size)
-            self.decisions["lr"] = f"x{self.dist.world_size} (world size, T17): {optimizer.param_groups[0]['lr']:g}"
+            self.decisions["lr"] = Decision(optimizer.param_groups[0]["lr"], f"x{self.dist.world_size} (world size, T17)")
         self.scheduler = None
         self.total_steps: int | None = None
 
@@ -188,7 +188,7 @@ class Trainer(MeasuredSwitches):
 
     def request_stop(self, reason: str) -> None:
         """End training after the current step (or epoch); `reason` goes to decisions["stopped"]."""
-        self.should_stop, self.decisions["stopped"] = True, reason
+        self.should_stop, self.decisions["stopped"] = True, Decision(reason, "requested during the run")
         log.warning("stopping: %s", reason)
 
     # ------------------------------------------------------------------ the hot path
@@ -300,6 +300,7 @@ class Trainer(MeasuredSwitches):
                 self.callbacks.on_evaluate(self, row)
                 self._end_epoch(row)
         self.finish_switch_trial()  # a run shorter than its trial decides on what it measured
+        self.compiler.finish()
         self.best.restore(self.module, self._history, self.decisions)  # restore_best: the best epoch's weights
         return FitResult(history=self._history, config=asdict(cfg), decisions=dict(self.decisions), steps=self.step,
                          skipped_steps=int(self.skipped.item()))
@@ -448,9 +449,9 @@ class Trainer(MeasuredSwitches):
         restore_rng_state(state["rng"])
         epoch, batch = self.position.epoch, self.position.batch
         self.resumed_from = self.last_checkpoint = found.path
-        self.decisions["resumed_from"] = f"{found.path} (epoch {epoch + 1}, batch {batch}, step {self.step})"
+        self.decisions["resumed_from"] = Decision(str(found.path), f"epoch {epoch + 1}, batch {batch}, step {self.step}")
         if found.skipped:
-            self.decisions["resume_passed_over"] = list(found.skipped)
+            self.decisions["resume_passed_over"] = Decision(list(found.skipped), "damaged or unreadable checkpoints")
         log.warning("resuming from %s: epoch %d, batch %d, step %d", found.path, epoch + 1, batch, self.step)
         return epoch, batch
 

@@ -9,8 +9,9 @@ the new batch size and the tuned worker settings.
   dataset (an epoch keeps at least 16 steps), or an int.
 - lr="auto": `find_lr` on the user's loader at its own batch size; the one-cycle max LR
   when the schedule is one-cycle, otherwise the suggestion.
-- When the batch changes, the LR (tuned or given) is scaled by the linear rule
-  `scale_lr(lr, new_batch, old_batch)` (T17).
+- When the batch changes, the LR (tuned or given) is scaled by the optimizer's rule
+  (`schedule.scale_lr_for_batch`: linear for SGD, square root for the Adam family; T17), the
+  same rule the recipe's batch part uses.
 - loader="auto": `tune_loader` at the final batch size, with the model step as consumer.
 
 Every choice and its reason goes into `FitResult.decisions`. Under torchrun the process group
@@ -30,7 +31,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from torchspeed.env import default_device
 from torchspeed.train.sampler import rebuild_loader
-from torchspeed.train.schedule import scale_lr
+from torchspeed.train.decision import Decision
+from torchspeed.train.schedule import lr_rule, scale_lr_for_batch
 
 __all__ = ["tune_for_fit", "rebuild_loader"]
 
@@ -84,9 +86,10 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
                               collate_fn=train_loader.collate_fn,  # type: ignore[union-attr]
                               max_batch=max(8, min(1024, len(dataset) // 16 // 8 * 8)), progress=progress)
         new_batch = res.fastest
-        decisions["batch_size"] = (f"{new_batch} (fastest measured; largest that fits {res.largest}, "
-                                   f"limited by {res.limited_by})")
-        decisions["batch_size_table"] = [(t.batch_size, t.samples_per_s) for t in res.table if t.samples_per_s]
+        decisions["batch_size"] = Decision(new_batch, f"fastest measured; largest that fits {res.largest}, limited by "
+                                                      f"{res.limited_by}", measured={"samples_per_s": [
+                                                          (t.batch_size, t.samples_per_s) for t in res.table
+                                                          if t.samples_per_s]})
     elif isinstance(batch_size, int):
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -96,17 +99,19 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
         res_lr = find_lr(model, train_loader, loss_fn=loss_fn, step_fn=step_fn, optimizer=scratch_optimizer(1e-6),
                          precision=precision, progress=progress)
         lr_val = res_lr.max_lr if schedule == "onecycle" else res_lr.suggestion
-        decisions["lr_find"] = (f"{lr_val:.3g} ({'one-cycle max' if schedule == 'onecycle' else 'suggestion'} "
-                                f"of the range test{f' at batch {old_batch}' if old_batch else ''}; {res_lr.rule}; "
-                                f"confidence {res_lr.confidence}{': ' + res_lr.warning if res_lr.warning else ''})")
+        decisions["lr_find"] = Decision(lr_val, f"{'one-cycle max' if schedule == 'onecycle' else 'suggestion'} of the "
+                                                f"range test{f' at batch {old_batch}' if old_batch else ''}; "
+                                                f"{res_lr.rule}; confidence {res_lr.confidence}"
+                                                f"{': ' + res_lr.warning if res_lr.warning else ''}")
     else:
         lr_val = float(lr)
     if new_batch != old_batch and old_batch:
-        scaled = scale_lr(lr_val, new_batch, old_batch)
-        decisions["lr"] = f"{scaled:.3g} ({lr_val:.3g} x {new_batch}/{old_batch}: the linear scaling rule, T17)"
+        scaled = scale_lr_for_batch(lr_val, new_batch, old_batch, optimizer)
+        decisions["lr"] = Decision(scaled, f"{lr_val:.3g} scaled to batch {new_batch} from {old_batch} by the "
+                                           f"{lr_rule(optimizer)} rule (T17)")
         lr_val = scaled
     if lr == "auto" or new_batch != old_batch:
-        decisions["peak_lr"] = lr_val  # the number itself, for callers that record it
+        decisions["peak_lr"] = Decision(lr_val, "the peak LR the run trains with")
 
     if isinstance(optimizer, torch.optim.Optimizer) and (lr == "auto" or new_batch != old_batch):
         base = optimizer.param_groups[0]["lr"] or 1.0  # the Trainer uses a given optimizer's own lr
@@ -118,7 +123,7 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
         s = tune_loader(train_loader.dataset, batch_size=new_batch, model=model, loss_fn=loss_fn,  # type: ignore[union-attr]
                         device=dev, collate_fn=train_loader.collate_fn, progress=progress)  # type: ignore[union-attr]
         settings = s.kwargs()
-        decisions["loader"] = f"{settings} ({s.reason})"
+        decisions["loader"] = Decision(settings, s.reason)
     if new_batch != old_batch or settings:
         train_loader = rebuild_loader(train_loader, **({"batch_size": new_batch} if new_batch else {}), **settings)  # type: ignore[arg-type]
     return train_loader, lr_val, decisions

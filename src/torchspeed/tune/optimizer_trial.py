@@ -27,6 +27,8 @@ Example:
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -162,8 +164,11 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
                 task = bar.add_task(f"optimizer trial: {name}", total=steps)
                 model.train()
                 losses: list[float] = []
+                clock: list[float] = []
                 for b in train:
+                    t0 = time.perf_counter()
                     losses.append(float(step(to_device(b, device))))  # a host sync per step: fine for a trial
+                    clock.append(time.perf_counter() - t0)
                     if sched is not None:
                         sched.step()
                     bar.update(task, advance=1)
@@ -172,6 +177,7 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
                         break
                 tail = losses[-max(1, len(losses) // 5):]
                 row["train_loss"] = sum(tail) / len(tail)
+                row["curve"], row["step_s"] = losses, clock
                 if row["error"] is None:
                     model.eval()
                     with torch.no_grad():
@@ -183,4 +189,43 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
     finally:
         snap.restore()
     best, reason = pick_optimizer({r["name"]: r["loss"] for r in rows}, margin=margin)
+    if best != names[0]:  # it learns more per step; it must also reach the baseline's loss in less time
+        best, reason = _judge_by_time(rows, names[0], best, reason, margin=margin)
+    for r in rows:
+        r["s_per_step"] = statistics.median(r.pop("step_s", None) or [math.nan])
+        r.pop("curve", None)
     return OptimizerTrial(best=best, table=tuple(rows), reason=reason, steps=steps)
+
+
+def seconds_to_loss(curve: Sequence[float], step_s: Sequence[float], target: float, window: int = 5) -> float:
+    """Seconds (summed step times, the first step's compile-free median standing in for it) until the moving
+    average of `curve` over `window` steps first reaches `target`; inf when it never does."""
+    if not curve:
+        return math.inf
+    typical = statistics.median(step_s[1:] or step_s)
+    elapsed = 0.0
+    for i in range(len(curve)):
+        elapsed += typical if i == 0 else step_s[i]
+        lo = max(0, i + 1 - window)
+        if sum(curve[lo:i + 1]) / (i + 1 - lo) <= target:
+            return elapsed
+    return math.inf
+
+
+def _judge_by_time(rows: list[dict], base: str, best: str, reason: str, *, margin: float) -> tuple[str, str]:
+    """The per-step winner `best` is kept only when its training loss reaches the baseline's final training loss
+    in fewer seconds (by more than `margin`): a faster-learning optimizer whose steps are slower must win on time."""
+    r = {row["name"]: row for row in rows}
+    b, c = r[base], r[best]
+    if not b.get("curve") or not c.get("curve"):
+        return best, reason
+    window = max(1, len(b["curve"]) // 5)
+    target = sum(b["curve"][-window:]) / window
+    t_base = sum(b["step_s"])
+    t_best = seconds_to_loss(c["curve"], c["step_s"], target, window)
+    c["seconds_to_baseline_loss"], b["seconds_to_baseline_loss"] = t_best, t_base
+    if t_best < t_base * (1 - margin):
+        return best, reason + (f"; it reached {base}'s final training loss in {t_best:.2f} s against {t_base:.2f} s "
+                               "(judged on time)")
+    return base, (f"{best} learned more per step but reached {base}'s final training loss in "
+                  f"{t_best:.2f} s against {t_base:.2f} s: {base} is sooner in time")

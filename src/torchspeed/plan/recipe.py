@@ -53,11 +53,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from torchspeed.train.decision import Decision
+from torchspeed.plan.budget import TuningBudget
+from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.tune.batch_choice import BATCH_MIN_STEPS
 
 __all__ = ["PARTS", "EMA_MIN_STEPS", "Recipe", "choose_recipe", "choose_tta", "decide_tta", "is_classifier",
-           "probe_batches", "refine_onecycle_peak"]
+           "refine_onecycle_peak"]
 
 PARTS = ("lr", "label_smoothing", "bn_stats", "ema", "tta", "muon", "batch")
 LABEL_SMOOTHING = 0.1
@@ -84,6 +85,7 @@ class Recipe:
     tuning_s: float = 0.0                # seconds spent choosing
     tuning_steps: int = 0                # training steps (forward + backward) spent choosing
     decisions: dict = field(default_factory=dict)
+    pending: dict = field(default_factory=dict)  # parts measured later, in the run's first steps (plan/inrun.py)
     probe: list = field(default_factory=list, repr=False)  # training batches for choose_tta
 
     def config(self) -> dict:
@@ -142,33 +144,27 @@ def is_classifier(model: nn.Module, batch, *, loss_fn: Callable | None = None,
     return out.correct() is not None and out.logits.shape[-1] > 2
 
 
-def probe_batches(loader: Iterable, n: int = PROBE_BATCHES) -> list:
-    """The first `n` batches of `loader` (on the host, as the loader gives them)."""
-    out = []
-    for b in loader:
-        out.append(b)
-        if len(out) >= n:
-            break
-    if not out:
-        raise ValueError("the training loader gave no batches: check the dataset and batch size")
-    return out
-
-
 def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | torch.optim.Optimizer = "sgd",
                   lr: float = 0.1, weight_decay: float | None = None, optimizer_options: dict | None = None,
                   precision: str = "auto", loss_fn: Callable | None = None, step_fn: Callable | None = None,
                   total_steps: int | None = None, schedule: str | None = "onecycle",
                   parts: Sequence[str] = PARTS, device: torch.device | str | None = None,
-                  lr_steps: int = 100, lr_trial_steps: int = 24, progress: bool = True) -> Recipe:
-    """Choose each recipe part in `parts` from `model` and the training batches; leaves the model as it was.
+                  lr_steps: int = 100, lr_trial_steps: int = 24, progress: bool = True,
+                  budget: TuningBudget | None = None, cache: TrialCache | None = None,
+                  lr_in_run: bool = False) -> Recipe:
+    """Choose each recipe part in `parts` from `model` and the training batches; leaves the model, its optimizer
+    state, every RNG and the loader's data order as they were.
 
-    `lr` is the peak LR used when the `lr` part is off; `total_steps` (optimizer steps of the
-    coming run) decides the EMA. The model's weights, optimizer state and RNG are restored by
-    the tuners (the range test and the trials put everything back bit for bit).
+    `lr` is the peak LR used when the `lr` part is off or not measured; `total_steps` (optimizer
+    steps of the coming run) decides the EMA. `budget` (`plan.budget.TuningBudget`; None: no
+    limit) bounds the parts that train off the run: a part it cannot afford is read from `cache`
+    (an earlier run's measurement of this model, input and machine) or left at its prior, and
+    its Decision says which. Measured parts are written to `cache` for the next run. With
+    `lr_in_run` an affordable LR part is not measured here but left in `Recipe.pending`, for the
+    run to measure right after its switch trial, at the precision that trial chose (`plan.inrun`).
     """
     from torchspeed.env import default_device
-    from torchspeed.train.bnstats import batchnorm_layers
-    from torchspeed.train.optim import create_optimizer
+    from torchspeed.train.sampler import keep_rng, take_batches
     from torchspeed.train.transfer import to_device
 
     unknown = set(parts) - set(PARTS)
@@ -177,81 +173,180 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
     t0 = time.perf_counter()
     dev = torch.device(device) if device is not None else default_device(None)
     model.to(dev)
-    held = probe_batches(train_loader)
+    held = take_batches(train_loader, PROBE_BATCHES)
     rec = Recipe(lr=lr, parts=tuple(parts), probe=held)
-    d = rec.decisions
     classifier = is_classifier(model, to_device(held[0], dev), loss_fn=loss_fn, step_fn=step_fn)
-
-    if "label_smoothing" in parts:
-        if classifier:
-            rec.label_smoothing = LABEL_SMOOTHING
-            d["label_smoothing"] = Decision(LABEL_SMOOTHING, "classification with the default cross-entropy (T32)")
-        else:
-            d["label_smoothing"] = Decision(0.0, "not a classifier on the default cross-entropy: left alone")
-
-    if "bn_stats" in parts:
-        n_bn = len(batchnorm_layers(model))
-        rec.bn_stats = n_bn > 0
-        d["bn_stats"] = Decision(rec.bn_stats, f"{n_bn} BatchNorm layers: statistics averaged over the run's last "
-                                               "tenth (T47)" if n_bn else "no BatchNorm layer")
-
-    if "ema" in parts:
-        _choose_ema(rec, total_steps)
-
+    _free_parts(rec, model, classifier, total_steps)
     opt_name = optimizer if isinstance(optimizer, str) else None
     lr_loss = loss_fn  # the tuners train on the loss the run trains on
     if lr_loss is None and rec.label_smoothing:
         from torchspeed.train.batch import default_loss
 
         lr_loss = default_loss(rec.label_smoothing)
-    batch_wanted = "batch" in parts and total_steps is not None and total_steps >= BATCH_MIN_STEPS
-    measured: dict = {}
-    if "muon" in parts and opt_name == "adamw":
-        rec.optimizer = _choose_muon(model, train_loader, lr=lr, precision=precision, loss_fn=loss_fn,
-                                     step_fn=step_fn, decisions=d, rec=rec)
-
-    if "lr" in parts:
-        from torchspeed.tune.lr import find_lr
-
-        name = rec.optimizer or opt_name
-        scratch = optimizer if not isinstance(optimizer, str) else create_optimizer(
-            name, model, lr=1e-6, weight_decay=weight_decay, **(optimizer_options or {}))
-        res = find_lr(model, train_loader, loss_fn=lr_loss, step_fn=step_fn, optimizer=scratch, precision=precision,
-                      num_steps=lr_steps, progress=progress)
-        rec.tuning_steps += int(res.steps or len(res.lrs))
-        onecycle = schedule == "onecycle"
-        peak = float(res.max_lr if onecycle else res.suggestion)
-        how = f"{'one-cycle peak' if onecycle else 'suggestion'} of the range test"
-        measured = {"range_test_steps": int(res.steps or len(res.lrs)), "suggestion": res.suggestion,
-                    "bottom_lr": res.bottom_lr, "min_loss_lr": res.min_loss_lr, "range_test_pick": peak}
-        if onecycle and lr_trial_steps and not res.trial:  # the range test's pick and 2x, 4x: a short one-cycle each
-            peak, how, extra = refine_onecycle_peak(model, train_loader, res, optimizer=optimizer, name=name,
-                                                    weight_decay=weight_decay, optimizer_options=optimizer_options,
-                                                    precision=precision, loss_fn=lr_loss, step_fn=step_fn,
-                                                    steps=lr_trial_steps, how=how,
-                                                    noise_batches=NOISE_BATCHES if batch_wanted else 0)
-            rec.tuning_steps += extra.get("steps", 0)
-            measured.update(extra)
-        rec.lr = peak
-        if onecycle:
-            rec.min_lr = peak / 10
-        d["lr"] = Decision(rec.lr, f"{how} on {name or type(optimizer).__name__} ({res.rule}; confidence "
-                                   f"{res.confidence}{': ' + res.warning if res.warning else ''}); floor "
-                                   f"{rec.min_lr if rec.min_lr is not None else 'default'} (T14, T15)",
-                           measured=measured)
-
-    if "batch" in parts:
-        _choose_batch(model, train_loader, rec, optimizer=optimizer, name=rec.optimizer or opt_name,
-                      weight_decay=weight_decay, optimizer_options=optimizer_options, precision=precision,
-                      loss_fn=lr_loss, step_fn=step_fn,
-                      total_steps=total_steps, noise_scale=measured.get("noise_scale"), progress=progress)
-
+    gate = _Gate(rec, budget, cache, _cache_key(model, held[0], opt_name or type(optimizer).__name__, lr, schedule,
+                                                precision, parts))
+    tuners = dict(weight_decay=weight_decay, optimizer_options=optimizer_options, precision=precision,
+                  step_fn=step_fn, progress=progress)
+    with keep_rng(train_loader):  # the tuners read the loader: the run's data order stays as it was
+        if "muon" in parts and opt_name == "adamw":
+            if gate.measure("optimizer", MUON_COST):
+                rec.optimizer = _choose_muon(model, train_loader, lr=lr, precision=precision, loss_fn=loss_fn,
+                                             step_fn=step_fn, decisions=rec.decisions, rec=rec)
+                gate.done("optimizer", {"optimizer": rec.optimizer})
+            else:
+                rec.optimizer = gate.settle("optimizer", "optimizer", "adamw", "AdamW kept", default=None)
+        batch_wanted = "batch" in parts and total_steps is not None and total_steps >= BATCH_MIN_STEPS
+        measured: dict = {}
+        if "lr" in parts:
+            lr_cost = lr_steps + (len(LR_TRIAL_FACTORS) * lr_trial_steps if schedule == "onecycle" else 0)
+            if lr_in_run and gate.measure("lr", lr_cost):
+                rec.pending["lr"] = {"cost": lr_cost, "key": gate.key, "lr_steps": lr_steps,
+                                     "lr_trial_steps": lr_trial_steps}
+                rec.min_lr = lr / 10 if schedule == "onecycle" else None  # rescaled with the measured peak
+                rec.decisions["lr"] = Decision(lr, f"prior {lr:g} for the first steps; measured in the run right "
+                                                   "after the switch trial, at the precision it chooses "
+                                                   f"(~{lr_cost} steps off the run, within the budget)")
+            elif gate.measure("lr", lr_cost):
+                measured = _choose_lr(model, train_loader, rec, optimizer=optimizer, name=rec.optimizer or opt_name,
+                                      schedule=schedule, loss_fn=lr_loss, lr_steps=lr_steps,
+                                      lr_trial_steps=lr_trial_steps, noise=batch_wanted, **tuners)
+                gate.done("lr", {"lr": rec.lr, "min_lr": rec.min_lr})
+            else:
+                rec.lr = gate.settle("lr", "lr", lr, f"the given peak LR {lr:g}", default=lr)
+                cached = gate.cached("lr")
+                rec.min_lr = cached.get("min_lr") if cached else None
+        if "batch" in parts:
+            if not batch_wanted or gate.measure("batch_size", BATCH_COST):
+                _choose_batch(model, train_loader, rec, optimizer=optimizer, name=rec.optimizer or opt_name,
+                              loss_fn=lr_loss, total_steps=total_steps, noise_scale=measured.get("noise_scale"),
+                              **tuners)
+                if batch_wanted:
+                    gate.done("batch_size", {"batch_size": rec.batch_size})
+            else:
+                rec.batch_size = gate.settle("batch_size", "batch_size", None, "the loader's batch", default=None)
     if "tta" in parts:
-        d["tta"] = Decision(None, "decided after training, on training batches (choose_tta)")
+        rec.decisions["tta"] = Decision(None, "decided after training, on training batches (choose_tta)")
+    gate.save()
     rec.tuning_s = time.perf_counter() - t0
-    d["recipe_cost"] = Decision(round(rec.tuning_s, 2), f"{rec.tuning_steps} training steps spent choosing",
-                                measured={"seconds": rec.tuning_s, "steps": rec.tuning_steps})
+    rec.decisions["recipe_cost"] = Decision(round(rec.tuning_s, 2), f"{rec.tuning_steps} training steps spent "
+                                            "choosing off the run" + (f" (budget {budget.limit} steps, "
+                                                                      f"{budget.share:.0%} of the run)" if budget else ""),
+                                            measured={"seconds": rec.tuning_s, "steps": rec.tuning_steps})
     return rec
+
+
+# Training steps off the run that each measured part costs (the budget's currency)
+MUON_COST = 2 * 50        # compare_optimizers: 50 steps of AdamW and of Muon
+BATCH_COST = 60           # the batch timing at 1-4x the batch, and the noise batches
+
+
+def _free_parts(rec: Recipe, model: nn.Module, classifier: bool, total_steps: int | None) -> None:
+    """The parts that cost nothing to choose: label smoothing, BatchNorm statistics, the EMA."""
+    from torchspeed.train.bnstats import batchnorm_layers
+
+    d, parts = rec.decisions, rec.parts
+    if "label_smoothing" in parts:
+        if classifier:
+            rec.label_smoothing = LABEL_SMOOTHING
+            d["label_smoothing"] = Decision(LABEL_SMOOTHING, "classification with the default cross-entropy (T32)")
+        else:
+            d["label_smoothing"] = Decision(0.0, "not a classifier on the default cross-entropy: left alone")
+    if "bn_stats" in parts:
+        n_bn = len(batchnorm_layers(model))
+        rec.bn_stats = n_bn > 0
+        d["bn_stats"] = Decision(rec.bn_stats, f"{n_bn} BatchNorm layers: statistics averaged over the run's last "
+                                               "tenth (T47)" if n_bn else "no BatchNorm layer")
+    if "ema" in parts:
+        _choose_ema(rec, total_steps)
+
+
+def _cache_key(model, batch, optimizer: str, lr: float, schedule, precision, parts) -> str:
+    from torchspeed.env import detect
+    from torchspeed.train.switches import batch_signature, model_signature
+
+    info = detect()
+    return TrialCache.key({"recipe": 1, "model": model_signature(model), "batch": batch_signature(batch),
+                           "optimizer": optimizer, "lr": lr, "schedule": schedule, "precision": precision,
+                           "parts": sorted(parts), "cpu": info.cpu_model, "device": info.device_name,
+                           "torch": torch.__version__})
+
+
+class _Gate:
+    """For each part that trains off the run: measure it (the budget allows), read an earlier run's measurement
+    (the cache), or keep the prior; every way ends in a Decision that says which."""
+
+    def __init__(self, rec: Recipe, budget: TuningBudget | None, cache: TrialCache | None, key: str):
+        self.rec, self.budget, self.cache, self.key = rec, budget, cache, key
+        self.hit = (cache.get(key) or {}) if cache is not None else {}
+        self.new: dict = {}
+        self.refused: dict[str, str] = {}
+
+    def cached(self, part: str) -> dict | None:
+        return self.hit.get(part)
+
+    def measure(self, part: str, cost: int) -> bool:
+        if part in self.hit:
+            return False
+        if self.budget is None or self.budget.allows(cost):
+            if self.budget is not None:
+                self.budget.spend(cost)
+            return True
+        self.refused[part] = self.budget.refusal(cost)
+        return False
+
+    def settle(self, part: str, field: str, prior, prior_words: str, *, default):
+        """The value of `field` when `part` was not measured: cached, or the prior (`default`), with its Decision."""
+        d = self.rec.decisions
+        refused = self.refused.get(part)
+        if part in self.hit:
+            value = self.hit[part].get(field)
+            d[part] = Decision(value if value is not None else prior, "cached: measured by an earlier run of this "
+                               "model on this machine (0 steps now)", measured=self.hit[part])
+            return value if value is not None else default
+        d[part] = Decision(prior, f"prior: {prior_words}; not measured ({refused or 'part off'})")
+        return default
+
+    def done(self, part: str, values: dict) -> None:
+        self.new[part] = values | {"decision": dict(self.rec.decisions.get(part) or {})}
+
+    def save(self) -> None:
+        if self.cache is not None and self.new:
+            self.cache.put(self.key, self.hit | self.new)
+
+
+def _choose_lr(model, loader, rec: Recipe, *, optimizer, name, schedule, loss_fn, lr_steps, lr_trial_steps, noise,
+               weight_decay, optimizer_options, precision, step_fn, progress) -> dict:
+    """The LR part (T14, T15): the range test, then a short one-cycle trial of its pick and 2x, 4x."""
+    from torchspeed.train.optim import create_optimizer
+    from torchspeed.tune.lr import find_lr
+
+    scratch = optimizer if not isinstance(optimizer, str) else create_optimizer(
+        name, model, lr=1e-6, weight_decay=weight_decay, **(optimizer_options or {}))
+    res = find_lr(model, loader, loss_fn=loss_fn, step_fn=step_fn, optimizer=scratch, precision=precision,
+                  num_steps=lr_steps, progress=progress)
+    rec.tuning_steps += int(res.steps or len(res.lrs))
+    onecycle = schedule == "onecycle"
+    peak = float(res.max_lr if onecycle else res.suggestion)
+    how = f"{'one-cycle peak' if onecycle else 'suggestion'} of the range test"
+    measured = {"range_test_steps": int(res.steps or len(res.lrs)), "suggestion": res.suggestion,
+                "bottom_lr": res.bottom_lr, "min_loss_lr": res.min_loss_lr, "range_test_pick": peak,
+                "precision": precision}
+    if onecycle and lr_trial_steps and not res.trial:  # the range test's pick and 2x, 4x: a short one-cycle each
+        peak, how, extra = refine_onecycle_peak(model, loader, res, optimizer=optimizer, name=name,
+                                                weight_decay=weight_decay, optimizer_options=optimizer_options,
+                                                precision=precision, loss_fn=loss_fn, step_fn=step_fn,
+                                                steps=lr_trial_steps, how=how,
+                                                noise_batches=NOISE_BATCHES if noise else 0)
+        rec.tuning_steps += extra.get("steps", 0)
+        measured.update(extra)
+    rec.lr = peak
+    if onecycle:
+        rec.min_lr = peak / 10
+    rec.decisions["lr"] = Decision(rec.lr, f"{how} on {name or type(optimizer).__name__} ({res.rule}; confidence "
+                                           f"{res.confidence}{': ' + res.warning if res.warning else ''}); floor "
+                                           f"{rec.min_lr if rec.min_lr is not None else 'default'} (T14, T15)",
+                                   measured=measured)
+    return measured
 
 
 def refine_onecycle_peak(model, loader, res, *, optimizer, name=None, weight_decay=None, optimizer_options=None,

@@ -1,0 +1,12 @@
+"""The plan: every automatic choice of `torchspeed.fit`, made once, with what choosing costs counted.
+
+`train/` holds the mechanisms (the loop and each technique, the switch trial that runs on the
+loop's own steps); this package decides what to measure, within what budget, and in what
+order: `planner.make_plan` (the order), `budget.TuningBudget` (at most 5% of the run's steps
+off the run), `recipe.choose_recipe` (the training recipe's parts).
+"""
+
+from torchspeed.plan.budget import TUNING_SHARE, TuningBudget
+from torchspeed.plan.planner import Plan, as_decisions, make_plan
+
+__all__ = ["Plan", "make_plan", "as_decisions", "TuningBudget", "TUNING_SHARE"]

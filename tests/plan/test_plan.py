@@ -1,0 +1,133 @@
+"""The plan (plan/planner.py, plan/budget.py, plan/inrun.py): one plan, its cost counted, its measurements on the
+run's own steps. Injected capabilities and step times only: nothing here depends on this CPU or the clock."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchspeed
+from torchspeed.plan import TuningBudget, make_plan
+from torchspeed.train.config import TrainConfig
+from torchspeed.train.decision import Decision
+
+FAST = dict(progress=False, compile=False)
+
+
+def _loader(n=256, batch=16, size=8, classes=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, size, size, generator=g)
+    y = (x[:, 0].mean((1, 2)) > 0).long() + 2 * (x[:, 1].mean((1, 2)) > 0).long()  # learnable
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture
+def measure_here(monkeypatch):
+    """A tuning budget that affords the range test in a short run (the rule is 5% of the run)."""
+    from torchspeed.plan import budget
+
+    monkeypatch.setattr(budget, "TUNING_SHARE", 20.0)
+
+
+def test_budget_allows_what_fits_and_says_why_not():
+    b = TuningBudget(run_steps=4000)
+    assert b.limit == 200 and b.allows(172) and not b.allows(201)
+    b.spend(172)
+    assert not b.allows(100) and "over 5% of this 4000-step run" in b.refusal(100)
+    assert not TuningBudget(None).allows(1) and "unknown" in TuningBudget(None).refusal(5)
+
+
+def test_every_value_in_decisions_is_a_decision(tiny_cnn):
+    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1, recipe="auto", lr="auto", val_loader=_loader(64), **FAST)
+    assert res.decisions and all(isinstance(v, Decision) for v in res.decisions.values()), \
+        {k: type(v).__name__ for k, v in res.decisions.items() if not isinstance(v, Decision)}
+    for key in ("device", "switch_plan", "switch_trial", "precision", "lr", "tuning", "label_smoothing", "tta"):
+        assert key in res.decisions, key
+
+
+def test_a_short_run_decides_the_lr_from_its_prior_and_says_so(tiny_cnn):
+    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1, recipe="auto", lr=0.05, **FAST)  # 16 steps
+    lr = res.decisions["lr"]
+    assert lr.value == 0.05 and lr.reason.startswith("prior") and "over 5% of this 16-step run" in lr.reason
+    assert res.decisions["tuning"].measured["steps_off_run"] == 0
+
+
+def test_the_tuners_run_at_the_precision_the_switch_trial_chose(tiny_cnn, monkeypatch, measure_here):
+    """The rule says bf16 on this (injected) bf16 CPU; the trial measures fp32 faster: the range test runs in fp32."""
+    from torchspeed.train.trainer import Trainer
+    from torchspeed.tune import lr as lr_mod
+
+    monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx512_bf16")
+    seconds = {"fp32": 0.5, "fp32+channels_last": 0.6, "bf16": 1.0, "bf16+channels_last": 1.0}
+    monkeypatch.setattr(Trainer, "switch_measure_fn",
+                        staticmethod(lambda s, sec: seconds[s.label().replace("+fused", "").replace("+foreach", "")]))
+    monkeypatch.setattr(Trainer, "_numerics_losses", lambda self, batch: {})
+    seen = []
+    real = lr_mod.find_lr
+    monkeypatch.setattr(lr_mod, "find_lr", lambda *a, **k: seen.append(k["precision"]) or real(*a, **k))
+    res = torchspeed.fit(tiny_cnn(), _loader(n=16 * 40), epochs=1, recipe="auto", lr=0.05, fused_optimizer=False,
+                         **FAST)
+    assert res.decisions["precision"].value == "fp32" and res.decisions["switch_trial"].value == "measured"
+    assert seen == ["fp32"]
+    lr = res.decisions["lr"]
+    assert "after the switch trial, in fp32" in lr.reason and lr.measured["range_test_steps"] > 0
+    assert res.steps == 40  # the measurement trained nothing off the run; the run kept its length
+
+
+def test_the_recipe_leaves_the_loader_order_and_global_rng_as_they_were(tiny_cnn, measure_here):
+    """With the recipe measuring (range test, LR trial) the run sees the same batches and ends with the same RNG."""
+    from torchspeed.train.trainer import Trainer
+
+    seen = {}
+    real = Trainer.step_batch
+    for recipe in (None, "auto"):
+        order = []
+        Trainer.step_batch = lambda self, b, order=order: order.append(b[1].tolist()) or real(self, b)
+        try:
+            loader = _loader(n=16 * 12)
+            torch.manual_seed(3)
+            torchspeed.fit(tiny_cnn(), loader, epochs=2, recipe=recipe, lr=0.05, trial=False, **FAST)
+            seen[recipe] = (order, torch.get_rng_state(), loader.generator.get_state())
+        finally:
+            Trainer.step_batch = real
+    assert seen[None][0] == seen["auto"][0]
+    assert torch.equal(seen[None][1], seen["auto"][1]) and torch.equal(seen[None][2], seen["auto"][2])
+
+
+def test_a_second_fit_reads_the_measured_recipe_from_the_cache(tiny_cnn, tmp_path, monkeypatch, measure_here):
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    kw = dict(epochs=1, recipe="auto", lr=0.05, **FAST)
+    r1 = torchspeed.fit(tiny_cnn(), _loader(n=16 * 30), **kw)
+    assert r1.decisions["lr"].measured["range_test_steps"] > 0
+    r2 = torchspeed.fit(tiny_cnn(), _loader(n=16 * 30), **kw)
+    assert r2.decisions["lr"].reason.startswith("cached") and r2.decisions["lr"].value == pytest.approx(
+        r1.decisions["lr"].value)
+    assert r2.decisions["switch_trial"].value == "cached" and r2.decisions["switch_trial"].measured["steps"] == 0
+    assert r2.decisions["tuning"].measured["steps_off_run"] == 0 and "in_run_steps" not in \
+        r2.decisions["tuning"].measured
+
+
+def test_make_plan_resolves_in_order_and_returns_what_the_trainer_applies(tiny_cnn):
+    plan = make_plan(tiny_cnn(), _loader(), TrainConfig(epochs=2, progress=False), recipe="auto", lr="auto")
+    assert plan.run_steps == 32 and plan.lr == pytest.approx(0.1)  # lr="auto" with a recipe: its stated prior
+    keys = list(plan.decisions)
+    assert keys.index("device") < keys.index("switch_plan") < keys.index("lr") < keys.index("tuning")
+    assert plan.config.label_smoothing == 0.1 and any(type(c).__name__ == "FinalBatchNormStats" for c in plan.callbacks)
+    text = plan.summary()
+    assert "32-step run" in text and "lr: 0.1 - prior" in text
+
+
+def test_lr_rescale_keeps_the_schedule_shape():
+    from torchspeed.train.schedule import create_scheduler, rescale_lr
+
+    for name in ("onecycle", "cosine", "cyclic"):
+        p = torch.nn.Parameter(torch.zeros(2))
+        opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+        ref_p = torch.nn.Parameter(torch.zeros(2))
+        ref = torch.optim.SGD([ref_p], lr=0.3, momentum=0.9)
+        s, r = (create_scheduler(name, o, total_steps=40, min_lr=lr / 10) for o, lr in ((opt, 0.1), (ref, 0.3)))
+        for _ in range(5):
+            opt.step(), s.step(), ref.step(), r.step()
+        rescale_lr(opt, s, 3.0)
+        for _ in range(30):
+            opt.step(), s.step(), ref.step(), r.step()
+            assert opt.param_groups[0]["lr"] == pytest.approx(ref.param_groups[0]["lr"], rel=1e-6), name
