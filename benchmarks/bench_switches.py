@@ -1,20 +1,21 @@
-"""Claim: fit's measured switches are at least as fast as the best manual setting, on a model unlike the bench's.
+"""Claim: fit's automatic switches, measured on the run's own first steps, are at least as fast as the best manual
+precision x layout setting, for whole runs of 30 and 400 steps, with the trial's cost inside the run.
 
-The model is torchvision's `resnet18(num_classes=10)` as a user calls it (the ImageNet stem)
-on 32 px images, batch 64, 40 steps per epoch: on a CPU with native bf16, the old fixed rules
-(bf16 + channels_last) made it slower than a plain fp32 loop. In this one process, after a
-warm-up, interleaved over `--rounds` rounds of one epoch each:
+Models as a user calls them: torchvision's `resnet18(num_classes=10)` and `mobilenet_v3_small(num_classes=10)`
+(ImageNet stems) on 32 px images, batch 32, SGD with the default one-cycle. In this one process,
+after a warm-up, interleaved over `--rounds` rounds, each row is a complete `torchspeed.fit` of
+`--steps` steps from the same initial weights on the same batches, timed as a whole:
 
-- `plain`: a plain fp32 PyTorch loop (bench/hand.py `HandLoop`, default settings);
-- `fit auto`: `Trainer` with every switch on "auto", after `prepare()` measured them (what
-  `fit` does first; the trial's cost is reported apart, and a second run reads the cache);
-- the manual settings a user would try: `fp32+channels_last`, and where the CPU runs bf16
-  natively `bf16` (NCHW) and `bf16+channels_last` (the old fixed rules).
+- the manual settings a user would try: fp32 and fp32 + channels_last, and where the CPU runs
+  bf16 natively bf16 and bf16 + channels_last (`trial=False`, the switch fixed);
+- `auto cold`: every switch on "auto", an empty decision cache: the trial runs inside the run;
+- `auto warm`: every switch on "auto", the cache a previous run left: no step measured.
 
-Each row's time is the median s/epoch; its ratio is the median over rounds of plain/row.
+Each row's time is the median over rounds; `auto / best manual` is the median over rounds of the
+per-round ratio best-manual time / auto time (above 1: auto is faster).
 
 Run:
-    python benchmarks/bench_switches.py                     # writes benchmarks/results/cpu/switches.json
+    python benchmarks/bench_switches.py --steps 30 400     # writes benchmarks/results/cpu/switches.json
 """
 
 from __future__ import annotations
@@ -28,100 +29,92 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
-from torchspeed.bench.hand import HandLoop, HandSettings
+import torchspeed
 from torchspeed.bench.runner import provenance
-from torchspeed.bench.workloads import create_model, make_datasets
 from torchspeed.env import DeviceCaps, other_runnable
-from torchspeed.train import Trainer, TrainConfig
-from torchspeed.train.metrics import jsonable
+
+
+def _model(name: str, state: dict | None = None):
+    import torchvision
+
+    torch.manual_seed(0)
+    m = getattr(torchvision.models, name)(num_classes=10)
+    if state is not None:
+        m.load_state_dict(state)
+    return m
+
+
+def _loader(batch: int, steps: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch * steps, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (batch * steps,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True, drop_last=True,
+                      generator=torch.Generator().manual_seed(1))
+
+
+def _fit(name: str, init: dict, loader: DataLoader, steps: int, cache: str, **switches) -> tuple[float, dict]:
+    os.environ["TORCHSPEED_CACHE_DIR"] = cache
+    model = _model(name, init)
+    t0 = time.perf_counter()
+    res = torchspeed.fit(model, loader, epochs=1, max_steps=steps, lr=0.05, progress=False, compile=False,
+                         **switches)
+    return time.perf_counter() - t0, res.decisions
+
+
+def measure(name: str, steps: int, batch: int, rounds: int) -> dict:
+    init = _model(name).state_dict()
+    loader = _loader(batch, steps)
+    manual = {"fp32": dict(precision="fp32", channels_last=False),
+              "fp32+channels_last": dict(precision="fp32", channels_last=True)}
+    if DeviceCaps.of("cpu").half == "bf16":
+        manual |= {"bf16": dict(precision="bf16", channels_last=False),
+                   "bf16+channels_last": dict(precision="bf16", channels_last=True)}
+    warm_cache = tempfile.mkdtemp(prefix="switches-warm-")
+    _fit(name, init, loader, steps, warm_cache)  # the previous run that leaves the cache (and warms up)
+    rows = {k: (lambda kw=kw: _fit(name, init, loader, steps, tempfile.mkdtemp(), trial=False, **kw))
+            for k, kw in manual.items()}
+    rows["auto cold"] = lambda: _fit(name, init, loader, steps, tempfile.mkdtemp(prefix="switches-cold-"))
+    rows["auto warm"] = lambda: _fit(name, init, loader, steps, warm_cache)
+    times: dict[str, list[float]] = {k: [] for k in rows}
+    decisions: dict[str, dict] = {}
+    for r in range(rounds):
+        for k, run in rows.items():
+            sec, d = run()
+            times[k].append(sec)
+            if k.startswith("auto"):
+                decisions[k] = {x: str(d.get(x)) for x in ("precision", "channels_last", "fused_optimizer",
+                                                            "switch_trial")}
+            print(f"{name} {steps} steps, round {r + 1}: {k:22s} {sec:.2f} s", flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    best = min(manual, key=med.get)
+    out = {"model": name, "steps": steps, "batch_size": batch, "rounds": rounds, "seconds": times, "median_s": med,
+           "best_manual": best, "decisions": decisions}
+    for k in ("auto cold", "auto warm"):
+        out[f"{k} / best manual"] = statistics.median(b / a for a, b in zip(times[k], times[best]))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="resnet18-small")
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=40, help="steps per round (one epoch)")
+    ap.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v3_small"])
+    ap.add_argument("--steps", nargs="+", type=int, default=[30, 400])
+    ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default="benchmarks/results/cpu/switches.json")
     args = ap.parse_args()
-    os.environ["TORCHSPEED_CACHE_DIR"] = tempfile.mkdtemp()  # a fresh trial cache: the first prepare() measures
-    device = torch.device("cpu")
-    train_set, _ = make_datasets("synthetic", train_size=args.batch_size * args.steps, val_size=64)
-    loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True,
-                        generator=torch.Generator().manual_seed(0))
-    torch.manual_seed(0)
-    init = create_model(args.model).state_dict()
-
-    def model():
-        m = create_model(args.model)
-        m.load_state_dict(init)
-        return m
-
-    def trainer(**cfg):
-        t = Trainer(model(), lr=0.05, device=device, config=TrainConfig(progress=False, compile=False, schedule=None,
-                                                                        **cfg))
-        return t
-
     load_before = other_runnable()
-    t0 = time.perf_counter()
-    auto = trainer()
-    auto.prepare(loader)  # fit's trial (the run stands for a long one)
-    trial_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    again = trainer()
-    again.prepare(loader)  # a second fit on the same model reads the cache
-    cached_s = time.perf_counter() - t0
-    rows: dict[str, object] = {"plain": HandLoop(model(), loader, device, settings=HandSettings(), lr=0.05),
-                               "fit auto": auto,
-                               "fp32+channels_last": trainer(precision="fp32", channels_last=True, trial=False)}
-    if DeviceCaps.of(device).half == "bf16":
-        rows["bf16"] = trainer(precision="bf16", channels_last=False, trial=False)
-        rows["bf16+channels_last (old rules)"] = trainer(precision="bf16", channels_last=True, trial=False)
-    iters = {}
-
-    def run(name, n):
-        r = rows[name]
-        if isinstance(r, HandLoop):
-            return r.run(n)
-        if name not in iters:
-            iters[name] = iter(_forever(r, loader))
-        return r.run_steps(iters[name], n)
-
-    for name in rows:  # warm-up, untimed
-        run(name, 3)
-    times = {name: [] for name in rows}
-    for k in range(args.rounds):
-        for name in rows:
-            times[name].append(run(name, args.steps))
-            print(f"round {k + 1}: {name:32s} {times[name][-1]:.2f} s", flush=True)
-    plain = times["plain"]
-    table = {name: {"s_per_epoch": statistics.median(t), "runs": t,
-                    "vs_plain": statistics.median(p / x for p, x in zip(plain, t))} for name, t in times.items()}
-    manual = [n for n in table if n not in ("plain", "fit auto")]
-    best_manual = min(manual, key=lambda n: table[n]["s_per_epoch"])
-    out = {"claim": "fit auto >= the best manual setting and >= a plain fp32 loop, one process, interleaved",
-           "model": args.model, "batch_size": args.batch_size, "steps_per_round": args.steps, "rounds": args.rounds,
-           "table": table, "best_manual": best_manual,
-           "auto_over_best_manual": statistics.median(b / a for a, b in zip(times["fit auto"], times[best_manual])),
-           "auto_decisions": jsonable({k: auto.decisions[k] for k in ("precision", "channels_last", "fused_optimizer",
-                                                                       "switch_trial") if k in auto.decisions}),
-           "trial_s": trial_s, "second_prepare_s": cached_s,
-           "second_prepare_decision": str(again.decisions.get("switch_trial")),
+    results = [measure(m, s, args.batch_size, args.rounds) for m in args.models for s in args.steps]
+    out = {"claim": "fit's automatic switches (trial inside the run) vs the best manual precision x layout setting, "
+                    "whole runs, one process, interleaved rounds", "results": results,
            "other_runnable_before": load_before, "other_runnable_after": other_runnable(), "meta": provenance()}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2, default=str))
-    for name, row in table.items():
-        print(f"{name:32s} {row['s_per_epoch']:.3f} s/epoch  {row['vs_plain']:.2f}x plain")
-    print(f"fit auto chose {out['auto_decisions']['precision']['value']} + channels_last="
-          f"{out['auto_decisions']['channels_last']['value']}; auto / best manual ({best_manual}) "
-          f"{out['auto_over_best_manual']:.2f}x; trial {trial_s:.1f} s, second run {cached_s:.2f} s ({out['second_prepare_decision']})")
-
-
-def _forever(trainer, loader):
-    while True:
-        yield from trainer.batches(loader)
+    for r in results:
+        print(f"{r['model']:20s} {r['steps']:4d} steps: best manual {r['best_manual']} {r['median_s'][r['best_manual']]:.2f} s; "
+              f"auto cold {r['auto cold / best manual']:.2f}x, auto warm {r['auto warm / best manual']:.2f}x "
+              f"(chose {r['decisions']['auto cold']['precision']}, channels_last {r['decisions']['auto cold']['channels_last']})")
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ def test_extras_table_matches_pyproject():
     assert core == {"torch", "numpy", "rich"}
     pip_names = {"torchvision": "torchvision", "PIL": "pillow", "simplejpeg": "simplejpeg",
                  "cv2": "opencv-python-headless", "skimage": "scikit-image", "matplotlib": "matplotlib",
-                 "sklearn": "scikit-learn", "timm": "timm", "tensorboard": "tensorboard"}
+                 "sklearn": "scikit-learn", "timm": "timm", "tensorboard": "tensorboard", "schedulefree": "schedulefree"}
     for module, extra in EXTRAS.items():
         assert any(d.startswith(pip_names[module]) for d in extras[extra]), (module, extra)
     assert set(extras) >= {"data", "plot", "bench", "timm", "all", "dev"}
@@ -176,7 +176,7 @@ def test_fresh_venv_pip_install_without_extras(tmp_path):
     py = venv / "bin" / "python"
     subprocess.run([str(py), "-m", "pip", "install", "--quiet", str(ROOT)], check=True, timeout=3000)
     freeze = subprocess.run([str(py), "-m", "pip", "freeze"], capture_output=True, text=True, check=True).stdout
-    for pkg in ("torchvision", "scikit-learn", "scikit-image", "opencv", "matplotlib", "timm", "simplejpeg"):
+    for pkg in ("torchvision", "scikit-learn", "scikit-image", "opencv", "matplotlib", "timm", "simplejpeg", "schedulefree"):
         assert pkg not in freeze.lower(), pkg
     script = tmp_path / "train.py"
     script.write_text(TINY_SCRIPT)

@@ -29,11 +29,14 @@ def test_tune_builds_on_train_and_never_on_fit():
     assert "train" in deps and not deps & {"fitting", "bench", "doctor", "cli"}
 
 
-def test_fit_is_above_train_and_tune():
+def test_the_plan_builds_on_train_and_tune_and_fit_on_the_plan():
     from torchspeed import fitting
 
+    deps = _imports("plan")
+    assert {"train", "tune"} <= deps and not deps & {"fitting", "bench", "doctor", "cli", "data"}
+    assert "plan" not in _imports("train") | _imports("tune")
     src = pathlib.Path(fitting.__file__).read_text()
-    assert "torchspeed.train.trainer" in src and "torchspeed.tune.auto" in src
+    assert "torchspeed.train.trainer" in src and "torchspeed.plan" in src
     assert torchspeed.fit is fitting.fit
 
 

@@ -26,7 +26,8 @@ __all__ = ["require", "MissingExtraError", "EXTRAS"]
 
 # The extra that installs each optional top-level module (kept in step with pyproject.toml by a test).
 EXTRAS = {"torchvision": "data", "PIL": "data", "simplejpeg": "data", "cv2": "data", "skimage": "data",
-          "matplotlib": "plot", "sklearn": "bench", "timm": "timm", "tensorboard": "tensorboard"}
+          "matplotlib": "plot", "sklearn": "bench", "timm": "timm", "tensorboard": "tensorboard",
+          "schedulefree": "schedulefree"}
 _PACKAGES = {"PIL": "Pillow", "cv2": "OpenCV", "skimage": "scikit-image", "sklearn": "scikit-learn"}
 
 

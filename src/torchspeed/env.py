@@ -18,6 +18,7 @@ import ctypes.util
 import functools
 import glob
 import importlib
+import importlib.util
 import os
 import platform
 import time
@@ -265,10 +266,10 @@ def detect() -> EnvInfo:
 @functools.lru_cache(maxsize=8)
 def _detect(profile: str | None) -> EnvInfo:
     flags = cpu_flags()
-    try:
-        import torchvision
+    try:  # the installed version, without importing it (an import costs seconds: every fit reads this)
+        from importlib.metadata import version
 
-        tv_version: str | None = torchvision.__version__
+        tv_version: str | None = version("torchvision")
     except Exception:  # torchvision is optional for the loop itself
         tv_version = None
     notes: list[str] = []
@@ -298,9 +299,8 @@ def _detect(profile: str | None) -> EnvInfo:
             notes.append(f"tcmalloc found at {tcm} but not loaded: start with LD_PRELOAD={tcm} (the bench does this itself)")
         else:
             notes.append("no tcmalloc: `apt-get install libtcmalloc-minimal4` gives about +10% on CPU training")
-    try:
-        importlib.import_module("torch._dynamo")
-        compile_ok = hasattr(torch, "compile")
+    try:  # present, without importing it (torch._dynamo's import takes seconds)
+        compile_ok = importlib.util.find_spec("torch._dynamo") is not None and hasattr(torch, "compile")
     except Exception:
         compile_ok = False
     return EnvInfo(
@@ -346,9 +346,9 @@ class DeviceCaps:
     def of(cls, device: "torch.device | str") -> "DeviceCaps":
         """This machine's capabilities for `device` (the CPU flags follow TORCHSPEED_CPU_PROFILE)."""
         device = torch.device(device)
-        info = detect()
+        flags = cpu_flags()  # not detect(): that reads the whole environment, and every fit asks for this
         cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        return cls(device_type=device.type, cpu_bf16=_cpu_bf16_fast(cpu_flags()), amx=info.amx,
+        return cls(device_type=device.type, cpu_bf16=_cpu_bf16_fast(flags), amx="amx_bf16" in flags or "amx_tile" in flags,
                    cuda_capability=cc, cores=usable_cores())
 
     @property

@@ -109,3 +109,32 @@ def test_onecycle_survives_very_short_runs(total):
         return
     lrs = _lrs(sched, opt, total)
     assert all(lr > 0 for lr in lrs) and max(lrs) == pytest.approx(0.1, rel=0.3) and lrs[-1] < max(lrs)
+
+
+def test_schedule_free_adamw_trains_without_a_schedule_and_evaluates_its_averaged_weights(monkeypatch):
+    """optimizer="schedulefree": no LR schedule, its own warm-up, the averaged weights (with BatchNorm statistics of
+    their own) evaluated and saved, the training weights trained; it learns a learnable task."""
+    pytest.importorskip("schedulefree")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import torchspeed
+    from torchspeed.train.optim import is_schedule_free
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 3, 8, 8, generator=g)
+    y = (x[:, 0].mean((1, 2)) > 0).long() + 2 * (x[:, 1].mean((1, 2)) > 0).long()
+    loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1))
+    modes = []
+    import schedulefree
+    real_eval = schedulefree.AdamWScheduleFree.eval
+    monkeypatch.setattr(schedulefree.AdamWScheduleFree, "eval", lambda self: modes.append("eval") or real_eval(self))
+    res = torchspeed.fit(model, loader, epochs=4, optimizer="schedulefree", lr=0.01, val_loader=loader,
+                         progress=False, compile=False, trial=False)
+    assert res.decisions["schedule"].value is None and "warm-up" in res.decisions["schedule"].reason
+    assert modes.count("eval") == 4  # once per epoch's evaluation, then back to training
+    assert res.history[-1]["val_acc"] > 0.6 and res.history[-1]["train_loss"] < res.history[0]["train_loss"]  # chance: 0.25
+    assert res.decisions["optimizer"].value.startswith("AdamWScheduleFree") or "ScheduleFree" in str(
+        res.decisions["optimizer"])

@@ -146,7 +146,7 @@ def test_a_larger_batch_reconsiders_the_ema_for_the_shorter_run(monkeypatch):
     """The EMA's span follows the run length in steps, which the batch part changes (x2 batch: half the steps)."""
     import torchspeed.tune.batch_choice as bc
     from torchspeed.train.decision import Decision
-    from torchspeed.tune import recipe as rp
+    from torchspeed.plan import recipe as rp
 
     monkeypatch.setattr(bc, "choose_batch_size", lambda *a, **kw: (128, Decision(128, "injected")))
     for total, on in ((8000, True), (2400, False)):

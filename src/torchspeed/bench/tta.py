@@ -64,7 +64,8 @@ DEFAULT_TARGETS = {"digits": (0.97, 0.90)}
 BUDGETS = (8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 96, 112, 128, 160, 192, 256, 320, 400)
 START = 80          # where the search starts for naive/all (today's default budget)
 DEFAULT_LR = 0.1    # today's recipe: the one-cycle's peak LR (SGD, momentum 0.9)
-CONFIGS = ("naive", "all", "auto", "auto_warm")
+CONFIGS = ("naive", "all", "auto", "auto_warm", "schedulefree")
+SF_LR = 0.0025      # Schedule-Free AdamW's own default LR: what a user who wants no tuning runs
 COLD = ("naive", "all", "auto")  # each run starts from an empty decision cache: every measurement counts
 
 
@@ -272,7 +273,8 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", targets: tuple[flo
     if busy is None:
         busy = machine_busy()[0] if dev.type == "cpu" else False
     by_name = {c.name: c for c in bench_configs(dev, compile=compile, hand=False, busy=busy)}
-    proc_cfg = {"naive": by_name["naive"], "all": by_name["all"], "auto": by_name["all"], "auto_warm": by_name["all"]}
+    proc_cfg = {"naive": by_name["naive"], "all": by_name["all"], "auto": by_name["all"], "auto_warm": by_name["all"],
+                "schedulefree": by_name["all"]}
     if train_size is None:
         train_size = 2048 if image_size < 64 else 4 * batch_size
     if val_size is None:
@@ -527,6 +529,8 @@ def train_budget(spec: dict) -> TTARun:
     cfg = replace(TrainConfig(**spec["train"]), max_steps=budget, grad_accum=1, progress=False)
     optimizer, lr, callbacks, rec = spec["optimizer"], spec["lr"], [], None
     tuning_s = 0.0
+    if spec["config"] == "schedulefree":  # the switches of `all`; Schedule-Free AdamW at its defaults, no schedule
+        optimizer, lr = "schedulefree", SF_LR
     if spec["config"] in ("auto", "auto_warm"):  # the plan's recipe, chosen in this run for this run's length
         t0 = time.perf_counter()
         rec = _choose_for_run(model, loader, spec, device, budget)

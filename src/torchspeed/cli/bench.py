@@ -45,9 +45,10 @@ def register(sub) -> None:
                         "reaches in its default budget")
     p.add_argument("--no-tta", action="store_true", help="skip time to accuracy (as --target-acc 0)")
     p.add_argument("--seeds", type=int, default=3, help="time to accuracy: seeds per config (default 3)")
-    p.add_argument("--tta-configs", default="naive,all,auto,auto_warm",
-                   help="time to accuracy: which of naive, all, auto (cold cache, choosing counted) and auto_warm "
-                        "(the cache an earlier run left) to run (default all four)")
+    p.add_argument("--tta-configs", default="naive,all,auto,auto_warm,schedulefree",
+                   help="time to accuracy: which of naive, all, auto (cold cache, choosing counted), auto_warm "
+                        "(the cache an earlier run left) and schedulefree (Schedule-Free AdamW at its defaults, "
+                        "the switches of all) to run (default all five)")
     p.add_argument("--ablation", action="store_true",
                    help="time to accuracy: also leave each recipe part out (or add it) and find its budget")
     p.set_defaults(func=run)

@@ -464,7 +464,8 @@ def _choose_batch(model, loader, rec: Recipe, *, optimizer, name, weight_decay, 
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     b0 = getattr(loader, "batch_size", None)
-    scratch = optimizer if not isinstance(optimizer, str) else create_optimizer(
+    long_run = total_steps is not None and total_steps >= BATCH_MIN_STEPS  # else it decides without measuring
+    scratch = optimizer if not isinstance(optimizer, str) or not long_run else create_optimizer(
         name, model, lr=1e-6, weight_decay=weight_decay, **(optimizer_options or {}))
     new, dec = choose_batch_size(model, loader, total_steps=total_steps, noise_scale=noise_scale, optimizer=scratch,
                                  precision=precision, loss_fn=loss_fn, step_fn=step_fn, world_size=world,

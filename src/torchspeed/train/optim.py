@@ -29,6 +29,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 
 import torch
@@ -39,9 +41,9 @@ from torchspeed._extras import require
 __all__ = ["OPTIMIZERS", "WEIGHT_DECAY", "default_weight_decay", "create_optimizer", "zero_grad", "param_groups",
            "describe_optimizer", "MuonAdamW", "hidden_matrices", "matrix_share", "mostly_matrices"]
 
-OPTIMIZERS = ("sgd", "adamw", "lamb", "lars", "muon")
+OPTIMIZERS = ("sgd", "adamw", "lamb", "lars", "muon", "schedulefree")
 # "muon": Muon with match_rms_adamw reuses AdamW's weight decay (Liu et al. 2025, "Muon is Scalable")
-WEIGHT_DECAY = {"sgd": 5e-4, "adamw": 0.05, "lamb": 0.02, "lars": 5e-4, "muon": 0.05}
+WEIGHT_DECAY = {"sgd": 5e-4, "adamw": 0.05, "lamb": 0.02, "lars": 5e-4, "muon": 0.05, "schedulefree": 0.05}
 MUON_MOMENTUM = 0.95  # torch's and Keller Jordan's default
 
 
@@ -112,6 +114,9 @@ def create_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: fl
                     raise
                 del e
         return cls(groups, foreach=fused is not False, **kwargs)
+    if key == "schedulefree":  # Schedule-Free AdamW (Defazio et al. 2024): no LR schedule; warm-up set by the Trainer
+        sf = require("schedulefree", "schedulefree", feature="optimizer='schedulefree'")
+        return sf.AdamWScheduleFree(groups, lr=lr, weight_decay=weight_decay, betas=betas)
     if key == "lamb":
         Lamb = require("timm.optim", "timm", feature="optimizer='lamb'").Lamb
         return Lamb(groups, lr=lr, weight_decay=weight_decay, betas=betas)
@@ -289,3 +294,23 @@ def _muon_adamw(model: nn.Module, *, lr: float, weight_decay: float, betas, fuse
     groups = ([{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
               if weight_decay else [{"params": no_decay + decay}])
     return MuonAdamW([p for _, p in hidden], groups, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)
+
+
+def is_schedule_free(optimizer) -> bool:
+    """A Schedule-Free optimizer (the `schedulefree` package): it needs `.train()` / `.eval()` around training and
+    evaluation, and no LR schedule."""
+    return callable(getattr(optimizer, "eval", None)) and "train_mode" in getattr(optimizer, "defaults", {})
+
+
+@contextlib.contextmanager
+def averaged_weights(optimizer):
+    """Inside the block a Schedule-Free optimizer's model holds its averaged weights (what is evaluated and saved);
+    training weights again after. Any other optimizer: nothing happens."""
+    if not is_schedule_free(optimizer) or not optimizer.param_groups[0].get("train_mode", False):
+        yield
+        return
+    optimizer.eval()
+    try:
+        yield
+    finally:
+        optimizer.train()

@@ -27,7 +27,7 @@ __all__ = ["SCHEDULES", "create_scheduler", "scale_lr", "warmup_cosine_factor", 
            "lr_rule", "batch_lr_factor", "scale_lr_for_batch", "rescale_lr"]
 
 SCHEDULES = ("onecycle", "cyclic", "cosine", "constant")
-SQRT_RULE = ("adam", "adamw", "lamb", "muon", "nadam", "radam")  # optimizers whose LR follows the batch's square root
+SQRT_RULE = ("adam", "adamw", "lamb", "muon", "nadam", "radam", "schedulefree")  # optimizers whose LR follows the batch's square root
 
 
 def steps_in_run(steps_per_epoch: int | None, epochs: int, *, grad_accum: int = 1,

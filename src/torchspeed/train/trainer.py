@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -50,7 +51,8 @@ from torchspeed.train.memory_format import apply_channels_last
 from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
 from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
 from torchspeed.train.decision import Decision
-from torchspeed.train.optim import create_optimizer, describe_optimizer, zero_grad
+from torchspeed.train.bnstats import batchnorm_layers, recalibrate_bn
+from torchspeed.train.optim import averaged_weights, create_optimizer, describe_optimizer, is_schedule_free, zero_grad
 from torchspeed.train.precision import MixedPrecision, Precision
 from torchspeed.train.switches import Switches
 from torchspeed.train.progress import TrainProgress, decisions_header
@@ -180,6 +182,9 @@ class Trainer(MeasuredSwitches):
         # Every callback and logger behind one object: the loop calls each event in one line.
         self.callbacks = CallbackList([*(callbacks or ()), *([LoggerCallback(loggers)] if loggers else [])])
         self.should_stop = False  # set by request_stop (a callback): the run ends after this step or epoch
+        # Schedule-Free with BatchNorm: the last batches, to give the averaged weights their own statistics
+        self._recent = (collections.deque(maxlen=8) if is_schedule_free(optimizer)
+                        and batchnorm_layers(self.module) else None)
 
     last_loss = property(lambda self: self._last_loss, doc="The loss read at the last step divisible by log_every "
                                                               "(NaN before): no new device sync.")
@@ -264,6 +269,13 @@ class Trainer(MeasuredSwitches):
         total = steps_in_run(steps_per_epoch, epochs, grad_accum=self.config.grad_accum,
                              max_steps=self.config.max_steps)
         self._group_settings = group_settings(self.optimizer)  # a finished run extended gets them back
+        if is_schedule_free(self.optimizer):  # its own warm-up, no schedule (T14's alternative)
+            warm = self.config.warmup_steps if self.config.warmup_steps is not None else max(1, (total or 100) // 20)
+            for g in self.optimizer.param_groups:
+                g["warmup_steps"] = warm
+            self.scheduler, self.total_steps = None, total
+            self.decisions["schedule"] = Decision(None, f"Schedule-Free AdamW: no LR schedule, {warm} warm-up steps")
+            return
         self.scheduler = create_scheduler(self.config.schedule, self.optimizer, total_steps=total,
                                           warmup_steps=self.config.warmup_steps, min_lr=self.config.min_lr)
         self.total_steps = total
@@ -325,11 +337,15 @@ class Trainer(MeasuredSwitches):
         if self._ramp is not None:
             self._steps_per_epoch = len(self._ramp.sizes(epoch))
         self.model.train()
+        if is_schedule_free(self.optimizer):
+            self.optimizer.train()
         if not skip:
             self.meter.reset()  # else: the sums restored from the checkpoint
         self._t0, self._seen = time.perf_counter(), 0
         for batch in self.batches(self.position.epoch_iter(train_loader, skip)):
             self.step_batch(batch)
+            if self._recent is not None:  # Schedule-Free with BatchNorm: statistics for the averaged weights
+                self._recent.append(batch)
             if cfg.noise_scale_every and self.window.at_boundary and self.step % cfg.noise_scale_every == 0:
                 observe_batch(self.module, batch, self.noise, loss_fn=self.loss_fn, step_fn=self.step_fn,
                               autocast=self.precision.autocast)  # two half-batch backwards; nothing trained
@@ -399,6 +415,10 @@ class Trainer(MeasuredSwitches):
         Returns the path; then `on_checkpoint(path, step)` runs on every rank."""
         if self.checkpoints is None:
             return None
+        with averaged_weights(self.optimizer):  # Schedule-Free: the averaged weights are the ones saved
+            return self._save_checkpoint(best)
+
+    def _save_checkpoint(self, best: bool) -> Path | None:
         if self.sharded:
             self.last_checkpoint = self.checkpoints.save(self.module, self.optimizer, self.checkpoint_state(
                 weights=False), step=self.step, best=best)
@@ -460,9 +480,13 @@ class Trainer(MeasuredSwitches):
         if self.dist is not None and not self.sharded:  # FSDP2: every rank runs the whole set (collective forward)
             loader = shard_loader(loader, for_eval=True)
         module = self.callbacks.eval_module(self.module)  # the EMA weights when an EMA callback is on
-        out = evaluate(module, loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
-                       step_fn=self.step_fn, channels_last=self.channels_last, tta=self.config.tta,
-                       tta_scales=self.config.tta_scales)
+        with averaged_weights(self.optimizer):  # Schedule-Free: its averaged weights (and their BN statistics)
+            if self._recent:
+                recalibrate_bn(module, list(self._recent), device=self.device, step_fn=self.step_fn,
+                               channels_last=self.channels_last)
+            out = evaluate(module, loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
+                           step_fn=self.step_fn, channels_last=self.channels_last, tta=self.config.tta,
+                           tta_scales=self.config.tta_scales)
         if self.dist is not None and not self.sharded:
             n = out["samples"]
             out = {**reduce_metrics({k: v for k, v in out.items() if k != "samples"}, weight=n),
