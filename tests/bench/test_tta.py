@@ -65,7 +65,16 @@ def test_a_budget_fails_as_soon_as_one_seed_misses_and_that_seed_goes_first_next
 @pytest.fixture(scope="module")
 def tiny():
     """naive, all, auto (cold cache) and auto_warm on two seeds to a low target."""
-    return run_tta(targets=(0.3,), seeds=2, **TINY)
+    return run_tta(targets=(0.3,), seeds=2, configs=("naive", "all", "auto", "auto_warm"), **TINY)
+
+
+def test_the_schedule_free_row_trains_schedule_free_adamw_at_its_defaults():
+    pytest.importorskip("schedulefree")
+    res = run_tta(targets=(0.3,), seeds=1, configs=("schedulefree",), **TINY)
+    runs = [r for r in res.runs if r.config == "schedulefree"]
+    assert runs and all("AdamWScheduleFree" in r.decisions["optimizer"] and "warm-up" in r.decisions["schedule"]
+                        for r in runs)
+    assert res.targets[0]["configs"]["schedulefree"]["budgets_tried"]
 
 
 def test_every_config_reaches_the_target_and_the_json_has_the_issue_schema(tiny):
@@ -175,7 +184,7 @@ def test_bench_cli_runs_time_to_target_for_digits_unless_switched_off(tiny, monk
     out = tmp_path / "b.json"
     assert main(["bench", "--data", "digits", "--json", str(out)]) == 0
     assert len(calls) == 1 and calls[0]["targets"] == (0.97, 0.90) and calls[0]["data"] == "digits"
-    assert calls[0]["model"] == "resnet20" and calls[0]["configs"] == ("naive", "all", "auto")
+    assert calls[0]["model"] == "resnet20" and calls[0]["configs"] == ("naive", "all", "auto", "auto_warm", "schedulefree")
     assert "tta" in json.loads(out.read_text())
     for off in (["--no-tta"], ["--target-acc", "0"]):
         assert main(["bench", "--data", "digits", "--model", "resnet20", "--json", str(out), *off]) == 0

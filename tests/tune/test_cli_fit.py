@@ -31,8 +31,8 @@ def test_fit_auto_tunes_batch_lr_and_loader(digits8):
     assert new_batch % 8 == 0 and new_batch <= len(train) // 16
     found = float(d["lr_find"].value)
     if new_batch != 16:
-        assert float(d["lr"].split()[0]) == pytest.approx(scale_lr(found, new_batch, 16), rel=1e-2)
-    assert "num_workers" in d["loader"]
+        assert float(d["lr"].value) == pytest.approx(scale_lr(found, new_batch, 16), rel=1e-2)
+    assert "num_workers" in d["loader"].value
     assert res.steps == len(train) // new_batch + (len(train) % new_batch > 0)  # trained on the rebuilt loader
     assert res.final["val_acc"] > 0.5
 

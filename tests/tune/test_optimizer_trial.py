@@ -53,8 +53,14 @@ def test_trial_restores_the_model_bit_for_bit_and_picks_the_lower_loss():
     assert [r["loss"] for r in again.table] == [r["loss"] for r in trial.table]
 
 
-def test_trial_picks_the_candidate_that_learns():
-    # an LR of 0 cannot learn: the other candidate wins by far more than the margin, either way round
+def test_trial_picks_the_candidate_that_learns(monkeypatch):
+    # an LR of 0 cannot learn: the other candidate wins by far more than the margin, either way round (the judgement
+    # on time is tested on its own below, with injected step times: here every step costs the same)
+    import torchspeed.tune.optimizer_trial as ot
+
+    real = ot._judge_by_time
+    monkeypatch.setattr(ot, "_judge_by_time", lambda rows, *a, **k: real(
+        [r | {"step_s": [0.1] * len(r.get("step_s") or [])} for r in rows], *a, **k))
     trial = compare_optimizers(_mlp(), _data(), ("adamw", "muon"), lr={"adamw": 0.0, "muon": 1e-2}, steps=20,
                                batch_size=32, eval_batches=2)
     assert trial.best == "muon" and "lower loss" in trial.reason
@@ -79,3 +85,21 @@ def test_bad_arguments():
         compare_optimizers(_mlp(), _data(), lr={"adamw": 1e-3}, steps=2)
     with pytest.raises(ValueError, match="positive"):
         compare_optimizers(_mlp(), _data(), lr=1e-3, steps=0)
+
+
+def test_a_per_step_winner_with_slower_steps_must_win_on_time():
+    """Muon reaches AdamW's final training loss in half the steps: it wins at 1.5x AdamW's step time and loses at 3x."""
+    from torchspeed.tune.optimizer_trial import _judge_by_time, seconds_to_loss
+
+    base = [2.0 - 0.05 * i for i in range(20)]   # AdamW ends near 1.1
+    fast = [2.0 - 0.1 * i for i in range(20)]    # Muon gets there by step 10
+    assert seconds_to_loss(fast, [1.0] * 20, 1.2, window=1) == 9.0
+    assert seconds_to_loss(base, [1.0] * 20, -1.0) == float("inf")
+
+    def rows(muon_step):
+        return [{"name": "adamw", "curve": base, "step_s": [0.10] * 20},
+                {"name": "muon", "curve": fast, "step_s": [muon_step] * 20}]
+    best, why = _judge_by_time(rows(0.15), "adamw", "muon", "lower loss", margin=0.02)
+    assert best == "muon" and "judged on time" in why
+    best, why = _judge_by_time(rows(0.30), "adamw", "muon", "lower loss", margin=0.02)
+    assert best == "adamw" and "sooner in time" in why

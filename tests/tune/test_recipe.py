@@ -92,10 +92,22 @@ def test_tta_is_not_tried_on_inputs_that_are_not_images():
 
 def _fit_with(val_loader):
     from torchspeed import fit
+    from torchspeed.plan import budget
+
+    import os
+    import tempfile
+
+    budget.TUNING_SHARE, share = 20.0, budget.TUNING_SHARE  # a budget that affords measuring in a 16-step run
+    cache, os.environ["TORCHSPEED_CACHE_DIR"] = os.environ.get("TORCHSPEED_CACHE_DIR"), tempfile.mkdtemp()  # measure
 
     model = _bn_net()
-    return fit(model, _loader(), epochs=2, val_loader=val_loader, recipe="auto", progress=False, compile=False,
-               trial=False, precision="fp32")
+    try:
+        return fit(model, _loader(), epochs=2, val_loader=val_loader, recipe="auto", progress=False, compile=False,
+                   trial=False, precision="fp32")
+    finally:
+        budget.TUNING_SHARE = share
+        if cache is not None:
+            os.environ["TORCHSPEED_CACHE_DIR"] = cache
 
 
 def test_fit_recipe_auto_chooses_on_training_data_only():

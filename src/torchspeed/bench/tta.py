@@ -563,7 +563,7 @@ def train_budget(spec: dict) -> TTARun:
 
         trainer.loss_fn = default_loss()
     out = trainer.evaluate(val_loader)    # off the clock
-    decisions = {k: str(v) for k, v in trainer.decisions.items()}
+    decisions = {k: str(v) for k, v in ((rec.decisions if rec is not None else {}) | trainer.decisions).items()}
     decisions |= {"allocator": allocator_in_use(), "num_workers": loader.num_workers,
                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default (spin, then sleep)"),
                   "train_samples": len(loader.dataset), "val_samples": len(val_loader.dataset)}

@@ -149,6 +149,8 @@ class Trainer(MeasuredSwitches):
             optimizer = create_optimizer(optimizer, self.model, lr=lr, weight_decay=weight_decay,
                                          momentum=momentum, betas=betas, fused=cfg.fused_optimizer)
         self.optimizer = optimizer
+        if is_schedule_free(optimizer):
+            optimizer.train()  # Schedule-Free steps only in train mode (evaluation switches and switches back)
         self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), "asked for" if not isinstance(
             cfg.fused_optimizer, str) else "rule: fused kernel where torch has one")
         if cfg.scale_lr_world_size and self.dist is not None:
