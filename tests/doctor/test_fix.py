@@ -106,8 +106,15 @@ def diagnosed(tmp_path_factory):
 
 
 def test_fix_measures_each_patch_and_keeps_only_faster_ones(diagnosed, monkeypatch):
+    import dataclasses
+
+    from torchspeed.doctor.report import Finding
+
     script, report = diagnosed
     assert "zero-grad-memset" in report.rules
+    # a second patch whatever this machine's timing made the rules find (an injected finding)
+    report = dataclasses.replace(report, findings=report.findings + (
+        Finding("elementwise-bound", "low", "injected", "compile", est_gain=1.2, patch="compile"),))
     calls = []
 
     def fake_measure(path, args, sources, **kw):  # injected: patch 1 faster, patch 2 slower, ...
@@ -159,3 +166,31 @@ def test_fix_without_libcst_says_what_to_install(monkeypatch, capsys):
     assert main(["doctor", script, "--fix"]) == 2
     err = capsys.readouterr().err.strip()
     assert "pip install" in err and "libcst" in err and len(err.splitlines()) == 1
+
+
+def test_fix_measurements_rank_the_findings_they_prove():
+    import dataclasses
+
+    from torchspeed.doctor.registry import settle
+    from torchspeed.doctor.report import DoctorReport, Finding
+
+    est = settle(Finding("no-amp", "high", "fp32 forward", "autocast", est_gain=1.4, patch="autocast"))
+    bf16 = settle(Finding("cpu-bf16-math", "high", "fp32 matmuls", "bf16 math", est_gain=1.3, patch="bf16_math"))
+    other = settle(Finding("zero-grad-memset", "high", "memset", "zero_grad()", est_gain=1.01, basis="timed",
+                           patch="set_to_none"))
+    est = dataclasses.replace(est, also=(bf16,))
+    assert est.severity == "low" and "estimated, not measured" in est.evidence
+    report = DoctorReport(script="t.py", status="stopped", traceback=None, env={}, breakdown={},
+                          findings=(est, other))
+    # injected --fix measurements: autocast 1.02x (noise), bf16_math 1.5x on the script itself
+    fix = {"patches": [{"rule": "no-amp", "patch": "autocast", "speedup": 1.02, "ratios": [0.98, 1.02, 1.06]},
+                       {"rule": "cpu-bf16-math", "patch": "bf16_math", "speedup": 1.5, "ratios": [1.45, 1.5, 1.55]},
+                       {"rule": "zero-grad-memset", "patch": "set_to_none", "speedup": None, "ratios": []}]}
+    fixed = dataclasses.replace(report, fix=fix)
+    top = fixed.findings[0]
+    assert top.rule == "cpu-bf16-math" and top.severity == "high" and top.basis == "measured"
+    assert top.measured_gain == 1.5 and "--fix measured the bf16_math patch" in top.evidence
+    assert "estimated, not measured" not in top.evidence
+    assert [a.rule for a in top.also] == ["no-amp"] and top.also[0].severity == "low"  # 0.98-1.06x: noise
+    assert fixed.finding("zero-grad-memset").basis == "timed"  # its patch was not measured
+    assert fixed.rules == {"no-amp", "cpu-bf16-math", "zero-grad-memset"}

@@ -237,6 +237,9 @@ def test_gallery_has_enough_scripts():
 def test_script_gets_its_findings(reports, name):
     r, expect = reports[0][name]
     found = {f.rule: f.severity for f in r.findings}
+    found.update({a.rule: a.severity for f in r.findings for a in f.also})  # folded into a finding of the same cause
+    for f in r.findings:  # high and medium rest on a measurement on the script (or time it timed directly)
+        assert f.severity == "low" or f.basis in ("measured", "timed"), (name, f)
     assert not undeclared_keys(r.observation), undeclared_keys(r.observation)  # the schema declares every key
     if expect == {"clean"}:
         assert r.status == "stopped", r.traceback
@@ -350,4 +353,6 @@ def test_debug_modes_are_read_from_the_running_script(reports):
     r, _ = reports[0]["debug_modes.py"]
     assert r.observation["debug"] == {"anomaly_detection": True, "profiler": False, "deterministic": True}
     f = r.finding("debug-mode-on")
-    assert f.severity == "high" and "anomaly" in f.evidence and "deterministic" in f.evidence
+    # their cost is an estimate (nothing times the step without them): low, and the evidence says so
+    assert f.severity == "low" and "anomaly" in f.evidence and "deterministic" in f.evidence
+    assert "estimated, not measured" in f.evidence

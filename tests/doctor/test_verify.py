@@ -37,7 +37,9 @@ def test_verify_reports_measured_speedups_for_autocast_channels_last_workers(ver
         assert f is not None, rule
         assert f.measured_gain == r.verify[fix]["speedup"]
         # severity follows the measurement; a difference inside the noise is low
-        expected = "low" if r.verify[fix]["within_noise"] else severity_for_gain(f.measured_gain)
+        # (the threshold applies to the low end of the middle half of the rounds)
+        lo = min(r.verify[fix]["iqr"][0], f.measured_gain)
+        expected = "low" if r.verify[fix]["within_noise"] else severity_for_gain(lo)
         assert f.severity == expected
         assert "--verify measured" in f.evidence
     # the candidate really loads in workers; whether that is faster here is measured, not asserted

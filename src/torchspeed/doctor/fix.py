@@ -44,7 +44,7 @@ def plan_patches(report: DoctorReport, source: str) -> tuple[list[dict], list[di
     obs = report.observation
     device = "cuda" if str((obs.get("model") or {}).get("device", "cpu")).startswith("cuda") else "cpu"
     candidates, skipped, seen = [], [], set()
-    for f in report.findings:
+    for f in (g for f in report.findings for g in (f, *f.also)):  # a cause's other fixes are measured too
         if not f.patch or f.patch in seen:
             continue
         seen.add(f.patch)

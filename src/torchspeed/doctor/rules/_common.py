@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from torchspeed.doctor.registry import severity_for_gain
 from torchspeed.doctor.report import Finding
 
 
@@ -54,24 +53,25 @@ def measured_text(v: dict) -> str:
 
 
 def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: dict, verify_fix: str | None = None,
-            severity: str | None = None, patch: str | None = None, patch_args: dict | None = None) -> Finding:
-    """A finding whose severity follows the measured gain when --verify ran, else the estimate.
+            severity: str | None = None, basis: str = "estimated", patch: str | None = None,
+            patch_args: dict | None = None) -> Finding:
+    """A finding; its severity is decided by the registry (`registry.settle`) from what the gain rests on.
 
-    `patch` names the source patch `--fix` writes for it (`torchspeed.doctor._patches`)."""
-    measured = None
-    if verify_fix:
-        v = verified(obs, verify_fix)
-        if v is not None:
-            measured = float(v["speedup"])
-            evidence += measured_text(v)
-    if measured is not None:
-        # a difference the interleaved rounds cannot tell from noise is not worth a high/medium
-        sev = "low" if verified(obs, verify_fix).get("within_noise") else severity_for_gain(measured)
-    else:
-        sev = severity if severity is not None else severity_for_gain(est_gain)
-    return Finding(rule=rule, severity=sev, evidence=evidence, fix=fix,
+    `basis` is "timed" when `est_gain` comes from time the fix removes, timed directly on the script,
+    else "estimated"; --verify's measurement of `verify_fix` makes it "measured". `severity` is a ceiling
+    for an unmeasured finding. `patch` names the source patch `--fix` writes (`torchspeed.doctor._patches`)."""
+    measured, interval = None, None
+    v = verified(obs, verify_fix) if verify_fix else None
+    if v is not None:
+        measured, basis = float(v["speedup"]), "measured"
+        evidence += measured_text(v)
+        if v.get("iqr"):
+            interval = (float(v["iqr"][0]), float(v["iqr"][1]))
+        elif v.get("within_noise"):
+            interval = (min(measured, 1.0), max(measured, 1.0))
+    return Finding(rule=rule, severity=severity or "high", evidence=evidence, fix=fix,
                    est_gain=round(est_gain, 3) if est_gain is not None else None, measured_gain=measured,
-                   patch=patch, patch_args=patch_args)
+                   patch=patch, patch_args=patch_args, basis=basis, interval=interval)
 
 
 def device_type(obs: dict) -> str:

@@ -34,4 +34,4 @@ def check(obs: dict):
            "with `torchspeed doctor --verify` or `torchspeed tune` (T45, T06)")
     est = saving_gain(step_ms(obs), inside - alone)
     return finding("cpu-oversubscribed", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="workers",
-                   patch="threads", patch_args={"threads": max(1, cores - workers)})
+                   basis="timed", patch="threads", patch_args={"threads": max(1, cores - workers)})

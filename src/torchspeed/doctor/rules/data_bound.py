@@ -46,7 +46,7 @@ def check(obs: dict):
     if ld.get("in_memory"):
         fix = in_memory_fix()
         return finding("data-bound", evidence=evidence, fix=fix, est_gain=overlap_gain(obs), obs=obs,
-                       patch="batched_index")
+                       basis="timed", patch="batched_index")
     patch_args = None
     if v and v.get("direction") == "fewer" and v["speedup"] > 1.0:
         patch_args = {"workers": int(v["candidate"].split("=")[1].split(",")[0])}
@@ -59,5 +59,7 @@ def check(obs: dict):
     else:
         fix = ("cache decoded samples (T10), decode faster (T04), move augmentation to the accelerator in batches "
                "(T05); more workers only if cores are free: `--verify` and `torchspeed tune` measure fewer and more (T06)")
+    # the wait is timed; with no workers it is what loading ahead removes, with workers the share removed is a guess
+    basis = "timed" if ld.get("num_workers", 0) == 0 else "estimated"
     return finding("data-bound", evidence=evidence, fix=fix, est_gain=overlap_gain(obs), obs=obs, verify_fix="workers",
-                   patch="workers" if patch_args else None, patch_args=patch_args)
+                   basis=basis, patch="workers" if patch_args else None, patch_args=patch_args)

@@ -17,7 +17,8 @@ def precision_speedup(obs: dict) -> float:
     return 1.5 if env.get("bf16_supported") else 0.5
 
 
-@register("no-amp", priority=70, techniques=("T21",), summary="no autocast (mixed precision)", fix="autocast")
+@register("no-amp", priority=70, techniques=("T21",), summary="no autocast (mixed precision)", fix="autocast",
+          cause="fp32-math")
 def check(obs: dict):
     m = obs.get("model", {})
     if not m.get("found") or m.get("autocast", True):

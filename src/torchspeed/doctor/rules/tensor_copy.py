@@ -16,4 +16,4 @@ def check(obs: dict):
                 f"{c['ms_per_step']:.3f} ms per step ({share:.1%})")
     fix = "torch.from_numpy(a) or torch.as_tensor(a) shares the array's memory instead of copying it (T11)"
     return finding("tensor-copy", evidence=evidence, fix=fix, est_gain=saving_gain(step, 0.9 * c["ms_per_step"]),
-                   obs=obs)
+                   obs=obs, basis="timed")
