@@ -194,3 +194,69 @@ def test_fix_measurements_rank_the_findings_they_prove():
     assert [a.rule for a in top.also] == ["no-amp"] and top.also[0].severity == "low"  # 0.98-1.06x: noise
     assert fixed.finding("zero-grad-memset").basis == "timed"  # its patch was not measured
     assert fixed.rules == {"no-amp", "cpu-bf16-math", "zero-grad-memset"}
+
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def test_autocast_patch_retargets_the_forms_real_scripts_have():
+    ctx = PatchContext(device="cpu")
+    want = 'torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=True)'
+    forms = ["with torch.cuda.amp.autocast(enabled=scaler is not None):",
+             'with torch.amp.autocast("cuda", dtype=torch.float16, enabled=args.amp):',
+             "with torch.autocast(device_type=args.device, enabled=use_amp):",
+             "with autocast():"]
+    for form in forms:
+        src = ("import torch\nmodel = torch.nn.Linear(4, 4)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+               f"for x in data:\n    {form}  # mixed precision\n        loss = model(x).sum()\n    loss.backward()\n")
+        out = apply_patch("autocast", src, ctx)
+        assert f"    with {want}:  # mixed precision\n        loss = model(x).sum()\n" in out, (form, out)
+    # a context chosen by device (no-op on a CPU) becomes autocast on the device the doctor saw
+    nano = ("import torch\nfrom contextlib import nullcontext\n"
+            "ctx = nullcontext() if device_type == 'cpu' else torch.amp.autocast(device_type=device_type, dtype=pt)\n")
+    assert f"ctx = {want}\n" in apply_patch("autocast", nano, ctx)
+    with pytest.raises(NotApplicable, match="no autocast block"):
+        apply_patch("autocast", "import torch\nx = 1\n", ctx)
+
+
+def test_fix_writes_the_autocast_patch_for_a_flag_gated_cuda_block_and_it_runs(monkeypatch):
+    # the reference-script form: the forward already inside torch.cuda.amp.autocast(enabled=flag)
+    import copy
+
+    from torchspeed.doctor import DoctorJob, diagnose_many, report_from_observation
+
+    script = SCRIPTS / "amp_flag_reference.py"
+    report = diagnose(str(script), args=["--epochs", "3"], steps=3, warmup=1, quiet=True)
+    assert report.status == "stopped", report.traceback
+    obs = copy.deepcopy(report.observation)
+    obs["env"]["bf16_supported"] = True  # injected: a CPU with native bf16 (AVX512-BF16/AMX)
+    report = report_from_observation(obs, script=str(script))
+    assert "no-amp" in report.rules
+
+    def fake_measure(path, args, sources, **kw):  # injected: the patch measures 1.5x on the script
+        return [{"ratios": [1.0 if s is None else 1.5], "ms": [10.0], "error": None,
+                 "speedup": 1.0 if s is None else 1.5} for s in sources]
+
+    monkeypatch.setattr(fix_mod, "_measure", fake_measure)
+    res = fix_script(report, args=["--epochs", "3"], steps=3, warmup=1, rounds=1)
+    amp = next(p for p in res["patches"] if p["patch"] == "autocast")
+    assert amp["kept"] and not [s for s in res["skipped"] if s["patch"] == "autocast"]
+    assert "-        with torch.cuda.amp.autocast(enabled=scaler is not None):" in amp["diff"]
+    assert '+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=True):' in amp["diff"]
+    assert res["end_to_end_speedup"] == 1.5
+    # the report now ranks the finding by that measurement
+    fixed = dataclasses_replace(report, fix=res)
+    f = next(g for g in fixed.findings if g.patch == "autocast")
+    assert f.basis == "measured" and f.measured_gain == 1.5
+    # the patched script runs, and its forward now autocasts on the CPU
+    source = next(c["source"] for c in plan_patches(report, script.read_text())[0] if c["patch"] == "autocast")
+    run = diagnose_many([DoctorJob(script=str(script), args=("--epochs", "3"), steps=2, warmup=1, source=source)],
+                        quiet=True)[0]
+    assert run.status == "stopped", run.traceback
+    assert run.observation["model"]["autocast"] is True
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
