@@ -260,3 +260,20 @@ def dataclasses_replace(obj, **kw):
     import dataclasses
 
     return dataclasses.replace(obj, **kw)
+
+
+def test_fused_optimizer_patch_on_a_gpt_script_that_fuses_only_on_cuda(tmp_path):
+    from torchspeed.doctor import DoctorJob, diagnose_many
+
+    ctx = PatchContext(device="cpu")
+    assert "SGD(model.parameters(), lr=0.1, fused=True)" in apply_patch(
+        "fused_optimizer", "import torch\nopt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)\n", ctx)
+    script = SCRIPTS / "gpt_fused_cuda_only.py"
+    out = apply_patch("fused_optimizer", script.read_text(), ctx)
+    assert ('torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, '
+            '**{**extra_args, "fused": True, "foreach": None})') in out
+    # the patched script runs, and the optimizer it builds is fused
+    run = diagnose_many([DoctorJob(script=str(script), steps=2, warmup=1, source=out)], quiet=True)[0]
+    assert run.status == "stopped", run.traceback
+    assert run.observation["optimizer"]["fused"] is True
+    assert "optimizer-kernel" not in run.rules

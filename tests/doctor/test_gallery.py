@@ -16,7 +16,8 @@ import pytest
 from torchspeed.doctor import DoctorJob, diagnose_many
 from torchspeed.doctor.observation import undeclared_keys
 from torchspeed.doctor.registry import severity_for_gain
-from torchspeed.doctor.rules import allocator, cpu_bf16_math, cpu_oversubscribed, data_bound, elementwise_bound
+from torchspeed.doctor.rules import (allocator, cpu_bf16_math, cpu_oversubscribed, data_bound, elementwise_bound,
+                                     optimizer_kernel)
 from torchspeed.doctor.rules._common import robust_frac, saving_gain
 from torchspeed.doctor.rules.slow_jpeg_decode import SHARE as JPEG_SHARE
 
@@ -190,6 +191,8 @@ MEASURED = {
     "allocator": lambda o: o["env"]["allocator"] != "glibc"
     or o["breakdown"]["minor_faults_per_step"] < allocator.FAULTS,
     "data-bound": lambda o: robust_frac(o, "data_wait") < data_bound.THRESHOLD,
+    "optimizer-kernel": lambda o: o["optimizer"]["fused_available"] and not o["optimizer"]["fused"] and
+    o["breakdown"]["compute_detail_ms"]["optimizer"] < optimizer_kernel.SHARE * o["breakdown"]["step_ms"],
 }
 NEW_RULES = {"cpu-oversubscribed", "elementwise-bound", "compile-graph-breaks", "debug-mode-on", "cpu-bf16-math",
              "allocator"}
@@ -356,3 +359,13 @@ def test_debug_modes_are_read_from_the_running_script(reports):
     # their cost is an estimate (nothing times the step without them): low, and the evidence says so
     assert f.severity == "low" and "anomaly" in f.evidence and "deterministic" in f.evidence
     assert "estimated, not measured" in f.evidence
+
+
+def test_the_optimizer_and_its_fused_kernel_are_read_from_the_running_script(reports):
+    r, _ = reports[0]["gpt_fused_cuda_only.py"]
+    o = r.observation["optimizer"]
+    # AdamW built with fused only on CUDA: on this CPU it runs unfused, and torch has a fused CPU kernel
+    assert o == {"class": "AdamW", "fused": None, "foreach": None, "device": "cpu", "fused_available": True,
+                 "param_tensors": 28}, o
+    r, _ = reports[0]["clean_cnn.py"]
+    assert r.observation["optimizer"]["class"] == "SGD"

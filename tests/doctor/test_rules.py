@@ -127,6 +127,10 @@ TRIGGERS = {
     "debug-mode-on": [_set("debug.anomaly_detection", True)],
     "cpu-bf16-math": [_no_autocast_bf16_cpu],
     "allocator": [_set("breakdown.minor_faults_per_step", 6000.0)],
+    "optimizer-kernel": [_set("optimizer", {"class": "AdamW", "fused": None, "foreach": None, "device": "cpu",
+                                            "fused_available": True, "param_tensors": 28}),
+                         _set("breakdown.compute_detail_ms", {"forward": 3.0, "backward": 5.0, "optimizer": 1.0,
+                                                              "zero_grad": 0.0})],
     "input-not-normalized": [_set("model.input", {"dtype": "torch.float32", "mean": 120.0, "std": 70.0,
                                                   "min": 0.0, "max": 255.0})],
 }
@@ -314,3 +318,17 @@ def test_odd_sizes_include_a_language_models_vocabulary_but_not_a_classifiers_cl
     assert odd(classifier, torch.randn(8, 32)) == []
     obs = _obs(_set("model.odd_sizes", ["head.out_features=997"]))
     assert "vocabulary" in RULES["size-not-multiple-of-8"].check(obs).fix
+
+
+def test_optimizer_kernel_needs_a_fused_kernel_here_and_is_ranked_by_its_measurement():
+    trig = TRIGGERS["optimizer-kernel"]
+    f = RULES["optimizer-kernel"].check(_obs(*trig))
+    assert f.patch == "fused_optimizer" and "fused=True" in f.fix and "10%" in f.evidence
+    assert f.severity == "low" and "estimated, not measured" in f.evidence  # 10% x an assumed 1.5x: a model
+    opt = copy.deepcopy(_obs(*trig)["optimizer"])  # (a fresh dict: TRIGGERS' own is shared)
+    assert RULES["optimizer-kernel"].check(_obs(*trig, _set("optimizer", {**opt, "fused": True}))) is None
+    assert RULES["optimizer-kernel"].check(_obs(*trig, _set("optimizer", {**opt, "fused_available": False}))) is None
+    # --verify timed the step with the fused kernel on the captured model and optimizer: 1.23x
+    f = RULES["optimizer-kernel"].check(_obs(*trig, _verified("fused_optimizer", 1.23, (1.18, 1.27))))
+    assert f.basis == "measured" and f.measured_gain == 1.23 and f.severity == "medium"
+    assert "--verify measured 1.23x" in f.evidence

@@ -125,3 +125,25 @@ def test_interleave_reports_the_median_ratio_of_fixed_step_times(monkeypatch, fa
     assert v["candidate_ms"] == 1.0 and v["iqr"] == [1.8, 3.0] and not v["within_noise"]
     same = _interleave(base, base, torch.device("cpu"), rounds=3)
     assert same["speedup"] == 1.0 and same["within_noise"]  # no difference: inside the noise
+
+
+def test_the_fused_optimizer_candidate_keeps_the_scripts_hyper_parameters():
+    from torchspeed.doctor._model_checks import optimizer_info
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW([{"params": model[0].parameters(), "weight_decay": 0.1},
+                             {"params": model[2].parameters(), "weight_decay": 0.0}], lr=3e-4, betas=(0.9, 0.95))
+    cap = Captured(model=model, optimizer=opt, args=(torch.randn(4, 8),))
+    obs = {"model": {"autocast": True}, "notes": [], "optimizer": optimizer_info(opt)}
+    assert obs["optimizer"]["fused_available"] and obs["optimizer"]["fused"] is None
+    assert "fused_optimizer" in applicable_fixes(cap, obs)
+    t = _Trainer(cap, fused_optimizer=True)
+    t.step()
+    assert all(g["fused"] for g in t.opt.param_groups) and [g["weight_decay"] for g in t.opt.param_groups] == [0.1, 0.0]
+    assert t.opt.param_groups[0]["betas"] == (0.9, 0.95) and t.opt.param_groups[0]["lr"] == 3e-4
+    assert not _Trainer(cap).opt.param_groups[0]["fused"]  # the baseline runs as the script does
+    res = verify_fixes(cap, obs, fixes=("fused_optimizer",), rounds=2)["fused_optimizer"]
+    assert "error" not in res and res["rule"] == "optimizer-kernel" and res["speedup"] > 0
+    obs["optimizer"]["fused"] = True  # a script that already passes fused=True: nothing to measure
+    assert "fused_optimizer" not in applicable_fixes(cap, obs)

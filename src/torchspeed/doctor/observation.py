@@ -12,7 +12,7 @@ import typing
 from typing import Any, TypedDict
 
 __all__ = ["Observation", "Breakdown", "LoaderInfo", "DatasetTiming", "ModelInfo", "Kernels", "DebugModes",
-           "MathSettings", "CompileEvents", "CpuContention", "undeclared_keys"]
+           "MathSettings", "CompileEvents", "CpuContention", "OptimizerInfo", "undeclared_keys"]
 
 
 class Fractions(TypedDict, total=False):
@@ -129,6 +129,11 @@ class CpuContention(TypedDict, total=False):
     worker_ms_per_batch: float   # `dataset[i]` x batch size: the CPU work the workers do per step
 
 
+# the optimizer whose steps the doctor counted (T51); `class`: a keyword, hence the functional form
+OptimizerInfo = TypedDict("OptimizerInfo", {"class": str, "fused": bool | None, "foreach": bool | None, "device": str,
+                                            "fused_available": bool, "param_tensors": int}, total=False)
+
+
 class Observation(TypedDict, total=False):
     script: str
     argv: list[str]
@@ -161,6 +166,7 @@ class Observation(TypedDict, total=False):
     math: MathSettings
     compile: CompileEvents
     cpu: CpuContention
+    optimizer: OptimizerInfo
     verify: dict[str, dict[str, Any]]
 
 
