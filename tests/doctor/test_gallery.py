@@ -369,3 +369,14 @@ def test_the_optimizer_and_its_fused_kernel_are_read_from_the_running_script(rep
                  "param_tensors": 28}, o
     r, _ = reports[0]["clean_cnn.py"]
     assert r.observation["optimizer"]["class"] == "SGD"
+
+
+def test_copies_a_dataset_makes_in_workers_are_found(reports):
+    r, _ = reports[0]["float64_rows_in_workers.py"]
+    assert r.observation["loaders"][0]["num_workers"] == 1
+    assert r.observation["tensor_copies"]["count"] == 0  # the loop's probe cannot see into the workers
+    c = r.observation["datasets"][0]["tensor_copies"]
+    assert c["per_item"] == 2.0 and c["float64"] and c["sites"] == ["float64_rows_in_workers.py:20"]
+    f = r.finding("tensor-copy")
+    assert "Rows[i]" in f.evidence and "64 per batch of 32" in f.evidence and "worker" in f.evidence
+    assert "astype(np.float32)" in f.fix

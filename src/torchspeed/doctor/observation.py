@@ -63,6 +63,7 @@ class DatasetTiming(TypedDict, total=False):
     decoders: dict[str, int]
     batch_size: int | None
     alt_decode: dict[str, Any] | None
+    tensor_copies: dict[str, Any]  # torch.tensor(ndarray) per `dataset[i]`: per_item, ms_per_item, float64, sites
 
 
 _ClassNames = TypedDict("_ClassNames", {"class": str, "inner_class": str}, total=False)  # `class`: a keyword

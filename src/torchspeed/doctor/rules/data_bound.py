@@ -36,7 +36,7 @@ def check(obs: dict):
     ld = loader_summary(obs) or {}
     evidence = (f"data wait is {f:.0%} of each step ({b['data_wait_ms']:.2f} of {b['step_ms']:.2f} ms, trimmed mean "
                 f"of {b.get('steps', '?')} steps; the median step's share and the trimmed mean's, whichever is "
-                "smaller) from DataLoader({ld.get('dataset', '?')}, "
+                f"smaller) from DataLoader({ld.get('dataset', '?')}, "
                 f"num_workers={ld.get('num_workers', '?')})")
     for ds in obs.get("datasets", []):
         evidence += (f"; {ds['dataset']}[i] takes {ds['getitem_ms']:.3f} ms (decode {ds['decode_ms']:.3f}, "
