@@ -121,6 +121,10 @@ TRIGGERS = {
     "small-batch": [_set("model.batch_size", 4)],
     "model-design": [_design],
     "cpu-oversubscribed": [_oversubscribed],
+    "omp-wait-policy": [_oversubscribed, _set("env_fixes", {"omp_passive": {
+        "fix": "omp_passive", "rule": "omp-wait-policy", "env": {"OMP_WAIT_POLICY": "PASSIVE"}, "steps": 6,
+        "speedup": 1.2, "ratios": [1.18, 1.22], "iqr": [1.19, 1.21], "within_noise": False, "rounds": 2,
+        "baseline_ms": 12.0, "candidate_ms": 10.0}})],
     "elementwise-bound": [_set("kernels.elementwise_share", 0.55)],
     "compile-graph-breaks": [_set("compile.graph_breaks", [{"site": "train.py:12", "reason": "Data-dependent "
                                                             "branching", "count": 3}])],

@@ -19,7 +19,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 @pytest.fixture(scope="module")
 def verified():
     job = DoctorJob(script=str(SCRIPTS / "slow_dataset.py"), steps=6, warmup=2, verify=True,
-                    fixes=("autocast", "channels_last", "workers"), rounds=3, time_limit=120)
+                    fixes=("autocast", "channels_last", "workers"), rounds=3, time_limit=120, env_rounds=0)
     return diagnose_many([job], quiet=True, threads=1)[0]
 
 

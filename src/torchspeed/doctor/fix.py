@@ -27,7 +27,7 @@ from torchspeed.doctor._patches import NotApplicable, PatchContext, apply_patch,
 from torchspeed.doctor.diagnose import DoctorJob, diagnose_many
 from torchspeed.doctor.report import DoctorReport
 
-__all__ = ["FixError", "fix_script", "plan_patches", "unified_diff"]
+__all__ = ["FixError", "fix_script", "plan_patches", "unified_diff", "measure_variants"]
 
 
 class FixError(RuntimeError):
@@ -67,11 +67,14 @@ def _step_ms(r: DoctorReport) -> float | None:
     return ms if ms else None
 
 
-def _measure(script: str, args: Sequence[str], sources: list[str | None], *, steps: int, warmup: int, rounds: int,
-             time_limit: float, threads: int | None) -> list[dict]:
-    """Interleaved runs: per round the original (None) and then each source; per source the ratios."""
+def measure_variants(script: str, args: Sequence[str], sources: list[str | None], *, steps: int, warmup: int,
+                     rounds: int, time_limit: float, threads: int | None, envs: list[dict | None] | None = None) -> list[dict]:
+    """Interleaved runs: per round the first variant (the original) and then each other one; per variant the
+    ratios (original step ms / variant step ms). A variant is a source (None: the script's own text) and,
+    with `envs`, an environment: a variant with one runs in its own process with those variables added."""
+    envs = envs or [None] * len(sources)
     jobs = [DoctorJob(script=script, args=tuple(args), steps=steps, warmup=warmup, time_limit=time_limit,
-                      source=src, measure_only=True) for _ in range(rounds) for src in sources]
+                      source=src, env=env, measure_only=True) for _ in range(rounds) for src, env in zip(sources, envs)]
     reports = diagnose_many(jobs, quiet=True, threads=threads)
     n = len(sources)
     out = [{"ratios": [], "ms": [], "error": None} for _ in sources]
@@ -108,7 +111,7 @@ def fix_script(report: DoctorReport, *, args: Sequence[str] = (), steps: int = 2
     if not candidates:
         return result
     kw = {"steps": steps, "warmup": warmup, "rounds": rounds, "time_limit": time_limit, "threads": threads}
-    measured = _measure(script, args, [None] + [c["source"] for c in candidates], **kw)
+    measured = measure_variants(script, args, [None] + [c["source"] for c in candidates], **kw)
     result["original_ms"] = measured[0]["ms"]
     combined, kept = source, []
     for c, m in zip(candidates, measured[1:]):
@@ -125,7 +128,7 @@ def fix_script(report: DoctorReport, *, args: Sequence[str] = (), steps: int = 2
                 entry["error"] = f"does not combine with the patches kept before it: {e}"
         result["patches"].append(entry)
     if kept:
-        e2e = _measure(script, args, [None, combined], **kw)[1]
+        e2e = measure_variants(script, args, [None, combined], **kw)[1]
         result["end_to_end_speedup"] = e2e["speedup"]
         result["end_to_end_ratios"] = e2e["ratios"]
         result["combined_diff"] = unified_diff(source, combined, script)

@@ -169,6 +169,7 @@ class Observation(TypedDict, total=False):
     cpu: CpuContention
     optimizer: OptimizerInfo
     verify: dict[str, dict[str, Any]]
+    env_fixes: dict[str, dict[str, Any]]   # `_envfix`: each environment fix re-run on the script, interleaved
 
 
 def _typed_dict(tp) -> type | None:

@@ -165,10 +165,31 @@ def render_report(report: DoctorReport, console=None) -> None:
                 note = (note + f" compile took {v['compile_s']} s").strip()
             t.add_row(v["fix"], f"{v['baseline_ms']:.2f}", f"{v['candidate_ms']:.2f}", f"{s:.2f}x", note)
         console.print(t)
+    _render_env_fixes(report, console)
     if report.fix:
         _render_fix(report, console)
     for n in report.notes:
         console.print(f"[dim]note: {n}[/]")
+
+
+def _render_env_fixes(report: DoctorReport, console) -> None:
+    from rich.table import Table
+
+    entries = (report.observation.get("env_fixes") or {}).values()
+    if not entries:
+        return
+    t = Table(title="environment fixes: a few steps of the script re-run with each, interleaved with the original")
+    for col in ("environment", "original ms/step", "with it ms/step", "speed-up", "note"):
+        t.add_column(col)
+    for e in entries:
+        env = " ".join(f"{k}={v}" for k, v in e["env"].items())
+        if "error" in e:
+            t.add_row(env, "-", "-", "-", e["error"])
+            continue
+        note = f"within noise ({e['iqr'][0]:.2f}-{e['iqr'][1]:.2f}x)" if e.get("within_noise") else ""
+        ms = [f"{v:.2f}" if v else "-" for v in (e.get("baseline_ms"), e.get("candidate_ms"))]
+        t.add_row(env, *ms, f"{e['speedup']:.2f}x", note)
+    console.print(t)
 
 
 def _render_fix(report: DoctorReport, console) -> None:

@@ -52,9 +52,26 @@ def measured_text(v: dict) -> str:
             f"median of {v['rounds']} interleaved rounds)")
 
 
+def env_measured(obs: dict, fix: str) -> dict | None:
+    """The environment re-run's measurement of `fix` (`_envfix`: the script re-run with the variable set)."""
+    v = (obs.get("env_fixes") or {}).get(fix)
+    return v if v and v.get("speedup") is not None else None
+
+
+def env_text(v: dict) -> str:
+    from torchspeed.doctor._envfix import env_label
+
+    lo, hi = v["iqr"]
+    noise = f", within noise: {lo:.2f}-{hi:.2f}x" if v.get("within_noise") else ""
+    ms = (f": {v['baseline_ms']:.2f} -> {v['candidate_ms']:.2f} ms per step"
+          if v.get("baseline_ms") and v.get("candidate_ms") else "")
+    return (f"; re-running {v['steps']} steps of the script with {env_label(v['env'])} measured {v['speedup']:.2f}x"
+            f"{ms} (median of {v['rounds']} interleaved runs{noise})")
+
+
 def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: dict, verify_fix: str | None = None,
             severity: str | None = None, basis: str = "estimated", patch: str | None = None,
-            patch_args: dict | None = None) -> Finding:
+            patch_args: dict | None = None, env_fix: str | None = None) -> Finding:
     """A finding; its severity is decided by the registry (`registry.settle`) from what the gain rests on.
 
     `basis` is "timed" when `est_gain` comes from time the fix removes, timed directly on the script,
@@ -62,9 +79,12 @@ def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: 
     for an unmeasured finding. `patch` names the source patch `--fix` writes (`torchspeed.doctor._patches`)."""
     measured, interval = None, None
     v = verified(obs, verify_fix) if verify_fix else None
+    if v is None and env_fix and (v := env_measured(obs, env_fix)) is not None:
+        evidence += env_text(v)
+    elif v is not None:
+        evidence += measured_text(v)
     if v is not None:
         measured, basis = float(v["speedup"]), "measured"
-        evidence += measured_text(v)
         if v.get("iqr"):
             interval = (float(v["iqr"][0]), float(v["iqr"][1]))
         elif v.get("within_noise"):
