@@ -54,8 +54,15 @@ class DoctorJob:
 
 
 def report_from_observation(obs: dict, *, script: str | None = None) -> DoctorReport:
-    """Apply every registered rule to one observation."""
+    """Apply every registered rule to one observation; where an option of the script (`--amp`, `--workers`)
+    already gives a finding's fix, that option comes first in it (`_script_options`)."""
     findings = tuple(run_rules(obs)) if obs.get("status") not in ("doctor-error", "killed") else ()
+    path = script or obs.get("script")
+    if findings and path and os.path.isfile(path):  # the script's own options that give a fix come first
+        from torchspeed.doctor._script_options import with_script_options
+
+        with open(path, errors="replace") as f:
+            findings = tuple(with_script_options(findings, obs, f.read()))
     return DoctorReport(script=script or obs.get("script", "?"), status=obs.get("status", "?"),
                         traceback=obs.get("traceback"), env=obs.get("env", {}), breakdown=obs.get("breakdown", {}),
                         findings=findings, verify=obs.get("verify", {}), notes=tuple(obs.get("notes", [])),
