@@ -31,6 +31,9 @@ def test_verify_reports_measured_speedups_for_autocast_channels_last_workers(ver
         assert "error" not in v, v
         assert v["speedup"] > 0 and v["baseline_ms"] > 0 and v["candidate_ms"] > 0 and len(v["ratios"]) == 3
         assert v["iqr"][0] <= v["speedup"] <= v["iqr"][1]
+    # fit's plan for the captured model, measured against the script's settings (values: test_fit_plan)
+    plan = r.observation["fit_plan"]
+    assert "error" not in plan and plan["chosen"] in plan["grid"] + [plan["script"]] and len(plan["ratios"]) == 3
     rule_of = {"autocast": "no-amp", "channels_last": "channels-last", "workers": "dataloader-workers"}
     for fix, rule in rule_of.items():
         f = r.finding(rule)

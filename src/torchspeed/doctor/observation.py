@@ -169,6 +169,7 @@ class Observation(TypedDict, total=False):
     cpu: CpuContention
     optimizer: OptimizerInfo
     verify: dict[str, dict[str, Any]]
+    fit_plan: dict[str, Any]               # `_fit_plan` (--verify): fit's choice of switches, measured
     env_fixes: dict[str, dict[str, Any]]   # `_envfix`: each environment fix re-run on the script, interleaved
 
 

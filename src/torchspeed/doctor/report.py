@@ -165,6 +165,11 @@ def render_report(report: DoctorReport, console=None) -> None:
                 note = (note + f" compile took {v['compile_s']} s").strip()
             t.add_row(v["fix"], f"{v['baseline_ms']:.2f}", f"{v['candidate_ms']:.2f}", f"{s:.2f}x", note)
         console.print(t)
+    plan = report.observation.get("fit_plan") or {}
+    if plan.get("chosen"):
+        console.print(f"[bold]fit's plan[/] for this model: {plan['chosen']} ({plan['why']}); measured "
+                      f"{plan['speedup']:.2f}x per step against the script's own {plan['script']}"
+                      + (" (within noise)" if plan.get("within_noise") else ""), highlight=False)
     _render_env_fixes(report, console)
     if report.fix:
         _render_fix(report, console)

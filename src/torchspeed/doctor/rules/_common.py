@@ -69,6 +69,19 @@ def env_text(v: dict) -> str:
             f"{ms} (median of {v['rounds']} interleaved runs{noise})")
 
 
+def in_plan(obs: dict, fix: str | None) -> bool:
+    """`fix` is one of the switches fit's plan changes for this script (`_fit_plan`, --verify)."""
+    return bool(fix) and fix in ((obs.get("fit_plan") or {}).get("fixes") or [])
+
+
+def plan_text(obs: dict, fix: str | None) -> str:
+    if not in_plan(obs, fix):
+        return ""
+    p = obs["fit_plan"]
+    return (f"; fit's plan for this model chooses it ({p['chosen']} against the script's {p['script']}: measured "
+            f"{p['speedup']:.2f}x per step, median of {len(p['ratios'])} interleaved rounds)")
+
+
 def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: dict, verify_fix: str | None = None,
             severity: str | None = None, basis: str = "estimated", patch: str | None = None,
             patch_args: dict | None = None, env_fix: str | None = None) -> Finding:
@@ -89,6 +102,7 @@ def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: 
             interval = (float(v["iqr"][0]), float(v["iqr"][1]))
         elif v.get("within_noise"):
             interval = (min(measured, 1.0), max(measured, 1.0))
+    evidence += plan_text(obs, verify_fix)
     return Finding(rule=rule, severity=severity or "high", evidence=evidence, fix=fix,
                    est_gain=round(est_gain, 3) if est_gain is not None else None, measured_gain=measured,
                    patch=patch, patch_args=patch_args, basis=basis, interval=interval)

@@ -5,11 +5,12 @@ time (`foreach=False`): several passes over every parameter and optimizer state.
 one pass. Scripts often ask for it only on CUDA (`use_fused = fused_available and device_type == "cuda"`)
 although torch has it on CPU as well. The optimizer's share of the step is timed by the probe; the gain
 of the fused kernel is measured by `--verify` (the captured model and optimizer stepped with fused=True
-against the script's own, interleaved) and by `--fix` (the script run with `fused=True`).
+against the script's own, interleaved) and by `--fix` (the script run with `fused=True`); when fit's plan
+(`_fit_plan`) chooses the fused kernel, the finding appears whatever the share.
 """
 
 from torchspeed.doctor.registry import register
-from torchspeed.doctor.rules._common import amdahl, finding, step_ms
+from torchspeed.doctor.rules._common import amdahl, finding, in_plan, step_ms
 
 SHARE = 0.03   # optimizer share of the step worth reporting without a measurement
 FUSED = 1.5    # assumed speed-up of the optimizer step once fused (an estimate: --verify measures it)
@@ -25,7 +26,7 @@ def check(obs: dict):
     step = step_ms(obs)
     share = opt_ms / step if step else 0.0
     measured = (obs.get("verify") or {}).get("fused_optimizer")
-    if share < SHARE and not measured:
+    if share < SHARE and not measured and not in_plan(obs, "fused_optimizer"):
         return None
     path = {True: "the foreach (multi-tensor) path", False: "one tensor at a time (foreach=False)"}.get(
         o.get("foreach"), "the default foreach path")
