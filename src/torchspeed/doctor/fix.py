@@ -94,6 +94,9 @@ def measure_variants(script: str, args: Sequence[str], sources: list[str | None]
     return out
 
 
+_measure = measure_variants  # fix_script's runner (tests inject measurements here)
+
+
 def fix_script(report: DoctorReport, *, args: Sequence[str] = (), steps: int = 20, warmup: int = 5, rounds: int = 3,
                time_limit: float = 300.0, apply: bool = False, threads: int | None = None) -> dict:
     """Patch, measure and (with `apply`) write the user's script; return the `fix` section of the report."""
@@ -111,7 +114,7 @@ def fix_script(report: DoctorReport, *, args: Sequence[str] = (), steps: int = 2
     if not candidates:
         return result
     kw = {"steps": steps, "warmup": warmup, "rounds": rounds, "time_limit": time_limit, "threads": threads}
-    measured = measure_variants(script, args, [None] + [c["source"] for c in candidates], **kw)
+    measured = _measure(script, args, [None] + [c["source"] for c in candidates], **kw)
     result["original_ms"] = measured[0]["ms"]
     combined, kept = source, []
     for c, m in zip(candidates, measured[1:]):
@@ -128,7 +131,7 @@ def fix_script(report: DoctorReport, *, args: Sequence[str] = (), steps: int = 2
                 entry["error"] = f"does not combine with the patches kept before it: {e}"
         result["patches"].append(entry)
     if kept:
-        e2e = measure_variants(script, args, [None, combined], **kw)[1]
+        e2e = _measure(script, args, [None, combined], **kw)[1]
         result["end_to_end_speedup"] = e2e["speedup"]
         result["end_to_end_ratios"] = e2e["ratios"]
         result["combined_diff"] = unified_diff(source, combined, script)
