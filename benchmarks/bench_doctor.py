@@ -10,7 +10,9 @@ per-round ratios. Hardware and versions are recorded with the results.
 `--fix` instead runs `torchspeed doctor --fix` on every script of the doctor's gallery
 (tests/doctor/scripts) and on benchmarks/doctor/slow_cpu_train.py: each patch the doctor writes
 is measured on the script itself, interleaved with the original, and the kept patches together
-end to end; the rule's estimate is recorded beside each measurement, and the machine's load
+end to end; the rule's estimate is recorded beside each measurement, every finding ranked high or
+medium once the report is re-ranked with those measurements (`ranked`), and the ranked ones whose
+patch gained less than 5% on the real clock (`ranked_below_5pct`, the goal is none); the machine's load
 (`torchspeed.env.other_runnable()`, runnable tasks besides this one) before and after each script.
 
     python benchmarks/bench_doctor.py --fix --steps 20 --rounds 5   # writes benchmarks/results/cpu/doctor_fix.json
@@ -19,6 +21,7 @@ end to end; the rule's estimate is recorded beside each measurement, and the mac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -87,7 +90,7 @@ def run_fix(a) -> None:
         t0 = time.perf_counter()
         report = diagnose_many([DoctorJob(script=str(path), steps=a.steps, warmup=5, time_limit=600)], quiet=True,
                                threads=a.threads)[0]
-        est = {f.rule: f.est_gain for f in report.findings}
+        est = {g.rule: g.est_gain for f in report.findings for g in (f, *f.also)}
         row = {"script": str(path.relative_to(HERE.parent)), "status": report.status,
                "findings": [f.rule for f in report.findings],
                "patchable": [f.rule for f in report.findings if f.patch]}
@@ -102,11 +105,19 @@ def run_fix(a) -> None:
             row["end_to_end_speedup"] = fx["end_to_end_speedup"]
             row["end_to_end_ratios"] = fx.get("end_to_end_ratios")
             row["combined_diff"] = fx["combined_diff"]
+            report = dataclasses.replace(report, fix=fx)  # the findings re-ranked by what --fix measured
+        # every finding ranked high or medium, and whether the real clock (--fix on the script) backs it
+        fixed = {p["patch"]: p["speedup"] for p in row.get("patches", []) if p["speedup"] is not None}
+        row["ranked"] = [{"rule": f.rule, "severity": f.severity, "basis": f.basis, "gain": f.measured_gain or f.est_gain,
+                          "fix_measured": fixed.get(f.patch)} for f in report.findings if f.severity != "low"]
+        row["ranked_below_5pct"] = [r["rule"] for r in row["ranked"]
+                                    if r["fix_measured"] is not None and r["fix_measured"] < 1.05]
         row["seconds"] = round(time.perf_counter() - t0, 1)
         load.append(other_runnable())
         row["other_runnable_before_after"] = load
         rows.append(row)
-        print(path.name, row.get("end_to_end_speedup"), [(p["patch"], p["est_gain"], p["speedup"], p["kept"])
+        print(path.name, "ranked", [(r["rule"], r["severity"]) for r in row["ranked"]],
+              "below 5%", row["ranked_below_5pct"], row.get("end_to_end_speedup"), [(p["patch"], p["est_gain"], p["speedup"], p["kept"])
                                                            for p in row.get("patches", [])], "load", load, flush=True)
         result = {"benchmark": "doctor_fix", "claim": "each --fix patch measured on the script itself, interleaved "
                   "with the original; the kept patches together end to end", "provenance": provenance(),

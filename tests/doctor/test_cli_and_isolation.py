@@ -25,7 +25,8 @@ def test_cli_json_format(tmp_path, capsys):
         assert isinstance(d["breakdown"][key], float)
     assert d["findings"]
     for f in d["findings"]:
-        assert set(f) == {"rule", "severity", "evidence", "fix", "est_gain", "measured_gain", "patch"}
+        assert set(f) == {"rule", "severity", "evidence", "fix", "est_gain", "measured_gain", "patch", "basis", "also"}
+        assert f["basis"] in ("measured", "timed", "estimated") and isinstance(f["also"], list)
         assert f["severity"] in ("high", "medium", "low")
         assert f["est_gain"] is None or isinstance(f["est_gain"], float)
     assert "zero-grad-memset" in {f["rule"] for f in d["findings"]}

@@ -194,3 +194,34 @@ def test_every_rule_states_an_estimate_or_a_severity_on_its_trigger():
         patched.add(f.patch)
     assert {"set_to_none", "channels_last", "compile", "threads", "bf16_math", "debug_off", "workers"} <= patched
     assert run_rules(_obs()) == []
+
+
+def test_data_bound_evidence_names_the_loader():
+    o = _obs(_set("breakdown.fractions.data_wait", 0.6), _set("breakdown.data_wait_ms", 6.0))
+    ev = RULES["data-bound"].check(o).evidence
+    assert "DataLoader(DS, num_workers=2)" in ev and "{" not in ev
+
+
+def test_tensor_copies_in_a_datasets_items_are_reported():
+    item = {"per_item": 1.0, "ms_per_item": 0.01, "float64": True, "sites": ["ds.py:12"]}
+    ds = [{**CLEAN["datasets"][0], "tensor_copies": item}]
+    f = RULES["tensor-copy"].check(_obs(_set("datasets", ds)))
+    assert f is not None and "DS[i] at ds.py:12" in f.evidence and "64 per batch of 64" in f.evidence
+    assert "2 DataLoader worker(s)" in f.evidence and "astype(np.float32)" in f.fix
+    assert f.severity == "low" and f.est_gain is None  # in workers it costs the loading side, not the step
+    ds[0]["tensor_copies"] = {**item, "per_item": 0.0}
+    assert RULES["tensor-copy"].check(_obs(_set("datasets", ds))) is None
+
+
+def test_the_probe_counts_torch_tensor_on_numpy_scalars_and_float64_arrays():
+    import numpy as np
+
+    from torchspeed.doctor._probe import count_tensor_copies, new_copy_counts
+
+    c = new_copy_counts()
+    tensor = count_tensor_copies(c, torch.tensor)
+    tensor(np.zeros(4))                      # float64 array
+    tensor(np.float32(1.0))                  # numpy scalar
+    tensor([np.zeros(2, np.float32)] * 2)    # list of arrays
+    tensor([1.0, 2.0])                       # plain Python data: not a numpy copy
+    assert c["count"] == 3 and c["float64"] == 1 and sum(c["sites"].values()) == 3

@@ -106,8 +106,15 @@ def diagnosed(tmp_path_factory):
 
 
 def test_fix_measures_each_patch_and_keeps_only_faster_ones(diagnosed, monkeypatch):
+    import dataclasses
+
+    from torchspeed.doctor.report import Finding
+
     script, report = diagnosed
     assert "zero-grad-memset" in report.rules
+    # a second patch whatever this machine's timing made the rules find (an injected finding)
+    report = dataclasses.replace(report, findings=report.findings + (
+        Finding("elementwise-bound", "low", "injected", "compile", est_gain=1.2, patch="compile"),))
     calls = []
 
     def fake_measure(path, args, sources, **kw):  # injected: patch 1 faster, patch 2 slower, ...
@@ -159,3 +166,114 @@ def test_fix_without_libcst_says_what_to_install(monkeypatch, capsys):
     assert main(["doctor", script, "--fix"]) == 2
     err = capsys.readouterr().err.strip()
     assert "pip install" in err and "libcst" in err and len(err.splitlines()) == 1
+
+
+def test_fix_measurements_rank_the_findings_they_prove():
+    import dataclasses
+
+    from torchspeed.doctor.registry import settle
+    from torchspeed.doctor.report import DoctorReport, Finding
+
+    est = settle(Finding("no-amp", "high", "fp32 forward", "autocast", est_gain=1.4, patch="autocast"))
+    bf16 = settle(Finding("cpu-bf16-math", "high", "fp32 matmuls", "bf16 math", est_gain=1.3, patch="bf16_math"))
+    other = settle(Finding("zero-grad-memset", "high", "memset", "zero_grad()", est_gain=1.01, basis="timed",
+                           patch="set_to_none"))
+    est = dataclasses.replace(est, also=(bf16,))
+    assert est.severity == "low" and "estimated, not measured" in est.evidence
+    report = DoctorReport(script="t.py", status="stopped", traceback=None, env={}, breakdown={},
+                          findings=(est, other))
+    # injected --fix measurements: autocast 1.02x (noise), bf16_math 1.5x on the script itself
+    fix = {"patches": [{"rule": "no-amp", "patch": "autocast", "speedup": 1.02, "ratios": [0.98, 1.02, 1.06]},
+                       {"rule": "cpu-bf16-math", "patch": "bf16_math", "speedup": 1.5, "ratios": [1.45, 1.5, 1.55]},
+                       {"rule": "zero-grad-memset", "patch": "set_to_none", "speedup": None, "ratios": []}]}
+    fixed = dataclasses.replace(report, fix=fix)
+    top = fixed.findings[0]
+    assert top.rule == "cpu-bf16-math" and top.severity == "high" and top.basis == "measured"
+    assert top.measured_gain == 1.5 and "--fix measured the bf16_math patch" in top.evidence
+    assert "estimated, not measured" not in top.evidence
+    assert [a.rule for a in top.also] == ["no-amp"] and top.also[0].severity == "low"  # 0.98-1.06x: noise
+    assert fixed.finding("zero-grad-memset").basis == "timed"  # its patch was not measured
+    assert fixed.rules == {"no-amp", "cpu-bf16-math", "zero-grad-memset"}
+
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def test_autocast_patch_retargets_the_forms_real_scripts_have():
+    ctx = PatchContext(device="cpu")
+    want = 'torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=True)'
+    forms = ["with torch.cuda.amp.autocast(enabled=scaler is not None):",
+             'with torch.amp.autocast("cuda", dtype=torch.float16, enabled=args.amp):',
+             "with torch.autocast(device_type=args.device, enabled=use_amp):",
+             "with autocast():"]
+    for form in forms:
+        src = ("import torch\nmodel = torch.nn.Linear(4, 4)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+               f"for x in data:\n    {form}  # mixed precision\n        loss = model(x).sum()\n    loss.backward()\n")
+        out = apply_patch("autocast", src, ctx)
+        assert f"    with {want}:  # mixed precision\n        loss = model(x).sum()\n" in out, (form, out)
+    # a context chosen by device (no-op on a CPU) becomes autocast on the device the doctor saw
+    nano = ("import torch\nfrom contextlib import nullcontext\n"
+            "ctx = nullcontext() if device_type == 'cpu' else torch.amp.autocast(device_type=device_type, dtype=pt)\n")
+    assert f"ctx = {want}\n" in apply_patch("autocast", nano, ctx)
+    with pytest.raises(NotApplicable, match="no autocast block"):
+        apply_patch("autocast", "import torch\nx = 1\n", ctx)
+
+
+def test_fix_writes_the_autocast_patch_for_a_flag_gated_cuda_block_and_it_runs(monkeypatch):
+    # the reference-script form: the forward already inside torch.cuda.amp.autocast(enabled=flag)
+    import copy
+
+    from torchspeed.doctor import DoctorJob, diagnose_many, report_from_observation
+
+    script = SCRIPTS / "amp_flag_reference.py"
+    report = diagnose(str(script), args=["--epochs", "3"], steps=3, warmup=1, quiet=True)
+    assert report.status == "stopped", report.traceback
+    obs = copy.deepcopy(report.observation)
+    obs["env"]["bf16_supported"] = True  # injected: a CPU with native bf16 (AVX512-BF16/AMX)
+    report = report_from_observation(obs, script=str(script))
+    assert "no-amp" in report.rules
+
+    def fake_measure(path, args, sources, **kw):  # injected: the patch measures 1.5x on the script
+        return [{"ratios": [1.0 if s is None else 1.5], "ms": [10.0], "error": None,
+                 "speedup": 1.0 if s is None else 1.5} for s in sources]
+
+    monkeypatch.setattr(fix_mod, "_measure", fake_measure)
+    res = fix_script(report, args=["--epochs", "3"], steps=3, warmup=1, rounds=1)
+    amp = next(p for p in res["patches"] if p["patch"] == "autocast")
+    assert amp["kept"] and not [s for s in res["skipped"] if s["patch"] == "autocast"]
+    assert "-        with torch.cuda.amp.autocast(enabled=scaler is not None):" in amp["diff"]
+    assert '+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=True):' in amp["diff"]
+    assert res["end_to_end_speedup"] == 1.5
+    # the report now ranks the finding by that measurement
+    fixed = dataclasses_replace(report, fix=res)
+    f = next(g for g in fixed.findings if g.patch == "autocast")
+    assert f.basis == "measured" and f.measured_gain == 1.5
+    # the patched script runs, and its forward now autocasts on the CPU
+    source = next(c["source"] for c in plan_patches(report, script.read_text())[0] if c["patch"] == "autocast")
+    run = diagnose_many([DoctorJob(script=str(script), args=("--epochs", "3"), steps=2, warmup=1, source=source)],
+                        quiet=True)[0]
+    assert run.status == "stopped", run.traceback
+    assert run.observation["model"]["autocast"] is True
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
+
+
+def test_fused_optimizer_patch_on_a_gpt_script_that_fuses_only_on_cuda(tmp_path):
+    from torchspeed.doctor import DoctorJob, diagnose_many
+
+    ctx = PatchContext(device="cpu")
+    assert "SGD(model.parameters(), lr=0.1, fused=True)" in apply_patch(
+        "fused_optimizer", "import torch\nopt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)\n", ctx)
+    script = SCRIPTS / "gpt_fused_cuda_only.py"
+    out = apply_patch("fused_optimizer", script.read_text(), ctx)
+    assert ('torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, '
+            '**{**extra_args, "fused": True, "foreach": None})') in out
+    # the patched script runs, and the optimizer it builds is fused
+    run = diagnose_many([DoctorJob(script=str(script), steps=2, warmup=1, source=out)], quiet=True)[0]
+    assert run.status == "stopped", run.traceback
+    assert run.observation["optimizer"]["fused"] is True
+    assert "optimizer-kernel" not in run.rules

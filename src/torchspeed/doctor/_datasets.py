@@ -1,6 +1,8 @@
 """Dataset timing (T04, T06, T10): `dataset[i]` for a few samples of each map-style dataset the script
 loaded from, split into decoding (Pillow, OpenCV, torchvision.io, simplejpeg), torchvision transforms,
-and the rest; for JPEG files Pillow decoded, the same files decoded by the faster decoders here.
+and the rest; for JPEG files Pillow decoded, the same files decoded by the faster decoders here. The
+`torch.tensor(ndarray)` copies one `dataset[i]` makes are counted too (T11): in DataLoader workers the
+loop's probe cannot see them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ class _DatasetTimers:
         self._patches = []
         self._depth = 0
         self._decode_depth = 0
+        from torchspeed.doctor._probe import new_copy_counts
+        self.copies = new_copy_counts()
 
     def _patch(self, owner, name, make):
         orig = getattr(owner, name)
@@ -27,7 +31,14 @@ class _DatasetTimers:
         setattr(owner, name, make(orig))
 
     def __enter__(self):
+        import functools
+
+        import torch
+
+        from torchspeed.doctor._probe import count_tensor_copies
+
         timers = self
+        self._patch(torch, "tensor", functools.partial(count_tensor_copies, self.copies))
         try:
             from PIL import Image, ImageFile
 
@@ -186,6 +197,9 @@ def probe_datasets(probe, obs: dict, *, samples: int = 12) -> None:
                  "decode_ms": round(timers.decode / n * 1e3, 4), "transform_ms": round(timers.transform / n * 1e3, 4),
                  "decoders": timers.decoders, "batch_size": getattr(loader, "batch_size", None)}
         entry["other_ms"] = round(max(0.0, entry["getitem_ms"] - entry["decode_ms"] - entry["transform_ms"]), 4)
+        c = timers.copies
+        entry["tensor_copies"] = {"per_item": round(c["count"] / n, 3), "ms_per_item": round(c["ms"] / n, 4),
+                                  "float64": c["float64"] > 0, "sites": sorted(c["sites"])[:3]}
         entry["decode_share"] = round(timers.decode / total, 4) if total > 0 else 0.0
         if timers.jpeg_files:
             entry["alt_decode"] = _alt_jpeg_speedup(timers.jpeg_files)

@@ -7,7 +7,7 @@ stops the script after `warmup + steps` steps (a script's `except Exception` can
 SIGALRM stops a script that runs past its time limit. Just before the stop, with the script still
 alive, the doctor reads what the script set (threads, debug modes, math precision), summarises the
 steps (`_summary`), checks the model (`_model_checks`, `_kernels`), times the datasets (`_datasets`)
-and, when asked, measures each fix (`verify`). Afterwards every global the script may have changed
+and, when asked, measures each fix (`verify`) and what fit's plan would choose (`_fit_plan`). Afterwards every global the script may have changed
 (argv, sys.path, its modules, threads, cudnn, default dtype, grad mode, anomaly detection,
 deterministic algorithms, the current directory) is put back.
 """
@@ -128,6 +128,9 @@ def _analyse(probe: Probe, job: dict, obs: dict) -> None:
             if job.get("verify"):
                 from torchspeed.doctor.verify import verify_fixes
                 obs["verify"] = verify_fixes(captured, obs, fixes=job.get("fixes"), rounds=int(job.get("rounds", 5)))
+                if not job.get("fixes") or {"autocast", "channels_last", "fused_optimizer"} & set(job["fixes"]):
+                    from torchspeed.doctor._fit_plan import fit_plan  # the gap to fit, explained
+                    obs["fit_plan"] = fit_plan(captured, obs, rounds=int(job.get("rounds", 5)))
     except Exception as e:  # a doctor failure must not look like the script's
         obs["notes"].append(f"analysis failed: {type(e).__name__}: {e}")
         obs.setdefault("analysis_traceback", traceback.format_exc())

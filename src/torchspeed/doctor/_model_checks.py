@@ -23,7 +23,30 @@ from torchspeed.doctor._tree import call_model, first_tensor, generic_loss
 from torchspeed.model.conv_bias import find_conv_bn_pairs
 from torchspeed.train.wrappers import is_compiled
 
-__all__ = ["examine_model", "leaf_trace"]
+__all__ = ["examine_model", "leaf_trace", "optimizer_info", "FUSED_OPTIMIZERS"]
+
+FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")  # torch's optimizers with a `fused` kernel (T51)
+
+
+def optimizer_info(opt) -> dict:
+    """The script's optimizer: its class, `fused`/`foreach` as it runs, and whether torch has a fused
+    kernel for it on its parameters' device (T51)."""
+    if opt is None:
+        return {}
+    import inspect
+
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    g = opt.param_groups[0] if opt.param_groups else {}
+    device = params[0].device.type if params else "cpu"
+    name = type(opt).__name__
+    exact = any(type(opt) is getattr(torch.optim, n, None) for n in FUSED_OPTIMIZERS)  # a subclass may own its step
+    available = (exact and "fused" in inspect.signature(type(opt)).parameters
+                 and device in _get_fused_kernels_supported_devices()
+                 and all(p.is_floating_point() and p.device.type == device for p in params))
+    return {"class": name, "fused": g.get("fused"), "foreach": g.get("foreach"), "device": device,
+            "fused_available": bool(available), "param_tensors": len(params)}
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm2d)
 
@@ -130,6 +153,7 @@ def examine_model(cap: Captured, obs: dict) -> None:
     info["unused_param_fraction"] = round(n_unused / max(1, info["params"]), 4)
     info["never_called_modules"] = never_called[:20]
     info["optimizer"] = type(cap.optimizer).__name__ if cap.optimizer is not None else None
+    obs["optimizer"] = optimizer_info(cap.optimizer)
     if pinfo is not None:
         info["autocast"] = pinfo["autocast_calls"] > 0
         info["autocast_dtype"] = pinfo["autocast_dtype"]

@@ -8,7 +8,9 @@ A patch that finds nothing to change raises `NotApplicable` with the reason. The
 whose `.parameters()` the script passes to its optimizer; a script that builds its model elsewhere
 (an attribute, a factory inside a class) gets no model patches, and the report says why.
 
-    autocast        wrap each statement that calls the model in torch.autocast(device, dtype=bfloat16)
+    autocast        retarget the script's own autocast blocks to the device it runs on, enabled
+                    (`_patches_amp`); wrap each statement that calls the model outside one
+    fused_optimizer Adam/AdamW/SGD/Adagrad(..., fused=True) where torch has a fused kernel (`_patches_amp`)
     bf16_math       torch.backends.mkldnn.{matmul,conv}.fp32_precision = "bf16" after the imports
     channels_last   model.to(memory_format=torch.channels_last) and each model input made channels_last
     compile         model = torch.compile(model) after the model is built
@@ -287,52 +289,6 @@ def _channels_last(source: str, ctx: PatchContext) -> str:
     return _transform_calls(out, lambda c: isinstance(c.func, cst.Name) and c.func.value == name, change)
 
 
-@patch("autocast")
-def _autocast(source: str, ctx: PatchContext) -> str:
-    cst = _cst()
-    name = _model_name(source)
-    header = f'with torch.autocast("{ctx.device}", dtype=torch.bfloat16):\n    pass\n'
-    wrapped = []
-
-    class Wrap(cst.CSTTransformer):
-        def __init__(self):
-            self.loop = 0
-            self.inside_with = 0
-
-        def visit_For(self, node):
-            self.loop += 1
-
-        def leave_For(self, orig, upd):
-            self.loop -= 1
-            return upd
-
-        def visit_While(self, node):
-            self.loop += 1
-
-        def leave_While(self, orig, upd):
-            self.loop -= 1
-            return upd
-
-        def visit_With(self, node):
-            self.inside_with += 1
-
-        def leave_With(self, orig, upd):
-            self.inside_with -= 1
-            return upd
-
-        def leave_SimpleStatementLine(self, orig, upd):
-            if self.loop and not self.inside_with and _calls_name(orig, name):
-                wrapped.append(orig)
-                w = cst.parse_statement(header)
-                return w.with_changes(body=w.body.with_changes(body=[upd]), leading_lines=upd.leading_lines)
-            return upd
-
-    out = cst.parse_module(source).visit(Wrap())
-    if not wrapped:
-        raise NotApplicable(f"no statement in a loop calls `{name}(...)` outside a `with` block")
-    return out.code
-
-
 @patch("batched_index")
 def _batched_index(source: str, ctx: PatchContext) -> str:
     cst = _cst()
@@ -377,3 +333,6 @@ def _debug_off(source: str, ctx: PatchContext) -> str:
     def change(c):
         return c.with_changes(args=[c.args[0].with_changes(value=cst.Name("False")), *c.args[1:]])
     return _transform_calls(source, want, change)
+
+
+from torchspeed.doctor import _patches_amp  # noqa: E402,F401  (registers autocast and fused_optimizer)

@@ -33,7 +33,7 @@ from torch import nn
 
 from torchspeed.doctor._tree import clone_args
 
-__all__ = ["Probe", "StopScript", "is_user_file"]
+__all__ = ["Probe", "StopScript", "is_user_file", "count_tensor_copies", "new_copy_counts"]
 
 
 class StopScript(BaseException):
@@ -76,6 +76,32 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def new_copy_counts() -> dict:
+    return {"count": 0, "ms": 0.0, "bytes": 0, "float64": 0, "sites": defaultdict(int)}
+
+
+def count_tensor_copies(copies: dict, orig):
+    """`torch.tensor` that counts calls from user code on numpy data (an array, a list of arrays, a numpy
+    scalar) into `copies` (`new_copy_counts()`): calls, time, bytes, float64 sources, sites."""
+    @functools.wraps(orig)
+    def tensor(data, *a, **k):
+        import numpy as np
+        first = data[0] if isinstance(data, (list, tuple)) and data else None
+        if isinstance(data, (np.ndarray, np.generic)) or isinstance(first, np.ndarray):
+            site = _user_site()
+            if site:
+                t0 = time.perf_counter()
+                out = orig(data, *a, **k)
+                copies["count"] += 1
+                copies["ms"] += (time.perf_counter() - t0) * 1e3
+                copies["bytes"] += out.numel() * out.element_size()
+                copies["float64"] += int(getattr(first if first is not None else data, "dtype", None) == np.float64)
+                copies["sites"][site] += 1
+                return out
+        return orig(data, *a, **k)
+    return tensor
+
+
 class Probe:
     """Installs the instrumentation on enter and removes all of it on exit."""
 
@@ -101,7 +127,7 @@ class Probe:
         self.syncs: dict[str, int] = defaultdict(int)
         self.sync_sites: dict[str, int] = defaultdict(int)
         self.sync_in_steps = 0
-        self.copies = {"count": 0, "ms": 0.0, "bytes": 0, "sites": defaultdict(int)}
+        self.copies = new_copy_counts()
         self.zero_grads = {"calls": 0, "set_to_none_false": 0, "ms": 0.0, "sites": defaultdict(int)}
         self.unused_at_step: list[str] | None = None
         self.unused_ids: set[int] = set()
@@ -249,25 +275,7 @@ class Probe:
             self._patch(torch.Tensor, name, functools.partial(self._wrap_sync, name))
         self._patch(torch, "nonzero", functools.partial(self._wrap_sync, "nonzero"))
 
-        def wrap_tensor(orig):
-            @functools.wraps(orig)
-            def tensor(data, *a, **k):
-                import numpy as np
-                if isinstance(data, np.ndarray) or (isinstance(data, (list, tuple)) and data
-                                                    and isinstance(data[0], np.ndarray)):
-                    site = _user_site()
-                    if site:
-                        t0 = time.perf_counter()
-                        out = orig(data, *a, **k)
-                        c = probe.copies
-                        c["count"] += 1
-                        c["ms"] += (time.perf_counter() - t0) * 1e3
-                        c["bytes"] += out.numel() * out.element_size()
-                        c["sites"][site] += 1
-                        return out
-                return orig(data, *a, **k)
-            return tensor
-        self._patch(torch, "tensor", wrap_tensor)
+        self._patch(torch, "tensor", functools.partial(count_tensor_copies, self.copies))
         if torch.cuda.is_available():
             # every implicit sync (also the ones we cannot patch: boolean-mask indexing,
             # Python control flow on device values) emits a warning: count them, print none

@@ -84,7 +84,7 @@ def summarize(probe, obs: dict) -> None:
     c = probe.copies
     obs["tensor_copies"] = {"count": c["count"], "per_step": round(c["count"] / n_steps, 3),
                             "ms_per_step": round(c["ms"] / n_steps, 4), "mib": round(c["bytes"] / 2**20, 3),
-                            "sites": _top(c["sites"])}
+                            "float64": c["float64"], "sites": _top(c["sites"])}
     z = probe.zero_grads
     obs["zero_grad"] = {"calls": z["calls"], "set_to_none_false": z["set_to_none_false"],
                         "ms_per_call": round(z["ms"] / z["calls"], 4) if z["calls"] else 0.0, "sites": _top(z["sites"])}

@@ -42,6 +42,9 @@ class DoctorJob:
     extra: dict = field(default_factory=dict)
     source: str | None = None      # run this text as the script (a --fix candidate), the file is not read
     measure_only: bool = False     # the step-time breakdown only (no model checks, no profiling)
+    env: dict | None = None        # variables added to this run's environment (it then runs in its own process)
+    env_rounds: int = 2            # environment fixes: interleaved re-runs of the script with each (0: none)
+    env_steps: int = 6             # measured steps per environment re-run
 
     def to_spec(self) -> dict:
         return {"script": os.path.abspath(self.script), "args": list(self.args), "steps": self.steps,
@@ -51,8 +54,15 @@ class DoctorJob:
 
 
 def report_from_observation(obs: dict, *, script: str | None = None) -> DoctorReport:
-    """Apply every registered rule to one observation."""
+    """Apply every registered rule to one observation; where an option of the script (`--amp`, `--workers`)
+    already gives a finding's fix, that option comes first in it (`_script_options`)."""
     findings = tuple(run_rules(obs)) if obs.get("status") not in ("doctor-error", "killed") else ()
+    path = script or obs.get("script")
+    if findings and path and os.path.isfile(path):  # the script's own options that give a fix come first
+        from torchspeed.doctor._script_options import with_script_options
+
+        with open(path, errors="replace") as f:
+            findings = tuple(with_script_options(findings, obs, f.read()))
     return DoctorReport(script=script or obs.get("script", "?"), status=obs.get("status", "?"),
                         traceback=obs.get("traceback"), env=obs.get("env", {}), breakdown=obs.get("breakdown", {}),
                         findings=findings, verify=obs.get("verify", {}), notes=tuple(obs.get("notes", [])),
@@ -64,67 +74,107 @@ def _check_script(path: str) -> None:
         raise FileNotFoundError(f"no such script: {path}")
 
 
+def _child_code() -> str:
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # `python train.py` puts only the script's folder first on sys.path (not the current
+    # directory): drop the '' that -c adds; run_job inserts the script's folder. -B: no
+    # __pycache__ is written into the user's folders.
+    return ("import sys\nif sys.path and sys.path[0] == '': sys.path.pop(0)\n"
+            f"sys.path.append({src!r})\n"
+            "from torchspeed.doctor._child import main\nraise SystemExit(main(sys.argv))")
+
+
+def _groups(jobs: Sequence[DoctorJob]) -> list[list[int]]:
+    """Job indices per child process: consecutive jobs without an environment share one; a job with one
+    (`DoctorJob.env`) gets its own, since allocator and OpenMP settings are read when a process starts."""
+    out: list[list[int]] = []
+    for i, j in enumerate(jobs):
+        if j.env is None and out and jobs[out[-1][0]].env is None:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def _run_child(jobs: list[DoctorJob], tmp: str, tag: int, *, env: dict | None, quiet: bool, threads: int | None,
+               log_path: str | None) -> tuple[dict[int, dict], str | None]:
+    """Run `jobs` in one child process; ({index in jobs: observation}, why the rest are missing)."""
+    spec_path, out_path = os.path.join(tmp, f"spec{tag}.json"), os.path.join(tmp, f"out{tag}.jsonl")
+    with open(spec_path, "w") as f:
+        json.dump({"jobs": [j.to_spec() for j in jobs], "threads": threads}, f)
+    budget = sum(j.time_limit + (120.0 if j.verify else 0.0) + 30.0 for j in jobs) + 60.0
+    out_stream = None
+    if quiet:
+        out_stream = open(log_path, "a") if log_path else subprocess.DEVNULL
+    child_env = {**os.environ, **{k: str(v) for k, v in env.items()}} if env else None
+    proc = subprocess.Popen([sys.executable, "-B", "-c", _child_code(), spec_path, out_path],
+                            stdout=out_stream, stderr=out_stream, env=child_env)
+    killed = False
+    try:
+        proc.wait(timeout=budget)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # the in-process time limit did not get control back: kill the child
+        proc.wait()
+        killed = True
+    finally:
+        if quiet and log_path:
+            out_stream.close()
+    results: dict[int, dict] = {}
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            for line in f:
+                if line.strip():
+                    obs = json.loads(line)
+                    results[obs["job"]] = obs
+    why = "killed after the time limit" if killed else f"the doctor's process ended with code {proc.returncode}"
+    return results, why
+
+
 def diagnose_many(jobs: Sequence[DoctorJob], *, quiet: bool = False, threads: int | None = None,
-                  log_path: str | None = None) -> list[DoctorReport]:
-    """Run several scripts one after another in one child process (torch is imported once)."""
+                  log_path: str | None = None, measure_env=None) -> list[DoctorReport]:
+    """Run several scripts one after another in one child process (torch is imported once).
+
+    A job with its own environment (`DoctorJob.env`) runs in a process of its own. After a full run
+    (not `measure_only`), the environment fixes that apply to the script (`_envfix`) are measured by
+    re-running a few of its steps with each, interleaved with the original, unless `env_rounds` is 0;
+    `measure_env(job, candidates)` replaces that re-run (tests inject measured ratios through it)."""
     for j in jobs:
         _check_script(j.script)
+    if log_path:
+        open(log_path, "w").close()
+    results: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="torchspeed-doctor-") as tmp:
-        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.jsonl")
-        with open(spec_path, "w") as f:
-            json.dump({"jobs": [j.to_spec() for j in jobs], "threads": threads}, f)
-        budget = sum(j.time_limit + (120.0 if j.verify else 0.0) + 30.0 for j in jobs) + 60.0
-        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        # `python train.py` puts only the script's folder first on sys.path (not the current
-        # directory): drop the '' that -c adds; run_job inserts the script's folder. -B: no
-        # __pycache__ is written into the user's folders.
-        code = ("import sys\nif sys.path and sys.path[0] == '': sys.path.pop(0)\n"
-                f"sys.path.append({src!r})\n"
-                "from torchspeed.doctor._child import main\nraise SystemExit(main(sys.argv))")
-        out_stream = None
-        if quiet:
-            out_stream = open(log_path, "w") if log_path else subprocess.DEVNULL
-        proc = subprocess.Popen([sys.executable, "-B", "-c", code, spec_path, out_path],
-                                stdout=out_stream, stderr=out_stream)
-        killed = False
-        try:
-            proc.wait(timeout=budget)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # the in-process time limit did not get control back: kill the child
-            proc.wait()
-            killed = True
-        finally:
-            if quiet and log_path:
-                out_stream.close()
-        results: dict[int, dict] = {}
-        if os.path.exists(out_path):
-            with open(out_path) as f:
-                for line in f:
-                    if line.strip():
-                        obs = json.loads(line)
-                        results[obs["job"]] = obs
+        for tag, group in enumerate(_groups(jobs)):
+            got, why = _run_child([jobs[i] for i in group], tmp, tag, env=jobs[group[0]].env, quiet=quiet,
+                                  threads=threads, log_path=log_path)
+            for k, i in enumerate(group):
+                results[i] = got.get(k) or {"script": jobs[i].script, "status": "killed", "traceback": None,
+                                            "notes": [why], "env": {}}
     reports = []
     for i, j in enumerate(jobs):
-        obs = results.get(i)
-        if obs is None:
-            why = "killed after the time limit" if killed else f"the doctor's process ended with code {proc.returncode}"
-            obs = {"script": j.script, "status": "killed", "traceback": None, "notes": [why], "env": {}}
+        obs = results[i]
+        if not j.measure_only and j.env_rounds > 0 and obs.get("status") in ("stopped", "finished"):
+            from torchspeed.doctor._envfix import measure_env_fixes
+
+            measure_env_fixes(j, obs, measure=measure_env)
         reports.append(report_from_observation(obs, script=j.script))
     return reports
 
 
 def diagnose(script: str, *, args: Sequence[str] = (), steps: int = 30, warmup: int = 5, verify: bool = False,
              fixes: Sequence[str] | None = None, rounds: int = 5, time_limit: float = 300.0,
-             quiet: bool = False, isolate: bool = True) -> DoctorReport:
+             quiet: bool = False, isolate: bool = True, env_rounds: int = 2, measure_env=None) -> DoctorReport:
     """Diagnose one training script; see the module docstring.
 
     `isolate=False` runs the script in this process (faster to start; every patch is
-    undone afterwards, but a script that hangs in C code cannot be stopped there).
+    undone afterwards, but a script that hangs in C code cannot be stopped there; the environment
+    fixes are not measured there). `env_rounds`, `measure_env`: see `diagnose_many`.
     """
     job = DoctorJob(script=script, args=tuple(args), steps=steps, warmup=warmup, verify=verify,
-                    fixes=tuple(fixes) if fixes else None, rounds=rounds, time_limit=time_limit)
+                    fixes=tuple(fixes) if fixes else None, rounds=rounds, time_limit=time_limit,
+                    env_rounds=env_rounds)
     if not isolate:
         _check_script(script)
         from torchspeed.doctor._job import run_job
         return report_from_observation(run_job(job.to_spec()), script=script)
-    return diagnose_many([job], quiet=quiet)[0]
+    return diagnose_many([job], quiet=quiet, measure_env=measure_env)[0]

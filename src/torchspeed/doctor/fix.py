@@ -27,7 +27,7 @@ from torchspeed.doctor._patches import NotApplicable, PatchContext, apply_patch,
 from torchspeed.doctor.diagnose import DoctorJob, diagnose_many
 from torchspeed.doctor.report import DoctorReport
 
-__all__ = ["FixError", "fix_script", "plan_patches", "unified_diff"]
+__all__ = ["FixError", "fix_script", "plan_patches", "unified_diff", "measure_variants"]
 
 
 class FixError(RuntimeError):
@@ -44,7 +44,7 @@ def plan_patches(report: DoctorReport, source: str) -> tuple[list[dict], list[di
     obs = report.observation
     device = "cuda" if str((obs.get("model") or {}).get("device", "cpu")).startswith("cuda") else "cpu"
     candidates, skipped, seen = [], [], set()
-    for f in report.findings:
+    for f in (g for f in report.findings for g in (f, *f.also)):  # a cause's other fixes are measured too
         if not f.patch or f.patch in seen:
             continue
         seen.add(f.patch)
@@ -67,11 +67,14 @@ def _step_ms(r: DoctorReport) -> float | None:
     return ms if ms else None
 
 
-def _measure(script: str, args: Sequence[str], sources: list[str | None], *, steps: int, warmup: int, rounds: int,
-             time_limit: float, threads: int | None) -> list[dict]:
-    """Interleaved runs: per round the original (None) and then each source; per source the ratios."""
+def measure_variants(script: str, args: Sequence[str], sources: list[str | None], *, steps: int, warmup: int,
+                     rounds: int, time_limit: float, threads: int | None, envs: list[dict | None] | None = None) -> list[dict]:
+    """Interleaved runs: per round the first variant (the original) and then each other one; per variant the
+    ratios (original step ms / variant step ms). A variant is a source (None: the script's own text) and,
+    with `envs`, an environment: a variant with one runs in its own process with those variables added."""
+    envs = envs or [None] * len(sources)
     jobs = [DoctorJob(script=script, args=tuple(args), steps=steps, warmup=warmup, time_limit=time_limit,
-                      source=src, measure_only=True) for _ in range(rounds) for src in sources]
+                      source=src, env=env, measure_only=True) for _ in range(rounds) for src, env in zip(sources, envs)]
     reports = diagnose_many(jobs, quiet=True, threads=threads)
     n = len(sources)
     out = [{"ratios": [], "ms": [], "error": None} for _ in sources]
@@ -89,6 +92,9 @@ def _measure(script: str, args: Sequence[str], sources: list[str | None], *, ste
     for m in out:
         m["speedup"] = round(statistics.median(m["ratios"]), 4) if m["ratios"] and not m["error"] else None
     return out
+
+
+_measure = measure_variants  # fix_script's runner (tests inject measurements here)
 
 
 def fix_script(report: DoctorReport, *, args: Sequence[str] = (), steps: int = 20, warmup: int = 5, rounds: int = 3,

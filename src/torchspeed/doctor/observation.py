@@ -12,7 +12,7 @@ import typing
 from typing import Any, TypedDict
 
 __all__ = ["Observation", "Breakdown", "LoaderInfo", "DatasetTiming", "ModelInfo", "Kernels", "DebugModes",
-           "MathSettings", "CompileEvents", "CpuContention", "undeclared_keys"]
+           "MathSettings", "CompileEvents", "CpuContention", "OptimizerInfo", "undeclared_keys"]
 
 
 class Fractions(TypedDict, total=False):
@@ -63,6 +63,7 @@ class DatasetTiming(TypedDict, total=False):
     decoders: dict[str, int]
     batch_size: int | None
     alt_decode: dict[str, Any] | None
+    tensor_copies: dict[str, Any]  # torch.tensor(ndarray) per `dataset[i]`: per_item, ms_per_item, float64, sites
 
 
 _ClassNames = TypedDict("_ClassNames", {"class": str, "inner_class": str}, total=False)  # `class`: a keyword
@@ -129,6 +130,11 @@ class CpuContention(TypedDict, total=False):
     worker_ms_per_batch: float   # `dataset[i]` x batch size: the CPU work the workers do per step
 
 
+# the optimizer whose steps the doctor counted (T51); `class`: a keyword, hence the functional form
+OptimizerInfo = TypedDict("OptimizerInfo", {"class": str, "fused": bool | None, "foreach": bool | None, "device": str,
+                                            "fused_available": bool, "param_tensors": int}, total=False)
+
+
 class Observation(TypedDict, total=False):
     script: str
     argv: list[str]
@@ -161,7 +167,10 @@ class Observation(TypedDict, total=False):
     math: MathSettings
     compile: CompileEvents
     cpu: CpuContention
+    optimizer: OptimizerInfo
     verify: dict[str, dict[str, Any]]
+    fit_plan: dict[str, Any]               # `_fit_plan` (--verify): fit's choice of switches, measured
+    env_fixes: dict[str, dict[str, Any]]   # `_envfix`: each environment fix re-run on the script, interleaved
 
 
 def _typed_dict(tp) -> type | None:

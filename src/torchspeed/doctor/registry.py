@@ -7,26 +7,41 @@ orders ties in the report, `fix` names the change `--verify` measures and `--fix
 There is no list of rule IDs to keep in step: `rule_ids()` and `fix_rules()` are read from the
 registrations, and a file in the rules folder that registers nothing is an error, not a skip.
 
-Severity follows the measured (or, without `--verify`, estimated) gain on this machine:
->= 1.25x is high, >= 1.08x medium, anything less low. A host sync costs microseconds on a
-CPU and a whole pipeline drain on CUDA, so the same code gets different severities.
+Severity is decided here, in one place (`settle`), from what the finding's gain rests on:
+
+- measured: the fix itself was timed on the user's script (`--verify`, `--fix`, an environment
+  re-run), interleaved with the original. The threshold applies to the measured interval (the middle
+  half of the per-round ratios), not to one reading: high when its low end is >= 1.25x, medium when
+  >= 1.05x, low otherwise (an interval that holds 1.0 is noise, low);
+- timed: the time the fix removes was timed directly on the script (the data wait, the memset of
+  zero_grad, the copies of torch.tensor): high/medium by the same thresholds;
+- estimated: a model of the machine (page faults x an assumed cost, a kernel share x an assumed
+  speed-up): at most low, and the evidence says "estimated, not measured".
+
+A rule's own severity is a ceiling (a host sync is cheap on a CPU whatever it measures).
+Rules may declare a `cause`: findings with the same cause (no-amp and cpu-bf16-math both point at
+fp32 matmuls) are folded into the best-ranked one, which names the others (`Finding.also`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 import re
+import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torchspeed.doctor.report import Finding
 
 __all__ = ["Rule", "RULES", "RuleError", "register", "load_rules", "rule_ids", "fix_rules", "run_rules", "severity_for_gain",
-           "HIGH_GAIN", "MEDIUM_GAIN"]
+           "settle", "merge_causes", "apply_fix_measurements", "HIGH_GAIN", "MEDIUM_GAIN", "ESTIMATED"]
 
-HIGH_GAIN, MEDIUM_GAIN = 1.25, 1.08
+HIGH_GAIN, MEDIUM_GAIN = 1.25, 1.05
+ESTIMATED = "estimated, not measured"
 _SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2}
+_BASIS_ORDER = {"measured": 0, "timed": 1, "estimated": 2}
 _ID = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 
 
@@ -43,15 +58,18 @@ class Rule:
     check: Callable[[dict], Finding | None]
     fix: str | None  # the fix --verify measures and --fix writes for this rule (shared names allowed)
     module: str
+    cause: str | None = None  # rules with the same cause report one finding between them
 
 
 RULES: dict[str, Rule] = {}
 
 
-def register(rule_id: str, *, priority: int, techniques: tuple[str, ...], summary: str, fix: str | None = None):
+def register(rule_id: str, *, priority: int, techniques: tuple[str, ...], summary: str, fix: str | None = None,
+             cause: str | None = None):
     """Decorator: add a check function to `RULES` under a stable kebab-case ID.
 
-    `priority` (unique) orders rules of equal severity and gain in the report; lower first.
+    `priority` (unique) orders rules of equal severity and gain in the report; lower first. The
+    registered check returns its finding settled (`settle`): the rule's severity is only a ceiling.
     """
     if not _ID.match(rule_id):
         raise RuleError(f"rule id {rule_id!r} is not kebab-case (e.g. 'data-bound')")
@@ -63,7 +81,7 @@ def register(rule_id: str, *, priority: int, techniques: tuple[str, ...], summar
         clash = next((r for r in RULES.values() if r.priority == priority and r.id != rule_id), None)
         if clash is not None:
             raise RuleError(f"rules {clash.id!r} and {rule_id!r} both have priority {priority}: pick another")
-        RULES[rule_id] = Rule(rule_id, priority, tuple(techniques), summary, fn, fix, fn.__module__)
+        RULES[rule_id] = Rule(rule_id, priority, tuple(techniques), summary, _settled(fn), fix, fn.__module__, cause)
         return fn
     return deco
 
@@ -112,9 +130,98 @@ def severity_for_gain(gain: float | None) -> str:
     return "low"
 
 
-def run_rules(obs: dict) -> list[Finding]:
-    """Every registered rule on one observation, ranked: severity, then gain, then priority."""
+def _lower(a: str, b: str) -> str:
+    return a if _SEVERITY_ORDER[a] >= _SEVERITY_ORDER[b] else b
+
+
+def settle(f: Finding) -> Finding:
+    """The finding's severity from what its gain rests on (see the module docstring).
+
+    A rule's own severity is a ceiling on an unmeasured finding; a measurement of the fix decides alone."""
+    if f.basis == "measured" and f.measured_gain is not None:
+        lo, hi = f.interval or (f.measured_gain, f.measured_gain)
+        sev = "low" if lo <= 1.0 <= hi else severity_for_gain(min(lo, f.measured_gain))
+    else:
+        sev = severity_for_gain(f.est_gain) if f.basis == "timed" else "low"
+        sev = _lower(sev, f.severity if f.severity in _SEVERITY_ORDER else "high")
+    evidence = f.evidence
+    if f.basis not in ("measured", "timed") and f.est_gain is not None and ESTIMATED not in evidence:
+        evidence += f"; the gain is {ESTIMATED} (est. {f.est_gain:.2f}x)"
+    return replace(f, severity=sev, evidence=evidence)
+
+
+def _settled(fn: Callable[[dict], Finding | None]) -> Callable[[dict], Finding | None]:
+    @functools.wraps(fn)
+    def check(obs: dict) -> Finding | None:
+        f = fn(obs)
+        return settle(f) if f is not None else None
+    return check
+
+
+def _gain(f: Finding) -> float:
+    return (f.measured_gain if f.measured_gain is not None else f.est_gain) or 0.0
+
+
+def _rank_key(f: Finding, order: dict[str, int]) -> tuple:
+    return (_SEVERITY_ORDER[f.severity], -_gain(f), _BASIS_ORDER.get(f.basis, 2), order.get(f.rule, 10**6))
+
+
+def gain_text(f: Finding) -> str:
+    """How a finding's gain is known, in words: "measured 1.42x", "est. 1.10x, estimated, not measured"."""
+    if f.measured_gain is not None and f.basis == "measured":
+        return f"measured {f.measured_gain:.2f}x"
+    if f.est_gain is None:
+        return "no estimate"
+    return f"est. {f.est_gain:.2f}x" + (f", {ESTIMATED}" if f.basis == "estimated" else " from timed work")
+
+
+def merge_causes(found: list[Finding], order: dict[str, int]) -> list[Finding]:
+    """One finding per cause: the best-ranked finding of each cause, the others in its `also`."""
+    groups: dict[str, list[Finding]] = {}
+    out = []
+    for f in found:
+        cause = RULES[f.rule].cause if f.rule in RULES else None
+        if cause is None:
+            out.append(f)
+        else:
+            groups.setdefault(cause, []).extend([replace(f, also=()), *f.also])
+    for group in groups.values():
+        group.sort(key=lambda f: _rank_key(f, order))
+        out.append(replace(group[0], also=tuple(group[1:])))
+    return out
+
+
+def _rank(found: list[Finding]) -> list[Finding]:
     order = {rid: i for i, rid in enumerate(rule_ids())}
-    found = [f for rid in order if (f := RULES[rid].check(obs)) is not None]
-    found.sort(key=lambda f: (_SEVERITY_ORDER[f.severity], -(f.measured_gain or f.est_gain or 0.0), order[f.rule]))
+    found = merge_causes(found, order)
+    found.sort(key=lambda f: _rank_key(f, order))
     return found
+
+
+def run_rules(obs: dict) -> list[Finding]:
+    """Every registered rule on one observation, settled, one per cause, ranked: severity, gain, priority."""
+    return _rank([f for rid in rule_ids() if (f := RULES[rid].check(obs)) is not None])
+
+
+def _quartiles(ratios: list[float]) -> tuple[float, float]:
+    if len(ratios) < 2:
+        return (ratios[0], ratios[0])
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
+    return (q[0], q[2])
+
+
+def apply_fix_measurements(findings, fix: dict) -> list[Finding]:
+    """Findings re-ranked with what `--fix` measured on the script itself (each patch against the original)."""
+    measured = {p["patch"]: p for p in fix.get("patches", []) if p.get("speedup") is not None and p.get("ratios")}
+    out = []
+    for f in (g for f in findings for g in (replace(f, also=()), *f.also)):
+        p = measured.get(f.patch)
+        if p is None or f.basis == "measured":  # --verify's interleaved measurement on the model stands
+            out.append(f)
+            continue
+        text = (f"; --fix measured the {f.patch} patch on the script itself at {p['speedup']:.2f}x (median of "
+                f"{len(p['ratios'])} interleaved runs)")
+        out.append(settle(replace(f, measured_gain=float(p["speedup"]), basis="measured",
+                                  interval=_quartiles(p["ratios"]),
+                                  evidence=f.evidence.split(f"; the gain is {ESTIMATED}")[0] + text)))
+    return _rank(out)

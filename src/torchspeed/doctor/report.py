@@ -1,7 +1,8 @@
 """The doctor's report: the environment (T01), the step-time breakdown (T02), ranked findings.
 
 `DoctorReport.to_dict()` is the `--json` format:
-`{"breakdown": {...}, "findings": [{"rule", "severity", "evidence", "fix", "est_gain", "measured_gain"}], ...}`
+`{"breakdown": {...}, "findings": [{"rule", "severity", "evidence", "fix", "est_gain", "measured_gain", "patch",
+"basis", "also"}], ...}`
 plus `env`, `script`, `status`, `traceback`, `verify`, `notes`, and `observation`: every number the
 rules read, in the declared schema (`torchspeed.doctor.observation.Observation`).
 """
@@ -20,17 +21,24 @@ class Finding:
     """One problem: its rule ID, how bad it is here, the measured evidence, the fix, the gain."""
 
     rule: str
-    severity: str  # "high" | "medium" | "low"
+    severity: str  # "high" | "medium" | "low"; from a rule: the most it can be (`registry.settle` decides)
     evidence: str
     fix: str
     est_gain: float | None
     measured_gain: float | None = None
     patch: str | None = None          # the `--fix` source patch for this finding (`_patches.PATCHES`)
     patch_args: dict | None = None    # what the patch needs: {"workers": 0}, {"threads": 1}, ...
+    # what the gain rests on: "measured" (the fix timed on this script: --verify, --fix, an environment
+    # re-run), "timed" (the time the fix removes was timed directly, e.g. the data wait) or "estimated"
+    basis: str = "estimated"
+    interval: tuple[float, float] | None = None  # a measured gain's middle half of the per-round ratios
+    also: tuple["Finding", ...] = ()  # findings of other rules with the same cause, folded into this one
 
     def to_dict(self) -> dict:
         return {"rule": self.rule, "severity": self.severity, "evidence": self.evidence, "fix": self.fix,
-                "est_gain": self.est_gain, "measured_gain": self.measured_gain, "patch": self.patch}
+                "est_gain": self.est_gain, "measured_gain": self.measured_gain, "patch": self.patch,
+                "basis": self.basis, "also": [{"rule": f.rule, "fix": f.fix, "est_gain": f.est_gain,
+                                               "measured_gain": f.measured_gain, "basis": f.basis} for f in self.also]}
 
 
 @dataclass(frozen=True)
@@ -46,9 +54,17 @@ class DoctorReport:
     observation: dict = field(default_factory=dict, repr=False)
     fix: dict = field(default_factory=dict)  # `--fix`: {"patches": [...], "end_to_end_speedup": ...}
 
+    def __post_init__(self):
+        # `--fix` measured patches on the script itself: the findings they prove are ranked by that
+        if (self.fix or {}).get("patches"):
+            from torchspeed.doctor.registry import apply_fix_measurements
+
+            object.__setattr__(self, "findings", tuple(apply_fix_measurements(self.findings, self.fix)))
+
     @property
     def rules(self) -> set[str]:
-        return {f.rule for f in self.findings}
+        """Every rule that fired, also those folded into another finding of the same cause."""
+        return {f.rule for f in self.findings} | {a.rule for f in self.findings for a in f.also}
 
     def finding(self, rule: str) -> Finding | None:
         return next((f for f in self.findings if f.rule == rule), None)
@@ -119,6 +135,8 @@ def render_report(report: DoctorReport, console=None) -> None:
             gain = "" if f.est_gain is None else f"  est. {f.est_gain:.2f}x"
             if f.measured_gain is not None:
                 gain += f", measured {f.measured_gain:.2f}x"
+            elif f.basis == "estimated" and f.est_gain is not None:
+                gain += " (estimated, not measured)"
             head = Text(f"{i:2d}. ")
             head.append(f"{f.severity.upper():6s}", style=f"bold {colors[f.severity]}")
             head.append(f" {f.rule}", style="bold")
@@ -126,6 +144,9 @@ def render_report(report: DoctorReport, console=None) -> None:
             console.print(head)
             console.print(Text("    evidence: " + f.evidence))
             console.print(Text("    fix:      " + f.fix, style="green"))
+            for a in f.also:  # another rule's fix for the same cause
+                from torchspeed.doctor.registry import gain_text
+                console.print(Text(f"    or:       ({a.rule}, {gain_text(a)}) {a.fix}", style="green"))
     else:
         console.print("[green]no findings[/]")
     if report.verify:
@@ -144,10 +165,36 @@ def render_report(report: DoctorReport, console=None) -> None:
                 note = (note + f" compile took {v['compile_s']} s").strip()
             t.add_row(v["fix"], f"{v['baseline_ms']:.2f}", f"{v['candidate_ms']:.2f}", f"{s:.2f}x", note)
         console.print(t)
+    plan = report.observation.get("fit_plan") or {}
+    if plan.get("chosen"):
+        console.print(f"[bold]fit's plan[/] for this model: {plan['chosen']} ({plan['why']}); measured "
+                      f"{plan['speedup']:.2f}x per step against the script's own {plan['script']}"
+                      + (" (within noise)" if plan.get("within_noise") else ""), highlight=False)
+    _render_env_fixes(report, console)
     if report.fix:
         _render_fix(report, console)
     for n in report.notes:
         console.print(f"[dim]note: {n}[/]")
+
+
+def _render_env_fixes(report: DoctorReport, console) -> None:
+    from rich.table import Table
+
+    entries = (report.observation.get("env_fixes") or {}).values()
+    if not entries:
+        return
+    t = Table(title="environment fixes: a few steps of the script re-run with each, interleaved with the original")
+    for col in ("environment", "original ms/step", "with it ms/step", "speed-up", "note"):
+        t.add_column(col)
+    for e in entries:
+        env = " ".join(f"{k}={v}" for k, v in e["env"].items())
+        if "error" in e:
+            t.add_row(env, "-", "-", "-", e["error"])
+            continue
+        note = f"within noise ({e['iqr'][0]:.2f}-{e['iqr'][1]:.2f}x)" if e.get("within_noise") else ""
+        ms = [f"{v:.2f}" if v else "-" for v in (e.get("baseline_ms"), e.get("candidate_ms"))]
+        t.add_row(env, *ms, f"{e['speedup']:.2f}x", note)
+    console.print(t)
 
 
 def _render_fix(report: DoctorReport, console) -> None:

@@ -13,7 +13,9 @@ Fixes: `autocast` (T21: bf16, fp16 on pre-Ampere CUDA), `channels_last` (T23), `
 script's, each step = next batch + train step), `pin_memory` (T07,
 CUDA), `set_to_none` (T26), `conv_bias` (T27), `compile` (T25; its compile time is reported
 separately), `bf16_math` (T21: oneDNN fp32 matmuls/convolutions with bf16 inputs, CPUs with
-AVX512-BF16/AMX). A fix that is slower on this machine is reported as a slow-down, never hidden.
+AVX512-BF16/AMX), `fused_optimizer` (T51: the script's Adam/AdamW/SGD/Adagrad rebuilt with
+fused=True, same hyper-parameters). A fix that is slower on this machine is reported as a slow-down,
+never hidden.
 
 Cost: a few seconds per fix for small models; the model copies need memory for 2 models.
 """
@@ -41,10 +43,12 @@ __all__ = ["IMPLEMENTED", "verify_fixes", "applicable_fixes", "time_model_alone"
 
 # The fixes this module can measure. Which rule each one proves is declared by the rules themselves
 # (`register(..., fix=)`, read with `registry.fix_rules()`); a test checks the two sets agree.
-IMPLEMENTED = ("autocast", "bf16_math", "channels_last", "workers", "pin_memory", "set_to_none", "conv_bias", "compile")
+IMPLEMENTED = ("autocast", "bf16_math", "channels_last", "workers", "pin_memory", "set_to_none", "conv_bias", "compile",
+               "fused_optimizer")
 
 
-def _copy_model_and_optimizer(model: nn.Module, opt: torch.optim.Optimizer | None):
+def _copy_model_and_optimizer(model: nn.Module, opt: torch.optim.Optimizer | None, fused: bool = False):
+    """Copies of the model and its optimizer (same hyper-parameters); `fused`: the optimizer with fused=True."""
     m2 = copy.deepcopy(model)
     if opt is None:
         return m2, torch.optim.SGD(m2.parameters(), lr=1e-3), "the script's optimizer was not seen: SGD used"
@@ -55,6 +59,10 @@ def _copy_model_and_optimizer(model: nn.Module, opt: torch.optim.Optimizer | Non
         params = [new_params[index[id(p)]] for p in g["params"] if id(p) in index]
         if params:
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+    if fused:  # every group and the constructor: torch checks fused/foreach on both
+        for g in groups:
+            g.update(fused=True, foreach=None)
+        return m2, type(opt)(groups, fused=True), ""
     try:
         return m2, type(opt)(groups), ""
     except Exception as e:
@@ -65,8 +73,8 @@ class _Trainer:
     """One training step on the captured batch, with or without a fix."""
 
     def __init__(self, cap, *, amp_dtype=None, channels_last=False, set_to_none=True, conv_bias=False,
-                 compile_model=False, bf16_math=False):
-        self.model, self.opt, self.note = _copy_model_and_optimizer(cap.model, cap.optimizer)
+                 compile_model=False, bf16_math=False, fused_optimizer=False):
+        self.model, self.opt, self.note = _copy_model_and_optimizer(cap.model, cap.optimizer, fused=fused_optimizer)
         self.device = next(self.model.parameters()).device
         self.args = map_tensors(cap.args, lambda t: t.clone())
         self.kwargs = map_tensors(cap.kwargs or {}, lambda t: t.clone())
@@ -198,6 +206,9 @@ def applicable_fixes(cap, obs: dict) -> list[str]:
         out.append("conv_bias")
     if env.compile_available and not m.get("compiled"):
         out.append("compile")
+    o = obs.get("optimizer") or {}
+    if o.get("fused_available") and not o.get("fused"):
+        out.append("fused_optimizer")
     return out
 
 
@@ -312,7 +323,7 @@ def verify_fixes(cap, obs: dict, *, fixes=None, rounds: int = 5) -> dict:
                 kw = {"autocast": {"amp_dtype": _amp_dtype(device)}, "bf16_math": {"bf16_math": True},
                       "channels_last": {"channels_last": True},
                       "set_to_none": {"set_to_none": True}, "conv_bias": {"conv_bias": True},
-                      "compile": {"compile_model": True}}[fix]
+                      "compile": {"compile_model": True}, "fused_optimizer": {"fused_optimizer": True}}[fix]
                 cand = _Trainer(cap, **{"set_to_none": sp_default, **kw})
                 if fix == "compile":
                     tc = time.perf_counter()

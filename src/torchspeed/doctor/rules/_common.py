@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from torchspeed.doctor.registry import severity_for_gain
 from torchspeed.doctor.report import Finding
 
 
@@ -53,25 +52,60 @@ def measured_text(v: dict) -> str:
             f"median of {v['rounds']} interleaved rounds)")
 
 
-def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: dict, verify_fix: str | None = None,
-            severity: str | None = None, patch: str | None = None, patch_args: dict | None = None) -> Finding:
-    """A finding whose severity follows the measured gain when --verify ran, else the estimate.
+def env_measured(obs: dict, fix: str) -> dict | None:
+    """The environment re-run's measurement of `fix` (`_envfix`: the script re-run with the variable set)."""
+    v = (obs.get("env_fixes") or {}).get(fix)
+    return v if v and v.get("speedup") is not None else None
 
-    `patch` names the source patch `--fix` writes for it (`torchspeed.doctor._patches`)."""
-    measured = None
-    if verify_fix:
-        v = verified(obs, verify_fix)
-        if v is not None:
-            measured = float(v["speedup"])
-            evidence += measured_text(v)
-    if measured is not None:
-        # a difference the interleaved rounds cannot tell from noise is not worth a high/medium
-        sev = "low" if verified(obs, verify_fix).get("within_noise") else severity_for_gain(measured)
-    else:
-        sev = severity if severity is not None else severity_for_gain(est_gain)
-    return Finding(rule=rule, severity=sev, evidence=evidence, fix=fix,
+
+def env_text(v: dict) -> str:
+    from torchspeed.doctor._envfix import env_label
+
+    lo, hi = v["iqr"]
+    noise = f", within noise: {lo:.2f}-{hi:.2f}x" if v.get("within_noise") else ""
+    ms = (f": {v['baseline_ms']:.2f} -> {v['candidate_ms']:.2f} ms per step"
+          if v.get("baseline_ms") and v.get("candidate_ms") else "")
+    return (f"; re-running {v['steps']} steps of the script with {env_label(v['env'])} measured {v['speedup']:.2f}x"
+            f"{ms} (median of {v['rounds']} interleaved runs{noise})")
+
+
+def in_plan(obs: dict, fix: str | None) -> bool:
+    """`fix` is one of the switches fit's plan changes for this script (`_fit_plan`, --verify)."""
+    return bool(fix) and fix in ((obs.get("fit_plan") or {}).get("fixes") or [])
+
+
+def plan_text(obs: dict, fix: str | None) -> str:
+    if not in_plan(obs, fix):
+        return ""
+    p = obs["fit_plan"]
+    return (f"; fit's plan for this model chooses it ({p['chosen']} against the script's {p['script']}: measured "
+            f"{p['speedup']:.2f}x per step, median of {len(p['ratios'])} interleaved rounds)")
+
+
+def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: dict, verify_fix: str | None = None,
+            severity: str | None = None, basis: str = "estimated", patch: str | None = None,
+            patch_args: dict | None = None, env_fix: str | None = None) -> Finding:
+    """A finding; its severity is decided by the registry (`registry.settle`) from what the gain rests on.
+
+    `basis` is "timed" when `est_gain` comes from time the fix removes, timed directly on the script,
+    else "estimated"; --verify's measurement of `verify_fix` makes it "measured". `severity` is a ceiling
+    for an unmeasured finding. `patch` names the source patch `--fix` writes (`torchspeed.doctor._patches`)."""
+    measured, interval = None, None
+    v = verified(obs, verify_fix) if verify_fix else None
+    if v is None and env_fix and (v := env_measured(obs, env_fix)) is not None:
+        evidence += env_text(v)
+    elif v is not None:
+        evidence += measured_text(v)
+    if v is not None:
+        measured, basis = float(v["speedup"]), "measured"
+        if v.get("iqr"):
+            interval = (float(v["iqr"][0]), float(v["iqr"][1]))
+        elif v.get("within_noise"):
+            interval = (min(measured, 1.0), max(measured, 1.0))
+    evidence += plan_text(obs, verify_fix)
+    return Finding(rule=rule, severity=severity or "high", evidence=evidence, fix=fix,
                    est_gain=round(est_gain, 3) if est_gain is not None else None, measured_gain=measured,
-                   patch=patch, patch_args=patch_args)
+                   patch=patch, patch_args=patch_args, basis=basis, interval=interval)
 
 
 def device_type(obs: dict) -> str:

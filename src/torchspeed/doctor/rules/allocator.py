@@ -3,7 +3,9 @@
 Above its mmap threshold glibc serves a block with a fresh mmap and unmaps it on free, so every
 step's activations come back as new pages the kernel must fault in and zero. The probe counts the
 minor page faults per step; tcmalloc/jemalloc, or glibc with a fixed mmap threshold and a high trim
-threshold (`torchspeed.env.GLIBC_MALLOC_ENV`, what the bench uses), keep those blocks for reuse.
+threshold (`torchspeed.env.GLIBC_MALLOC_ENV`, what the bench uses), keep those blocks for reuse. The estimate (faults x an assumed cost) is at most low; the plain run
+measures the glibc settings by re-running a few steps of the script with them (`_envfix`, "malloc"),
+and the finding is ranked on that measurement.
 """
 
 from torchspeed.doctor.registry import register
@@ -28,4 +30,5 @@ def check(obs: dict):
             "libtcmalloc-minimal4`, then LD_PRELOAD=libtcmalloc_minimal.so.4) or jemalloc, or ")
            + "MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 python train.py (glibc keeps the "
            "blocks; torchspeed bench and train use these) (T44)")
-    return finding("allocator", evidence=evidence, fix=fix, est_gain=saving_gain(step, saved), obs=obs)
+    return finding("allocator", evidence=evidence, fix=fix, est_gain=saving_gain(step, saved), obs=obs,
+                   env_fix="malloc")

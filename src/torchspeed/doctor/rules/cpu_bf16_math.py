@@ -14,7 +14,8 @@ BF16 = 1.8     # typical bf16 / fp32 matmul throughput ratio on AVX512-BF16 (mor
 
 
 @register("cpu-bf16-math", priority=75, techniques=("T21",),
-          summary="fp32 matmuls/convolutions on a CPU with native bf16", fix="bf16_math")
+          summary="fp32 matmuls/convolutions on a CPU with native bf16", fix="bf16_math",
+          cause="fp32-math")
 def check(obs: dict):
     env = obs.get("env") or {}
     m, k, math = obs.get("model") or {}, obs.get("kernels") or {}, obs.get("math") or {}

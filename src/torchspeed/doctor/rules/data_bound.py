@@ -36,7 +36,7 @@ def check(obs: dict):
     ld = loader_summary(obs) or {}
     evidence = (f"data wait is {f:.0%} of each step ({b['data_wait_ms']:.2f} of {b['step_ms']:.2f} ms, trimmed mean "
                 f"of {b.get('steps', '?')} steps; the median step's share and the trimmed mean's, whichever is "
-                "smaller) from DataLoader({ld.get('dataset', '?')}, "
+                f"smaller) from DataLoader({ld.get('dataset', '?')}, "
                 f"num_workers={ld.get('num_workers', '?')})")
     for ds in obs.get("datasets", []):
         evidence += (f"; {ds['dataset']}[i] takes {ds['getitem_ms']:.3f} ms (decode {ds['decode_ms']:.3f}, "
@@ -46,7 +46,7 @@ def check(obs: dict):
     if ld.get("in_memory"):
         fix = in_memory_fix()
         return finding("data-bound", evidence=evidence, fix=fix, est_gain=overlap_gain(obs), obs=obs,
-                       patch="batched_index")
+                       basis="timed", patch="batched_index")
     patch_args = None
     if v and v.get("direction") == "fewer" and v["speedup"] > 1.0:
         patch_args = {"workers": int(v["candidate"].split("=")[1].split(",")[0])}
@@ -59,5 +59,7 @@ def check(obs: dict):
     else:
         fix = ("cache decoded samples (T10), decode faster (T04), move augmentation to the accelerator in batches "
                "(T05); more workers only if cores are free: `--verify` and `torchspeed tune` measure fewer and more (T06)")
+    # the wait is timed; with no workers it is what loading ahead removes, with workers the share removed is a guess
+    basis = "timed" if ld.get("num_workers", 0) == 0 else "estimated"
     return finding("data-bound", evidence=evidence, fix=fix, est_gain=overlap_gain(obs), obs=obs, verify_fix="workers",
-                   patch="workers" if patch_args else None, patch_args=patch_args)
+                   basis=basis, patch="workers" if patch_args else None, patch_args=patch_args)

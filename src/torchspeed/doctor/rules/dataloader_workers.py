@@ -34,4 +34,4 @@ def check(obs: dict):
     fix = (f"DataLoader(..., num_workers={n}, persistent_workers=True, prefetch_factor=2); on {cores} cores "
            "workers share the CPU with compute, so measure it (`torchspeed doctor --verify`, `torchspeed tune`)")
     return finding("dataloader-workers", evidence=evidence, fix=fix, est_gain=overlap_gain(obs), obs=obs,
-                   verify_fix="workers", patch="workers", patch_args={"workers": n})
+                   verify_fix="workers", basis="timed", patch="workers", patch_args={"workers": n})

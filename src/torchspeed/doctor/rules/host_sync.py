@@ -30,6 +30,7 @@ def check(obs: dict):
             evidence += f" (CUDA sync debug mode counted {s['cuda_sync_warnings']} synchronizing calls in all)"
         sev = "high" if s["calls_per_step"] >= 5 else "medium"
         return finding("host-sync", evidence=evidence, fix=fix, est_gain=saving_gain(step, s["ms_per_step"]),
-                       obs=obs, severity=sev)
+                       obs=obs, severity=sev, basis="timed")
     evidence += "; cheap on this CPU, but each one would stall the pipeline on a GPU"
-    return finding("host-sync", evidence=evidence, fix=fix, est_gain=saving_gain(step, s["ms_per_step"]), obs=obs)
+    return finding("host-sync", evidence=evidence, fix=fix, est_gain=saving_gain(step, s["ms_per_step"]), obs=obs,
+                   basis="timed")

@@ -17,7 +17,8 @@ def precision_speedup(obs: dict) -> float:
     return 1.5 if env.get("bf16_supported") else 0.5
 
 
-@register("no-amp", priority=70, techniques=("T21",), summary="no autocast (mixed precision)", fix="autocast")
+@register("no-amp", priority=70, techniques=("T21",), summary="no autocast (mixed precision)", fix="autocast",
+          cause="fp32-math")
 def check(obs: dict):
     m = obs.get("model", {})
     if not m.get("found") or m.get("autocast", True):
@@ -39,7 +40,9 @@ def check(obs: dict):
     else:
         fix = (f"with torch.autocast({dev!r}, dtype={dtype}): out = model(x); loss = loss_fn(out, y)"
                + ("  (+ torch.amp.GradScaler for fp16)" if dtype == "torch.float16" else "")
-               + "; torchspeed.resolve_precision('auto') picks the dtype (T21)")
+               + "; a forward already inside torch.cuda.amp.autocast(enabled=flag) or torch.amp.autocast('cuda', ...) "
+               f"does nothing on {dev}: point it at torch.autocast(device_type={dev!r}, dtype={dtype}, enabled=True) "
+               "(--fix does); torchspeed.resolve_precision('auto') picks the dtype (T21)")
     # --fix writes bf16 autocast only: fp16 also needs a GradScaler around backward and step
     patch = None if slower or dtype == "torch.float16" else "autocast"
     return finding("no-amp", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="autocast", patch=patch)

@@ -14,7 +14,7 @@ def check(obs: dict):
         alt = ds.get("alt_decode")
         evidence = (f"{ds['dataset']}[i]: Pillow decodes JPEG in {ds['decode_ms']:.3f} of {ds['getitem_ms']:.3f} ms "
                     f"({ds['decode_share']:.0%})")
-        est = None
+        est, basis = None, "estimated"
         if alt:
             evidence += f"; {alt['best']} decodes the same files {alt['speedup']:.2f}x faster here"
             b = obs.get("breakdown", {})
@@ -22,10 +22,11 @@ def check(obs: dict):
             if ld.get("num_workers", 0) == 0 and ds.get("batch_size"):
                 saved = ds["decode_ms"] * ds["batch_size"] * (1 - 1 / max(alt["speedup"], 1e-9))
                 est = saving_gain(step_ms(obs), min(saved, b.get("data_wait_ms", 0.0)))
+                basis = "timed"  # both decoders timed on the script's files, the wait timed in its loop
             else:
                 est = 1.0 + 0.5 * max(0.0, b.get("fractions", {}).get("data_wait", 0.0)) * (1 - 1 / max(alt["speedup"], 1))
         fix = ("decode with simplejpeg.decode_jpeg(open(path, 'rb').read(), colorspace='RGB') or "
                "cv2.imdecode (libjpeg-turbo), or torchvision.io.decode_jpeg; add `fastdct=True` when slight "
                "quality loss is fine (T04)")
-        return finding("slow-jpeg-decode", evidence=evidence, fix=fix, est_gain=est, obs=obs)
+        return finding("slow-jpeg-decode", evidence=evidence, fix=fix, est_gain=est, obs=obs, basis=basis)
     return None

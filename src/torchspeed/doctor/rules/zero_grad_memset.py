@@ -16,4 +16,4 @@ def check(obs: dict):
     fix = "optimizer.zero_grad() (set_to_none=True is the default since torch 2.0) (T26)"
     return finding("zero-grad-memset", evidence=evidence, fix=fix,
                    est_gain=saving_gain(step, 0.9 * z["ms_per_call"]), obs=obs, verify_fix="set_to_none",
-                   patch="set_to_none")
+                   basis="timed", patch="set_to_none")

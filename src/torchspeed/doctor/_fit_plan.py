@@ -1,0 +1,103 @@
+"""The gap to `fit`, explained under `--verify` (T18, T21, T23, T51): what fit's plan would choose for this script.
+
+`fit` measures its switches on the user's model (`torchspeed.train.switches`): precision x
+channels_last (`candidate_grid`), with the optimizer's fused kernel, and takes the fastest, or the
+one with fewer changes within 2% of it (`choose`). The doctor holds the script's model, optimizer
+and a batch, so it runs the same grid with `--verify`'s trainer (`verify._Trainer`: a copy of the
+model and optimizer, one step on the captured batch), each candidate interleaved with the script's
+own settings (`verify._interleave`). A candidate that differs from the script in one switch reuses
+`--verify`'s measurement of that fix. The result, `obs["fit_plan"]`, names the plan, why, and its
+measured per-step ratio against the script as it runs; each switch it changes maps to the fix
+whose rule reports it (`PLAN_FIXES`), and that finding names the plan.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+from torchspeed.train.switches import Switches, candidate_grid, choose
+
+__all__ = ["fit_plan", "PLAN_FIXES", "plan_fixes"]
+
+PLAN_FIXES = {"precision": "autocast", "channels_last": "channels_last", "fused": "fused_optimizer"}
+
+
+def plan_fixes(chosen: Switches, script: Switches) -> list[str]:
+    """The verify fixes for the switches where the plan differs from the script."""
+    return [PLAN_FIXES[k] for k in ("precision", "channels_last", "fused")
+            if getattr(chosen, k) != getattr(script, k) and not (k == "fused" and not chosen.fused)]
+
+
+def _script_switches(obs: dict, caps, fusable: bool) -> Switches:
+    m, o = obs.get("model") or {}, obs.get("optimizer") or {}
+    precision = (caps.half or "bf16") if m.get("autocast") else "fp32"
+    return Switches(precision, bool(m.get("channels_last_weights")), bool(o.get("fused")) if fusable else None)
+
+
+def _measure_on_model(cap, rounds: int) -> Callable[[Switches, Switches], list[float]]:
+    from torchspeed.doctor.verify import _amp_dtype, _interleave, _Trainer
+
+    device = next(cap.model.parameters()).device
+
+    def trainer(s: Switches):
+        return _Trainer(cap, set_to_none=cap.set_to_none, channels_last=s.channels_last, fused_optimizer=bool(s.fused),
+                        amp_dtype=_amp_dtype(device) if s.precision != "fp32" else None)
+
+    def measure(cand: Switches, script: Switches) -> list[float]:
+        return _interleave(trainer(script).step, trainer(cand).step, device, rounds=rounds)["ratios"]
+    return measure
+
+
+def _reused(cand: Switches, script: Switches, verify: dict) -> list[float] | None:
+    """--verify's ratios when `cand` is the script with exactly that one fix."""
+    fixes = plan_fixes(cand, script)
+    diff = sum(getattr(cand, k) != getattr(script, k) for k in ("precision", "channels_last", "fused"))
+    if len(fixes) == 1 and diff == 1:
+        v = verify.get(fixes[0]) or {}
+        return v.get("ratios") if "error" not in v else None
+    return None
+
+
+def _interval(ratios: list[float]) -> list[float]:
+    if len(ratios) < 2:
+        return [ratios[0], ratios[0]]
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
+    return [round(q[0], 4), round(q[2], 4)]
+
+
+def fit_plan(cap, obs: dict, *, rounds: int = 5, caps=None, measure: Callable | None = None) -> dict:
+    """fit's choice for this script's model and its measured ratio against the script's own settings.
+
+    `caps` (`torchspeed.env.DeviceCaps`) and `measure(candidate, script) -> per-round ratios` are injectable."""
+    from torchspeed.env import DeviceCaps
+    from torchspeed.train.switches import fusable
+
+    if cap.model is None or cap.args is None:
+        return {"error": "no model forward with a captured batch"}
+    caps = caps or DeviceCaps.of(next(cap.model.parameters()).device)
+    can_fuse = fusable(cap.optimizer) and bool((obs.get("optimizer") or {}).get("fused_available"))
+    grid = candidate_grid(caps=caps, has_conv=bool((obs.get("model") or {}).get("has_conv2d")),
+                          fused=True if can_fuse else None)
+    script = _script_switches(obs, caps, can_fuse)
+    measure = measure or _measure_on_model(cap, rounds)
+    ratios: dict[Switches, list[float]] = {}
+    errors = {}
+    for s in grid:
+        if s == script:
+            continue
+        try:
+            ratios[s] = list(_reused(s, script, obs.get("verify") or {}) or measure(s, script))
+        except Exception as e:  # a candidate this model cannot run: fit would reject it too
+            errors[s.label()] = f"{type(e).__name__}: {e}"
+    n = max((len(r) for r in ratios.values()), default=1)
+    times = {s: [1.0 / r for r in rs] for s, rs in ratios.items() if rs}
+    times[script] = [1.0] * n  # the script's own settings: the reference every ratio is taken against
+    chosen, why = choose(times, plain=grid[0] if grid[0] in times else script)
+    chosen_ratios = ratios.get(chosen, [1.0] * n)
+    iqr = _interval(chosen_ratios)
+    return {"grid": [s.label() for s in grid], "script": script.label(), "chosen": chosen.label(), "why": why,
+            "speedup": round(statistics.median(chosen_ratios), 4), "ratios": [round(r, 4) for r in chosen_ratios],
+            "iqr": iqr, "within_noise": bool(iqr[0] <= 1.0 <= iqr[1]),
+            "candidates": {s.label(): round(statistics.median(r), 4) for s, r in ratios.items() if r},
+            "fixes": plan_fixes(chosen, script), "errors": errors}

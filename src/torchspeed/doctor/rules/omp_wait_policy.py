@@ -1,0 +1,27 @@
+"""`omp-wait-policy`: idle OpenMP threads spin on the cores the DataLoader workers need (T45).
+
+Between parallel regions the intra-op OpenMP threads busy-wait for the next one (the default
+policy), taking CPU time from the worker processes that decode and collate the next batch.
+OMP_WAIT_POLICY=PASSIVE makes them sleep instead. Whether that helps depends on the script (a
+step made of many short parallel regions can lose), so the rule reports only what was measured:
+the plain run re-runs a few steps of the script with the variable set, interleaved with the
+original (`_envfix`, "omp_passive"), and the finding appears only when that measured a gain
+beyond the noise of its rounds.
+"""
+
+from torchspeed.doctor.registry import register
+from torchspeed.doctor.rules._common import env_measured, finding
+
+
+@register("omp-wait-policy", priority=16, techniques=("T45",),
+          summary="OpenMP threads spin-wait on cores the DataLoader workers need", cause="cpu-contention")
+def check(obs: dict):
+    v = env_measured(obs, "omp_passive")
+    if v is None or v["speedup"] <= 1.0 or v.get("within_noise"):
+        return None
+    c = obs.get("cpu") or {}
+    evidence = (f"{c.get('workers', '?')} DataLoader workers beside {c.get('threads', '?')} intra-op OpenMP threads "
+                f"on {c.get('cores', '?')} usable cores; idle OpenMP threads spin (the default wait policy)")
+    fix = ("OMP_WAIT_POLICY=PASSIVE python train.py (set before torch starts: in the shell or the job's "
+           "environment, not from the running script) (T45)")
+    return finding("omp-wait-policy", evidence=evidence, fix=fix, est_gain=None, obs=obs, env_fix="omp_passive")

@@ -1,0 +1,158 @@
+"""Environment fixes (allocator settings, thread counts, OMP_WAIT_POLICY) measured by re-running the script:
+which apply, how the re-runs are interleaved, and how their measurement ranks the findings.
+
+Every measurement here is injected (fake ratios); nothing asserts on the clock.
+"""
+
+import copy
+import textwrap
+from types import SimpleNamespace
+
+from torchspeed.doctor import DoctorJob, diagnose_many, report_from_observation
+from torchspeed.doctor import _envfix, fix
+from torchspeed.doctor.diagnose import _groups
+from torchspeed.doctor.observation import undeclared_keys
+from torchspeed.env import GLIBC_MALLOC_ENV
+
+from test_rules import CLEAN, _oversubscribed, _set
+
+
+def _obs(*mods):
+    o = copy.deepcopy(CLEAN)
+    for m in mods:
+        m(o)
+    return o
+
+
+FAULTS = _set("breakdown.minor_faults_per_step", 6000.0)
+
+
+def _ratios(**by_fix):
+    """An injected `measure_env`: the per-round ratios of each fix; records what it was asked to measure."""
+    asked = []
+
+    def measure(job, candidates):
+        asked.append(dict(candidates))
+        return {n: {"ratios": by_fix[n], "ms": [10.0 / r for r in by_fix[n]], "baseline_ms": [10.0] * len(by_fix[n]),
+                    "error": None} for n in candidates if n in by_fix}
+    measure.asked = asked
+    return measure
+
+
+def test_candidates_follow_each_rules_trigger_and_skip_what_is_set():
+    assert _envfix.env_candidates(_obs(), environ={}) == {}  # a clean script pays nothing
+    assert _envfix.env_candidates(_obs(FAULTS), environ={}) == {"malloc": dict(GLIBC_MALLOC_ENV)}
+    c = _envfix.env_candidates(_obs(_oversubscribed), environ={})
+    assert c == {"threads": {"OMP_NUM_THREADS": "1"}, "omp_passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    assert _envfix.env_candidates(_obs(_oversubscribed), environ={"OMP_WAIT_POLICY": "PASSIVE",
+                                                                  "OMP_NUM_THREADS": "1"}) == {}
+    assert _envfix.env_candidates(_obs(FAULTS, _set("env.allocator", "tcmalloc")), environ={}) == {}
+
+
+def test_measured_allocator_settings_rank_the_allocator_finding(monkeypatch):
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    job = DoctorJob(script="train.py")
+    before = report_from_observation(_obs(FAULTS)).finding("allocator")
+    assert before.basis == "estimated" and before.severity == "low"
+    for ratios, severity in (([1.10, 1.12], "medium"), ([1.30, 1.34], "high"), ([0.98, 1.04], "low")):
+        obs = _obs(FAULTS)
+        _envfix.measure_env_fixes(job, obs, measure=_ratios(malloc=ratios))
+        assert not undeclared_keys(obs)
+        f = report_from_observation(obs).finding("allocator")
+        assert f.basis == "measured" and f.severity == severity, (ratios, f)
+        assert "re-running 6 steps of the script with MALLOC_MMAP_THRESHOLD_=" in f.evidence
+        assert "estimated, not measured" not in f.evidence
+
+
+def test_thread_count_and_wait_policy_measured_as_one_contention_finding(monkeypatch):
+    for v in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(v, raising=False)
+    job = DoctorJob(script="train.py")
+    # workers + threads > cores but no slow-down timed: nothing without a measurement
+    quiet = _set("cpu", {"workers": 2, "threads": 2, "cores": 2, "compute_ms_in_script": 9.0,
+                         "compute_ms_alone": 8.9, "worker_ms_per_batch": 4.0})
+    assert not report_from_observation(_obs(quiet)).rules & {"cpu-oversubscribed", "omp-wait-policy"}
+    obs = _obs(quiet)
+    measure = _ratios(threads=[1.15, 1.2], omp_passive=[1.3, 1.32])
+    _envfix.measure_env_fixes(job, obs, measure=measure)
+    assert measure.asked == [{"threads": {"OMP_NUM_THREADS": "1"}, "omp_passive": {"OMP_WAIT_POLICY": "PASSIVE"}}]
+    r = report_from_observation(obs)
+    f = r.finding("omp-wait-policy")  # the better measured fix of the cause leads, the other is named in it
+    assert f is not None and f.severity == "high" and f.basis == "measured" and f.measured_gain == 1.31
+    assert [a.rule for a in f.also] == ["cpu-oversubscribed"] and r.finding("cpu-oversubscribed") is None
+    assert f.also[0].basis == "measured" and "OMP_NUM_THREADS=1 measured" in f.also[0].evidence
+    # within the noise of its rounds: the wait policy is not reported at all
+    obs = _obs(quiet)
+    _envfix.measure_env_fixes(job, obs, measure=_ratios(threads=[1.15, 1.2], omp_passive=[0.95, 1.1]))
+    r = report_from_observation(obs)
+    assert "omp-wait-policy" not in r.rules and r.finding("cpu-oversubscribed").severity == "medium"
+
+
+def test_env_reruns_interleave_the_original_with_each_environment(monkeypatch):
+    seen = []
+
+    def fake_many(jobs, **kw):
+        seen.extend(jobs)
+        ms = {None: 10.0, "1": 8.0, "PASSIVE": 12.5}
+        return [SimpleNamespace(status="stopped", traceback=None,
+                                breakdown={"step_ms": ms[next(iter(j.env.values()), None)]}) for j in jobs]
+
+    monkeypatch.setattr(fix, "diagnose_many", fake_many)
+    job = DoctorJob(script="train.py", args=("--x",), warmup=5, env_rounds=3, env_steps=4)
+    cands = {"threads": {"OMP_NUM_THREADS": "1"}, "omp_passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    raw = _envfix.run_env_rounds(job, cands)
+    assert [j.env for j in seen] == [{}, cands["threads"], cands["omp_passive"]] * 3
+    assert all(j.measure_only and j.steps == 4 and j.warmup == 3 and j.args == ("--x",) for j in seen)
+    assert raw["threads"]["ratios"] == [1.25] * 3 and raw["omp_passive"]["ratios"] == [0.8] * 3
+    e = _envfix.summarize("threads", cands["threads"], raw["threads"], steps=4)
+    assert e["speedup"] == 1.25 and e["baseline_ms"] == 10.0 and e["candidate_ms"] == 8.0 and not e["within_noise"]
+
+
+def test_a_job_with_an_environment_runs_in_its_own_process_with_it(tmp_path):
+    assert _groups([DoctorJob("a"), DoctorJob("b"), DoctorJob("c", env={}), DoctorJob("d", env={"X": "1"}),
+                    DoctorJob("e"), DoctorJob("f")]) == [[0, 1], [2], [3], [4, 5]]
+    script = tmp_path / "env_check.py"
+    script.write_text(textwrap.dedent('''
+        import os, sys
+        sys.exit(0 if os.environ.get("TORCHSPEED_DOCTOR_TEST") == "on" else 3)
+    '''))
+    jobs = [DoctorJob(str(script), env={"TORCHSPEED_DOCTOR_TEST": "on"}, time_limit=60),
+            DoctorJob(str(script), time_limit=60)]
+    with_env, without = diagnose_many(jobs, quiet=True)
+    assert with_env.status == "finished" and without.status == "exited"
+
+
+def test_plain_run_measures_env_fixes_through_the_injection_point(tmp_path, monkeypatch):
+    # the re-run happens after a full run only; measure_only runs (--fix, the re-runs themselves) never recurse
+    calls = []
+    monkeypatch.setattr(_envfix, "env_candidates", lambda obs, environ=None: {"omp_passive": {"OMP_WAIT_POLICY":
+                                                                                               "PASSIVE"}})
+    script = tmp_path / "done.py"
+    script.write_text("print('no training here')\n")
+
+    def measure(job, candidates):
+        calls.append((job.script, job.measure_only, dict(candidates)))
+        return {"omp_passive": {"ratios": [1.2, 1.3], "ms": [8.0, 7.7], "baseline_ms": [10.0, 10.0]}}
+
+    full, only = diagnose_many([DoctorJob(str(script), time_limit=60),
+                                DoctorJob(str(script), time_limit=60, measure_only=True)], quiet=True,
+                               measure_env=measure)
+    assert calls == [(str(script), False, {"omp_passive": {"OMP_WAIT_POLICY": "PASSIVE"}})]
+    assert full.observation["env_fixes"]["omp_passive"]["speedup"] == 1.25
+    assert "env_fixes" not in only.observation
+    off = diagnose_many([DoctorJob(str(script), time_limit=60, env_rounds=0)], quiet=True, measure_env=measure)[0]
+    assert len(calls) == 1 and "env_fixes" not in off.observation
+
+
+def test_report_shows_the_environment_reruns(monkeypatch):
+    from rich.console import Console
+
+    from torchspeed.doctor import render_report
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    obs = _obs(FAULTS)
+    _envfix.measure_env_fixes(DoctorJob(script="train.py"), obs, measure=_ratios(malloc=[1.2, 1.3]))
+    console = Console(record=True, width=200)
+    render_report(report_from_observation(obs, script="train.py"), console)
+    text = console.export_text()
+    assert "environment fixes" in text and "MALLOC_TRIM_THRESHOLD_=1073741824" in text and "1.25x" in text

@@ -1,0 +1,102 @@
+"""--verify explains the gap to fit: fit's plan (precision x channels_last x fused kernel) for the script's model,
+its measured ratio against the script as it runs, and a finding for each switch it changes.
+
+Capabilities and measurements are injected; nothing asserts on the clock."""
+
+import copy
+from types import SimpleNamespace
+
+import torch
+from rich.console import Console
+from torch import nn
+
+from torchspeed.doctor import render_report, report_from_observation, run_rules
+from torchspeed.doctor._fit_plan import fit_plan
+from torchspeed.env import DeviceCaps
+
+from test_rules import BF16_CPU, CLEAN, _set
+
+BF16 = DeviceCaps(device_type="cpu", cpu_bf16=True, cores=2)
+
+
+def _cap():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(2))
+    model(torch.zeros(1, 3, 8, 8))
+    return SimpleNamespace(model=model, args=(torch.zeros(2, 3, 8, 8),), kwargs={}, set_to_none=True,
+                           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+PLAN_OBS = {"model": {"has_conv2d": True, "autocast": False, "channels_last_weights": False},
+            "optimizer": {"class": "AdamW", "fused": None, "fused_available": True},
+            "verify": {"fused_optimizer": {"fix": "fused_optimizer", "ratios": [1.04, 1.05, 1.06], "speedup": 1.05}}}
+
+
+def _measure(by_label):
+    asked = []
+
+    def measure(cand, script):
+        asked.append((cand.label(), script.label()))
+        return by_label[cand.label()]
+    measure.asked = asked
+    return measure
+
+
+def test_plan_is_fits_choice_measured_against_the_script():
+    m = _measure({"fp32+channels_last+fused": [1.1] * 3, "bf16+fused": [1.5] * 3,
+                  "bf16+channels_last+fused": [1.6, 1.62, 1.58]})
+    p = fit_plan(_cap(), copy.deepcopy(PLAN_OBS), rounds=3, caps=BF16, measure=m)
+    assert p["grid"] == ["fp32+fused", "fp32+channels_last+fused", "bf16+fused", "bf16+channels_last+fused"]
+    assert p["script"] == "fp32+foreach" and p["chosen"] == "bf16+channels_last+fused"
+    assert p["speedup"] == 1.6 and not p["within_noise"]
+    assert p["fixes"] == ["autocast", "channels_last", "fused_optimizer"]
+    assert p["candidates"]["fp32+fused"] == 1.05  # the one-switch candidate reuses --verify's measurement
+    assert ("fp32+fused", "fp32+foreach") not in m.asked and len(m.asked) == 3
+
+
+def test_plan_prefers_fewer_changes_within_two_percent_and_can_keep_the_script():
+    m = _measure({"fp32+channels_last+fused": [1.1] * 3, "bf16+fused": [1.5] * 3, "bf16+channels_last+fused": [1.52] * 3})
+    p = fit_plan(_cap(), copy.deepcopy(PLAN_OBS), rounds=3, caps=BF16, measure=m)
+    assert p["chosen"] == "bf16+fused" and p["fixes"] == ["autocast", "fused_optimizer"]
+    # nothing beats the script: the plan keeps it, with no fix to report
+    slow = {k: [0.8] * 3 for k in ("fp32+channels_last+fused", "bf16+fused", "bf16+channels_last+fused")}
+    obs = copy.deepcopy(PLAN_OBS)
+    obs["verify"]["fused_optimizer"]["ratios"] = [0.9] * 3
+    p = fit_plan(_cap(), obs, rounds=3, caps=BF16, measure=_measure(slow))
+    assert p["chosen"] == "fp32+foreach" and p["fixes"] == [] and p["speedup"] == 1.0
+
+
+def _script_obs(plan=None):
+    o = copy.deepcopy(CLEAN)
+    for m in (_set("env", BF16_CPU), _set("model.autocast", False), _set("model.channels_last_weights", False),
+              _set("optimizer", {"class": "AdamW", "fused": None, "foreach": None, "device": "cpu",
+                                 "fused_available": True, "param_tensors": 4}),
+              _set("breakdown.compute_detail_ms", {"forward": 4.0, "backward": 4.9, "optimizer": 0.1})):
+        m(o)
+    if plan:
+        o["fit_plan"] = plan
+    return o
+
+
+PLAN = {"grid": ["fp32+fused", "bf16+channels_last+fused"], "script": "fp32+foreach",
+        "chosen": "bf16+channels_last+fused", "why": "1.60x the plain settings (fp32+fused)", "speedup": 1.6,
+        "ratios": [1.6, 1.62, 1.58], "iqr": [1.59, 1.61], "within_noise": False, "candidates": {},
+        "fixes": ["autocast", "channels_last", "fused_optimizer"], "errors": {}}
+
+
+def test_each_switch_of_the_plan_is_a_finding_that_names_it():
+    # the optimizer is 1% of the step: without the plan, no optimizer-kernel finding
+    assert "optimizer-kernel" not in {f.rule for f in run_rules(_script_obs())}
+    found = run_rules(_script_obs(PLAN))
+    every = {f.rule: f for f in found} | {a.rule: a for f in found for a in f.also}
+    for rule in ("no-amp", "channels-last", "optimizer-kernel"):
+        assert rule in every and "fit's plan for this model chooses it (bf16+channels_last+fused" in \
+            every[rule].evidence, rule
+    assert "fit's plan" not in every["cpu-bf16-math"].evidence  # not a switch the plan changes
+
+
+def test_report_prints_the_plan():
+    console = Console(record=True, width=200)
+    render_report(report_from_observation({**_script_obs(PLAN), "script": "train.py"}), console)
+    text = console.export_text()
+    assert "fit's plan for this model: bf16+channels_last+fused" in text
+    assert "measured 1.60x per step against the script's own fp32+foreach" in text
