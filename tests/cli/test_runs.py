@@ -47,7 +47,7 @@ def test_resume_extends_a_finished_run(folder, run2, tmp_path, capsys):
     assert _history(out) == [1, 2, 3, 4]
     run = json.loads((out / "run.json").read_text())
     assert "extended" in run["fit_decisions"] and "extended" in printed
-    assert run["fit_decisions"]["resumed_from"].startswith(str(out / "checkpoints"))
+    assert run["fit_decisions"]["resumed_from"]["value"].startswith(str(out / "checkpoints"))
     # asking a finished 4-epoch run for 3 is a one-line error, not a traceback
     assert main(["train", "--data", str(folder), "--epochs", "3", "--out", str(out), "--resume", *FAST]) == 2
     err = capsys.readouterr().err
