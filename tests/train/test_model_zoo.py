@@ -12,14 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch.utils.data import DataLoader, TensorDataset
+
 import torchspeed
 from torchspeed.train.callbacks import Callback
 
 pytest.importorskip("torchvision")
 
-# The automatic plan with the precision fixed (fp32: the loss check must not depend on this CPU's
-# half-precision kernels); 3 steps: the switch trial and compile="auto" skip a run this short.
-PLAN = dict(precision="fp32", max_steps=3, log_every=1, progress=False, schedule=None, malloc=False)
+# The automatic plan (precision, channels_last, compile and the switch trial all "auto") on an injected
+# CPU kind (the `cpu_profile` fixture: avx2, no native half precision), so the rules choose the same on
+# every machine; 3 steps: the switch trial and compile="auto" skip a run this short.
+PLAN = dict(max_steps=3, log_every=1, progress=False, schedule=None, malloc=False)
 
 
 class GPT(nn.Module):
@@ -131,14 +134,15 @@ ZOO = {
     "torchvision_deeplabv3_aux": (tv_segmentation, ("called as model(x)", "'out' + 0.5 x cross-entropy on 'aux'"),
                                   True),
     "timm_resnet10t": (timm_classifier, ("called as model(x)", "cross-entropy(logits, target)"), True),
-    "hf_gpt2_causal_lm": (hf_causal_lm, ("called as model(**batch)", "own loss (CausalLMOutput"), False),
+    "hf_gpt2_causal_lm": (hf_causal_lm, ("called as model(**batch)", "own loss (CausalLMOutput",
+                                         "logits at t against labels[t + 1]"), True),
     "hf_bert_sequence_classification": (hf_sequence_classifier, ("called as model(**batch)",
                                                                  "own loss (SequenceClassifierOutput"), True),
 }
 
 
 @pytest.mark.parametrize("name", list(ZOO))
-def test_model_zoo_trains_without_step_fn(name):
+def test_model_zoo_trains_without_step_fn(name, cpu_profile):
     make, expected, has_acc = ZOO[name]
     torch.manual_seed(0)
     model, batch, opts = make()
@@ -153,7 +157,7 @@ def test_model_zoo_trains_without_step_fn(name):
     assert (acc is not None) == has_acc, f"{name}: train_acc={acc}"
 
 
-def test_detection_batch_size_counts_the_list_and_parts_are_measured():
+def test_detection_batch_size_counts_the_list_and_parts_are_measured(cpu_profile):
     from torchspeed.train.batch import batch_size
 
     torch.manual_seed(0)
@@ -163,3 +167,26 @@ def test_detection_batch_size_counts_the_list_and_parts_are_measured():
     measured = res.decisions["batch_contract"].measured
     assert set(measured) == {"loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"}
     assert res.history[-1]["train_acc"] is None
+
+
+def test_gpt_trains_on_plain_batches_and_val_loss_is_its_own_loss_over_every_position(cpu_profile):
+    g = torch.Generator().manual_seed(0)
+    start = torch.randint(0, 32, (96, 1), generator=g)
+    seq = (start + torch.arange(17)) % 32  # next token = this token + 1: learnable
+    x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    train = DataLoader(TensorDataset(x[:64], y[:64]), batch_size=16, shuffle=True, generator=g)
+    val = DataLoader(TensorDataset(x[64:], y[64:]), batch_size=8)
+    model = GPT()
+    res = torchspeed.fit(model, train, epochs=3, val_loader=val, optimizer="adamw", lr=3e-3, progress=False,
+                         restore_best=False)
+    assert str(res.decisions["batch_contract"]).startswith("called as model(x, targets)")
+    model.eval()
+    with torch.no_grad():
+        own = sum(model(xb, yb)[1] * len(xb) for xb, yb in val) / 32  # the model's own loss, every position
+        last = F.cross_entropy(model(x[64:])[0][:, -1], y[64:, -1])  # the last-position shortcut
+        acc = (model(x[64:], y[64:])[0].argmax(-1) == y[64:]).float().mean()
+    row = res.history[-1]
+    assert row["val_loss"] == pytest.approx(float(own), rel=1e-5)
+    assert abs(row["val_loss"] - float(last)) > 1e-3
+    assert row["val_acc"] == pytest.approx(float(acc), abs=1e-6)  # per token, from the model's own logits
+    assert row["val_loss"] < res.history[0]["val_loss"], [r["val_loss"] for r in res.history]

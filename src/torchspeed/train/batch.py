@@ -279,7 +279,7 @@ def _from_step_fn(model: Callable, batch, step_fn: Callable) -> tuple[StepOutput
         "step_fn(model, batch) returns the loss"
 
 
-def _score(o: ModelOutput, out, target, loss_fn: Callable | None) -> tuple[torch.Tensor, str]:
+def _score(model: Callable, o: ModelOutput, out, target, loss_fn: Callable | None) -> tuple[torch.Tensor, str]:
     """The loss of a model that returned logits (no loss of its own)."""
     if o.logits is None:
         raise TypeError(f"the model returned {type(out).__name__} ({o.form or 'no tensor'}) with no loss and no "
@@ -322,7 +322,7 @@ def forward_loss(model: Callable, batch, *, loss_fn: Callable | None = None, ste
     if o.loss is not None:
         loss, how = o.loss, f"the model returns its own loss ({o.form})"
     else:
-        loss, how = _score(o, out, target, loss_fn)
+        loss, how = _score(model, o, out, target, loss_fn)
     logits, scored = o.logits, target
     if o.loss is not None and logits is not None:
         how += "; its logits feed the metrics"
