@@ -158,7 +158,8 @@ def test_list_batches_train_with_the_list_length_as_batch_size_and_no_compile_tr
                          channels_last=True)
     d = res.decisions
     assert d["batch_contract"].value == "called as model(x, targets)"
-    assert "a dict of 2 losses, summed" in d["batch_contract"].reason and "lists of tensors" in d["batch_contract"].reason
+    reason = d["batch_contract"].reason
+    assert "a dict of 2 losses, summed" in reason and "lists of tensors" in reason
     assert d["compile"].value is False and d["compile"].reason.startswith("not applicable")
     assert "not applicable to the inputs" in d["channels_last"].reason
 

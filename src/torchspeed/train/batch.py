@@ -51,8 +51,8 @@ from torchspeed.train.decision import Decision
 from torchspeed.train.wrappers import unwrap_model
 
 __all__ = ["StepOutput", "ModelOutput", "split_batch", "forward_loss", "batch_size", "count_correct",
-           "SequenceCrossEntropy", "model_loss", "read_output", "call_model", "takes_target", "list_inputs", "shifts_labels",
-           "default_loss", "TARGET_KEYS", "TARGET_PARAMS", "IGNORE_INDEX", "AUX_WEIGHT"]
+           "SequenceCrossEntropy", "model_loss", "read_output", "call_model", "takes_target", "list_inputs",
+           "shifts_labels", "default_loss", "TARGET_KEYS", "TARGET_PARAMS", "IGNORE_INDEX", "AUX_WEIGHT"]
 
 TARGET_KEYS = ("labels", "label", "target", "targets", "y")
 TARGET_PARAMS = ("targets", "target", "labels", "y")  # forward parameters that take the batch's target
@@ -197,13 +197,15 @@ def _read_mapping(out: Mapping) -> ModelOutput:
     if losses and all(v.dim() == 0 for v in losses.values()):
         total = sum(losses.values())
         names = ", ".join(map(str, losses))
-        return ModelOutput(total, _tensor(out.get("logits")), parts=dict(losses),
-                           form=f"a dict of {len(losses)} losses, summed ({names})")
+        what = f"a dict of {len(losses)} losses, summed" if len(losses) > 1 else "a dict of 1 loss"
+        return ModelOutput(total, _tensor(out.get("logits")), parts=dict(losses), form=f"{what} ({names})")
     if isinstance(out.get("out"), torch.Tensor):
         aux = _tensor(out.get("aux"))
-        return ModelOutput(None, out["out"], aux=aux, form="a dict of logits ('out'" + (", 'aux')" if aux is not None
-                                                                                        else ")"))
-    return ModelOutput(None, _tensor(out.get("logits")), form="a dict with 'logits'")
+        heads = "'out', 'aux'" if aux is not None else "'out'"
+        return ModelOutput(None, out["out"], aux=aux, form=f"a dict of logits ({heads})")
+    logits = _tensor(out.get("logits"))
+    return ModelOutput(None, logits, form="a dict with 'logits'" if logits is not None else
+                       f"a dict with keys {list(out)[:6]}")
 
 
 def read_output(out) -> ModelOutput:
@@ -216,8 +218,8 @@ def read_output(out) -> ModelOutput:
     if isinstance(out, (list, tuple)):  # (logits, loss) as GPT scripts return; (logits, extra...)
         loss = next((v for v in out if isinstance(v, torch.Tensor) and v.dim() == 0), None)
         logits = next((v for v in out if isinstance(v, torch.Tensor) and v.dim() > 0), None)
-        return ModelOutput(loss, logits, form=f"a tuple of {len(out)}" + (" holding a 0-dim loss" if loss is not None
-                                                                          else ""))
+        held = " holding a 0-dim loss" if loss is not None else ""
+        return ModelOutput(loss, logits, form=f"a tuple of {len(out)}{held}")
     loss, logits = _tensor(getattr(out, "loss", None)), _tensor(getattr(out, "logits", None))
     return ModelOutput(loss, logits, form=f"{type(out).__name__} with .loss" if loss is not None else
                        f"{type(out).__name__} with .logits")

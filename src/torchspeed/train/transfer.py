@@ -3,8 +3,9 @@
 - `to_device(batch, device)`: moves tensors in (nested) tuples/lists/dicts with
   `non_blocking=True`, element by element: a list of variable-size images and a list of
   target dicts (detection) arrive as lists, each tensor on the device; channels_last reaches
-  4D float tensors only (a list of 3D images stays as it is: the model batches it). From pinned (page-locked) host memory the copy runs asynchronously
-  and overlaps compute; from pageable memory it is a synchronous copy.
+  4D float tensors only (a list of 3D images stays as it is: the model batches it). From
+  pinned (page-locked) host memory the copy runs asynchronously and overlaps compute; from
+  pageable memory it is a synchronous copy.
 - `Prefetcher(loader, device)`: on CUDA, copies batch i+1 on a side stream while batch i
   computes, and makes the compute stream wait on the copy (no host sync). On the CPU there
   is nothing to copy, so it iterates the loader as it is (and says so in `.mode`).
