@@ -108,8 +108,8 @@ def timm_classifier():
 
 def hf_causal_lm():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=32, n_layer=1, n_head=2,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=32, n_layer=1, n_head=2, bos_token_id=0,
+                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     x, _ = _tokens()
     return transformers.GPT2LMHeadModel(cfg), {"input_ids": x, "labels": x}, dict(optimizer="adamw", lr=3e-3)
 
