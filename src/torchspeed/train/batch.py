@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -127,24 +128,33 @@ def list_inputs(inputs) -> bool:
     return any(isinstance(v, (list, tuple)) and v and all(isinstance(e, torch.Tensor) for e in v) for v in values)
 
 
-_SIGNATURES: dict[int, tuple[bool, frozenset, tuple, frozenset]] = {}
+Signature = tuple[bool, frozenset, tuple, frozenset]
+_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward function -> Signature
 
 
-def _signature(model: Callable) -> tuple[bool, frozenset, tuple, frozenset]:
-    """(takes **kwargs, parameter names, positional names, keyword-only names) of `model`'s forward, cached."""
+def _signature(model: Callable) -> Signature:
+    """(takes **kwargs, parameter names, positional names, keyword-only names) of `model`'s forward, cached
+    per function (read once per model class, not every step)."""
     inner = unwrap_model(model)  # the user's module inside the compile controller, DDP and torch.compile
     fn = getattr(inner, "forward", inner)
-    key = id(getattr(fn, "__func__", fn))
-    if key not in _SIGNATURES:
-        try:
-            params = list(inspect.signature(fn).parameters.values())
-        except (TypeError, ValueError):
-            _SIGNATURES[key] = (True, frozenset(), (), frozenset())
-        else:
-            positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-            _SIGNATURES[key] = (any(p.kind is p.VAR_KEYWORD for p in params), frozenset(p.name for p in params),
-                                positional, frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY))
-    return _SIGNATURES[key]
+    key = getattr(fn, "__func__", fn)
+    try:
+        return _SIGNATURES[key]
+    except (KeyError, TypeError):  # TypeError: a callable that takes no weak reference (not cached)
+        pass
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        sig: Signature = (True, frozenset(), (), frozenset())
+    else:
+        positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        sig = (any(p.kind is p.VAR_KEYWORD for p in params), frozenset(p.name for p in params), positional,
+               frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY))
+    try:
+        _SIGNATURES[key] = sig
+    except TypeError:
+        pass
+    return sig
 
 
 def _keyword_args(model: Callable, inputs: dict) -> dict:
