@@ -136,7 +136,7 @@ def test_run_bench_gpt_reports_channels_last_not_applicable(tmp_path, cpu_profil
     na = res.rows[1]
     assert na.samples_per_s is None and na.speedup is None and "no 2D convolutions" in na.decisions["not_applicable"]
     for r in (res.rows[0], res.rows[2], res.rows[3]):
-        assert r.samples_per_s > 0 and 0 < r.train_loss < 6.0 and 0 <= r.val_acc <= 1
+        assert r.samples_per_s > 0 and 0 < r.train_loss < 6.0 and 0 <= r.check_val_acc <= 1
     assert res.rows[2].decisions["channels_last"] == "False"
     # same weights, same batches: all trains like naive (bf16, where its trial picked it, within its noise)
     same_numerics = res.rows[3].decisions["precision"]["value"] == "fp32"

@@ -68,3 +68,24 @@ def test_to_device_moves_nested_batches_and_prefetcher_passthrough_on_cpu():
     assert [b[1].tolist() for b in p] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert loader_kwargs("cpu", num_workers=0) == {"num_workers": 0, "pin_memory": False}
     assert loader_kwargs("cuda", num_workers=2)["pin_memory"] is True
+
+
+def test_to_device_moves_lists_of_images_and_target_dicts_element_by_element():
+    images = (torch.rand(3, 8, 10), torch.rand(3, 12, 9))  # variable sizes: no batch tensor
+    targets = [{"boxes": torch.zeros(1, 4), "labels": torch.tensor([1])}, {"boxes": torch.zeros(2, 4),
+                                                                        "labels": torch.tensor([2, 1])}]
+    moved = to_device((images, targets), torch.device("meta"), channels_last=True)
+    assert isinstance(moved, tuple) and isinstance(moved[0], tuple) and isinstance(moved[1], list)
+    assert [tuple(im.shape) for im in moved[0]] == [(3, 8, 10), (3, 12, 9)]
+    assert all(im.is_meta for im in moved[0]) and all(v.is_meta for t in moved[1] for v in t.values())
+    assert [sorted(t) for t in moved[1]] == [["boxes", "labels"]] * 2 and tuple(moved[1][1]["boxes"].shape) == (2, 4)
+
+
+def test_to_device_moves_mappings_that_are_not_dicts():
+    from collections import UserDict
+
+    class Encoding(UserDict):  # as Hugging Face's BatchEncoding
+        pass
+
+    moved = to_device(Encoding(input_ids=torch.ones(2, 3, dtype=torch.long)), torch.device("meta"))
+    assert moved["input_ids"].is_meta

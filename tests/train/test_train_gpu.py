@@ -44,7 +44,11 @@ def test_prefetcher_uses_a_side_stream_and_keeps_order():
 def test_cudnn_benchmark_and_tf32_switched_on():
     applied = configure_backends("cuda", fixed_shapes=True)
     assert torch.backends.cudnn.benchmark and applied["cudnn_benchmark"]
-    assert torch.backends.cuda.matmul.allow_tf32
+    assert applied["tf32"].value
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: the per-backend setting
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32" and torch.backends.cudnn.conv.fp32_precision == "tf32"
+    else:
+        assert torch.backends.cuda.matmul.allow_tf32
 
 
 def test_fp16_trainer_counts_skipped_steps():

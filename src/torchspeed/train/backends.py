@@ -3,7 +3,8 @@
 - cudnn.benchmark (T22): with fixed input shapes, cuDNN times its algorithms once and keeps
   the fastest (1.27x-1.70x forward+backward in NVIDIA's numbers). With shapes that change
   every step it re-tunes every step, so it is off for variable shapes.
-- TF32 matmuls/convolutions on Ampere+ GPUs: fp32 code gets Tensor Cores.
+- TF32 matmuls/convolutions on Ampere+ GPUs: fp32 code gets Tensor Cores. Set through the
+  per-backend `fp32_precision` settings (`enable_tf32`), the legacy flags on torch < 2.9 only.
 - CPU threads: torch uses one thread per usable core; oversubscription (more threads than
   cores, e.g. inherited from a container's visible CPU count) is corrected. (With DataLoader
   workers on the same cores, `fit` measures fewer threads too: `switches.py`.)
@@ -16,7 +17,7 @@
 
 Example:
     >>> configure_backends(torch.device("cuda"), fixed_shapes=True)
-    {'cudnn_benchmark': True, 'tf32': True}
+    {'cudnn_benchmark': Decision(True, ...), 'tf32': Decision(True, ...)}
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from torchspeed.env import GLIBC_MALLOC_ENV, allocator_in_use, usable_cores
 from torchspeed.train.decision import Decision
 
-__all__ = ["configure_backends", "tune_malloc"]
+__all__ = ["configure_backends", "enable_tf32", "tune_malloc"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 _malloc_tuned: Decision | None = None
@@ -47,11 +48,8 @@ def configure_backends(device: torch.device | str, *, fixed_shapes: bool = True,
         torch.backends.cudnn.benchmark = bool(bench)
         applied["cudnn_benchmark"] = Decision(bool(bench), "asked for" if cudnn_benchmark is not None else (
             "fixed input shapes: cuDNN times its algorithms once" if fixed_shapes else "input shapes vary"))
-        if tf32:
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-            torch.set_float32_matmul_precision("high")
-        applied["tf32"] = Decision(bool(tf32), "fp32 matmuls and convolutions on Tensor Cores (Ampere+)")
+        how = enable_tf32() if tf32 else "off"
+        applied["tf32"] = Decision(bool(tf32), f"fp32 matmuls and convolutions on Tensor Cores (Ampere+): {how}")
     else:
         cores = usable_cores()
         before = torch.get_num_threads()
@@ -60,6 +58,26 @@ def configure_backends(device: torch.device | str, *, fixed_shapes: bool = True,
         applied["threads"] = Decision(torch.get_num_threads(), f"{cores} usable cores" + (
             f" (was {before}: oversubscribed)" if before > cores else ""))
     return applied
+
+
+def enable_tf32(backends=None) -> str:
+    """TF32 for CUDA's fp32 matmuls (cuBLAS) and convolutions/RNNs (cuDNN); say which API set it.
+
+    torch >= 2.9 has one setting per backend, `fp32_precision` (what `doctor --verify` sets for
+    oneDNN too), and refuses to read the legacy flags once it is used: so the legacy flags
+    (`allow_tf32`, the same switch as `set_float32_matmul_precision("high")`) only where a backend
+    lacks it. `backends` replaces `torch.backends` (tests inject it)."""
+    b = backends if backends is not None else torch.backends
+    cudnn = getattr(b, "cudnn", None)
+    targets = {"cuda.matmul": getattr(b.cuda, "matmul", None), "cudnn.conv": getattr(cudnn, "conv", None),
+               "cudnn.rnn": getattr(cudnn, "rnn", None)}
+    if all(hasattr(t, "fp32_precision") for t in targets.values()):
+        for t in targets.values():
+            t.fp32_precision = "tf32"
+        return "fp32_precision = 'tf32' on " + ", ".join(targets)
+    b.cuda.matmul.allow_tf32 = True  # torch < 2.9
+    cudnn.allow_tf32 = True
+    return "allow_tf32 (this torch has no per-backend fp32_precision)"
 
 
 def tune_malloc(*, mallopt: Callable[[int, int], int] | None = None) -> Decision:

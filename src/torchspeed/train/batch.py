@@ -1,46 +1,64 @@
 """The batch contract: what a batch may look like and how a loss and metrics come out of it.
 
 One home for the rules that `fit`, `Trainer`, `evaluate`, the tuners (`find_lr`,
-`find_batch_size`), the doctor's `--verify` and the bench share:
+`find_batch_size`), the doctor's `--verify` and the bench share (docs/models.md has the
+model forms it covers, each trained in tests/train/test_model_zoo.py):
 
 - **Batches.** A tuple/list `(inputs..., target)` calls `model(*inputs)`; a 1-tuple or a
   bare tensor calls `model(x)` with no target; a dict calls `model(**batch)` with the keys
   the model's `forward` accepts (Hugging Face style: `{"input_ids", "attention_mask",
   "labels"}`); its target is `labels` / `label` / `target` / `targets` / `y` when present.
-  Moving to the device, channels_last (T23) and autocast (T21) reach every tensor in the
-  structure (`transfer.to_device`).
-- **Losses.** A model that returns its own loss (a 0-dim tensor, a dict with `"loss"`, or an
-  object with `.loss`, as Hugging Face models do when given labels) is trained on that loss.
-  Otherwise `loss_fn(output, target)`; the default is cross-entropy, flattened when the
-  output is a sequence of logits `(B, T, V)` for targets `(B, T)` (language models).
+  An input or target may be a list (detection: a list of variable-size images and a list of
+  target dicts); the batch size is then the list's length. Moving to the device, channels_last
+  (T23) and autocast (T21) reach every tensor in the structure (`transfer.to_device`).
+- **Models that take their target.** When `forward`'s parameter right after the inputs (or a
+  keyword-only one) is named `targets` / `target` / `labels` / `y` and the batch has a target,
+  the call is `model(*inputs, target)`: GPT training scripts (`forward(idx, targets=None)`),
+  torchvision's detection models (`forward(images, targets)`).
+- **Losses.** A model that returns its own loss is trained on it: a 0-dim tensor, a tuple
+  holding one (`(logits, loss)`), a dict with `"loss"`, a dict of losses (keys containing
+  "loss", summed; each kept in `StepOutput.parts`), or an object with `.loss` (Hugging Face).
+  Otherwise `loss_fn(logits, target)`; the default is cross-entropy, flattened when the
+  output is a sequence of logits `(B, T, V)` for targets `(B, T)` (language models), per pixel
+  for `(N, C, H, W)` logits and `(N, H, W)` masks. A dict of logits `{"out", "aux"}`
+  (torchvision segmentation) is scored `loss_fn(out) + AUX_WEIGHT * loss_fn(aux)`.
 - **Anything else**: `step_fn(model, batch)` returns the loss (or an output as above).
-- **Metrics by task** (T13: counted on the device). Accuracy is counted only when the output
+- **Metrics by task** (T13: counted on the device). Accuracy is counted only when the logits
   and target look like classification: integer targets and logits with one more (class)
-  dimension; per token for sequences, ignoring targets equal to -100. A regression model
-  gets its loss alone, so `best_metric="auto"` picks `val_loss`.
+  dimension, last (per token for sequences) or second (per pixel for masks); targets equal
+  to -100 are padding and do not count. A model's own logits feed the metrics too. A
+  regression model gets its loss alone, so `best_metric="auto"` picks `val_loss`.
+
+How the contract read a model (the call, where the loss came from) is recorded once as the
+`Decision` `decisions["batch_contract"]` (pass `decisions=` to `forward_loss`).
 
 Example:
     >>> out = forward_loss(model, batch, loss_fn=None)
-    >>> out.loss.backward(); out.correct, out.counted   # device tensors, or None
+    >>> out.loss.backward(); out.correct()   # (correct, counted) device tensors, or None
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from torchspeed.train.compile import CompileController, CompileDecision
+from torchspeed.train.decision import Decision
 from torchspeed.train.wrappers import unwrap_model
 
-__all__ = ["StepOutput", "split_batch", "forward_loss", "batch_size", "count_correct", "SequenceCrossEntropy", "model_loss",
-           "call_model",
-           "default_loss", "TARGET_KEYS", "IGNORE_INDEX"]
+__all__ = ["StepOutput", "ModelOutput", "split_batch", "forward_loss", "batch_size", "count_correct",
+           "SequenceCrossEntropy", "model_loss", "read_output", "call_model", "takes_target", "list_inputs",
+           "shifts_labels", "default_loss", "TARGET_KEYS", "TARGET_PARAMS", "IGNORE_INDEX", "AUX_WEIGHT"]
 
 TARGET_KEYS = ("labels", "label", "target", "targets", "y")
+TARGET_PARAMS = ("targets", "target", "labels", "y")  # forward parameters that take the batch's target
 IGNORE_INDEX = -100  # the usual "no target here" token (padding), as in F.cross_entropy
+AUX_WEIGHT = 0.5  # the auxiliary head's share of a {"out", "aux"} loss (torchvision's segmentation recipe)
 
 
 class SequenceCrossEntropy(nn.CrossEntropyLoss):
@@ -57,8 +75,10 @@ def default_loss(label_smoothing: float = 0.0) -> nn.Module:
     return SequenceCrossEntropy(label_smoothing=label_smoothing, ignore_index=IGNORE_INDEX)
 
 
-def split_batch(batch) -> tuple[tuple | dict, torch.Tensor | None]:
-    """(inputs, target): inputs are positional (a tuple) or keyword (a dict) arguments of the model."""
+def split_batch(batch) -> tuple[tuple | dict, object]:
+    """(inputs, target): inputs are positional (a tuple) or keyword (a dict) arguments of the model.
+
+    The target is a tensor, or a list (of target dicts, for detection); None when the batch has none."""
     if isinstance(batch, torch.Tensor):
         return (batch,), None
     if isinstance(batch, Mapping):
@@ -74,11 +94,24 @@ def split_batch(batch) -> tuple[tuple | dict, torch.Tensor | None]:
                     "dicts of tensors, or pass step_fn(model, batch) that returns the loss")
 
 
+def _is_sample_list(v) -> bool:
+    """A list of per-sample items: target dicts (detection), or images of different sizes."""
+    if not isinstance(v, (list, tuple)) or not v:
+        return False
+    if all(isinstance(e, Mapping) for e in v):
+        return True
+    return all(isinstance(e, torch.Tensor) and e.dim() >= 2 for e in v) and len({tuple(e.shape) for e in v}) > 1
+
+
 def batch_size(batch) -> int:
-    """The number of samples in `batch` (the first dimension of its first tensor)."""
+    """The number of samples in `batch`: the length of a list of samples (target dicts, variable-size
+    images), else the first dimension of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    values = list(batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ())
+    for v in values:
+        if _is_sample_list(v):
+            return len(v)
     for v in values:
         if isinstance(v, torch.Tensor) and v.dim():
             return int(v.shape[0])
@@ -89,53 +122,142 @@ def batch_size(batch) -> int:
     return 0
 
 
-_ACCEPTS: dict[int, tuple[bool, frozenset]] = {}
+def list_inputs(inputs) -> bool:
+    """True when an input is a list of tensors (e.g. variable-size images) rather than one batched tensor."""
+    values = inputs.values() if isinstance(inputs, Mapping) else inputs
+    return any(isinstance(v, (list, tuple)) and v and all(isinstance(e, torch.Tensor) for e in v) for v in values)
+
+
+Signature = tuple[bool, frozenset, tuple, frozenset]
+_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward function -> Signature
+
+
+def _signature(model: Callable) -> Signature:
+    """(takes **kwargs, parameter names, positional names, keyword-only names) of `model`'s forward, cached
+    per function (read once per model class, not every step)."""
+    inner = unwrap_model(model)  # the user's module inside the compile controller, DDP and torch.compile
+    fn = getattr(inner, "forward", inner)
+    key = getattr(fn, "__func__", fn)
+    try:
+        return _SIGNATURES[key]
+    except (KeyError, TypeError):  # TypeError: a callable that takes no weak reference (not cached)
+        pass
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        sig: Signature = (True, frozenset(), (), frozenset())
+    else:
+        positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        sig = (any(p.kind is p.VAR_KEYWORD for p in params), frozenset(p.name for p in params), positional,
+               frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY))
+    try:
+        _SIGNATURES[key] = sig
+    except TypeError:
+        pass
+    return sig
 
 
 def _keyword_args(model: Callable, inputs: dict) -> dict:
     """The dict entries `model`'s forward accepts (all of them if it takes **kwargs)."""
-    inner = unwrap_model(model)  # the user's module inside the compile controller, DDP and torch.compile
-    fn = getattr(inner, "forward", inner)
-    key = id(getattr(fn, "__func__", fn))
-    if key not in _ACCEPTS:
-        try:
-            params = inspect.signature(fn).parameters.values()
-            _ACCEPTS[key] = (any(p.kind is p.VAR_KEYWORD for p in params), frozenset(p.name for p in params))
-        except (TypeError, ValueError):
-            _ACCEPTS[key] = (True, frozenset())
-    takes_all, names = _ACCEPTS[key]
+    takes_all, names, _, _ = _signature(model)
     return inputs if takes_all else {k: v for k, v in inputs.items() if k in names}
 
 
-def call_model(model: Callable, inputs: tuple | dict):
-    return model(**_keyword_args(model, inputs)) if isinstance(inputs, dict) else model(*inputs)
+def takes_target(model: Callable, n_inputs: int) -> str | None:
+    """The name of `model`'s target parameter when it is the positional one right after `n_inputs` inputs
+    (`forward(idx, targets=None)`, `forward(images, targets)`) or keyword-only; else None."""
+    _, _, positional, keyword_only = _signature(model)
+    if len(positional) > n_inputs and positional[n_inputs] in TARGET_PARAMS:
+        return positional[n_inputs]
+    return next((k for k in TARGET_PARAMS if k in keyword_only), None)
+
+
+def call_model(model: Callable, inputs: tuple | dict, target=None, target_param: str | None = None):
+    """`model(**inputs)` for a dict, else `model(*inputs)`; with `target_param`, the target passed too."""
+    if isinstance(inputs, dict):
+        return model(**_keyword_args(model, inputs))
+    if target_param is None:
+        return model(*inputs)
+    _, _, positional, _ = _signature(model)
+    if len(positional) > len(inputs) and positional[len(inputs)] == target_param:
+        return model(*inputs, target)
+    return model(*inputs, **{target_param: target})
+
+
+@dataclass
+class ModelOutput:
+    """What a model's output holds: its own `loss`, `logits`, the named losses it summed, an aux head."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    parts: dict[str, torch.Tensor] | None = None
+    aux: torch.Tensor | None = None
+    form: str = ""  # how the output was read, in words
+
+
+def _tensor(v) -> torch.Tensor | None:
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _read_mapping(out: Mapping) -> ModelOutput:
+    if isinstance(out.get("loss"), torch.Tensor):  # Hugging Face's ModelOutput is a dict too
+        what = "a dict" if type(out) is dict else type(out).__name__
+        return ModelOutput(out["loss"], _tensor(out.get("logits")), form=f"{what} with 'loss'")
+    losses = {k: v for k, v in out.items() if "loss" in str(k) and isinstance(v, torch.Tensor)}
+    if losses and all(v.dim() == 0 for v in losses.values()):
+        total = sum(losses.values())
+        names = ", ".join(map(str, losses))
+        what = f"a dict of {len(losses)} losses, summed" if len(losses) > 1 else "a dict of 1 loss"
+        return ModelOutput(total, _tensor(out.get("logits")), parts=dict(losses), form=f"{what} ({names})")
+    if isinstance(out.get("out"), torch.Tensor):
+        aux = _tensor(out.get("aux"))
+        heads = "'out', 'aux'" if aux is not None else "'out'"
+        return ModelOutput(None, out["out"], aux=aux, form=f"a dict of logits ({heads})")
+    logits = _tensor(out.get("logits"))
+    return ModelOutput(None, logits, form="a dict with 'logits'" if logits is not None else
+                       f"a dict with keys {list(out)[:6]}")
+
+
+def read_output(out) -> ModelOutput:
+    """Read a model's output by the contract: its own loss, logits, summed losses, or a dict of logits."""
+    if isinstance(out, torch.Tensor):
+        return ModelOutput(out, None, form="a 0-dim tensor") if out.dim() == 0 else \
+            ModelOutput(None, out, form="logits")
+    if isinstance(out, Mapping):
+        return _read_mapping(out)
+    if isinstance(out, (list, tuple)):  # (logits, loss) as GPT scripts return; (logits, extra...)
+        loss = next((v for v in out if isinstance(v, torch.Tensor) and v.dim() == 0), None)
+        logits = next((v for v in out if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        held = " holding a 0-dim loss" if loss is not None else ""
+        return ModelOutput(loss, logits, form=f"a tuple of {len(out)}{held}")
+    loss, logits = _tensor(getattr(out, "loss", None)), _tensor(getattr(out, "logits", None))
+    return ModelOutput(loss, logits, form=f"{type(out).__name__} with .loss" if loss is not None else
+                       f"{type(out).__name__} with .logits")
 
 
 def model_loss(output) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(loss the model computed, logits) from a model's output; either may be None."""
-    if isinstance(output, torch.Tensor):
-        return (output, None) if output.dim() == 0 else (None, output)
-    if isinstance(output, Mapping):
-        loss, logits = output.get("loss"), output.get("logits")
-    elif isinstance(output, (list, tuple)):  # (logits, extra...) as some models return
-        return None, output[0] if output and isinstance(output[0], torch.Tensor) else None
-    else:
-        loss, logits = getattr(output, "loss", None), getattr(output, "logits", None)
-    return (loss if isinstance(loss, torch.Tensor) else None), (logits if isinstance(logits, torch.Tensor) else None)
+    o = read_output(output)
+    return o.loss, o.logits
 
 
-def count_correct(logits: torch.Tensor | None, target: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def count_correct(logits: torch.Tensor | None, target) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(correct, counted) on the device when this looks like classification, else None.
 
-    Classification: integer targets, logits with one extra trailing class dimension. For
-    sequences every token counts (targets equal to -100 are padding and do not).
+    Classification: integer targets, logits with one extra class dimension: last (`(B, C)` for
+    `(B,)`, `(B, T, V)` for `(B, T)`: every token counts) or second (`(N, C, H, W)` for `(N, H, W)`:
+    every pixel counts). Targets equal to -100 are padding and do not count.
     """
-    if logits is None or target is None or target.is_floating_point() or target.is_complex():
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor) or \
+            target.is_floating_point() or target.is_complex() or logits.dim() != target.dim() + 1:
         return None
-    if logits.dim() != target.dim() + 1 or logits.shape[:-1] != target.shape or logits.shape[-1] < 2:
+    if logits.shape[:-1] == target.shape and logits.shape[-1] >= 2:
+        pred = logits.detach().argmax(-1)
+    elif logits.dim() >= 3 and logits.shape[0] == target.shape[0] and logits.shape[2:] == target.shape[1:] \
+            and logits.shape[1] >= 2:
+        pred = logits.detach().argmax(1)  # per pixel (the class dimension second, as F.cross_entropy reads it)
+    else:
         return None
-    pred = logits.detach().argmax(-1)
     if target.dim() == 1:
         return (pred == target).sum(), torch.tensor(target.shape[0], device=target.device)
     valid = target != IGNORE_INDEX
@@ -146,35 +268,117 @@ def count_correct(logits: torch.Tensor | None, target: torch.Tensor | None
 class StepOutput:
     loss: torch.Tensor
     logits: torch.Tensor | None
-    target: torch.Tensor | None
+    target: object  # a tensor, a list of target dicts, or None
     n: int  # samples in the batch
+    parts: dict[str, torch.Tensor] | None = field(default=None)  # the named losses a model summed (detection)
+    own_loss: bool = False  # the model computed the loss (loss_fn and label smoothing play no part)
 
     def correct(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return count_correct(self.logits, self.target)
 
 
-def forward_loss(model: Callable, batch, *, loss_fn: Callable | None = None,
-                 step_fn: Callable | None = None) -> StepOutput:
-    """Run `model` on `batch` by the contract above; return the loss, logits and target."""
-    if step_fn is not None:
-        out = step_fn(model, batch)
-        loss, logits = model_loss(out)
-        if loss is None and isinstance(out, torch.Tensor):
-            loss = out.mean() if out.numel() == 1 else None
-        if loss is None:
-            raise TypeError("step_fn(model, batch) must return the loss: a 0-dim tensor, a dict with 'loss', or an "
-                            f"object with .loss; it returned {type(out).__name__}")
-        return StepOutput(loss, logits, split_batch(batch)[1] if logits is not None else None, batch_size(batch))
-    inputs, target = split_batch(batch)
-    out = call_model(model, inputs)
-    loss, logits = model_loss(out)
+def _from_step_fn(model: Callable, batch, step_fn: Callable) -> tuple[StepOutput, str]:
+    out = step_fn(model, batch)
+    o = read_output(out)
+    loss = o.loss
+    if loss is None and isinstance(out, torch.Tensor):
+        loss = out.mean() if out.numel() == 1 else None
     if loss is None:
-        if logits is None:
-            raise TypeError(f"the model returned {type(out).__name__}: return logits (a tensor), a loss, or a dict/"
-                            "object with 'loss' or 'logits'; or pass step_fn(model, batch) that returns the loss")
-        if target is None:
-            raise ValueError("the batch has no target and the model returned no loss: yield (inputs..., target), "
-                             f"a dict with one of {list(TARGET_KEYS)}, let the model return its loss, or pass "
-                             "step_fn(model, batch)")
-        loss = (loss_fn or default_loss())(logits, target)
-    return StepOutput(loss, logits, target, batch_size(batch))
+        raise TypeError("step_fn(model, batch) must return the loss: a 0-dim tensor, a dict with 'loss', or an "
+                        f"object with .loss; it returned {type(out).__name__}")
+    target = split_batch(batch)[1] if o.logits is not None else None
+    return StepOutput(loss, o.logits, target, batch_size(batch), o.parts, own_loss=True), \
+        "step_fn(model, batch) returns the loss"
+
+
+def _score(model: Callable, o: ModelOutput, out, target, loss_fn: Callable | None) -> tuple[torch.Tensor, str]:
+    """The loss of a model that returned logits (no loss of its own)."""
+    if o.logits is None:
+        raise TypeError(f"the model returned {type(out).__name__} ({o.form or 'no tensor'}) with no loss and no "
+                        "logits: return logits (a tensor), a loss, or a dict/object with 'loss' or 'logits'; or "
+                        "pass step_fn(model, batch) that returns the loss" + _eval_hint(model))
+    if target is None:
+        raise ValueError("the batch has no target and the model returned no loss: yield (inputs..., target), "
+                         f"a dict with one of {list(TARGET_KEYS)}, let the model return its loss, or pass "
+                         "step_fn(model, batch)")
+    fn = loss_fn or default_loss()
+    name = "loss_fn" if loss_fn is not None and not isinstance(loss_fn, SequenceCrossEntropy) else "cross-entropy"
+    if o.aux is not None:
+        return fn(o.logits, target) + AUX_WEIGHT * fn(o.aux, target), \
+            f"{name} on 'out' + {AUX_WEIGHT} x {name} on 'aux' (per pixel for masks)"
+    return fn(o.logits, target), f"{name}(logits, target)"
+
+
+def _eval_hint(model) -> str:
+    if getattr(unwrap_model(model), "training", True):
+        return ""
+    return (". In eval mode some models (torchvision's detection models) return predictions, not losses: "
+            "score them with step_fn(model, batch) or your own metric, or leave val_loader out")
+
+
+def forward_loss(model: Callable, batch, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
+                 decisions: dict | None = None) -> StepOutput:
+    """Run `model` on `batch` by the contract above; return the loss, logits and target.
+
+    `decisions`: a dict (the trainer's) that gets `"batch_contract"`, how the model was read, once."""
+    if step_fn is not None:
+        res, why = _from_step_fn(model, batch, step_fn)
+        _record(decisions, "step_fn", why)
+        return res
+    inputs, target = split_batch(batch)
+    param = takes_target(model, len(inputs)) if target is not None and not isinstance(inputs, dict) else None
+    if isinstance(model, CompileController) and model.undecided and list_inputs(inputs):
+        _no_compile_trial(model)
+    out = call_model(model, inputs, target, param)
+    o = read_output(out)
+    if o.loss is not None:
+        loss, how = o.loss, f"the model returns its own loss ({o.form})"
+    else:
+        loss, how = _score(model, o, out, target, loss_fn)
+    logits, scored = o.logits, target
+    if o.loss is not None and logits is not None:
+        how += "; its logits feed the metrics"
+        if shifts_labels(model) and isinstance(target, torch.Tensor) and target.dim() == 2 and logits.dim() == 3 \
+                and logits.shape[:2] == target.shape:
+            logits, scored = logits[:, :-1], target[:, 1:]  # the logits at t predict labels[t + 1]
+            how += " (the logits at t against labels[t + 1]: the model shifts its labels)"
+    if decisions is not None and "batch_contract" not in decisions:
+        _record(decisions, _call_text(inputs, param), how, lists=list_inputs(inputs), parts=o.parts)
+    return StepOutput(loss, logits, scored, batch_size(batch), o.parts, own_loss=o.loss is not None)
+
+
+def shifts_labels(model: Callable) -> bool:
+    """A Hugging Face causal LM (`...ForCausalLM`, `...LMHeadModel`): it shifts `labels` by one inside its
+    loss, so its accuracy compares the logits at t with labels[t + 1]."""
+    inner = unwrap_model(model)
+    name = type(inner).__name__
+    return hasattr(inner, "config") and (name.endswith("ForCausalLM") or name.endswith("LMHeadModel"))
+
+
+def _call_text(inputs, param: str | None) -> str:
+    if isinstance(inputs, dict):
+        return "model(**batch)"
+    args = ", ".join(["x"] * len(inputs)) if len(inputs) == 1 else ", ".join(f"x{i}" for i in range(len(inputs)))
+    return f"model({args}, {param})" if param else f"model({args})"
+
+
+def _no_compile_trial(controller) -> None:
+    """compile="auto" on list inputs: not applicable (each image size and list length is a new graph)."""
+    controller.apply(CompileDecision(False, "not applicable: the inputs are lists of variable-size tensors; a "
+                                            "compiled graph would be traced again for each size and length"))
+
+
+def _record(decisions: dict | None, call: str, why: str, *, lists: bool = False,
+            parts: dict[str, torch.Tensor] | None = None) -> None:
+    """decisions["batch_contract"] (once): the call and where the loss came from."""
+    if decisions is None or "batch_contract" in decisions:
+        return
+    if lists:
+        why += "; the inputs are lists of tensors (variable-size images), batched inside the model"
+        layout = decisions.get("channels_last")
+        if isinstance(layout, Decision) and layout.value is True:
+            decisions["channels_last"] = Decision(True, f"{layout.reason}; not applicable to the inputs (lists of "
+                                                        "images, batched inside the model): the weights only",
+                                                  layout.measured)
+    measured = {k: float(v.detach().float()) for k, v in parts.items()} if parts else None  # once: one sync
+    decisions["batch_contract"] = Decision(call if call == "step_fn" else f"called as {call}", why, measured)

@@ -47,8 +47,10 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str |
     """Mean loss, and top-1 accuracy where the task is classification, of `model` over `loader`.
 
     Batches follow the contract in `torchspeed.train.batch` (tuples, dicts, models returning
-    their loss, `step_fn`). `val_acc` is None for regression and loss-only models; per token
-    for sequence models.
+    their loss, `step_fn`). A model that takes its target is called with it, so `val_loss` is
+    its own loss over every position (not the last-position shortcut some models take without
+    targets); a model returning a dict of losses also gets `val_<name>` per loss. `val_acc` is
+    None for regression and loss-only models; per token for sequence models, per pixel for masks.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if isinstance(precision, str):
@@ -57,6 +59,7 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str |
     if tta not in (None, "flip"):
         raise ValueError(f"tta={tta!r}: use None or 'flip' (and tta_scales for multi-scale)")
     meter = DeviceMeter(device)
+    parts: dict[str, DeviceMeter] = {}  # the named losses of a model that returns several (val_<name>)
     was_training = model.training
     model.eval()
     try:
@@ -71,10 +74,13 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str |
                 correct = out.correct()
                 meter.update(out.loss.float(), n=out.n, correct=None if correct is None else correct[0],
                              counted=None if correct is None else correct[1])
+                for name, value in (out.parts or {}).items():
+                    parts.setdefault(name, DeviceMeter(device)).update(value.float(), n=out.n)
     finally:
         model.train(was_training)
     m = meter.compute()
-    return {"val_loss": m["loss"], "val_acc": m["acc"], "samples": m["samples"]}
+    return {"val_loss": m["loss"], "val_acc": m["acc"], "samples": m["samples"],
+            **{f"val_{name}": pm.compute()["loss"] for name, pm in parts.items()}}
 
 
 def _tta_forward(model: nn.Module, batch, *, flip: bool, scales: Sequence[float]) -> StepOutput:

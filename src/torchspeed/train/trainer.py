@@ -204,7 +204,8 @@ class Trainer(MeasuredSwitches):
         cfg, win = self.config, self.window
         with win.sync(self.model):  # DDP: no gradient all-reduce on all but the last micro-batch (T19 + T31)
             with self.precision.autocast():
-                out = forward_loss(self.compiler, batch, loss_fn=self.loss_fn, step_fn=self.step_fn)
+                out = forward_loss(self.compiler, batch, loss_fn=self.loss_fn, step_fn=self.step_fn,
+                                   decisions=self.decisions)  # records decisions["batch_contract"] once
             self.precision.backward(out.loss, accum_steps=win.k)  # loss / k, scaled for fp16
         loss = out.loss.detach()
         metered = self.guard.observe(loss)

@@ -1,8 +1,11 @@
 """Host-to-device overlap (T07, T12) and a prefetcher.
 
 - `to_device(batch, device)`: moves tensors in (nested) tuples/lists/dicts with
-  `non_blocking=True`. From pinned (page-locked) host memory the copy runs asynchronously
-  and overlaps compute; from pageable memory it is a synchronous copy.
+  `non_blocking=True`, element by element: a list of variable-size images and a list of
+  target dicts (detection) arrive as lists, each tensor on the device; channels_last reaches
+  4D float tensors only (a list of 3D images stays as it is: the model batches it). From
+  pinned (page-locked) host memory the copy runs asynchronously and overlaps compute; from
+  pageable memory it is a synchronous copy.
 - `Prefetcher(loader, device)`: on CUDA, copies batch i+1 on a side stream while batch i
   computes, and makes the compute stream wait on the copy (no host sync). On the CPU there
   is nothing to copy, so it iterates the loader as it is (and says so in `.mode`).
@@ -16,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
@@ -35,7 +38,7 @@ def to_device(batch, device: torch.device, *, non_blocking: bool = True, channel
     if isinstance(batch, (list, tuple)):
         moved = [to_device(b, device, non_blocking=non_blocking, channels_last=channels_last) for b in batch]
         return type(batch)(moved) if isinstance(batch, tuple) and not hasattr(batch, "_fields") else moved
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # dicts, target dicts, Hugging Face's BatchEncoding (a UserDict)
         return {k: to_device(v, device, non_blocking=non_blocking, channels_last=channels_last) for k, v in batch.items()}
     return batch
 
@@ -100,6 +103,6 @@ def _record(batch, stream) -> None:
     elif isinstance(batch, (list, tuple)):
         for b in batch:
             _record(b, stream)
-    elif isinstance(batch, dict):
+    elif isinstance(batch, Mapping):
         for b in batch.values():
             _record(b, stream)
