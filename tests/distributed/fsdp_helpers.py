@@ -128,7 +128,7 @@ def worker_fit_record(rank: int, out: str, tag: str, options: dict) -> None:
                                     if m.training else None)
     result = torchspeed.fit(model, resumable_loader(), device="cpu", parallel="fsdp2",
                             checkpoint_dir=f"{out}/ckpt", **{**_fast(), **options})
-    torch.save({"seen": seen, "steps": result.steps, "resumed": result.decisions.get("resumed_from")},
+    torch.save({"seen": seen, "steps": result.steps, "resumed": str(result.decisions.get("resumed_from"))},
                f"{out}/{tag}-rank{rank}.pt")
 
 

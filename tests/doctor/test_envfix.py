@@ -97,10 +97,14 @@ def test_env_reruns_interleave_the_original_with_each_environment(monkeypatch):
         return [SimpleNamespace(status="stopped", traceback=None,
                                 breakdown={"step_ms": ms[next(iter(j.env.values()), None)]}) for j in jobs]
 
-    monkeypatch.setattr(fix, "diagnose_many", fake_many)
+    import importlib
+
+    diagnose_mod = importlib.import_module("torchspeed.doctor.diagnose")  # the module (the package exports a function of that name)
+
+    monkeypatch.setattr(diagnose_mod, "diagnose_many", fake_many)
     job = DoctorJob(script="train.py", args=("--x",), warmup=5, env_rounds=3, env_steps=4)
     cands = {"threads": {"OMP_NUM_THREADS": "1"}, "omp_passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
-    raw = _envfix.run_env_rounds(job, cands)
+    raw = _envfix.run_env_rounds(job, cands, diagnose_mod.measure_variants)
     assert [j.env for j in seen] == [{}, cands["threads"], cands["omp_passive"]] * 3
     assert all(j.measure_only and j.steps == 4 and j.warmup == 3 and j.args == ("--x",) for j in seen)
     assert raw["threads"]["ratios"] == [1.25] * 3 and raw["omp_passive"]["ratios"] == [0.8] * 3

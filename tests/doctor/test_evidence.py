@@ -184,7 +184,8 @@ def test_dynamo_records_are_parsed_and_the_probes_own_guards_dropped():
 def test_every_rule_states_an_estimate_or_a_severity_on_its_trigger():
     from test_rules import TRIGGERS
 
-    from torchspeed.doctor._patches import PATCHES
+    from torchspeed.doctor._patch_base import PATCHES
+    from torchspeed.doctor import _patches  # noqa: F401  (registers every patch)
 
     patched = set()
     for rid, mods in TRIGGERS.items():

@@ -13,7 +13,8 @@ import pytest
 from torchspeed.cli.main import main
 from torchspeed.doctor import diagnose
 from torchspeed.doctor import fix as fix_mod
-from torchspeed.doctor._patches import PATCHES, NotApplicable, PatchContext, apply_patch
+from torchspeed.doctor import _patches  # noqa: F401  (registers every patch)
+from torchspeed.doctor._patch_base import PATCHES, NotApplicable, PatchContext, apply_patch
 from torchspeed.doctor.fix import fix_script, plan_patches
 
 # A script in the style of a tutorial: a TensorDataset through a DataLoader, zero_grad(set_to_none=False),
@@ -186,7 +187,9 @@ def test_fix_measurements_rank_the_findings_they_prove():
     fix = {"patches": [{"rule": "no-amp", "patch": "autocast", "speedup": 1.02, "ratios": [0.98, 1.02, 1.06]},
                        {"rule": "cpu-bf16-math", "patch": "bf16_math", "speedup": 1.5, "ratios": [1.45, 1.5, 1.55]},
                        {"rule": "zero-grad-memset", "patch": "set_to_none", "speedup": None, "ratios": []}]}
-    fixed = dataclasses.replace(report, fix=fix)
+    from torchspeed.doctor.registry import with_fix
+
+    fixed = with_fix(report, fix)
     top = fixed.findings[0]
     assert top.rule == "cpu-bf16-math" and top.severity == "high" and top.basis == "measured"
     assert top.measured_gain == 1.5 and "--fix measured the bf16_math patch" in top.evidence
@@ -245,7 +248,9 @@ def test_fix_writes_the_autocast_patch_for_a_flag_gated_cuda_block_and_it_runs(m
     assert '+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=True):' in amp["diff"]
     assert res["end_to_end_speedup"] == 1.5
     # the report now ranks the finding by that measurement
-    fixed = dataclasses_replace(report, fix=res)
+    from torchspeed.doctor.registry import with_fix
+
+    fixed = with_fix(report, res)
     f = next(g for g in fixed.findings if g.patch == "autocast")
     assert f.basis == "measured" and f.measured_gain == 1.5
     # the patched script runs, and its forward now autocasts on the CPU

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import os
 
 from torchspeed.cli.main import CLIError
@@ -107,6 +109,9 @@ def run(args) -> int:
     tta_configs = tuple(c.strip() for c in args.tta_configs.split(",") if c.strip())
     if set(tta_configs) - set(TTA_CONFIGS) or not tta_configs:
         raise CLIError(f"--tta-configs {args.tta_configs!r}: choose from {', '.join(TTA_CONFIGS)}")
+    if "schedulefree" in tta_configs and importlib.util.find_spec("schedulefree") is None:
+        raise CLIError("the schedulefree row needs the schedulefree package: pip install 'torchspeed[schedulefree]', "
+                       "or leave it out with --tta-configs naive,all,auto,auto_warm")
     if args.nproc is not None:
         if args.nproc < 2:
             raise CLIError(f"--nproc compares N processes with 1: give N >= 2, got {args.nproc}")

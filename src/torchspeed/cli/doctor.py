@@ -97,7 +97,9 @@ def _fix(report, args, script_args, console):
         progress.add_task("fix", total=None)
         result = fix_script(report, args=script_args, steps=args.steps, warmup=args.warmup, rounds=args.fix_rounds,
                             time_limit=args.time_limit, apply=args.apply)
-    return dataclasses.replace(report, fix=result)
+    from torchspeed.doctor.registry import with_fix
+
+    return with_fix(report, result)  # the findings re-ranked by what each patch measured
 
 
 def run(args) -> int:
@@ -124,7 +126,7 @@ def run(args) -> int:
     if args.apply and not args.fix:
         raise CLIError("--apply writes what --fix measured: use --fix --apply")
     if args.fix:
-        from torchspeed.doctor._patches import libcst_missing
+        from torchspeed.doctor._patch_base import libcst_missing
 
         hint = libcst_missing()
         if hint:

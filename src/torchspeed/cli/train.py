@@ -214,7 +214,8 @@ def run(args) -> int:
     if not rank0:  # the replicas are identical after DDP: one writer per file
         return 0
     _save_model(os.path.join(args.out, "model.pt"), model, args=args, classes=pipe.classes)
-    used_lr = float(result.decisions.get("peak_lr", lr))
+    peak = result.decisions.get("peak_lr")
+    used_lr = float(peak.value if peak is not None else lr)
     data = {"train_images": n_train, "val_images": n_val,
             "val_from": args.val or (f"{args.val_fraction:.0%} held out of --data" if n_val else "none"),
             **{f"{k}_files": str(ds.summary()) for k, ds in pipe.datasets.items()

@@ -5,7 +5,7 @@ thread count when DataLoader workers share the cores, and OMP_WAIT_POLICY=PASSIV
 OpenMP threads spinning on cores the workers need (T45). They are read when a process starts, so the
 doctor measures each by re-running a few of the script's steps in a fresh child process with the
 variable set, interleaved with the original in a fresh process of its own (round 1: original, each
-environment; round 2: again), through the same runner as `--fix` (`fix.measure_variants`). The
+environment; round 2: again), through the same runner as `--fix` (`diagnose.measure_variants`). The
 speed-up is the median of the per-round ratios, its interval their middle half; the rules read them
 from `obs["env_fixes"]` and the registry ranks the finding on that measurement (`registry.settle`).
 
@@ -32,8 +32,7 @@ __all__ = ["ENV_FIXES", "env_candidates", "measure_env_fixes", "summarize", "env
 ENV_FIXES = {"malloc": "allocator", "threads": "cpu-oversubscribed", "omp_passive": "omp-wait-policy"}
 
 
-def env_label(env: Mapping[str, str]) -> str:
-    return " ".join(f"{k}={v}" for k, v in env.items())
+from torchspeed.doctor.rules._common import env_label  # noqa: E402  (one home: the rules print it too)
 
 
 def env_candidates(obs: dict, environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
@@ -77,12 +76,11 @@ def summarize(name: str, env: dict, m: dict, *, steps: int) -> dict:
     return entry
 
 
-def run_env_rounds(job, candidates: dict[str, dict[str, str]]) -> dict[str, dict]:
-    """The re-runs: the original and each environment, each in its own process, `job.env_rounds` rounds."""
-    from torchspeed.doctor.fix import measure_variants
-
+def run_env_rounds(job, candidates: dict[str, dict[str, str]], run_variants: Callable) -> dict[str, dict]:
+    """The re-runs: the original and each environment, each in its own process, `job.env_rounds` rounds
+    (`run_variants`: `diagnose.measure_variants`, the doctor's interleaved runner, passed in by its caller)."""
     names = list(candidates)
-    measured = measure_variants(job.script, job.args, [None] * (1 + len(names)), steps=job.env_steps,
+    measured = run_variants(job.script, job.args, [None] * (1 + len(names)), steps=job.env_steps,
                                 warmup=min(job.warmup, 3), rounds=job.env_rounds, time_limit=job.time_limit,
                                 threads=None, envs=[{}] + [candidates[n] for n in names])
     base_ms = measured[0]["ms"]
@@ -92,13 +90,13 @@ def run_env_rounds(job, candidates: dict[str, dict[str, str]]) -> dict[str, dict
     return out
 
 
-def measure_env_fixes(job, obs: dict, *, measure: Callable | None = None) -> dict:
+def measure_env_fixes(job, obs: dict, *, measure: Callable | None = None, run_variants: Callable | None = None) -> dict:
     """Measure the environment fixes that apply to `obs` and store them in `obs["env_fixes"]`."""
     candidates = env_candidates(obs)
     if not candidates:
         return {}
     try:
-        raw = (measure or run_env_rounds)(job, candidates)
+        raw = measure(job, candidates) if measure is not None else run_env_rounds(job, candidates, run_variants)
     except Exception as e:  # a doctor failure must not lose the report
         obs.setdefault("notes", []).append(f"environment fixes not measured: {type(e).__name__}: {e}")
         return {}

@@ -1,5 +1,5 @@
 """Source patches for precision and the optimizer kernel (T21, T26): `autocast` and `fused_optimizer`,
-registered in `_patches.PATCHES` like the others.
+registered in `_patch_base.PATCHES` like the others.
 
 `autocast` handles the forms real scripts have. Most training scripts written for a GPU already wrap
 their forward in an autocast block that does nothing on a CPU: `torch.cuda.amp.autocast(enabled=flag)`,
@@ -15,7 +15,7 @@ right whether or not the script's dict already holds `fused`.
 
 from __future__ import annotations
 
-from torchspeed.doctor._patches import NotApplicable, PatchContext, _calls_name, _cst, _model_name, _set_kwargs, patch
+from torchspeed.doctor._patch_base import NotApplicable, PatchContext, _calls_name, _cst, _model_name, _set_kwargs, patch
 
 __all__ = ["AUTOCAST_CALLS", "FUSED_OPTIMIZERS", "is_autocast_call"]
 

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -156,7 +157,7 @@ def diagnose_many(jobs: Sequence[DoctorJob], *, quiet: bool = False, threads: in
         if not j.measure_only and j.env_rounds > 0 and obs.get("status") in ("stopped", "finished"):
             from torchspeed.doctor._envfix import measure_env_fixes
 
-            measure_env_fixes(j, obs, measure=measure_env)
+            measure_env_fixes(j, obs, measure=measure_env, run_variants=measure_variants)
         reports.append(report_from_observation(obs, script=j.script))
     return reports
 
@@ -178,3 +179,35 @@ def diagnose(script: str, *, args: Sequence[str] = (), steps: int = 30, warmup: 
         from torchspeed.doctor._job import run_job
         return report_from_observation(run_job(job.to_spec()), script=script)
     return diagnose_many([job], quiet=quiet, measure_env=measure_env)[0]
+
+
+def _step_ms(r: DoctorReport) -> float | None:
+    ms = r.breakdown.get("step_ms") if r.status in ("stopped", "finished") else None
+    return ms if ms else None
+
+
+def measure_variants(script: str, args: Sequence[str], sources: list[str | None], *, steps: int, warmup: int,
+                     rounds: int, time_limit: float, threads: int | None, envs: list[dict | None] | None = None) -> list[dict]:
+    """Interleaved runs: per round the first variant (the original) and then each other one; per variant the
+    ratios (original step ms / variant step ms). A variant is a source (None: the script's own text) and,
+    with `envs`, an environment: a variant with one runs in its own process with those variables added."""
+    envs = envs or [None] * len(sources)
+    jobs = [DoctorJob(script=script, args=tuple(args), steps=steps, warmup=warmup, time_limit=time_limit,
+                      source=src, env=env, measure_only=True) for _ in range(rounds) for src, env in zip(sources, envs)]
+    reports = diagnose_many(jobs, quiet=True, threads=threads)
+    n = len(sources)
+    out = [{"ratios": [], "ms": [], "error": None} for _ in sources]
+    for r_i in range(rounds):
+        row = reports[r_i * n:(r_i + 1) * n]
+        base = _step_ms(row[0])
+        for i, r in enumerate(row):
+            ms = _step_ms(r)
+            if ms is None:
+                out[i]["error"] = (r.traceback or f"status {r.status}").strip().splitlines()[-1]
+                continue
+            out[i]["ms"].append(round(ms, 3))
+            if base:
+                out[i]["ratios"].append(round(base / ms, 4))
+    for m in out:
+        m["speedup"] = round(statistics.median(m["ratios"]), 4) if m["ratios"] and not m["error"] else None
+    return out

@@ -23,8 +23,9 @@ import os
 import statistics
 from collections.abc import Sequence
 
-from torchspeed.doctor._patches import NotApplicable, PatchContext, apply_patch, libcst_missing
-from torchspeed.doctor.diagnose import DoctorJob, diagnose_many
+from torchspeed.doctor import _patches  # noqa: F401  (registers every patch)
+from torchspeed.doctor._patch_base import NotApplicable, PatchContext, apply_patch, libcst_missing
+from torchspeed.doctor.diagnose import DoctorJob, diagnose_many, measure_variants
 from torchspeed.doctor.report import DoctorReport
 
 __all__ = ["FixError", "fix_script", "plan_patches", "unified_diff", "measure_variants"]
@@ -60,38 +61,6 @@ def plan_patches(report: DoctorReport, source: str) -> tuple[list[dict], list[di
         candidates.append({"rule": f.rule, "patch": f.patch, "ctx": ctx, "source": patched,
                            "diff": unified_diff(source, patched, report.script)})
     return candidates, skipped
-
-
-def _step_ms(r: DoctorReport) -> float | None:
-    ms = r.breakdown.get("step_ms") if r.status in ("stopped", "finished") else None
-    return ms if ms else None
-
-
-def measure_variants(script: str, args: Sequence[str], sources: list[str | None], *, steps: int, warmup: int,
-                     rounds: int, time_limit: float, threads: int | None, envs: list[dict | None] | None = None) -> list[dict]:
-    """Interleaved runs: per round the first variant (the original) and then each other one; per variant the
-    ratios (original step ms / variant step ms). A variant is a source (None: the script's own text) and,
-    with `envs`, an environment: a variant with one runs in its own process with those variables added."""
-    envs = envs or [None] * len(sources)
-    jobs = [DoctorJob(script=script, args=tuple(args), steps=steps, warmup=warmup, time_limit=time_limit,
-                      source=src, env=env, measure_only=True) for _ in range(rounds) for src, env in zip(sources, envs)]
-    reports = diagnose_many(jobs, quiet=True, threads=threads)
-    n = len(sources)
-    out = [{"ratios": [], "ms": [], "error": None} for _ in sources]
-    for r_i in range(rounds):
-        row = reports[r_i * n:(r_i + 1) * n]
-        base = _step_ms(row[0])
-        for i, r in enumerate(row):
-            ms = _step_ms(r)
-            if ms is None:
-                out[i]["error"] = (r.traceback or f"status {r.status}").strip().splitlines()[-1]
-                continue
-            out[i]["ms"].append(round(ms, 3))
-            if base:
-                out[i]["ratios"].append(round(base / ms, 4))
-    for m in out:
-        m["speedup"] = round(statistics.median(m["ratios"]), 4) if m["ratios"] and not m["error"] else None
-    return out
 
 
 _measure = measure_variants  # fix_script's runner (tests inject measurements here)

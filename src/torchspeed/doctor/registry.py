@@ -33,13 +33,12 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from torchspeed.doctor.report import Finding
+from torchspeed.doctor.report import ESTIMATED, Finding, gain_text
 
 __all__ = ["Rule", "RULES", "RuleError", "register", "load_rules", "rule_ids", "fix_rules", "run_rules", "severity_for_gain",
-           "settle", "merge_causes", "apply_fix_measurements", "HIGH_GAIN", "MEDIUM_GAIN", "ESTIMATED"]
+           "settle", "merge_causes", "apply_fix_measurements", "with_fix", "HIGH_GAIN", "MEDIUM_GAIN", "ESTIMATED"]
 
 HIGH_GAIN, MEDIUM_GAIN = 1.25, 1.05
-ESTIMATED = "estimated, not measured"
 _SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2}
 _BASIS_ORDER = {"measured": 0, "timed": 1, "estimated": 2}
 _ID = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
@@ -166,15 +165,6 @@ def _rank_key(f: Finding, order: dict[str, int]) -> tuple:
     return (_SEVERITY_ORDER[f.severity], -_gain(f), _BASIS_ORDER.get(f.basis, 2), order.get(f.rule, 10**6))
 
 
-def gain_text(f: Finding) -> str:
-    """How a finding's gain is known, in words: "measured 1.42x", "est. 1.10x, estimated, not measured"."""
-    if f.measured_gain is not None and f.basis == "measured":
-        return f"measured {f.measured_gain:.2f}x"
-    if f.est_gain is None:
-        return "no estimate"
-    return f"est. {f.est_gain:.2f}x" + (f", {ESTIMATED}" if f.basis == "estimated" else " from timed work")
-
-
 def merge_causes(found: list[Finding], order: dict[str, int]) -> list[Finding]:
     """One finding per cause: the best-ranked finding of each cause, the others in its `also`."""
     groups: dict[str, list[Finding]] = {}
@@ -225,3 +215,8 @@ def apply_fix_measurements(findings, fix: dict) -> list[Finding]:
                                   interval=_quartiles(p["ratios"]),
                                   evidence=f.evidence.split(f"; the gain is {ESTIMATED}")[0] + text)))
     return _rank(out)
+
+
+def with_fix(report, fix: dict):
+    """`report` with `--fix`'s result attached and its findings re-ranked by what each patch measured."""
+    return replace(report, fix=fix, findings=tuple(apply_fix_measurements(report.findings, fix)))

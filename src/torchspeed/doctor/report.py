@@ -16,6 +16,18 @@ from torchspeed._io import write_json
 __all__ = ["Finding", "DoctorReport", "render_report"]
 
 
+
+ESTIMATED = "estimated, not measured"
+
+
+def gain_text(f: Finding) -> str:
+    """How a finding's gain is known, in words: "measured 1.42x", "est. 1.10x, estimated, not measured"."""
+    if f.measured_gain is not None and f.basis == "measured":
+        return f"measured {f.measured_gain:.2f}x"
+    if f.est_gain is None:
+        return "no estimate"
+    return f"est. {f.est_gain:.2f}x" + (f", {ESTIMATED}" if f.basis == "estimated" else " from timed work")
+
 @dataclass(frozen=True)
 class Finding:
     """One problem: its rule ID, how bad it is here, the measured evidence, the fix, the gain."""
@@ -26,7 +38,7 @@ class Finding:
     fix: str
     est_gain: float | None
     measured_gain: float | None = None
-    patch: str | None = None          # the `--fix` source patch for this finding (`_patches.PATCHES`)
+    patch: str | None = None          # the `--fix` source patch for this finding (`_patch_base.PATCHES`)
     patch_args: dict | None = None    # what the patch needs: {"workers": 0}, {"threads": 1}, ...
     # what the gain rests on: "measured" (the fix timed on this script: --verify, --fix, an environment
     # re-run), "timed" (the time the fix removes was timed directly, e.g. the data wait) or "estimated"
@@ -53,13 +65,6 @@ class DoctorReport:
     notes: tuple[str, ...] = ()
     observation: dict = field(default_factory=dict, repr=False)
     fix: dict = field(default_factory=dict)  # `--fix`: {"patches": [...], "end_to_end_speedup": ...}
-
-    def __post_init__(self):
-        # `--fix` measured patches on the script itself: the findings they prove are ranked by that
-        if (self.fix or {}).get("patches"):
-            from torchspeed.doctor.registry import apply_fix_measurements
-
-            object.__setattr__(self, "findings", tuple(apply_fix_measurements(self.findings, self.fix)))
 
     @property
     def rules(self) -> set[str]:
@@ -145,7 +150,6 @@ def render_report(report: DoctorReport, console=None) -> None:
             console.print(Text("    evidence: " + f.evidence))
             console.print(Text("    fix:      " + f.fix, style="green"))
             for a in f.also:  # another rule's fix for the same cause
-                from torchspeed.doctor.registry import gain_text
                 console.print(Text(f"    or:       ({a.rule}, {gain_text(a)}) {a.fix}", style="green"))
     else:
         console.print("[green]no findings[/]")

@@ -137,7 +137,7 @@ def is_classifier(model: nn.Module, batch, *, loss_fn: Callable | None = None,
         return False
     finally:
         model.train(was)
-    if out.logits is None or out.target is None:
+    if getattr(out, "own_loss", False) or out.logits is None or out.target is None:
         return False  # the model computes its own loss: not ours to smooth
     if out.logits.dim() != 2:
         return False  # per-token (language models) or per-pixel outputs: smoothing is not part of their recipe

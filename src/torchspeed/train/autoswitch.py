@@ -185,7 +185,13 @@ class MeasuredSwitches:
 
     def _settle(self, sw: Switches, how: str, why: str, measured: dict | None, trial: Decision) -> None:
         self.apply_switches(sw)
+        before = self.decisions.get("channels_last")
         self.decisions.update(_as_decisions(sw, how, why, measured, fixed=self._fixed) | {"switch_trial": trial})
+        clause = "; not applicable to the inputs"  # the batch contract saw list inputs: the note stays
+        if sw.channels_last and isinstance(before, Decision) and clause in before.reason:
+            now = self.decisions["channels_last"]
+            self.decisions["channels_last"] = Decision(True, now.reason + before.reason[before.reason.index(clause):],
+                                                       now.measured)
 
     # ------------------------------------------------------------------ the run's first steps
     def _cache_key(self, batch) -> str:

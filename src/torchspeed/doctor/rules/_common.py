@@ -58,9 +58,12 @@ def env_measured(obs: dict, fix: str) -> dict | None:
     return v if v and v.get("speedup") is not None else None
 
 
-def env_text(v: dict) -> str:
-    from torchspeed.doctor._envfix import env_label
+def env_label(env) -> str:
+    """Environment variables as a shell prefix: "MALLOC_MMAP_THRESHOLD_=... OMP_WAIT_POLICY=PASSIVE"."""
+    return " ".join(f"{k}={v}" for k, v in env.items())
 
+
+def env_text(v: dict) -> str:
     lo, hi = v["iqr"]
     noise = f", within noise: {lo:.2f}-{hi:.2f}x" if v.get("within_noise") else ""
     ms = (f": {v['baseline_ms']:.2f} -> {v['candidate_ms']:.2f} ms per step"
