@@ -201,9 +201,12 @@ def run_job(job: dict) -> dict:
         signal.signal(signal.SIGALRM, old_handler)
         sys.argv = saved["argv"]
         sys.path[:] = saved["path"]
-        for name in set(sys.modules) - saved["modules"]:
-            f = getattr(sys.modules.get(name), "__file__", None) or ""
-            if f and os.path.realpath(f).startswith(os.path.realpath(script_dir) + os.sep):
+        env_dirs = tuple(os.path.realpath(p) + os.sep for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
+        for name in set(sys.modules) - saved["modules"]:  # the script's own modules, not the packages it imported
+            f = os.path.realpath(getattr(sys.modules.get(name), "__file__", None) or "") if name in sys.modules else ""
+            # A virtual environment inside the script's folder (project/.venv) holds torch: its modules register
+            # C++ libraries once per process and must never be imported twice.
+            if f and f.startswith(os.path.realpath(script_dir) + os.sep) and not f.startswith(env_dirs):
                 del sys.modules[name]
         if not analysed:  # the script ended before the step limit: read its settings before they are reset
             read_settings(obs)
