@@ -102,8 +102,8 @@ def test_launch_runs_an_fsdp2_script_with_dcp_checkpoints_and_export(tmp_path):
                           env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert "FSDP2, 2 processes (gloo)" in r0["decisions"]["distributed"]["value"]
-    assert r0["decisions"]["fsdp_blocks"]["value"].startswith("2 x Sequential + root")
+    assert "FSDP2, 2 processes (gloo)" in r0["decisions"]["distributed"]  # this script writes str(decision)
+    assert r0["decisions"]["fsdp_blocks"].startswith("2 x Sequential + root")
     # 64 samples / 2 ranks / batch 8 = 4 steps per epoch; a checkpoint at each epoch end, hook on both ranks
     assert r0["steps"] == r1["steps"] == 8 and r0["checkpoints"] == r1["checkpoints"] == [4, 8]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["best", "step-00000004", "step-00000008"]
