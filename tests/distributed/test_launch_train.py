@@ -32,7 +32,7 @@ def test_launch_train_splits_the_folder_and_writes_once(tmp_path):
     per_rank = [len(shard_loader(whole.train, rank=r, world_size=2)) for r in (0, 1)]
     assert per_rank == [2, 2] and len(whole.train) == 4
     run = json.loads((out / "run.json").read_text())
-    assert run["world_size"] == 2 and "DDP, 2 processes (gloo)" in run["fit_decisions"]["distributed"]
+    assert run["world_size"] == 2 and "DDP, 2 processes (gloo)" in run["fit_decisions"]["distributed"]["value"]
     assert run["final"]["step"] == 2 * per_rank[0]  # every rank trained on its half, in step with the other
     assert run["final"]["val_acc"] is not None
     history = json.loads((out / "metrics.json").read_text())["history"]
