@@ -35,7 +35,7 @@ from torchspeed.train.memory_format import has_conv2d
 from torchspeed.train.optim import describe_optimizer
 from torchspeed.train.precision import MixedPrecision, Precision, normalize_precision
 from torchspeed.train.switches import (LiveTrial, Switches, batch_signature, candidate_grid, fusable, model_signature,
-                                       rule_switches, set_fused)
+                                       rule_switches, set_fused, trial_steps)
 
 __all__ = ["rule_choice", "trial_settings", "TRIAL_SETTINGS", "LIVE_SHARE", "MeasuredSwitches", "kernel_isa"]
 
@@ -55,17 +55,15 @@ def kernel_isa() -> dict:
 def trial_settings(n_first: int, n_later: int, remaining_steps: int | None) -> tuple[dict, str]:
     """Rounds, timed steps and warm-up steps for a trial of `n_first` grid candidates and `n_later` later ones,
     within LIVE_SHARE of `remaining_steps` (None: a run of unknown length takes the full settings)."""
-    full = dict(TRIAL_SETTINGS)
     if remaining_steps is None:
-        return full, ""
+        return dict(TRIAL_SETTINGS), ""
     budget = max(2 * n_first, int(LIVE_SHARE * remaining_steps))
-    for rounds, steps in ((3, 2), (2, 2), (2, 1), (1, 1)):
-        cost = n_first * (1 + rounds * steps) + n_later * (1 + rounds * steps)
-        if cost <= budget or (rounds, steps) == (1, 1):
-            why = "" if (rounds, steps) == (3, 2) else (
-                f"; a {remaining_steps}-step run affords {rounds} round(s) of {steps} timed step(s) per candidate")
-            return {"rounds": rounds, "steps": steps, "warmup": 1}, why
-    return full, ""
+    fits = [(r, s) for r, s in ((3, 2), (2, 2), (2, 1)) if trial_steps(n_first + n_later, rounds=r, steps=s,
+                                                                         warmup=1) <= budget]
+    rounds, steps = fits[0] if fits else (1, 1)  # the fullest that fits; the least there is
+    why = "" if (rounds, steps) == (3, 2) else (
+        f"; a {remaining_steps}-step run affords {rounds} round(s) of {steps} timed step(s) per candidate")
+    return {"rounds": rounds, "steps": steps, "warmup": 1}, why
 
 
 def _thread_choices(loader, device: torch.device, caps: DeviceCaps) -> tuple[int, ...]:
@@ -231,9 +229,8 @@ class MeasuredSwitches:
         try:
             with torch.no_grad():
                 for p in precisions:
-                    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[p]
                     try:
-                        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+                        with Precision(p, self.device.type).autocast():
                             out[p] = float(forward_loss(self.module, batch, loss_fn=self.loss_fn,
                                                         step_fn=self.step_fn).loss.float())
                     except Exception:  # this precision cannot run the model: the trial finds out and says why

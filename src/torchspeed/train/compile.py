@@ -228,7 +228,7 @@ class CompileController:
         if trial is None or trial.eager_times or not eager_times:
             return
         need = trial.warmup + trial.steps
-        times = ([eager_times[0]] * trial.warmup + list(eager_times))[:max(need, trial.warmup + len(eager_times))]
+        times = [eager_times[0]] * trial.warmup + list(eager_times)  # the first timed step stands in for warm-up
         while len(times) < need:
             times.append(statistics.median(eager_times))
         trial.eager_times = times

@@ -199,12 +199,6 @@ class LiveTrial:
     def done(self) -> bool:
         return not self._queue
 
-    @property
-    def planned_steps(self) -> int:
-        """Steps left in this stage plus the later stages (an estimate for the later ones)."""
-        later = {"optimizer kernel": 2, "threads": len(self.thread_choices)}
-        return len(self._queue) + sum(later[s] * (self.rounds * self.steps) + self.warmup for s in self._stages)
-
     def current(self) -> Switches:
         return self._queue[0][0]
 
@@ -239,8 +233,6 @@ class LiveTrial:
             plain = self.grid[0]
             rejected = self._numerics(plain)
             best, why = choose(times, plain=plain, min_gain=self.min_gain, rejected=rejected)
-            if best not in times or not times.get(best):
-                best = plain if not times.get(plain) and not rejected else best
         else:
             plain = replace(self.best, fused=False) if name == "optimizer kernel" else self.candidates[0]
             best, why = choose(times, plain=plain, min_gain=self.min_gain)
