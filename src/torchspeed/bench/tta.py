@@ -339,7 +339,7 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", targets: tuple[flo
         ablation_rows: list = []
         if ablation and "auto" in searches and found[order[0]].get("auto"):
             first = searches["auto"].runs[found[order[0]]["auto"], seed_list[0]]
-            ablation_rows = _ablation({"on": first.decisions.get("recipe_on", [])}, seed_list, run_seeds, budgets,
+            ablation_rows = _ablation(list(first.decisions.get("recipe_on", [])), seed_list, run_seeds, budgets,
                                       order[0], metric, found[order[0]].get("auto"), batch_size, say)
     tuning = {"auto_warm": [r["tuning_s"] for r in recipes.values()]}
     workload = f"{model} on {data}"
@@ -370,12 +370,11 @@ def _nearest(budgets, b: int) -> int:
     return min(budgets, key=lambda x: abs(x - b))
 
 
-def _ablation(recipes: dict, seeds: list[int], run_seeds, budgets, target: float, metric: str, auto_budget: int | None,
+def _ablation(on: list[str], seeds: list[int], run_seeds, budgets, target: float, metric: str, auto_budget: int | None,
               batch: int, say) -> list:
-    """Leave one part out (parts auto turned on) or add one (parts it left off): the budget each needs."""
+    """Leave one part out (`on`: the parts auto turned on) or add one (parts it left off): the budget each needs."""
     from torchspeed.plan.recipe import PARTS
 
-    on = list(recipes["on"]) if "on" in recipes else []
     rows = []
     for part in PARTS:
         if part in ("muon", "batch"):  # muon: AdamW on matrix-heavy models only; batch: runs of 300+ steps only
