@@ -7,10 +7,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
 from torchspeed.plan import TuningBudget, make_plan
+from torchspeed.plan.recipe import PARTS
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision
 
 FAST = dict(progress=False, compile=False)
+# The recipe with the user's optimizer kept (the LR part then runs); Schedule-Free's own tests below
+KEEP_OPT = dict(recipe_parts=tuple(p for p in PARTS if p != "schedulefree"))
 
 
 def _loader(n=256, batch=16, size=8, classes=4, seed=0):
@@ -45,7 +48,7 @@ def test_every_value_in_decisions_is_a_decision(tiny_cnn):
 
 
 def test_a_short_run_decides_the_lr_from_its_prior_and_says_so(tiny_cnn):
-    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1, recipe="auto", lr=0.05, **FAST)  # 16 steps
+    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1, recipe="auto", lr=0.05, **KEEP_OPT, **FAST)  # 16 steps
     lr = res.decisions["lr"]
     assert lr.value == 0.05 and lr.reason.startswith("prior") and "over 5% of this 16-step run" in lr.reason
     assert res.decisions["tuning"].measured["steps_off_run"] == 0
@@ -65,7 +68,7 @@ def test_the_tuners_run_at_the_precision_the_switch_trial_chose(tiny_cnn, monkey
     real = lr_mod.find_lr
     monkeypatch.setattr(lr_mod, "find_lr", lambda *a, **k: seen.append(k["precision"]) or real(*a, **k))
     res = torchspeed.fit(tiny_cnn(), _loader(n=16 * 40), epochs=1, recipe="auto", lr=0.05, fused_optimizer=False,
-                         **FAST)
+                         **KEEP_OPT, **FAST)
     assert res.decisions["precision"].value == "fp32" and res.decisions["switch_trial"].value == "measured"
     assert seen == ["fp32"]
     lr = res.decisions["lr"]
@@ -85,7 +88,8 @@ def test_the_recipe_leaves_the_loader_order_and_global_rng_as_they_were(tiny_cnn
         try:
             loader = _loader(n=16 * 12)
             torch.manual_seed(3)
-            torchspeed.fit(tiny_cnn(), loader, epochs=2, recipe=recipe, lr=0.05, trial=False, **FAST)
+            torchspeed.fit(tiny_cnn(), loader, epochs=2, recipe=recipe, lr=0.05, trial=False, **FAST,
+                           **(KEEP_OPT if recipe else {}))
             seen[recipe] = (order, torch.get_rng_state(), loader.generator.get_state())
         finally:
             Trainer.step_batch = real
@@ -95,7 +99,7 @@ def test_the_recipe_leaves_the_loader_order_and_global_rng_as_they_were(tiny_cnn
 
 def test_a_second_fit_reads_the_measured_recipe_from_the_cache(tiny_cnn, tmp_path, monkeypatch, measure_here):
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
-    kw = dict(epochs=1, recipe="auto", lr=0.05, **FAST)
+    kw = dict(epochs=1, recipe="auto", lr=0.05, **KEEP_OPT, **FAST)
     r1 = torchspeed.fit(tiny_cnn(), _loader(n=16 * 30), **kw)
     assert r1.decisions["lr"].measured["range_test_steps"] > 0
     r2 = torchspeed.fit(tiny_cnn(), _loader(n=16 * 30), **kw)
@@ -107,13 +111,38 @@ def test_a_second_fit_reads_the_measured_recipe_from_the_cache(tiny_cnn, tmp_pat
 
 
 def test_make_plan_resolves_in_order_and_returns_what_the_trainer_applies(tiny_cnn):
-    plan = make_plan(tiny_cnn(), _loader(), TrainConfig(epochs=2, progress=False), recipe="auto", lr="auto")
+    plan = make_plan(tiny_cnn(), _loader(), TrainConfig(epochs=2, progress=False), recipe="auto", lr="auto",
+                     recipe_parts=KEEP_OPT["recipe_parts"])
     assert plan.run_steps == 32 and plan.lr == pytest.approx(0.1)  # lr="auto" with a recipe: its stated prior
     keys = list(plan.decisions)
     assert keys.index("device") < keys.index("switch_plan") < keys.index("lr") < keys.index("tuning")
     assert plan.config.label_smoothing == 0.1 and any(type(c).__name__ == "FinalBatchNormStats" for c in plan.callbacks)
     text = plan.summary()
     assert "32-step run" in text and "lr: 0.1 - prior" in text
+
+
+def test_a_short_cold_run_takes_schedule_free_as_its_prior_and_trains_with_it(tiny_cnn, tmp_path, monkeypatch):
+    """No budget for an optimizer trial in 16 steps: Schedule-Free AdamW at its default LR replaces SGD, its LR search,
+    the schedule and the BatchNorm tail; the run trains with it and its averaged weights are evaluated."""
+    pytest.importorskip("schedulefree")
+    from torchspeed.train.optim import SCHEDULE_FREE_LR, is_schedule_free
+    from torchspeed.train.trainer import Trainer
+
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    used = []
+    real = Trainer.setup_schedule
+    monkeypatch.setattr(Trainer, "setup_schedule", lambda self, *a: used.append(self.optimizer) or real(self, *a))
+    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1, recipe="auto", lr=0.05, val_loader=_loader(64), **FAST)
+    opt = res.decisions["optimizer"]
+    assert opt.value == "schedulefree" and opt.reason.startswith("prior: Schedule-Free") and "over 5%" in opt.reason
+    assert res.decisions["lr"].value == SCHEDULE_FREE_LR and res.decisions["bn_stats"].value is False
+    assert used and is_schedule_free(used[0]) and used[0].param_groups[0]["lr"] == SCHEDULE_FREE_LR
+    assert res.decisions["schedule"].value is None and res.decisions["tuning"].measured["steps_off_run"] == 0
+    assert res.history[-1]["val_acc"] > 0.25  # it learns (the averaged weights, BatchNorm recalibrated for them)
+    model = tiny_cnn()
+    sgd = torchspeed.fit(model, _loader(), epochs=1, recipe="auto", lr=0.05,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.05), **FAST)  # an object is the user's: kept
+    assert "optimizer" not in sgd.decisions or sgd.decisions["optimizer"].value != "schedulefree"
 
 
 def test_lr_rescale_keeps_the_schedule_shape():

@@ -1,3 +1,4 @@
+import math
 import random
 
 import numpy as np
@@ -103,3 +104,32 @@ def test_a_per_step_winner_with_slower_steps_must_win_on_time():
     assert best == "muon" and "judged on time" in why
     best, why = _judge_by_time(rows(0.30), "adamw", "muon", "lower loss", margin=0.02)
     assert best == "adamw" and "sooner in time" in why
+
+
+def test_schedule_free_runs_in_the_trial_with_its_warm_up_and_is_scored_at_its_averaged_weights(monkeypatch):
+    """No schedule wraps it, it is in train mode while stepping and in eval mode (averaged weights) when scored."""
+    pytest.importorskip("schedulefree")
+    import torchspeed.tune.optimizer_trial as trial_mod
+
+    modes = []
+    real = trial_mod.recalibrate_bn
+
+    def spy(model, batches, **kw):
+        modes.append("recalibrated")
+        return real(model, batches, **kw)
+
+    monkeypatch.setattr(trial_mod, "recalibrate_bn", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 4, (256,), generator=g)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 3, 8, 8, generator=g) + y.view(-1, 1, 1, 1).float(), y)
+    trial = compare_optimizers(model, data, ("sgd", "schedulefree"), lr={"sgd": 0.05, "schedulefree": 0.0025},
+                               steps=12, batch_size=16, schedule="onecycle")
+    rows = {r["name"]: r for r in trial.table}
+    assert rows["schedulefree"]["error"] is None and math.isfinite(rows["schedulefree"]["loss"])
+    assert modes == ["recalibrated"]  # Schedule-Free alone is scored with statistics for its averaged weights
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k

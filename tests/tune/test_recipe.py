@@ -7,6 +7,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed.plan.recipe import EMA_MIN_STEPS, PARTS, Recipe, choose_recipe, choose_tta, is_classifier
 
+KEEP_OPT = tuple(p for p in PARTS if p != "schedulefree")  # the user's optimizer kept: the LR part measures
+
 
 def _bn_net():
     torch.manual_seed(0)
@@ -24,7 +26,8 @@ def _loader(n=128, bs=16, seed=0):
 def test_a_short_bn_classifier_gets_smoothing_bn_statistics_and_a_measured_lr_and_is_left_as_it_was():
     model = _bn_net()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    rec = choose_recipe(model, _loader(), total_steps=40, lr_steps=30, progress=False, precision="fp32")
+    rec = choose_recipe(model, _loader(), total_steps=40, lr_steps=30, progress=False, precision="fp32",
+                        parts=KEEP_OPT)
     assert rec.label_smoothing == 0.1 and rec.bn_stats and rec.ema_decay is None
     assert rec.lr > 0 and rec.min_lr == pytest.approx(rec.lr / 10) and rec.lr != 0.1
     assert rec.tuning_steps >= 30 and rec.tuning_s > 0
@@ -35,7 +38,7 @@ def test_a_short_bn_classifier_gets_smoothing_bn_statistics_and_a_measured_lr_an
     assert [type(c).__name__ for c in rec.callbacks()] == ["FinalBatchNormStats"]
     assert rec.config() == {"label_smoothing": 0.1, "min_lr": rec.min_lr}
     back = Recipe.from_dict(rec.to_dict())
-    assert (back.lr, back.label_smoothing, back.bn_stats, back.parts) == (rec.lr, 0.1, True, PARTS)
+    assert (back.lr, back.label_smoothing, back.bn_stats, back.parts) == (rec.lr, 0.1, True, KEEP_OPT)
 
 
 def test_parts_left_out_stay_as_today_and_unknown_parts_are_refused():
@@ -103,7 +106,7 @@ def _fit_with(val_loader):
     model = _bn_net()
     try:
         return fit(model, _loader(), epochs=2, val_loader=val_loader, recipe="auto", progress=False, compile=False,
-                   trial=False, precision="fp32")
+                   trial=False, precision="fp32", recipe_parts=KEEP_OPT)  # the LR part measures (no clock in it)
     finally:
         budget.TUNING_SHARE = share
         if cache is not None:
@@ -168,3 +171,71 @@ def test_a_language_model_gets_no_label_smoothing():
     assert not is_classifier(gpt, batch)
     rec = choose_recipe(gpt, [batch] * 4, parts=("label_smoothing",), progress=False)
     assert rec.label_smoothing == 0.0 and "left alone" in rec.decisions["label_smoothing"].reason
+
+
+def _fake_trial(monkeypatch, best):
+    import torchspeed.tune.optimizer_trial as trial_mod
+    from torchspeed.tune.optimizer_trial import OptimizerTrial
+
+    asked = []
+
+    def fake(model, data, names, *, lr, **kw):  # an injected trial result: no clock here
+        asked.append((names, dict(lr)))
+        return OptimizerTrial(best, tuple({"name": n, "loss": 0.5 if n == best else 1.0} for n in names),
+                              f"{best} reached the baseline's loss sooner", 10)
+
+    monkeypatch.setattr(trial_mod, "compare_optimizers", fake)
+    return asked
+
+
+@pytest.mark.parametrize("best", ["schedulefree", "sgd"])
+def test_schedule_free_is_measured_against_the_given_optimizer_when_the_budget_allows(monkeypatch, best):
+    pytest.importorskip("schedulefree")
+    from torchspeed.tune import lr as lr_mod
+    from torchspeed.train.optim import SCHEDULE_FREE_LR
+
+    asked = _fake_trial(monkeypatch, best)
+    ranges = []
+    real = lr_mod.find_lr
+    monkeypatch.setattr(lr_mod, "find_lr", lambda *a, **k: ranges.append(1) or real(*a, **k))
+    rec = choose_recipe(_bn_net(), _loader(), lr=0.05, total_steps=40, lr_steps=20, lr_trial_steps=0,
+                        parts=("lr", "bn_stats", "schedulefree"), progress=False, precision="fp32")
+    assert asked == [(("sgd", "schedulefree"), {"sgd": 0.05, "schedulefree": SCHEDULE_FREE_LR})]
+    assert rec.decisions["optimizer"].value == best and rec.decisions["optimizer"].measured["table"]
+    if best == "schedulefree":  # it replaces the LR search, the floor and the BatchNorm tail
+        assert rec.optimizer == "schedulefree" and rec.lr == SCHEDULE_FREE_LR and rec.min_lr is None
+        assert not rec.bn_stats and rec.callbacks() == [] and not ranges
+        assert rec.tuning_steps == 20  # the trial's 10 steps x 2 candidates, and no range test
+    else:
+        assert rec.optimizer is None and rec.bn_stats and ranges and rec.lr != SCHEDULE_FREE_LR
+
+
+def test_schedule_free_is_the_prior_when_the_budget_refuses_and_the_cache_the_next_time(monkeypatch, tmp_path):
+    pytest.importorskip("schedulefree")
+    from torchspeed.plan.budget import TuningBudget
+    from torchspeed.train.decision import TrialCache
+
+    asked = _fake_trial(monkeypatch, "sgd")
+    cache = TrialCache(tmp_path / "c.json")
+    kw = dict(lr=0.05, total_steps=40, parts=("lr", "schedulefree"), progress=False, precision="fp32", cache=cache,
+              lr_steps=20, lr_trial_steps=0)
+    rec = choose_recipe(_bn_net(), _loader(), budget=TuningBudget(40), **kw)  # 2 steps of budget: no trial
+    assert not asked and rec.optimizer == "schedulefree" and rec.tuning_steps == 0
+    assert rec.decisions["optimizer"].reason.startswith("prior: Schedule-Free AdamW")
+    measured = choose_recipe(_bn_net(), _loader(), budget=None, **kw)  # no limit: measured (sgd wins), cached
+    assert asked and measured.optimizer is None
+    again = choose_recipe(_bn_net(), _loader(), budget=TuningBudget(40), **kw)
+    assert len(asked) == 1 and again.optimizer is None and again.decisions["optimizer"].reason.startswith("cached")
+
+
+def test_without_the_package_or_for_another_optimizer_schedule_free_is_not_a_candidate(monkeypatch):
+    import torchspeed.train.optim as optim
+
+    asked = _fake_trial(monkeypatch, "schedulefree")
+    monkeypatch.setattr(optim, "schedule_free_available", lambda: False)
+    rec = choose_recipe(_bn_net(), _loader(), lr=0.05, parts=("schedulefree",), progress=False)
+    assert rec.optimizer is None and not asked and "pip install 'torchspeed[schedulefree]'" in \
+        rec.decisions["optimizer"].reason
+    monkeypatch.setattr(optim, "schedule_free_available", lambda: True)
+    lamb = choose_recipe(_bn_net(), _loader(), optimizer="lamb", lr=0.05, parts=("schedulefree",), progress=False)
+    assert lamb.optimizer is None and not asked  # a deliberate choice (LAMB, LARS, Muon, an object) is kept

@@ -54,6 +54,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from torchspeed.bench.compare import compare_ratios
+from torchspeed.train.optim import SCHEDULE_FREE_LR
 
 __all__ = ["DEFAULT_TARGETS", "BUDGETS", "CONFIGS", "TTARun", "TTAResult", "resolve_targets", "run_tta",
            "attach_tta", "print_tta", "train_budget", "shortest_budget"]
@@ -65,8 +66,8 @@ BUDGETS = (8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 96, 112, 128, 160, 192, 256, 3
 START = 80          # where the search starts for naive/all (today's default budget)
 DEFAULT_LR = 0.1    # today's recipe: the one-cycle's peak LR (SGD, momentum 0.9)
 CONFIGS = ("naive", "all", "auto", "auto_warm", "schedulefree")
-SF_LR = 0.0025      # Schedule-Free AdamW's own default LR: what a user who wants no tuning runs
-COLD = ("naive", "all", "auto")  # each run starts from an empty decision cache: every measurement counts
+SF_LR = SCHEDULE_FREE_LR  # Schedule-Free AdamW's own default LR: what a user who wants no tuning runs
+COLD = ("naive", "all", "auto", "schedulefree")  # each run starts from an empty decision cache: every measurement counts
 
 
 @dataclass
@@ -377,7 +378,7 @@ def _ablation(on: list[str], seeds: list[int], run_seeds, budgets, target: float
 
     rows = []
     for part in PARTS:
-        if part in ("muon", "batch"):  # muon: AdamW on matrix-heavy models only; batch: runs of 300+ steps only
+        if part in ("muon", "schedulefree", "batch"):  # optimizer parts: their own rows; batch: 300+ step runs only
             continue
         kind = "without" if part in on else "with"
         parts = tuple(p for p in on if p != part) if kind == "without" else (*on, part)
@@ -511,7 +512,7 @@ def warm(spec: dict) -> dict:
 def _part_on(rec, part: str) -> bool:
     return {"lr": rec.lr is not None and "lr" in rec.parts, "label_smoothing": rec.label_smoothing > 0,
             "bn_stats": rec.bn_stats, "ema": rec.ema_decay is not None, "tta": "tta" in rec.parts,
-            "muon": rec.optimizer == "muon"}.get(part, False)
+            "muon": rec.optimizer == "muon", "schedulefree": rec.optimizer == "schedulefree"}.get(part, False)
 
 
 def train_budget(spec: dict) -> TTARun:
@@ -599,7 +600,7 @@ def _with_parts(rec, parts: tuple, spec: dict):
                    bn_stats="bn_stats" in parts,
                    ema_decay=(rec.ema_decay or round(min(0.9999, max(0.5, 1 - 5 / int(spec["budget"]))), 4))
                    if "ema" in parts else None,
-                   optimizer=rec.optimizer if "muon" in parts else None)
+                   optimizer=rec.optimizer if rec.optimizer in parts else None)
 
 
 def main() -> int:

@@ -39,12 +39,20 @@ from torch import nn
 from torchspeed._extras import require
 
 __all__ = ["OPTIMIZERS", "WEIGHT_DECAY", "default_weight_decay", "create_optimizer", "zero_grad", "param_groups",
-           "describe_optimizer", "MuonAdamW", "hidden_matrices", "matrix_share", "mostly_matrices"]
+           "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR", "schedule_free_available", "hidden_matrices", "matrix_share", "mostly_matrices"]
 
 OPTIMIZERS = ("sgd", "adamw", "lamb", "lars", "muon", "schedulefree")
 # "muon": Muon with match_rms_adamw reuses AdamW's weight decay (Liu et al. 2025, "Muon is Scalable")
 WEIGHT_DECAY = {"sgd": 5e-4, "adamw": 0.05, "lamb": 0.02, "lars": 5e-4, "muon": 0.05, "schedulefree": 0.05}
 MUON_MOMENTUM = 0.95  # torch's and Keller Jordan's default
+SCHEDULE_FREE_LR = 0.0025  # Schedule-Free AdamW's own default LR (the `schedulefree` package)
+
+
+def schedule_free_available() -> bool:
+    """Whether the `schedulefree` package (the extra `torchspeed[schedulefree]`) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("schedulefree") is not None
 
 
 def default_weight_decay(name: str) -> float:

@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from torchspeed.train.optim import create_optimizer
+from torchspeed.train.bnstats import recalibrate_bn
+from torchspeed.train.optim import create_optimizer, is_schedule_free
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
 from torchspeed.train.schedule import create_scheduler
 from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device, to_device, unwrap
@@ -158,7 +159,12 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
                 except ValueError as e:  # e.g. "muon" on a model with no hidden matrices
                     row["error"] = str(e)
                     continue
-                sched = create_scheduler(schedule, opt, total_steps=steps)
+                free = is_schedule_free(opt)
+                if free:  # its own warm-up (the Trainer's: a twentieth of the steps), no schedule
+                    for g in opt.param_groups:
+                        g["warmup_steps"] = max(1, steps // 20)
+                    opt.train()
+                sched = None if free else create_scheduler(schedule, opt, total_steps=steps)
                 step = TrainStep(model, opt, loss_fn=loss_fn, step_fn=step_fn, precision=prec,
                                  scaler=make_grad_scaler(prec))
                 task = bar.add_task(f"optimizer trial: {name}", total=steps)
@@ -179,6 +185,9 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
                 row["train_loss"] = sum(tail) / len(tail)
                 row["curve"], row["step_s"] = losses, clock
                 if row["error"] is None:
+                    if free:  # scored at its averaged weights, with BatchNorm statistics for them (as it evaluates)
+                        opt.eval()
+                        recalibrate_bn(model, train[-8:], device=device, step_fn=step_fn)
                     model.eval()
                     with torch.no_grad():
                         held_losses = [float(step.loss(to_device(b, device))) for b in held]
