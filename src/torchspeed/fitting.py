@@ -91,7 +91,7 @@ def _print_plan(plan) -> None:
 
 def _after_training(trainer: Trainer, rec, result: FitResult, val_loader) -> None:
     """The recipe's after-training part: flip TTA when it scores better on training batches (T33)."""
-    from torchspeed.plan.recipe import decide_tta
+    from torchspeed.plan.recipe_tta import decide_tta
 
     asked = trainer.config.tta  # the user's own TTA stands, and the history already used it
     dec = result.decisions["tta"] = decide_tta(trainer, rec.probe)

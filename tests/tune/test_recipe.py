@@ -5,7 +5,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from torchspeed.plan.recipe import EMA_MIN_STEPS, PARTS, Recipe, choose_recipe, choose_tta, is_classifier
+from torchspeed.plan.recipe import EMA_MIN_STEPS, PARTS, Recipe, choose_recipe, is_classifier
+from torchspeed.plan.recipe_tta import choose_tta
 
 KEEP_OPT = tuple(p for p in PARTS if p != "schedulefree")  # the user's optimizer kept: the LR part measures
 

@@ -519,7 +519,7 @@ def train_budget(spec: dict) -> TTARun:
     """One complete run of spec['budget'] optimizer steps (one-cycle over them); evaluated once, at the end."""
     from torchspeed.env import allocator_in_use
     from torchspeed.train.trainer import Trainer, TrainConfig
-    from torchspeed.plan.recipe import decide_tta
+    from torchspeed.plan.recipe_tta import decide_tta
 
     # cold: an empty decision cache for this run alone (the switch trial and the recipe measure, on the clock);
     # auto_warm: the cache an earlier run left

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from torchspeed.plan.recipe import Recipe, _choose_lr
+from torchspeed.plan.recipe import Recipe
+from torchspeed.plan.recipe_lr import choose_lr_part
 from torchspeed.train.callbacks import Callback
 from torchspeed.train.decision import Decision, TrialCache
 
@@ -70,7 +71,7 @@ class MeasureInRun(Callback):
         loss_fn = self.loss_fn or (default_loss(self.rec.label_smoothing) if self.rec.label_smoothing else None)
         t0 = time.perf_counter()
         with keep_rng(self.loader):
-            measured = _choose_lr(trainer.module, _tuning_loader(self.loader), self.rec, optimizer=self.optimizer,
+            measured = choose_lr_part(trainer.module, _tuning_loader(self.loader), self.rec, optimizer=self.optimizer,
                                   name=self.optimizer, schedule=self.schedule, loss_fn=loss_fn,
                                   lr_steps=pending["lr_steps"], lr_trial_steps=pending["lr_trial_steps"], noise=False,
                                   weight_decay=self.weight_decay, optimizer_options=self.optimizer_options,
