@@ -17,6 +17,11 @@ epoch's order was drawn from, and a `StatefulDataLoader`'s own state when the lo
 one: torchdata's loader resumes from its `state_dict()` without replaying anything, and
 streaming/IterableDataset loaders that support it resume exactly too).
 
+`iter_batches` / `take_batches` are the one batch reader of the tuners and the plan's probes: a
+Dataset is batched with its own seeded generator, a short loader can be cycled, and every RNG
+(the global ones, the loader's generators) is left as it was, so measuring changes neither the
+data order nor the randomness of the run that follows.
+
 Example:
     >>> sampler = ResumableSampler(dataset, seed=0)
     >>> loader = DataLoader(dataset, batch_size=64, sampler=sampler)
