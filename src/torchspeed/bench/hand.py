@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchspeed.env import sync
+from torchspeed.train.rounds import interleaved
 
 __all__ = ["HandSettings", "HandLoop", "search_hand_settings", "hand_precisions"]
 
@@ -164,13 +164,11 @@ def search_hand_settings(make_model: Callable[[], nn.Module], loader: Iterable, 
     has_conv = any(isinstance(m, nn.Conv2d) for m in make_model().modules())
     grid = [HandSettings(p, cl, fu) for p, cl, fu in itertools.product(
         hand_precisions(device), (False, True) if has_conv else (False,), (False, True))]
-    times: dict[HandSettings, list[float]] = {s: [] for s in grid}
-    for _ in range(passes):  # interleaved: a slow phase of the machine hits every candidate alike
-        for s in grid:
-            if progress:
-                progress(f"hand search: {s.label()}")
-            times[s].append(_time_candidate(make_model, loader, device, s, steps, warm=1))
-    per_step = {s: statistics.median(t) for s, t in times.items()}
+    # interleaved passes (each candidate warms up inside its own measurement, on a fresh model): a slow
+    # phase of the machine hits every candidate alike
+    say = (lambda s, r: progress(f"hand search: {s.label()}")) if progress else None
+    per_step = interleaved({s: (lambda s=s: _time_candidate(make_model, loader, device, s, steps, warm=1))
+                            for s in grid}, rounds=passes, before=say).medians()
     best = min(per_step, key=per_step.get)
     if try_compile:
         compiled = HandSettings(**(asdict(best) | {"compile": True}))

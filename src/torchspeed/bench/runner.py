@@ -62,6 +62,7 @@ from torchspeed._io import write_json
 from torchspeed.bench.flops import mfu, peak_bf16_flops, train_flops_per_sample
 from torchspeed.env import GLIBC_MALLOC_ENV, default_device, detect
 from torchspeed.train.precision import half_precision
+from torchspeed.train.rounds import interleaved, paired_ratios
 from torchspeed.train.trainer import TrainConfig
 
 __all__ = ["BenchConfig", "BenchRow", "BenchResult", "bench_configs", "run_bench", "provenance", "write_results"]
@@ -329,20 +330,7 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
         with Progress(disable=not progress, transient=True) as bar:
             skipped = not_applicable(chosen, model, image_size=image_size)
             procs = [ConfigProcess(c, spec) for c in chosen if c.name not in skipped]  # set-up: all at once
-            task = bar.add_task("warm-up (includes compilation)", total=len(procs))
-            for p in procs:
-                what = "hand-written loop: searching its settings" if p.cfg.kind == "hand" else p.cfg.name
-                bar.update(task, description=f"warm-up {what}")
-                p.receive()  # set-up done
-                p.warmup_steps = p.send({"op": "warmup", "n": warmup})["steps"]
-                bar.advance(task)
-            task = bar.add_task("measuring (interleaved rounds)", total=rounds * len(procs))
-            for k in range(rounds):
-                for p in procs:
-                    time.sleep(PAUSE_S)
-                    bar.update(task, description=f"round {k + 1}/{rounds}: {p.cfg.name}")
-                    p.times.append(p.send({"op": "steps", "n": steps})["seconds"])
-                    bar.advance(task)
+            _measure(procs, bar, rounds=rounds, steps=steps, warmup=warmup)
             task = bar.add_task("validation", total=len(procs))
             rows = []
             naive_times = procs[0].times
@@ -350,8 +338,8 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
                 bar.update(task, description=f"validation {p.cfg.name}")
                 fin = p.send({"op": "finish", "eval_batches": eval_batches})
                 rates = [steps * batch_size / t for t in p.times]
-                ratios = [n / t for n, t in zip(naive_times, p.times)]
-                rows.append(BenchRow(p.cfg.name, statistics.median(rates), statistics.median(ratios),
+                rows.append(BenchRow(p.cfg.name, statistics.median(rates),
+                                     statistics.median(paired_ratios(naive_times, p.times)),
                                      fin["train_loss"], fin["val_acc"], rates,
                                      fin["decisions"] | {"warmup_steps": p.warmup_steps}))
                 bar.advance(task)
@@ -381,7 +369,7 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
     if "all" in times and "hand" in times:  # does torchspeed beat the best loop written by hand, here?
         from torchspeed.bench.compare import compare_ratios
 
-        meta["all_over_hand_runs"] = [h / a for h, a in zip(times["hand"], times["all"])]
+        meta["all_over_hand_runs"] = paired_ratios(times["hand"], times["all"])
         meta["all_over_hand_interval"] = compare_ratios(meta["all_over_hand_runs"])
         meta["all_over_hand"] = meta["all_over_hand_interval"]["median"]
         meta["all_over_hand_verdict"] = meta["all_over_hand_interval"]["verdict"]
@@ -389,6 +377,33 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
     return BenchResult(device=f"{info.device}: {info.device_name}", torch=torch.__version__,
                        workload=f"{model} on {data} {shape}, batch {batch_size}", rows=rows,
                        meta=meta)
+
+
+def _measure(procs: list[ConfigProcess], bar, *, rounds: int, steps: int, warmup: int) -> None:
+    """Each config's warm-up (its set-up finished first), then `rounds` interleaved rounds of `steps` timed steps;
+    the seconds of each round go to the config's `times`."""
+    by_name = {p.cfg.name: p for p in procs}
+    warm_task = bar.add_task("warm-up (includes compilation)", total=len(procs))
+    task = bar.add_task("measuring (interleaved rounds)", total=rounds * len(procs))
+
+    def warm(name: str) -> None:
+        p = by_name[name]
+        what = "hand-written loop: searching its settings" if p.cfg.kind == "hand" else name
+        bar.update(warm_task, description=f"warm-up {what}")
+        p.receive()  # set-up done
+        p.warmup_steps = p.send({"op": "warmup", "n": warmup})["steps"]
+        bar.advance(warm_task)
+
+    def turn(name: str, r: int) -> None:
+        if r:
+            time.sleep(PAUSE_S)  # the previous config's OpenMP threads stop spinning first
+            bar.update(task, description=f"round {r}/{rounds}: {name}")
+            bar.advance(task)
+
+    measured = interleaved({p.cfg.name: (lambda p=p: p.send({"op": "steps", "n": steps})["seconds"])
+                            for p in procs}, rounds=rounds, warmup=1, warm=warm, before=turn)
+    for p in procs:
+        p.times = measured.times[p.cfg.name]
 
 
 def check_chance(data: str) -> float:

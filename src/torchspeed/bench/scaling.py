@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from torchspeed.env import usable_cores
+from torchspeed.train.rounds import interleaved, paired_ratios
 
 __all__ = ["ScalingRow", "ScalingResult", "measure_scaling", "run_scaling_cli"]
 
@@ -81,27 +82,29 @@ def measure_scaling(*, nproc: int = 2, model: str = "mlp", data: str = "syntheti
         configs.append((f"1 proc x {tpp * nproc} threads", 1, tpp * nproc))
     spec = dict(model=model, data=data, batch_size=batch_size, steps=steps, warmup=warmup, windows=windows,
                 device=device)
-    times: dict[str, list[float]] = {c[0]: [] for c in configs}
     losses: dict[str, float | None] = {}
-    restarted = 0
-    for k in range(rounds):
-        order = configs if k % 2 == 0 else configs[::-1]  # alternate so drift hits both sides
-        for name, n, t in order:
-            out = _run_job(spec, nproc=n, threads=t, timeout_s=timeout_s)
-            times[name].append(out["samples_per_s"])
-            losses[name] = out.get("loss")
-            restarted += out.get("attempts", 1) - 1
+    restarts: list[int] = []
+
+    def job(name: str, n: int, t: int) -> float:
+        out = _run_job(spec, nproc=n, threads=t, timeout_s=timeout_s)
+        losses[name] = out.get("loss")
+        restarts.append(out.get("attempts", 1) - 1)
+        return out["samples_per_s"]
+
+    # interleaved rounds, the order reversed every round so drift hits both sides
+    times = interleaved({c[0]: (lambda c=c: job(*c)) for c in configs}, rounds=rounds, order="alternate").times
+    restarted = sum(restarts)
     rows = [ScalingRow(name, n, t, statistics.median(times[name]), times[name], losses.get(name))
             for name, n, t in configs]
     base, multi = rows[0], rows[1]
     ratios = {f"{nproc} procs / 1 proc": multi.samples_per_s / base.samples_per_s}
     # Paired per round (the jobs of one round ran back to back): robust to slow drifts of the machine.
     per_round = {f"{nproc} procs / 1 proc, median of per-round ratios":
-                 [m / b for m, b in zip(multi.samples, base.samples)]}
+                 paired_ratios(multi.samples, base.samples)}
     if len(rows) > 2:
         ratios[f"{nproc} procs / 1 proc with the same cores"] = multi.samples_per_s / rows[2].samples_per_s
-        per_round[f"{nproc} procs / 1 proc with the same cores, median of per-round ratios"] = [
-            m / b for m, b in zip(multi.samples, rows[2].samples)]
+        per_round[f"{nproc} procs / 1 proc with the same cores, median of per-round ratios"] = paired_ratios(
+            multi.samples, rows[2].samples)
     ratios.update({k: statistics.median(v) for k, v in per_round.items()})
     meta = dict(spec, nproc=nproc, rounds=rounds, threads_per_proc=tpp, usable_cores=usable_cores(),
                 method="each row: a fresh torchrun job, timed after warm-up; rows interleaved, order alternating "

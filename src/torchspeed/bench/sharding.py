@@ -36,6 +36,7 @@ import torch
 
 from torchspeed.bench.scaling import _torchrun
 from torchspeed.env import usable_cores
+from torchspeed.train.rounds import turns
 
 __all__ = ["measure_sharding", "run_sharding_cli"]
 
@@ -50,14 +51,13 @@ def measure_sharding(*, nproc: int = 2, model: str = "gpt", data: str = "text", 
     threads = max(1, usable_cores() // nproc)
     spec = dict(model=model, data=data, batch_size=batch_size, steps=steps, warmup=warmup)
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
-    for k in range(rounds):
-        for mode in (MODES if k % 2 == 0 else MODES[::-1]):
-            with tempfile.TemporaryDirectory() as tmp:
-                out = os.path.join(tmp, "result.json")
-                job = dict(spec, parallel=mode, out=out, threads=threads)
-                result, _ = _torchrun(["-m", "torchspeed.bench.sharding", json.dumps(job)], nproc=nproc,
-                                      threads=threads, result=out, timeout_s=timeout_s)
-                runs[mode].append(result)
+    for mode, _ in turns(MODES, rounds=rounds, order="alternate"):  # interleaved, the order reversed every round
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            job = dict(spec, parallel=mode, out=out, threads=threads)
+            result, _ = _torchrun(["-m", "torchspeed.bench.sharding", json.dumps(job)], nproc=nproc,
+                                  threads=threads, result=out, timeout_s=timeout_s)
+            runs[mode].append(result)
     rows = {}
     for mode, results in runs.items():
         last = results[-1]

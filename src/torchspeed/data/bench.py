@@ -29,6 +29,7 @@ import torch
 
 from torchspeed._extras import require
 from torchspeed.env import sync
+from torchspeed.train.rounds import paired_ratios, turns
 
 __all__ = ["PipelineRow", "DataBenchResult", "bench_pipelines", "single_thread"]
 
@@ -157,15 +158,13 @@ def bench_pipelines(root: str | os.PathLike, *, size: int = 224, rounds: int = 5
     root = str(root)
     with single_thread():
         n, fns = _pipelines(root, size, limit, device)
-        for fn in fns.values():  # warm-up: imports, page cache, the backend choice
-            fn()
         rates: dict[str, list[float]] = {k: [] for k in fns}
-        names = list(fns)
-        for r in track(range(rounds), description="measuring", enabled=progress):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for name in order:
-                t0 = time.perf_counter()
-                fns[name]()
+        # one warm-up each (imports, page cache, the backend choice), then rounds, each starting one pipeline later
+        for name, r in track(turns(list(fns), rounds=rounds, warmup=1, order="rotate"), description="measuring",
+                             enabled=progress):
+            t0 = time.perf_counter()
+            fns[name]()
+            if r:
                 rates[name].append(n / (time.perf_counter() - t0))
     rows = tuple(PipelineRow(k, statistics.median(v), tuple(v)) for k, v in rates.items())
     ratios = {}
@@ -173,5 +172,5 @@ def bench_pipelines(root: str | os.PathLike, *, size: int = 224, rounds: int = 5
     if "nvjpeg" in rates:
         pairs += [("nvjpeg", "torchvision"), ("nvjpeg", "torchspeed")]
     for a, b in pairs:
-        ratios[f"{a}/{b}"] = statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+        ratios[f"{a}/{b}"] = statistics.median(paired_ratios(rates[a], rates[b]))
     return DataBenchResult(rows=rows, ratios=ratios, files=n, size=size, rounds=rounds)

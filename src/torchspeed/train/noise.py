@@ -42,6 +42,7 @@ from torch import nn
 
 from torchspeed.train.batch import batch_size, forward_loss
 from torchspeed.train.rng import capture_rng_state, restore_rng_state
+from torchspeed.train.sampler import iter_batches
 from torchspeed.train.transfer import to_device
 
 __all__ = ["NoiseScaleEstimator", "NoiseScaleResult", "measure_noise_scale", "split_batch_in_two", "grad_sq_norm",
@@ -154,12 +155,14 @@ def measure_noise_scale(model: nn.Module, loader: Iterable, *, batches: int = 8,
     est = NoiseScaleEstimator(ema=ema)
     modes = {n: m.training for n, m in model.named_modules()}
     size = 0
+    reader = iter_batches(loader, cycle=False, what="the loader given to measure_noise_scale")
     try:
         model.train()
-        for batch in itertools.islice(iter(loader), batches):
+        for batch in itertools.islice(reader, batches):
             observe_batch(model, to_device(batch, device), est, loss_fn=loss_fn, step_fn=step_fn)
             size = max(size, 2 * batch_size(split_batch_in_two(batch)[0]))
     finally:
+        reader.close()
         for n, m in model.named_modules():
             m.training = modes[n]
     if est.updates == 0:

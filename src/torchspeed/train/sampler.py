@@ -17,6 +17,11 @@ epoch's order was drawn from, and a `StatefulDataLoader`'s own state when the lo
 one: torchdata's loader resumes from its `state_dict()` without replaying anything, and
 streaming/IterableDataset loaders that support it resume exactly too).
 
+`iter_batches` / `take_batches` are the one batch reader of the tuners and the plan's probes: a
+Dataset is batched with its own seeded generator, a short loader can be cycled, and every RNG
+(the global ones, the loader's generators) is left as it was, so measuring changes neither the
+data order nor the randomness of the run that follows.
+
 Example:
     >>> sampler = ResumableSampler(dataset, seed=0)
     >>> loader = DataLoader(dataset, batch_size=64, sampler=sampler)
@@ -35,7 +40,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from torchspeed.train.rng import capture_rng_state, restore_rng_state
 
-__all__ = ["ResumableSampler", "DataPosition", "is_stateful_loader", "loader_length", "set_epoch", "rebuild_loader", "take_batches", "keep_rng"]
+__all__ = ["ResumableSampler", "DataPosition", "is_stateful_loader", "loader_length", "set_epoch", "rebuild_loader", "take_batches", "iter_batches", "keep_rng"]
 
 _KEEP = object()
 
@@ -229,11 +234,63 @@ def keep_rng(loader=None):
         restore_rng_state(rng)
 
 
-def take_batches(loader, n: int) -> list:
-    """The first `n` batches of `loader`, as it gives them, with every RNG left as it was (`keep_rng`): the one
-    batch taker of the plan's probes."""
-    with keep_rng(loader):
-        out = list(itertools.islice(iter(loader), n))
-    if not out:
-        raise ValueError("the training loader gave no batches: check the dataset and batch size")
-    return out
+def _as_loader(data, batch_size: int | None, seed: int, what: str):
+    from torch.utils.data import Dataset
+
+    if not isinstance(data, Dataset) or isinstance(data, IterableDataset):
+        return data  # a DataLoader, or any iterable of batches: read as it gives them
+    if not batch_size or batch_size < 1:
+        raise ValueError(f"{what} is a Dataset, not a loader: pass a positive batch_size to batch it (got {batch_size})")
+    return DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=len(data) > batch_size,
+                      generator=torch.Generator().manual_seed(seed))
+
+
+def iter_batches(data, *, batch_size: int | None = None, seed: int = 0, cycle: bool = True,
+                 what: str = "the training loader") -> Iterator:
+    """The batches of `data`, one at a time: the one batch reader of the tuners and the plan's probes.
+
+    A map-style Dataset is batched here (`batch_size`, shuffled by its own generator seeded with `seed`,
+    the last short batch dropped when there is more than one); a DataLoader or any iterable is read as it
+    gives its batches. `cycle`: start over at its end (it is shorter than the batches wanted). Every RNG is
+    left as it was: the global ones are put back around each read (a shuffling loader draws its order from
+    them), the loader's own generators when the reader is closed or dropped. A pass that gives no batch is
+    a ValueError naming `what`."""
+    loader = _as_loader(data, batch_size, seed, what)
+    gens = _loader_generators(loader)
+    saved = [g.get_state() for g in gens]
+    try:
+        while True:
+            empty = True
+            it = _kept(lambda: iter(loader))
+            while (batch := _kept(lambda: next(it, _END))) is not _END:
+                empty = False
+                yield batch
+            if empty:
+                raise ValueError(f"{what} gave no batches: check the dataset and batch size")
+            if not cycle:
+                return
+    finally:
+        for g, st in zip(gens, saved):
+            g.set_state(st)
+
+
+_END = object()
+
+
+def _kept(read):
+    rng = capture_rng_state()
+    try:
+        return read()
+    finally:
+        restore_rng_state(rng)
+
+
+def take_batches(data, n: int, *, batch_size: int | None = None, seed: int = 0, cycle: bool = False,
+                 what: str = "the training loader") -> list:
+    """The first `n` batches of `data` (`iter_batches`: a Dataset is batched, `cycle` starts over at the end,
+    every RNG is left as it was): the plan's probes and the tuners take their batches here."""
+    reader = iter_batches(data, batch_size=batch_size, seed=seed, cycle=cycle, what=what)
+    try:
+        return list(itertools.islice(reader, n))
+    finally:
+        reader.close()

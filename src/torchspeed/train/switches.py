@@ -39,7 +39,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import statistics
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -47,6 +46,7 @@ from torch import nn
 
 from torchspeed.env import DeviceCaps
 from torchspeed.train.memory_format import has_conv2d
+from torchspeed.train.rounds import medians, turns
 
 __all__ = ["Switches", "candidate_grid", "rule_switches", "choose", "numerics_ok", "LiveTrial", "fusable",
            "set_fused", "trial_steps", "model_signature", "batch_signature"]
@@ -128,7 +128,7 @@ def choose(times: dict[Switches, list[float]], *, plain: Switches, min_gain: flo
            rejected: dict[Switches, str] | None = None) -> tuple[Switches, str]:
     """The fastest candidate (median seconds per step), or one with fewer changes within `min_gain` of it."""
     rejected = rejected or {}
-    med = {s: statistics.median(t) for s, t in times.items() if t and s not in rejected}
+    med = medians({s: t for s, t in times.items() if s not in rejected})
     if not med:
         return plain, "no candidate could be measured: kept the plain settings"
     best = min(med, key=med.get)
@@ -191,9 +191,9 @@ class LiveTrial:
         cands = self._stage_candidates(name)
         self.stage, self.candidates = name, cands
         self.times: dict[Switches, list[float]] = {s: [] for s in cands}
-        warm = [(s, False) for s in cands for _ in range(self.warmup) if s != self.best]  # the winner is warm
-        timed = [(s, True) for _ in range(self.rounds) for s in cands for _ in range(self.steps)]
-        self._queue = warm + timed
+        schedule = turns(cands, rounds=self.rounds, warmup=self.warmup, repeat=self.steps,
+                         warm=[s for s in cands if s != self.best])  # the winner is warm
+        self._queue = [(t.key, t.round > 0) for t in schedule]
 
     @property
     def done(self) -> bool:
@@ -238,10 +238,10 @@ class LiveTrial:
             best, why = choose(times, plain=plain, min_gain=self.min_gain)
             if not any(times.values()):
                 best, why = self.best, "not measured (the run ended first): kept"
+        med = medians(times)
         self.report["stages"].append({"stage": name, "chosen": best.label(), "why": why, "seconds_per_step": {
-            s.label(): statistics.median(t) for s, t in times.items() if t}})
+            s.label(): m for s, m in med.items()}})
         self.best = best
-        med = {c: statistics.median(t) for c, t in times.items() if t}
         if best in med:
             self._extra += sum(max(0.0, m - med[best]) * len(times[c]) for c, m in med.items())
         if self._stages:

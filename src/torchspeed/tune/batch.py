@@ -31,7 +31,6 @@ Example:
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -41,6 +40,7 @@ from rich.progress import Progress
 from torch import nn
 
 from torchspeed.env import host_memory
+from torchspeed.train.rounds import interleaved, run_for
 from torchspeed.tune._common import (
     StateSnapshot,
     TrainStep,
@@ -291,14 +291,12 @@ class _Finder:
 
     def _rate(self, b: int) -> float:
         """samples/s at batch `b`: at least `steps` steps and at least `min_time` seconds (tiny steps are noisy)."""
-        n, t0 = 0, time.perf_counter()
-        while True:
+        def chunk():
             self._step(b, self.steps)
             sync(self.device)
-            n += self.steps
-            elapsed = time.perf_counter() - t0
-            if elapsed >= self.min_time:
-                return b * n / elapsed
+
+        calls, seconds = run_for(chunk, min_time=self.min_time, clock=time.perf_counter)
+        return b * calls * self.steps / seconds
 
     def _measure(self, largest: int, bar) -> int:
         cands = []
@@ -308,16 +306,15 @@ class _Finder:
             b *= 2
         cands.append(largest)
         task = bar.add_task("batch size: measuring samples/s", total=len(cands) * (self.rounds + 1))
-        for b in cands:  # warm-up, not timed
-            self._step(b, 1)
+
+        def turn(b: int, r: int) -> None:
+            if r:
+                bar.update(task, description=f"batch size: round {r}/{self.rounds}, batch {b}")
             bar.advance(task)
-        times: dict[int, list[float]] = {b: [] for b in cands}
-        for r in range(self.rounds):  # interleaved rounds: drifts of a shared machine hit every size alike
-            for b in cands:
-                bar.update(task, description=f"batch size: round {r + 1}/{self.rounds}, batch {b}")
-                times[b].append(self._rate(b))
-                bar.advance(task)
-        rates = {b: statistics.median(v) for b, v in times.items()}
+
+        # one untimed step each, then interleaved rounds: drifts of a shared machine hit every size alike
+        rates = interleaved({b: (lambda b=b: self._rate(b)) for b in cands}, rounds=self.rounds, warmup=1,
+                            warm=lambda b: self._step(b, 1), before=turn).medians()
         best = max(rates.values())
         fastest = min(b for b in cands if rates[b] >= (1 - self.tolerance) * best)
         for b in cands:

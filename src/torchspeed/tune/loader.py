@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from torchspeed.env import default_device
+from torchspeed.train.rounds import interleaved, run_for
 from torchspeed.tune._common import (
     StateSnapshot,
     TrainStep,
@@ -166,25 +167,22 @@ class _Tuner:
             elif self.device.type == "cuda":
                 to_device(b, self.device)  # the host-to-device copy is part of what pin_memory changes
 
-        t0 = time.perf_counter()
-        it = iter(loader)
-        nxt()
-        sync(self.device)
-        startup = time.perf_counter() - t0
+        def first():
+            nonlocal it
+            it = iter(loader)
+            nxt()
+
+        it = None
+        clock, device_sync = time.perf_counter, lambda: sync(self.device)
+        _, startup = run_for(first, clock=clock, sync=device_sync)
         # Workers start one after the other: until each has delivered a batch the rate is not
         # steady yet, and timing that ramp would penalise workers for their start-up.
         for _ in range(2 * getattr(loader, "num_workers", 0)):
             nxt()
         sync(self.device)
-        t1 = time.perf_counter()
-        done = 0
-        while done < n or time.perf_counter() - t1 < self.min_time:
-            nxt()
-            done += 1
-        sync(self.device)
-        t2 = time.perf_counter()
+        done, seconds = run_for(nxt, min_calls=n, min_time=self.min_time, clock=clock, sync=device_sync)
         del it
-        return startup, done * self.batch_size / (t2 - t1)
+        return startup, done * self.batch_size / seconds
 
     def _trial(self, workers: int, pin: bool, prefetch: int | None, note: str = "") -> LoaderTrial:
         startup, rate = self._time(self._loader(workers, pin, prefetch), self.batches, None)
@@ -201,13 +199,9 @@ class _Tuner:
         sync(self.device)
         rates = []
         for _ in range(3):
-            t0 = time.perf_counter()
-            n = 0
-            while n < 3 or time.perf_counter() - t0 < 0.1:
-                self.step(batch)
-                n += 1
-            sync(self.device)
-            rates.append(n * self.batch_size / (time.perf_counter() - t0))
+            n, seconds = run_for(lambda: self.step(batch), min_calls=3, min_time=0.1, clock=time.perf_counter,
+                                 sync=lambda: sync(self.device))
+            rates.append(n * self.batch_size / seconds)
         return statistics.median(rates)
 
     # ------------------------------------------------------------------ deciding
@@ -270,11 +264,16 @@ class _Tuner:
         # More interleaved rounds over the counts measured, medians decide: on a shared machine a
         # single half-second trial is at the mercy of whatever else runs in that half second.
         swept = sorted({t.num_workers for t in self.table})
-        rates = {w: [t.samples_per_s for t in self.table if t.num_workers == w] for w in swept}
-        for r in range(self.rounds - 1):
-            for w in swept:
-                bar.update(task, description=f"loader: round {r + 2}/{self.rounds}, num_workers={w}")
-                rates[w].append(self._trial(w, False, 2 if w else None, f"round {r + 2}").samples_per_s)
+        first = {w: [t.samples_per_s for t in self.table if t.num_workers == w] for w in swept}
+
+        def turn(w: int, r: int) -> None:
+            note[0] = f"round {r + 1}"
+            bar.update(task, description=f"loader: round {r + 1}/{self.rounds}, num_workers={w}")
+
+        note = [""]
+        more = interleaved({w: (lambda w=w: self._trial(w, False, 2 if w else None, note[0]).samples_per_s)
+                            for w in swept}, rounds=self.rounds - 1, before=turn)
+        rates = {w: first[w] + more.times[w] for w in swept}
         medians = {w: LoaderTrial(w, False, 2 if w else None, statistics.median(v),
                                   statistics.median(t.startup_s for t in self.table if t.num_workers == w),
                                   False, f"median of {len(v)} rounds") for w, v in rates.items()}
@@ -309,12 +308,11 @@ class _Tuner:
         # model the step runs in the loop too: on a CPU, workers take cores from the model's compute.
         what = "end to end (load + step)" if self.step is not None else "confirmation (loader alone)"
         bar.update(task, description=f"loader: {what} against num_workers=0")
-        with_w, without = [], []
-        for _ in range(2):
-            for w, out in ((workers, with_w), (0, without)):
-                loader = self._loader(w, pin if w else False, prefetch if w else None)
-                out.append(self._time(loader, self.batches, self.step)[1])
-        e2e_w, e2e_0 = statistics.median(with_w), statistics.median(without)
+        def e2e(w: int) -> float:
+            return self._time(self._loader(w, pin if w else False, prefetch if w else None), self.batches, self.step)[1]
+
+        confirm = interleaved({workers: lambda: e2e(workers), 0: lambda: e2e(0)}, rounds=2).medians()
+        e2e_w, e2e_0 = confirm[workers], confirm[0]
         self.table.append(LoaderTrial(0, False, None, e2e_0, 0.0, self.step is not None, what))
         self.table.append(LoaderTrial(workers, pin, prefetch, e2e_w, 0.0, self.step is not None, what))
         if e2e_w < e2e_0 * (1 + self.min_gain):

@@ -67,6 +67,7 @@ from torch import nn
 
 from torchspeed._extras import require
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
+from torchspeed.train.sampler import iter_batches
 from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device, to_device, unwrap
 
 __all__ = ["LRFinderResult", "find_lr", "suggest_lr", "plot_lr", "trial_candidates", "trial_ceiling", "choose_trial"]
@@ -134,18 +135,8 @@ def find_lr(model: nn.Module, data: Iterable, *, loss_fn: Callable | None = None
 
 
 def _batches(data, batch_size: int, seed: int):
-    from torch.utils.data import DataLoader, Dataset
-
-    if isinstance(data, Dataset) and not isinstance(data, torch.utils.data.IterableDataset):
-        data = DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=len(data) > batch_size,
-                          generator=torch.Generator().manual_seed(seed))
-    while True:
-        empty = True
-        for b in data:
-            empty = False
-            yield b
-        if empty:
-            raise ValueError("the data for find_lr gave no batches: check the dataset and batch size")
+    """The range test's batches, cycled (`sampler.iter_batches`, the one batch reader)."""
+    return iter_batches(data, batch_size=batch_size, seed=seed, what="the data for find_lr")
 
 
 def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, start_lr, end_lr, num_steps, batch_size,
@@ -155,6 +146,7 @@ def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, sta
     opt = optimizer or torch.optim.SGD(model.parameters(), lr=start_lr, momentum=0.9)
     scaler = scaler if scaler is not None or not prec.needs_scaler else make_grad_scaler(prec)
     snap = StateSnapshot(model, opt, scheduler, scaler)  # also the start of every trial candidate
+    it = _batches(data, batch_size, seed)
     try:
         base = [g["lr"] for g in opt.param_groups]
         ratios = [b / base[0] if base[0] else 1.0 for b in base]
@@ -169,7 +161,6 @@ def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, sta
         losses: list[float] = []
         diverged = False
         best = math.inf
-        it = _batches(data, batch_size, seed)
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("LR range test", total=num_steps)
             for i in range(num_steps):
@@ -213,6 +204,7 @@ def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, sta
                         break
                 result = choose_trial(result, sorted(table.items()), trial_steps=trial_steps)
     finally:
+        it.close()  # the loader's own generators as they were
         snap.restore()
     if plot is not None:
         plot_lr(result, plot)

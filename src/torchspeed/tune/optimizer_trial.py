@@ -38,6 +38,7 @@ from torch import nn
 from torchspeed.train.bnstats import recalibrate_bn
 from torchspeed.train.optim import create_optimizer, is_schedule_free
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
+from torchspeed.train.sampler import take_batches
 from torchspeed.train.schedule import create_scheduler
 from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device, to_device, unwrap
 
@@ -83,24 +84,6 @@ def pick_optimizer(losses: Mapping[str, float], *, margin: float = 0.02) -> tupl
                   f"{margin:.0%} margin, so the simpler {base}")
 
 
-def _take_batches(data, n: int, batch_size: int, seed: int) -> list:
-    from torch.utils.data import DataLoader, Dataset, IterableDataset
-
-    if isinstance(data, Dataset) and not isinstance(data, IterableDataset):
-        data = DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=len(data) > batch_size,
-                          generator=torch.Generator().manual_seed(seed))
-    out: list = []
-    while len(out) < n:
-        before = len(out)
-        for b in data:
-            out.append(b)
-            if len(out) == n:
-                break
-        if len(out) == before:
-            raise ValueError("the data for compare_optimizers gave no batches: check the dataset and batch size")
-    return out
-
-
 def compare_optimizers(model: nn.Module, data: Iterable, names: Sequence[str] = ("adamw", "muon"), *,
                        lr: float | Mapping[str, float], steps: int = 50, loss_fn: Callable | None = None,
                        step_fn: Callable | None = None, precision: str = "fp32", seed: int = 0,
@@ -144,7 +127,8 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
     snap = StateSnapshot(model)
     rows: list[dict] = []
     try:
-        batches = _take_batches(data, eval_batches + steps, batch_size, seed)
+        batches = take_batches(data, eval_batches + steps, batch_size=batch_size, seed=seed, cycle=True,
+                               what="the data for compare_optimizers")
         held, train = batches[:eval_batches], batches[eval_batches:]
         with Progress(disable=not progress, transient=True) as bar:
             for name in names:
