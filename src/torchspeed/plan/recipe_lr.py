@@ -112,7 +112,8 @@ def _lr_trial(model, loader, peaks, *, optimizer, name, weight_decay, optimizer_
     from torchspeed.train.optim import create_optimizer
     from torchspeed.train.precision import make_grad_scaler, resolve_precision
     from torchspeed.tune._common import StateSnapshot, TrainStep, model_device
-    from torchspeed.tune.lr import _batches, _trial_run
+    from torchspeed.train.sampler import take_batches
+    from torchspeed.tune.lr import _trial_run
 
     device = model_device(model)
     prec = resolve_precision(precision, device=device)
@@ -127,8 +128,7 @@ def _lr_trial(model, loader, peaks, *, optimizer, name, weight_decay, optimizer_
             g["lr"] = lr * r
 
     snap = StateSnapshot(model, opt, None, scaler)
-    it = _batches(loader, 64, 0)
-    batches = [next(it) for _ in range(steps)]
+    batches = take_batches(loader, steps, batch_size=64, cycle=True, what="the data for the LR trial")
     step = TrainStep(model, opt, loss_fn=loss_fn, precision=prec, step_fn=step_fn, scaler=scaler)
     table = []
     try:

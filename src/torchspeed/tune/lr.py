@@ -134,11 +134,6 @@ def find_lr(model: nn.Module, data: Iterable, *, loss_fn: Callable | None = None
                                         fallback=fallback, trial_lrs=trial_lrs, trial_steps=trial_steps))
 
 
-def _batches(data, batch_size: int, seed: int):
-    """The range test's batches, cycled (`sampler.iter_batches`, the one batch reader)."""
-    return iter_batches(data, batch_size=batch_size, seed=seed, what="the data for find_lr")
-
-
 def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, start_lr, end_lr, num_steps, batch_size,
              precision, diverge_factor, plot, progress, seed, fallback, trial_lrs, trial_steps) -> LRFinderResult:
     device = model_device(model)
@@ -146,7 +141,7 @@ def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, sta
     opt = optimizer or torch.optim.SGD(model.parameters(), lr=start_lr, momentum=0.9)
     scaler = scaler if scaler is not None or not prec.needs_scaler else make_grad_scaler(prec)
     snap = StateSnapshot(model, opt, scheduler, scaler)  # also the start of every trial candidate
-    it = _batches(data, batch_size, seed)
+    it = iter_batches(data, batch_size=batch_size, seed=seed, what="the data for find_lr")
     try:
         base = [g["lr"] for g in opt.param_groups]
         ratios = [b / base[0] if base[0] else 1.0 for b in base]
