@@ -4,7 +4,8 @@ The LR schedule (T14) spans the run's optimizer steps: epochs x ceil(batches per
 grad_accum) (T19), capped by max_steps (`schedule.steps_in_run`). With a `BatchRamp` (T17:
 batches growing over the run) the epochs differ in length, so the schedule spans the ramp's
 true count of batches as one pass. The progress bar and the compile and switch trials count
-micro-batches left: from the resumed (epoch, batch) to the end.
+micro-batches left: from the resumed (epoch, batch) to the end. `run_schedule` builds the
+schedule over a run's steps (Schedule-Free AdamW: none, its own warm-up instead).
 
 Example:
     >>> length = RunLength(epochs=5, steps_per_epoch=100, grad_accum=2)
@@ -19,8 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchspeed.train.batch_ramp import BatchRamp
+from torchspeed.train.config import TrainConfig
+from torchspeed.train.decision import Decision
+from torchspeed.train.optim import is_schedule_free
+from torchspeed.train.schedule import create_scheduler
 
-__all__ = ["RunLength"]
+__all__ = ["RunLength", "run_schedule"]
 
 
 @dataclass(frozen=True)
@@ -47,3 +52,15 @@ class RunLength:
         if self.steps_per_epoch:
             return self.steps_per_epoch * (self.epochs - start_epoch) - start_batch
         return self.micro_batches_left(total_steps, step)
+
+
+def run_schedule(optimizer, config: TrainConfig, total: int | None) -> tuple[object | None, Decision | None]:
+    """(the LR scheduler over `total` optimizer steps, None; or None and the decision for Schedule-Free AdamW,
+    which warms up by itself and has no schedule: T14's alternative)."""
+    if is_schedule_free(optimizer):
+        warm = config.warmup_steps if config.warmup_steps is not None else max(1, (total or 100) // 20)
+        for g in optimizer.param_groups:
+            g["warmup_steps"] = warm
+        return None, Decision(None, f"Schedule-Free AdamW: no LR schedule, {warm} warm-up steps")
+    return create_scheduler(config.schedule, optimizer, total_steps=total, warmup_steps=config.warmup_steps,
+                            min_lr=config.min_lr), None

@@ -2,11 +2,11 @@
 
 Each technique lives in its own module as a public function or class: precision T21
 (precision.py), channels_last T23 (memory_format.py), backends T22 (backends.py),
-optimizers T18/T26 (optim.py), schedules T14/T16/T17 (schedule.py), batch warm-up T17 (batch_ramp.py), accumulation and
-clipping T19/T20 (step.py), transfer and prefetch T07 (transfer.py), device-side metrics
-T13 (metrics.py), compile T25 (compile.py), validation T28/T33 (evaluate.py), the NaN/OOM
-guards (guard.py), exact resume (checkpoint.py, sampler.py, dcp.py), DDP and FSDP2 T31
-(distributed.py, fsdp.py), the batch contract (batch.py), the progress bar (progress.py). The
+optimizers T18/T26 (optim.py), schedules T14/T16/T17 (schedule.py, run_length.py), batch warm-up T17 (batch_ramp.py),
+accumulation and clipping T19/T20 (step.py), transfer and prefetch T07 (transfer.py), device-side metrics
+T13 (metrics.py), compile T25 (compile.py), validation T28/T33 (evaluate.py), the NaN/OOM guards (guard.py),
+exact resume (`stateful` parts: stateful.py, resume.py; files: checkpoint.py, store.py, dcp.py; sampler.py),
+DDP and FSDP2 T31 (distributed.py, fsdp.py), the batch contract (batch.py), the progress bar (progress.py). The
 trainer only decides which to switch on and calls them in order, so a reader can follow one
 training step from top to bottom in `train_step`. Every switch is in `TrainConfig` (config.py); `torchspeed.fit`
 (fitting.py, above this package and the tuners) is the one-call entry point.
@@ -56,11 +56,11 @@ from torchspeed.train.precision import MixedPrecision, Precision
 from torchspeed.train.progress import TrainProgress, decisions_header
 from torchspeed.train.resume import resume_run, trainer_parts
 from torchspeed.train.rng import enable_determinism, seed_everything
-from torchspeed.train.run_length import RunLength
+from torchspeed.train.run_length import RunLength, run_schedule
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
 from torchspeed.train.shard import shard_loader
 from torchspeed.train.stateful import collect_state
-from torchspeed.train.schedule import create_scheduler, lr_rule, steps_in_run
+from torchspeed.train.schedule import lr_rule, steps_in_run
 from torchspeed.train.batch_ramp import BatchRamp, BatchRampLR
 from torchspeed.train.segment import BestEpoch, group_settings
 from torchspeed.train.step import AccumulationWindow
@@ -145,19 +145,8 @@ class Trainer(MeasuredSwitches):
                              "pass nn.CrossEntropyLoss(label_smoothing=...) as loss_fn instead")
         self.loss_fn, self.step_fn = loss_fn, step_fn
 
-        check_optimizer(optimizer, sharded=self.sharded)
-        if isinstance(optimizer, str):
-            optimizer = create_optimizer(optimizer, self.model, lr=lr, weight_decay=weight_decay,
-                                         momentum=momentum, betas=betas, fused=cfg.fused_optimizer)
-        self.optimizer = optimizer
-        if is_schedule_free(optimizer):
-            optimizer.train()  # Schedule-Free steps only in train mode (evaluation switches and switches back)
-        self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), "asked for" if not isinstance(
-            cfg.fused_optimizer, str) else "rule: fused kernel where torch has one")
-        if cfg.scale_lr_world_size and self.dist is not None:
-            for g in optimizer.param_groups:  # before the schedule reads the lr as its peak
-                g["lr"] = scale_lr_world_size(g["lr"], world_size=self.dist.world_size)
-            self.decisions["lr"] = Decision(optimizer.param_groups[0]["lr"], f"x{self.dist.world_size} (world size, T17)")
+        self.optimizer = optimizer = self._build_optimizer(optimizer, lr=lr, weight_decay=weight_decay,
+                                                           momentum=momentum, betas=betas)
         self.scheduler = None
         self.total_steps: int | None = None
 
@@ -170,27 +159,43 @@ class Trainer(MeasuredSwitches):
         self.guard = NonFiniteGuard(cfg.max_nonfinite, optimizer=optimizer, device=self.device,
                                     precision_skips=self.precision.scaler is not None,  # fp16: the scaler skips
                                     all_ranks_max=all_reduce_max if self.dist is not None else None)
-        self.step = 0        # optimizer steps taken
-        self._last_loss = float("nan")
-        self.checkpoints = ((ShardedCheckpoints if self.sharded else CheckpointManager)(
-            cfg.checkpoint_dir, keep_last=cfg.keep_last) if cfg.checkpoint_dir else None)
-        self.on_checkpoint = on_checkpoint  # (path, step) on every rank after each checkpoint (Ray: report)
-        self.last_checkpoint: Path | None = None
-        self.resumed_from: Path | None = None
-        self.position = DataPosition(keep_rng=self.checkpoints is not None)
-        self._steps_per_epoch: int | None = None
-        self._ramp: BatchRamp | None = None
-        self._history: list[dict] = []
-        self.best = BestEpoch(cfg.best_metric, self.checkpoints.best_path if self.checkpoints else None)
+        self.step, self._last_loss = 0, float("nan")  # optimizer steps taken; the loss read at the last log sync
+        self._setup_checkpoints(on_checkpoint)
+        self._steps_per_epoch, self._ramp, self._history = None, None, []  # set by fit
         # Every callback and logger behind one object: the loop calls each event in one line.
         self.callbacks = CallbackList([*(callbacks or ()), *([LoggerCallback(loggers)] if loggers else [])])
         self.should_stop = False  # set by request_stop (a callback): the run ends after this step or epoch
         # Schedule-Free with BatchNorm: the last batches, to give the averaged weights their own statistics
         self._recent = (collections.deque(maxlen=8) if is_schedule_free(optimizer)
                         and batchnorm_layers(self.module) else None)
-        # Name -> object with state_dict/load_state_dict: what a checkpoint holds and a resume restores
-        # (resume.py, stateful.py). Register a part of your own here; it needs no other edit.
-        self.stateful: dict = trainer_parts(self)
+        self.stateful: dict = trainer_parts(self)  # name -> part a checkpoint holds (stateful.py); add your own
+
+    def _build_optimizer(self, optimizer: str | torch.optim.Optimizer, **hyper) -> torch.optim.Optimizer:
+        """The optimizer asked for (a name is built for the model) and its decision; the LR x world size (T17)."""
+        cfg = self.config
+        check_optimizer(optimizer, sharded=self.sharded)
+        if isinstance(optimizer, str):
+            optimizer = create_optimizer(optimizer, self.model, fused=cfg.fused_optimizer, **hyper)
+        if is_schedule_free(optimizer):
+            optimizer.train()  # Schedule-Free steps only in train mode (evaluation switches and switches back)
+        self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), "asked for" if not isinstance(
+            cfg.fused_optimizer, str) else "rule: fused kernel where torch has one")
+        if cfg.scale_lr_world_size and self.dist is not None:
+            for g in optimizer.param_groups:  # before the schedule reads the lr as its peak
+                g["lr"] = scale_lr_world_size(g["lr"], world_size=self.dist.world_size)
+            self.decisions["lr"] = Decision(optimizer.param_groups[0]["lr"], f"x{self.dist.world_size} (world size, T17)")
+        return optimizer
+
+    def _setup_checkpoints(self, on_checkpoint: Callable[[str, int], object] | None) -> None:
+        """The checkpoint store (files, or DCP folders when sharded), the data position and the best epoch."""
+        cfg = self.config
+        self.checkpoints = ((ShardedCheckpoints if self.sharded else CheckpointManager)(
+            cfg.checkpoint_dir, keep_last=cfg.keep_last) if cfg.checkpoint_dir else None)
+        self.on_checkpoint = on_checkpoint  # (path, step) on every rank after each checkpoint (Ray: report)
+        self.last_checkpoint: Path | None = None
+        self.resumed_from: Path | None = None
+        self.position = DataPosition(keep_rng=self.checkpoints is not None)
+        self.best = BestEpoch(cfg.best_metric, self.checkpoints.best_path if self.checkpoints else None)
 
     last_loss = property(lambda self: self._last_loss, doc="The loss read at the last step divisible by log_every "
                                                               "(NaN before): no new device sync.")
@@ -273,19 +278,12 @@ class Trainer(MeasuredSwitches):
     # ------------------------------------------------------------------ epochs
     def setup_schedule(self, steps_per_epoch: int | None, epochs: int) -> None:
         """The learning-rate schedule over the run: epochs x steps, or max_steps (needed without len())."""
-        total = steps_in_run(steps_per_epoch, epochs, grad_accum=self.config.grad_accum,
-                             max_steps=self.config.max_steps)
+        self.total_steps = steps_in_run(steps_per_epoch, epochs, grad_accum=self.config.grad_accum,
+                                        max_steps=self.config.max_steps)
         self._group_settings = group_settings(self.optimizer)  # a finished run extended gets them back
-        if is_schedule_free(self.optimizer):  # its own warm-up, no schedule (T14's alternative)
-            warm = self.config.warmup_steps if self.config.warmup_steps is not None else max(1, (total or 100) // 20)
-            for g in self.optimizer.param_groups:
-                g["warmup_steps"] = warm
-            self.scheduler, self.total_steps = None, total
-            self.decisions["schedule"] = Decision(None, f"Schedule-Free AdamW: no LR schedule, {warm} warm-up steps")
-            return
-        self.scheduler = create_scheduler(self.config.schedule, self.optimizer, total_steps=total,
-                                          warmup_steps=self.config.warmup_steps, min_lr=self.config.min_lr)
-        self.total_steps = total
+        self.scheduler, decision = run_schedule(self.optimizer, self.config, self.total_steps)
+        if decision is not None:
+            self.decisions["schedule"] = decision
 
     def fit(self, train_loader: Iterable, *, epochs: int | None = None, val_loader: Iterable | None = None) -> FitResult:
         cfg = self.config
