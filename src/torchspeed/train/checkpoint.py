@@ -19,7 +19,10 @@ disk is complete:
   unexpected and wrongly shaped keys (`CheckpointMismatchError`) instead of torch's
   traceback.
 - **Keep the last K and the best.** `CheckpointManager` names files `step-00000120.pt`,
-  prunes all but the newest `keep_last`, and keeps `best.pt` for the best epoch metric.
+  prunes all but the newest `keep_last`, and keeps `best.pt` for the best epoch metric (the
+  folder itself: `store.StepStore`, shared with the sharded checkpoints of dcp.py).
+- **One layout.** A training checkpoint holds each stateful part under its name (format 2,
+  stateful.py); `nested_layout` reads the flat format 1 of older checkpoints the same way.
 
 Cost: a checkpoint is a copy of the weights and optimizer state to disk (for a small model
 a few milliseconds; see docs/reliability.md for measured numbers). `Trainer` writes one

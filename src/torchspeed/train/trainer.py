@@ -90,7 +90,8 @@ class Trainer(MeasuredSwitches):
     `loss_fn(output, target)` replaces the default cross-entropy; `step_fn(model, batch)`
     returns the loss for batches the contract in `batch.py` does not cover. `callbacks`
     (callbacks.py: EarlyStopping, EMA, your own) and `loggers` (loggers.py) are not config:
-    they are objects, kept out of the config dict written to metrics.json and checkpoints.
+    they are objects, kept out of the config dict written to metrics.json and checkpoints. `stateful` maps a
+    name to each part a checkpoint holds and a resume restores (stateful.py); register your own there.
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
