@@ -111,7 +111,7 @@ def test_regression_reports_no_accuracy_and_best_checkpoint_follows_val_loss(tmp
     hist = res.history
     assert all(r["val_acc"] is None and r["train_acc"] is None for r in hist)
     assert hist[-1]["val_loss"] < hist[0]["val_loss"]
-    best = load_checkpoint(tmp_path / "best.pt")["best"]
+    best = load_checkpoint(tmp_path / "best.pt")["run"]["best"]
     assert best["metric"] == "val_loss"
     best_epoch = min(hist, key=lambda r: r["val_loss"])["epoch"]
     assert best["epoch"] == best_epoch and best_epoch > 1
@@ -197,7 +197,7 @@ def test_stateful_dataloader_state_is_checkpointed_and_resume_is_exact(tmp_path)
     model_b, loader_b = make()
     torchspeed.fit(model_b, loader_b, epochs=2, max_steps=17, checkpoint_dir=str(tmp_path), checkpoint_every=5, **cfg)
     state = load_checkpoint(sorted(tmp_path.glob("step-*.pt"))[-1])
-    assert state["loader_state"] is not None and state["batch_in_epoch"] == 5  # step 17 = epoch 2, batch 5
+    assert state["position"]["loader_state"] is not None and state["position"]["batch_in_epoch"] == 5  # step 17 = epoch 2, batch 5
     model_c, loader_c = make()  # a fresh process: new model, new loader
     res = torchspeed.fit(model_c, loader_c, epochs=2, checkpoint_dir=str(tmp_path), resume="auto", **cfg)
     assert res.steps == 24

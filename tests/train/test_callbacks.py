@@ -213,7 +213,7 @@ def test_fit_with_ema_evaluates_and_saves_the_ema_weights(tmp_path):
     assert on_live["val_loss"] != pytest.approx(on_ema["val_loss"], rel=1e-3)   # the two really differ
     best = load_checkpoint(tmp_path / "best.pt")
     last = load_checkpoint(CheckpointManager(tmp_path).checkpoints()[0])
-    assert best["best"]["epoch"] == 2   # the last epoch: best.pt "model" = EMA weights, "train_model" = trained
+    assert best["run"]["best"]["epoch"] == 2   # the last epoch: best.pt "model" = EMA weights, "train_model" = trained
     assert _state_equal(best["model"], ema.module.state_dict())
     assert _state_equal(best["train_model"], model.state_dict())
     assert _state_equal(last["model"], model.state_dict())            # step checkpoints: the trained weights

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
-import torchspeed.train.trainer as trainer_mod
+import torchspeed.train.resume as resume_mod
 from torchspeed.train.checkpoint import (CheckpointManager, CheckpointMismatchError, CorruptCheckpointError,
                                          check_state_dict, load_checkpoint, save_checkpoint, verify_checkpoint)
 from torchspeed.train.guard import (NonFiniteLossError, TrainingOutOfMemoryError, is_out_of_memory,
@@ -184,7 +184,7 @@ def test_resume_without_rng_restore_differs(tmp_path, monkeypatch):
     torchspeed.fit(ref, _loader(), **_FIT)
     with pytest.raises(_Crash):
         torchspeed.fit(_crash_at(_mlp(), 17), _loader(), checkpoint_dir=str(tmp_path), checkpoint_every=1, **_FIT)
-    monkeypatch.setattr(trainer_mod, "restore_rng_state", lambda state: None)
+    monkeypatch.setattr(resume_mod, "restore_rng_state", lambda state: None)
     resumed = _mlp()
     torchspeed.fit(resumed, _loader(), checkpoint_dir=str(tmp_path), checkpoint_every=1, resume="auto", **_FIT)
     assert not _same(ref, resumed)
@@ -246,7 +246,7 @@ def test_nonfinite_run_stops_with_last_checkpoint_intact(tmp_path):
                        **dict(_FIT, epochs=1))
     state = load_checkpoint(tmp_path / "step-00000007.pt")  # batches 5 and 6 were skipped before it
     assert all(torch.isfinite(v).all() for v in state["model"].values())
-    assert state["step"] == 7 and state["skipped"] == 2
+    assert state["run"]["step"] == 7 and state["guard"]["skipped"] == 2
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

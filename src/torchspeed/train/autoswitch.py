@@ -29,8 +29,8 @@ from torch import nn
 from torchspeed.env import DeviceCaps, detect, sync
 from torchspeed.train.batch import forward_loss
 from torchspeed.train.decision import Decision, TrialCache
-from torchspeed.train.distributed import all_reduce_max, broadcast_object, is_rank_zero
-from torchspeed.train.guard import NonFiniteGuard, is_out_of_memory
+from torchspeed.train.distributed import broadcast_object, is_rank_zero
+from torchspeed.train.guard import is_out_of_memory
 from torchspeed.train.memory_format import has_conv2d
 from torchspeed.train.optim import describe_optimizer
 from torchspeed.train.precision import MixedPrecision, Precision, normalize_precision
@@ -301,10 +301,7 @@ class MeasuredSwitches:
         optimizer kernel, threads."""
         if sw.precision != self.precision.name:
             self.precision = MixedPrecision(Precision(sw.precision, self.device.type, "measured"))
-            counts = self.guard.state_dict()
-            self.guard = NonFiniteGuard(self.config.max_nonfinite, optimizer=self.optimizer, device=self.device,
-                                        scaler=self.precision.scaler, all_ranks_max=all_reduce_max if self.dist else None)
-            self.guard.load_state_dict(counts)
+            self.guard.precision_skips = self.precision.scaler is not None  # fp16's scaler skips bad steps itself
         if sw.channels_last != self.channels_last:
             self.module.to(memory_format=torch.channels_last if sw.channels_last else torch.contiguous_format)
             _state_follows_layout(self.optimizer)

@@ -19,7 +19,10 @@ disk is complete:
   unexpected and wrongly shaped keys (`CheckpointMismatchError`) instead of torch's
   traceback.
 - **Keep the last K and the best.** `CheckpointManager` names files `step-00000120.pt`,
-  prunes all but the newest `keep_last`, and keeps `best.pt` for the best epoch metric.
+  prunes all but the newest `keep_last`, and keeps `best.pt` for the best epoch metric (the
+  folder itself: `store.StepStore`, shared with the sharded checkpoints of dcp.py).
+- **One layout.** A training checkpoint holds each stateful part under its name (format 2,
+  stateful.py); `nested_layout` reads the flat format 1 of older checkpoints the same way.
 
 Cost: a checkpoint is a copy of the weights and optimizer state to disk (for a small model
 a few milliseconds; see docs/reliability.md for measured numbers). `Trainer` writes one
@@ -38,7 +41,6 @@ import hashlib
 import logging
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,19 +48,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from torchspeed.train.store import StepStore, atomic_file
 from torchspeed.train.wrappers import strip_wrapper_prefixes, unwrap_model
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "check_state_dict", "CheckpointManager",
-           "find_resume", "check_resumable", "is_extension", "update_best",
+           "nested_layout", "update_best",
            "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError", "ResumeMismatchError",
            "FoundCheckpoint"]
 
 log = logging.getLogger("torchspeed")
 
-FORMAT = "torchspeed-checkpoint/1"
+FORMAT = "torchspeed-checkpoint/2"        # each stateful part under its name (stateful.py)
+FLAT_FORMAT = "torchspeed-checkpoint/1"   # before: some parts flattened to the top level (read by nested_layout)
+_FLAT_PARTS = {"position": ("epoch", "batch_in_epoch", "epoch_rng", "loader_state"), "guard": ("skipped", "bad_run"),
+               "run": ("step", "total_steps", "steps_per_epoch", "history", "best", "stopped")}
 _MAGIC = b"TSCKSUM1"          # trailer: magic + 32-byte SHA-256 of everything before it
 _TRAILER = len(_MAGIC) + 32
-_STEP_RE = re.compile(r"^step-(\d+)\.pt$")
 
 
 class CheckpointError(RuntimeError):
@@ -91,25 +96,16 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping) -> Path:
     Example:
         >>> save_checkpoint("run/last.pt", {"model": model.state_dict(), "step": 100})
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w+b") as f:
-            torch.save(dict(state), f)
-            f.flush()
-            f.seek(0)
-            digest = _sha256(f)
-            f.seek(0, os.SEEK_END)
-            f.write(_MAGIC + digest)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
+    return atomic_file(path, lambda f: _write_checksummed(f, state))
+
+
+def _write_checksummed(f, state: Mapping) -> None:
+    torch.save(dict(state), f)
+    f.flush()
+    f.seek(0)
+    digest = _sha256(f)
+    f.seek(0, os.SEEK_END)
+    f.write(_MAGIC + digest)
 
 
 # ---------------------------------------------------------------------- reading
@@ -169,7 +165,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module | None = None,
     if model is not None:
         # A training state keeps the weights under "model"; a plain state_dict is the weights itself.
         nested = isinstance(state.get("model"), Mapping)
-        weights = state["model"] if state.get("format") == FORMAT or nested else state
+        weights = state["model"] if state.get("format") in (FORMAT, FLAT_FORMAT) or nested else state
         _load_model(model, weights, strict=strict, source=path)
         if optimizer is not None and state.get("optimizer") is not None:
             optimizer.load_state_dict(state["optimizer"])
@@ -227,8 +223,9 @@ class FoundCheckpoint:
     skipped: tuple[str, ...] = ()
 
 
-class CheckpointManager:
-    """`step-XXXXXXXX.pt` files in one folder: save, keep the newest `keep_last`, find the newest good one.
+class CheckpointManager(StepStore):
+    """`step-XXXXXXXX.pt` files in one folder: save, keep the newest `keep_last`, find the newest good one
+    (the folder itself, names, pruning and stale-file cleanup: `store.StepStore`).
 
     Example:
         >>> manager = CheckpointManager("ckpt", keep_last=3)
@@ -238,111 +235,34 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3):
-        if keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-        self.directory = Path(directory)
-        self.keep_last = keep_last
-        self._cleaned = False
-
-    def path_for(self, step: int) -> Path:
-        return self.directory / f"step-{step:08d}.pt"
-
-    @property
-    def best_path(self) -> Path:
-        return self.directory / "best.pt"
-
-    def checkpoints(self) -> list[Path]:
-        """Step checkpoints, newest first."""
-        if not self.directory.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.directory.iterdir() if (m := _STEP_RE.match(p.name))]
-        return [p for _, p in sorted(found, reverse=True)]
+        super().__init__(directory, suffix=".pt", keep_last=keep_last)
 
     def save(self, state: Mapping, *, step: int) -> Path:
-        self._clean_stale_tmp()
-        path = save_checkpoint(self.path_for(step), state)
-        for old in self.checkpoints()[self.keep_last:]:
-            old.unlink(missing_ok=True)  # only after the new one is safely on disk
+        path = self.atomic_file(self.path_for(step), lambda f: _write_checksummed(f, state))
+        self.prune()  # only after the new one is safely on disk
         return path
 
     def save_best(self, state: Mapping) -> Path:
-        self._clean_stale_tmp()
-        return save_checkpoint(self.best_path, state)
+        return self.atomic_file(self.best_path, lambda f: _write_checksummed(f, state))
 
     def latest(self, *, map_location: str | torch.device = "cpu") -> FoundCheckpoint | None:
         """The newest step checkpoint that loads (then best.pt); damaged ones are passed over with a warning."""
-        skipped: list[str] = []
-        candidates = self.checkpoints() + ([self.best_path] if self.best_path.exists() else [])
-        for path in candidates:
-            try:
-                state = load_checkpoint(path, map_location=map_location)
-            except CheckpointError as e:
-                log.warning("passing over %s: %s", path.name, e)
-                skipped.append(f"{path.name}: {e}")
-                continue
-            return FoundCheckpoint(path=path, state=state, skipped=tuple(skipped))
-        if skipped:
-            log.warning("no usable checkpoint in %s: %d damaged file(s) passed over", self.directory, len(skipped))
-        return None
-
-    def _clean_stale_tmp(self) -> None:
-        # Temporary files of a process that was killed mid-write (never a finished checkpoint).
-        if self._cleaned or not self.directory.is_dir():
-            return
-        self._cleaned = True
-        for p in self.directory.glob(".*.tmp"):
-            if not p.name.endswith(f".{os.getpid()}.tmp"):
-                p.unlink(missing_ok=True)
+        found = self.first_readable(lambda p: load_checkpoint(p, map_location=map_location),
+                                    errors=(CheckpointError,), with_best=True)
+        return None if found is None else FoundCheckpoint(*found)
 
 
 # ---------------------------------------------------------------------- helpers
-def find_resume(resume: str | os.PathLike, manager: "CheckpointManager | None") -> FoundCheckpoint | None:
-    """The checkpoint `resume` points at: "auto" (the newest good one under `manager`), a folder, or a file.
-
-    Returns None when a folder holds no checkpoint yet (a first run with resume="auto").
-    """
-    if resume == "auto" or Path(resume).is_dir():
-        manager = manager if resume == "auto" else CheckpointManager(resume)
-        found = manager.latest() if manager is not None else None
-        if found is None:
-            log.info("resume: no checkpoint in %s yet; starting from the beginning",
-                     manager.directory if manager else resume)
-        return found
-    return FoundCheckpoint(path=Path(resume), state=load_checkpoint(resume))
-
-
-def check_resumable(found: FoundCheckpoint, *, steps_per_epoch: int | None, total_steps: int | None,
-                    has_scheduler: bool) -> dict:
-    """The training state in `found`, after checking that this run can continue it exactly."""
-    state = found.state
-    if state.get("format") != FORMAT:
-        raise CheckpointError(f"{found.path} holds only weights, not a training state; load it with "
-                              "torchspeed.train.checkpoint.load_checkpoint(path, model=model) before fit, "
-                              "and leave resume unset")
-    if state["steps_per_epoch"] not in (None, steps_per_epoch):
-        raise ResumeMismatchError(
-            f"{found.path} was written with {state['steps_per_epoch']} batches per epoch, but this loader has "
-            f"{steps_per_epoch}: resume with the same data and batch size, or use a new checkpoint_dir")
-    if is_extension(state, total_steps):  # a finished run given more steps: a new schedule segment
-        if total_steps is not None and total_steps <= state["step"]:
-            raise ResumeMismatchError(
-                f"{found.path} is the end of a run of {state['step']} optimizer steps and this run asks for "
-                f"{total_steps}: nothing to add; ask for more epochs to extend it")
+def nested_layout(state: dict) -> dict:
+    """A training state with each part under its name: a checkpoint of the flat format 1 (the data
+    position, the guard's counts and the run's progress at the top level) is regrouped."""
+    if state.get("format") != FLAT_FORMAT:
         return state
-    if has_scheduler and state.get("scheduler") is not None and state.get("total_steps") != total_steps:
-        raise ResumeMismatchError(
-            f"{found.path} was written by a run of {state.get('total_steps')} optimizer steps, but this run's "
-            f"learning-rate schedule spans {total_steps} (epochs or max_steps changed): resume with the same epochs "
-            "and max_steps, or start a new run from its weights with load_checkpoint(path, model=model) "
-            "(torchspeed train: --init-from PATH)")
-    return state
-
-
-def is_extension(state: Mapping, total_steps: int | None) -> bool:
-    """True when `state` is the last checkpoint of a finished run and this run's length differs:
-    resuming it continues with a new learning-rate schedule over the added steps."""
-    done = state.get("total_steps")
-    return bool(done and total_steps and done != total_steps and state.get("step", 0) >= done)
+    flat = {k for keys in _FLAT_PARTS.values() for k in keys}
+    out = {k: v for k, v in state.items() if k not in flat}
+    out.update({part: {k: state.get(k) for k in keys} for part, keys in _FLAT_PARTS.items()})
+    out["format"] = FORMAT
+    return out
 
 
 def update_best(best: dict | None, row: dict, metric: str | None, *, step: int) -> tuple[dict | None, bool]:
@@ -377,21 +297,6 @@ def _sha256(f, *, limit: int | None = None) -> bytes:
         if remaining is not None:
             remaining -= len(chunk)
     return h.digest()
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # some filesystems (and Windows) do not open folders; the rename is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 
 
 def _shape(v) -> tuple:

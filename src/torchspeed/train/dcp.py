@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 from collections.abc import Callable
 from dataclasses import replace
@@ -39,23 +38,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchspeed.train.checkpoint import (CheckpointError, FoundCheckpoint, ResumeMismatchError, _fsync_dir,
-                                         load_checkpoint, save_checkpoint)
+from torchspeed.train.checkpoint import (CheckpointError, FoundCheckpoint, ResumeMismatchError, load_checkpoint,
+                                         nested_layout, save_checkpoint)
 from torchspeed.train.distributed import barrier, get_rank, get_world_size, is_rank_zero
+from torchspeed.train.store import StepStore
 
 __all__ = ["ShardedCheckpoints", "export_checkpoint", "rescale_position", "notify_checkpoint"]
 
 log = logging.getLogger("torchspeed")
 
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
 def _trainer_file(folder: Path, rank: int) -> Path:
     return folder / f"trainer-rank{rank}.pt"
 
 
-class ShardedCheckpoints:
-    """`step-XXXXXXXX/` DCP folders in `directory`: save (every rank), keep the newest `keep_last`, resume.
+class ShardedCheckpoints(StepStore):
+    """`step-XXXXXXXX/` DCP folders in `directory`: save (every rank), keep the newest `keep_last`, resume
+    (the folder itself, names, pruning and stale-file cleanup: `store.StepStore`).
 
     Example:
         >>> manager = ShardedCheckpoints("ckpt", keep_last=3)
@@ -64,26 +62,7 @@ class ShardedCheckpoints:
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3):
-        if keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-        self.directory = Path(directory)
-        self.keep_last = keep_last
-        self._cleaned = False
-
-    def path_for(self, step: int) -> Path:
-        return self.directory / f"step-{step:08d}"
-
-    @property
-    def best_path(self) -> Path:
-        return self.directory / "best"
-
-    def checkpoints(self) -> list[Path]:
-        """Finished step folders, newest first."""
-        if not self.directory.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.directory.iterdir()
-                 if (m := _STEP_DIR.match(p.name)) and (p / ".metadata").exists()]
-        return [p for _, p in sorted(found, reverse=True)]
+        super().__init__(directory, suffix="", keep_last=keep_last, finished=lambda p: (p / ".metadata").exists())
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict, *, step: int,
              best: bool = False) -> Path:
@@ -92,10 +71,7 @@ class ShardedCheckpoints:
         if best:
             self._write(self.best_path, model, optimizer, extra)
         if is_rank_zero():
-            for old in self.checkpoints()[self.keep_last:]:  # only after the new one is renamed into place
-                gone = old.with_name(f".{old.name}.old")
-                os.replace(old, gone)  # atomic: a kill mid-delete never leaves a half folder under a step name
-                shutil.rmtree(gone, ignore_errors=True)
+            self.prune()  # only after the new one is renamed into place
         return path
 
     def _write(self, final: Path, model: nn.Module, optimizer, extra: dict) -> Path:
@@ -104,7 +80,7 @@ class ShardedCheckpoints:
 
         tmp = self.directory / f".{final.name}.tmp"
         if is_rank_zero():
-            self._clean_stale_tmp()
+            self.clean_stale()
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
@@ -113,24 +89,9 @@ class ShardedCheckpoints:
         save_checkpoint(_trainer_file(tmp, get_rank()), {**extra, "world_size": get_world_size()})
         barrier()  # every rank's files are on disk
         if is_rank_zero():
-            old = None
-            if final.exists():  # best/ again: move the previous one aside, then swap
-                old = final.with_name(f".{final.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            _fsync_dir(self.directory)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            self.publish_folder(tmp, final)
         barrier()  # no rank reads or reports the folder before it has its final name
         return final
-
-    def _clean_stale_tmp(self) -> None:
-        if self._cleaned or not self.directory.is_dir():
-            return
-        self._cleaned = True
-        for p in [*self.directory.glob(".*.tmp"), *self.directory.glob(".*.old")]:  # a run killed mid-save
-            shutil.rmtree(p, ignore_errors=True)
 
     def read(self, folder: str | os.PathLike) -> FoundCheckpoint:
         """This rank's trainer state in `folder` (rank 0's when this rank did not exist in that run)."""
@@ -143,16 +104,8 @@ class ShardedCheckpoints:
 
     def latest(self) -> FoundCheckpoint | None:
         """The newest finished folder whose trainer state loads (damaged ones are passed over)."""
-        skipped: list[str] = []
-        for folder in self.checkpoints():
-            try:
-                found = self.read(folder)
-            except CheckpointError as e:
-                log.warning("passing over %s: %s", folder.name, e)
-                skipped.append(f"{folder.name}: {e}")
-                continue
-            return FoundCheckpoint(path=found.path, state=found.state, skipped=tuple(skipped))
-        return None
+        found = self.first_readable(lambda p: self.read(p).state, errors=(CheckpointError,))
+        return None if found is None else FoundCheckpoint(*found)
 
     @staticmethod
     def find(resume: str | os.PathLike, manager: "ShardedCheckpoints | None", *, world_size: int,
@@ -167,8 +120,8 @@ class ShardedCheckpoints:
             found = ShardedCheckpoints(resume).latest()
         if found is None:
             return None
-        return replace(found, state=rescale_position(found.state, world_size=world_size,
-                                                     steps_per_epoch=steps_per_epoch))
+        return replace(found, state=_rescaled(nested_layout(found.state), world_size=world_size,
+                                              steps_per_epoch=steps_per_epoch))
 
     @staticmethod
     def load(folder: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -200,6 +153,16 @@ def rescale_position(state: dict, *, world_size: int, steps_per_epoch: int | Non
                 world_size, state["batch_in_epoch"], done // world_size)
     return {**state, "batch_in_epoch": done // world_size, "steps_per_epoch": steps_per_epoch,
             "world_size": world_size}
+
+
+def _rescaled(state: dict, *, world_size: int, steps_per_epoch: int | None) -> dict:
+    """A training state (parts nested) with its "position" part recomputed for `world_size` processes."""
+    view = {"batch_in_epoch": state["position"]["batch_in_epoch"], "world_size": state.get("world_size", world_size)}
+    new = rescale_position(view, world_size=world_size, steps_per_epoch=steps_per_epoch)
+    if new is view:
+        return state
+    return {**state, "position": {**state["position"], "batch_in_epoch": new["batch_in_epoch"]},
+            "run": {**state["run"], "steps_per_epoch": steps_per_epoch}, "world_size": world_size}
 
 
 def notify_checkpoint(hook: Callable[[str, int], object] | None, path: Path | None, step: int) -> None:

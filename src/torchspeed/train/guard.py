@@ -127,36 +127,40 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak, in KiB on Linux
 
 
-
 class NonFiniteGuard:
     """Skip optimizer steps whose loss was NaN/inf; stop after `max_nonfinite` in a row.
 
-    Modes: "scaler" (fp16: the GradScaler already skips), "device" (CUDA + fused optimizer:
-    skipped on the GPU, no sync), "host" (the loss is read each step; free on CPU), "off".
-    `all_ranks_max(flag)` reduces the skip flag over DDP ranks so every replica skips together.
+    Modes: "scaler" (`precision_skips`: fp16's GradScaler already skips), "device" (CUDA + fused optimizer:
+    skipped on the GPU, no sync), "host" (the loss is read each step; free on CPU), "off". The mode is read
+    at each use, so a precision or optimizer-kernel switch during the run only sets `precision_skips` (no new
+    guard). `all_ranks_max(flag)` reduces the skip flag over DDP ranks so every replica skips together.
     """
 
     def __init__(self, max_nonfinite: int | None, *, optimizer: torch.optim.Optimizer, device: torch.device,
-                 scaler=None, all_ranks_max: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        self.limit, self.device = max_nonfinite, device
-        if max_nonfinite is None:
-            self.mode = "off"
-        elif scaler is not None:
-            self.mode = "scaler"
-        else:
-            self.mode = "device" if supports_device_skip(optimizer, device) else "host"
+                 precision_skips: bool = False, all_ranks_max: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.limit, self.device, self.optimizer = max_nonfinite, device, optimizer
+        self.precision_skips = precision_skips  # the precision's own step skips non-finite gradients (fp16)
         self._all_ranks_max = all_ranks_max
         self._window_bad: torch.Tensor | bool = False  # any NaN/inf loss since the last optimizer step
         self.bad_run = torch.zeros((), dtype=torch.int64, device=device)  # skipped steps in a row
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # skipped steps in total
 
+    @property
+    def mode(self) -> str:
+        if self.limit is None:
+            return "off"
+        if self.precision_skips:
+            return "scaler"
+        return "device" if supports_device_skip(self.optimizer, self.device) else "host"
+
     def observe(self, loss: torch.Tensor) -> torch.Tensor | None:
         """A micro-batch's detached loss: the value to add to the metrics, or None to leave it out."""
-        if self.mode == "host":
+        mode = self.mode
+        if mode == "host":
             bad = not bool(torch.isfinite(loss))  # a host read: free on CPU, one sync on CUDA (unfused)
             self._window_bad = self._window_bad or bad
             return None if bad else loss
-        if self.mode == "device":
+        if mode == "device":
             bad_t = ~torch.isfinite(loss)  # stays on the device: no sync
             self._window_bad = bad_t | self._window_bad
             return torch.where(bad_t, torch.zeros_like(loss), loss)
@@ -168,9 +172,10 @@ class NonFiniteGuard:
     def step(self, optimizer: torch.optim.Optimizer, update: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run `update()` (the optimizer step; returns 1 if it skipped, as fp16's scaler does) unless the
         loss was bad; return 1 if the step was skipped, else 0, as a device tensor."""
-        if self.mode in ("off", "scaler"):
+        mode = self.mode
+        if mode in ("off", "scaler"):
             skip = update().to(self.device)
-        elif self.mode == "host":
+        elif mode == "host":
             bad = bool(self._window_bad)
             if self._all_ranks_max is not None:
                 bad = bool(self._all_ranks_max(torch.tensor(float(bad), device=self.device)) > 0)
@@ -206,6 +211,7 @@ class NonFiniteGuard:
                 "many bad steps in a row are tolerated")
 
     def state_dict(self) -> dict:
+        """The counts (the skips in all, the run of skips in a row): a checkpoint's "guard" part."""
         return {"skipped": int(self.skipped), "bad_run": int(self.bad_run)}
 
     def load_state_dict(self, state: dict) -> None:

@@ -2,11 +2,11 @@
 
 Each technique lives in its own module as a public function or class: precision T21
 (precision.py), channels_last T23 (memory_format.py), backends T22 (backends.py),
-optimizers T18/T26 (optim.py), schedules T14/T16/T17 (schedule.py), batch warm-up T17 (batch_ramp.py), accumulation and
-clipping T19/T20 (step.py), transfer and prefetch T07 (transfer.py), device-side metrics
-T13 (metrics.py), compile T25 (compile.py), validation T28/T33 (evaluate.py), the NaN/OOM
-guards (guard.py), exact resume (checkpoint.py, sampler.py, dcp.py), DDP and FSDP2 T31
-(distributed.py, fsdp.py), the batch contract (batch.py), the progress bar (progress.py). The
+optimizers T18/T26 (optim.py), schedules T14/T16/T17 (schedule.py, run_length.py), batch warm-up T17 (batch_ramp.py),
+accumulation and clipping T19/T20 (step.py), transfer and prefetch T07 (transfer.py), device-side metrics
+T13 (metrics.py), compile T25 (compile.py), validation T28/T33 (evaluate.py), the NaN/OOM guards (guard.py),
+exact resume (`stateful` parts: stateful.py, resume.py; files: checkpoint.py, store.py, dcp.py; sampler.py),
+DDP and FSDP2 T31 (distributed.py, fsdp.py), the batch contract (batch.py), the progress bar (progress.py). The
 trainer only decides which to switch on and calls them in order, so a reader can follow one
 training step from top to bottom in `train_step`. Every switch is in `TrainConfig` (config.py); `torchspeed.fit`
 (fitting.py, above this package and the tuners) is the one-call entry point.
@@ -35,8 +35,7 @@ from torchspeed.train.backends import configure_backends, tune_malloc
 from torchspeed.train.batch import batch_size, default_loss, forward_loss
 from torchspeed.train.callbacks import Callback, CallbackList
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
-from torchspeed.train.checkpoint import (CheckpointManager, check_resumable, check_state_dict, find_resume,
-                                         is_extension)
+from torchspeed.train.checkpoint import CheckpointManager
 from torchspeed.train.compile import CompileController
 from torchspeed.train.config import TrainConfig, check_reliability_options
 from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object, is_rank_zero,
@@ -54,14 +53,16 @@ from torchspeed.train.decision import Decision
 from torchspeed.train.bnstats import batchnorm_layers, recalibrate_bn
 from torchspeed.train.optim import averaged_weights, create_optimizer, describe_optimizer, is_schedule_free, zero_grad
 from torchspeed.train.precision import MixedPrecision, Precision
-from torchspeed.train.switches import Switches
 from torchspeed.train.progress import TrainProgress, decisions_header
-from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_rng_state, seed_everything
+from torchspeed.train.resume import resume_run, trainer_parts
+from torchspeed.train.rng import enable_determinism, seed_everything
+from torchspeed.train.run_length import RunLength, run_schedule
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
 from torchspeed.train.shard import shard_loader
-from torchspeed.train.schedule import create_scheduler, lr_rule, steps_in_run
+from torchspeed.train.stateful import collect_state
+from torchspeed.train.schedule import lr_rule, steps_in_run
 from torchspeed.train.batch_ramp import BatchRamp, BatchRampLR
-from torchspeed.train.segment import BestEpoch, extend_schedule, group_settings
+from torchspeed.train.segment import BestEpoch, group_settings
 from torchspeed.train.step import AccumulationWindow
 from torchspeed.train.transfer import Prefetcher, to_device
 
@@ -89,7 +90,8 @@ class Trainer(MeasuredSwitches):
     `loss_fn(output, target)` replaces the default cross-entropy; `step_fn(model, batch)`
     returns the loss for batches the contract in `batch.py` does not cover. `callbacks`
     (callbacks.py: EarlyStopping, EMA, your own) and `loggers` (loggers.py) are not config:
-    they are objects, kept out of the config dict written to metrics.json and checkpoints.
+    they are objects, kept out of the config dict written to metrics.json and checkpoints. `stateful` maps a
+    name to each part a checkpoint holds and a resume restores (stateful.py); register your own there.
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
@@ -144,19 +146,8 @@ class Trainer(MeasuredSwitches):
                              "pass nn.CrossEntropyLoss(label_smoothing=...) as loss_fn instead")
         self.loss_fn, self.step_fn = loss_fn, step_fn
 
-        check_optimizer(optimizer, sharded=self.sharded)
-        if isinstance(optimizer, str):
-            optimizer = create_optimizer(optimizer, self.model, lr=lr, weight_decay=weight_decay,
-                                         momentum=momentum, betas=betas, fused=cfg.fused_optimizer)
-        self.optimizer = optimizer
-        if is_schedule_free(optimizer):
-            optimizer.train()  # Schedule-Free steps only in train mode (evaluation switches and switches back)
-        self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), "asked for" if not isinstance(
-            cfg.fused_optimizer, str) else "rule: fused kernel where torch has one")
-        if cfg.scale_lr_world_size and self.dist is not None:
-            for g in optimizer.param_groups:  # before the schedule reads the lr as its peak
-                g["lr"] = scale_lr_world_size(g["lr"], world_size=self.dist.world_size)
-            self.decisions["lr"] = Decision(optimizer.param_groups[0]["lr"], f"x{self.dist.world_size} (world size, T17)")
+        self.optimizer = optimizer = self._build_optimizer(optimizer, lr=lr, weight_decay=weight_decay,
+                                                           momentum=momentum, betas=betas)
         self.scheduler = None
         self.total_steps: int | None = None
 
@@ -167,26 +158,45 @@ class Trainer(MeasuredSwitches):
         self.meter = DeviceMeter(self.device)
         self.noise = NoiseScaleEstimator()
         self.guard = NonFiniteGuard(cfg.max_nonfinite, optimizer=optimizer, device=self.device,
-                                    scaler=self.precision.scaler,
+                                    precision_skips=self.precision.scaler is not None,  # fp16: the scaler skips
                                     all_ranks_max=all_reduce_max if self.dist is not None else None)
-        self.step = 0        # optimizer steps taken
-        self._last_loss = float("nan")
-        self.checkpoints = ((ShardedCheckpoints if self.sharded else CheckpointManager)(
-            cfg.checkpoint_dir, keep_last=cfg.keep_last) if cfg.checkpoint_dir else None)
-        self.on_checkpoint = on_checkpoint  # (path, step) on every rank after each checkpoint (Ray: report)
-        self.last_checkpoint: Path | None = None
-        self.resumed_from: Path | None = None
-        self.position = DataPosition(keep_rng=self.checkpoints is not None)
-        self._steps_per_epoch: int | None = None
-        self._ramp: BatchRamp | None = None
-        self._history: list[dict] = []
-        self.best = BestEpoch(cfg.best_metric, self.checkpoints.best_path if self.checkpoints else None)
+        self.step, self._last_loss = 0, float("nan")  # optimizer steps taken; the loss read at the last log sync
+        self._setup_checkpoints(on_checkpoint)
+        self._steps_per_epoch, self._ramp, self._history = None, None, []  # set by fit
         # Every callback and logger behind one object: the loop calls each event in one line.
         self.callbacks = CallbackList([*(callbacks or ()), *([LoggerCallback(loggers)] if loggers else [])])
         self.should_stop = False  # set by request_stop (a callback): the run ends after this step or epoch
         # Schedule-Free with BatchNorm: the last batches, to give the averaged weights their own statistics
         self._recent = (collections.deque(maxlen=8) if is_schedule_free(optimizer)
                         and batchnorm_layers(self.module) else None)
+        self.stateful: dict = trainer_parts(self)  # name -> part a checkpoint holds (stateful.py); add your own
+
+    def _build_optimizer(self, optimizer: str | torch.optim.Optimizer, **hyper) -> torch.optim.Optimizer:
+        """The optimizer asked for (a name is built for the model) and its decision; the LR x world size (T17)."""
+        cfg = self.config
+        check_optimizer(optimizer, sharded=self.sharded)
+        if isinstance(optimizer, str):
+            optimizer = create_optimizer(optimizer, self.model, fused=cfg.fused_optimizer, **hyper)
+        if is_schedule_free(optimizer):
+            optimizer.train()  # Schedule-Free steps only in train mode (evaluation switches and switches back)
+        self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), "asked for" if not isinstance(
+            cfg.fused_optimizer, str) else "rule: fused kernel where torch has one")
+        if cfg.scale_lr_world_size and self.dist is not None:
+            for g in optimizer.param_groups:  # before the schedule reads the lr as its peak
+                g["lr"] = scale_lr_world_size(g["lr"], world_size=self.dist.world_size)
+            self.decisions["lr"] = Decision(optimizer.param_groups[0]["lr"], f"x{self.dist.world_size} (world size, T17)")
+        return optimizer
+
+    def _setup_checkpoints(self, on_checkpoint: Callable[[str, int], object] | None) -> None:
+        """The checkpoint store (files, or DCP folders when sharded), the data position and the best epoch."""
+        cfg = self.config
+        self.checkpoints = ((ShardedCheckpoints if self.sharded else CheckpointManager)(
+            cfg.checkpoint_dir, keep_last=cfg.keep_last) if cfg.checkpoint_dir else None)
+        self.on_checkpoint = on_checkpoint  # (path, step) on every rank after each checkpoint (Ray: report)
+        self.last_checkpoint: Path | None = None
+        self.resumed_from: Path | None = None
+        self.position = DataPosition(keep_rng=self.checkpoints is not None)
+        self.best = BestEpoch(cfg.best_metric, self.checkpoints.best_path if self.checkpoints else None)
 
     last_loss = property(lambda self: self._last_loss, doc="The loss read at the last step divisible by log_every "
                                                               "(NaN before): no new device sync.")
@@ -269,19 +279,12 @@ class Trainer(MeasuredSwitches):
     # ------------------------------------------------------------------ epochs
     def setup_schedule(self, steps_per_epoch: int | None, epochs: int) -> None:
         """The learning-rate schedule over the run: epochs x steps, or max_steps (needed without len())."""
-        total = steps_in_run(steps_per_epoch, epochs, grad_accum=self.config.grad_accum,
-                             max_steps=self.config.max_steps)
+        self.total_steps = steps_in_run(steps_per_epoch, epochs, grad_accum=self.config.grad_accum,
+                                        max_steps=self.config.max_steps)
         self._group_settings = group_settings(self.optimizer)  # a finished run extended gets them back
-        if is_schedule_free(self.optimizer):  # its own warm-up, no schedule (T14's alternative)
-            warm = self.config.warmup_steps if self.config.warmup_steps is not None else max(1, (total or 100) // 20)
-            for g in self.optimizer.param_groups:
-                g["warmup_steps"] = warm
-            self.scheduler, self.total_steps = None, total
-            self.decisions["schedule"] = Decision(None, f"Schedule-Free AdamW: no LR schedule, {warm} warm-up steps")
-            return
-        self.scheduler = create_scheduler(self.config.schedule, self.optimizer, total_steps=total,
-                                          warmup_steps=self.config.warmup_steps, min_lr=self.config.min_lr)
-        self.total_steps = total
+        self.scheduler, decision = run_schedule(self.optimizer, self.config, self.total_steps)
+        if decision is not None:
+            self.decisions["schedule"] = decision
 
     def fit(self, train_loader: Iterable, *, epochs: int | None = None, val_loader: Iterable | None = None) -> FitResult:
         cfg = self.config
@@ -290,16 +293,14 @@ class Trainer(MeasuredSwitches):
             train_loader = shard_loader(train_loader, seed=cfg.seed or 0)
         steps_per_epoch = loader_length(train_loader, max_steps=cfg.max_steps)
         self._ramp = ramp = self._batch_ramp(train_loader)  # T17: batches growing over the run
-        if self.scheduler is None:  # a ramp's epochs differ in length: the schedule spans its true count
-            self.setup_schedule(*((ramp.batches_in(epochs), 1) if ramp else (steps_per_epoch, epochs)))
+        length = RunLength(epochs, steps_per_epoch, cfg.grad_accum, ramp)
+        if self.scheduler is None:
+            self.setup_schedule(*length.schedule_span())
         self._steps_per_epoch = steps_per_epoch
-        start_epoch, start_batch = (self._resume(None if ramp else steps_per_epoch) if cfg.resume else (0, 0))
-        self.prepare(train_loader, remaining_steps=None if self.total_steps is None
-                     else (self.total_steps - self.step) * cfg.grad_accum)
-        self.compiler.plan((self.total_steps - self.step) * cfg.grad_accum)  # short runs are not compiled
-        total = (ramp.batches_in(epochs - start_epoch, first_epoch=start_epoch) - start_batch if ramp
-                 else steps_per_epoch * (epochs - start_epoch) - start_batch if steps_per_epoch
-                 else (self.total_steps - self.step) * cfg.grad_accum)
+        start_epoch, start_batch = (resume_run(self, None if ramp else steps_per_epoch) if cfg.resume else (0, 0))
+        self.prepare(train_loader, remaining_steps=length.micro_batches_left(self.total_steps, self.step))
+        self.compiler.plan(length.micro_batches_left(self.total_steps, self.step))  # short runs are not compiled
+        total = length.batches_left(start_epoch, start_batch, total_steps=self.total_steps, step=self.step)
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
         self.best.active = cfg.restore_best is True or (cfg.restore_best == "auto" and val_loader is not None)
         # on_train_start now, on_train_end("success" | "failed") when the loop ends (callbacks.py)
@@ -399,19 +400,10 @@ class Trainer(MeasuredSwitches):
 
     # ------------------------------------------------------------------ checkpoints and resume
     def checkpoint_state(self, *, weights: bool = True) -> dict:
-        """Everything an exact resume needs: weights, optimizer, schedule, scaler, RNGs, data position."""
-        return {
-            "format": CHECKPOINT_FORMAT, "model": self.module.state_dict() if weights else None,
-            "optimizer": self.optimizer.state_dict() if weights else None,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.precision.state_dict(),
-            "rng": capture_rng_state(), **self.position.state_dict(),
-            "steps_per_epoch": self._steps_per_epoch, "step": self.step, "total_steps": self.total_steps,
-            **self.guard.state_dict(), "meter": self.meter.state_dict(),
-            "history": jsonable({"h": self._history})["h"], "best": self.best.record,
-            "config": jsonable(asdict(self.config)), "switches": asdict(self.switches()),
-            "callbacks": self.callbacks.state_dict(), "stopped": self.decisions.get("stopped"),
-        }
+        """Everything an exact resume needs: each part in `stateful` under its name (`weights=False`: the
+        model and optimizer left out, as a sharded run writes them as DCP shards), the config and switches."""
+        return {"format": CHECKPOINT_FORMAT, "config": jsonable(asdict(self.config)), "switches": asdict(self.switches()),
+                **collect_state(self.stateful, skip=() if weights else ("model", "optimizer"))}
 
     def save_checkpoint(self, *, best: bool = False) -> Path | None:
         """Write a checkpoint now (rank 0; every rank its shards under FSDP2); `best` also writes best.pt.
@@ -433,50 +425,6 @@ class Trainer(MeasuredSwitches):
         self.callbacks.on_save(self, self.last_checkpoint)
         notify_checkpoint(self.on_checkpoint, self.checkpoints.path_for(self.step), self.step)
         return self.last_checkpoint
-
-    def _resume(self, steps_per_epoch: int | None) -> tuple[int, int]:
-        """Load the checkpoint `resume` points at; return the (epoch, batch) to continue from."""
-        found = (ShardedCheckpoints.find(self.config.resume, self.checkpoints, world_size=self.dist.world_size,
-                                         steps_per_epoch=steps_per_epoch) if self.sharded  # any world size
-                 else find_resume(self.config.resume, self.checkpoints))
-        if found is None:
-            return 0, 0
-        state = check_resumable(found, steps_per_epoch=steps_per_epoch, total_steps=self.total_steps,
-                                has_scheduler=self.scheduler is not None)
-        if state.get("switches"):  # the precision, layout and kernels the resumed run trained with
-            self.apply_switches(Switches(**state["switches"]))
-            self._prepared = True
-            self.decisions |= {k: Decision(state["switches"].get(k, "resumed"), "as in the run being resumed")
-                               for k in ("precision", "channels_last", "switch_trial")}
-        if self.sharded:  # DCP: each rank reads the pieces of its shards
-            ShardedCheckpoints.load(found.path, self.module, self.optimizer)
-        else:
-            weights = state.get("train_model", state["model"])  # best.pt with EMA keeps the training weights there
-            check_state_dict(self.module, weights, source=f"checkpoint {found.path}")
-            self.module.load_state_dict(weights)
-            self.optimizer.load_state_dict(state["optimizer"])
-        if not (extend := is_extension(state, self.total_steps)) and self.scheduler and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.precision.load_state_dict(state["scaler"])
-        self.step = int(state["step"])
-        if extend:  # a finished run given more steps: this run's settings, a new schedule over the added steps
-            self.scheduler, self.decisions["extended"] = extend_schedule(
-                self.optimizer, self._group_settings, self.config, done=self.step, total=self.total_steps)
-        self.guard.load_state_dict(state)
-        self.meter.load_state_dict(state["meter"])
-        self._history, self.best.record = list(state["history"]), state["best"]
-        self.callbacks.load_state_dict(state.get("callbacks"))
-        if state.get("stopped"):  # a callback had ended this run: it stays ended
-            self.should_stop, self.decisions["stopped"] = True, state["stopped"]
-        self.position.load_state_dict(state)
-        restore_rng_state(state["rng"])
-        epoch, batch = self.position.epoch, self.position.batch
-        self.resumed_from = self.last_checkpoint = found.path
-        self.decisions["resumed_from"] = Decision(str(found.path), f"epoch {epoch + 1}, batch {batch}, step {self.step}")
-        if found.skipped:
-            self.decisions["resume_passed_over"] = Decision(list(found.skipped), "damaged or unreadable checkpoints")
-        log.warning("resuming from %s: epoch %d, batch %d, step %d", found.path, epoch + 1, batch, self.step)
-        return epoch, batch
 
     def evaluate(self, loader: Iterable) -> dict:
         # The plain module: a DDP forward would issue collectives that uneven shards could leave waiting.
