@@ -9,7 +9,7 @@ from the initial weights and optimizer state, so every row trains the same numbe
 and the loss column compares like with like (a numerics check: the same kernels give the same
 loss). A config's throughput is the median over rounds; its speed-up is the median of the
 per-round ratios to `naive`. The table is about speed: accuracy after a few steps says nothing
-about a switch's effect on accuracy, which the time-to-target table judges (bench/tta.py). Each
+about a switch's effect on accuracy, which the time-to-target table judges (bench/time_to_target.py). Each
 row's JSON keeps it as `check_val_acc` (does the config still learn?), its chance level in
 `meta["check_val_acc_chance"]`.
 
@@ -98,7 +98,7 @@ class BenchRow:
     samples_per_s_runs: list[float] = field(default_factory=list)
     decisions: dict = field(default_factory=dict)
     mfu: float | None = None
-    # Time to accuracy (bench/tta.py), the rows it ran: means over seeds (None: not reached on every seed),
+    # Time to accuracy (bench/time_to_target.py), the rows it ran: means over seeds (None: not reached on every seed),
     # the per-seed lists, and the accuracy each seed ended at.
     time_to_target_s: float | None = None
     steps_to_target: float | None = None
@@ -114,7 +114,7 @@ class BenchResult:
     workload: str
     rows: list[BenchRow]
     meta: dict
-    tta: dict | None = None  # time to accuracy (bench/tta.py), when it ran
+    tta: dict | None = None  # time to accuracy (bench/time_to_target.py), when it ran
 
     def to_dict(self) -> dict:
         out = {"device": self.device, "torch": self.torch, "workload": self.workload,

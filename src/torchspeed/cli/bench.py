@@ -66,6 +66,66 @@ def run(args) -> int:
     for name in ("seeds",):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise CLIError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    sharding = _check_workload(args)
+    targets, loss_target, tta_on, tta_configs = _time_to_target_args(args)
+    if args.nproc is not None:
+        if args.nproc < 2:
+            raise CLIError(f"--nproc compares N processes with 1: give N >= 2, got {args.nproc}")
+        from torchspeed.bench.scaling import run_scaling_cli
+        from torchspeed.bench.sharding import run_sharding_cli
+
+        try:
+            return run_sharding_cli(args) if sharding else run_scaling_cli(args)
+        except (ValueError, RuntimeError) as e:  # a bad combination or a failed rank: one line, no traceback
+            raise CLIError(str(e)) from e
+    from rich.console import Console
+
+    from torchspeed.bench.runner import run_bench, write_results
+
+    # --quick: batch 64 and no torch.compile (its ~40 s of compilation on 2 CPU cores alone would
+    # exceed the quick budget); 4 rounds of 3 steps, enough pairs for all/hand's interval (2
+    # rounds of 2 steps read all/hand anywhere from 0.90 to 1.01 on idle cores here).
+    steps = args.steps or (3 if args.quick else 2)
+    rounds = args.rounds or (4 if args.quick else 3)
+    batch = args.batch_size if args.batch_size != 128 or not args.quick else 64
+    configs = args.configs.split(",") if args.configs else None
+    console = Console()
+    console.print(f"[bold]torchspeed bench[/]: {args.model} on {args.data}, batch {batch}, "
+                  f"{rounds} interleaved rounds of {steps} steps per config after warm-up"
+                  + (f"; then time to target ({', '.join(tta_configs)}, {args.seeds} seeds)" if tta_on else ""))
+    try:
+        result = run_bench(model=args.model, data=args.data, batch_size=batch, steps=steps, rounds=rounds,
+                           warmup=1, device=args.device, configs=configs, eval_batches=1 if args.quick else 2,
+                           compile=not (args.quick or args.no_compile), hand=not args.no_hand,
+                           image_size=args.image_size)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    _print_throughput(console, result, tta_on)
+    if tta_on:  # time to target (bench/time_to_target.py): the shortest budget per config that ends at the target
+        from torchspeed.bench.time_to_target import attach_time_to_target, run_time_to_target
+
+        by_loss = args.target_loss is not None
+        tta = run_time_to_target(model=args.model, data=args.data,
+                                 targets=(loss_target,) if loss_target else targets,
+                                 metric="val_loss" if by_loss else "val_acc", target_from="all" if by_loss else None,
+                                 seeds=args.seeds, batch_size=batch, configs=tta_configs, device=args.device,
+                                 compile=not (args.quick or args.no_compile), train_size=result.meta.get("train_size"),
+                                 image_size=args.image_size, busy=result.meta.get("busy"), ablation=args.ablation)
+        attach_time_to_target(result, tta)
+        print_time_to_target(console, tta)
+    png = args.png or os.path.splitext(args.json)[0] + ".png"
+    write_results(result, args.json, png)
+    all_row = next((r for r in result.rows if r.config == "all"), None)
+    if all_row is not None:
+        console.print(f"all: {all_row.speedup:.2f}x naive; decisions: "
+                      + ", ".join(f"{k}={v['value'] if isinstance(v, dict) and 'value' in v else v}"
+                                  for k, v in all_row.decisions.items()))
+    console.print(f"wrote {args.json} and {png}")
+    return 0
+
+
+def _check_workload(args) -> bool:
+    """--model and --data, checked and filled in (a custom model imported once here); True for --parallel fsdp2."""
     from torchspeed.bench.workloads import check_workload, default_data
 
     # --data digits alone: ResNet-20, the CIFAR-sized net that trains to 90% on them in seconds per seed.
@@ -89,8 +149,13 @@ def run(args) -> int:
         check_workload(args.model, args.data)
     except ValueError as e:
         raise CLIError(str(e)) from e
-    from torchspeed.bench.tta import CONFIGS as TTA_CONFIGS
-    from torchspeed.bench.tta import resolve_targets
+    return sharding
+
+
+def _time_to_target_args(args):
+    """--target-acc, --target-loss and --tta-configs, checked: (targets, loss target, on, configs)."""
+    from torchspeed.bench.time_to_target import CONFIGS as TTA_CONFIGS
+    from torchspeed.bench.time_to_target import resolve_targets
 
     try:
         targets = resolve_targets(args.data, args.target_acc, off=args.no_tta or args.target_loss is not None)
@@ -112,39 +177,13 @@ def run(args) -> int:
     if "schedulefree" in tta_configs and importlib.util.find_spec("schedulefree") is None:
         raise CLIError("the schedulefree row needs the schedulefree package: pip install 'torchspeed[schedulefree]', "
                        "or leave it out with --tta-configs naive,all,auto,auto_warm")
-    if args.nproc is not None:
-        if args.nproc < 2:
-            raise CLIError(f"--nproc compares N processes with 1: give N >= 2, got {args.nproc}")
-        from torchspeed.bench.scaling import run_scaling_cli
-        from torchspeed.bench.sharding import run_sharding_cli
+    return targets, loss_target, tta_on, tta_configs
 
-        try:
-            return run_sharding_cli(args) if sharding else run_scaling_cli(args)
-        except (ValueError, RuntimeError) as e:  # a bad combination or a failed rank: one line, no traceback
-            raise CLIError(str(e)) from e
-    from rich.console import Console
+
+def _print_throughput(console, result, tta_on: bool) -> None:
+    """The throughput table, then what all/hand measured."""
     from rich.table import Table
 
-    from torchspeed.bench.runner import run_bench, write_results
-
-    # --quick: batch 64 and no torch.compile (its ~40 s of compilation on 2 CPU cores alone would
-    # exceed the quick budget); 4 rounds of 3 steps, enough pairs for all/hand's interval (2
-    # rounds of 2 steps read all/hand anywhere from 0.90 to 1.01 on idle cores here).
-    steps = args.steps or (3 if args.quick else 2)
-    rounds = args.rounds or (4 if args.quick else 3)
-    batch = args.batch_size if args.batch_size != 128 or not args.quick else 64
-    configs = args.configs.split(",") if args.configs else None
-    console = Console()
-    console.print(f"[bold]torchspeed bench[/]: {args.model} on {args.data}, batch {batch}, "
-                  f"{rounds} interleaved rounds of {steps} steps per config after warm-up"
-                  + (f"; then time to target ({', '.join(tta_configs)}, {args.seeds} seeds)" if tta_on else ""))
-    try:
-        result = run_bench(model=args.model, data=args.data, batch_size=batch, steps=steps, rounds=rounds,
-                           warmup=1, device=args.device, configs=configs, eval_batches=1 if args.quick else 2,
-                           compile=not (args.quick or args.no_compile), hand=not args.no_hand,
-                           image_size=args.image_size)
-    except ValueError as e:
-        raise CLIError(str(e)) from e
     table = Table(title=f"{result.workload} on {result.device}")
     show_mfu = any(r.mfu is not None for r in result.rows)
     for col in ("config", "samples/s", "speed-up", "train loss") + (("MFU",) if show_mfu else ()):
@@ -170,23 +209,47 @@ def run(args) -> int:
         console.print(f"[bold]all/hand: {result.meta['all_over_hand']:.2f}x[/] (median of per-round ratios): "
                       + describe_comparison(result.meta["all_over_hand_interval"], candidate="all",
                                             baseline="the best hand-written loop"))
-    if tta_on:  # time to target (bench/tta.py): the shortest budget per config that ends at the target on every seed
-        from torchspeed.bench.tta import attach_tta, print_tta, run_tta
 
-        by_loss = args.target_loss is not None
-        tta = run_tta(model=args.model, data=args.data, targets=(loss_target,) if loss_target else targets,
-                      metric="val_loss" if by_loss else "val_acc", target_from="all" if by_loss else None,
-                      seeds=args.seeds, batch_size=batch, configs=tta_configs, device=args.device,
-                      compile=not (args.quick or args.no_compile), train_size=result.meta.get("train_size"),
-                      image_size=args.image_size, busy=result.meta.get("busy"), ablation=args.ablation)
-        attach_tta(result, tta)
-        print_tta(console, tta)
-    png = args.png or os.path.splitext(args.json)[0] + ".png"
-    write_results(result, args.json, png)
-    all_row = next((r for r in result.rows if r.config == "all"), None)
-    if all_row is not None:
-        console.print(f"all: {all_row.speedup:.2f}x naive; decisions: "
-                      + ", ".join(f"{k}={v['value'] if isinstance(v, dict) and 'value' in v else v}"
-                                  for k, v in all_row.decisions.items()))
-    console.print(f"wrote {args.json} and {png}")
-    return 0
+
+def print_time_to_target(console, tta) -> None:
+    """One table per target: budget, samples, training time, choosing time, their total, final metric per seed."""
+    from rich.table import Table
+
+    m = tta.meta
+    for e in tta.targets:
+        better = "<=" if e["metric"] == "val_loss" else ">="
+        table = Table(title=f"time to {e['metric']} {better} {e['target']:.4g}: {e['workload']}, batch "
+                            f"{m.get('batch_size')}, {len(tta.seeds)} seeds; the shortest one-cycle budget that ends "
+                            "there on every seed; every config from an empty cache but auto_warm")
+        for col in ("config", "budget (steps)", "samples", "train (s)", "choosing (s)", "total (s)",
+                    e["metric"] + " per seed"):
+            table.add_column(col, justify="left" if col == "config" else "right")
+        for name, c in e["configs"].items():
+            vals = ", ".join("-" if v is None else f"{v:.3f}" for v in c[e["metric"]])
+            if c["budget_steps"] is None:
+                table.add_row(name, f"not reached (<= {max(c['budgets_tried'])})", "-", "-", "-", "-", vals)
+                continue
+            table.add_row(name, str(c["budget_steps"]), f"{c['samples_to_target']:,}", f"{c['train_time_s']:.1f}",
+                          f"{c['tuning_time_s']:.1f}", f"{c['total_time_s']:.1f}", vals,
+                          style="bold red" if name == "auto" else None)
+        console.print(table)
+        for key, label in (("auto_vs_all", "auto vs all"), ("auto_vs_naive", "auto vs naive"),
+                           ("auto_warm_vs_all", "auto (warm cache) vs all")):
+            av = e.get(key)
+            if not av:
+                continue
+            iv = av["tuning_included_interval"]
+            console.print(f"[bold]{label}[/]: {av['tuning_included']:.2f}x sooner with choosing counted (per seed "
+                          f"{iv['low']:.2f}-{iv['high']:.2f}); {av['samples']:.2f}x fewer samples, "
+                          f"{av['train_time']:.2f}x less training time; choosing {av['tuning_share'] or 0:.0%} "
+                          "of its time")
+        sb = e.get("auto_at_naive_budget")
+        if sb:
+            console.print(f"[bold]auto at naive's budget[/] ({sb['budget_steps']} steps): {sb['metric']} "
+                          + ", ".join(f"{x:.3f}" for x in sb["auto"]) + " against naive's "
+                          + ", ".join(f"{x:.3f}" for x in sb["naive"])
+                          + f" ({'not below' if sb['not_worse'] else 'below'} naive on average; "
+                            f"{sb['seeds_not_worse']}/{len(sb['auto'])} seeds)")
+    for row in tta.ablation:
+        console.print(f"ablation: auto {row['variant']}: budget {row['budget_steps'] or 'not reached'}"
+                      + (f" ({row['steps_vs_auto']:.2f}x auto's steps)" if row.get("steps_vs_auto") else ""))

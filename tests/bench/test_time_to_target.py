@@ -1,11 +1,13 @@
-"""Time to target in `torchspeed bench` (bench/tta.py): behaviour only, never wall-clock speed."""
+"""Time to target in `torchspeed bench` (bench/time_to_target.py): behaviour only, never wall-clock speed."""
 
+import importlib.util
 import json
 
 import pytest
 
 from torchspeed.bench.runner import BenchResult, BenchRow
-from torchspeed.bench.tta import DEFAULT_TARGETS, attach_tta, resolve_targets, run_tta, shortest_budget
+from torchspeed.bench.time_to_target import (DEFAULT_TARGETS, attach_time_to_target, resolve_targets,
+                                             run_time_to_target, shortest_budget)
 from torchspeed.cli.main import main
 
 # A tiny workload: an MLP on a small synthetic set learns past 0.3 accuracy within a few steps.
@@ -21,7 +23,7 @@ def _fake_bench() -> BenchResult:
 # ------------------------------------------------------------------ the search, as a pure function
 @pytest.mark.parametrize("needed, start", [(48, 80), (96, 80), (8, 80), (400, 80), (56, 16), (80, 80)])
 def test_shortest_budget_finds_the_first_passing_budget_asking_each_once(needed, start):
-    from torchspeed.bench.tta import BUDGETS
+    from torchspeed.bench.time_to_target import BUDGETS
 
     asked = []
 
@@ -40,7 +42,7 @@ def test_shortest_budget_is_none_when_no_budget_passes():
 
 
 def test_a_budget_fails_as_soon_as_one_seed_misses_and_that_seed_goes_first_next_time():
-    from torchspeed.bench.tta import TTARun, _Search
+    from torchspeed.bench.time_to_target import TTARun, _Search
 
     calls = []
 
@@ -65,12 +67,12 @@ def test_a_budget_fails_as_soon_as_one_seed_misses_and_that_seed_goes_first_next
 @pytest.fixture(scope="module")
 def tiny():
     """naive, all, auto (cold cache) and auto_warm on two seeds to a low target."""
-    return run_tta(targets=(0.3,), seeds=2, configs=("naive", "all", "auto", "auto_warm"), **TINY)
+    return run_time_to_target(targets=(0.3,), seeds=2, configs=("naive", "all", "auto", "auto_warm"), **TINY)
 
 
 def test_the_schedule_free_row_trains_schedule_free_adamw_at_its_defaults():
     pytest.importorskip("schedulefree")
-    res = run_tta(targets=(0.3,), seeds=1, configs=("schedulefree",), **TINY)
+    res = run_time_to_target(targets=(0.3,), seeds=1, configs=("schedulefree",), **TINY)
     runs = [r for r in res.runs if r.config == "schedulefree"]
     assert runs and all("AdamWScheduleFree" in r.decisions["optimizer"] and "warm-up" in r.decisions["schedule"]
                         for r in runs)
@@ -98,11 +100,15 @@ def test_every_config_reaches_the_target_and_the_json_has_the_issue_schema(tiny)
     assert e["configs"]["auto"]["tuning_time_s"] > 0 == e["configs"]["all"]["tuning_time_s"]  # counted, cold
     for key in ("auto_vs_all", "auto_vs_naive", "auto_warm_vs_all"):
         assert e[key]["samples"] > 0 and e[key]["tuning_included"] > 0 and 0 <= e[key]["tuning_share"] < 1
-    # cold: a run's recipe cannot afford the range test (100+ steps) in a budget of at most 32 steps: the prior LR
+    # cold: a run's recipe cannot afford an optimizer trial or the range test in a budget of at most 32 steps: the
+    # optimizer prior (Schedule-Free AdamW at its default LR when installed, else the given LR's prior)
     cold = [r for r in res.runs if r.config == "auto"]
-    assert cold and all(r.tuning_steps == 0 and "prior" in r.decisions["lr"] for r in cold)
+    sf = importlib.util.find_spec("schedulefree") is not None
+    assert cold and all(r.tuning_steps == 0 and ("Schedule-Free" if sf else "prior") in r.decisions["lr"]
+                        for r in cold)
+    assert not sf or all("(prior: Schedule-Free" in r.decisions["optimizer"] for r in cold)
     warm = [r for r in res.runs if r.config == "auto_warm"]  # the earlier run's measurement, 0 steps now
-    assert warm and all(r.tuning_steps == 0 and "cached" in r.decisions["lr"] for r in warm)
+    assert warm and all(r.tuning_steps == 0 and "cached" in r.decisions["optimizer" if sf else "lr"] for r in warm)
     assert all("cached" in r.decisions["switch_trial"] for r in warm)
     # final quality at equal length: auto trained for naive's budget on every seed, beside naive's own runs
     sb, nb = e["auto_at_naive_budget"], e["configs"]["naive"]["budget_steps"]
@@ -124,7 +130,7 @@ def test_rows_and_json_carry_the_targets(tiny, tmp_path):
     from torchspeed.bench.runner import write_results
 
     bench = _fake_bench()
-    attach_tta(bench, tiny)
+    attach_time_to_target(bench, tiny)
     write_results(bench, tmp_path / "b.json", None)
     data = json.loads((tmp_path / "b.json").read_text())
     rows = {r["config"]: r for r in data["rows"]}
@@ -139,7 +145,7 @@ def test_the_recipe_is_chosen_without_reading_the_validation_split(monkeypatch, 
     """auto's choice runs on training batches alone: a different validation set changes nothing."""
     import torchspeed.bench._worker as worker
     from torchspeed.bench.runner import bench_configs
-    from torchspeed.bench.tta import warm
+    from torchspeed.bench.time_to_target_worker import warm
 
     import torch
     cfg = next(c for c in bench_configs(torch.device("cpu"), compile=False, hand=False) if c.name == "all")
@@ -170,7 +176,7 @@ def test_digits_turn_both_targets_on_by_default():
 
 def test_bench_cli_runs_time_to_target_for_digits_unless_switched_off(tiny, monkeypatch, tmp_path):
     import torchspeed.bench.runner as runner
-    import torchspeed.bench.tta as tta
+    import torchspeed.bench.time_to_target as tta
 
     calls = []
     monkeypatch.setattr(runner, "run_bench", lambda **kw: _fake_bench())
@@ -180,7 +186,7 @@ def test_bench_cli_runs_time_to_target_for_digits_unless_switched_off(tiny, monk
         calls.append(kw)
         return tiny
 
-    monkeypatch.setattr(tta, "run_tta", fake_tta)
+    monkeypatch.setattr(tta, "run_time_to_target", fake_tta)
     out = tmp_path / "b.json"
     assert main(["bench", "--data", "digits", "--json", str(out)]) == 0
     assert len(calls) == 1 and calls[0]["targets"] == (0.97, 0.90) and calls[0]["data"] == "digits"

@@ -1,7 +1,7 @@
 """Time to accuracy, measured as record runs are: the shortest step budget that reaches the target on every seed.
 
 The throughput table (runner.py) says how fast one step is; this says how soon the trained
-model is there. Three configs:
+model is there. The configs:
 
 - `naive`: today's recipe (SGD momentum 0.9, weight decay 5e-4, one-cycle with a fixed peak
   LR of 0.1), speed switches off (`TrainConfig.naive()`);
@@ -9,7 +9,10 @@ model is there. Three configs:
   measured switch trial, fused kernels, T13 host reads, ...);
 - `auto`: the speed switches on plus the recipe `fit(recipe="auto")` chooses on the training
   data (plan/recipe.py: peak LR and floor from the range test, label smoothing, BatchNorm
-  statistics of the final weights, flip TTA only where it scores better, ...).
+  statistics of the final weights, flip TTA only where it scores better, Schedule-Free AdamW as
+  the optimizer prior of short runs, ...), from an empty cache, choosing counted;
+- `auto_warm`: the same, reading the cache an earlier run left (measured off the clock);
+- `schedulefree`: the switches of `all`, Schedule-Free AdamW at its defaults, no schedule.
 
 Method (why a budget grid): a one-cycle run's accuracy at step k depends on the schedule's
 length, so "the first evaluation above the target" rewards a long schedule caught mid-way.
@@ -28,17 +31,15 @@ for itself.
 
 - Nothing of the recipe reads the validation split: it is chosen on training batches alone.
 - Seeds change the initial weights and the batch order; every config sees the same ones.
-- Each run is a fresh process started the way the throughput bench starts that config (its
-  allocator and OpenMP settings), so no state leaks between runs.
+- Each run is a fresh process of `bench/time_to_target_worker.py`, started the way the
+  throughput bench starts that config (allocator, OpenMP settings); the tables print in
+  `cli/bench.py`.
 - The search assumes a budget that passes stays passing when it grows (true of these curves
   up to noise); it reports the budgets it tried and the final accuracy of every run.
-- `ablation=True` adds a leave-one-out row per recipe part that is on (and an add-one row per
-  part that is off): the budget each finds, so what each part saves.
-
-Here "tta" stands for time to accuracy, not test-time augmentation (T33).
+- `ablation=True`: a leave-one-out (or add-one) row per recipe part, and the budget it needs.
 
 Example:
-    >>> res = run_tta(model="resnet20", data="digits", targets=(0.97, 0.90), seeds=3)
+    >>> res = run_time_to_target(model="resnet20", data="digits", targets=(0.97, 0.90), seeds=3)
     >>> res.targets[0]["configs"]["auto"]["budget_steps"]
 """
 
@@ -50,14 +51,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field, replace
 
 from torchspeed.bench.compare import compare_ratios
 from torchspeed.train.optim import SCHEDULE_FREE_LR
 
-__all__ = ["DEFAULT_TARGETS", "BUDGETS", "CONFIGS", "TTARun", "TTAResult", "resolve_targets", "run_tta",
-           "attach_tta", "print_tta", "train_budget", "shortest_budget"]
+__all__ = ["DEFAULT_TARGETS", "BUDGETS", "CONFIGS", "TTARun", "TTAResult", "resolve_targets", "run_time_to_target",
+           "attach_time_to_target", "shortest_budget"]
 
 # Targets per dataset, fixed before any tuning: the digits at 0.97, and 0.90 to compare with earlier results.
 DEFAULT_TARGETS = {"digits": (0.97, 0.90)}
@@ -67,7 +67,6 @@ START = 80          # where the search starts for naive/all (today's default bud
 DEFAULT_LR = 0.1    # today's recipe: the one-cycle's peak LR (SGD, momentum 0.9)
 CONFIGS = ("naive", "all", "auto", "auto_warm", "schedulefree")
 SF_LR = SCHEDULE_FREE_LR  # Schedule-Free AdamW's own default LR: what a user who wants no tuning runs
-COLD = ("naive", "all", "auto", "schedulefree")  # each run starts from an empty decision cache: every measurement counts
 
 
 @dataclass
@@ -79,7 +78,7 @@ class TTARun:
     budget: int                  # optimizer steps (the one-cycle's length)
     val_acc: float | None        # at the end
     val_loss: float
-    train_s: float               # training seconds (clock around the steps, the switch trial's included; evaluation off)
+    train_s: float               # training seconds (the clock around the steps, the switch trial's in; evaluation out)
     samples: int
     decisions: dict = field(default_factory=dict)
     tuning_s: float = 0.0        # choosing the recipe in the run's own process, before training (auto)
@@ -243,21 +242,72 @@ def _target_entry(workload: str, target: float, metric: str, searches: dict, bud
     return entry
 
 
-def run_tta(*, model: str = "resnet20", data: str = "digits", targets: tuple[float, ...] = (0.97, 0.90),
-            metric: str = "val_acc", seeds: int = 3, seed: int = 0, batch_size: int = 64, lr: float | None = None,
-            optimizer: str | None = None, configs: tuple[str, ...] = CONFIGS, budgets: tuple[int, ...] = BUDGETS,
-            start: int = START, device: str | None = None, compile: bool = True, train_size: int | None = None,
-            val_size: int | None = None, image_size: int = 32, busy: bool | None = None, ablation: bool = False,
-            target_from: str | None = None, progress: bool = True) -> TTAResult:
+def run_time_to_target(*, model: str = "resnet20", data: str = "digits", targets: tuple[float, ...] = (0.97, 0.90),
+                       metric: str = "val_acc", seeds: int = 3, seed: int = 0, batch_size: int = 64,
+                       lr: float | None = None, optimizer: str | None = None, configs: tuple[str, ...] = CONFIGS,
+                       budgets: tuple[int, ...] = BUDGETS, start: int = START, device: str | None = None,
+                       compile: bool = True, train_size: int | None = None, val_size: int | None = None,
+                       image_size: int = 32, busy: bool | None = None, ablation: bool = False,
+                       target_from: str | None = None, progress: bool = True) -> TTAResult:
     """The shortest budget to each target per config (see the module docstring).
 
     `metric` "val_acc" (reach >= target) or "val_loss" (reach <= target). `target_from`="all"
     with `metric="val_loss"` and no targets: the target is the worst final validation loss
     `all` reaches over the seeds at budget `start` (its default budget).
     """
+    from rich.progress import Progress
+
     from torchspeed.bench.runner import bench_configs, machine_busy, provenance
     from torchspeed.env import default_device
 
+    _check(seeds, metric, targets, target_from, configs)
+    dev = default_device(device or None)
+    if busy is None:
+        busy = machine_busy()[0] if dev.type == "cpu" else False
+    by_name = {c.name: c for c in bench_configs(dev, compile=compile, hand=False, busy=busy)}
+    proc_cfg = {name: by_name["naive" if name == "naive" else "all"] for name in CONFIGS}
+    if train_size is None:
+        train_size = 2048 if image_size < 64 else 4 * batch_size
+    if val_size is None:
+        val_size = 1024 if image_size < 64 else 2 * batch_size
+    text = data == "text"
+    optimizer = optimizer or ("adamw" if text else "sgd")
+    lr = lr if lr is not None else (3e-3 if text else DEFAULT_LR)
+    base = {"model": model, "data": data, "batch_size": batch_size, "train_size": train_size, "val_size": val_size,
+            "lr": lr, "optimizer": optimizer, "data_seed": seed, "device": str(dev), "image_size": image_size}
+    seed_list = [seed + i for i in range(seeds)]
+    with tempfile.TemporaryDirectory(prefix="torchspeed-warm-") as warm_root, \
+            Progress(disable=not progress, transient=True) as bar:
+        runner = _Runner(base, proc_cfg, bar)
+        if "auto_warm" in configs:  # an earlier run measured everything (no budget): its cache, off the clock
+            runner.fill_warm_caches(seed_list, warm_root)
+        searches = {name: _Search(name, seed_list, runner.run_seeds, runner.say) for name in configs}
+        if not targets:  # the target is what `all` reaches in its default budget
+            ref = searches.get("all") or next(iter(searches.values()))
+            finals = [ref.run(start, s) for s in seed_list]
+            targets = (max(r.val_loss for r in finals),) if metric == "val_loss" else (min(r.val_acc for r in finals),)
+        order = sorted(targets, reverse=metric == "val_acc")  # the hardest first: the others start from it
+        found = _find_budgets(searches, order, metric, budgets, start)
+        same_budget = _auto_at_naive_budget(searches, order, found, metric, runner.say)
+        ablation_rows: list = []
+        if ablation and "auto" in searches and found[order[0]].get("auto"):
+            first = searches["auto"].runs[found[order[0]]["auto"], seed_list[0]]
+            ablation_rows = _ablation(list(first.decisions.get("recipe_on", [])), seed_list, runner.run_seeds,
+                                      budgets, order[0], metric, found[order[0]].get("auto"), batch_size, runner.say)
+    tuning = {"auto_warm": [r["tuning_s"] for r in runner.recipes.values()]}
+    entries = [_target_entry(f"{model} on {data}", t, metric, searches, found[t], batch_size, tuning) for t in targets]
+    for e in entries:
+        if e["target"] in same_budget:
+            e["auto_at_naive_budget"] = same_budget[e["target"]]
+    runs = [r for s in searches.values() for r in s.runs.values()]
+    meta = provenance() | {"model": model, "data": data, "batch_size": batch_size, "lr_peak": lr,
+                           "optimizer": optimizer, "schedule": "onecycle", "budgets": list(budgets),
+                           "image_size": image_size, "busy": busy, "metric": metric}
+    return TTAResult(targets=entries, runs=runs, recipes={str(k): v for k, v in runner.recipes.items()},
+                     seeds=seed_list, meta=meta, ablation=ablation_rows)
+
+
+def _check(seeds: int, metric: str, targets, target_from, configs) -> None:
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     if metric not in ("val_acc", "val_loss"):
@@ -270,90 +320,63 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", targets: tuple[flo
     bad = set(configs) - set(CONFIGS)
     if bad:
         raise ValueError(f"unknown time-to-accuracy config(s) {sorted(bad)}; choose from {', '.join(CONFIGS)}")
-    dev = default_device(device or None)
-    if busy is None:
-        busy = machine_busy()[0] if dev.type == "cpu" else False
-    by_name = {c.name: c for c in bench_configs(dev, compile=compile, hand=False, busy=busy)}
-    proc_cfg = {"naive": by_name["naive"], "all": by_name["all"], "auto": by_name["all"], "auto_warm": by_name["all"],
-                "schedulefree": by_name["all"]}
-    if train_size is None:
-        train_size = 2048 if image_size < 64 else 4 * batch_size
-    if val_size is None:
-        val_size = 1024 if image_size < 64 else 2 * batch_size
-    text = data == "text"
-    optimizer = optimizer or ("adamw" if text else "sgd")
-    lr = lr if lr is not None else (3e-3 if text else DEFAULT_LR)
-    base = {"model": model, "data": data, "batch_size": batch_size, "train_size": train_size, "val_size": val_size,
-            "lr": lr, "optimizer": optimizer, "data_seed": seed, "device": str(dev), "image_size": image_size}
-    seed_list = [seed + i for i in range(seeds)]
 
-    from rich.progress import Progress
 
-    recipes: dict[int, dict] = {}
-    warm_dirs: dict[int, str] = {}
-    with tempfile.TemporaryDirectory(prefix="torchspeed-warm-") as warm_root, \
-            Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("time to accuracy", total=None)
+class _Runner:
+    """Starts the worker processes: one per (config, seeds, budget), each config the way the throughput bench
+    starts it (allocator, OpenMP settings); `auto_warm` reads the cache `fill_warm_caches` left."""
 
-        def say(what: str) -> None:
-            bar.update(task, description=f"time to accuracy: {what}")
-            bar.advance(task)
+    def __init__(self, base: dict, proc_cfg: dict, bar):
+        self.base, self.proc_cfg, self.bar = base, proc_cfg, bar
+        self.task = bar.add_task("time to accuracy", total=None)
+        self.recipes: dict[int, dict] = {}
+        self.warm_dirs: dict[int, str] = {}
 
-        if "auto_warm" in configs:  # an earlier run measured everything (no budget): its cache, off the clock
-            for s in seed_list:
-                say(f"auto_warm: measuring the recipe and the switches for the cache, seed {s}")
-                warm_dirs[s] = os.path.join(warm_root, str(s))
-                recipes[s] = _process(proc_cfg["auto_warm"], base | {"mode": "warm", "seed": s, "config": "auto_warm",
-                                                                    "cache_dir": warm_dirs[s]})
+    def say(self, what: str) -> None:
+        self.bar.update(self.task, description=f"time to accuracy: {what}")
+        self.bar.advance(self.task)
 
-        def run_seeds(name: str, seeds_: list[int], budget: int, target: float | None, metric_: str | None,
-                      parts: tuple | None = None) -> list[TTARun]:
-            """`seeds_` in turn in one process of `name`'s kind (auto's recipe; `parts`: an ablation variant)."""
-            spec = base | {"mode": "train", "config": name, "seed": seeds_[0], "seeds": seeds_, "budget": budget,
-                           "target": target, "metric": metric_, "parts": list(parts) if parts is not None else None,
-                           "cache_dirs": {str(s): warm_dirs[s] for s in seeds_} if name == "auto_warm" else {}}
-            return [TTARun(**r) for r in _process(proc_cfg[name], spec)["runs"]]
+    def fill_warm_caches(self, seeds: list[int], root: str) -> None:
+        for s in seeds:
+            self.say(f"auto_warm: measuring the recipe and the switches for the cache, seed {s}")
+            self.warm_dirs[s] = os.path.join(root, str(s))
+            self.recipes[s] = _process(self.proc_cfg["auto_warm"], self.base | {
+                "mode": "warm", "seed": s, "config": "auto_warm", "cache_dir": self.warm_dirs[s]})
 
-        searches = {name: _Search(name, seed_list, run_seeds, say) for name in configs}
-        if not targets:  # the target is what `all` reaches in its default budget
-            ref = searches.get("all") or next(iter(searches.values()))
-            finals = [ref.run(start, s) for s in seed_list]
-            targets = (max(r.val_loss for r in finals),) if metric == "val_loss" else (min(r.val_acc for r in finals),)
-        order = sorted(targets, reverse=metric == "val_acc")  # the hardest first: the others start from it
-        found: dict[float, dict[str, int | None]] = {}
+    def run_seeds(self, name: str, seeds: list[int], budget: int, target: float | None, metric: str | None,
+                  parts: tuple | None = None) -> list[TTARun]:
+        """`seeds` in turn in one process of `name`'s kind (auto's recipe; `parts`: an ablation variant)."""
+        spec = self.base | {"mode": "train", "config": name, "seed": seeds[0], "seeds": seeds, "budget": budget,
+                            "target": target, "metric": metric, "parts": list(parts) if parts is not None else None,
+                            "cache_dirs": {str(s): self.warm_dirs[s] for s in seeds} if name == "auto_warm" else {}}
+        return [TTARun(**r) for r in _process(self.proc_cfg[name], spec)["runs"]]
+
+
+def _find_budgets(searches: dict, order: list[float], metric: str, budgets, start: int) -> dict:
+    """Per target (the hardest first) and config: the shortest passing budget, each search starting from the
+    budget a harder target needed (auto's first search from half of all's budget)."""
+    found: dict[float, dict[str, int | None]] = {}
+    for t in order:
+        found[t] = {}
+        for name, srch in searches.items():
+            hint = next((found[p][name] for p in reversed(list(found)) if found[p].get(name)), None)
+            if hint is None and name == "auto" and "all" in found[t] and found[t]["all"]:
+                hint = _nearest(budgets, found[t]["all"] // 2)
+            found[t][name] = shortest_budget(lambda b, srch=srch, t=t: srch.passes(b, t, metric), budgets,
+                                             start=hint or start)
+    return found
+
+
+def _auto_at_naive_budget(searches: dict, order: list[float], found: dict, metric: str, say) -> dict:
+    """Final quality at equal length: auto trained for naive's budget, per target."""
+    out: dict[float, dict] = {}
+    if "naive" in searches and "auto" in searches:
         for t in order:
-            found[t] = {}
-            for name, srch in searches.items():
-                hint = next((found[p][name] for p in reversed(list(found)) if found[p].get(name)), None)
-                if hint is None and name == "auto" and "all" in found[t] and found[t]["all"]:
-                    hint = _nearest(budgets, found[t]["all"] // 2)
-                found[t][name] = shortest_budget(lambda b, srch=srch, t=t: srch.passes(b, t, metric), budgets,
-                                                 start=hint or start)
-        same_budget: dict[float, dict] = {}
-        if "naive" in searches and "auto" in searches:  # final quality at equal length: auto at naive's budget
-            for t in order:
-                b = found[t].get("naive")
-                if b:
-                    say(f"auto at naive's budget of {b} steps")
-                    same_budget[t] = _same_budget(b, searches["naive"].every_seed(b),
-                                                  searches["auto"].every_seed(b), metric)
-        ablation_rows: list = []
-        if ablation and "auto" in searches and found[order[0]].get("auto"):
-            first = searches["auto"].runs[found[order[0]]["auto"], seed_list[0]]
-            ablation_rows = _ablation(list(first.decisions.get("recipe_on", [])), seed_list, run_seeds, budgets,
-                                      order[0], metric, found[order[0]].get("auto"), batch_size, say)
-    tuning = {"auto_warm": [r["tuning_s"] for r in recipes.values()]}
-    workload = f"{model} on {data}"
-    entries = [_target_entry(workload, t, metric, searches, found[t], batch_size, tuning) for t in targets]
-    for e in entries:
-        if e["target"] in same_budget:
-            e["auto_at_naive_budget"] = same_budget[e["target"]]
-    runs = [r for s in searches.values() for r in s.runs.values()]
-    meta = provenance() | {"model": model, "data": data, "batch_size": batch_size, "lr_peak": lr,
-                           "optimizer": optimizer, "schedule": "onecycle", "budgets": list(budgets),
-                           "image_size": image_size, "busy": busy, "metric": metric}
-    return TTAResult(targets=entries, runs=runs, recipes={str(k): v for k, v in recipes.items()}, seeds=seed_list,
-                     meta=meta, ablation=ablation_rows)
+            b = found[t].get("naive")
+            if b:
+                say(f"auto at naive's budget of {b} steps")
+                out[t] = _same_budget(b, searches["naive"].every_seed(b), searches["auto"].every_seed(b), metric)
+    return out
 
 
 def _same_budget(budget: int, naive: list[TTARun], auto: list[TTARun], metric: str) -> dict:
@@ -395,7 +418,7 @@ def _ablation(on: list[str], seeds: list[int], run_seeds, budgets, target: float
     return rows
 
 
-def attach_tta(result, tta: TTAResult) -> None:
+def attach_time_to_target(result, tta: TTAResult) -> None:
     """Put the first target's numbers on the naive and all rows of a BenchResult and add the `tta` section."""
     first = tta.targets[0] if tta.targets else None
     for row in result.rows:
@@ -408,58 +431,14 @@ def attach_tta(result, tta: TTAResult) -> None:
     result.tta = tta.to_dict()
 
 
-def print_tta(console, tta: TTAResult) -> None:
-    """One table per target: budget, samples, training time, choosing time, their total, final metric per seed."""
-    from rich.table import Table
-
-    m = tta.meta
-    for e in tta.targets:
-        better = "<=" if e["metric"] == "val_loss" else ">="
-        table = Table(title=f"time to {e['metric']} {better} {e['target']:.4g}: {e['workload']}, batch "
-                            f"{m.get('batch_size')}, {len(tta.seeds)} seeds; the shortest one-cycle budget that ends "
-                            "there on every seed; every config from an empty cache but auto_warm")
-        for col in ("config", "budget (steps)", "samples", "train (s)", "choosing (s)", "total (s)",
-                    e["metric"] + " per seed"):
-            table.add_column(col, justify="left" if col == "config" else "right")
-        for name, c in e["configs"].items():
-            vals = ", ".join("-" if v is None else f"{v:.3f}" for v in c[e["metric"]])
-            if c["budget_steps"] is None:
-                table.add_row(name, f"not reached (<= {max(c['budgets_tried'])})", "-", "-", "-", "-", vals)
-                continue
-            table.add_row(name, str(c["budget_steps"]), f"{c['samples_to_target']:,}", f"{c['train_time_s']:.1f}",
-                          f"{c['tuning_time_s']:.1f}", f"{c['total_time_s']:.1f}", vals,
-                          style="bold red" if name == "auto" else None)
-        console.print(table)
-        for key, label in (("auto_vs_all", "auto vs all"), ("auto_vs_naive", "auto vs naive"),
-                           ("auto_warm_vs_all", "auto (warm cache) vs all")):
-            av = e.get(key)
-            if not av:
-                continue
-            iv = av["tuning_included_interval"]
-            console.print(f"[bold]{label}[/]: {av['tuning_included']:.2f}x sooner with choosing counted (per seed "
-                          f"{iv['low']:.2f}-{iv['high']:.2f}); {av['samples']:.2f}x fewer samples, "
-                          f"{av['train_time']:.2f}x less training time; choosing {av['tuning_share'] or 0:.0%} "
-                          "of its time")
-        sb = e.get("auto_at_naive_budget")
-        if sb:
-            console.print(f"[bold]auto at naive's budget[/] ({sb['budget_steps']} steps): {sb['metric']} "
-                          + ", ".join(f"{x:.3f}" for x in sb["auto"]) + " against naive's "
-                          + ", ".join(f"{x:.3f}" for x in sb["naive"])
-                          + f" ({'not below' if sb['not_worse'] else 'below'} naive on average; "
-                            f"{sb['seeds_not_worse']}/{len(sb['auto'])} seeds)")
-    for row in tta.ablation:
-        console.print(f"ablation: auto {row['variant']}: budget {row['budget_steps'] or 'not reached'}"
-                      + (f" ({row['steps_vs_auto']:.2f}x auto's steps)" if row.get("steps_vs_auto") else ""))
-
-
 # ---------------------------------------------------------------------- one run, in its own process
 def _process(cfg, spec: dict) -> dict:
     from torchspeed.bench._worker import PREFIX
     from torchspeed.bench.runner import config_env
 
     spec = spec | {"train": asdict(replace(cfg.train, schedule="onecycle")), "num_workers": cfg.num_workers}
-    proc = subprocess.run([sys.executable, "-m", "torchspeed.bench.tta"], input=json.dumps(spec) + "\n",
-                          capture_output=True, text=True, env=config_env(cfg))
+    proc = subprocess.run([sys.executable, "-m", "torchspeed.bench.time_to_target_worker"],
+                          input=json.dumps(spec) + "\n", capture_output=True, text=True, env=config_env(cfg))
     what = f"time to accuracy, config {spec['config']!r} seed {spec['seed']}" + (
         f" budget {spec['budget']}" if "budget" in spec else "")
     for line in proc.stdout.splitlines():
@@ -470,160 +449,3 @@ def _process(cfg, spec: dict) -> dict:
             return reply
     tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
     raise RuntimeError(f"{what}: its process exited (code {proc.returncode})\n{tail}")
-
-
-def _setup(spec: dict):
-    from torchspeed.bench._worker import _data, _model
-
-    loader, val_loader, device = _data(spec)
-    if len(loader) < 1:
-        raise ValueError(f"the training set has fewer samples than one batch of {spec['batch_size']}")
-    return loader, val_loader, device, _model(spec)
-
-
-def warm(spec: dict) -> dict:
-    """What an earlier run leaves in the cache: the recipe measured with no budget and the switch trial, both
-    written to spec["cache_dir"] (the auto_warm row reads them; this time is not on its clock)."""
-    from torchspeed.bench._worker import _data, _model
-    from torchspeed.plan.recipe import choose_recipe
-    from torchspeed.train.decision import TrialCache
-    from torchspeed.train.trainer import Trainer, TrainConfig
-
-    os.environ["TORCHSPEED_CACHE_DIR"] = spec["cache_dir"]
-    t0 = time.perf_counter()
-    loader, _, device = _data(spec)  # its validation loader is never read
-    model = _model(spec)
-    rec = choose_recipe(model, loader, optimizer=spec["optimizer"], lr=spec["lr"], precision=spec["train"]["precision"],
-                        device=device, progress=False, schedule="onecycle", cache=TrialCache())
-    cfg = replace(TrainConfig(**spec["train"]), progress=False, **rec.config())
-    trainer = Trainer(model, optimizer=rec.optimizer or spec["optimizer"], lr=rec.lr or spec["lr"], device=device,
-                      config=cfg)
-    trainer.prepare(loader)  # a run of unknown length: the full switch trial, cached for the next run
-    while trainer.switch_trial is not None:
-        for batch in trainer.batches(loader):
-            trainer.step_batch(batch)
-            if trainer.switch_trial is None:
-                break
-    d = rec.to_dict()
-    d["on"] = [p for p in rec.parts if _part_on(rec, p)]
-    return {"recipe": d, "tuning_s": time.perf_counter() - t0}
-
-
-def _part_on(rec, part: str) -> bool:
-    return {"lr": rec.lr is not None and "lr" in rec.parts, "label_smoothing": rec.label_smoothing > 0,
-            "bn_stats": rec.bn_stats, "ema": rec.ema_decay is not None, "tta": "tta" in rec.parts,
-            "muon": rec.optimizer == "muon", "schedulefree": rec.optimizer == "schedulefree"}.get(part, False)
-
-
-def train_budget(spec: dict) -> TTARun:
-    """One complete run of spec['budget'] optimizer steps (one-cycle over them); evaluated once, at the end."""
-    from torchspeed.env import allocator_in_use
-    from torchspeed.train.trainer import Trainer, TrainConfig
-    from torchspeed.plan.recipe_tta import decide_tta
-
-    # cold: an empty decision cache for this run alone (the switch trial and the recipe measure, on the clock);
-    # auto_warm: the cache an earlier run left
-    os.environ["TORCHSPEED_CACHE_DIR"] = spec.get("cache_dir") or tempfile.mkdtemp(prefix="torchspeed-cold-")
-    loader, val_loader, device, model = _setup(spec)
-    budget = int(spec["budget"])
-    cfg = replace(TrainConfig(**spec["train"]), max_steps=budget, grad_accum=1, progress=False)
-    optimizer, lr, callbacks, rec = spec["optimizer"], spec["lr"], [], None
-    tuning_s = 0.0
-    if spec["config"] == "schedulefree":  # the switches of `all`; Schedule-Free AdamW at its defaults, no schedule
-        optimizer, lr = "schedulefree", SF_LR
-    if spec["config"] in ("auto", "auto_warm"):  # the plan's recipe, chosen in this run for this run's length
-        t0 = time.perf_counter()
-        rec = _choose_for_run(model, loader, spec, device, budget)
-        tuning_s = time.perf_counter() - t0
-        cfg = replace(cfg, **rec.config())
-        lr = rec.lr if rec.lr is not None else lr
-        optimizer = rec.optimizer or optimizer
-        callbacks = rec.callbacks()
-    trainer = Trainer(model, optimizer=optimizer, lr=lr, device=device, config=cfg, callbacks=callbacks)
-    trainer.setup_schedule(None, 1)       # one-cycle over the budget
-    trainer.compiler.plan(budget)         # compile="auto": its short-run rule sees the whole budget
-
-    def batches():
-        while True:
-            yield from trainer.batches(loader)
-
-    t0 = time.perf_counter()
-    trainer.prepare(loader, remaining_steps=budget)  # what fit() does first; its time counts
-    it, clock = batches(), time.perf_counter() - t0
-    with trainer.callbacks.running(trainer):
-        while trainer.step < budget:
-            clock += trainer.run_steps(it, 1)
-            trainer.callbacks.on_step_end(trainer)
-    if rec is not None and "tta" in rec.parts:  # decided on training batches, on the clock
-        t1 = time.perf_counter()
-        decide_tta(trainer, rec.probe)
-        clock += time.perf_counter() - t1
-    if rec is not None and rec.label_smoothing:  # the target's loss is the plain cross-entropy, as for every config
-        from torchspeed.train.batch import default_loss
-
-        trainer.loss_fn = default_loss()
-    out = trainer.evaluate(val_loader)    # off the clock
-    decisions = {k: str(v) for k, v in ((rec.decisions if rec is not None else {}) | trainer.decisions).items()}
-    decisions |= {"allocator": allocator_in_use(), "num_workers": loader.num_workers,
-                  "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default (spin, then sleep)"),
-                  "train_samples": len(loader.dataset), "val_samples": len(val_loader.dataset)}
-    if rec is not None:
-        decisions["recipe_on"] = [p for p in rec.parts if _part_on(rec, p)]
-    return TTARun(config=spec["config"], seed=spec["seed"], budget=budget, val_acc=out["val_acc"],
-                  val_loss=out["val_loss"], train_s=clock, samples=budget * spec["batch_size"], decisions=decisions,
-                  tuning_s=tuning_s, tuning_steps=rec.tuning_steps if rec is not None else 0)
-
-
-def _choose_for_run(model, loader, spec: dict, device, budget: int):
-    """The recipe as `fit(recipe="auto")` chooses it for a run of `budget` steps: within the tuning budget, from
-    the cache when it holds a measurement. The ablation's `parts` then switch parts off or on."""
-    from torchspeed.plan.budget import TuningBudget
-    from torchspeed.plan.recipe import PARTS, choose_recipe
-    from torchspeed.train.decision import TrialCache
-
-    rec = choose_recipe(model, loader, optimizer=spec["optimizer"], lr=spec["lr"], precision=spec["train"]["precision"],
-                        device=device, progress=False, total_steps=budget, schedule="onecycle", parts=PARTS,
-                        budget=TuningBudget(budget), cache=TrialCache())
-    if spec.get("parts") is not None:  # the ablation: the recipe with some parts left out or put in
-        rec = _with_parts(rec, tuple(spec["parts"]), spec)
-    return rec
-
-
-def _with_parts(rec, parts: tuple, spec: dict):
-    """The recipe with only `parts` on; a part put in that auto had off gets its usual setting."""
-    from torchspeed.plan.recipe import LABEL_SMOOTHING
-
-    return replace(rec, parts=parts,
-                   lr=rec.lr if "lr" in parts else spec["lr"],
-                   min_lr=rec.min_lr if "lr" in parts else None,
-                   label_smoothing=(rec.label_smoothing or LABEL_SMOOTHING) if "label_smoothing" in parts else 0.0,
-                   bn_stats="bn_stats" in parts,
-                   ema_decay=(rec.ema_decay or round(min(0.9999, max(0.5, 1 - 5 / int(spec["budget"]))), 4))
-                   if "ema" in parts else None,
-                   optimizer=rec.optimizer if rec.optimizer in parts else None)
-
-
-def main() -> int:
-    from torchspeed.bench._worker import _reply
-
-    spec = json.loads(sys.stdin.readline())
-    try:
-        if spec.get("mode") == "warm":
-            _reply({"ok": True} | warm(spec))
-        else:  # the seeds in turn, stopping at the first that misses the target (when one is given)
-            runs = []
-            for s in spec["seeds"]:
-                run = train_budget(spec | {"seed": s, "cache_dir": (spec.get("cache_dirs") or {}).get(str(s))})
-                runs.append(asdict(run))
-                if spec.get("target") is not None and not _met(run, spec["target"], spec["metric"]):
-                    break
-            _reply({"ok": True, "runs": runs})
-    except Exception as e:  # reported to the parent, which names the config, seed and budget that failed
-        import traceback
-
-        _reply({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
