@@ -169,3 +169,122 @@ def test_the_reader_check_finds_a_private_copy(name):
 
 def test_the_checks_leave_training_loops_alone():
     assert round_loops(textwrap.dedent(NOT_COPIES)) == [] and batch_readers(textwrap.dedent(NOT_COPIES)) == []
+
+
+# ---------------------------------------------------------------- one home per name (AST)
+# `from torchspeed.X import n` names the module that defines `n` (a def, a class or an assignment at its
+# top level), or a package whose `__init__` lists `n` in `__all__` (the package's face), or a submodule of
+# X. An import through another module's namespace (a re-export, a shim) fails, naming the home; a module
+# other than a package `__init__` lists in `__all__` only what it defines.
+TESTS = ROOT.parent.parent / "tests"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """torchspeed module name -> its file (a package by its `__init__.py`)."""
+    out = {}
+    for f in ROOT.rglob("*.py"):
+        parts = f.relative_to(ROOT.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def defined_names(source: str) -> set[str]:
+    """The names a module defines at its top level (under `if`/`try`/`with` too), not those it imports."""
+    out: set[str] = set()
+
+    def scan(body):
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(n.name)
+            elif isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                    out.update(x.id for x in ast.walk(t) if isinstance(x, ast.Name))
+            elif isinstance(n, (ast.If, ast.Try, ast.With)):
+                for part in (n.body, getattr(n, "orelse", []), getattr(n, "finalbody", []),
+                             *[h.body for h in getattr(n, "handlers", [])]):
+                    scan(part)
+
+    scan(ast.parse(source).body)
+    return out
+
+
+def exported_names(source: str, modules: dict[str, str] | None = None) -> list[str]:
+    """The string literals of a module's `__all__`; a starred `*x`, where `x` is another module's
+    `__all__` imported under that name, adds that module's (when `modules` has its text)."""
+    tree = ast.parse(source)
+    alls = {a.asname: n.module for n in tree.body if isinstance(n, ast.ImportFrom)
+            for a in n.names if a.name == "__all__" and a.asname}
+    for n in tree.body:
+        if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in n.targets) \
+                and isinstance(n.value, (ast.List, ast.Tuple)):
+            out = [e.value for e in n.value.elts if isinstance(e, ast.Constant)]
+            for e in n.value.elts:
+                m = alls.get(getattr(getattr(e, "value", None), "id", None)) if isinstance(e, ast.Starred) else None
+                if m and modules and m in modules:
+                    out += exported_names(modules[m], modules)
+            return out
+    return []
+
+
+def misplaced_imports(sources: dict[str, str], modules: dict[str, str], packages: set[str]) -> list[str]:
+    """`file:line: from X import n` for each import of `n` through a module that does not define it.
+    `sources`: file -> text to check; `modules`: module name -> its text; `packages`: the module names
+    that are packages (their `__all__` is their face)."""
+    defined = {m: defined_names(s) for m, s in modules.items()}
+    face = {m: set(exported_names(modules[m], modules)) for m in packages if m in modules}
+    homes: dict[str, list[str]] = {}
+    for m, names in defined.items():
+        for n in names:
+            homes.setdefault(n, []).append(m)
+    out = []
+    for path, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                    and node.module.split(".")[0] == "torchspeed"):
+                continue
+            m = node.module
+            for a in node.names:
+                n = a.name
+                if n == "*" or n in defined.get(m, ()) or n in face.get(m, ()) or f"{m}.{n}" in modules \
+                        or any(k.startswith(f"{m}.{n}.") for k in modules):
+                    continue
+                out.append(f"{path}:{node.lineno}: from {m} import {n} (defined in {homes.get(n, '?')})")
+    return out
+
+
+def test_every_import_names_the_module_that_defines_it():
+    modules = _modules()
+    texts = {m: f.read_text() for m, f in modules.items()}
+    packages = {m for m, f in modules.items() if f.name == "__init__.py"}
+    files = [*ROOT.rglob("*.py"), *TESTS.rglob("*.py")]
+    sources = {str(f.relative_to(ROOT.parent.parent)): f.read_text() for f in files}
+    assert misplaced_imports(sources, texts, packages) == [], "import each name from its home"
+
+
+# Re-exports still listed in `__all__` of doctor modules under rework: each goes with that rework (drop it
+# from `__all__`; nothing imports it from there), and this list shrinks to nothing.
+SHIMS_LEFT = {"torchspeed.doctor._envfix": ["env_label"], "torchspeed.doctor.fix": ["measure_variants"],
+              "torchspeed.doctor.registry": ["ESTIMATED"]}
+
+
+def test_a_module_exports_only_what_it_defines():
+    """A re-export (a name imported from elsewhere and listed in `__all__`) is a shim; only a package's
+    `__init__` may gather names from its modules."""
+    shims = {}
+    for m, f in _modules().items():
+        if f.name != "__init__.py":
+            source = f.read_text()
+            extra = sorted(set(exported_names(source)) - defined_names(source))
+            if extra:
+                shims[m] = extra
+    assert shims == SHIMS_LEFT, "drop these from __all__ and import them from their home (and from SHIMS_LEFT)"
+
+
+def test_the_home_check_finds_a_re_export():
+    modules = {"torchspeed.a": "def f(): pass\nX = 1\n", "torchspeed.b": "from torchspeed.a import f as g, X\n",
+               "torchspeed.p": "from torchspeed.a import f\n__all__ = ['f']\n"}
+    sources = {"good.py": "from torchspeed.a import f, X\nfrom torchspeed.p import f\nfrom torchspeed import a\n",
+               "bad.py": "def h():\n    from torchspeed.b import X\n"}
+    assert misplaced_imports(sources, modules, {"torchspeed", "torchspeed.p"}) == [
+        "bad.py:2: from torchspeed.b import X (defined in ['torchspeed.a'])"]
+    assert set(exported_names(modules["torchspeed.p"])) - defined_names(modules["torchspeed.p"]) == {"f"}
