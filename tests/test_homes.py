@@ -288,3 +288,107 @@ def test_the_home_check_finds_a_re_export():
     assert misplaced_imports(sources, modules, {"torchspeed", "torchspeed.p"}) == [
         "bad.py:2: from torchspeed.b import X (defined in ['torchspeed.a'])"]
     assert set(exported_names(modules["torchspeed.p"])) - defined_names(modules["torchspeed.p"]) == {"f"}
+
+
+# ---------------------------------------------------------------- the homes table's rules without a pattern
+# The tuners' step: a function that calls `.backward()` and steps an optimizer (`opt.step()`, or a
+# GradScaler's `scale`/`unscale_`) is a training step of its own; train/step.py's `backward` and
+# `optimizer_step` are that step, and the tuners take it through tune/_common.TrainStep.
+STEP_HOME = "train/step.py"
+STEPS_ELSEWHERE = {  # loops that are plain PyTorch on purpose
+    "bench/hand.py": "the hand-written ceiling: plain PyTorch, no torchspeed code in the step",
+    "bench/peers.py": "the peers' loops (plain PyTorch, Lightning Fabric) as their users write them",
+    "doctor/verify.py": "replays the user's plain step to verify a fix",
+}
+# The half-precision rule: comparing a CUDA compute capability with a version tuple, asking torch whether
+# bf16 is supported, or reading the device's capability is env.DeviceCaps' job (`.half`, `.of`).
+HALF_HOME = "env.py"
+HALF_ELSEWHERE = {  # shrinks to nothing
+    "doctor/rules/no_amp.py": "reads the observed compute capability; goes when observations carry DeviceCaps.half",
+}
+
+
+def private_steps(source: str) -> list[int]:
+    """Lines of functions that run a backward and an optimizer step (or GradScaler scaling) themselves."""
+    hits = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        calls = [(c.func.attr, ast.unparse(c.func.value)) for c in ast.walk(fn)
+                 if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)]
+        backward = any(a == "backward" for a, _ in calls)
+        steps = any(a == "step" and re.search("opt", who, re.I) for a, who in calls)
+        scales = any(a in ("scale", "unscale_") and re.search("scaler", who, re.I) for a, who in calls)
+        if backward and steps or scales:
+            hits.append(fn.lineno)
+    return hits
+
+
+def half_rules(source: str) -> list[int]:
+    """Lines that decide a half precision from the hardware: a compute capability (`cc`, `*capab*`) compared
+    with a (major, minor) tuple, `is_bf16_supported()`, `get_device_capability()`."""
+    hits = set()
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Compare) and re.search(r"capab|\bcc\b", ast.unparse(n)) and any(
+                isinstance(t, ast.Tuple) and len(t.elts) == 2 and all(isinstance(e, ast.Constant) and type(e.value) is int
+                                                                      for e in t.elts)
+                for t in [n.left, *n.comparators]):
+            hits.add(n.lineno)
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) in (
+                "is_bf16_supported", "get_device_capability"):
+            hits.add(n.lineno)
+    return sorted(hits)
+
+
+def test_the_tuners_train_with_the_loops_own_step():
+    assert _offenders(private_steps, STEP_HOME, set(STEPS_ELSEWHERE)) == {}, \
+        f"take the step from {STEP_HOME} (backward, optimizer_step; tune/_common.TrainStep for a tuner)"
+    assert private_steps((ROOT / STEP_HOME).read_text())
+    train_step = next(n for n in ast.walk(ast.parse((ROOT / "tune/_common.py").read_text()))
+                      if isinstance(n, ast.ClassDef) and n.name == "TrainStep")
+    assert {"backward", "optimizer_step"} <= _called(train_step)
+    assert all(private_steps((ROOT / f).read_text()) for f in STEPS_ELSEWHERE), "an exception is no longer needed"
+
+
+def test_the_half_precision_rule_lives_in_device_caps():
+    assert _offenders(half_rules, HALF_HOME, set(HALF_ELSEWHERE)) == {}, \
+        "read env.DeviceCaps(...).half (train/precision.half_precision), not the capability"
+    assert half_rules((ROOT / HALF_HOME).read_text())
+    assert all(half_rules((ROOT / f).read_text()) for f in HALF_ELSEWHERE), "an exception is no longer needed"
+
+
+STEP_COPIES = {
+    "plain": """
+        def trial(model, opt, batches):
+            for x, y in batches:
+                loss = model(x).sum()
+                loss.backward()
+                opt.step()""",
+    "scaled": """
+        def step(self, loss):
+            self.scaler.scale(loss).backward()""",
+}
+HALF_COPIES = {
+    "capability": "dtype = torch.bfloat16 if cc >= (8, 0) else torch.float16",
+    "bf16 supported": "half = 'bf16' if torch.cuda.is_bf16_supported() else 'fp16'",
+}
+
+
+@pytest.mark.parametrize("name", sorted(STEP_COPIES))
+def test_the_step_check_finds_a_private_step(name):
+    assert private_steps(textwrap.dedent(STEP_COPIES[name])), name
+
+
+@pytest.mark.parametrize("name", sorted(HALF_COPIES))
+def test_the_half_check_finds_a_private_rule(name):
+    assert half_rules(HALF_COPIES[name]), name
+
+
+def test_the_step_and_half_checks_leave_other_code_alone():
+    ok = """
+        def measure(self, b):
+            loss = self.step.loss(batch)
+            loss.backward()                 # counts saved bytes, steps nothing
+            self.scheduler.step()"""
+    assert private_steps(textwrap.dedent(ok)) == []
+    assert half_rules("precision = caps.half or 'fp32'\nfull = (rounds, steps) == (3, 2)") == []
