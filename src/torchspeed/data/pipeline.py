@@ -39,6 +39,9 @@ from torchspeed.data.cache import CachedDataset
 from torchspeed.data.folder import FastImageFolder, ImageDataset, uint8_collate
 from torchspeed.data.packed import LocalShuffleSampler, PackedDataset, is_packed
 from torchspeed.env import default_device
+from torchspeed.train.distributed import get_world_size
+from torchspeed.train.sampler import ResumableSampler
+from torchspeed.train.transfer import loader_kwargs
 
 __all__ = ["Pipeline", "build_loaders", "open_images"]
 
@@ -120,8 +123,6 @@ def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int =
     if cache_bytes:
         decisions["cache_bytes"] = cache_bytes
     train_set = Subset(train_ds, train_idx)
-    from torchspeed.train.distributed import get_world_size
-
     world = get_world_size()  # under `torchspeed launch` fit splits the loaders later; each process gets 1/world
     per_process = -(-len(train_set) // world)
     if batch_size > per_process:
@@ -134,15 +135,11 @@ def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int =
         loader_kw = s.kwargs()
         decisions["loader"] = f"{s.num_workers} workers ({getattr(s, 'reason', 'measured')})"
     else:
-        from torchspeed.train.transfer import loader_kwargs
-
         loader_kw = loader_kwargs(device, num_workers=int(workers))
         decisions["loader"] = f"{workers} workers (asked for)"
     if isinstance(train_base, PackedDataset):
         sampler = LocalShuffleSampler(len(train_set), seed=seed)  # block shuffle: local reads in the file
     else:
-        from torchspeed.train.sampler import ResumableSampler
-
         sampler = ResumableSampler(train_set, seed=seed)
     train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, collate_fn=uint8_collate,
                               drop_last=True, **loader_kw)

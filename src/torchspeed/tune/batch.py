@@ -42,6 +42,7 @@ from torch import nn
 from torchspeed.env import host_memory, sync
 from torchspeed.train.rounds import interleaved, run_for
 from torchspeed.train.guard import is_out_of_memory
+from torchspeed.train.precision import make_grad_scaler, resolve_precision
 from torchspeed.train.transfer import to_device
 from torchspeed.train.wrappers import unwrap_model
 from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, make_batch, model_device, release_memory
@@ -112,8 +113,6 @@ def find_batch_size(model: nn.Module, dataset, *, loss_fn: Callable | None = Non
 class _Finder:
     def __init__(self, model, dataset, *, loss_fn, optimizer, precision, min_batch, max_batch, multiple, margin,
                  memory_budget, steps, rounds, tolerance, min_time, collate_fn, progress, step_fn=None):
-        from torchspeed.train.precision import make_grad_scaler, resolve_precision
-
         self.model, self.dataset, self.collate_fn = model, dataset, collate_fn
         self.device = model_device(model)
         self.prec = resolve_precision(precision, device=self.device)

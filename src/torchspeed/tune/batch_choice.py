@@ -40,6 +40,8 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from torchspeed.train.decision import Decision
+from torchspeed.train.noise import measure_noise_scale
+from torchspeed.tune._common import decide_once
 
 __all__ = ["BATCH_MIN_STEPS", "BATCH_MARGIN", "predicted_time", "pick_batch_size", "choose_batch_size"]
 
@@ -103,9 +105,7 @@ def choose_batch_size(model: nn.Module, loader, *, total_steps: int | None, nois
     the end of its LR trial); None measures it at the current weights. Under DDP rank 0 measures.
     The model, its optimizer state and RNGs are left as they were (the tuners restore them).
     """
-    from torchspeed.train.noise import measure_noise_scale
-    from torchspeed.tune._common import decide_once
-    from torchspeed.tune.batch import find_batch_size
+    from torchspeed.tune.batch import find_batch_size  # read when called: tests inject a measured search
 
     b0 = getattr(loader, "batch_size", None)
     why_not = _rebuildable(loader)
