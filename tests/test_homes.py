@@ -169,3 +169,226 @@ def test_the_reader_check_finds_a_private_copy(name):
 
 def test_the_checks_leave_training_loops_alone():
     assert round_loops(textwrap.dedent(NOT_COPIES)) == [] and batch_readers(textwrap.dedent(NOT_COPIES)) == []
+
+
+# ---------------------------------------------------------------- one home per name (AST)
+# `from torchspeed.X import n` names the module that defines `n` (a def, a class or an assignment at its
+# top level), or a package whose `__init__` lists `n` in `__all__` (the package's face), or a submodule of
+# X. An import through another module's namespace (a re-export, a shim) fails, naming the home; a module
+# other than a package `__init__` lists in `__all__` only what it defines.
+TESTS = ROOT.parent.parent / "tests"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """torchspeed module name -> its file (a package by its `__init__.py`)."""
+    out = {}
+    for f in ROOT.rglob("*.py"):
+        parts = f.relative_to(ROOT.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def defined_names(source: str) -> set[str]:
+    """The names a module defines at its top level (under `if`/`try`/`with` too), not those it imports."""
+    out: set[str] = set()
+
+    def scan(body):
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(n.name)
+            elif isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                    out.update(x.id for x in ast.walk(t) if isinstance(x, ast.Name))
+            elif isinstance(n, (ast.If, ast.Try, ast.With)):
+                for part in (n.body, getattr(n, "orelse", []), getattr(n, "finalbody", []),
+                             *[h.body for h in getattr(n, "handlers", [])]):
+                    scan(part)
+
+    scan(ast.parse(source).body)
+    return out
+
+
+def exported_names(source: str, modules: dict[str, str] | None = None) -> list[str]:
+    """The string literals of a module's `__all__`; a starred `*x`, where `x` is another module's
+    `__all__` imported under that name, adds that module's (when `modules` has its text)."""
+    tree = ast.parse(source)
+    alls = {a.asname: n.module for n in tree.body if isinstance(n, ast.ImportFrom)
+            for a in n.names if a.name == "__all__" and a.asname}
+    for n in tree.body:
+        if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in n.targets) \
+                and isinstance(n.value, (ast.List, ast.Tuple)):
+            out = [e.value for e in n.value.elts if isinstance(e, ast.Constant)]
+            for e in n.value.elts:
+                m = alls.get(getattr(getattr(e, "value", None), "id", None)) if isinstance(e, ast.Starred) else None
+                if m and modules and m in modules:
+                    out += exported_names(modules[m], modules)
+            return out
+    return []
+
+
+def misplaced_imports(sources: dict[str, str], modules: dict[str, str], packages: set[str]) -> list[str]:
+    """`file:line: from X import n` for each import of `n` through a module that does not define it.
+    `sources`: file -> text to check; `modules`: module name -> its text; `packages`: the module names
+    that are packages (their `__all__` is their face)."""
+    defined = {m: defined_names(s) for m, s in modules.items()}
+    face = {m: set(exported_names(modules[m], modules)) for m in packages if m in modules}
+    homes: dict[str, list[str]] = {}
+    for m, names in defined.items():
+        for n in names:
+            homes.setdefault(n, []).append(m)
+    out = []
+    for path, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                    and node.module.split(".")[0] == "torchspeed"):
+                continue
+            m = node.module
+            for a in node.names:
+                n = a.name
+                if n == "*" or n in defined.get(m, ()) or n in face.get(m, ()) or f"{m}.{n}" in modules \
+                        or any(k.startswith(f"{m}.{n}.") for k in modules):
+                    continue
+                out.append(f"{path}:{node.lineno}: from {m} import {n} (defined in {homes.get(n, '?')})")
+    return out
+
+
+def test_every_import_names_the_module_that_defines_it():
+    modules = _modules()
+    texts = {m: f.read_text() for m, f in modules.items()}
+    packages = {m for m, f in modules.items() if f.name == "__init__.py"}
+    files = [*ROOT.rglob("*.py"), *TESTS.rglob("*.py")]
+    sources = {str(f.relative_to(ROOT.parent.parent)): f.read_text() for f in files}
+    assert misplaced_imports(sources, texts, packages) == [], "import each name from its home"
+
+
+# Re-exports still listed in `__all__` of doctor modules under rework: each goes with that rework (drop it
+# from `__all__`; nothing imports it from there), and this list shrinks to nothing.
+SHIMS_LEFT = {"torchspeed.doctor._envfix": ["env_label"], "torchspeed.doctor.fix": ["measure_variants"],
+              "torchspeed.doctor.registry": ["ESTIMATED"]}
+
+
+def test_a_module_exports_only_what_it_defines():
+    """A re-export (a name imported from elsewhere and listed in `__all__`) is a shim; only a package's
+    `__init__` may gather names from its modules."""
+    shims = {}
+    for m, f in _modules().items():
+        if f.name != "__init__.py":
+            source = f.read_text()
+            extra = sorted(set(exported_names(source)) - defined_names(source))
+            if extra:
+                shims[m] = extra
+    assert shims == SHIMS_LEFT, "drop these from __all__ and import them from their home (and from SHIMS_LEFT)"
+
+
+def test_the_home_check_finds_a_re_export():
+    modules = {"torchspeed.a": "def f(): pass\nX = 1\n", "torchspeed.b": "from torchspeed.a import f as g, X\n",
+               "torchspeed.p": "from torchspeed.a import f\n__all__ = ['f']\n"}
+    sources = {"good.py": "from torchspeed.a import f, X\nfrom torchspeed.p import f\nfrom torchspeed import a\n",
+               "bad.py": "def h():\n    from torchspeed.b import X\n"}
+    assert misplaced_imports(sources, modules, {"torchspeed", "torchspeed.p"}) == [
+        "bad.py:2: from torchspeed.b import X (defined in ['torchspeed.a'])"]
+    assert set(exported_names(modules["torchspeed.p"])) - defined_names(modules["torchspeed.p"]) == {"f"}
+
+
+# ---------------------------------------------------------------- the homes table's rules without a pattern
+# The tuners' step: a function that calls `.backward()` and steps an optimizer (`opt.step()`, or a
+# GradScaler's `scale`/`unscale_`) is a training step of its own; train/step.py's `backward` and
+# `optimizer_step` are that step, and the tuners take it through tune/_common.TrainStep.
+STEP_HOME = "train/step.py"
+STEPS_ELSEWHERE = {  # loops that are plain PyTorch on purpose
+    "bench/hand.py": "the hand-written ceiling: plain PyTorch, no torchspeed code in the step",
+    "bench/peers.py": "the peers' loops (plain PyTorch, Lightning Fabric) as their users write them",
+    "doctor/verify.py": "replays the user's plain step to verify a fix",
+}
+# The half-precision rule: comparing a CUDA compute capability with a version tuple, asking torch whether
+# bf16 is supported, or reading the device's capability is env.DeviceCaps' job (`.half`, `.of`).
+HALF_HOME = "env.py"
+HALF_ELSEWHERE = {  # shrinks to nothing
+    "doctor/rules/no_amp.py": "reads the observed compute capability; goes when observations carry DeviceCaps.half",
+}
+
+
+def private_steps(source: str) -> list[int]:
+    """Lines of functions that run a backward and an optimizer step (or GradScaler scaling) themselves."""
+    hits = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        calls = [(c.func.attr, ast.unparse(c.func.value)) for c in ast.walk(fn)
+                 if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)]
+        backward = any(a == "backward" for a, _ in calls)
+        steps = any(a == "step" and re.search("opt", who, re.I) for a, who in calls)
+        scales = any(a in ("scale", "unscale_") and re.search("scaler", who, re.I) for a, who in calls)
+        if backward and steps or scales:
+            hits.append(fn.lineno)
+    return hits
+
+
+def half_rules(source: str) -> list[int]:
+    """Lines that decide a half precision from the hardware: a compute capability (`cc`, `*capab*`) compared
+    with a (major, minor) tuple, `is_bf16_supported()`, `get_device_capability()`."""
+    hits = set()
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Compare) and re.search(r"capab|\bcc\b", ast.unparse(n)) and any(
+                isinstance(t, ast.Tuple) and len(t.elts) == 2 and all(isinstance(e, ast.Constant) and type(e.value) is int
+                                                                      for e in t.elts)
+                for t in [n.left, *n.comparators]):
+            hits.add(n.lineno)
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) in (
+                "is_bf16_supported", "get_device_capability"):
+            hits.add(n.lineno)
+    return sorted(hits)
+
+
+def test_the_tuners_train_with_the_loops_own_step():
+    assert _offenders(private_steps, STEP_HOME, set(STEPS_ELSEWHERE)) == {}, \
+        f"take the step from {STEP_HOME} (backward, optimizer_step; tune/_common.TrainStep for a tuner)"
+    assert private_steps((ROOT / STEP_HOME).read_text())
+    train_step = next(n for n in ast.walk(ast.parse((ROOT / "tune/_common.py").read_text()))
+                      if isinstance(n, ast.ClassDef) and n.name == "TrainStep")
+    assert {"backward", "optimizer_step"} <= _called(train_step)
+    assert all(private_steps((ROOT / f).read_text()) for f in STEPS_ELSEWHERE), "an exception is no longer needed"
+
+
+def test_the_half_precision_rule_lives_in_device_caps():
+    assert _offenders(half_rules, HALF_HOME, set(HALF_ELSEWHERE)) == {}, \
+        "read env.DeviceCaps(...).half (train/precision.half_precision), not the capability"
+    assert half_rules((ROOT / HALF_HOME).read_text())
+    assert all(half_rules((ROOT / f).read_text()) for f in HALF_ELSEWHERE), "an exception is no longer needed"
+
+
+STEP_COPIES = {
+    "plain": """
+        def trial(model, opt, batches):
+            for x, y in batches:
+                loss = model(x).sum()
+                loss.backward()
+                opt.step()""",
+    "scaled": """
+        def step(self, loss):
+            self.scaler.scale(loss).backward()""",
+}
+HALF_COPIES = {
+    "capability": "dtype = torch.bfloat16 if cc >= (8, 0) else torch.float16",
+    "bf16 supported": "half = 'bf16' if torch.cuda.is_bf16_supported() else 'fp16'",
+}
+
+
+@pytest.mark.parametrize("name", sorted(STEP_COPIES))
+def test_the_step_check_finds_a_private_step(name):
+    assert private_steps(textwrap.dedent(STEP_COPIES[name])), name
+
+
+@pytest.mark.parametrize("name", sorted(HALF_COPIES))
+def test_the_half_check_finds_a_private_rule(name):
+    assert half_rules(HALF_COPIES[name]), name
+
+
+def test_the_step_and_half_checks_leave_other_code_alone():
+    ok = """
+        def measure(self, b):
+            loss = self.step.loss(batch)
+            loss.backward()                 # counts saved bytes, steps nothing
+            self.scheduler.step()"""
+    assert private_steps(textwrap.dedent(ok)) == []
+    assert half_rules("precision = caps.half or 'fp32'\nfull = (rounds, steps) == (3, 2)") == []

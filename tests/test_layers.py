@@ -1,47 +1,220 @@
-"""The package layers: `train` is the floor (no import of the tuners, data, bench, doctor or CLI), `tune`
-builds on `train`, and `torchspeed.fit` (fitting.py) sits above both; no module anywhere under src/ is in an
-import cycle (lazy imports inside functions included); inside the doctor, the probe and the rules stay light."""
+"""The package layers, as data: `LAYERS` says which torchspeed packages each package may import (lazy
+imports inside functions included), docs/architecture.md shows the same table, and a function-level import
+of torchspeed is allowed only where `LAZY` gives it a reason (a cycle, an optional extra, start-up time, a
+test's injection point); their number only goes down. No module anywhere under src/ is in an import cycle;
+inside the doctor, the probe and the rules stay light."""
 
 import ast
 import pathlib
+import re
 
 import torchspeed
 
 ROOT = pathlib.Path(torchspeed.__file__).parent
+DOCS = ROOT.parent.parent / "docs" / "architecture.md"
+
+FLOOR = ("_io", "_extras", "env")
+BELOW_CLI = (*FLOOR, "train", "tune", "data", "model", "plan", "fitting", "inference")
+LAYERS = {  # bottom to top: a package (or top-level module) -> what it may import besides itself
+    "_io": (), "_extras": (), "env": (),
+    "train": FLOOR,
+    "tune": (*FLOOR, "train"),
+    "data": (*FLOOR, "train"),
+    "model": (*FLOOR, "train"),
+    "plan": (*FLOOR, "train", "tune"),
+    "fitting": (*FLOOR, "train", "plan"),
+    "inference": (*FLOOR, "train", "data", "model"),
+    "bench": BELOW_CLI,
+    "doctor": BELOW_CLI,
+    "torchspeed": (*BELOW_CLI, "doctor"),  # the package face, __init__.py
+    "cli": (*BELOW_CLI, "bench", "doctor", "torchspeed"),
+    "__main__": ("cli",),
+}
+PURPOSE = {
+    "_io": "atomic file writes", "_extras": "optional imports", "env": "what this machine can accelerate",
+    "train": "the loop, one module per technique", "tune": "the tuners, measured with train's step",
+    "data": "image decoding, caching, loaders", "model": "model surgery and models by name",
+    "plan": "the one planner and the recipe", "fitting": "`torchspeed.fit`", "inference": "load_model, predict",
+    "bench": "the bench rows", "doctor": "the doctor", "cli": "one file per subcommand",
+    "torchspeed": "the package face (`import torchspeed`)", "__main__": "`python -m torchspeed`",
+}
 
 
-def _imports(package: str) -> set[str]:
-    found = set()
-    for f in (ROOT / package).rglob("*.py"):
-        for node in ast.walk(ast.parse(f.read_text())):
-            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            found.update(n.split(".")[1] for n in names if n.startswith("torchspeed."))
-    return found - {package}
+def _unit(path: pathlib.Path) -> str:
+    first = path.relative_to(ROOT).parts[0].removesuffix(".py")
+    return "torchspeed" if first == "__init__" else first
 
 
-def test_train_imports_nothing_above_it():
-    assert _imports("train") <= {"_io", "_extras", "env"}  # _extras: the optional-import helper, below all
+def _type_only(tree) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:` (never run)."""
+    return {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for b in node.body for n in ast.walk(b) if isinstance(n, (ast.Import, ast.ImportFrom))}
 
 
-def test_tune_builds_on_train_and_never_on_fit():
-    deps = _imports("tune")
-    assert "train" in deps and not deps & {"fitting", "bench", "doctor", "cli"}
+def _targets(node) -> list[str]:
+    """The torchspeed units an import statement reaches (`from torchspeed import x`: x's unit, or the face)."""
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        parts = node.module.split(".")
+        if parts[0] != "torchspeed":
+            return []
+        if len(parts) > 1:
+            return [parts[1]]
+        return [a.name if a.name in LAYERS else "torchspeed" for a in node.names]
+    if isinstance(node, ast.Import):
+        return [(a.name.split(".") + ["torchspeed"])[1] for a in node.names if a.name.split(".")[0] == "torchspeed"]
+    return []
+
+
+def layer_imports() -> dict[str, set[str]]:
+    """unit -> the other torchspeed units it imports, anywhere in its files."""
+    found: dict[str, set[str]] = {}
+    for f in ROOT.rglob("*.py"):
+        tree = ast.parse(f.read_text())
+        skip = _type_only(tree)
+        unit = _unit(f)
+        for node in ast.walk(tree):
+            if id(node) not in skip:
+                found.setdefault(unit, set()).update(t for t in _targets(node) if t != unit)
+    return found
+
+
+def test_every_package_imports_only_its_layers():
+    found = layer_imports()
+    assert set(found) <= set(LAYERS), f"add {sorted(set(found) - set(LAYERS))} to LAYERS"
+    wrong = {u: sorted(deps - set(LAYERS[u])) for u, deps in found.items() if deps - set(LAYERS[u])}
+    assert wrong == {}, "an import across the layers (tests/test_layers.py LAYERS, docs/architecture.md)"
+
+
+def test_the_layers_are_a_stack():
+    """Each unit may import only units listed before it: the table has no cycle, and reads bottom to top."""
+    order = list(LAYERS)
+    assert all(order.index(d) < order.index(u) for u, deps in LAYERS.items() for d in deps)
+
+
+def test_the_layer_check_sees_lazy_and_face_imports():
+    lazy = ast.parse("def f():\n    from torchspeed.tune.loader import tune_loader\n")
+    assert [t for n in ast.walk(lazy) for t in _targets(n)] == ["tune"]
+    face = ast.parse("from torchspeed import fit, data\nimport torchspeed.plan.budget\n")
+    assert [t for n in ast.walk(face) for t in _targets(n)] == ["torchspeed", "data", "plan"]
+
+
+def render_layers() -> str:
+    """The markdown table of LAYERS, top to bottom, as docs/architecture.md shows it."""
+    rows = ["| layer | what it is | may import |", "|---|---|---|"]
+    for unit in reversed(LAYERS):
+        name = f"`{unit}/`" if (ROOT / unit).is_dir() else f"`{unit}`" if unit == "torchspeed" else f"`{unit}.py`"
+        name = "`__init__.py`" if unit == "torchspeed" else name
+        deps = ", ".join(f"`{d}`" for d in LAYERS[unit]) or "nothing"
+        rows.append(f"| {name} | {PURPOSE[unit]} | {deps} |")
+    return "\n".join(rows)
+
+
+def test_the_docs_show_the_layers_table():
+    assert render_layers() in DOCS.read_text(), \
+        "docs/architecture.md's layers table differs from LAYERS; paste tests.test_layers.render_layers()"
 
 
 def test_the_plan_builds_on_train_and_tune_and_fit_on_the_plan():
     from torchspeed import fitting
 
-    deps = _imports("plan")
-    assert {"train", "tune"} <= deps and not deps & {"fitting", "bench", "doctor", "cli", "data"}
-    assert "plan" not in _imports("train") | _imports("tune")
+    found = layer_imports()
+    assert {"train", "tune"} <= found["plan"] and "plan" not in found["train"] | found["tune"]
     src = pathlib.Path(fitting.__file__).read_text()
     assert "torchspeed.train.trainer" in src and "torchspeed.plan" in src
     assert torchspeed.fit is fitting.fit
 
 
+# ---------------------------------------------------------------- function-level imports
+# A torchspeed import inside a function hides a dependency from the reader and from the layer picture. Each
+# file that keeps some says why here, with how many it keeps; the total only goes down.
+CYCLE, EXTRA, STARTUP, INJECT, REWORK = (
+    "a cycle", "an optional extra", "start-up time", "a test's injection point (read when called)",
+    "file under rework: its imports move with it")
+LAZY = {  # file -> (function-level torchspeed imports, why)
+    "bench/_worker.py": (8, STARTUP + ": each worker kind loads only its own stack"),
+    "bench/flops.py": (1, STARTUP),
+    "bench/hand.py": (1, STARTUP),
+    "bench/peers.py": (1, EXTRA + " (lightning)"),
+    "bench/runner.py": (8, STARTUP + ": a row loads its kind's stack"),
+    "bench/scaling.py": (6, STARTUP + ": the spawned worker's imports"),
+    "bench/sharding.py": (7, STARTUP + ": the spawned worker's imports"),
+    "bench/time_to_target.py": (5, STARTUP + ": the runner and the recipe load only when time to target runs"),
+    "bench/time_to_target_worker.py": (16, STARTUP + ": the spawned worker's imports"),
+    "bench/workloads.py": (3, STARTUP),
+    "cli/_auto.py": (2, STARTUP + ": every subcommand is imported to build the parser"),
+    "cli/bench.py": (10, STARTUP + ": every subcommand is imported to build the parser"),
+    "cli/data.py": (5, STARTUP + ": every subcommand is imported to build the parser"),
+    "cli/doctor.py": (5, STARTUP + ": every subcommand is imported to build the parser"),
+    "cli/env.py": (1, STARTUP + ": every subcommand is imported to build the parser"),
+    "cli/main.py": (1, STARTUP + ": every subcommand is imported to build the parser"),
+    "cli/predict.py": (4, STARTUP + ": every subcommand is imported to build the parser"),
+    "cli/train.py": (14, STARTUP + ": every subcommand is imported to build the parser"),
+    "cli/tune.py": (8, STARTUP + ": every subcommand is imported to build the parser"),
+    "data/bench.py": (4, STARTUP),
+    "data/decode.py": (1, CYCLE + ": decode <-> synthetic"),
+    "data/folder.py": (1, CYCLE + ": data/__init__ <- _progress"),
+    "data/packed.py": (1, CYCLE + ": data/__init__ <- _progress"),
+    "doctor/_child.py": (1, REWORK),
+    "doctor/_datasets.py": (2, REWORK),
+    "doctor/_envfix.py": (1, REWORK),
+    "doctor/_fit_plan.py": (3, REWORK),
+    "doctor/_job.py": (7, REWORK),
+    "doctor/_model_checks.py": (1, REWORK),
+    "doctor/diagnose.py": (3, CYCLE + ": diagnose <-> _job, _envfix, _script_options"),
+    "doctor/registry.py": (1, CYCLE + ": the rules register themselves with the registry"),
+    "doctor/verify.py": (2, REWORK),
+    "fitting.py": (1, STARTUP + ": plan/recipe_tta only when a run ends with TTA"),
+    "inference.py": (6, STARTUP),
+    "plan/inrun.py": (4, REWORK),
+    "plan/planner.py": (8, REWORK + "; planner <-> budget, inrun are cycles"),
+    "plan/recipe.py": (13, REWORK),
+    "plan/recipe_lr.py": (10, REWORK),
+    "plan/recipe_optimizer.py": (3, REWORK),
+    "plan/recipe_tta.py": (3, REWORK),
+    "train/bnstats.py": (3, CYCLE + ": bnstats <-> batch, transfer, decision"),
+    "train/fsdp.py": (2, CYCLE + ": fsdp <-> distributed"),
+    "train/shard.py": (1, CYCLE + ": shard <-> sampler"),
+    "tune/auto.py": (5, INJECT + ": tests patch the tuners in their modules"),
+    "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
+    "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
+}
+LAZY_TOTAL = 195
+
+
+def lazy_imports(source: str) -> list[int]:
+    """Lines of torchspeed imports inside a function."""
+    out = []
+
+    def visit(node, inside):
+        for ch in ast.iter_child_nodes(node):
+            if inside and _targets(ch):
+                out.append(ch.lineno)
+            visit(ch, inside or isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(source), False)
+    return out
+
+
+def test_function_level_imports_only_with_a_reason():
+    found = {str(f.relative_to(ROOT)): len(lazy_imports(f.read_text())) for f in sorted(ROOT.rglob("*.py"))}
+    found = {f: n for f, n in found.items() if n}
+    listed = {f: n for f, (n, _) in LAZY.items()}
+    more = {f: (n, listed.get(f, 0)) for f, n in found.items() if n > listed.get(f, 0)}
+    assert more == {}, "import at the top of the module, or give the function-level import a reason in LAZY"
+    fewer = {f: (found.get(f, 0), n) for f, n in listed.items() if found.get(f, 0) < n}
+    assert fewer == {}, "fewer function-level imports than LAZY says: lower the count (or drop the file)"
+    assert sum(found.values()) == sum(listed.values()) == LAZY_TOTAL, "LAZY_TOTAL only goes down"
+
+
+def test_the_lazy_check_counts_imports_inside_functions_only():
+    source = "from torchspeed.env import sync\ndef f():\n    import torchspeed.tune\n    x = lambda: 1\n" \
+             "class C:\n    def m(self):\n        from torchspeed import fit\n"
+    assert lazy_imports(source) == [3, 7]
+
+
 def _module_graph() -> dict[str, set[str]]:
-    """torchspeed module -> the torchspeed modules it imports, anywhere in the file (lazy imports too)."""
+    """torchspeed module -> the torchspeed modules it imports, anywhere in the file (lazy imports too; not the
+    type-only ones under `if TYPE_CHECKING:`, which never run)."""
     files = {}
     for f in ROOT.rglob("*.py"):
         parts = f.relative_to(ROOT.parent).with_suffix("").parts
@@ -49,7 +222,11 @@ def _module_graph() -> dict[str, set[str]]:
     graph = {}
     for name, f in files.items():
         deps = set()
-        for node in ast.walk(ast.parse(f.read_text())):
+        tree = ast.parse(f.read_text())
+        skip = _type_only(tree)
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torchspeed"):
                 deps.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
                             for a in node.names)

@@ -18,7 +18,8 @@ from torch import nn
 
 from torchspeed.plan import as_decisions, make_plan
 from torchspeed.train.distributed import is_rank_zero
-from torchspeed.train.trainer import FitResult, Trainer, TrainConfig
+from torchspeed.train.config import TrainConfig
+from torchspeed.train.trainer import FitResult, Trainer
 
 __all__ = ["fit"]
 

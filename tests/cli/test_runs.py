@@ -10,7 +10,8 @@ import torch
 import torchspeed
 from torchspeed.cli.main import main
 from torchspeed.data import make_jpeg_folder
-from torchspeed.data.pipeline import build_loaders, simple_cnn
+from torchspeed.data.pipeline import build_loaders
+from torchspeed.model.spec import simple_cnn
 from torchspeed.train.checkpoint import save_checkpoint
 from torchspeed.train.trainer import FitResult
 
@@ -178,7 +179,7 @@ def test_lr_auto_runs_the_range_test_with_the_chosen_optimizer(folder, tmp_path,
 
 
 def test_model_name_hints_are_not_repeated():
-    from torchspeed.data.pipeline import create_classifier
+    from torchspeed.model.spec import create_classifier
 
     with pytest.raises(ValueError, match="did you mean") as e:
         create_classifier("resnet_18", num_classes=2)

@@ -5,7 +5,7 @@ import torch
 
 from torchspeed.cli.main import main
 from torchspeed.data import PackedDataset, make_jpeg_folder
-from torchspeed.data.pipeline import create_classifier
+from torchspeed.model.spec import create_classifier
 
 
 def test_pack_command(photo_folder, tmp_path, capsys):

@@ -3,6 +3,7 @@ import torch
 
 from torchspeed.data import FastImageFolder
 from torchspeed.data.pipeline import build_loaders, open_images
+from torchspeed.tune.loader import tune_loader
 
 
 def test_split_and_batches(photo_folder):
@@ -22,7 +23,7 @@ def test_split_and_batches(photo_folder):
 
 def test_device_mode_with_cache_and_auto_workers(photo_folder):
     p = build_loaders(photo_folder, size=16, batch_size=4, workers="auto", cache_bytes=1 << 22, device="cpu",
-                      progress=False)
+                      progress=False, tune_workers=tune_loader)
     assert p.decisions["augment"] == "device" and p.decisions["load_size"] == 18 and "workers" in p.decisions["loader"]
     for _ in range(2):
         shapes = {tuple(x.shape) for x, _ in p.train}
@@ -68,3 +69,8 @@ def test_device_loaders_split_between_processes(photo_folder, monkeypatch):
     with pytest.raises(ValueError, match=r"\(6 per process, 3 processes\)"):
         build_loaders(photo_folder, size=16, batch_size=8, val_fraction=0.25, workers=0, device="cpu",
                       progress=False)
+
+
+def test_auto_workers_without_a_tuner_names_the_fix(photo_folder):
+    with pytest.raises(ValueError, match="tune_workers=torchspeed.tune.tune_loader"):
+        build_loaders(photo_folder, size=16, batch_size=4, workers="auto", device="cpu")

@@ -67,7 +67,7 @@ def make_data(n: int = 16, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def plain_config(**overrides):
-    from torchspeed.train.trainer import TrainConfig
+    from torchspeed.train.config import TrainConfig
 
     base = dict(precision="fp32", compile=False, schedule=None, prefetch=False, progress=False,
                 channels_last=False, log_every=1)

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, Tenso
 
 import torchspeed
 from torchspeed.train import BatchRamp, BatchRampLR, Callback, ResumableSampler
-from torchspeed.train.batch_ramp import lr_rule
+from torchspeed.train.schedule import lr_rule
 
 
 def _ramp(n=1000, **kw):

@@ -64,7 +64,8 @@ def test_numerics_guard():
 
 def _trainer(model, caps, *, seconds=None, optimizer=None, lr=0.05, **cfg):
     """A Trainer with injected capabilities and, when `seconds` is given, injected step times per candidate label."""
-    from torchspeed.train.trainer import Trainer, TrainConfig
+    from torchspeed.train.config import TrainConfig
+    from torchspeed.train.trainer import Trainer
 
     kw = dict(epochs=1, progress=False, compile=False, trial=True, fused_optimizer=False) | cfg
     t = Trainer(model, optimizer=optimizer if optimizer is not None else "sgd", lr=lr, config=TrainConfig(**kw),

@@ -6,8 +6,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed.tune.batch import BatchSizeResult, BatchTrial
-from torchspeed.tune.batch_choice import (BATCH_MIN_STEPS, choose_batch_size, pick_batch_size, predicted_time,
-                                          scale_lr_for_batch)
+from torchspeed.train.schedule import scale_lr_for_batch
+from torchspeed.tune.batch_choice import BATCH_MIN_STEPS, choose_batch_size, pick_batch_size, predicted_time
 
 
 def test_predicted_time_follows_the_empirical_model_of_large_batch_training():

@@ -91,7 +91,8 @@ class _State:
 class _TrainerState(_State):
     def __init__(self, spec: dict):
         super().__init__(spec)
-        from torchspeed.train.trainer import Trainer, TrainConfig
+        from torchspeed.train.config import TrainConfig
+        from torchspeed.train.trainer import Trainer
 
         cfg = TrainConfig(**spec["train"])
         self.trainer = Trainer(_model(spec), optimizer="sgd", lr=spec["lr"], device=self.device, config=cfg)

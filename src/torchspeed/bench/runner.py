@@ -63,7 +63,7 @@ from torchspeed.bench.flops import mfu, peak_bf16_flops, train_flops_per_sample
 from torchspeed.env import GLIBC_MALLOC_ENV, default_device, detect
 from torchspeed.train.precision import half_precision
 from torchspeed.train.rounds import interleaved, paired_ratios
-from torchspeed.train.trainer import TrainConfig
+from torchspeed.train.config import TrainConfig
 
 __all__ = ["BenchConfig", "BenchRow", "BenchResult", "bench_configs", "run_bench", "provenance", "write_results"]
 

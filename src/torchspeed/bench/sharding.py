@@ -154,7 +154,8 @@ def _worker(job: dict) -> None:
     from torchspeed.bench.workloads import create_model, make_datasets
     from torchspeed.train.distributed import all_reduce_sum, barrier, broadcast_object, is_rank_zero
     from torchspeed.train.shard import shard_loader
-    from torchspeed.train.trainer import Trainer, TrainConfig
+    from torchspeed.train.config import TrainConfig
+    from torchspeed.train.trainer import Trainer
 
     torch.set_num_threads(job["threads"])
     torch.manual_seed(0)

@@ -32,7 +32,8 @@ def warm(spec: dict) -> dict:
     from torchspeed.bench._worker import _data, _model
     from torchspeed.plan.recipe import choose_recipe
     from torchspeed.train.decision import TrialCache
-    from torchspeed.train.trainer import Trainer, TrainConfig
+    from torchspeed.train.config import TrainConfig
+    from torchspeed.train.trainer import Trainer
 
     os.environ["TORCHSPEED_CACHE_DIR"] = spec["cache_dir"]
     t0 = time.perf_counter()
@@ -63,7 +64,8 @@ def _part_on(rec, part: str) -> bool:
 def train_budget(spec: dict) -> TTARun:
     """One complete run of spec['budget'] optimizer steps (one-cycle over them); evaluated once, at the end."""
     from torchspeed.env import allocator_in_use
-    from torchspeed.train.trainer import Trainer, TrainConfig
+    from torchspeed.train.config import TrainConfig
+    from torchspeed.train.trainer import Trainer
     from torchspeed.plan.recipe_tta import decide_tta
 
     # cold: an empty decision cache for this run alone (the switch trial and the recipe measure, on the clock);

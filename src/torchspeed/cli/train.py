@@ -152,6 +152,7 @@ def run(args) -> int:
     from torchspeed.model.spec import build_model
     from torchspeed.data.decode import ImageDecodeError
     from torchspeed.data.pipeline import build_loaders
+    from torchspeed.tune.loader import tune_loader
     from torchspeed.train.checkpoint import CheckpointError
     from torchspeed.train.distributed import get_world_size, is_distributed, is_rank_zero
 
@@ -176,7 +177,7 @@ def run(args) -> int:
                              val_path=args.val, workers=args.workers if args.workers == "auto" else int(args.workers),
                              cache_bytes=int(args.cache_gb * (1 << 30)), augment=args.augment, jitter=args.jitter,
                              scale=args.crop_scale, device=device, on_error=args.on_error, seed=args.seed,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress, tune_workers=tune_loader)
         model = build_model(args.model, num_classes=len(pipe.classes))
     except (ImageDecodeError, ValueError) as e:
         raise CLIError(str(e)) from None

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from torchspeed._extras import require
+from torchspeed.train.shard import shard_loader
 
 __all__ = ["DeviceAugment", "DeviceLoader", "IMAGENET_MEAN", "IMAGENET_STD", "random_boxes"]
 
@@ -235,8 +236,6 @@ class DeviceLoader:
         Example:
             >>> half = loader.shard(1, 2)   # rank 1 of 2
         """
-        from torchspeed.train.shard import shard_loader
-
         inner = shard_loader(self.loader, for_eval=for_eval, seed=seed, rank=rank, world_size=world_size)
         return self if inner is self.loader else DeviceLoader(inner, self.augment, self.device)
 

@@ -5,7 +5,7 @@ loaders that yield normalized float batches on the device:
 
   files -> FastImageFolder / PackedDataset (fast decode to a fixed-size uint8 image)
         -> CachedDataset (optional, shared RAM, T10)
-        -> DataLoader (workers measured by `torchspeed.tune.tune_loader`, T06-T08; uint8_collate)
+        -> DataLoader (workers measured by the `tune_workers` given, T06-T08; uint8_collate)
         -> DeviceLoader + DeviceAugment (random-resized-crop, flip, jitter, normalize on the device, T05)
 
 With `augment="device"` the CPU only decodes and resizes to `load_size` (about 8/7 of
@@ -21,27 +21,29 @@ a disjoint 1/N of the training set per epoch, equal step counts, validation spli
 padding (T31).
 
 Example:
-    >>> p = build_loaders("photos/", size=128, batch_size=64, device="cuda")
+    >>> p = build_loaders("photos/", size=128, batch_size=64, device="cuda", tune_workers=torchspeed.tune.tune_loader)
     >>> torchspeed.fit(model, p.train, val_loader=p.val, epochs=10)
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from torchspeed._extras import require
 from torchspeed.data.augment import DeviceAugment, DeviceLoader
 from torchspeed.data.cache import CachedDataset
 from torchspeed.data.folder import FastImageFolder, ImageDataset, uint8_collate
 from torchspeed.data.packed import LocalShuffleSampler, PackedDataset, is_packed
 from torchspeed.env import default_device
+from torchspeed.train.distributed import get_world_size
+from torchspeed.train.sampler import ResumableSampler
+from torchspeed.train.transfer import loader_kwargs
 
-__all__ = ["Pipeline", "build_loaders", "open_images", "create_classifier", "simple_cnn"]
+__all__ = ["Pipeline", "build_loaders", "open_images"]
 
 
 @dataclass
@@ -67,11 +69,13 @@ def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int =
                   val_path: str | os.PathLike | None = None, workers: int | str = "auto", cache_bytes: int = 0,
                   augment: str = "auto", load_size: int | None = None, jitter: float = 0.0,
                   scale: tuple[float, float] | None = (0.08, 1.0), device: torch.device | str | None = None,
-                  on_error: str = "skip", seed: int = 0, progress: bool = True) -> Pipeline:
+                  on_error: str = "skip", seed: int = 0, progress: bool = True,
+                  tune_workers: Callable | None = None) -> Pipeline:
     """Training and validation loaders of device batches for the images at `path`.
 
     `val_fraction` of the items (a fixed random split) is held out unless `val_path` is
-    given; `workers="auto"` measures the DataLoader (T06); `cache_bytes` > 0 keeps decoded
+    given; `workers="auto"` measures the DataLoader (T06) with `tune_workers` (the tuner above the data
+    layer: `torchspeed.tune.tune_loader`, as `torchspeed train` passes it); `cache_bytes` > 0 keeps decoded
     images in a shared LRU pool of that size (T10, `augment="device"` only). `scale` is the
     random crop's area range; None switches the random crop off (the whole image, resized
     and centre-cropped as in validation, still randomly flipped).
@@ -79,6 +83,9 @@ def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int =
     Example:
         >>> p = build_loaders("photos.tspack", size=64, batch_size=32, workers=0, device="cpu")
     """
+    if workers == "auto" and tune_workers is None:
+        raise ValueError("workers='auto' measures the DataLoader: pass tune_workers=torchspeed.tune.tune_loader, "
+                         "or a number of workers")
     if augment not in ("auto", "device", "cpu"):
         raise ValueError(f"augment must be 'auto', 'device' or 'cpu', got {augment!r}")
     if not 0.0 <= val_fraction < 1.0:
@@ -116,8 +123,6 @@ def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int =
     if cache_bytes:
         decisions["cache_bytes"] = cache_bytes
     train_set = Subset(train_ds, train_idx)
-    from torchspeed.train.distributed import get_world_size
-
     world = get_world_size()  # under `torchspeed launch` fit splits the loaders later; each process gets 1/world
     per_process = -(-len(train_set) // world)
     if batch_size > per_process:
@@ -125,22 +130,16 @@ def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int =
         raise ValueError(f"batch size {batch_size} is larger than the {len(train_set)} training images{where}; "
                          f"use --batch-size {max(1, per_process // 4)} or fewer")
     if workers == "auto":
-        from torchspeed.tune.loader import tune_loader
-
-        s = tune_loader(train_set, batch_size=batch_size, collate_fn=uint8_collate, device=device,
+        s = tune_workers(train_set, batch_size=batch_size, collate_fn=uint8_collate, device=device,
                         batches=6, progress=progress, seed=seed)
         loader_kw = s.kwargs()
         decisions["loader"] = f"{s.num_workers} workers ({getattr(s, 'reason', 'measured')})"
     else:
-        from torchspeed.train.transfer import loader_kwargs
-
         loader_kw = loader_kwargs(device, num_workers=int(workers))
         decisions["loader"] = f"{workers} workers (asked for)"
     if isinstance(train_base, PackedDataset):
         sampler = LocalShuffleSampler(len(train_set), seed=seed)  # block shuffle: local reads in the file
     else:
-        from torchspeed.train.sampler import ResumableSampler
-
         sampler = ResumableSampler(train_set, seed=seed)
     train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, collate_fn=uint8_collate,
                               drop_last=True, **loader_kw)
@@ -151,39 +150,3 @@ def build_loaders(path: str | os.PathLike, *, size: int = 224, batch_size: int =
         val = DeviceLoader(val_loader, DeviceAugment(size=size, train=False), device)
     return Pipeline(train=DeviceLoader(train_loader, train_aug, device), val=val, classes=list(train_base.classes),
                     datasets={"train": train_base, "val": val_base}, decisions=decisions)
-
-
-def simple_cnn(num_classes: int, *, width: int = 32) -> nn.Module:
-    """A small 4-block CNN (about 30k parameters at width 32): quick to train on a CPU."""
-    def block(i: int, o: int) -> nn.Sequential:
-        return nn.Sequential(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True),
-                             nn.MaxPool2d(2))
-
-    w = width
-    return nn.Sequential(block(3, w // 2), block(w // 2, w), block(w, w), block(w, 2 * w),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * w, num_classes))
-
-
-def create_classifier(name: str, *, num_classes: int) -> nn.Module:
-    """`name` from torchvision (`torchvision.models.list_models()`), timm (`timm.list_models()`) or "simple_cnn".
-
-    Always randomly initialised (nothing is downloaded).
-
-    Example:
-        >>> create_classifier("resnet18", num_classes=10)      # torchvision
-        >>> create_classifier("convnext_atto", num_classes=10)  # timm
-    """
-    if name == "simple_cnn":
-        return simple_cnn(num_classes)
-    torchvision = require("torchvision", "data", feature=f"model {name!r}")
-    if name in torchvision.models.list_models():
-        return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
-    timm = require("timm", "timm", feature=f"model {name!r} (not a torchvision name)")
-    if timm.is_model(name):
-        return timm.create_model(name, pretrained=False, num_classes=num_classes)
-    import difflib
-
-    names = list(dict.fromkeys(torchvision.models.list_models() + timm.list_models() + ["simple_cnn"]))
-    close = difflib.get_close_matches(name, names, n=3)  # one of each: timm and torchvision share names
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    raise ValueError(f"unknown model {name!r}: not a torchvision or timm model name{hint}")

@@ -52,7 +52,7 @@ _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.Group
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    from torchspeed.train.distributed import unwrap_model
+    from torchspeed.train.wrappers import unwrap_model
 
     return unwrap_model(model)
 

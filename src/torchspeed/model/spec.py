@@ -28,7 +28,9 @@ from pathlib import Path
 
 from torch import nn
 
-__all__ = ["is_custom", "split_spec", "build_model", "portable_spec"]
+from torchspeed._extras import require
+
+__all__ = ["is_custom", "split_spec", "build_model", "portable_spec", "create_classifier", "simple_cnn"]
 
 
 def is_custom(spec: str) -> bool:
@@ -85,8 +87,6 @@ def _import(where: str, spec: str):
 def build_model(spec: str, *, num_classes: int) -> nn.Module:
     """The model `spec` names, with `num_classes` outputs (see the module docstring)."""
     if not is_custom(spec):
-        from torchspeed.data.pipeline import create_classifier
-
         return create_classifier(spec, num_classes=num_classes)
     where, fn = split_spec(spec)
     module = _import(where, spec)
@@ -109,3 +109,39 @@ def build_model(spec: str, *, num_classes: int) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model {spec!r}: {fn} returned a {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def simple_cnn(num_classes: int, *, width: int = 32) -> nn.Module:
+    """A small 4-block CNN (about 30k parameters at width 32): quick to train on a CPU."""
+    def block(i: int, o: int) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True),
+                             nn.MaxPool2d(2))
+
+    w = width
+    return nn.Sequential(block(3, w // 2), block(w // 2, w), block(w, w), block(w, 2 * w),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * w, num_classes))
+
+
+def create_classifier(name: str, *, num_classes: int) -> nn.Module:
+    """`name` from torchvision (`torchvision.models.list_models()`), timm (`timm.list_models()`) or "simple_cnn".
+
+    Always randomly initialised (nothing is downloaded).
+
+    Example:
+        >>> create_classifier("resnet18", num_classes=10)      # torchvision
+        >>> create_classifier("convnext_atto", num_classes=10)  # timm
+    """
+    if name == "simple_cnn":
+        return simple_cnn(num_classes)
+    torchvision = require("torchvision", "data", feature=f"model {name!r}")
+    if name in torchvision.models.list_models():
+        return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    timm = require("timm", "timm", feature=f"model {name!r} (not a torchvision name)")
+    if timm.is_model(name):
+        return timm.create_model(name, pretrained=False, num_classes=num_classes)
+    import difflib
+
+    names = list(dict.fromkeys(torchvision.models.list_models() + timm.list_models() + ["simple_cnn"]))
+    close = difflib.get_close_matches(name, names, n=3)  # one of each: timm and torchvision share names
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ValueError(f"unknown model {name!r}: not a torchvision or timm model name{hint}")

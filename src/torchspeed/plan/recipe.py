@@ -344,7 +344,8 @@ def _choose_batch(model, loader, rec: Recipe, *, optimizer, name, weight_decay, 
     import torch.distributed as dist
 
     from torchspeed.train.optim import create_optimizer
-    from torchspeed.tune.batch_choice import choose_batch_size, scale_lr_for_batch
+    from torchspeed.train.schedule import scale_lr_for_batch
+    from torchspeed.tune.batch_choice import choose_batch_size
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     b0 = getattr(loader, "batch_size", None)

@@ -23,7 +23,8 @@ from torchspeed.train.optim import (OPTIMIZERS, MuonAdamW, create_optimizer, hid
 from torchspeed.train.precision import Precision, make_grad_scaler, resolve_precision
 from torchspeed.train.schedule import SCHEDULES, create_scheduler, scale_lr
 from torchspeed.train.step import backward, optimizer_step
-from torchspeed.train.trainer import FitResult, Trainer, TrainConfig
+from torchspeed.train.config import TrainConfig
+from torchspeed.train.trainer import FitResult, Trainer
 from torchspeed.train.transfer import Prefetcher, loader_kwargs, to_device
 
 __all__ = [

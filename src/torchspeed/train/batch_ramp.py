@@ -43,7 +43,7 @@ from torch.utils.data import Sampler
 from torchspeed.train.callbacks import Callback
 from torchspeed.train.schedule import batch_lr_factor, lr_rule
 
-__all__ = ["BatchRamp", "BatchRampLR", "lr_rule"]
+__all__ = ["BatchRamp", "BatchRampLR"]
 
 
 class BatchRamp(Sampler[list[int]]):

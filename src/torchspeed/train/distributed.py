@@ -45,13 +45,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torchspeed.train.schedule import scale_lr
-from torchspeed.train.wrappers import unwrap_model
 
 __all__ = [
     "DistInfo", "launched_by_torchrun", "is_distributed", "get_rank", "get_local_rank", "get_world_size",
     "is_rank_zero", "rank_zero_only", "init_distributed", "maybe_init_distributed", "cleanup_distributed",
     "exit_process",
-    "wrap_ddp", "wrap_for_training", "convert_sync_batchnorm", "unwrap_model", "reduce_metrics",
+    "wrap_ddp", "wrap_for_training", "convert_sync_batchnorm", "reduce_metrics",
     "all_reduce_sum", "all_reduce_max", "broadcast_object", "barrier", "scale_lr_world_size", "unwrap_data_parallel",
 ]
 

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchspeed.env import host_memory
 from torchspeed.train.decision import Decision
 
 __all__ = ["PARALLEL_MODES", "wrap_parallel", "wrap_fsdp2", "find_blocks", "choose_parallel", "shard_model", "single_process_group",
@@ -79,8 +80,6 @@ def state_bytes(model: nn.Module, *, optimizer_slots: int = 2) -> int:
 def _device_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    from torchspeed.env import host_memory
-
     available, _ = host_memory()
     return available // max(1, _world())
 

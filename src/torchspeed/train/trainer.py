@@ -66,7 +66,7 @@ from torchspeed.train.segment import BestEpoch, group_settings
 from torchspeed.train.step import AccumulationWindow
 from torchspeed.train.transfer import Prefetcher, to_device
 
-__all__ = ["TrainConfig", "Trainer", "FitResult"]
+__all__ = ["Trainer", "FitResult"]
 
 log = logging.getLogger("torchspeed")
 

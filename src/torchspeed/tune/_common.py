@@ -22,15 +22,11 @@ from torch import nn
 
 from torchspeed.env import sync
 from torchspeed.train.batch import default_loss, forward_loss
-from torchspeed.train.distributed import unwrap_model as unwrap
-from torchspeed.train.guard import is_out_of_memory as is_oom
 from torchspeed.train.step import backward, optimizer_step
-from torchspeed.train.transfer import to_device
 
 T = TypeVar("T")
 
-__all__ = ["StateSnapshot", "decide_once", "is_oom", "release_memory", "unwrap", "model_device",
-           "make_batch", "TrainStep", "sync", "to_device"]
+__all__ = ["StateSnapshot", "decide_once", "release_memory", "model_device", "make_batch", "TrainStep"]
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -34,7 +34,7 @@ from torchspeed.train.sampler import rebuild_loader
 from torchspeed.train.decision import Decision
 from torchspeed.train.schedule import lr_rule, scale_lr_for_batch
 
-__all__ = ["tune_for_fit", "rebuild_loader"]
+__all__ = ["tune_for_fit"]
 
 
 

@@ -39,20 +39,13 @@ import torch
 from rich.progress import Progress
 from torch import nn
 
-from torchspeed.env import host_memory
+from torchspeed.env import host_memory, sync
 from torchspeed.train.rounds import interleaved, run_for
-from torchspeed.tune._common import (
-    StateSnapshot,
-    TrainStep,
-    decide_once,
-    is_oom,
-    make_batch,
-    model_device,
-    release_memory,
-    sync,
-    to_device,
-    unwrap,
-)
+from torchspeed.train.guard import is_out_of_memory
+from torchspeed.train.precision import make_grad_scaler, resolve_precision
+from torchspeed.train.transfer import to_device
+from torchspeed.train.wrappers import unwrap_model
+from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, make_batch, model_device, release_memory
 
 __all__ = ["BatchTrial", "BatchSizeResult", "find_batch_size", "available_memory"]
 
@@ -110,7 +103,7 @@ def find_batch_size(model: nn.Module, dataset, *, loss_fn: Callable | None = Non
         raise ValueError(f"max_batch={max_batch} is below min_batch={min_batch}")
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
-    return decide_once(lambda: _Finder(unwrap(model), dataset, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer,
+    return decide_once(lambda: _Finder(unwrap_model(model), dataset, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer,
                                        precision=precision, min_batch=min_batch, max_batch=max_batch,
                                        multiple=multiple, margin=margin, memory_budget=memory_budget, steps=steps,
                                        rounds=rounds, tolerance=tolerance, min_time=min_time, collate_fn=collate_fn,
@@ -120,8 +113,6 @@ def find_batch_size(model: nn.Module, dataset, *, loss_fn: Callable | None = Non
 class _Finder:
     def __init__(self, model, dataset, *, loss_fn, optimizer, precision, min_batch, max_batch, multiple, margin,
                  memory_budget, steps, rounds, tolerance, min_time, collate_fn, progress, step_fn=None):
-        from torchspeed.train.precision import make_grad_scaler, resolve_precision
-
         self.model, self.dataset, self.collate_fn = model, dataset, collate_fn
         self.device = model_device(model)
         self.prec = resolve_precision(precision, device=self.device)
@@ -169,7 +160,7 @@ class _Finder:
             self._step(b, n)
             sync(self.device)
         except Exception as e:  # noqa: BLE001 - only out-of-memory is expected; the rest re-raises
-            if not is_oom(e):
+            if not is_out_of_memory(e):
                 raise
             failed = True
         if failed:

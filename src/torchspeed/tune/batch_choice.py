@@ -13,7 +13,7 @@ only when the prediction gains at least `BATCH_MARGIN`. `choose_batch_size` meas
 on the user's model: the noise scale (after the recipe's short LR trial when it ran, since at
 the initial weights the noise scale is far below its value later in training), and samples/s
 at one, two and four times the loader's batch. The LR then follows the batch
-(`scale_lr_for_batch`): linearly for SGD and LARS (Goyal et al. 2017), by the square root for
+(`train/schedule.scale_lr_for_batch`): linearly for SGD and LARS (Goyal et al. 2017), by the square root for
 Adam-family optimizers (Malladi et al. 2022).
 
 Only larger batches are taken. The noise scale grows as the loss falls, so the value measured
@@ -40,10 +40,10 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from torchspeed.train.decision import Decision
-from torchspeed.train.schedule import scale_lr_for_batch  # the LR rule's one home (re-exported here)
+from torchspeed.train.noise import measure_noise_scale
+from torchspeed.tune._common import decide_once
 
-__all__ = ["BATCH_MIN_STEPS", "BATCH_MARGIN", "predicted_time", "pick_batch_size", "choose_batch_size",
-           "scale_lr_for_batch"]
+__all__ = ["BATCH_MIN_STEPS", "BATCH_MARGIN", "predicted_time", "pick_batch_size", "choose_batch_size"]
 
 BATCH_MIN_STEPS = 300   # shorter runs keep the loader's batch: the measurement costs a few seconds
 BATCH_MARGIN = 0.10     # another batch must be predicted at least this much sooner to the target
@@ -105,9 +105,7 @@ def choose_batch_size(model: nn.Module, loader, *, total_steps: int | None, nois
     the end of its LR trial); None measures it at the current weights. Under DDP rank 0 measures.
     The model, its optimizer state and RNGs are left as they were (the tuners restore them).
     """
-    from torchspeed.train.noise import measure_noise_scale
-    from torchspeed.tune._common import decide_once
-    from torchspeed.tune.batch import find_batch_size
+    from torchspeed.tune.batch import find_batch_size  # read when called: tests inject a measured search
 
     b0 = getattr(loader, "batch_size", None)
     why_not = _rebuildable(loader)

@@ -40,18 +40,11 @@ from rich.progress import Progress
 from torch import nn
 from torch.utils.data import DataLoader
 
-from torchspeed.env import default_device
+from torchspeed.env import default_device, sync
 from torchspeed.train.rounds import interleaved, run_for
-from torchspeed.tune._common import (
-    StateSnapshot,
-    TrainStep,
-    decide_once,
-    make_batch,
-    model_device,
-    sync,
-    to_device,
-    unwrap,
-)
+from torchspeed.train.transfer import to_device
+from torchspeed.train.wrappers import unwrap_model
+from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, make_batch, model_device
 
 __all__ = ["LoaderTrial", "LoaderSettings", "tune_loader"]
 
@@ -116,7 +109,7 @@ def tune_loader(dataset, *, batch_size: int = 64, model: nn.Module | None = None
         raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one batch of {batch_size}")
     if batches < 2:
         raise ValueError(f"batches={batches} is too few to time; use at least 2")
-    return decide_once(lambda: _Tuner(dataset, batch_size=batch_size, model=unwrap(model) if model is not None else None,
+    return decide_once(lambda: _Tuner(dataset, batch_size=batch_size, model=unwrap_model(model) if model is not None else None,
                                       step=step, loss_fn=loss_fn, device=device, collate_fn=collate_fn,
                                       max_workers=max_workers, batches=batches, min_time=min_time,
                                       prefetch_factors=prefetch_factors,

@@ -68,7 +68,9 @@ from torch import nn
 from torchspeed._extras import require
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
 from torchspeed.train.sampler import iter_batches
-from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device, to_device, unwrap
+from torchspeed.train.transfer import to_device
+from torchspeed.train.wrappers import unwrap_model
+from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device
 
 __all__ = ["LRFinderResult", "find_lr", "suggest_lr", "plot_lr", "trial_candidates", "trial_ceiling", "choose_trial"]
 
@@ -127,7 +129,7 @@ def find_lr(model: nn.Module, data: Iterable, *, loss_fn: Callable | None = None
     if fallback and (trial_lrs < 2 or trial_steps < 6):
         raise ValueError(f"the fallback trial needs trial_lrs >= 2 and trial_steps >= 6, got {trial_lrs} and "
                          f"{trial_steps} (defaults 5 and 24); or pass fallback=False")
-    return decide_once(lambda: _find_lr(unwrap(model), data, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer,
+    return decide_once(lambda: _find_lr(unwrap_model(model), data, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer,
                                         scheduler=scheduler, scaler=scaler, start_lr=start_lr, end_lr=end_lr,
                                         num_steps=num_steps, batch_size=batch_size, precision=precision,
                                         diverge_factor=diverge_factor, plot=plot, progress=progress, seed=seed,

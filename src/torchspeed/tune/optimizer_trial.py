@@ -40,7 +40,9 @@ from torchspeed.train.optim import create_optimizer, is_schedule_free
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
 from torchspeed.train.sampler import take_batches
 from torchspeed.train.schedule import create_scheduler
-from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device, to_device, unwrap
+from torchspeed.train.transfer import to_device
+from torchspeed.train.wrappers import unwrap_model
+from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device
 
 __all__ = ["OptimizerTrial", "compare_optimizers", "pick_optimizer"]
 
@@ -112,7 +114,7 @@ def compare_optimizers(model: nn.Module, data: Iterable, names: Sequence[str] = 
         lrs = {n: float(lr[n]) for n in names}
     else:
         lrs = dict.fromkeys(names, float(lr))
-    return decide_once(lambda: _compare(unwrap(model), data, names, lrs=lrs, steps=steps, loss_fn=loss_fn,
+    return decide_once(lambda: _compare(unwrap_model(model), data, names, lrs=lrs, steps=steps, loss_fn=loss_fn,
                                         step_fn=step_fn, precision=precision, seed=seed, progress=progress,
                                         batch_size=batch_size, eval_batches=eval_batches,
                                         weight_decay=weight_decay, schedule=schedule, margin=margin))
