@@ -174,6 +174,9 @@ def render_report(report: DoctorReport, console=None) -> None:
         console.print(f"[bold]fit's plan[/] for this model: {plan['chosen']} ({plan['why']}); measured "
                       f"{plan['speedup']:.2f}x per step against the script's own {plan['script']}"
                       + (" (within noise)" if plan.get("within_noise") else ""), highlight=False)
+        rest = plan.get("beyond_grid") or {}
+        if rest.get("not_covered"):
+            console.print("  the plan's figure leaves out: " + "; ".join(rest["not_covered"]), highlight=False)
     _render_env_fixes(report, console)
     if report.fix:
         _render_fix(report, console)
