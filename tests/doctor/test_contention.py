@@ -98,3 +98,34 @@ def test_children_cpu_time_is_read_from_proc(tmp_path):
 
 def test_quartiles():
     assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == [2.0, 4.0] and quartiles([3.0]) == [3.0, 3.0]
+
+
+def test_the_model_is_timed_alone_only_after_the_workers_went_idle(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    import torchspeed.doctor._contention as contention
+    from torchspeed.doctor.verify import measure_contention
+
+    calls = []
+    monkeypatch.setattr(contention, "wait_children_idle", lambda **kw: calls.append("wait") or {"idle": True})
+    cpu = iter([10.0, 10.5])  # the workers' CPU seconds before and after the timing
+
+    def read():
+        calls.append("read")
+        return next(cpu)
+    monkeypatch.setattr(contention, "children_cpu_s", read)
+    model = nn.Linear(4, 2)
+    cap = SimpleNamespace(model=model, args=(torch.zeros(3, 4),), kwargs={}, set_to_none=True, loss_module=None,
+                          target=None, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    obs = {"loaders": [{"num_workers": 2}], "threads": 2, "cpu_cores": 2, "datasets": [],
+           "breakdown": {"compute_ms": 5.0, "compute_ms_iqr": [4.0, 6.0]}}
+    measure_contention(cap, obs)
+    c = obs["cpu"]
+    assert calls == ["wait", "read", "read"]  # waited before reading and timing
+    assert c["compute_ms_in_script_iqr"] == [4.0, 6.0] and c["compute_ms_alone"] is not None
+    lo, hi = c["compute_ms_alone_iqr"]
+    assert lo <= c["compute_ms_alone"] <= hi
+    assert c["workers_busy_during_alone"] > 0  # 0.5 CPU s over the timing's wall time

@@ -178,9 +178,9 @@ def _oversub_below(o):
     c = o["cpu"]
     if not (c["workers"] + c["threads"] > c["cores"] and c["compute_ms_alone"] is not None):
         return False  # the contention was not measured: the rule had nothing to read
-    lost = c["compute_ms_in_script"] - c["compute_ms_alone"]
-    return c["compute_ms_in_script"] < cpu_oversubscribed.RATIO * c["compute_ms_alone"] or \
-        c["worker_ms_per_batch"] < cpu_oversubscribed.EXPLAINS * lost
+    s = cpu_oversubscribed.slow_down(c)  # None: the workers were still busy while the model ran "alone"
+    return s is None or s["ratio"][0] < cpu_oversubscribed.RATIO or \
+        c["worker_ms_per_batch"] < cpu_oversubscribed.EXPLAINS * s["lost_ms"][1]
 
 
 MEASURED = {
