@@ -145,7 +145,7 @@ DEFAULT_OUT = str(HERE / "results" / "cpu" / "doctor_verify.json")
 
 GALLERY = HERE.parent / "tests" / "doctor" / "scripts"
 THIRD_PARTY = ("amp_flag_reference", "flags_reference", "gpt_fused_cuda_only")  # real scripts' forms
-STABILITY = ("clean_mlp", "amp_flag_reference", "oversubscribed")  # the scripts run 5 times
+STABILITY = ("clean_mlp", "oversubscribed")  # the scripts run 5 times (--quick: the first)
 ENV_RULES = {"allocator": "malloc", "cpu-oversubscribed": "threads", "omp-wait-policy": "omp_passive"}
 RANKED_MIN = 1.05  # a ranked finding whose fix gains less than this on the real clock is a false alarm
 
@@ -302,10 +302,11 @@ def _plain_phase(scripts, a) -> list[dict]:
             row["missing"] = sorted(expect - found - set(below))
             row["quiet_by_its_measurement"] = below
         row["check_s"] = round(time.perf_counter() - t0, 1)
+        row["other_runnable"] = other_runnable()
         rows.append(row)
         print(p.stem, r.status, [(f["rule"], f["severity"], f["basis"]) for f in row["findings"] if f["severity"] != "low"],
               "checks", [(c["rule"], c["real_clock_gain"]) for c in row["ranked_checks"]],
-              "missing", row.get("missing"), "load", other_runnable(), flush=True)
+              "missing", row.get("missing"), "load", row["other_runnable"], flush=True)
     return rows
 
 
@@ -369,90 +370,39 @@ def _summary(rows: list[dict], stability: list[dict]) -> dict:
             "unstable": {s["script"]: s["unstable"] for s in stability if s["unstable"]}}
 
 
+def _write(result: dict, out: str) -> None:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".tmp", "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(out + ".tmp", out)
+
+
 def run_acceptance(a) -> None:
+    """Plain run of the gallery, --verify of the real-style and clean scripts, 5 runs of the stability scripts;
+    the JSON is rewritten after each phase, so a run cut short keeps what it measured."""
     t0 = time.perf_counter()
     load0 = os.getloadavg()
+    out = a.out if a.out != DEFAULT_OUT else str(HERE / "results" / "cpu-avx2" / "doctor_acceptance.json")
     scripts = _gallery_scripts(a.quick)
     result = {"benchmark": "doctor_acceptance", "claim": "every finding the doctor ranks high or medium gains at least "
               "5% when its fix is run on the script on the real clock; clean scripts get none; every plant is found; "
               "the severity of a finding does not change over repeated runs", "provenance": provenance(),
               "command": "python benchmarks/bench_doctor.py --acceptance" + (" --quick" if a.quick else ""),
-              "steps": a.steps, "warmup": 3, "check_rounds": a.check_rounds, "repeats": a.repeats}
-    rows = _plain_phase(scripts, a) + _verify_phase(scripts, a)
-    stability = _stability_phase(scripts, a)
-    result.update({"summary": _summary(rows, stability), "scripts": rows, "stability": stability,
-                   "wall_s": round(time.perf_counter() - t0, 1),
-                   # other work on the machine moves every ratio: how busy it was (2 cores)
-                   "loadavg_1m_before_after": [round(load0[0], 2), round(os.getloadavg()[0], 2)]})
-    out = a.out if a.out != DEFAULT_OUT else str(HERE / "results" / "cpu-avx2" / "doctor_acceptance.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(out + ".tmp", out)
+              "steps": a.steps, "warmup": 3, "check_rounds": a.check_rounds, "repeats": a.repeats,
+              "stability_scripts": a.stability, "scripts": [], "stability": []}
+
+    def save(phase: str) -> None:
+        result.update(summary=_summary(result["scripts"], result["stability"]), phases_done=phase,
+                      wall_s=round(time.perf_counter() - t0, 1),
+                      # other work on the machine moves every ratio: how busy it was (2 cores)
+                      loadavg_1m_before_after=[round(load0[0], 2), round(os.getloadavg()[0], 2)])
+        _write(result, out)
+
+    result["scripts"] += _plain_phase(scripts, a)
+    save("plain")
+    result["scripts"] += _verify_phase(scripts, a)
+    save("plain, verify")
+    result["stability"] = _stability_phase(scripts, a)
+    save("plain, verify, stability")
     print(json.dumps(result["summary"], indent=2))
     print(f"wrote {out} in {result['wall_s']:.0f} s")
-
-
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--fix", action="store_true", help="measure --fix on every gallery script (doctor_fix.json)")
-    p.add_argument("--only", default=None, help="with --fix: comma-separated script names (no .py)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--threads", type=int, default=None, help="torch threads in the script's process")
-    p.add_argument("--out", default=DEFAULT_OUT)
-    p.add_argument("--acceptance", action="store_true",
-                   help="issue 31's acceptance on the gallery: ranked fixes on the real clock, severity over repeats")
-    p.add_argument("--quick", action="store_true", help="with --acceptance: fewer steps and rounds, no slow scripts")
-    p.add_argument("--check-rounds", type=int, default=None, help="with --acceptance: rounds per real-clock check")
-    p.add_argument("--repeats", type=int, default=5, help="with --acceptance: runs of each stability script")
-    p.add_argument("--stability", default=",".join(STABILITY), help="with --acceptance: scripts run --repeats times")
-    p.add_argument("--compile", action="store_true", help="with --acceptance: also measure torch.compile in --verify")
-    a = p.parse_args()
-    if a.acceptance:
-        if a.quick:
-            a.steps, a.check_rounds = min(a.steps, 10), a.check_rounds or 2
-        a.check_rounds = a.check_rounds or 3
-        run_acceptance(a)
-        return
-    if a.fix:
-        run_fix(a)
-        return
-    fixes = ("autocast", "channels_last", "workers", "conv_bias", "set_to_none") + (() if a.no_compile else ("compile",))
-    job = DoctorJob(script=str(HERE / "doctor" / "slow_cpu_train.py"), steps=a.steps, warmup=5, verify=True,
-                    fixes=fixes, rounds=a.rounds, time_limit=600)
-    if a.threads:
-        import torch
-        torch.set_num_threads(a.threads)
-    overhead = measure_overhead()
-    load_before = os.getloadavg()
-    t0 = time.perf_counter()
-    report = diagnose_many([job], quiet=True, threads=a.threads)[0]
-    wall = time.perf_counter() - t0
-    result = {"benchmark": "doctor_verify", "claim": __doc__.strip().splitlines()[0], "provenance": provenance(),
-              "script": "benchmarks/doctor/slow_cpu_train.py", "steps": a.steps, "rounds": a.rounds,
-              "doctor_wall_s": round(wall, 1), "threads": a.threads,
-              # other work on the machine makes per-round ratios noisy: record how busy it was
-              "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-              "instrumentation_overhead": overhead, "report": report.to_dict(),
-              # measured here, not asserted by the test suite: loading in workers beats num_workers=0
-              "workers_fix_faster": (report.verify.get("workers") or {}).get("speedup", 0.0) > 1.0}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, a.out)
-    b = report.breakdown
-    print(f"step {b.get('step_ms', 0):.1f} ms: data {b['fractions']['data_wait']:.0%}, compute {b['fractions']['compute']:.0%}")
-    for f in report.findings:
-        m = f" measured {f.measured_gain:.2f}x" if f.measured_gain is not None else ""
-        print(f"{f.severity:6s} {f.rule:22s} est {f.est_gain}{m}")
-    for v in report.verify.values():
-        print(v["fix"], v.get("speedup"), v.get("ratios"), v.get("error", ""))
-    print("instrumentation overhead", overhead["overhead_ms_per_step"], "ms/step", overhead["overhead_ratio"], "x")
-    print("wrote", a.out)
-
-
-if __name__ == "__main__":
-    main()
