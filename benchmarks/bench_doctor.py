@@ -283,31 +283,42 @@ def _verify_fix(rule: str) -> str | None:
     return RULES[rule].fix if rule in RULES else None
 
 
-def _plain_phase(scripts, a) -> list[dict]:
-    jobs = [DoctorJob(script=str(p), args=args, steps=a.steps, warmup=3, time_limit=300) for p, _, args in scripts]
-    t0 = time.perf_counter()
-    reports = diagnose_many(jobs, quiet=True)
-    print(f"plain run of {len(jobs)} scripts: {time.perf_counter() - t0:.0f} s", flush=True)
-    rows = []
-    for (p, expect, args), r in zip(scripts, reports):
+def _plain_phase(scripts, a, save=None) -> list[dict]:
+    """The plain run (no --verify) in chunks of 6 scripts, one child each (torch imported once per chunk);
+    `save(rows)` after each chunk, so a run cut short keeps its rows."""
+    rows: list[dict] = []
+    for k in range(0, len(scripts), 6):
+        chunk = scripts[k:k + 6]
+        jobs = [DoctorJob(script=str(p), args=args, steps=a.steps, warmup=3, time_limit=300) for p, _, args in chunk]
         t0 = time.perf_counter()
-        row = {"script": str(p.relative_to(HERE.parent)), "mode": "plain", "expect": sorted(expect),
-               "status": r.status, **_check_report(r, args, a)}
-        found = r.rules
-        kind = "clean" if expect == {"clean"} else "planted" if not expect & {"stopped", "finished"} else "other"
-        row["kind"] = kind
-        if kind == "planted":  # a rule quiet because its own measurement was under its threshold is not missed
-            quiet = _quiet_by_measurement()
-            below = sorted(e for e in expect - found if e in quiet and _safe(quiet[e], r.observation))
-            row["missing"] = sorted(expect - found - set(below))
-            row["quiet_by_its_measurement"] = below
-        row["check_s"] = round(time.perf_counter() - t0, 1)
-        row["other_runnable"] = other_runnable()
-        rows.append(row)
-        print(p.stem, r.status, [(f["rule"], f["severity"], f["basis"]) for f in row["findings"] if f["severity"] != "low"],
-              "checks", [(c["rule"], c["real_clock_gain"]) for c in row["ranked_checks"]],
-              "missing", row.get("missing"), "load", row["other_runnable"], flush=True)
+        reports = diagnose_many(jobs, quiet=True)
+        print(f"plain run of {len(jobs)} scripts: {time.perf_counter() - t0:.0f} s", flush=True)
+        rows += [_plain_row(p, expect, args, r, a) for (p, expect, args), r in zip(chunk, reports)]
+        if save is not None:
+            save(rows)
     return rows
+
+
+def _plain_row(p, expect, args, r, a) -> dict:
+    t0 = time.perf_counter()
+    row = {"script": str(p.relative_to(HERE.parent)), "mode": "plain", "expect": sorted(expect),
+           "status": r.status, **_check_report(r, args, a)}
+    found = r.rules
+    kind = "clean" if expect == {"clean"} else "planted" if not expect & {"stopped", "finished"} else "other"
+    row["kind"] = kind
+    if kind == "planted":  # a rule quiet because its own measurement was under its threshold is not missed
+        quiet = _quiet_by_measurement()
+        below = sorted(e for e in expect - found if e in quiet and _safe(quiet[e], r.observation))
+        row["missing"] = sorted(expect - found - set(below))
+        row["quiet_by_its_measurement"] = below
+    row["env_fixes"] = {n: {k: e.get(k) for k in ("speedup", "iqr", "error")}
+                        for n, e in (r.observation.get("env_fixes") or {}).items()}
+    row["check_s"] = round(time.perf_counter() - t0, 1)
+    row["other_runnable"] = other_runnable()
+    print(p.stem, r.status, [(f["rule"], f["severity"], f["basis"]) for f in row["findings"] if f["severity"] != "low"],
+          "checks", [(c["rule"], c["real_clock_gain"]) for c in row["ranked_checks"]],
+          "missing", row.get("missing"), "load", row["other_runnable"], flush=True)
+    return row
 
 
 def _verify_phase(scripts, a) -> list[dict]:
@@ -398,7 +409,7 @@ def run_acceptance(a) -> None:
                       loadavg_1m_before_after=[round(load0[0], 2), round(os.getloadavg()[0], 2)])
         _write(result, out)
 
-    result["scripts"] += _plain_phase(scripts, a)
+    result["scripts"] = _plain_phase(scripts, a, save=lambda rows: (result.update(scripts=rows), save("plain (part)")))
     save("plain")
     result["scripts"] += _verify_phase(scripts, a)
     save("plain, verify")
