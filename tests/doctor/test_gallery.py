@@ -16,9 +16,9 @@ import pytest
 from torchspeed.doctor import DoctorJob, diagnose_many
 from torchspeed.doctor.observation import undeclared_keys
 from torchspeed.doctor.registry import severity_for_gain
-from torchspeed.doctor.rules import (allocator, cpu_bf16_math, cpu_oversubscribed, data_bound, elementwise_bound,
-                                     optimizer_kernel)
-from torchspeed.doctor.rules._common import robust_frac, saving_gain
+from torchspeed.doctor.rules import (allocator, cpu_bf16_math, cpu_oversubscribed, data_bound, dataloader_workers,
+                                     elementwise_bound, optimizer_kernel)
+from torchspeed.doctor.rules._common import frac, robust_frac, saving_gain
 from torchspeed.doctor.rules.slow_jpeg_decode import SHARE as JPEG_SHARE
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -191,6 +191,7 @@ MEASURED = {
     "allocator": lambda o: o["env"]["allocator"] != "glibc"
     or o["breakdown"]["minor_faults_per_step"] < allocator.FAULTS,
     "data-bound": lambda o: robust_frac(o, "data_wait") < data_bound.THRESHOLD,
+    "dataloader-workers": lambda o: frac(o, "data_wait") < dataloader_workers.THRESHOLD,
     "optimizer-kernel": lambda o: o["optimizer"]["fused_available"] and not o["optimizer"]["fused"] and
     o["breakdown"]["compute_detail_ms"]["optimizer"] < optimizer_kernel.SHARE * o["breakdown"]["step_ms"],
 }
