@@ -16,6 +16,18 @@ patch gained less than 5% on the real clock (`ranked_below_5pct`, the goal is no
 (`torchspeed.env.other_runnable()`, runnable tasks besides this one) before and after each script.
 
     python benchmarks/bench_doctor.py --fix --steps 20 --rounds 5   # writes benchmarks/results/cpu/doctor_fix.json
+
+`--acceptance` checks the doctor's ranking against the real clock on the gallery: the plain run on
+every gallery script (clean, planted, and the scripts in real third-party forms), `--verify` on the
+real-form and clean scripts, then every finding ranked high or medium has its fix run on the script
+itself (the environment re-run or the `--fix` patch, interleaved with the original in fresh processes;
+`--verify`'s own figure where neither applies), and the count of ranked findings that gained under 5%
+is reported (goal 0), with clean scripts that got a ranked finding and plants that were missed. Then
+the stability scripts run 5 times and each finding's severity is compared across the runs (goal:
+unchanged). The machine's load is recorded per script. `--quick` leaves out the 4 slowest planted
+scripts, runs 2 rounds per check and one stability script (about 20-25 minutes on 2 busy cores).
+
+    python benchmarks/bench_doctor.py --acceptance --quick   # writes benchmarks/results/cpu-avx2/doctor_acceptance.json
 """
 
 from __future__ import annotations
@@ -24,11 +36,15 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 from torchspeed.bench.runner import provenance
 from torchspeed.doctor import DoctorJob, diagnose_many
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "doctor"))
+from _acceptance import STABILITY, run_acceptance  # noqa: E402  (the --acceptance mode)
 
 HERE = Path(__file__).resolve().parent
 
@@ -149,7 +165,24 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch threads in the script's process")
     p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--acceptance", action="store_true",
+                   help="issue 31's acceptance on the gallery: ranked fixes on the real clock, severity over repeats")
+    p.add_argument("--quick", action="store_true", help="with --acceptance: fewer steps and rounds, no slow scripts")
+    p.add_argument("--check-rounds", type=int, default=None, help="with --acceptance: rounds per real-clock check")
+    p.add_argument("--repeats", type=int, default=5, help="with --acceptance: runs of each stability script")
+    p.add_argument("--stability", default=",".join(STABILITY), help="with --acceptance: scripts run --repeats times")
+    p.add_argument("--compile", action="store_true", help="with --acceptance: also measure torch.compile in --verify")
     a = p.parse_args()
+    if a.acceptance:
+        if a.out == DEFAULT_OUT:
+            a.out = str(HERE / "results" / "cpu-avx2" / "doctor_acceptance.json")
+        a.steps = min(a.steps, 10)
+        if a.quick:
+            a.check_rounds = a.check_rounds or 2
+            a.stability = a.stability.split(",")[0]
+        a.check_rounds = a.check_rounds or 3
+        run_acceptance(a)
+        return
     if a.fix:
         run_fix(a)
         return

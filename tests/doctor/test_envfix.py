@@ -160,3 +160,70 @@ def test_report_shows_the_environment_reruns(monkeypatch):
     render_report(report_from_observation(obs, script="train.py"), console)
     text = console.export_text()
     assert "environment fixes" in text and "MALLOC_TRIM_THRESHOLD_=1073741824" in text and "1.25x" in text
+
+
+LOADER_SCRIPT = textwrap.dedent('''
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    loader = DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=8)
+''')
+
+
+def _workers0(o):
+    o["breakdown"].update(data_wait_ms=6.0, compute_ms=3.5, other_ms=0.5)
+    o["breakdown"]["fractions"].update(data_wait=0.6, compute=0.35)
+    o["loaders"][0]["num_workers"] = 0
+
+
+def test_workers_patch_is_re_run_for_a_loop_that_loads_in_the_main_process(monkeypatch):
+    for v in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(v, raising=False)
+    job = DoctorJob(script="train.py", source=LOADER_SCRIPT)
+    # timed alone, the wait ranks the workers advice; re-run with workers that slow the script: low
+    assert report_from_observation(_obs(_workers0)).finding("dataloader-workers").basis == "timed"
+    obs = _obs(_workers0)
+    measure = _ratios(workers=[0.9, 0.95])
+    _envfix.measure_env_fixes(job, obs, measure=measure)
+    assert measure.asked == [{"workers": {}}]
+    e = obs["env_fixes"]["workers"]
+    assert e["patch"] == "workers" and e["workers"] == 2 and e["label"] == "num_workers=2, persistent_workers=True"
+    assert not undeclared_keys(obs)
+    r = report_from_observation(obs)
+    for rule in ("dataloader-workers", "data-bound"):
+        f = next(g for f in r.findings for g in (f, *f.also) if g.rule == rule)
+        assert f.basis == "measured" and f.severity == "low", (rule, f)
+        assert "with the --fix patch (num_workers=2, persistent_workers=True) measured 0.93x" in f.evidence
+    # workers that help: ranked on the low end of the re-run's rounds
+    obs = _obs(_workers0)
+    _envfix.measure_env_fixes(job, obs, measure=_ratios(workers=[1.3, 1.6]))
+    f = report_from_observation(obs).finding("dataloader-workers")
+    assert f.basis == "measured" and f.severity == "high" and f.measured_gain == 1.45
+
+
+def test_workers_re_run_only_where_it_applies():
+    job = DoctorJob(script="train.py", source=LOADER_SCRIPT)
+    assert _envfix.patch_candidates(_obs(_workers0), LOADER_SCRIPT)["workers"]["workers"] == 2
+    assert _envfix.patch_candidates(_obs(), LOADER_SCRIPT) == {}  # workers already
+    assert _envfix.patch_candidates(_obs(_workers0, _set("breakdown.fractions.data_wait", 0.01)), LOADER_SCRIPT) == {}
+    assert _envfix.patch_candidates(_obs(_workers0, lambda o: o["loaders"][0].update(in_memory=True)), LOADER_SCRIPT) == {}
+    assert _envfix.patch_candidates(_obs(_workers0), "x = 1\n") == {}  # no DataLoader call to patch
+    assert job.source == LOADER_SCRIPT
+
+
+def test_the_patched_source_runs_in_its_own_round_slot(monkeypatch):
+    seen = []
+
+    def fake_many(jobs, **kw):
+        seen.extend(jobs)
+        return [SimpleNamespace(status="stopped", traceback=None, breakdown={"step_ms": 5.0 if j.source else 10.0})
+                for j in jobs]
+
+    import importlib
+
+    diagnose_mod = importlib.import_module("torchspeed.doctor.diagnose")
+    monkeypatch.setattr(diagnose_mod, "diagnose_many", fake_many)
+    job = DoctorJob(script="train.py", env_rounds=2, env_steps=4)
+    patched = {"workers": {"source": "PATCHED", "workers": 2, "label": "num_workers=2"}}
+    raw = _envfix.run_env_rounds(job, {"threads": {"OMP_NUM_THREADS": "1"}}, diagnose_mod.measure_variants, patched)
+    assert [(j.source, j.env) for j in seen] == [(None, {}), (None, {"OMP_NUM_THREADS": "1"}), ("PATCHED", {})] * 2
+    assert raw["workers"]["ratios"] == [2.0, 2.0] and raw["threads"]["ratios"] == [1.0, 1.0]

@@ -100,3 +100,51 @@ def test_report_prints_the_plan():
     text = console.export_text()
     assert "fit's plan for this model: bf16+channels_last+fused" in text
     assert "measured 1.60x per step against the script's own fp32+foreach" in text
+
+
+def _threads_entry(ratios):
+    import statistics
+    return {"fix": "threads", "rule": "cpu-oversubscribed", "env": {"OMP_NUM_THREADS": "1"}, "steps": 6,
+            "speedup": statistics.median(ratios), "ratios": ratios, "iqr": [min(ratios), max(ratios)],
+            "within_noise": min(ratios) <= 1.0 <= max(ratios), "rounds": len(ratios), "baseline_ms": 12.0,
+            "candidate_ms": 10.0}
+
+
+def test_the_plan_says_what_its_figure_leaves_out_and_reads_what_was_measured_for_it():
+    from torchspeed.doctor._fit_plan import beyond_grid
+
+    o = _script_obs(PLAN)
+    o["cpu"] = {"workers": 1, "threads": 2, "cores": 2, "compute_ms_in_script": 9.0, "compute_ms_alone": 8.9,
+                "worker_ms_per_batch": 1.0}
+    # nothing measured beyond the grid: each part is named as not measured, none is folded into the plan's figure
+    b = beyond_grid(o)
+    assert b["threads"]["choices"] == [1, 2] and b["threads"]["chosen"] is None
+    assert not b["compile"]["measured"] and not b["allocator"]["measured"]
+    assert b["not_covered"] == ["fit's thread stage (not measured)",
+                                "torch.compile (fit measures it on top of the plan; not measured here)",
+                                "fit's in-process malloc thresholds (not measured here)"]
+    # the thread re-run, --verify's compile and the malloc re-run measured: each with its own figure
+    o["env_fixes"] = {"threads": _threads_entry([1.08, 1.12]), "malloc": {**_threads_entry([1.03, 1.05]),
+                                                                            "fix": "malloc"}}
+    o["verify"] = {"compile": {"fix": "compile", "speedup": 1.3, "iqr": [1.28, 1.33], "compile_s": 9.0}}
+    b = beyond_grid(o)
+    assert b["threads"]["chosen"] == 1 and b["threads"]["speedup"] == 1.1  # fit's choose: >= 2% buys the change
+    assert b["compile"] == {"measured": True, "speedup": 1.3, "iqr": [1.28, 1.33], "compile_s": 9.0,
+                            "how": "--verify, alone on the script's model against the script's settings"}
+    assert "1 threads measured 1.10x on the script, separately" in b["not_covered"][0]
+    assert "--verify measured it alone at 1.30x" in b["not_covered"][1]
+    assert "re-run measured 1.04x, separately" in b["not_covered"][2]
+    # within fit's 2%: the stage keeps all the cores
+    o["env_fixes"]["threads"] = _threads_entry([0.99, 1.02])
+    assert beyond_grid(o)["threads"]["chosen"] == 2
+    # no workers: fit has no thread stage
+    o["cpu"]["workers"] = 0
+    assert beyond_grid(o)["threads"] is None
+
+
+def test_report_names_what_the_plan_leaves_out():
+    console = Console(record=True, width=300)
+    render_report(report_from_observation({**_script_obs(PLAN), "script": "train.py"}), console)
+    text = console.export_text()
+    assert "the plan's figure leaves out: fit's thread stage (not measured); torch.compile (fit measures it on top " \
+        "of the plan; not measured here); fit's in-process malloc thresholds (not measured here)" in text

@@ -16,9 +16,9 @@ import pytest
 from torchspeed.doctor import DoctorJob, diagnose_many
 from torchspeed.doctor.observation import undeclared_keys
 from torchspeed.doctor.registry import severity_for_gain
-from torchspeed.doctor.rules import (allocator, cpu_bf16_math, cpu_oversubscribed, data_bound, elementwise_bound,
-                                     optimizer_kernel)
-from torchspeed.doctor.rules._common import robust_frac, saving_gain
+from torchspeed.doctor.rules import (allocator, cpu_bf16_math, cpu_oversubscribed, data_bound, dataloader_workers,
+                                     elementwise_bound, optimizer_kernel)
+from torchspeed.doctor.rules._common import frac, robust_frac, saving_gain
 from torchspeed.doctor.rules.slow_jpeg_decode import SHARE as JPEG_SHARE
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -178,9 +178,9 @@ def _oversub_below(o):
     c = o["cpu"]
     if not (c["workers"] + c["threads"] > c["cores"] and c["compute_ms_alone"] is not None):
         return False  # the contention was not measured: the rule had nothing to read
-    lost = c["compute_ms_in_script"] - c["compute_ms_alone"]
-    return c["compute_ms_in_script"] < cpu_oversubscribed.RATIO * c["compute_ms_alone"] or \
-        c["worker_ms_per_batch"] < cpu_oversubscribed.EXPLAINS * lost
+    s = cpu_oversubscribed.slow_down(c)  # None: the workers were still busy while the model ran "alone"
+    return s is None or s["ratio"][0] < cpu_oversubscribed.RATIO or \
+        c["worker_ms_per_batch"] < cpu_oversubscribed.EXPLAINS * s["lost_ms"][1]
 
 
 MEASURED = {
@@ -191,6 +191,7 @@ MEASURED = {
     "allocator": lambda o: o["env"]["allocator"] != "glibc"
     or o["breakdown"]["minor_faults_per_step"] < allocator.FAULTS,
     "data-bound": lambda o: robust_frac(o, "data_wait") < data_bound.THRESHOLD,
+    "dataloader-workers": lambda o: frac(o, "data_wait") < dataloader_workers.THRESHOLD,
     "optimizer-kernel": lambda o: o["optimizer"]["fused_available"] and not o["optimizer"]["fused"] and
     o["breakdown"]["compute_detail_ms"]["optimizer"] < optimizer_kernel.SHARE * o["breakdown"]["step_ms"],
 }
@@ -253,7 +254,10 @@ def test_script_gets_its_findings(reports, name):
     if expect == {"clean"}:
         assert r.status == "stopped", r.traceback
         assert not [f for f in r.findings if f.severity in ("high", "medium")], found
-        assert not set(found) & NEW_RULES, found
+        # allocator reads page faults per step, which follow the process's heap history (the scripts before it in
+        # this shared child), not the script alone: it may appear, but only low, its gain re-measured (here as none)
+        assert not set(found) & NEW_RULES - {"allocator"}, found
+        assert found.get("allocator", "low") == "low", found
     elif expect == {"raises"}:
         assert r.status == "raised"
         assert "planted failure in step 3" in r.traceback and "crashes.py" in r.traceback

@@ -14,8 +14,16 @@ workers + threads beyond the cores; workers beside more than one OpenMP thread) 
 set already, so a clean script pays nothing. Default cost: 2 rounds x (1 + fixes) runs of
 `warmup + 6` steps, each in a process that imports torch.
 
+One source fix is measured the same way, because no timing of the script alone can say what it gains:
+DataLoader workers for a loop that loads in the main process (`workers`, the `--fix` patch with
+num_workers = the usable cores, at most 4). Whether workers help depends on what the timed data wait
+cannot show: whether they overlap compute on cores the model's threads leave, and what starting them
+costs when the script builds a new DataLoader every epoch. `dataloader-workers` and `data-bound` rank
+on that re-run. It needs libcst (the patch is written with it); without it they stay timed estimates.
+
 `measure_env(job, candidates) -> {name: {"ratios": [...], "ms": [...], "baseline_ms": [...], "error": ...}}`
-replaces the re-runs (tests inject measured ratios through `diagnose_many(..., measure_env=)`).
+replaces the re-runs (tests inject measured ratios through `diagnose_many(..., measure_env=)`); a source
+fix appears in `candidates` with no variables.
 """
 
 from __future__ import annotations
@@ -26,10 +34,13 @@ from collections.abc import Callable, Mapping
 
 from torchspeed.env import GLIBC_MALLOC_ENV
 
-__all__ = ["ENV_FIXES", "env_candidates", "measure_env_fixes", "summarize", "env_label", "run_env_rounds"]
+__all__ = ["ENV_FIXES", "env_candidates", "patch_candidates", "measure_env_fixes", "summarize", "env_label",
+           "run_env_rounds"]
 
 # fix name -> the rule whose advice it measures
-ENV_FIXES = {"malloc": "allocator", "threads": "cpu-oversubscribed", "omp_passive": "omp-wait-policy"}
+ENV_FIXES = {"malloc": "allocator", "threads": "cpu-oversubscribed", "omp_passive": "omp-wait-policy",
+             "workers": "dataloader-workers"}
+WAIT_SHARE = 0.05  # the data wait (share of the step) worth re-running the script with workers for
 
 
 from torchspeed.doctor.rules._common import env_label  # noqa: E402  (one home: the rules print it too)
@@ -56,6 +67,25 @@ def env_candidates(obs: dict, environ: Mapping[str, str] | None = None) -> dict[
     return out
 
 
+def patch_candidates(obs: dict, source: str | None) -> dict[str, dict]:
+    """The source fixes that apply: {"workers": {"source": patched text, "workers": n, "label": ...}}."""
+    from torchspeed.doctor import _patches  # noqa: F401  (registers every patch)
+    from torchspeed.doctor._patch_base import NotApplicable, PatchContext, apply_patch, libcst_missing
+
+    loaders = [ld for ld in obs.get("loaders") or [] if ld.get("num_workers") == 0 and ld.get("map_style", True)
+               and not ld.get("in_memory")]
+    wait = float(((obs.get("breakdown") or {}).get("fractions") or {}).get("data_wait", 0.0))
+    if not source or not loaders or wait < WAIT_SHARE or libcst_missing():
+        return {}
+    n = min(4, max(1, int(obs.get("cpu_cores", 2))))
+    on_cuda = str((obs.get("model") or {}).get("device", "cpu")).startswith("cuda")
+    try:
+        patched = apply_patch("workers", source, PatchContext(device="cuda" if on_cuda else "cpu", workers=n))
+    except (NotApplicable, SyntaxError, ValueError):
+        return {}
+    return {"workers": {"source": patched, "workers": n, "label": f"num_workers={n}, persistent_workers=True"}}
+
+
 def summarize(name: str, env: dict, m: dict, *, steps: int) -> dict:
     """One environment fix's entry in `obs["env_fixes"]` from its per-round ratios and step times."""
     entry = {"fix": name, "rule": ENV_FIXES[name], "env": dict(env), "steps": steps}
@@ -76,13 +106,17 @@ def summarize(name: str, env: dict, m: dict, *, steps: int) -> dict:
     return entry
 
 
-def run_env_rounds(job, candidates: dict[str, dict[str, str]], run_variants: Callable) -> dict[str, dict]:
-    """The re-runs: the original and each environment, each in its own process, `job.env_rounds` rounds
-    (`run_variants`: `diagnose.measure_variants`, the doctor's interleaved runner, passed in by its caller)."""
-    names = list(candidates)
-    measured = run_variants(job.script, job.args, [None] * (1 + len(names)), steps=job.env_steps,
-                                warmup=min(job.warmup, 3), rounds=job.env_rounds, time_limit=job.time_limit,
-                                threads=None, envs=[{}] + [candidates[n] for n in names])
+def run_env_rounds(job, candidates: dict[str, dict[str, str]], run_variants: Callable,
+                   patched: dict[str, dict] | None = None) -> dict[str, dict]:
+    """The re-runs: the original and each environment (and each patched source), each in its own process,
+    `job.env_rounds` rounds (`run_variants`: `diagnose.measure_variants`, the doctor's interleaved runner,
+    passed in by its caller)."""
+    patched = patched or {}
+    names = [n for n in candidates if n not in patched] + list(patched)
+    sources = [job.source] + [patched[n]["source"] if n in patched else job.source for n in names]
+    measured = run_variants(job.script, job.args, sources, steps=job.env_steps,
+                            warmup=min(job.warmup, 3), rounds=job.env_rounds, time_limit=job.time_limit,
+                            threads=None, envs=[{}] + [{} if n in patched else candidates[n] for n in names])
     base_ms = measured[0]["ms"]
     out = {}
     for n, m in zip(names, measured[1:]):
@@ -90,16 +124,30 @@ def run_env_rounds(job, candidates: dict[str, dict[str, str]], run_variants: Cal
     return out
 
 
+def _source(job) -> str | None:
+    if job.source is not None:
+        return job.source
+    try:
+        with open(job.script, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def measure_env_fixes(job, obs: dict, *, measure: Callable | None = None, run_variants: Callable | None = None) -> dict:
-    """Measure the environment fixes that apply to `obs` and store them in `obs["env_fixes"]`."""
-    candidates = env_candidates(obs)
+    """Measure the environment fixes (and the workers patch) that apply to `obs`; store them in `obs["env_fixes"]`."""
+    env = env_candidates(obs)
+    patched = patch_candidates(obs, _source(job))
+    candidates = {**env, **{n: {} for n in patched}}
     if not candidates:
         return {}
     try:
-        raw = measure(job, candidates) if measure is not None else run_env_rounds(job, candidates, run_variants)
+        raw = measure(job, candidates) if measure is not None else run_env_rounds(job, env, run_variants, patched)
     except Exception as e:  # a doctor failure must not lose the report
         obs.setdefault("notes", []).append(f"environment fixes not measured: {type(e).__name__}: {e}")
         return {}
-    entries = {n: summarize(n, env, raw.get(n) or {}, steps=job.env_steps) for n, env in candidates.items()}
+    entries = {n: summarize(n, v, raw.get(n) or {}, steps=job.env_steps) for n, v in candidates.items()}
+    for n, p in patched.items():  # a source fix: the patch it ran and what it set
+        entries[n].update(patch=n, label=p["label"], workers=p["workers"])
     obs["env_fixes"] = entries
     return entries

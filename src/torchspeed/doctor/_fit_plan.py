@@ -9,6 +9,14 @@ own settings (`verify._interleave`). A candidate that differs from the script in
 `--verify`'s measurement of that fix. The result, `obs["fit_plan"]`, names the plan, why, and its
 measured per-step ratio against the script as it runs; each switch it changes maps to the fix
 whose rule reports it (`PLAN_FIXES`), and that finding names the plan.
+
+fit does more than the grid, and the plan's figure does not cover it (`beyond_grid`, read from what
+the doctor measured elsewhere, nothing run again): fit's thread stage (on a CPU with DataLoader
+workers: all cores against the cores the workers leave), measured by the plain run's re-run of the
+script with OMP_NUM_THREADS (`_envfix`); torch.compile, which fit measures on top of the plan's winner
+and `--verify` measures alone on the script's model; and the glibc malloc thresholds fit sets
+in-process, measured by the allocator re-run only where the script churns page faults. Each is
+reported with its own figure, never multiplied into the plan's, or named as not measured.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ from collections.abc import Callable
 
 from torchspeed.train.switches import Switches, candidate_grid, choose
 
-__all__ = ["fit_plan", "PLAN_FIXES", "plan_fixes"]
+__all__ = ["fit_plan", "PLAN_FIXES", "plan_fixes", "beyond_grid", "MIN_GAIN"]
 
+MIN_GAIN = 1.02  # fit's `choose`: a change must gain at least this
 PLAN_FIXES = {"precision": "autocast", "channels_last": "channels_last", "fused": "fused_optimizer"}
 
 
@@ -101,3 +110,57 @@ def fit_plan(cap, obs: dict, *, rounds: int = 5, caps=None, measure: Callable | 
             "iqr": iqr, "within_noise": bool(iqr[0] <= 1.0 <= iqr[1]),
             "candidates": {s.label(): round(statistics.median(r), 4) for s, r in ratios.items() if r},
             "fixes": plan_fixes(chosen, script), "errors": errors}
+
+
+def _thread_stage(obs: dict) -> dict | None:
+    """fit's stage 3 on a CPU whose DataLoader has workers: all cores against the cores the workers leave."""
+    c = obs.get("cpu") or {}
+    workers, cores = int(c.get("workers", 0)), int(c.get("cores", 1))
+    on_cpu = not str((obs.get("model") or {}).get("device", "cpu")).startswith("cuda")
+    choices = sorted({cores, max(1, cores - workers)})
+    if not on_cpu or workers <= 0 or len(choices) < 2:
+        return None
+    n = choices[0]
+    out = {"choices": choices, "how": f"the script re-run with OMP_NUM_THREADS={n} (plain run)"}
+    v = (obs.get("env_fixes") or {}).get("threads") or {}
+    if v.get("speedup") is None:
+        out.update(chosen=None, why=v.get("error") or "not measured: OMP_NUM_THREADS was set already, or the "
+                   "workers and threads fit the cores")
+    else:
+        out.update(speedup=v["speedup"], iqr=v.get("iqr"), chosen=n if v["speedup"] >= MIN_GAIN else cores)
+    return out
+
+
+def _compile_stage(obs: dict) -> dict:
+    v = (obs.get("verify") or {}).get("compile") or {}
+    if v.get("speedup") is None:
+        return {"measured": False, "why": v.get("error") or "not measured (torch.compile not available, or not asked "
+                "for with --verify)"}
+    return {"measured": True, "speedup": v["speedup"], "iqr": v.get("iqr"), "compile_s": v.get("compile_s"),
+            "how": "--verify, alone on the script's model against the script's settings"}
+
+
+def _allocator_stage(obs: dict) -> dict:
+    v = (obs.get("env_fixes") or {}).get("malloc") or {}
+    if v.get("speedup") is not None:
+        return {"measured": True, "speedup": v["speedup"], "iqr": v.get("iqr"),
+                "how": "the script re-run with glibc's malloc thresholds (plain run)"}
+    alloc = (obs.get("env") or {}).get("allocator")
+    why = (f"not measured: the allocator is {alloc}" if alloc and alloc != "glibc" else
+           "not measured: the script's page faults per step are under the allocator rule's threshold")
+    return {"measured": False, "why": v.get("error") or why}
+
+
+def beyond_grid(obs: dict) -> dict:
+    """What fit does beyond the plan's grid, each with the figure the doctor measured for it (see the
+    module docstring); `not_covered` names, in words, what the plan's per-step figure leaves out."""
+    threads, comp, alloc = _thread_stage(obs), _compile_stage(obs), _allocator_stage(obs)
+    left = []
+    if threads is not None:
+        left.append("fit's thread stage (" + (f"{threads['choices'][0]} threads measured {threads['speedup']:.2f}x "
+                    "on the script, separately" if threads.get("speedup") is not None else "not measured") + ")")
+    left.append("torch.compile (fit measures it on top of the plan; " + (
+        f"--verify measured it alone at {comp['speedup']:.2f}x" if comp["measured"] else "not measured here") + ")")
+    left.append("fit's in-process malloc thresholds (" + (
+        f"re-run measured {alloc['speedup']:.2f}x, separately" if alloc["measured"] else "not measured here") + ")")
+    return {"threads": threads, "compile": comp, "allocator": alloc, "not_covered": left}

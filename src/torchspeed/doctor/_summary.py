@@ -19,6 +19,8 @@ import statistics
 
 import torch
 
+from torchspeed.doctor._contention import quartiles
+
 __all__ = ["summarize", "robust_steps"]
 
 
@@ -66,6 +68,8 @@ def summarize(probe, obs: dict) -> None:
         "step_ms_mean_all": round(_mean([r["step"] for r in measured]), 3),
         "data_wait_ms": round(data, 3), "copy_ms": round(copy, 3), "compute_ms": round(compute, 3),
         "sync_ms": round(sync, 3), "other_ms": round(other, 3),
+        # the middle half of the kept steps' own compute times: a spread, not one reading (cpu-oversubscribed)
+        "compute_ms_iqr": quartiles([sum(r.get(k, 0.0) for k in ("forward", "backward", "optim", "zero_grad")) for r in use]),
         "compute_detail_ms": {"forward": round(fwd, 3), "backward": round(bwd, 3), "optimizer": round(opt, 3),
                               "zero_grad": round(zg, 3)},
         "fractions": {"data_wait": frac(data), "copy": frac(copy), "compute": frac(compute), "sync": frac(sync),

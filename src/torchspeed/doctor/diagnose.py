@@ -58,6 +58,10 @@ def report_from_observation(obs: dict, *, script: str | None = None) -> DoctorRe
     """Apply every registered rule to one observation; where an option of the script (`--amp`, `--workers`)
     already gives a finding's fix, that option comes first in it (`_script_options`)."""
     findings = tuple(run_rules(obs)) if obs.get("status") not in ("doctor-error", "killed") else ()
+    if (obs.get("fit_plan") or {}).get("chosen"):  # what fit does beyond the plan's grid, from what was measured
+        from torchspeed.doctor._fit_plan import beyond_grid
+
+        obs["fit_plan"]["beyond_grid"] = beyond_grid(obs)
     path = script or obs.get("script")
     if findings and path and os.path.isfile(path):  # the script's own options that give a fix come first
         from torchspeed.doctor._script_options import with_script_options

@@ -31,6 +31,7 @@ class Breakdown(TypedDict, total=False):
     data_wait_ms: float
     copy_ms: float
     compute_ms: float
+    compute_ms_iqr: list[float]  # first and third quartiles of the kept steps' compute times
     sync_ms: float
     other_ms: float
     compute_detail_ms: dict[str, float]
@@ -127,6 +128,9 @@ class CpuContention(TypedDict, total=False):
     cores: int
     compute_ms_in_script: float
     compute_ms_alone: float | None
+    compute_ms_in_script_iqr: list[float]     # quartiles of the script's per-step compute times
+    compute_ms_alone_iqr: list[float] | None  # quartiles of the timed steps alone
+    workers_busy_during_alone: float | None   # the workers' CPU time / wall time while the model ran alone
     worker_ms_per_batch: float   # `dataset[i]` x batch size: the CPU work the workers do per step
 
 

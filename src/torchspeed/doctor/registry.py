@@ -14,7 +14,9 @@ Severity is decided here, in one place (`settle`), from what the finding's gain 
   half of the per-round ratios), not to one reading: high when its low end is >= 1.25x, medium when
   >= 1.05x, low otherwise (an interval that holds 1.0 is noise, low);
 - timed: the time the fix removes was timed directly on the script (the data wait, the memset of
-  zero_grad, the copies of torch.tensor): high/medium by the same thresholds;
+  zero_grad, the copies of torch.tensor): high/medium by the same thresholds, on the low end of the
+  finding's interval when the rule gives one (the compute cpu-oversubscribed loses: quartiles of the
+  steps in the script against quartiles of the steps alone);
 - estimated: a model of the machine (page faults x an assumed cost, a kernel share x an assumed
   speed-up): at most low, and the evidence says "estimated, not measured".
 
@@ -141,7 +143,10 @@ def settle(f: Finding) -> Finding:
         lo, hi = f.interval or (f.measured_gain, f.measured_gain)
         sev = "low" if lo <= 1.0 <= hi else severity_for_gain(min(lo, f.measured_gain))
     else:
-        sev = severity_for_gain(f.est_gain) if f.basis == "timed" else "low"
+        gain = f.est_gain
+        if f.basis == "timed" and gain is not None and f.interval:  # a spread: rank on its low end
+            gain = min(gain, f.interval[0])
+        sev = severity_for_gain(gain) if f.basis == "timed" else "low"
         sev = _lower(sev, f.severity if f.severity in _SEVERITY_ORDER else "high")
     evidence = f.evidence
     if f.basis not in ("measured", "timed") and f.est_gain is not None and ESTIMATED not in evidence:

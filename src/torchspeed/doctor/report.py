@@ -174,6 +174,9 @@ def render_report(report: DoctorReport, console=None) -> None:
         console.print(f"[bold]fit's plan[/] for this model: {plan['chosen']} ({plan['why']}); measured "
                       f"{plan['speedup']:.2f}x per step against the script's own {plan['script']}"
                       + (" (within noise)" if plan.get("within_noise") else ""), highlight=False)
+        rest = plan.get("beyond_grid") or {}
+        if rest.get("not_covered"):
+            console.print("  the plan's figure leaves out: " + "; ".join(rest["not_covered"]), highlight=False)
     _render_env_fixes(report, console)
     if report.fix:
         _render_fix(report, console)
@@ -187,11 +190,12 @@ def _render_env_fixes(report: DoctorReport, console) -> None:
     entries = (report.observation.get("env_fixes") or {}).values()
     if not entries:
         return
-    t = Table(title="environment fixes: a few steps of the script re-run with each, interleaved with the original")
+    t = Table(title="environment fixes (and the workers patch): a few steps of the script re-run with each, "
+                    "interleaved with the original")
     for col in ("environment", "original ms/step", "with it ms/step", "speed-up", "note"):
         t.add_column(col)
     for e in entries:
-        env = " ".join(f"{k}={v}" for k, v in e["env"].items())
+        env = f"--fix patch: {e['label']}" if e.get("patch") else " ".join(f"{k}={v}" for k, v in e["env"].items())
         if "error" in e:
             t.add_row(env, "-", "-", "-", e["error"])
             continue

@@ -263,8 +263,8 @@ def _verify_workers(cap, fix: str, device, rounds: int, entry: dict) -> None:
         c.close()
 
 
-def time_model_alone(cap, *, reps: int = 7) -> float | None:
-    """Median ms of one training step of a copy of the model on its captured batch, nothing else running."""
+def time_model_alone(cap, *, reps: int = 7) -> list[float] | None:
+    """ms of each of `reps` training steps of a copy of the model on its captured batch, nothing else running."""
     if cap.model is None or cap.args is None:
         return None
     t = _Trainer(cap, set_to_none=cap.set_to_none)
@@ -278,23 +278,36 @@ def time_model_alone(cap, *, reps: int = 7) -> float | None:
         t.step()
         sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return times
 
 
 def measure_contention(cap, obs: dict) -> None:
     """`obs["cpu"]`: workers, threads and cores, and, when workers + threads exceed the cores, the model's
-    step alone (nothing else running: the script's workers have filled their queue and wait)."""
+    step alone: timed once the script's workers have filled their queue and gone idle (`_contention`),
+    with how busy they still were while it ran."""
+    from torchspeed.doctor._contention import children_cpu_s, quartiles, wait_children_idle
+
     workers = max((ld["num_workers"] for ld in obs.get("loaders") or []), default=0)
     threads, cores = int(obs.get("threads", 1)), int(obs.get("cpu_cores", 1))
+    b = obs.get("breakdown") or {}
     c = {"workers": workers, "threads": threads, "cores": cores,
-         "compute_ms_in_script": (obs.get("breakdown") or {}).get("compute_ms", 0.0), "compute_ms_alone": None,
+         "compute_ms_in_script": b.get("compute_ms", 0.0), "compute_ms_alone": None,
+         "compute_ms_in_script_iqr": list(b.get("compute_ms_iqr") or [b.get("compute_ms", 0.0)] * 2),
+         "compute_ms_alone_iqr": None, "workers_busy_during_alone": None,
          # the CPU work one batch costs in a worker (`dataset[i]` x batch size, timed after the run)
          "worker_ms_per_batch": round(max((d["getitem_ms"] * (d.get("batch_size") or 1)
                                            for d in obs.get("datasets") or []), default=0.0), 3)}
     model_on_cpu = cap.model is not None and next(cap.model.parameters()).device.type == "cpu"
     if workers and workers + threads > cores and model_on_cpu:
+        wait_children_idle()
+        cpu0, t0 = children_cpu_s(), time.perf_counter()
         alone = time_model_alone(cap)
-        c["compute_ms_alone"] = round(alone, 3) if alone is not None else None
+        cpu1, wall = children_cpu_s(), time.perf_counter() - t0
+        if alone:
+            c["compute_ms_alone"] = round(statistics.median(alone), 3)
+            c["compute_ms_alone_iqr"] = quartiles(alone)
+        if cpu0 is not None and cpu1 is not None and wall > 0:
+            c["workers_busy_during_alone"] = round((cpu1 - cpu0) / wall, 3)
     obs["cpu"] = c
 
 

@@ -68,7 +68,8 @@ def env_text(v: dict) -> str:
     noise = f", within noise: {lo:.2f}-{hi:.2f}x" if v.get("within_noise") else ""
     ms = (f": {v['baseline_ms']:.2f} -> {v['candidate_ms']:.2f} ms per step"
           if v.get("baseline_ms") and v.get("candidate_ms") else "")
-    return (f"; re-running {v['steps']} steps of the script with {env_label(v['env'])} measured {v['speedup']:.2f}x"
+    what = f"the --fix patch ({v['label']})" if v.get("patch") else env_label(v["env"])
+    return (f"; re-running {v['steps']} steps of the script with {what} measured {v['speedup']:.2f}x"
             f"{ms} (median of {v['rounds']} interleaved runs{noise})")
 
 

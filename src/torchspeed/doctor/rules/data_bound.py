@@ -4,6 +4,8 @@ The share is read from the trimmed step records (`_summary`: start-up outliers s
 start-up at an epoch edge left out), so a loop that waits once per epoch is not called
 data-bound. The fix follows what the data is: a TensorDataset already in memory is indexed in
 whole batches; otherwise the worker count `--verify` measured with the tuner (fewer as well as more).
+For a loop that loads in the main process the plain run re-runs the script with the workers patch
+(`_envfix`, "workers") and the finding ranks on that measurement.
 """
 
 from torchspeed.doctor.registry import register
@@ -62,4 +64,5 @@ def check(obs: dict):
     # the wait is timed; with no workers it is what loading ahead removes, with workers the share removed is a guess
     basis = "timed" if ld.get("num_workers", 0) == 0 else "estimated"
     return finding("data-bound", evidence=evidence, fix=fix, est_gain=overlap_gain(obs), obs=obs, verify_fix="workers",
-                   basis=basis, patch="workers" if patch_args else None, patch_args=patch_args)
+                   basis=basis, patch="workers" if patch_args else None, patch_args=patch_args,
+                   env_fix="workers" if ld.get("num_workers", 0) == 0 and v is None else None)

@@ -1,6 +1,8 @@
 """`dataloader-workers`: batches are loaded in the training process (num_workers=0) (T06).
 
-Not for a TensorDataset: its rows are already in memory, and the fix there is indexing whole
+Ranked on a measurement of the fix: `--verify`'s tuner, or the plain run's re-run of the script with
+the workers patch (`_envfix`, "workers"); the timed data wait alone cannot say whether workers overlap
+it on this machine's cores. Not for a TensorDataset: its rows are already in memory, and the fix there is indexing whole
 batches (`data-bound` says so), never workers.
 """
 
@@ -34,4 +36,5 @@ def check(obs: dict):
     fix = (f"DataLoader(..., num_workers={n}, persistent_workers=True, prefetch_factor=2); on {cores} cores "
            "workers share the CPU with compute, so measure it (`torchspeed doctor --verify`, `torchspeed tune`)")
     return finding("dataloader-workers", evidence=evidence, fix=fix, est_gain=overlap_gain(obs), obs=obs,
-                   verify_fix="workers", basis="timed", patch="workers", patch_args={"workers": n})
+                   verify_fix="workers", basis="timed", patch="workers", patch_args={"workers": n},
+                   env_fix="workers" if v is None else None)
