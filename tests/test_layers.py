@@ -156,11 +156,11 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "data/packed.py": (1, CYCLE + ": data/__init__ <- _progress"),
     "doctor/_child.py": (1, REWORK),
     "doctor/_datasets.py": (2, REWORK),
-    "doctor/_envfix.py": (1, REWORK),
+    "doctor/_envfix.py": (3, EXTRA + " (libcst, for the patches it re-runs)"),
     "doctor/_fit_plan.py": (3, REWORK),
     "doctor/_job.py": (7, REWORK),
     "doctor/_model_checks.py": (1, REWORK),
-    "doctor/diagnose.py": (3, CYCLE + ": diagnose <-> _job, _envfix, _script_options"),
+    "doctor/diagnose.py": (4, CYCLE + ": diagnose <-> _job, _envfix, _script_options"),
     "doctor/registry.py": (1, CYCLE + ": the rules register themselves with the registry"),
     "doctor/verify.py": (2, REWORK),
     "fitting.py": (1, STARTUP + ": plan/recipe_tta only when a run ends with TTA"),
@@ -178,7 +178,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 195
+LAZY_TOTAL = 198
 
 
 def lazy_imports(source: str) -> list[int]:
