@@ -37,7 +37,6 @@ for itself.
 - The search assumes a budget that passes stays passing when it grows (true of these curves
   up to noise); it reports the budgets it tried and the final accuracy of every run.
 - `ablation=True`: a leave-one-out (or add-one) row per recipe part, and the budget it needs.
-
 Example:
     >>> res = run_time_to_target(model="resnet20", data="digits", targets=(0.97, 0.90), seeds=3)
     >>> res.targets[0]["configs"]["auto"]["budget_steps"]
