@@ -323,11 +323,11 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
             "seed": seed, "device": str(dev), "image_size": image_size,
             "val_size": 1024 if image_size < 64 else 2 * batch_size, "hand": {"compile": compile}}
 
-    from rich.progress import Progress
+    from torchspeed.train.progress import progress_bar
 
     procs: list[ConfigProcess] = []
     try:
-        with Progress(disable=not progress, transient=True) as bar:
+        with progress_bar(enabled=progress) as bar:
             skipped = not_applicable(chosen, model, image_size=image_size)
             procs = [ConfigProcess(c, spec) for c in chosen if c.name not in skipped]  # set-up: all at once
             _measure(procs, bar, rounds=rounds, steps=steps, warmup=warmup)

@@ -287,12 +287,12 @@ def run_tta(*, model: str = "resnet20", data: str = "digits", targets: tuple[flo
             "lr": lr, "optimizer": optimizer, "data_seed": seed, "device": str(dev), "image_size": image_size}
     seed_list = [seed + i for i in range(seeds)]
 
-    from rich.progress import Progress
+    from torchspeed.train.progress import progress_bar
 
     recipes: dict[int, dict] = {}
     warm_dirs: dict[int, str] = {}
     with tempfile.TemporaryDirectory(prefix="torchspeed-warm-") as warm_root, \
-            Progress(disable=not progress, transient=True) as bar:
+            progress_bar(enabled=progress) as bar:
         task = bar.add_task("time to accuracy", total=None)
 
         def say(what: str) -> None:
