@@ -183,9 +183,10 @@ def rich_progress_uses(source: str) -> list[int]:
     """Lines that import rich.progress (any alias) or call something named Progress."""
     hits = set()
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and ((node.module or "").startswith("rich.progress") or
-                                                 (node.module == "rich" and any(a.name == "progress" for a in node.names))):
-            hits.add(node.lineno)
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if module.startswith("rich.progress") or (module == "rich" and any(a.name == "progress" for a in node.names)):
+                hits.add(node.lineno)
         elif isinstance(node, ast.Import) and any(a.name.startswith("rich.progress") for a in node.names):
             hits.add(node.lineno)
         elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "Progress":

@@ -113,7 +113,9 @@ def info_for(optimizer: torch.optim.Optimizer | None) -> OptimInfo | None:
 def optimizer_available(name: str) -> bool:
     """Whether optimizer `name`'s extra (if any) is installed."""
     info = optimizer_info(name)
-    return not isinstance(info.cls, str) or importlib.util.find_spec(info.cls.partition(":")[0].split(".")[0]) is not None
+    if not isinstance(info.cls, str):
+        return True
+    return importlib.util.find_spec(info.cls.partition(":")[0].split(".")[0]) is not None
 
 
 class _Names(Sequence):
