@@ -392,3 +392,53 @@ def test_the_step_and_half_checks_leave_other_code_alone():
             self.scheduler.step()"""
     assert private_steps(textwrap.dedent(ok)) == []
     assert half_rules("precision = caps.half or 'fp32'\nfull = (rounds, steps) == (3, 2)") == []
+
+
+# ---------------------------------------------------------------- rich progress bars (AST)
+# rich's Progress is built in train/progress.py alone (progress_bar, status_bar, track, TrainProgress): a bar
+# elsewhere imports rich.progress or calls a `Progress`, under any alias. A file listed here may keep its own,
+# for the reason given; the list only shrinks (a listed file that no longer builds one fails the test).
+PROGRESS_HOME = "train/progress.py"
+PROGRESS_ELSEWHERE: dict[str, str] = {}
+
+
+def rich_progress_uses(source: str) -> list[int]:
+    """Lines that import rich.progress (any alias) or call something named Progress."""
+    hits = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if module.startswith("rich.progress") or (module == "rich" and any(a.name == "progress" for a in node.names)):
+                hits.add(node.lineno)
+        elif isinstance(node, ast.Import) and any(a.name.startswith("rich.progress") for a in node.names):
+            hits.add(node.lineno)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "Progress":
+            hits.add(node.lineno)
+    return sorted(hits)
+
+
+def test_rich_progress_is_built_only_in_its_home():
+    assert rich_progress_uses((ROOT / PROGRESS_HOME).read_text()), "the home builds the bars"
+    assert _offenders(rich_progress_uses, PROGRESS_HOME, set(PROGRESS_ELSEWHERE)) == {}, \
+        f"build progress bars with {PROGRESS_HOME} (progress_bar, status_bar, track), not rich.progress"
+    back_home = [f for f in PROGRESS_ELSEWHERE if not rich_progress_uses((ROOT / f).read_text())]
+    assert back_home == [], f"{back_home} no longer build their own bar: take them off PROGRESS_ELSEWHERE"
+
+
+PROGRESS_COPIES = {
+    "tuner": """
+        from rich.progress import Progress
+        with Progress(disable=not progress, transient=True) as bar:
+            pass""",
+    "alias": "from rich.progress import Progress as P",
+    "module": "import rich.progress as rp",
+    "submodule": "from rich import progress",
+    "attribute": "bar = rich.progress.Progress()",
+    "track": "from rich.progress import track",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRESS_COPIES))
+def test_the_progress_check_finds_a_private_bar(name):
+    assert rich_progress_uses(textwrap.dedent(PROGRESS_COPIES[name])), name
+    assert rich_progress_uses("with progress_bar(enabled=progress) as bar:\n    bar.track(xs)") == []

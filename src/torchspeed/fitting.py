@@ -41,7 +41,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     clip_grad_norm, label_smoothing, schedule, log_every, max_steps, out_dir, ...).
     `batch_size="auto"` (or an int), `lr="auto"` and `loader="auto"` run the tuners first and
     rebuild the DataLoader from its dataset (see `torchspeed.tune.auto`).
-    `weight_decay=None` takes the optimizer's default (`torchspeed.train.optim.WEIGHT_DECAY`:
+    `weight_decay=None` takes the optimizer's default (its row, `torchspeed.train.optim_info.WEIGHT_DECAY`:
     5e-4 for SGD, 0.05 for AdamW); biases and norm weights never decay. `momentum` (SGD,
     LARS) and `betas` (AdamW, LAMB, the AdamW part of "muon") go to the optimizer built from its name.
     `callbacks` (`EarlyStopping`, `EMA`, your own `Callback`s) and `loggers` (Lightning Fabric

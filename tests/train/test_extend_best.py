@@ -7,7 +7,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
-from torchspeed.train.optim import WEIGHT_DECAY, create_optimizer
+from torchspeed.train.optim import create_optimizer
+from torchspeed.train.optim_info import WEIGHT_DECAY
 from torchspeed.train.trainer import Trainer
 
 

@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+from torchspeed.train.progress import progress_bar
 from torchspeed._extras import require
 from torchspeed._io import write_json
 from torchspeed.bench.flops import mfu, peak_bf16_flops, train_flops_per_sample
@@ -323,11 +324,10 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
             "seed": seed, "device": str(dev), "image_size": image_size,
             "val_size": 1024 if image_size < 64 else 2 * batch_size, "hand": {"compile": compile}}
 
-    from rich.progress import Progress
 
     procs: list[ConfigProcess] = []
     try:
-        with Progress(disable=not progress, transient=True) as bar:
+        with progress_bar(enabled=progress) as bar:
             skipped = not_applicable(chosen, model, image_size=image_size)
             procs = [ConfigProcess(c, spec) for c in chosen if c.name not in skipped]  # set-up: all at once
             _measure(procs, bar, rounds=rounds, steps=steps, warmup=warmup)

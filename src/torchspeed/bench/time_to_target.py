@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from torchspeed.bench.compare import compare_ratios
 from torchspeed.train.optim import SCHEDULE_FREE_LR
+from torchspeed.train.progress import progress_bar
 
 __all__ = ["DEFAULT_TARGETS", "BUDGETS", "CONFIGS", "TTARun", "TTAResult", "resolve_targets", "run_time_to_target",
            "attach_time_to_target", "shortest_budget"]
@@ -254,8 +255,6 @@ def run_time_to_target(*, model: str = "resnet20", data: str = "digits", targets
     with `metric="val_loss"` and no targets: the target is the worst final validation loss
     `all` reaches over the seeds at budget `start` (its default budget).
     """
-    from rich.progress import Progress
-
     from torchspeed.bench.runner import bench_configs, machine_busy, provenance
     from torchspeed.env import default_device
 
@@ -276,7 +275,7 @@ def run_time_to_target(*, model: str = "resnet20", data: str = "digits", targets
             "lr": lr, "optimizer": optimizer, "data_seed": seed, "device": str(dev), "image_size": image_size}
     seed_list = [seed + i for i in range(seeds)]
     with tempfile.TemporaryDirectory(prefix="torchspeed-warm-") as warm_root, \
-            Progress(disable=not progress, transient=True) as bar:
+            progress_bar(enabled=progress) as bar:
         runner = _Runner(base, proc_cfg, bar)
         if "auto_warm" in configs:  # an earlier run measured everything (no budget): its cache, off the clock
             runner.fill_warm_caches(seed_list, warm_root)

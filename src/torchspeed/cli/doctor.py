@@ -86,14 +86,12 @@ def _split_rest(args) -> list[str]:
 def _fix(report, args, script_args, console):
     import dataclasses
 
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from torchspeed.doctor.fix import fix_script
+    from torchspeed.train.progress import status_bar
 
     n = sum(1 for f in report.findings if f.patch)
-    with Progress(SpinnerColumn(), TextColumn(f"[bold]doctor --fix[/]: measuring {n} patch(es) on {args.script}, "
-                                              f"{args.fix_rounds} interleaved rounds"),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
+    with status_bar(f"[bold]doctor --fix[/]: measuring {n} patch(es) on {args.script}, "
+                    f"{args.fix_rounds} interleaved rounds", console=console) as progress:
         progress.add_task("fix", total=None)
         result = fix_script(report, args=script_args, steps=args.steps, warmup=args.warmup, rounds=args.fix_rounds,
                             time_limit=args.time_limit, apply=args.apply)
@@ -104,9 +102,8 @@ def _fix(report, args, script_args, console):
 
 def run(args) -> int:
     from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from torchspeed.doctor import DoctorJob, diagnose_many, render_report
+    from torchspeed.train.progress import status_bar
 
     script_args = _split_rest(args)
     if not os.path.isfile(args.script):
@@ -142,8 +139,7 @@ def run(args) -> int:
             report = diagnose_many([job], quiet=False)[0]
         else:
             what = "running the script" + (" and measuring each fix" if args.verify else "")
-            with Progress(SpinnerColumn(), TextColumn(f"[bold]doctor[/]: {what} ({args.script})"),
-                          TimeElapsedColumn(), console=console, transient=True) as progress:
+            with status_bar(f"[bold]doctor[/]: {what} ({args.script})", console=console) as progress:
                 progress.add_task("run", total=None)
                 report = diagnose_many([job], quiet=True, log_path=log)[0]
         tail = ""

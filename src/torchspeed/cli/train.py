@@ -46,7 +46,9 @@ def register(sub) -> None:
                    help="random crop's share of the image area, LO,HI (0.08,1), or off: no random crop")
     p.add_argument("--lr", default="auto",
                    help="peak learning rate, or auto: the LR range test on this model, optimizer and precision")
-    p.add_argument("--optimizer", default="sgd", help="sgd | adamw | lamb | lars | muon (Muon for hidden matrices + AdamW)")
+    p.add_argument("--optimizer", default="sgd",
+                   help="sgd | adamw | lamb | lars | muon (Muon for hidden matrices + AdamW) | schedulefree | adam | "
+                        "nadam | radam (one row each: torchspeed.train.optim_info)")
     p.add_argument("--weight-decay", type=float, default=None,
                    help="default per optimizer: 5e-4 sgd/lars, 0.05 adamw, 0.02 lamb (never on biases and norms)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD/LARS momentum (0.9, Nesterov)")

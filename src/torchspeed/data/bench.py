@@ -144,7 +144,7 @@ def bench_pipelines(root: str | os.PathLike, *, size: int = 224, rounds: int = 5
 
     `device="auto"` adds the nvjpeg row when torch sees a CUDA GPU; "cpu" leaves it out.
     """
-    from torchspeed.data._progress import track
+    from torchspeed.train.progress import track
 
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")

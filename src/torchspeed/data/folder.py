@@ -217,7 +217,7 @@ class ImageDataset(Dataset):
 
         Returns the summary *before* dropping (so it lists the bad files).
         """
-        from torchspeed.data._progress import track
+        from torchspeed.train.progress import track
 
         for i in track(range(len(self.samples)), description="checking images", enabled=progress):
             try:

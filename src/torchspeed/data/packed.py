@@ -73,7 +73,7 @@ def pack_folder(src: str | os.PathLike, dst: str | os.PathLike, *, max_side: int
         >>> r.images, r.bytes
     """
     cv2, simplejpeg = require("cv2", "data"), require("simplejpeg", "data")
-    from torchspeed.data._progress import track
+    from torchspeed.train.progress import track
 
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")

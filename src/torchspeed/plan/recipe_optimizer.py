@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchspeed.train.decision import Decision
+from torchspeed.train.optim_info import optimizer_info
 
 if TYPE_CHECKING:
     from torchspeed.plan.recipe import Recipe, _Gate
@@ -24,7 +25,7 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: _Gate, *, given: str
     """The optimizer parts (T42 Muon, T14's alternative Schedule-Free AdamW): the given optimizer or a candidate,
     compared on time to the same training loss when the budget allows (`compare_optimizers`), else the cache,
     else the prior: Schedule-Free AdamW, which needs neither an LR search nor a schedule."""
-    from torchspeed.train.optim import (SCHEDULE_FREE_LR, matrix_share, mostly_matrices, schedule_free_available)
+    from torchspeed.train.optim import matrix_share, mostly_matrices, schedule_free_available
 
     d = rec.decisions
     cands = [given]
@@ -44,7 +45,7 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: _Gate, *, given: str
         if why_not:
             d["optimizer"] = Decision(given, "; ".join(why_not))
         return
-    lrs = {n: SCHEDULE_FREE_LR if n == "schedulefree" else lr for n in cands}
+    lrs = {n: optimizer_info(n).default_lr or lr for n in cands}  # Schedule-Free at its own default LR
     if gate.measure("optimizer", len(cands) * OPTIMIZER_TRIAL_STEPS):
         from torchspeed.tune.optimizer_trial import compare_optimizers
 

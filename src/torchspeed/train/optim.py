@@ -1,8 +1,11 @@
 """Optimizers by name, with fused kernels, and the cheap zero_grad (T18, T26, T42).
 
-- `create_optimizer("sgd" | "adamw" | "lamb" | "lars" | "muon", model, lr=...)`: SGD with
-  Nesterov momentum, AdamW (decoupled weight decay), and timm's LAMB and LARS for large
-  batches (timm's implementations are maintained and tested; we do not rewrite them: the
+- One row per optimizer (`torchspeed.train.optim_info.OptimInfo`; the rows are at the end of this module):
+  its class, weight-decay default, LR-for-batch rule, fused kernel, momentum/betas, Schedule-Free flag,
+  default LR and extra. `create_optimizer`, `lr_rule`, `default_weight_decay` and the fused switch read it.
+- `create_optimizer("sgd" | "adamw" | "lamb" | "lars" | "muon" | "schedulefree" | "adam" | ..., model, lr=...)`:
+  SGD with Nesterov momentum, AdamW (decoupled weight decay), torch's Adam, NAdam and RAdam, and timm's LAMB
+  and LARS for large batches (timm's implementations are maintained and tested; we do not rewrite them: the
   `timm` extra). Bias and normalisation parameters get no weight decay (`param_groups`, the
   rule of timm's `param_groups_weight_decay`, here so that SGD/AdamW need no timm).
 - "muon" (T42): torch's `torch.optim.Muon` for the hidden weight matrices and AdamW for
@@ -17,9 +20,8 @@
 - `fused="auto"` asks torch for its fused kernel (one kernel for all parameters) where the
   optimizer and device have one (SGD/Adam/AdamW on CPU and CUDA), else the foreach
   (multi-tensor) path. Fused SGD measured about +8% step throughput on a 2-core CPU.
-- Weight decay defaults per optimizer (`WEIGHT_DECAY`, used when `weight_decay=None`): SGD
-  and LARS 5e-4 (the ResNet convention), AdamW 0.05 and LAMB 0.02 (timm's defaults for
-  them: decoupled decay is multiplied by the LR, so it needs a larger value).
+- Weight decay defaults per optimizer (the rows; used when `weight_decay=None`): SGD and LARS 5e-4,
+  AdamW 0.05, LAMB 0.02, torch's Adam family 0.
 - `zero_grad(optimizer)` sets gradients to None (T26): no memset kernel per parameter, and
   backward writes the gradient instead of adding into zeros.
 
@@ -30,34 +32,22 @@ Example:
 from __future__ import annotations
 
 import contextlib
-
 import inspect
 
 import torch
 from torch import nn
 
-from torchspeed._extras import require
+from torchspeed.train.optim_info import OptimInfo, optimizer_available, optimizer_info, register_optimizer
 
-__all__ = ["OPTIMIZERS", "WEIGHT_DECAY", "default_weight_decay", "create_optimizer", "zero_grad", "param_groups",
-           "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR", "schedule_free_available", "hidden_matrices", "matrix_share", "mostly_matrices"]
+__all__ = ["create_optimizer", "zero_grad", "param_groups", "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR",
+           "schedule_free_available", "hidden_matrices", "matrix_share", "mostly_matrices"]
 
-OPTIMIZERS = ("sgd", "adamw", "lamb", "lars", "muon", "schedulefree")
-# "muon": Muon with match_rms_adamw reuses AdamW's weight decay (Liu et al. 2025, "Muon is Scalable")
-WEIGHT_DECAY = {"sgd": 5e-4, "adamw": 0.05, "lamb": 0.02, "lars": 5e-4, "muon": 0.05, "schedulefree": 0.05}
 MUON_MOMENTUM = 0.95  # torch's and Keller Jordan's default
-SCHEDULE_FREE_LR = 0.0025  # Schedule-Free AdamW's own default LR (the `schedulefree` package)
 
 
 def schedule_free_available() -> bool:
     """Whether the `schedulefree` package (the extra `torchspeed[schedulefree]`) is installed."""
-    import importlib.util
-
-    return importlib.util.find_spec("schedulefree") is not None
-
-
-def default_weight_decay(name: str) -> float:
-    """The weight decay `create_optimizer(name, weight_decay=None)` uses (see `WEIGHT_DECAY`)."""
-    return WEIGHT_DECAY.get(name.lower(), 0.0)
+    return optimizer_available("schedulefree")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -92,46 +82,39 @@ def _device_of(params) -> torch.device:
 def create_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: float | None = 0.0,
                      momentum: float = 0.9, nesterov: bool = True, betas: tuple[float, float] = (0.9, 0.999),
                      fused: bool | str = "auto") -> torch.optim.Optimizer:
-    """Build optimizer `name` over `model`'s trainable parameters (`weight_decay=None`: its default).
+    """Build optimizer `name` (a row of `OPTIM_INFO`) over `model`'s trainable parameters (`weight_decay=None`:
+    its default).
 
-    `momentum` and `nesterov` are SGD's and LARS's; `betas` are AdamW's and LAMB's (and the AdamW
-    part of "muon", whose Muon part keeps momentum 0.95 with Nesterov).
+    `momentum` and `nesterov` are SGD's and LARS's; `betas` are AdamW's and LAMB's (and the AdamW part of "muon",
+    whose Muon part keeps momentum 0.95 with Nesterov).
     """
-    key = name.lower()
+    info = optimizer_info(name)
     if weight_decay is None:
-        weight_decay = default_weight_decay(key)
+        weight_decay = info.weight_decay
+    kw = info.kwargs(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, betas=betas)
+    if info.build is not None:
+        return info.build(model, fused=fused, **kw)
     groups = param_groups(model, weight_decay)
-    if key == "muon":
-        return _muon_adamw(model, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)
-    if key in ("sgd", "adamw"):
-        cls = torch.optim.SGD if key == "sgd" else torch.optim.AdamW
-        kwargs: dict = {"lr": lr, "weight_decay": weight_decay}
-        if key == "sgd":
-            kwargs.update(momentum=momentum, nesterov=nesterov and momentum > 0)
-        else:
-            kwargs.update(betas=betas)
-        dev = _device_of(groups)
-        want_fused = fused is True or (fused == "auto" and dev.type in ("cpu", "cuda"))
-        if key == "sgd" and fused == "auto" and _is_sharded(groups):
-            want_fused = False  # FSDP2's DTensor shards have no fused-SGD kernel (AdamW's works)
-        if want_fused and _supports(cls, "fused"):
-            try:
-                return cls(groups, fused=True, **kwargs)
-            except (RuntimeError, ValueError) as e:  # e.g. a device or dtype without a fused kernel
-                if fused is True:
-                    raise
-                del e
-        return cls(groups, foreach=fused is not False, **kwargs)
-    if key == "schedulefree":  # Schedule-Free AdamW (Defazio et al. 2024): no LR schedule; warm-up set by the Trainer
-        sf = require("schedulefree", "schedulefree", feature="optimizer='schedulefree'")
-        return sf.AdamWScheduleFree(groups, lr=lr, weight_decay=weight_decay, betas=betas)
-    if key == "lamb":
-        Lamb = require("timm.optim", "timm", feature="optimizer='lamb'").Lamb
-        return Lamb(groups, lr=lr, weight_decay=weight_decay, betas=betas)
-    if key == "lars":
-        Lars = require("timm.optim", "timm", feature="optimizer='lars'").Lars
-        return Lars(groups, lr=lr, weight_decay=weight_decay, momentum=momentum)
-    raise ValueError(f"optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}; or pass a torch.optim.Optimizer")
+    cls = info.resolve()
+    if info.fusable:
+        return _fused_or_foreach(cls, groups, kw, fused, shards=info.fused_shards)
+    return cls(groups, **kw)
+
+
+def _fused_or_foreach(cls: type, groups: list[dict], kwargs: dict, fused: bool | str, *,
+                      shards: bool = True) -> torch.optim.Optimizer:
+    """torch's fused kernel where asked (`fused=True`) or where the device has one (`"auto"`: CPU, CUDA), else
+    the foreach (multi-tensor) path; `shards=False`: no fused kernel for FSDP2's DTensor shards."""
+    want_fused = fused is True or (fused == "auto" and _device_of(groups).type in ("cpu", "cuda"))
+    if not shards and fused == "auto" and _is_sharded(groups):
+        want_fused = False
+    if want_fused and _supports(cls, "fused"):
+        try:
+            return cls(groups, fused=True, **kwargs)
+        except (RuntimeError, ValueError):  # e.g. a device or dtype without a fused kernel
+            if fused is True:
+                raise
+    return cls(groups, foreach=fused is not False, **kwargs)
 
 
 def zero_grad(optimizer: torch.optim.Optimizer, *, set_to_none: bool = True) -> None:
@@ -218,21 +201,9 @@ class MuonAdamW(torch.optim.Optimizer):
         self.muon = torch.optim.Muon(muon_params, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                      nesterov=True, adjust_lr_fn=adjust_lr_fn)
         adamw_groups = [g for g in adamw_groups if g["params"]]
-        if adamw_groups:
-            dev = _device_of(adamw_groups)
-            want_fused = fused is True or (fused == "auto" and dev.type in ("cpu", "cuda"))
-            kwargs = {"lr": lr, "weight_decay": weight_decay, "betas": betas}
-            self.adamw = None
-            if want_fused:
-                try:
-                    self.adamw = torch.optim.AdamW(adamw_groups, fused=True, **kwargs)
-                except (RuntimeError, ValueError):  # a device or dtype without a fused kernel
-                    if fused is True:
-                        raise
-            if self.adamw is None:
-                self.adamw = torch.optim.AdamW(adamw_groups, foreach=fused is not False, **kwargs)
-        else:
-            self.adamw = None
+        self.adamw = (_fused_or_foreach(torch.optim.AdamW, adamw_groups,
+                                        {"lr": lr, "weight_decay": weight_decay, "betas": betas}, fused)
+                      if adamw_groups else None)
         groups = self.muon.param_groups + (self.adamw.param_groups if self.adamw else [])
         for g in self.adamw.param_groups if self.adamw else []:
             g["momentum"] = g["betas"][0]  # one key for both parts: what schedulers cycle
@@ -322,3 +293,25 @@ def averaged_weights(optimizer):
         yield
     finally:
         optimizer.train()
+
+
+# --- One row per optimizer (T18, T42) ---------------------------------------------------------------------------
+# Weight decay: SGD and LARS 5e-4 (the ResNet convention); AdamW 0.05 and LAMB 0.02 (timm's: decoupled decay is
+# multiplied by the LR, so it needs a larger value); Muon with match_rms_adamw reuses AdamW's (Liu et al. 2025,
+# "Muon is Scalable"). FSDP2's DTensor shards have no fused-SGD kernel (AdamW's works).
+for _info in (
+    OptimInfo("sgd", torch.optim.SGD, 5e-4, fusable=True, fused_shards=False, momentum=True, nesterov=True),
+    OptimInfo("adamw", torch.optim.AdamW, 0.05, "sqrt", fusable=True, betas=True),
+    OptimInfo("lamb", "timm.optim:Lamb", 0.02, "sqrt", betas=True, extra="timm"),
+    OptimInfo("lars", "timm.optim:Lars", 5e-4, momentum=True, extra="timm"),
+    OptimInfo("muon", MuonAdamW, 0.05, "sqrt", betas=True, build=_muon_adamw),
+    # Schedule-Free AdamW (Defazio et al. 2024): no LR schedule, its warm-up set by the Trainer; 0.0025 is its own
+    OptimInfo("schedulefree", "schedulefree:AdamWScheduleFree", 0.05, "sqrt", betas=True, schedule_free=True,
+              default_lr=0.0025, extra="schedulefree"),
+    OptimInfo("adam", torch.optim.Adam, 0.0, "sqrt", fusable=True, betas=True),
+    OptimInfo("nadam", torch.optim.NAdam, 0.0, "sqrt", betas=True),
+    OptimInfo("radam", torch.optim.RAdam, 0.0, "sqrt", betas=True),
+):
+    register_optimizer(_info)
+del _info
+SCHEDULE_FREE_LR = optimizer_info("schedulefree").default_lr  # Schedule-Free AdamW's own default LR

@@ -1,15 +1,46 @@
-"""The training progress bar: samples/s, loss and time left (rich), shown on rank 0 only.
+"""Progress bars, the one home of rich's `Progress`: the tuners', the bench's, the doctor's and training's.
 
-The loss shown is the one the loop already reads every `log_every` steps (T13): the bar
-adds no host-device sync of its own.
+- `progress_bar(*columns, enabled=, transient=True)`: a rich `Progress` (rich's default columns unless given),
+  silent when `enabled` is False; `transient`: gone from the terminal when done (the tuners and the bench).
+- `status_bar(text)`: a spinner, `text` and the time elapsed, for a job of unknown length (the doctor).
+- `track(iterable, description=, enabled=)`: a bar over an iterable (the data jobs: packing, checking, benchmarking).
+- `TrainProgress`: the training bar: samples/s, loss and time left, shown on rank 0 only. The loss shown is
+  the one the loop already reads every `log_every` steps (T13): the bar adds no host-device sync of its own.
+
+rich is imported when a bar is built, not when this module is.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable, Iterator
 
-__all__ = ["TrainProgress", "decisions_header"]
+__all__ = ["TrainProgress", "decisions_header", "progress_bar", "status_bar", "track"]
+
+
+def progress_bar(*columns, enabled: bool = True, transient: bool = True, console=None):
+    """A rich `Progress` with `columns` (none: rich's defaults: description, bar, percent, time left); nothing is
+    shown when `enabled` is False; `transient`: the bar is removed when the block ends."""
+    from rich.progress import Progress
+
+    return Progress(*columns, disable=not enabled, transient=transient, console=console)
+
+
+def status_bar(text: str, *, enabled: bool = True, console=None):
+    """A transient spinner with `text` and the time elapsed: for a job whose length is unknown."""
+    from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    return progress_bar(SpinnerColumn(), TextColumn(text), TimeElapsedColumn(), enabled=enabled, console=console)
+
+
+def track(it: Iterable, *, description: str, enabled: bool = True, total: int | None = None) -> Iterator:
+    """Yield `it`'s items under a transient bar (rich's `track`); nothing is shown when `enabled` is False."""
+    if not enabled:
+        yield from it
+        return
+    with progress_bar() as bar:
+        yield from bar.track(it, total=total, description=description)
 
 
 def decisions_header(decisions: dict) -> str:
@@ -30,11 +61,11 @@ class TrainProgress:
 
     def __enter__(self):
         if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
-            self._p = Progress(TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
-                               TextColumn("{task.fields[rate]} samples/s"), TextColumn("loss {task.fields[loss]}"),
-                               TimeRemainingColumn(), transient=False)
+            self._p = progress_bar(TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+                                   TextColumn("{task.fields[rate]} samples/s"), TextColumn("loss {task.fields[loss]}"),
+                                   TimeRemainingColumn(), transient=False)
             self._p.__enter__()
             if self.header:
                 self._p.console.print(self.header)

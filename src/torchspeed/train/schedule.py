@@ -23,11 +23,12 @@ import math
 
 import torch
 
-__all__ = ["SCHEDULES", "create_scheduler", "scale_lr", "warmup_cosine_factor", "steps_in_run", "SQRT_RULE",
-           "lr_rule", "batch_lr_factor", "scale_lr_for_batch", "rescale_lr"]
+from torchspeed.train.optim_info import OPTIM_INFO
+
+__all__ = ["SCHEDULES", "create_scheduler", "scale_lr", "warmup_cosine_factor", "steps_in_run", "lr_rule",
+           "batch_lr_factor", "scale_lr_for_batch", "rescale_lr"]
 
 SCHEDULES = ("onecycle", "cyclic", "cosine", "constant")
-SQRT_RULE = ("adam", "adamw", "lamb", "muon", "nadam", "radam", "schedulefree")  # optimizers whose LR follows the batch's square root
 
 
 def steps_in_run(steps_per_epoch: int | None, epochs: int, *, grad_accum: int = 1,
@@ -46,10 +47,12 @@ def scale_lr(base_lr: float, batch: int, base_batch: int, world_size: int = 1) -
 
 
 def lr_rule(optimizer: torch.optim.Optimizer | str | None) -> str:
-    """"sqrt" for the Adam family (an optimizer with betas, or its name in SQRT_RULE), else "linear" (SGD, LARS)."""
+    """"sqrt" for the Adam family, else "linear" (SGD, LARS): a name's row says (`optim_info`; an unknown name:
+    "linear"); an optimizer object is of the Adam family when it has betas."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return "sqrt" if "betas" in optimizer.defaults else "linear"
-    return "sqrt" if (optimizer or "").lower() in SQRT_RULE else "linear"
+    info = OPTIM_INFO.get((optimizer or "").lower())
+    return info.lr_rule if info else "linear"
 
 
 def batch_lr_factor(batch: int, ref_batch: int, rule: str = "linear") -> float:

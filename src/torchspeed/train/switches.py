@@ -46,15 +46,13 @@ from torch import nn
 
 from torchspeed.env import DeviceCaps
 from torchspeed.train.memory_format import has_conv2d
+from torchspeed.train.optim_info import info_for
 from torchspeed.train.rounds import medians, turns
 
 __all__ = ["Switches", "candidate_grid", "rule_switches", "choose", "numerics_ok", "LiveTrial", "fusable",
            "set_fused", "trial_steps", "model_signature", "batch_signature"]
 
 log = logging.getLogger("torchspeed")
-
-FUSABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-
 
 @dataclass(frozen=True)
 class Switches:
@@ -79,8 +77,9 @@ class Switches:
 
 
 def fusable(optimizer: torch.optim.Optimizer | None) -> bool:
-    """True when `optimizer` has a fused kernel to switch (torch's SGD, Adam, AdamW)."""
-    return type(optimizer) in FUSABLE and "fused" in optimizer.defaults
+    """True when `optimizer` has a fused kernel to switch: its row says torch has one (SGD, Adam, AdamW)."""
+    info = info_for(optimizer)
+    return info is not None and info.fusable and "fused" in optimizer.defaults
 
 
 def set_fused(optimizer: torch.optim.Optimizer, fused: bool) -> None:

@@ -36,10 +36,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-from rich.progress import Progress
 from torch import nn
 
 from torchspeed.env import host_memory, sync
+from torchspeed.train.progress import progress_bar
 from torchspeed.train.rounds import interleaved, run_for
 from torchspeed.train.guard import is_out_of_memory
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
@@ -217,7 +217,7 @@ class _Finder:
             self.train_step = TrainStep(self.model, self.opt, loss_fn=self.loss_fn, precision=self.prec,
                                         scaler=self.scaler, step_fn=self.step_fn)
             self.model.train()
-            with Progress(disable=not self.progress, transient=True) as bar:
+            with progress_bar(enabled=self.progress) as bar:
                 task = bar.add_task("batch size: searching the largest that fits", total=None)
                 largest_raw, limited = self._search_largest(bar, task)
                 largest = largest_raw

@@ -36,11 +36,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-from rich.progress import Progress
 from torch import nn
 from torch.utils.data import DataLoader
 
 from torchspeed.env import default_device, sync
+from torchspeed.train.progress import progress_bar
 from torchspeed.train.rounds import interleaved, run_for
 from torchspeed.train.transfer import to_device
 from torchspeed.train.wrappers import unwrap_model
@@ -208,7 +208,7 @@ class _Tuner:
         else:
             self.step = self.user_step
         try:
-            with Progress(disable=not self.progress, transient=True) as bar:
+            with progress_bar(enabled=self.progress) as bar:
                 task = bar.add_task("loader: measuring", total=None)
                 return self._decide(bar, task)
         finally:

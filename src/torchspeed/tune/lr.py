@@ -62,11 +62,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from rich.progress import Progress
 from torch import nn
 
 from torchspeed._extras import require
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
+from torchspeed.train.progress import progress_bar
 from torchspeed.train.sampler import iter_batches
 from torchspeed.train.transfer import to_device
 from torchspeed.train.wrappers import unwrap_model
@@ -158,7 +158,7 @@ def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, sta
         losses: list[float] = []
         diverged = False
         best = math.inf
-        with Progress(disable=not progress, transient=True) as bar:
+        with progress_bar(enabled=progress) as bar:
             task = bar.add_task("LR range test", total=num_steps)
             for i in range(num_steps):
                 lr = start_lr * (end_lr / start_lr) ** (i / (num_steps - 1))

@@ -38,6 +38,7 @@ from torch import nn
 from torchspeed.train.bnstats import recalibrate_bn
 from torchspeed.train.optim import create_optimizer, is_schedule_free
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
+from torchspeed.train.progress import progress_bar
 from torchspeed.train.sampler import take_batches
 from torchspeed.train.schedule import create_scheduler
 from torchspeed.train.transfer import to_device
@@ -122,8 +123,6 @@ def compare_optimizers(model: nn.Module, data: Iterable, names: Sequence[str] = 
 
 def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, seed, progress, batch_size,
              eval_batches, weight_decay, schedule, margin) -> OptimizerTrial:
-    from rich.progress import Progress
-
     device = model_device(model)
     prec = resolve_precision(precision, device=device)
     snap = StateSnapshot(model)
@@ -132,7 +131,7 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
         batches = take_batches(data, eval_batches + steps, batch_size=batch_size, seed=seed, cycle=True,
                                what="the data for compare_optimizers")
         held, train = batches[:eval_batches], batches[eval_batches:]
-        with Progress(disable=not progress, transient=True) as bar:
+        with progress_bar(enabled=progress) as bar:
             for name in names:
                 snap.restore()
                 for p in model.parameters():

@@ -1,0 +1,93 @@
+"""One row per optimizer (train/optim_info.py): every rule reads the row, so a new row needs no other edit."""
+
+import inspect
+
+import pytest
+import torch
+
+from torchspeed.train.optim import create_optimizer, is_schedule_free
+from torchspeed.train.optim_info import (OPTIM_INFO, OPTIMIZERS, WEIGHT_DECAY, OptimInfo, default_weight_decay,
+                                         optimizer_available, optimizer_info, register_optimizer)
+from torchspeed.train.schedule import lr_rule, scale_lr_for_batch
+from torchspeed.train.switches import fusable
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8),
+                               torch.nn.Linear(8, 2))
+
+
+class FakeOpt(torch.optim.SGD):
+    """An optimizer torchspeed has never heard of (a subclass: no rule may match it by torch's class)."""
+
+
+def _register(monkeypatch, info: OptimInfo) -> OptimInfo:
+    monkeypatch.setitem(OPTIM_INFO, info.name.lower(), info)  # removed again after the test
+    return register_optimizer(info)
+
+
+@pytest.fixture
+def fake_row(monkeypatch):
+    return _register(monkeypatch, OptimInfo("Fake", FakeOpt, weight_decay=0.123, lr_rule="sqrt", fusable=True,
+                                            momentum=True, default_lr=0.7))
+
+
+def test_a_new_row_is_built_and_answered_from_with_no_other_edit(fake_row):
+    opt = create_optimizer("fake", _model(), lr=0.1, weight_decay=None, momentum=0.8)
+    assert type(opt) is FakeOpt
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.123]  # its default; norms and biases: none
+    assert opt.defaults["momentum"] == 0.8 and opt.defaults["nesterov"] is False  # momentum yes, nesterov no
+    assert opt.defaults["fused"] is True and fusable(opt)  # its row says torch has a kernel: the switch may flip it
+    assert lr_rule("fake") == "sqrt" and scale_lr_for_batch(0.1, 400, 100, "FAKE") == pytest.approx(0.2)
+    assert default_weight_decay("fake") == 0.123 and WEIGHT_DECAY["fake"] == 0.123
+    assert "fake" in OPTIMIZERS and optimizer_info("fake").default_lr == 0.7
+
+
+def test_flags_change_what_is_built_and_answered(monkeypatch):
+    _register(monkeypatch, OptimInfo("fake", FakeOpt, lr_rule="linear", nesterov=True, momentum=True))
+    opt = create_optimizer("fake", _model(), lr=0.1, weight_decay=None)
+    assert opt.defaults["nesterov"] is True and opt.defaults["weight_decay"] == 0.0
+    assert not opt.defaults.get("fused") and not fusable(opt)
+    assert lr_rule("fake") == "linear" and default_weight_decay("fake") == 0.0
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_every_row_builds_on_a_tiny_model_and_agrees_with_what_it_builds(name):
+    info = optimizer_info(name)
+    if not optimizer_available(name):
+        pytest.skip(f"{name} needs the {info.extra} extra")
+    model = _model()
+    opt = create_optimizer(name, model, lr=info.default_lr or 0.01, weight_decay=None)
+    assert type(opt) is info.resolve()
+    decays = {g["weight_decay"] for g in opt.param_groups}
+    assert decays == ({0.0, info.weight_decay} if info.weight_decay else {0.0})
+    if info.build is None:  # a class over param groups: the row's flags are the class's arguments
+        params = inspect.signature(type(opt).__init__).parameters
+        assert info.betas == ("betas" in params) and info.momentum == ("momentum" in params)
+        assert info.lr_rule == lr_rule(opt)  # the name's rule and the object's rule agree
+        assert info.fusable == ("fused" in params) == fusable(opt)
+    assert is_schedule_free(opt) == info.schedule_free
+    if info.schedule_free:
+        opt.train()  # Schedule-Free steps in train mode
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 2, (8,))).backward()
+    opt.step()
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_the_views_and_the_old_defaults_read_the_rows():
+    assert tuple(OPTIMIZERS)[:6] == ("sgd", "adamw", "lamb", "lars", "muon", "schedulefree")
+    assert dict(WEIGHT_DECAY) == {n: OPTIM_INFO[n].weight_decay for n in OPTIM_INFO}
+    assert [lr_rule(n) for n in ("sgd", "lars", "adamw", "lamb", "muon", "schedulefree", "adam")] == \
+        ["linear"] * 2 + ["sqrt"] * 5
+    assert lr_rule("unknown") == lr_rule(None) == "linear" and default_weight_decay("unknown") == 0.0
+
+
+def test_a_bad_row_or_name_says_what_is_wrong():
+    with pytest.raises(ValueError, match="lr_rule must be one of"):
+        OptimInfo("x", torch.optim.SGD, lr_rule="cubic")
+    with pytest.raises(ValueError, match="'module:Class' with the extra"):
+        OptimInfo("x", "somewhere.Opt")
+    with pytest.raises(ValueError, match="not one of sgd, adamw"):
+        optimizer_info("adagradx")
