@@ -1,17 +1,17 @@
 """`torchspeed bench`: the naive loop, each technique alone, and everything, side by side.
 
 Every configuration runs in its own process (its own allocator, compile cache and thread
-pool) and trains the same model from the same initial weights on the same batches. They run interleaved (round 1: every config, round 2: every config, ...) after a
-warm-up that is not timed (it includes compilation and the compile="auto" trial), so slow
-drifts of a noisy machine hit all configs alike; a short pause before each config's turn lets
-the previous config's OpenMP threads stop spinning first. After its warm-up each config restarts
-from the initial weights and optimizer state, so every row trains the same number of steps
-and the loss column compares like with like (a numerics check: the same kernels give the same
-loss). A config's throughput is the median over rounds; its speed-up is the median of the
-per-round ratios to `naive`. The table is about speed: accuracy after a few steps says nothing
-about a switch's effect on accuracy, which the time-to-target table judges (bench/time_to_target.py). Each
-row's JSON keeps it as `check_val_acc` (does the config still learn?), its chance level in
-`meta["check_val_acc_chance"]`.
+pool) and trains the same model from the same initial weights on the same batches. They run
+interleaved (round 1: every config, round 2: every config, ...) after a warm-up that is not
+timed (it includes compilation and the compile="auto" trial), so slow drifts of a noisy
+machine hit all configs alike; a short pause before each config's turn lets the previous
+config's OpenMP threads stop spinning first. After its warm-up each config restarts from the
+initial weights and optimizer state, so every row trains the same number of steps and the
+loss column compares like with like (a numerics check: the same kernels give the same loss).
+A config's throughput is the median over rounds; its speed-up is the median of the per-round
+ratios to `naive`. The table is about speed: accuracy after a few steps says nothing about a
+switch's effect on accuracy, which bench/time_to_target.py judges. Each row's JSON keeps it as
+`check_val_acc` (does the config still learn?), its chance level in `meta["check_val_acc_chance"]`.
 
 Rows (each technique switched on alone on top of `naive`):
   naive            fp32, NCHW, num_workers=0, zero_grad(set_to_none=False), .item() every step, eager
@@ -57,14 +57,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-from torchspeed.train.progress import progress_bar
+
 from torchspeed._extras import require
 from torchspeed._io import write_json
 from torchspeed.bench.flops import mfu, peak_bf16_flops, train_flops_per_sample
 from torchspeed.env import GLIBC_MALLOC_ENV, default_device, detect
-from torchspeed.train.precision import half_precision
-from torchspeed.train.rounds import interleaved, paired_ratios
 from torchspeed.train.config import TrainConfig
+from torchspeed.train.precision import half_precision
+from torchspeed.train.progress import progress_bar
+from torchspeed.train.rounds import interleaved, paired_ratios
 
 __all__ = ["BenchConfig", "BenchRow", "BenchResult", "bench_configs", "run_bench", "provenance", "write_results"]
 
@@ -99,8 +100,7 @@ class BenchRow:
     samples_per_s_runs: list[float] = field(default_factory=list)
     decisions: dict = field(default_factory=dict)
     mfu: float | None = None
-    # Time to accuracy (bench/time_to_target.py), the rows it ran: means over seeds (None: not reached on every seed),
-    # the per-seed lists, and the accuracy each seed ended at.
+    # Time to accuracy, the rows it ran: means over seeds (None: not on every seed), per-seed lists, final accuracy.
     time_to_target_s: float | None = None
     steps_to_target: float | None = None
     time_to_target_s_runs: list = field(default_factory=list)
