@@ -21,7 +21,7 @@ OPTIMIZER_TRIAL_STEPS = 50      # compare_optimizers: steps per candidate
 
 
 def choose_optimizer_part(model, loader, rec: Recipe, gate: _Gate, *, given: str, lr, schedule, precision, loss_fn,
-                      step_fn, total_steps) -> None:
+                          step_fn, total_steps) -> None:
     """The optimizer parts (T42 Muon, T14's alternative Schedule-Free AdamW): the given optimizer or a candidate,
     compared on time to the same training loss when the budget allows (`compare_optimizers`), else the cache,
     else the prior: Schedule-Free AdamW, which needs neither an LR search nor a schedule."""
@@ -59,8 +59,8 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: _Gate, *, given: str
     else:
         prior = "schedulefree" if "schedulefree" in cands else given
         words = ("Schedule-Free AdamW at its default LR (needs no LR search and no schedule; AlgoPerf 2024's "
-                 "self-tuning winner; on the digits bench it reached 0.97 in 48 steps against SGD one-cycle's 72, "
-                 "docs/recipe.md)" if prior == "schedulefree" else f"{given}, as given")
+                 "self-tuning winner; time to target on the digits in docs/recipe.md)" if prior == "schedulefree"
+                 else f"{given}, as given")
         chosen = gate.settle("optimizer", "optimizer", prior, words, default=prior)
     rec.optimizer = None if chosen == given else chosen
     if rec.optimizer == "schedulefree":
