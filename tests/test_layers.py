@@ -162,7 +162,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "doctor/_model_checks.py": (1, REWORK),
     "doctor/diagnose.py": (4, CYCLE + ": diagnose <-> _job, _envfix, _script_options"),
     "doctor/registry.py": (1, CYCLE + ": the rules register themselves with the registry"),
-    "doctor/verify.py": (2, REWORK),
+    "doctor/verify.py": (3, INJECT + ": tests patch doctor._contention"),
     "fitting.py": (1, STARTUP + ": plan/recipe_tta only when a run ends with TTA"),
     "inference.py": (6, STARTUP),
     "plan/inrun.py": (4, REWORK),
@@ -178,7 +178,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 200
+LAZY_TOTAL = 201
 
 
 def lazy_imports(source: str) -> list[int]:

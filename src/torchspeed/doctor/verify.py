@@ -31,7 +31,6 @@ import time
 import torch
 from torch import nn
 
-from torchspeed.doctor._contention import children_cpu_s, quartiles, wait_children_idle
 from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
 from torchspeed.env import detect
 from torchspeed.model.conv_bias import remove_conv_bias
@@ -286,6 +285,7 @@ def measure_contention(cap, obs: dict) -> None:
     """`obs["cpu"]`: workers, threads and cores, and, when workers + threads exceed the cores, the model's
     step alone: timed once the script's workers have filled their queue and gone idle (`_contention`),
     with how busy they still were while it ran."""
+    from torchspeed.doctor._contention import children_cpu_s, quartiles, wait_children_idle
 
     workers = max((ld["num_workers"] for ld in obs.get("loaders") or []), default=0)
     threads, cores = int(obs.get("threads", 1)), int(obs.get("cpu_cores", 1))
