@@ -152,8 +152,6 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "cli/tune.py": (8, STARTUP + ": every subcommand is imported to build the parser"),
     "data/bench.py": (4, STARTUP),
     "data/decode.py": (1, CYCLE + ": decode <-> synthetic"),
-    "data/folder.py": (1, CYCLE + ": data/__init__ <- _progress"),
-    "data/packed.py": (1, CYCLE + ": data/__init__ <- _progress"),
     "doctor/_child.py": (1, REWORK),
     "doctor/_datasets.py": (2, REWORK),
     "doctor/_envfix.py": (3, EXTRA + " (libcst, for the patches it re-runs)"),
@@ -178,7 +176,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 201
+LAZY_TOTAL = 199
 
 
 def lazy_imports(source: str) -> list[int]:

@@ -39,6 +39,7 @@ from torch.utils.data import Dataset
 
 from torchspeed._extras import require
 from torchspeed.data.decode import ImageDecodeError, decode_image, image_size, is_jpeg
+from torchspeed.train.progress import track
 
 __all__ = ["FastImageFolder", "ImageDataset", "DataSummary", "load_image", "random_resized_crop_box",
            "uint8_collate", "IMG_EXTENSIONS", "CROPS"]
@@ -217,8 +218,6 @@ class ImageDataset(Dataset):
 
         Returns the summary *before* dropping (so it lists the bad files).
         """
-        from torchspeed.train.progress import track
-
         for i in track(range(len(self.samples)), description="checking images", enabled=progress):
             try:
                 decode_image(self.read(i), size_hint=8)

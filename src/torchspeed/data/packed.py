@@ -35,6 +35,7 @@ from torch.utils.data import Sampler
 from torchspeed._extras import require
 from torchspeed.data.decode import ImageDecodeError, decode_image
 from torchspeed.data.folder import DataSummary, ImageDataset, _scan
+from torchspeed.train.progress import track
 
 __all__ = ["pack_folder", "PackedDataset", "LocalShuffleSampler", "PackResult", "index_path", "is_packed"]
 
@@ -73,7 +74,6 @@ def pack_folder(src: str | os.PathLike, dst: str | os.PathLike, *, max_side: int
         >>> r.images, r.bytes
     """
     cv2, simplejpeg = require("cv2", "data"), require("simplejpeg", "data")
-    from torchspeed.train.progress import track
 
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
