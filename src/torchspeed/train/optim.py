@@ -40,7 +40,7 @@ from torch import nn
 from torchspeed.train.optim_info import OptimInfo, optimizer_available, optimizer_info, register_optimizer
 
 __all__ = ["create_optimizer", "zero_grad", "param_groups", "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR",
-           "schedule_free_available", "hidden_matrices", "matrix_share", "mostly_matrices"]
+           "schedule_free_available", "set_schedule_free_warmup", "SCHEDULE_FREE_BN_BATCHES", "hidden_matrices", "matrix_share", "mostly_matrices"]
 
 MUON_MOMENTUM = 0.95  # torch's and Keller Jordan's default
 
@@ -279,6 +279,18 @@ def is_schedule_free(optimizer) -> bool:
     """A Schedule-Free optimizer (the `schedulefree` package): it needs `.train()` / `.eval()` around training and
     evaluation, and no LR schedule."""
     return callable(getattr(optimizer, "eval", None)) and "train_mode" in getattr(optimizer, "defaults", {})
+
+
+SCHEDULE_FREE_BN_BATCHES = 8  # the last training batches BatchNorm is recalibrated on for the averaged weights
+
+
+def set_schedule_free_warmup(optimizer, total_steps: int | None, warmup_steps: int | None = None) -> int:
+    """Give a Schedule-Free optimizer its warm-up: `warmup_steps`, else a twentieth of the run (of 100 steps when
+    its length is unknown), at least 1. Returns the warm-up."""
+    warm = warmup_steps if warmup_steps is not None else max(1, (total_steps or 100) // 20)
+    for g in optimizer.param_groups:
+        g["warmup_steps"] = warm
+    return warm
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from torchspeed.train.batch_ramp import BatchRamp
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision
-from torchspeed.train.optim import is_schedule_free
+from torchspeed.train.optim import is_schedule_free, set_schedule_free_warmup
 from torchspeed.train.schedule import create_scheduler
 
 __all__ = ["RunLength", "run_schedule"]
@@ -58,9 +58,7 @@ def run_schedule(optimizer, config: TrainConfig, total: int | None) -> tuple[obj
     """(the LR scheduler over `total` optimizer steps, None; or None and the decision for Schedule-Free AdamW,
     which warms up by itself and has no schedule: T14's alternative)."""
     if is_schedule_free(optimizer):
-        warm = config.warmup_steps if config.warmup_steps is not None else max(1, (total or 100) // 20)
-        for g in optimizer.param_groups:
-            g["warmup_steps"] = warm
+        warm = set_schedule_free_warmup(optimizer, total, config.warmup_steps)
         return None, Decision(None, f"Schedule-Free AdamW: no LR schedule, {warm} warm-up steps")
     return create_scheduler(config.schedule, optimizer, total_steps=total, warmup_steps=config.warmup_steps,
                             min_lr=config.min_lr), None

@@ -51,7 +51,8 @@ from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
 from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
 from torchspeed.train.decision import Decision
 from torchspeed.train.bnstats import batchnorm_layers, recalibrate_bn
-from torchspeed.train.optim import averaged_weights, create_optimizer, describe_optimizer, is_schedule_free, zero_grad
+from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, averaged_weights, create_optimizer, describe_optimizer,
+                                    is_schedule_free, zero_grad)
 from torchspeed.train.precision import MixedPrecision, Precision
 from torchspeed.train.progress import TrainProgress, decisions_header
 from torchspeed.train.resume import resume_run, trainer_parts
@@ -167,7 +168,7 @@ class Trainer(MeasuredSwitches):
         self.callbacks = CallbackList([*(callbacks or ()), *([LoggerCallback(loggers)] if loggers else [])])
         self.should_stop = False  # set by request_stop (a callback): the run ends after this step or epoch
         # Schedule-Free with BatchNorm: the last batches, to give the averaged weights their own statistics
-        self._recent = (collections.deque(maxlen=8) if is_schedule_free(optimizer)
+        self._recent = (collections.deque(maxlen=SCHEDULE_FREE_BN_BATCHES) if is_schedule_free(optimizer)
                         and batchnorm_layers(self.module) else None)
         self.stateful: dict = trainer_parts(self)  # name -> part a checkpoint holds (stateful.py); add your own
 

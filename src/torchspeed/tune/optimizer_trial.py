@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from torchspeed.train.bnstats import recalibrate_bn
-from torchspeed.train.optim import create_optimizer, is_schedule_free
+from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, create_optimizer, is_schedule_free,
+                                    set_schedule_free_warmup)
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
 from torchspeed.train.progress import progress_bar
 from torchspeed.train.sampler import take_batches
@@ -145,9 +146,8 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
                     row["error"] = str(e)
                     continue
                 free = is_schedule_free(opt)
-                if free:  # its own warm-up (the Trainer's: a twentieth of the steps), no schedule
-                    for g in opt.param_groups:
-                        g["warmup_steps"] = max(1, steps // 20)
+                if free:  # its own warm-up (the Trainer's rule), no schedule
+                    set_schedule_free_warmup(opt, steps)
                     opt.train()
                 sched = None if free else create_scheduler(schedule, opt, total_steps=steps)
                 step = TrainStep(model, opt, loss_fn=loss_fn, step_fn=step_fn, precision=prec,
@@ -172,7 +172,7 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
                 if row["error"] is None:
                     if free:  # scored at its averaged weights, with BatchNorm statistics for them (as it evaluates)
                         opt.eval()
-                        recalibrate_bn(model, train[-8:], device=device, step_fn=step_fn)
+                        recalibrate_bn(model, train[-SCHEDULE_FREE_BN_BATCHES:], device=device, step_fn=step_fn)
                     model.eval()
                     with torch.no_grad():
                         held_losses = [float(step.loss(to_device(b, device))) for b in held]
