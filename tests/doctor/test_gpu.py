@@ -1,11 +1,13 @@
-"""On CUDA the same problems cost more: host syncs, unpinned copies and cudnn.benchmark get
-medium/high findings, and --verify measures pin_memory and autocast on the GPU."""
+"""On CUDA: host syncs, unpinned copies and cudnn.benchmark are found (a host sync ranked by what it
+was timed to cost: on an H200 one `.item()` a step on this small model costs under 2%), and --verify
+measures pin_memory and autocast on the GPU."""
 
 import textwrap
 
 import pytest
 
 from torchspeed.doctor import DoctorJob, diagnose_many
+from torchspeed.doctor.registry import severity_for_gain
 
 SCRIPT = '''
 import torch
@@ -38,7 +40,9 @@ def test_cuda_script_findings_and_verify(tmp_path):
     r = diagnose_many([job], quiet=True)[0]
     assert r.status == "stopped", (r.traceback, r.notes)
     found = {f.rule: f for f in r.findings}
-    assert found["host-sync"].severity in ("medium", "high")
+    sync = found["host-sync"]  # print(loss.item()) every step: found, timed, ranked by what it costs
+    assert sync.basis == "timed" and ".item()" in sync.evidence, sync
+    assert sync.severity == severity_for_gain(min(sync.est_gain, (sync.interval or (sync.est_gain,))[0])), sync
     assert "pin-memory" in found and "cudnn-benchmark" in found and "conv-bias-before-bn" in found
     assert r.breakdown["copy_ms"] > 0
     assert {"autocast", "channels_last", "pin_memory"} <= set(r.verify), r.verify
