@@ -94,9 +94,9 @@ def _print_plan(plan) -> None:
 
 def _after_training(trainer: Trainer, rec, result: FitResult, val_loader) -> None:
     """The recipe's after-training part: flip TTA when it scores better on training batches (T33)."""
-    from torchspeed.plan.recipe_tta import decide_tta
+    from torchspeed.plan.recipe_tta import after_training
 
     asked = trainer.config.tta  # the user's own TTA stands, and the history already used it
-    dec = result.decisions["tta"] = decide_tta(trainer, rec.probe)
+    dec = result.decisions["tta"] = after_training(trainer, rec)
     if dec.value and asked is None and val_loader is not None and result.history:
         result.history[-1]["val_acc_tta"] = trainer.evaluate(val_loader)["val_acc"]

@@ -6,7 +6,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed.plan.recipe import EMA_MIN_STEPS, PARTS, Recipe, choose_recipe, is_classifier
-from torchspeed.plan.recipe_tta import choose_tta
 
 KEEP_OPT = tuple(p for p in PARTS if p != "schedulefree")  # the user's optimizer kept: the LR part measures
 
@@ -66,32 +65,6 @@ def test_a_long_run_gets_an_ema_spanning_about_a_twentieth_of_it():
     assert [type(c).__name__ for c in rec.callbacks()] == ["EMA"]
     short = choose_recipe(_bn_net(), _loader(), total_steps=EMA_MIN_STEPS - 1, parts=("ema",), progress=False)
     assert short.ema_decay is None
-
-
-@pytest.mark.parametrize("plain, flip, chosen", [
-    ((0.50, 0.80), (0.40, 0.85), "flip"),     # flips score better: kept
-    ((0.50, 0.80), (0.495, 0.85), None),      # within the 2% margin: not worth doubling evaluation
-    ((0.50, 0.80), (0.40, 0.70), None),       # lower loss but fewer right: refused
-    ((0.30, 0.95), (0.90, 0.60), None),       # digits-like: flipped inputs are other symbols
-])
-def test_tta_is_kept_only_when_flips_score_better_on_training_batches(plain, flip, chosen, monkeypatch):
-    import importlib
-
-    ev = importlib.import_module("torchspeed.train.evaluate")
-
-    def fake(model, batches, *, tta=None, **kw):
-        loss, acc = flip if tta == "flip" else plain
-        return {"val_loss": loss, "val_acc": acc}
-
-    monkeypatch.setattr(ev, "evaluate", fake)
-    batches = [next(iter(_loader()))]
-    d = choose_tta(_bn_net(), batches)
-    assert d.value == chosen and set(d.measured) == {"plain", "flip"}
-
-
-def test_tta_is_not_tried_on_inputs_that_are_not_images():
-    tokens = [(torch.randint(0, 10, (4, 16)), torch.randint(0, 10, (4, 16)))]
-    assert choose_tta(nn.Embedding(10, 10), tokens).value is None
 
 
 def _fit_with(val_loader):

@@ -66,7 +66,7 @@ def train_budget(spec: dict) -> TTARun:
     from torchspeed.env import allocator_in_use
     from torchspeed.train.config import TrainConfig
     from torchspeed.train.trainer import Trainer
-    from torchspeed.plan.recipe_tta import decide_tta
+    from torchspeed.plan.recipe_tta import after_training
 
     # cold: an empty decision cache for this run alone (the switch trial and the recipe measure, on the clock);
     # auto_warm: the cache an earlier run left
@@ -101,9 +101,9 @@ def train_budget(spec: dict) -> TTARun:
         while trainer.step < budget:
             clock += trainer.run_steps(it, 1)
             trainer.callbacks.on_step_end(trainer)
-    if rec is not None and "tta" in rec.parts:  # decided on training batches, on the clock
+    if rec is not None and "tta" in rec.parts:  # decided on training batches (or cached, or the prior), on the clock
         t1 = time.perf_counter()
-        decide_tta(trainer, rec.probe)
+        after_training(trainer, rec)
         clock += time.perf_counter() - t1
     if rec is not None and rec.label_smoothing:  # the target's loss is the plain cross-entropy, as for every config
         from torchspeed.train.batch import default_loss

@@ -23,7 +23,8 @@ The parts (`PARTS`), and how each is chosen:
   48 steps it gained nothing (docs/recipe.md).
 - `tta` (T33; `plan/recipe_tta.py`): flip test-time augmentation, decided *after* training by `choose_tta` on a
   few training batches: kept only when it scores better there (the digits are not
-  flip-invariant: it is refused there).
+  flip-invariant: it is refused there). The check (8 forward passes, ~`TTA_COST` steps) is
+  charged to the budget: a shorter run reads the cache or keeps the prior, no TTA.
 - `muon` (T42) and `schedulefree` (T14's alternative), in `plan/recipe_optimizer.py`: candidates
   against the optimizer the run was given by name. Muon (for the hidden matrices) is one for
   AdamW on a model whose weights are mostly hidden 2D matrices; Schedule-Free AdamW (the
@@ -212,7 +213,7 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
             else:
                 rec.batch_size = gate.settle("batch_size", "batch_size", None, "the loader's batch", default=None)
     if "tta" in parts:
-        rec.decisions["tta"] = Decision(None, "decided after training, on training batches (choose_tta)")
+        _tta_part(rec, gate, held[0])
     gate.save()
     rec.tuning_s = time.perf_counter() - t0
     rec.decisions["recipe_cost"] = Decision(round(rec.tuning_s, 2), f"{rec.tuning_steps} training steps spent "
@@ -323,6 +324,21 @@ def _lr_part(model, loader, rec: Recipe, gate: "_Gate", *, optimizer, name, lr, 
     cached = gate.cached("lr")
     rec.min_lr = cached.get("min_lr") if cached else None
     return {}
+
+
+def _tta_part(rec: Recipe, gate: "_Gate", batch) -> None:
+    """Flip TTA: checked after training on the probe batches (within the budget), cached, or the prior (none)."""
+    from torchspeed.plan.recipe_tta import TTA_COST, is_image_batch
+
+    if not is_image_batch(batch):
+        rec.decisions["tta"] = Decision(None, "not an image classifier ((images, labels) batches): no flip")
+    elif gate.measure("tta", TTA_COST):
+        rec.pending["tta"] = {"cost": TTA_COST, "key": gate.key,
+                              "cache": str(gate.cache.path) if gate.cache is not None else None}
+        rec.decisions["tta"] = Decision(None, f"checked after training on {len(rec.probe)} training batches "
+                                              f"(~{TTA_COST} steps' worth, within the budget)")
+    else:
+        rec.tta = gate.settle("tta", "tta", None, "no flip TTA (it costs nothing and changes nothing)", default=None)
 
 
 def _choose_ema(rec: Recipe, total_steps: int | None, why: str = "") -> None:

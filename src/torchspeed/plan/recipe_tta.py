@@ -1,5 +1,11 @@
 """The recipe's TTA part (T33): flip test-time augmentation, decided after training on a few training batches
-(`choose_tta`), kept only when it scores better there; `decide_tta` does it for a trained `Trainer`.
+(`choose_tta`), kept only when it scores better there; `after_training` does it for a trained `Trainer`.
+
+The check is not training: 2 forward passes per probe batch (the plain and the mirrored view;
+the flip score averages the two softmaxes, so the plain logits serve both scores), about
+`TTA_COST` training steps. So `choose_recipe` charges it to the tuning budget like any part
+off the run: a run too short to afford it reads an earlier run's check from the cache, or
+keeps the prior (no TTA, which costs nothing and changes nothing), and its Decision says which.
 """
 
 from __future__ import annotations
@@ -7,51 +13,106 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from torchspeed.train.decision import Decision
+from torchspeed.train.decision import Decision, TrialCache
 
-__all__ = ["choose_tta", "decide_tta"]
+__all__ = ["TTA_COST", "after_training", "choose_tta", "flip_scores", "is_image_batch"]
+
+# Training steps' worth of the check: 2 forward passes on each of the recipe's 4 probe batches, a forward pass
+# being about a third of a training step (forward + backward + optimizer step).
+TTA_COST = 3
+
+
+def is_image_batch(batch) -> bool:
+    """(images, labels) with images (N, C, H, W): the batches flip TTA applies to (`evaluate(tta="flip")` too)."""
+    return (isinstance(batch, (list, tuple)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor)
+            and batch[0].dim() == 4 and isinstance(batch[1], torch.Tensor))
+
+
+def flip_scores(model: nn.Module, batches: Sequence, *, device: torch.device | str | None = None,
+                precision="fp32", channels_last: bool = False) -> dict[str, dict[str, float]]:
+    """Loss and accuracy of `model` on `batches` of (images, labels), plain and with flip TTA (the mean of the
+    softmaxes of the image and its mirror, as `evaluate(tta="flip")` scores it), from 2 forward passes a batch."""
+    from torchspeed.train.precision import resolve_precision
+    from torchspeed.train.transfer import to_device
+
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if isinstance(precision, str):
+        precision = resolve_precision(precision, device=device)
+    sums = {"plain": [0.0, 0], "flip": [0.0, 0]}
+    n = 0
+    was = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for batch in batches:
+                x, y = to_device(tuple(batch), device, channels_last=channels_last)
+                with precision.autocast():
+                    out, out_flip = model(x), model(torch.flip(x, dims=[-1]))
+                if not isinstance(out, torch.Tensor) or out.dim() != 2:
+                    raise ValueError(f"flip TTA needs (N, classes) logits; the model returned {type(out).__name__}"
+                                     + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else ""))
+                p, q = F.softmax(out.float(), dim=-1), F.softmax(out_flip.float(), dim=-1)
+                for name, probs in (("plain", p), ("flip", (p + q) / 2)):
+                    logp = probs.clamp_min(1e-12).log()
+                    sums[name][0] += float(F.nll_loss(logp, y, reduction="sum"))
+                    sums[name][1] += int((logp.argmax(-1) == y).sum())
+                n += int(y.shape[0])
+    finally:
+        model.train(was)
+    return {k: {"loss": s[0] / n, "acc": s[1] / n} for k, s in sums.items()}
 
 
 def choose_tta(model: nn.Module, batches: Sequence, *, device: torch.device | str | None = None,
-               precision: str = "fp32", channels_last: bool = False, margin: float = 0.02) -> Decision:
+               precision="fp32", channels_last: bool = False, margin: float = 0.02) -> Decision:
     """Flip test-time augmentation (T33) when it scores better on `batches` (training batches).
 
-    Only for image classifiers (4D inputs). "Better": a lower loss by more than `margin`
-    (relative) and an accuracy at least as high. Digits, text, or a model that learnt
-    orientation: refused. Returns a Decision with both scores measured.
+    Only for image classifiers ((images, labels) batches, images 4D). "Better": a lower loss by
+    more than `margin` (relative) and an accuracy at least as high. Digits, text, or a model that
+    learnt orientation: refused. Returns a Decision with both scores measured.
     """
-    from torchspeed.train.batch import split_batch
-    from torchspeed.train.evaluate import evaluate
-
     if not batches:
         return Decision(None, "no training batches to measure on")
-    inputs, target = split_batch(batches[0])
-    x = inputs[0] if isinstance(inputs, tuple) and inputs else None
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or target is None:
+    if not is_image_batch(batches[0]):
         return Decision(None, "not an image classifier (4D inputs with targets): no flip")
-    kw = dict(device=device, precision=precision, channels_last=channels_last)
-    plain = evaluate(model, batches, **kw)
-    flip = evaluate(model, batches, tta="flip", **kw)
-    measured = {"plain": {"loss": plain["val_loss"], "acc": plain["val_acc"]},
-                "flip": {"loss": flip["val_loss"], "acc": flip["val_acc"]}}
-    better = (flip["val_loss"] < plain["val_loss"] * (1 - margin)
-              and (flip["val_acc"] or 0) >= (plain["val_acc"] or 0))
-    how = (f"training batches: loss {plain['val_loss']:.4f} plain vs {flip['val_loss']:.4f} with flips, "
-           f"accuracy {plain['val_acc']:.3f} vs {flip['val_acc']:.3f}")
+    try:
+        measured = flip_scores(model, batches, device=device, precision=precision, channels_last=channels_last)
+    except ValueError as e:
+        return Decision(None, f"no flip: {e}")
+    plain, flip = measured["plain"], measured["flip"]
+    better = flip["loss"] < plain["loss"] * (1 - margin) and flip["acc"] >= plain["acc"]
+    how = (f"training batches: loss {plain['loss']:.4f} plain vs {flip['loss']:.4f} with flips, "
+           f"accuracy {plain['acc']:.3f} vs {flip['acc']:.3f}")
     return Decision("flip" if better else None, ("flip scores better on " if better else "flip does not score "
                                                  "better on ") + how, measured=measured)
 
 
-def decide_tta(trainer, batches: Sequence) -> Decision:
-    """`choose_tta` for a trained `Trainer` (the weights it evaluates: the EMA's when one is on), recorded in its
-    decisions; a chosen TTA becomes its `config.tta` unless one was set. Under DDP rank 0 decides for every rank."""
+def after_training(trainer, rec) -> Decision | None:
+    """The recipe's TTA part for a trained `Trainer` (the weights it evaluates: the EMA's when one is on).
+
+    Measured when the plan left it pending (then cached for the next run of this model), or read
+    from the plan's decision (cached or prior); recorded in the trainer's decisions, and a chosen
+    TTA becomes its `config.tta` unless one was set. Under DDP rank 0 measures for every rank.
+    None when the recipe has no TTA part."""
     from torchspeed.tune._common import decide_once
 
-    module = trainer.callbacks.eval_module(trainer.module)
-    dec = decide_once(lambda: choose_tta(module, batches, device=trainer.device, precision=trainer.precision,
-                                         channels_last=trainer.channels_last))
+    if "tta" not in rec.parts:
+        return None
+    pending = rec.pending.pop("tta", None)
+    if pending is None:
+        dec = rec.decisions.get("tta") or Decision(None, "not decided")
+    else:
+        module = trainer.callbacks.eval_module(trainer.module)
+        dec = decide_once(lambda: choose_tta(module, rec.probe, device=trainer.device, precision=trainer.precision,
+                                             channels_last=trainer.channels_last))
+        if pending.get("cache") is not None:
+            cache = TrialCache(pending["cache"])
+            entry = cache.get(pending["key"]) or {}
+            entry["tta"] = {"tta": dec.value, "decision": dict(dec)}
+            cache.put(pending["key"], entry)
+    rec.tta = dec.value
     trainer.decisions["tta"] = dec
     if dec.value and trainer.config.tta is None:
         trainer.config.tta = dec.value
