@@ -203,6 +203,9 @@ def test_bench_cli_runs_time_to_target_for_digits_unless_switched_off(tiny, monk
                  "--json", str(out)]) == 0
     assert calls[2]["metric"] == "val_loss" and calls[2]["target_from"] == "all" and calls[2]["targets"] == ()
     assert calls[2]["configs"] == ("all", "auto")
+    assert main(["bench", "--model", "gpt", "--target-loss", "naive", "--tta-configs", "naive,auto",
+                 "--json", str(out)]) == 0  # the plain loop's final loss is the target
+    assert calls[3]["target_from"] == "naive" and calls[3]["targets"] == ()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -210,6 +213,7 @@ def test_bench_cli_runs_time_to_target_for_digits_unless_switched_off(tiny, monk
     (["--target-acc", "-0.2"], "between 0 and 1"),
     (["--target-acc", "0.9", "--seeds", "0"], "--seeds must be positive"),
     (["--target-loss", "x"], "--target-loss takes a number"),
+    (["--target-loss", "naive", "--tta-configs", "all,auto"], "add naive to --tta-configs"),
     (["--target-acc", "0.9", "--tta-configs", "naive,fast"], "--tta-configs"),
 ])
 def test_bench_cli_refuses_out_of_range_tta_options(argv, message, capsys):

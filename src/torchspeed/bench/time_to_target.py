@@ -251,9 +251,9 @@ def run_time_to_target(*, model: str = "resnet20", data: str = "digits", targets
                        target_from: str | None = None, progress: bool = True) -> TTAResult:
     """The shortest budget to each target per config (see the module docstring).
 
-    `metric` "val_acc" (reach >= target) or "val_loss" (reach <= target). `target_from`="all"
-    with `metric="val_loss"` and no targets: the target is the worst final validation loss
-    `all` reaches over the seeds at budget `start` (its default budget).
+    `metric` "val_acc" (reach >= target) or "val_loss" (reach <= target). `target_from` ("all", or
+    "naive": the plain loop) with `metric="val_loss"` and no targets: the target is the worst final
+    validation loss that config reaches over the seeds at budget `start` (its default budget).
     """
     from torchspeed.bench.runner import bench_configs, machine_busy, provenance
     from torchspeed.env import default_device
@@ -280,8 +280,8 @@ def run_time_to_target(*, model: str = "resnet20", data: str = "digits", targets
         if "auto_warm" in configs:  # an earlier run measured everything (no budget): its cache, off the clock
             runner.fill_warm_caches(seed_list, warm_root)
         searches = {name: _Search(name, seed_list, runner.run_seeds, runner.say) for name in configs}
-        if not targets:  # the target is what `all` reaches in its default budget
-            ref = searches.get("all") or next(iter(searches.values()))
+        if not targets:  # the target is what `target_from` (all, or naive: the plain loop) reaches in its default budget
+            ref = searches[target_from]
             finals = [ref.run(start, s) for s in seed_list]
             targets = (max(r.val_loss for r in finals),) if metric == "val_loss" else (min(r.val_acc for r in finals),)
         order = sorted(targets, reverse=metric == "val_acc")  # the hardest first: the others start from it
@@ -313,8 +313,8 @@ def _check(seeds: int, metric: str, targets, target_from, configs) -> None:
     for t in targets:
         if metric == "val_acc" and not 0.0 < t <= 1.0:
             raise ValueError(f"target must be a validation accuracy in (0, 1], got {t}")
-    if not targets and target_from != "all":
-        raise ValueError("give at least one target (or target_from='all' for a validation loss)")
+    if not targets and target_from not in configs:
+        raise ValueError("give at least one target, or target_from: the config whose final loss is the target")
     bad = set(configs) - set(CONFIGS)
     if bad:
         raise ValueError(f"unknown time-to-accuracy config(s) {sorted(bad)}; choose from {', '.join(CONFIGS)}")

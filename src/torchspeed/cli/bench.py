@@ -43,8 +43,8 @@ def register(sub) -> None:
                    help="time to accuracy: the validation accuracy naive, all and auto must end at (0-1; default "
                         "0.97 and 0.90 with --data digits, off otherwise; 0 switches it off)")
     p.add_argument("--target-loss", default=None,
-                   help="time to a validation loss instead (language models): a number, or 'all' for the loss all "
-                        "reaches in its default budget")
+                   help="time to a validation loss instead (language models): a number, or 'all' (or 'naive') for "
+                        "the loss all (or naive, the plain loop) reaches in its default budget")
     p.add_argument("--no-tta", action="store_true", help="skip time to accuracy (as --target-acc 0)")
     p.add_argument("--seeds", type=int, default=3, help="time to accuracy: seeds per config (default 3)")
     p.add_argument("--tta-configs", default="naive,all,auto,auto_warm,schedulefree",
@@ -107,7 +107,8 @@ def run(args) -> int:
         by_loss = args.target_loss is not None
         tta = run_time_to_target(model=args.model, data=args.data,
                                  targets=(loss_target,) if loss_target else targets,
-                                 metric="val_loss" if by_loss else "val_acc", target_from="all" if by_loss else None,
+                                 metric="val_loss" if by_loss else "val_acc",
+                                 target_from=(args.target_loss if args.target_loss in ("all", "naive") else None),
                                  seeds=args.seeds, batch_size=batch, configs=tta_configs, device=args.device,
                                  compile=not (args.quick or args.no_compile), train_size=result.meta.get("train_size"),
                                  image_size=args.image_size, busy=result.meta.get("busy"), ablation=args.ablation)
@@ -163,17 +164,20 @@ def _time_to_target_args(args):
         raise CLIError(str(e)) from e
     loss_target = None
     if args.target_loss is not None and not args.no_tta:
-        if args.target_loss != "all":
+        if args.target_loss not in ("all", "naive"):
             try:
                 loss_target = float(args.target_loss)
             except ValueError:
-                raise CLIError(f"--target-loss takes a number or 'all', got {args.target_loss!r}") from None
+                raise CLIError(f"--target-loss takes a number, 'all' or 'naive', got {args.target_loss!r}") from None
             if loss_target <= 0:
                 raise CLIError(f"--target-loss must be positive, got {loss_target:g}")
     tta_on = bool(targets) or (args.target_loss is not None and not args.no_tta)
     tta_configs = tuple(c.strip() for c in args.tta_configs.split(",") if c.strip())
     if set(tta_configs) - set(TTA_CONFIGS) or not tta_configs:
         raise CLIError(f"--tta-configs {args.tta_configs!r}: choose from {', '.join(TTA_CONFIGS)}")
+    if tta_on and args.target_loss in ("all", "naive") and args.target_loss not in tta_configs:
+        raise CLIError(f"--target-loss {args.target_loss} is the loss the {args.target_loss} row reaches: add "
+                       f"{args.target_loss} to --tta-configs")
     if "schedulefree" in tta_configs and importlib.util.find_spec("schedulefree") is None:
         raise CLIError("the schedulefree row needs the schedulefree package: pip install 'torchspeed[schedulefree]', "
                        "or leave it out with --tta-configs naive,all,auto,auto_warm")
