@@ -49,7 +49,7 @@ class MeasureInRun(Callback):
         self.schedule, self.loss_fn, self.step_fn = schedule, loss_fn, step_fn
         self.weight_decay, self.optimizer_options, self.cache, self.progress = (weight_decay, optimizer_options,
                                                                                 cache, progress)
-        self.done = not rec.pending
+        self.done = "lr" not in rec.pending  # (the TTA check is pending too, but after training: recipe_tta)
         self.precision: str | None = None  # the precision the measurement ran at (for a reader and the tests)
 
     def on_step_end(self, trainer) -> None:

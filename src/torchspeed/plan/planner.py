@@ -163,7 +163,7 @@ def _apply_recipe(plan: Plan, model, parts, *, weight_decay, optimizer_options, 
     if rec.lr is not None:
         plan.lr = rec.lr
     plan.callbacks += rec.callbacks()
-    if rec.pending:  # measured in the run, after the switch trial, at the precision it chooses
+    if "lr" in rec.pending:  # measured in the run, after the switch trial, at the precision it chooses
         from torchspeed.plan.inrun import MeasureInRun
 
         plan.callbacks.append(MeasureInRun(

@@ -63,6 +63,7 @@ from torch import nn
 from torchspeed.plan.budget import TuningBudget
 from torchspeed.plan.recipe_lr import LR_TRIAL_FACTORS, choose_lr_part
 from torchspeed.plan.recipe_optimizer import choose_optimizer_part
+from torchspeed.plan.recipe_tta import TTA_COST, is_image_batch
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.tune.batch_choice import BATCH_MIN_STEPS
 
@@ -328,8 +329,6 @@ def _lr_part(model, loader, rec: Recipe, gate: "_Gate", *, optimizer, name, lr, 
 
 def _tta_part(rec: Recipe, gate: "_Gate", batch) -> None:
     """Flip TTA: checked after training on the probe batches (within the budget), cached, or the prior (none)."""
-    from torchspeed.plan.recipe_tta import TTA_COST, is_image_batch
-
     if not is_image_batch(batch):
         rec.decisions["tta"] = Decision(None, "not an image classifier ((images, labels) batches): no flip")
     elif gate.measure("tta", TTA_COST):
