@@ -12,6 +12,7 @@ from torch import nn
 
 from torchspeed.doctor import render_report, report_from_observation, run_rules
 from torchspeed.doctor._fit_plan import fit_plan
+from torchspeed.doctor.observation import undeclared_keys
 from torchspeed.env import DeviceCaps
 
 from test_rules import BF16_CPU, CLEAN, _set
@@ -51,6 +52,7 @@ def test_plan_is_fits_choice_measured_against_the_script():
     assert p["fixes"] == ["autocast", "channels_last", "fused_optimizer"]
     assert p["candidates"]["fp32+fused"] == 1.05  # the one-switch candidate reuses --verify's measurement
     assert ("fp32+fused", "fp32+foreach") not in m.asked and len(m.asked) == 3
+    assert undeclared_keys({"fit_plan": p}) == []  # the schema declares every key the plan writes
 
 
 def test_plan_prefers_fewer_changes_within_two_percent_and_can_keep_the_script():
@@ -134,6 +136,7 @@ def test_the_plan_says_what_its_figure_leaves_out_and_reads_what_was_measured_fo
     assert "1 threads measured 1.10x on the script, separately" in b["not_covered"][0]
     assert "--verify measured it alone at 1.30x" in b["not_covered"][1]
     assert "re-run measured 1.04x, separately" in b["not_covered"][2]
+    assert undeclared_keys({"fit_plan": {"beyond_grid": b}}) == []
     # within fit's 2%: the stage keeps all the cores
     o["env_fixes"]["threads"] = _threads_entry([0.99, 1.02])
     assert beyond_grid(o)["threads"]["chosen"] == 2

@@ -8,6 +8,7 @@ from torch import nn
 
 from torchspeed.doctor import DoctorJob, diagnose_many
 from torchspeed.doctor._capture import Captured
+from torchspeed.doctor.observation import undeclared_keys
 from torchspeed.doctor.registry import severity_for_gain
 from torchspeed.doctor import verify as verify_mod
 from torchspeed.doctor.verify import _interleave, _Trainer, applicable_fixes, verify_fixes
@@ -54,6 +55,7 @@ def test_verify_reports_measured_speedups_for_autocast_channels_last_workers(ver
         assert "slow-down" in f.evidence and f.fix.startswith("keep fp32") and f.severity == "low"
     d = r.to_dict()
     assert {v["fix"] for v in d["verify"]} == {"autocast", "channels_last", "workers"}
+    assert undeclared_keys(r.observation) == []  # the schema declares every key --verify and fit's plan write
 
 
 def _captured():

@@ -32,6 +32,7 @@ import os
 import statistics
 from collections.abc import Callable, Mapping
 
+from torchspeed.doctor.observation import EnvFixResult, Observation
 from torchspeed.env import GLIBC_MALLOC_ENV
 
 __all__ = ["ENV_FIXES", "env_candidates", "patch_candidates", "measure_env_fixes", "summarize", "env_label",
@@ -46,7 +47,7 @@ WAIT_SHARE = 0.05  # the data wait (share of the step) worth re-running the scri
 from torchspeed.doctor.rules._common import env_label  # noqa: E402  (one home: the rules print it too)
 
 
-def env_candidates(obs: dict, environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
+def env_candidates(obs: Observation, environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
     """The environment fixes that apply to this observation: {name: variables to add}."""
     from torchspeed.doctor.rules.allocator import FAULTS
 
@@ -67,7 +68,7 @@ def env_candidates(obs: dict, environ: Mapping[str, str] | None = None) -> dict[
     return out
 
 
-def patch_candidates(obs: dict, source: str | None) -> dict[str, dict]:
+def patch_candidates(obs: Observation, source: str | None) -> dict[str, dict]:
     """The source fixes that apply: {"workers": {"source": patched text, "workers": n, "label": ...}}."""
     from torchspeed.doctor import _patches  # noqa: F401  (registers every patch)
     from torchspeed.doctor._patch_base import NotApplicable, PatchContext, apply_patch, libcst_missing
@@ -86,9 +87,9 @@ def patch_candidates(obs: dict, source: str | None) -> dict[str, dict]:
     return {"workers": {"source": patched, "workers": n, "label": f"num_workers={n}, persistent_workers=True"}}
 
 
-def summarize(name: str, env: dict, m: dict, *, steps: int) -> dict:
+def summarize(name: str, env: dict, m: dict, *, steps: int) -> EnvFixResult:
     """One environment fix's entry in `obs["env_fixes"]` from its per-round ratios and step times."""
-    entry = {"fix": name, "rule": ENV_FIXES[name], "env": dict(env), "steps": steps}
+    entry: EnvFixResult = {"fix": name, "rule": ENV_FIXES[name], "env": dict(env), "steps": steps}
     ratios = [float(r) for r in m.get("ratios") or []]
     if m.get("error") or not ratios:
         entry["error"] = m.get("error") or "no round could be measured"
@@ -134,7 +135,8 @@ def _source(job) -> str | None:
         return None
 
 
-def measure_env_fixes(job, obs: dict, *, measure: Callable | None = None, run_variants: Callable | None = None) -> dict:
+def measure_env_fixes(job, obs: Observation, *, measure: Callable | None = None,
+                      run_variants: Callable | None = None) -> dict[str, EnvFixResult]:
     """Measure the environment fixes (and the workers patch) that apply to `obs`; store them in `obs["env_fixes"]`."""
     env = env_candidates(obs)
     patched = patch_candidates(obs, _source(job))

@@ -24,6 +24,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
+from torchspeed.doctor.observation import (AllocatorStage, BeyondGrid, CompileStage, FitPlan, Observation, ThreadStage,
+                                          VerifyResult)
 from torchspeed.train.switches import Switches, candidate_grid, choose
 
 __all__ = ["fit_plan", "PLAN_FIXES", "plan_fixes", "beyond_grid", "MIN_GAIN"]
@@ -38,7 +40,7 @@ def plan_fixes(chosen: Switches, script: Switches) -> list[str]:
             if getattr(chosen, k) != getattr(script, k) and not (k == "fused" and not chosen.fused)]
 
 
-def _script_switches(obs: dict, caps, fusable: bool) -> Switches:
+def _script_switches(obs: Observation, caps, fusable: bool) -> Switches:
     m, o = obs.get("model") or {}, obs.get("optimizer") or {}
     precision = (caps.half or "bf16") if m.get("autocast") else "fp32"
     return Switches(precision, bool(m.get("channels_last_weights")), bool(o.get("fused")) if fusable else None)
@@ -58,7 +60,7 @@ def _measure_on_model(cap, rounds: int) -> Callable[[Switches, Switches], list[f
     return measure
 
 
-def _reused(cand: Switches, script: Switches, verify: dict) -> list[float] | None:
+def _reused(cand: Switches, script: Switches, verify: dict[str, VerifyResult]) -> list[float] | None:
     """--verify's ratios when `cand` is the script with exactly that one fix."""
     fixes = plan_fixes(cand, script)
     diff = sum(getattr(cand, k) != getattr(script, k) for k in ("precision", "channels_last", "fused"))
@@ -75,7 +77,7 @@ def _interval(ratios: list[float]) -> list[float]:
     return [round(q[0], 4), round(q[2], 4)]
 
 
-def fit_plan(cap, obs: dict, *, rounds: int = 5, caps=None, measure: Callable | None = None) -> dict:
+def fit_plan(cap, obs: Observation, *, rounds: int = 5, caps=None, measure: Callable | None = None) -> FitPlan:
     """fit's choice for this script's model and its measured ratio against the script's own settings.
 
     `caps` (`torchspeed.env.DeviceCaps`) and `measure(candidate, script) -> per-round ratios` are injectable."""
@@ -112,7 +114,7 @@ def fit_plan(cap, obs: dict, *, rounds: int = 5, caps=None, measure: Callable | 
             "fixes": plan_fixes(chosen, script), "errors": errors}
 
 
-def _thread_stage(obs: dict) -> dict | None:
+def _thread_stage(obs: Observation) -> ThreadStage | None:
     """fit's stage 3 on a CPU whose DataLoader has workers: all cores against the cores the workers leave."""
     c = obs.get("cpu") or {}
     workers, cores = int(c.get("workers", 0)), int(c.get("cores", 1))
@@ -121,7 +123,7 @@ def _thread_stage(obs: dict) -> dict | None:
     if not on_cpu or workers <= 0 or len(choices) < 2:
         return None
     n = choices[0]
-    out = {"choices": choices, "how": f"the script re-run with OMP_NUM_THREADS={n} (plain run)"}
+    out: ThreadStage = {"choices": choices, "how": f"the script re-run with OMP_NUM_THREADS={n} (plain run)"}
     v = (obs.get("env_fixes") or {}).get("threads") or {}
     if v.get("speedup") is None:
         out.update(chosen=None, why=v.get("error") or "not measured: OMP_NUM_THREADS was set already, or the "
@@ -131,7 +133,7 @@ def _thread_stage(obs: dict) -> dict | None:
     return out
 
 
-def _compile_stage(obs: dict) -> dict:
+def _compile_stage(obs: Observation) -> CompileStage:
     v = (obs.get("verify") or {}).get("compile") or {}
     if v.get("speedup") is None:
         return {"measured": False, "why": v.get("error") or "not measured (torch.compile not available, or not asked "
@@ -140,7 +142,7 @@ def _compile_stage(obs: dict) -> dict:
             "how": "--verify, alone on the script's model against the script's settings"}
 
 
-def _allocator_stage(obs: dict) -> dict:
+def _allocator_stage(obs: Observation) -> AllocatorStage:
     v = (obs.get("env_fixes") or {}).get("malloc") or {}
     if v.get("speedup") is not None:
         return {"measured": True, "speedup": v["speedup"], "iqr": v.get("iqr"),
@@ -151,7 +153,7 @@ def _allocator_stage(obs: dict) -> dict:
     return {"measured": False, "why": v.get("error") or why}
 
 
-def beyond_grid(obs: dict) -> dict:
+def beyond_grid(obs: Observation) -> BeyondGrid:
     """What fit does beyond the plan's grid, each with the figure the doctor measured for it (see the
     module docstring); `not_covered` names, in words, what the plan's per-step figure leaves out."""
     threads, comp, alloc = _thread_stage(obs), _compile_stage(obs), _allocator_stage(obs)

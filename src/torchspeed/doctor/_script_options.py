@@ -21,6 +21,8 @@ import ast
 import re
 from dataclasses import dataclass, replace
 
+from torchspeed.doctor.observation import Observation
+
 __all__ = ["ScriptOption", "script_options", "with_script_options", "OPTION_RULES"]
 
 _NAMES = {
@@ -116,7 +118,7 @@ def _advice(f, opt: ScriptOption, script: str, argv: list[str], source: str, dev
     return f"{where} offers it: `{run}`; or: {f.fix}"
 
 
-def with_script_options(findings, obs: dict, source: str | None) -> list:
+def with_script_options(findings, obs: Observation, source: str | None) -> list:
     """Findings whose fix an option of the script offers, with that option as their first fix."""
     if not source:
         return list(findings)

@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import run_rules
 from torchspeed.doctor.report import DoctorReport
 
@@ -54,7 +55,7 @@ class DoctorJob:
                 "measure_only": self.measure_only}
 
 
-def report_from_observation(obs: dict, *, script: str | None = None) -> DoctorReport:
+def report_from_observation(obs: Observation, *, script: str | None = None) -> DoctorReport:
     """Apply every registered rule to one observation; where an option of the script (`--amp`, `--workers`)
     already gives a finding's fix, that option comes first in it (`_script_options`)."""
     findings = tuple(run_rules(obs)) if obs.get("status") not in ("doctor-error", "killed") else ()

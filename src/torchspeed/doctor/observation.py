@@ -3,16 +3,50 @@
 The probe writes one `Observation` per script (a JSON-ready dict); every rule reads only the keys
 declared here, and `--json` reports carry it under "observation", so a reader can re-check each
 verdict from the numbers it was drawn from. `undeclared_keys(obs)` lists any key the probe wrote
-that this schema does not declare (a test runs it on every gallery script).
+that this schema does not declare (a test runs it on every gallery script), and
+tests/doctor/test_observation_keys.py parses the rules and the other readers: a key they read must be
+declared here. Every field is a TypedDict down to its leaves, except maps keyed by a name (a fix, a
+decoder, a kind of host read): `dict[str, ...]` of a TypedDict or a number.
 """
 
 from __future__ import annotations
 
+import types
 import typing
-from typing import Any, TypedDict
+from typing import TypedDict
 
-__all__ = ["Observation", "Breakdown", "LoaderInfo", "DatasetTiming", "ModelInfo", "Kernels", "DebugModes",
-           "MathSettings", "CompileEvents", "CpuContention", "OptimizerInfo", "undeclared_keys"]
+__all__ = ["Observation", "Environment", "Breakdown", "Fractions", "FractionsMedian", "ComputeDetail", "Syncs",
+           "TensorCopies", "ZeroGrad", "EvalForwards", "Memory", "LoaderInfo", "DatasetTiming", "DatasetCopies",
+           "AltDecode", "ModelInfo", "ModelDesign", "InputStats", "Kernels", "DebugModes", "MathSettings",
+           "CompileEvents", "CompileEvent", "CpuContention", "OptimizerInfo", "VerifyResult", "FitPlan", "BeyondGrid",
+           "ThreadStage", "CompileStage", "AllocatorStage", "EnvFixResult", "undeclared_keys"]
+
+
+class Environment(TypedDict, total=False):
+    """`torchspeed.env.detect().to_dict()`: what this machine can accelerate (T01)."""
+    python: str
+    torch: str
+    torchvision: str | None
+    cuda_available: bool
+    cuda_version: str | None
+    cudnn_version: int | None
+    device: str
+    device_name: str
+    device_memory_gib: float | None
+    compute_capability: list[int] | None  # (major, minor): a tuple in the child, a list once through JSON
+    cpu_model: str
+    cpu_cores: int
+    torch_threads: int
+    avx512: bool
+    avx512_bf16: bool
+    amx: bool
+    bf16_supported: bool
+    fp16_supported: bool
+    best_precision: str
+    allocator: str               # "glibc" | "glibc (tuned)" | "tcmalloc" | "jemalloc" | "unknown"
+    tcmalloc_path: str | None
+    compile_available: bool
+    notes: list[str]
 
 
 class Fractions(TypedDict, total=False):
@@ -21,6 +55,21 @@ class Fractions(TypedDict, total=False):
     compute: float
     sync: float
     other: float
+
+
+class FractionsMedian(TypedDict, total=False):
+    """The median step's own shares (`_summary`): a wait only a few steps pay does not move these."""
+    data: float
+    copy: float
+    sync: float
+
+
+class ComputeDetail(TypedDict, total=False):
+    """The compute part of a step, ms per step by phase."""
+    forward: float
+    backward: float
+    optimizer: float
+    zero_grad: float
 
 
 class Breakdown(TypedDict, total=False):
@@ -34,13 +83,55 @@ class Breakdown(TypedDict, total=False):
     compute_ms_iqr: list[float]  # first and third quartiles of the kept steps' compute times
     sync_ms: float
     other_ms: float
-    compute_detail_ms: dict[str, float]
+    compute_detail_ms: ComputeDetail
     fractions: Fractions
-    fractions_median: dict[str, float]  # per-step shares of data, copy, sync: their median over the steps
+    fractions_median: FractionsMedian
     steps: int                   # steps the means are over
     outlier_steps: int           # measured steps left out as start-up outliers
     outlier_step_ms: list[float]
     minor_faults_per_step: float  # median page faults (minor) per step
+
+
+class Syncs(TypedDict, total=False):
+    """Host reads (`.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `nonzero`) from user code in the loop (T13)."""
+    calls: int
+    by_kind: dict[str, int]      # "item" -> calls, ...
+    calls_per_step: float
+    ms_per_step: float
+    sites: list[str]             # "train.py:42 (30x)", the three most frequent
+    cuda_sync_warnings: int      # CUDA sync debug mode's count of synchronizing calls (CUDA only)
+
+
+class TensorCopies(TypedDict, total=False):
+    """`torch.tensor(ndarray)` from user code in the loop (T11)."""
+    count: int
+    per_step: float
+    ms_per_step: float
+    mib: float
+    float64: int                 # calls whose source array was float64
+    sites: list[str]
+
+
+class ZeroGrad(TypedDict, total=False):
+    """`zero_grad` calls in the loop (T26)."""
+    calls: int
+    set_to_none_false: int
+    ms_per_call: float
+    sites: list[str]             # sites of the set_to_none=False calls
+
+
+class EvalForwards(TypedDict, total=False):
+    """Forward passes of the model in eval mode (T28); `grad_*`: those with gradients enabled."""
+    calls: int
+    grad_calls: int
+    ms: float
+    grad_ms: float
+
+
+class Memory(TypedDict, total=False):
+    max_rss_mib: float
+    cuda_max_allocated_mib: float
+    cuda_total_mib: float
 
 
 class LoaderInfo(TypedDict, total=False):
@@ -54,6 +145,21 @@ class LoaderInfo(TypedDict, total=False):
     in_memory: bool              # a TensorDataset: rows of tensors already in memory
 
 
+class DatasetCopies(TypedDict, total=False):
+    """`torch.tensor(ndarray)` per `dataset[i]` (T11): seen also where the loop's probe cannot (workers)."""
+    per_item: float
+    ms_per_item: float
+    float64: bool
+    sites: list[str]
+
+
+class AltDecode(TypedDict, total=False):
+    """The script's JPEG files decoded by Pillow and by the faster decoders installed here (T04)."""
+    best: str                    # the fastest decoder other than Pillow
+    speedup: float               # Pillow's median time / the best one's
+    ms_per_image: dict[str, float]  # decoder -> median ms per image
+
+
 class DatasetTiming(TypedDict, total=False):
     dataset: str
     getitem_ms: float
@@ -63,8 +169,27 @@ class DatasetTiming(TypedDict, total=False):
     decode_share: float
     decoders: dict[str, int]
     batch_size: int | None
-    alt_decode: dict[str, Any] | None
-    tensor_copies: dict[str, Any]  # torch.tensor(ndarray) per `dataset[i]`: per_item, ms_per_item, float64, sites
+    alt_decode: AltDecode | None
+    tensor_copies: DatasetCopies
+
+
+class ModelDesign(TypedDict, total=False):
+    """Grouped/depthwise convolutions: their share of the leaf modules' time against their share of FLOPs (T36)."""
+    grouped_convs: int
+    grouped_time_share: float
+    grouped_flops_share: float
+    leaf_modules: int
+
+
+class InputStats(TypedDict, total=False):
+    """The model's first input tensor on the captured batch (T30)."""
+    shape: list[int]
+    dtype: str                   # "torch.float32", ...
+    mean: float
+    std: float
+    min: float
+    max: float
+    channels_last: bool
 
 
 _ClassNames = TypedDict("_ClassNames", {"class": str, "inner_class": str}, total=False)  # `class`: a keyword
@@ -87,9 +212,9 @@ class ModelInfo(_ClassNames, total=False):
     unused_param_count: int
     unused_param_fraction: float
     never_called_modules: list[str]   # leaf modules never called whose parameters got no gradient either
-    design: dict[str, Any]
+    design: ModelDesign
     design_timing: str
-    input: dict[str, Any]
+    input: InputStats
     params: int
     norm_layers: int
     optimizer: str | None
@@ -116,9 +241,15 @@ class MathSettings(TypedDict, total=False):
     float32_matmul_precision: str
 
 
+class CompileEvent(TypedDict, total=False):
+    site: str                    # "train.py:42"
+    reason: str
+    count: int
+
+
 class CompileEvents(TypedDict, total=False):
-    graph_breaks: list[dict[str, Any]]   # {site: "train.py:42", reason, count}
-    recompiles: list[dict[str, Any]]
+    graph_breaks: list[CompileEvent]
+    recompiles: list[CompileEvent]
 
 
 class CpuContention(TypedDict, total=False):
@@ -139,6 +270,99 @@ OptimizerInfo = TypedDict("OptimizerInfo", {"class": str, "fused": bool | None, 
                                             "fused_available": bool, "param_tensors": int}, total=False)
 
 
+class VerifyResult(TypedDict, total=False):
+    """`--verify`'s measurement of one fix on the script's model, interleaved with its baseline (`verify`)."""
+    fix: str
+    rule: str | None             # the first rule the fix proves (`registry.fix_rules`)
+    baseline_ms: float
+    candidate_ms: float
+    speedup: float               # median of the per-round ratios
+    ratios: list[float]
+    iqr: list[float]             # the middle half of the ratios
+    within_noise: bool           # the middle half holds 1.0
+    rounds: int
+    steps_per_round: int
+    candidate: str               # what the candidate ran: "num_workers=2", "torch.autocast('cpu', ...)", the fix
+    current: str                 # workers, pin_memory: the script's setting, "num_workers=0"
+    direction: str               # workers: "fewer" | "more" | "same"
+    tuner: str                   # workers: why the tuner chose its count
+    compile_s: float             # compile: the first step's time, compilation included
+    note: str                    # the optimizer could not be rebuilt: what was used instead
+    error: str                   # the fix could not be measured on this model
+    seconds: float               # the measurement's own wall time
+
+
+class ThreadStage(TypedDict, total=False):
+    """fit's thread stage on a CPU with DataLoader workers, read from the `threads` environment re-run."""
+    choices: list[int]
+    how: str
+    chosen: int | None
+    why: str
+    speedup: float
+    iqr: list[float] | None
+
+
+class CompileStage(TypedDict, total=False):
+    measured: bool
+    why: str
+    speedup: float
+    iqr: list[float] | None
+    compile_s: float | None
+    how: str
+
+
+class AllocatorStage(TypedDict, total=False):
+    measured: bool
+    why: str
+    speedup: float
+    iqr: list[float] | None
+    how: str
+
+
+class BeyondGrid(TypedDict, total=False):
+    """What fit does beyond the plan's grid, each with its own figure (`_fit_plan.beyond_grid`)."""
+    threads: ThreadStage | None
+    compile: CompileStage
+    allocator: AllocatorStage
+    not_covered: list[str]
+
+
+class FitPlan(TypedDict, total=False):
+    """fit's choice of switches for the script's model under `--verify`, measured against the script (`_fit_plan`)."""
+    error: str                   # no plan: no model forward with a captured batch
+    grid: list[str]              # the candidates' labels, "bf16+channels_last+fused", ...
+    script: str                  # the script's own switches
+    chosen: str
+    why: str
+    speedup: float
+    ratios: list[float]
+    iqr: list[float]
+    within_noise: bool
+    candidates: dict[str, float]  # label -> median ratio against the script
+    fixes: list[str]             # the verify fixes for the switches the plan changes
+    errors: dict[str, str]       # label -> why that candidate could not run
+    beyond_grid: BeyondGrid      # added by the report (`diagnose.report_from_observation`)
+
+
+class EnvFixResult(TypedDict, total=False):
+    """One environment fix (or the workers patch) re-run on the script, interleaved with the original (`_envfix`)."""
+    fix: str
+    rule: str
+    env: dict[str, str]          # the variables set
+    steps: int
+    error: str
+    speedup: float
+    ratios: list[float]
+    iqr: list[float]
+    within_noise: bool
+    rounds: int
+    baseline_ms: float | None
+    candidate_ms: float | None
+    patch: str                   # a source fix: the --fix patch that ran, its label and worker count
+    label: str
+    workers: int
+
+
 class Observation(TypedDict, total=False):
     script: str
     argv: list[str]
@@ -151,20 +375,20 @@ class Observation(TypedDict, total=False):
     warmup: int
     steps_observed: int
     steps_measured: int
-    env: dict[str, Any]
+    env: Environment
     notes: list[str]
     cudnn_benchmark: bool
     cuda_devices: int
     cpu_cores: int
     threads: int
     breakdown: Breakdown
-    syncs: dict[str, Any]
-    tensor_copies: dict[str, Any]
-    zero_grad: dict[str, Any]
-    eval: dict[str, Any]
+    syncs: Syncs
+    tensor_copies: TensorCopies
+    zero_grad: ZeroGrad
+    eval: EvalForwards
     loaders: list[LoaderInfo]
     datasets: list[DatasetTiming]
-    memory: dict[str, float]
+    memory: Memory
     model: ModelInfo
     kernels: Kernels
     debug: DebugModes
@@ -172,32 +396,44 @@ class Observation(TypedDict, total=False):
     compile: CompileEvents
     cpu: CpuContention
     optimizer: OptimizerInfo
-    verify: dict[str, dict[str, Any]]
-    fit_plan: dict[str, Any]               # `_fit_plan` (--verify): fit's choice of switches, measured
-    env_fixes: dict[str, dict[str, Any]]   # `_envfix`: each environment fix re-run on the script, interleaved
+    verify: dict[str, VerifyResult]       # fix name -> its measurement
+    fit_plan: FitPlan
+    env_fixes: dict[str, EnvFixResult]    # fix name -> its re-run of the script
 
 
 def _typed_dict(tp) -> type | None:
     return tp if isinstance(tp, type) and typing.is_typeddict(tp) else None
 
 
+def _unwrap(tp):
+    """`X | None` -> X: the schema of a value that may be None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        rest = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return tp
+
+
 def undeclared_keys(obs: dict, schema: type = Observation, prefix: str = "") -> list[str]:
-    """Keys in `obs` (recursively through nested TypedDicts and lists of them) the schema does not declare."""
+    """Keys in `obs` the schema does not declare: recursively through nested TypedDicts, lists of them,
+    maps of them keyed by a name (`verify`, `env_fixes`) and optional ones (`X | None`)."""
     hints = typing.get_type_hints(schema)
     out = []
     for k, v in obs.items():
         if k not in hints:
             out.append(prefix + k)
             continue
-        tp = hints[k]
-        sub = _typed_dict(tp)
-        if sub is None and typing.get_origin(tp) is list:
-            sub = _typed_dict(typing.get_args(tp)[0])
-            if sub is not None and isinstance(v, list):
-                for i, item in enumerate(v):
-                    if isinstance(item, dict):
-                        out += undeclared_keys(item, sub, f"{prefix}{k}[{i}].")
-            continue
-        if sub is not None and isinstance(v, dict):
-            out += undeclared_keys(v, sub, f"{prefix}{k}.")
+        out += _undeclared_in(hints[k], v, prefix + k)
     return out
+
+
+def _undeclared_in(tp, v, path: str) -> list[str]:
+    tp = _unwrap(tp)
+    if _typed_dict(tp) is not None:
+        return undeclared_keys(v, tp, path + ".") if isinstance(v, dict) else []
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list and args and isinstance(v, list):
+        return [k for i, item in enumerate(v) for k in _undeclared_in(args[0], item, f"{path}[{i}]")]
+    if origin is dict and len(args) == 2 and isinstance(v, dict):
+        return [k for name, item in v.items() for k in _undeclared_in(args[1], item, f"{path}[{name!r}]")]
+    return []

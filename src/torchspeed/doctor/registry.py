@@ -34,8 +34,12 @@ import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from torchspeed.doctor.report import ESTIMATED, Finding, gain_text
+
+if TYPE_CHECKING:  # type-only: the registry and the rules import no more at run time (tests/test_layers.py)
+    from torchspeed.doctor.observation import Observation
 
 __all__ = ["Rule", "RULES", "RuleError", "register", "load_rules", "rule_ids", "fix_rules", "run_rules", "severity_for_gain",
            "settle", "merge_causes", "apply_fix_measurements", "with_fix", "HIGH_GAIN", "MEDIUM_GAIN", "ESTIMATED"]
@@ -56,7 +60,7 @@ class Rule:
     priority: int
     techniques: tuple[str, ...]
     summary: str
-    check: Callable[[dict], Finding | None]
+    check: Callable[[Observation], Finding | None]
     fix: str | None  # the fix --verify measures and --fix writes for this rule (shared names allowed)
     module: str
     cause: str | None = None  # rules with the same cause report one finding between them
@@ -75,7 +79,7 @@ def register(rule_id: str, *, priority: int, techniques: tuple[str, ...], summar
     if not _ID.match(rule_id):
         raise RuleError(f"rule id {rule_id!r} is not kebab-case (e.g. 'data-bound')")
 
-    def deco(fn):
+    def deco(fn: Callable[[Observation], Finding | None]):
         old = RULES.get(rule_id)
         if old is not None and old.module != fn.__module__:
             raise RuleError(f"rule {rule_id!r} is registered twice: in {old.module} and {fn.__module__}")
@@ -154,9 +158,9 @@ def settle(f: Finding) -> Finding:
     return replace(f, severity=sev, evidence=evidence)
 
 
-def _settled(fn: Callable[[dict], Finding | None]) -> Callable[[dict], Finding | None]:
+def _settled(fn: Callable[[Observation], Finding | None]) -> Callable[[Observation], Finding | None]:
     @functools.wraps(fn)
-    def check(obs: dict) -> Finding | None:
+    def check(obs: Observation) -> Finding | None:
         f = fn(obs)
         return settle(f) if f is not None else None
     return check
@@ -193,7 +197,7 @@ def _rank(found: list[Finding]) -> list[Finding]:
     return found
 
 
-def run_rules(obs: dict) -> list[Finding]:
+def run_rules(obs: Observation) -> list[Finding]:
     """Every registered rule on one observation, settled, one per cause, ranked: severity, gain, priority."""
     return _rank([f for rid in rule_ids() if (f := RULES[rid].check(obs)) is not None])
 

@@ -10,8 +10,12 @@ rules read, in the declared schema (`torchspeed.doctor.observation.Observation`)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torchspeed._io import write_json
+
+if TYPE_CHECKING:  # type-only: the report stays as light as the rules that import it
+    from torchspeed.doctor.observation import Breakdown, Environment, Observation, VerifyResult
 
 __all__ = ["Finding", "DoctorReport", "render_report"]
 
@@ -58,12 +62,12 @@ class DoctorReport:
     script: str
     status: str  # stopped | finished | exited | raised | timeout | interrupted | killed
     traceback: str | None
-    env: dict
-    breakdown: dict
+    env: Environment
+    breakdown: Breakdown
     findings: tuple[Finding, ...]
-    verify: dict = field(default_factory=dict)
+    verify: dict[str, VerifyResult] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
-    observation: dict = field(default_factory=dict, repr=False)
+    observation: Observation = field(default_factory=dict, repr=False)
     fix: dict = field(default_factory=dict)  # `--fix`: {"patches": [...], "end_to_end_speedup": ...}
 
     @property

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
+from torchspeed.doctor.observation import CpuContention, Observation, VerifyResult
 from torchspeed.env import detect
 from torchspeed.model.conv_bias import remove_conv_bias
 from torchspeed.env import sync
@@ -150,7 +151,7 @@ class _LoaderStep:
         self.loader = None
 
 
-def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25) -> dict:
+def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25) -> VerifyResult:
     for _ in range(2):  # warm-up: allocator, oneDNN primitives, worker start-up
         base()
         cand()
@@ -182,7 +183,7 @@ def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25) -> d
             "rounds": rounds, "steps_per_round": k}
 
 
-def applicable_fixes(cap, obs: dict) -> list[str]:
+def applicable_fixes(cap, obs: Observation) -> list[str]:
     """Fixes that change something for this script (the ones the script does not use yet)."""
     m = obs.get("model", {})
     out = []
@@ -236,7 +237,7 @@ def tuned_workers(cap, loader) -> tuple[int, str]:
     return s.num_workers, s.reason
 
 
-def _verify_workers(cap, fix: str, device, rounds: int, entry: dict) -> None:
+def _verify_workers(cap, fix: str, device, rounds: int, entry: VerifyResult) -> None:
     loaders = _map_style(cap.loaders)
     if fix == "pin_memory":
         loader = next(ld for ld in loaders if not ld.pin_memory)
@@ -281,7 +282,7 @@ def time_model_alone(cap, *, reps: int = 7) -> list[float] | None:
     return times
 
 
-def measure_contention(cap, obs: dict) -> None:
+def measure_contention(cap, obs: Observation) -> None:
     """`obs["cpu"]`: workers, threads and cores, and, when workers + threads exceed the cores, the model's
     step alone: timed once the script's workers have filled their queue and gone idle (`_contention`),
     with how busy they still were while it ran."""
@@ -290,13 +291,13 @@ def measure_contention(cap, obs: dict) -> None:
     workers = max((ld["num_workers"] for ld in obs.get("loaders") or []), default=0)
     threads, cores = int(obs.get("threads", 1)), int(obs.get("cpu_cores", 1))
     b = obs.get("breakdown") or {}
-    c = {"workers": workers, "threads": threads, "cores": cores,
-         "compute_ms_in_script": b.get("compute_ms", 0.0), "compute_ms_alone": None,
-         "compute_ms_in_script_iqr": list(b.get("compute_ms_iqr") or [b.get("compute_ms", 0.0)] * 2),
-         "compute_ms_alone_iqr": None, "workers_busy_during_alone": None,
-         # the CPU work one batch costs in a worker (`dataset[i]` x batch size, timed after the run)
-         "worker_ms_per_batch": round(max((d["getitem_ms"] * (d.get("batch_size") or 1)
-                                           for d in obs.get("datasets") or []), default=0.0), 3)}
+    c: CpuContention = {"workers": workers, "threads": threads, "cores": cores,
+                        "compute_ms_in_script": b.get("compute_ms", 0.0), "compute_ms_alone": None,
+                        "compute_ms_in_script_iqr": list(b.get("compute_ms_iqr") or [b.get("compute_ms", 0.0)] * 2),
+                        "compute_ms_alone_iqr": None, "workers_busy_during_alone": None,
+                        # the CPU work one batch costs in a worker (`dataset[i]` x batch size, timed after the run)
+                        "worker_ms_per_batch": round(max((d["getitem_ms"] * (d.get("batch_size") or 1)
+                                                          for d in obs.get("datasets") or []), default=0.0), 3)}
     model_on_cpu = cap.model is not None and next(cap.model.parameters()).device.type == "cpu"
     if workers and workers + threads > cores and model_on_cpu:
         wait_children_idle()
@@ -311,7 +312,7 @@ def measure_contention(cap, obs: dict) -> None:
     obs["cpu"] = c
 
 
-def verify_fixes(cap, obs: dict, *, fixes=None, rounds: int = 5) -> dict:
+def verify_fixes(cap, obs: Observation, *, fixes=None, rounds: int = 5) -> dict[str, VerifyResult]:
     """Measure each applicable fix (or the ones named in `fixes`); return {fix: result}."""
     from torchspeed.doctor.registry import fix_rules
 
@@ -319,7 +320,7 @@ def verify_fixes(cap, obs: dict, *, fixes=None, rounds: int = 5) -> dict:
     wanted = applicable_fixes(cap, obs)
     if fixes is not None:
         wanted = [f for f in wanted if f in set(fixes)]
-    results: dict = {}
+    results: dict[str, VerifyResult] = {}
     if cap.model is None or cap.args is None:
         obs["notes"].append("verify skipped: no model forward with a captured batch")
         return results
@@ -327,7 +328,7 @@ def verify_fixes(cap, obs: dict, *, fixes=None, rounds: int = 5) -> dict:
     sp_default = cap.set_to_none
     for fix in wanted:
         t0 = time.perf_counter()
-        entry: dict = {"fix": fix, "rule": (proves.get(fix) or (None,))[0]}
+        entry: VerifyResult = {"fix": fix, "rule": (proves.get(fix) or (None,))[0]}
         try:
             if fix in ("workers", "pin_memory"):
                 _verify_workers(cap, fix, device, rounds, entry)

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.report import Finding
 
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import EnvFixResult, LoaderInfo, Observation, VerifyResult
 
-def on_cuda(obs: dict) -> bool:
+
+def on_cuda(obs: Observation) -> bool:
     return str(obs.get("model", {}).get("device", "cpu")).startswith("cuda")
 
 
-def step_ms(obs: dict) -> float:
+def step_ms(obs: Observation) -> float:
     return float(obs.get("breakdown", {}).get("step_ms", 0.0))
 
 
-def frac(obs: dict, key: str) -> float:
+def frac(obs: Observation, key: str) -> float:
     return float(obs.get("breakdown", {}).get("fractions", {}).get(key, 0.0))
 
 
-def robust_frac(obs: dict, key: str) -> float:
+def robust_frac(obs: Observation, key: str) -> float:
     """The smaller of the trimmed-mean share and the median step's share (`_summary`): robust to a few slow steps."""
     med = obs.get("breakdown", {}).get("fractions_median", {})
     mkey = {"data_wait": "data"}.get(key, key)
@@ -37,12 +42,12 @@ def saving_gain(step: float, saved_ms: float) -> float:
     return step / max(step - max(saved_ms, 0.0), 1e-9)
 
 
-def verified(obs: dict, fix: str) -> dict | None:
+def verified(obs: Observation, fix: str) -> VerifyResult | None:
     v = obs.get("verify", {}).get(fix)
     return v if v and "speedup" in v else None
 
 
-def measured_text(v: dict) -> str:
+def measured_text(v: VerifyResult) -> str:
     s = v["speedup"]
     word = "a slow-down" if s < 0.97 else ("no change" if s < 1.03 else "faster")
     if v.get("within_noise"):
@@ -52,18 +57,18 @@ def measured_text(v: dict) -> str:
             f"median of {v['rounds']} interleaved rounds)")
 
 
-def env_measured(obs: dict, fix: str) -> dict | None:
+def env_measured(obs: Observation, fix: str) -> EnvFixResult | None:
     """The environment re-run's measurement of `fix` (`_envfix`: the script re-run with the variable set)."""
     v = (obs.get("env_fixes") or {}).get(fix)
     return v if v and v.get("speedup") is not None else None
 
 
-def env_label(env) -> str:
+def env_label(env: dict[str, str]) -> str:
     """Environment variables as a shell prefix: "MALLOC_MMAP_THRESHOLD_=... OMP_WAIT_POLICY=PASSIVE"."""
     return " ".join(f"{k}={v}" for k, v in env.items())
 
 
-def env_text(v: dict) -> str:
+def env_text(v: EnvFixResult) -> str:
     lo, hi = v["iqr"]
     noise = f", within noise: {lo:.2f}-{hi:.2f}x" if v.get("within_noise") else ""
     ms = (f": {v['baseline_ms']:.2f} -> {v['candidate_ms']:.2f} ms per step"
@@ -73,12 +78,12 @@ def env_text(v: dict) -> str:
             f"{ms} (median of {v['rounds']} interleaved runs{noise})")
 
 
-def in_plan(obs: dict, fix: str | None) -> bool:
+def in_plan(obs: Observation, fix: str | None) -> bool:
     """`fix` is one of the switches fit's plan changes for this script (`_fit_plan`, --verify)."""
     return bool(fix) and fix in ((obs.get("fit_plan") or {}).get("fixes") or [])
 
 
-def plan_text(obs: dict, fix: str | None) -> str:
+def plan_text(obs: Observation, fix: str | None) -> str:
     if not in_plan(obs, fix):
         return ""
     p = obs["fit_plan"]
@@ -86,9 +91,9 @@ def plan_text(obs: dict, fix: str | None) -> str:
             f"{p['speedup']:.2f}x per step, median of {len(p['ratios'])} interleaved rounds)")
 
 
-def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: dict, verify_fix: str | None = None,
-            severity: str | None = None, basis: str = "estimated", patch: str | None = None,
-            patch_args: dict | None = None, env_fix: str | None = None) -> Finding:
+def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: Observation,
+            verify_fix: str | None = None, severity: str | None = None, basis: str = "estimated",
+            patch: str | None = None, patch_args: dict | None = None, env_fix: str | None = None) -> Finding:
     """A finding; its severity is decided by the registry (`registry.settle`) from what the gain rests on.
 
     `basis` is "timed" when `est_gain` comes from time the fix removes, timed directly on the script,
@@ -112,11 +117,11 @@ def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: 
                    patch=patch, patch_args=patch_args, basis=basis, interval=interval)
 
 
-def device_type(obs: dict) -> str:
+def device_type(obs: Observation) -> str:
     return "cuda" if on_cuda(obs) else "cpu"
 
 
-def loader_summary(obs: dict) -> dict | None:
+def loader_summary(obs: Observation) -> LoaderInfo | None:
     loaders = obs.get("loaders") or []
     return loaders[0] if loaders else None
 
@@ -128,6 +133,6 @@ def in_memory_fix() -> str:
             "Y[idx]` (no per-sample __getitem__, no collate); workers would only add inter-process copies (T10, T06)")
 
 
-def workers_verdict(obs: dict) -> dict | None:
+def workers_verdict(obs: Observation) -> VerifyResult | None:
     """--verify's worker measurement (the tuner's choice against the script's setting), when it ran."""
     return verified(obs, "workers")

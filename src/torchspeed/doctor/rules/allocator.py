@@ -8,15 +8,22 @@ measures the glibc settings by re-running a few steps of the script with them (`
 and the finding is ranked on that measurement.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, on_cuda, saving_gain, step_ms
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
 FAULTS = 1000       # minor page faults per step worth reporting
 US_PER_FAULT = 0.7  # a fault plus zeroing a 4 KiB page, in microseconds
 
 
 @register("allocator", priority=95, techniques=("T44",), summary="glibc malloc with page-fault churn every step")
-def check(obs: dict):
+def check(obs: Observation):
     env = obs.get("env") or {}
     faults = (obs.get("breakdown") or {}).get("minor_faults_per_step", 0.0)
     if on_cuda(obs) or env.get("allocator") != "glibc" or faults < FAULTS:

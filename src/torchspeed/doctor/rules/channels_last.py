@@ -1,11 +1,18 @@
 """`channels-last`: a conv net in NCHW layout (T23)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda
 
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
+
 
 @register("channels-last", priority=80, techniques=("T23",), summary="2D convolutions on NCHW tensors", fix="channels_last")
-def check(obs: dict):
+def check(obs: Observation):
     m = obs.get("model", {})
     if not m.get("has_conv2d") or m.get("channels_last_weights"):
         return None

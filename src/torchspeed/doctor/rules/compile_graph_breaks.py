@@ -4,17 +4,24 @@ Dynamo's own graph-break and recompile records are collected while the script ru
 each with the user's file and line and the reason, so the fix can name the line.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding
 
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import CompileEvent, Observation
 
-def _fmt(events: list[dict], n: int = 3) -> str:
+
+def _fmt(events: list[CompileEvent], n: int = 3) -> str:
     return "; ".join(f"{e['site']} ({e['count']}x): {e['reason']}" for e in events[:n])
 
 
 @register("compile-graph-breaks", priority=87, techniques=("T25",),
           summary="torch.compile graph breaks and recompiles in the script")
-def check(obs: dict):
+def check(obs: Observation):
     c = obs.get("compile") or {}
     breaks, recompiles = c.get("graph_breaks") or [], c.get("recompiles") or []
     if not breaks and not recompiles:

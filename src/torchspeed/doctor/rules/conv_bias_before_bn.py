@@ -1,13 +1,20 @@
 """`conv-bias-before-bn`: a conv bias that the following BatchNorm cancels (T27)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
 EST = 1.02  # one broadcast add and one optimizer update per conv; --verify measures it
 
 
 @register("conv-bias-before-bn", priority=120, techniques=("T27",), summary="Conv(bias=True) directly followed by BatchNorm", fix="conv_bias")
-def check(obs: dict):
+def check(obs: Observation):
     pairs = obs.get("model", {}).get("conv_bias_before_bn") or []
     if not pairs:
         return None

@@ -6,8 +6,15 @@ keeping the model, optimizer and loss in fp32; or the whole forward can run unde
 share of matrix-product time comes from the profiler (`_kernels`); `--verify` measures it.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
 SHARE = 0.30   # matmul/conv share of the kernel time worth reporting
 BF16 = 1.8     # typical bf16 / fp32 matmul throughput ratio on AVX512-BF16 (more with AMX)
@@ -16,7 +23,7 @@ BF16 = 1.8     # typical bf16 / fp32 matmul throughput ratio on AVX512-BF16 (mor
 @register("cpu-bf16-math", priority=75, techniques=("T21",),
           summary="fp32 matmuls/convolutions on a CPU with native bf16", fix="bf16_math",
           cause="fp32-math")
-def check(obs: dict):
+def check(obs: Observation):
     env = obs.get("env") or {}
     m, k, math = obs.get("model") or {}, obs.get("kernels") or {}, obs.get("math") or {}
     if on_cuda(obs) or not env.get("bf16_supported") or m.get("autocast"):

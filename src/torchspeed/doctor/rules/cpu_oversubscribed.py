@@ -18,17 +18,23 @@ Without `--verify`, the plain run measures the thread count the fix names (OMP_N
 workers) by re-running a few steps of the script with it (`_envfix`, "threads").
 """
 
+from __future__ import annotations
+
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import env_measured, finding, saving_gain, step_ms
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import CpuContention, Observation
 
 RATIO = 1.15  # compute in the script / compute alone worth reporting (on the low end of the spreads)
 EXPLAINS = 0.25  # the workers' CPU work per step must be at least this share of the compute time lost
 BUSY = 0.25  # workers using more than this share of a core while the model was timed alone: not alone
 
 
-def slow_down(c: dict) -> dict | None:
+def slow_down(c: CpuContention) -> dict | None:
     """The timed slow-down, or None: {"ratio": (low, median), "lost_ms": (low, median, high)}.
 
     Low end: the script's first quartile against the third quartile alone; high end the other way round."""
@@ -44,7 +50,7 @@ def slow_down(c: dict) -> dict | None:
 @register("cpu-oversubscribed", priority=15, techniques=("T45", "T06"),
           summary="workers + intra-op threads exceed the cores and slow the model's compute", fix="workers",
           cause="cpu-contention")
-def check(obs: dict):
+def check(obs: Observation):
     c = obs.get("cpu") or {}
     workers, threads, cores = c.get("workers", 0), c.get("threads", 1), c.get("cores", 1)
     if workers == 0 or workers + threads <= cores:

@@ -1,11 +1,18 @@
 """`cudnn-benchmark`: cuDNN picks convolution algorithms by heuristic, not by timing (T22)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda
 
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
+
 
 @register("cudnn-benchmark", priority=90, techniques=("T22",), summary="torch.backends.cudnn.benchmark is off for a conv net")
-def check(obs: dict):
+def check(obs: Observation):
     m = obs.get("model", {})
     if not on_cuda(obs) or not m.get("has_conv2d") or obs.get("cudnn_benchmark"):
         return None

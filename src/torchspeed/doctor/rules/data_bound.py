@@ -8,14 +8,21 @@ For a loop that loads in the main process the plain run re-runs the script with 
 (`_envfix`, "workers") and the finding ranks on that measurement.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import (finding, frac, in_memory_fix, loader_summary, robust_frac, step_ms,
                                              workers_verdict)
 
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
+
 THRESHOLD = 0.10  # share of the step spent waiting for the next batch
 
 
-def overlap_gain(obs: dict) -> float:
+def overlap_gain(obs: Observation) -> float:
     """Gain when loading overlaps compute in workers (cores - 1 of them, at least one)."""
     step = step_ms(obs)
     data = obs["breakdown"]["data_wait_ms"]
@@ -30,7 +37,7 @@ def overlap_gain(obs: dict) -> float:
 
 @register("data-bound", priority=10, techniques=("T02", "T03"), summary="the training step waits for the input pipeline",
           fix="workers")
-def check(obs: dict):
+def check(obs: Observation):
     f = robust_frac(obs, "data_wait")
     if f < THRESHOLD:
         return None

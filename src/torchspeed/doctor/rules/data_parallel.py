@@ -1,11 +1,18 @@
 """`data-parallel`: `nn.DataParallel` (one process, GIL-bound, scatters every step) (T31)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, on_cuda
 
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
+
 
 @register("data-parallel", priority=130, techniques=("T31",), summary="nn.DataParallel instead of DistributedDataParallel")
-def check(obs: dict):
+def check(obs: Observation):
     if not obs.get("model", {}).get("data_parallel"):
         return None
     gpus = int(obs.get("cuda_devices", 0) or 0)

@@ -6,16 +6,23 @@ it on this machine's cores. Not for a TensorDataset: its rows are already in mem
 batches (`data-bound` says so), never workers.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, frac, verified
 from torchspeed.doctor.rules.data_bound import overlap_gain
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
 THRESHOLD = 0.05
 
 
 @register("dataloader-workers", priority=20, techniques=("T06", "T08"),
           summary="DataLoader(num_workers=0) with a visible data wait", fix="workers")
-def check(obs: dict):
+def check(obs: Observation):
     loaders = [ld for ld in obs.get("loaders", []) if ld["num_workers"] == 0 and ld.get("map_style", True)
                and not ld.get("in_memory")]
     if not loaders:

@@ -5,8 +5,15 @@ NaN; the profiler records every operator; deterministic algorithms swap fast ker
 reproducible ones (on CUDA mostly). All are debugging switches, read from the running script.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, on_cuda
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
 # Typical cost of each switch on a training step; the report says these are estimates.
 EST = {"anomaly_detection": 1.3, "profiler": 1.15, "deterministic": 1.0}
@@ -18,7 +25,7 @@ FIX = {"anomaly_detection": "remove torch.autograd.set_detect_anomaly(True) / de
 
 
 @register("debug-mode-on", priority=5, techniques=("T02",), summary="debugging switches left on in a training run")
-def check(obs: dict):
+def check(obs: Observation):
     d = obs.get("debug") or {}
     on = [k for k in ("anomaly_detection", "profiler", "deterministic") if d.get(k)]
     if not on:

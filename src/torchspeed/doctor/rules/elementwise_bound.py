@@ -5,8 +5,15 @@ tensor: a chain of them is bound by memory, not arithmetic. `torch.compile` fuse
 one pass. The share comes from the profiler (`_kernels`); `--verify` measures compile on the model.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
 SHARE = 0.50     # element-wise share of the aten time worth reporting
 FUSED = 2.0      # assumed speed-up of the element-wise part once fused (several passes become one)
@@ -14,7 +21,7 @@ FUSED = 2.0      # assumed speed-up of the element-wise part once fused (several
 
 @register("elementwise-bound", priority=85, techniques=("T25",),
           summary="element-wise kernels take a large share of forward/backward time", fix="compile")
-def check(obs: dict):
+def check(obs: Observation):
     k = obs.get("kernels") or {}
     m = obs.get("model") or {}
     share = k.get("elementwise_share", 0.0)

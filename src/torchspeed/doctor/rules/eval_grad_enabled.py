@@ -1,13 +1,20 @@
 """`eval-grad-enabled`: evaluation builds an autograd graph nobody uses (T28)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, step_ms
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
 SAVED = 0.3  # share of a grad-enabled forward that no_grad/inference_mode saves (graph + kept activations)
 
 
 @register("eval-grad-enabled", priority=110, techniques=("T28",), summary="model.eval() forward passes with gradients enabled")
-def check(obs: dict):
+def check(obs: Observation):
     e = obs.get("eval", {})
     if not e.get("grad_calls"):
         return None

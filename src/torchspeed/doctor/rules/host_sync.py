@@ -5,14 +5,21 @@ run ahead; on a CPU the same call costs microseconds. Severity follows that: low
 unless the calls themselves are measurably slow, medium/high on CUDA.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, on_cuda, saving_gain, step_ms
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
 PER_STEP = 0.5  # calls per optimizer step worth reporting
 
 
 @register("host-sync", priority=60, techniques=("T13",), summary="host-device synchronisation in every step")
-def check(obs: dict):
+def check(obs: Observation):
     s = obs.get("syncs", {})
     if s.get("calls_per_step", 0.0) < PER_STEP:
         return None

@@ -1,11 +1,18 @@
 """`input-not-normalized`: inputs far from zero mean / unit variance (T30)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding
 
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
+
 
 @register("input-not-normalized", priority=180, techniques=("T30",), summary="model inputs are not normalized")
-def check(obs: dict):
+def check(obs: Observation):
     x = obs.get("model", {}).get("input")
     if not x:
         return None

@@ -1,14 +1,21 @@
 """`model-design`: grouped / depthwise convolutions that cost far more time than their FLOPs (T36)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
 TIME_SHARE = 0.10   # of the forward time
 INEFFICIENCY = 1.5  # time share / FLOPs share: how much worse per FLOP than the rest of the model
 
 
 @register("model-design", priority=170, techniques=("T36",), summary="memory-bound grouped/depthwise convolutions")
-def check(obs: dict):
+def check(obs: Observation):
     d = obs.get("model", {}).get("design") or {}
     if not d.get("grouped_convs"):
         return None

@@ -5,11 +5,18 @@ Cores and on CPUs with AVX512-BF16/AMX; on other CPUs bf16 is emulated and slowe
 advice there is to stay in fp32. `--verify` measures it on the script's model.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda, verified
 
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
-def precision_speedup(obs: dict) -> float:
+
+def precision_speedup(obs: Observation) -> float:
     env = obs.get("env", {})
     if on_cuda(obs):
         cc = env.get("compute_capability") or (0, 0)
@@ -19,7 +26,7 @@ def precision_speedup(obs: dict) -> float:
 
 @register("no-amp", priority=70, techniques=("T21",), summary="no autocast (mixed precision)", fix="autocast",
           cause="fp32-math")
-def check(obs: dict):
+def check(obs: Observation):
     m = obs.get("model", {})
     if not m.get("found") or m.get("autocast", True):
         return None

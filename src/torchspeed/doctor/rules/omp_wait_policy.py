@@ -9,13 +9,20 @@ original (`_envfix`, "omp_passive"), and the finding appears only when that meas
 beyond the noise of its rounds.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import env_measured, finding
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
 
 @register("omp-wait-policy", priority=16, techniques=("T45",),
           summary="OpenMP threads spin-wait on cores the DataLoader workers need", cause="cpu-contention")
-def check(obs: dict):
+def check(obs: Observation):
     v = env_measured(obs, "omp_passive")
     if v is None or v["speedup"] <= 1.0 or v.get("within_noise"):
         return None

@@ -9,8 +9,15 @@ against the script's own, interleaved) and by `--fix` (the script run with `fuse
 (`_fit_plan`) chooses the fused kernel, the finding appears whatever the share.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, in_plan, step_ms
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
 SHARE = 0.03   # optimizer share of the step worth reporting without a measurement
 FUSED = 1.5    # assumed speed-up of the optimizer step once fused (an estimate: --verify measures it)
@@ -18,7 +25,7 @@ FUSED = 1.5    # assumed speed-up of the optimizer step once fused (an estimate:
 
 @register("optimizer-kernel", priority=65, techniques=("T51",),
           summary="optimizer stepped without torch's fused kernel for this device", fix="fused_optimizer")
-def check(obs: dict):
+def check(obs: Observation):
     o = obs.get("optimizer") or {}
     if not o.get("fused_available") or o.get("fused"):
         return None

@@ -1,11 +1,18 @@
 """`pin-memory`: host-to-device copies from pageable memory cannot overlap compute (T07)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, on_cuda, saving_gain, step_ms
 
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
+
 
 @register("pin-memory", priority=30, techniques=("T07", "T12"), summary="CUDA copies from unpinned DataLoader batches", fix="pin_memory")
-def check(obs: dict):
+def check(obs: Observation):
     if not on_cuda(obs):
         return None  # pinned memory only matters for copies to an accelerator
     loaders = [ld for ld in obs.get("loaders", []) if not ld["pin_memory"]]

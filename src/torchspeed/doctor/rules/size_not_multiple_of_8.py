@@ -2,12 +2,19 @@
 idle (T24). The sizes come from `_model_checks.examine_model`: Linear/Conv widths between layers, and the last
 Linear's out_features when it is an LM head (as wide as an nn.Embedding's vocabulary)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda
 
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
+
 
 @register("size-not-multiple-of-8", priority=140, techniques=("T24",), summary="channel/feature sizes or batch not multiples of 8")
-def check(obs: dict):
+def check(obs: Observation):
     m = obs.get("model", {})
     odd = list(m.get("odd_sizes") or [])
     bs = m.get("batch_size")

@@ -1,13 +1,20 @@
 """`slow-jpeg-decode`: Pillow decodes the script's JPEGs; libjpeg-turbo bindings are faster (T04)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, saving_gain, step_ms
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
 SHARE = 0.25  # decode share of __getitem__ worth reporting
 
 
 @register("slow-jpeg-decode", priority=40, techniques=("T04",), summary="JPEG decoding with Pillow dominates __getitem__")
-def check(obs: dict):
+def check(obs: Observation):
     for ds in obs.get("datasets", []):
         if not any(k == "PIL JPEG" for k in ds.get("decoders", {})) or ds["decode_share"] < SHARE:
             continue

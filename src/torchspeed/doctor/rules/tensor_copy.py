@@ -5,15 +5,22 @@ which also sees the copies a Dataset makes inside DataLoader workers. A per-samp
 copied and usually converted again: storing the array as float32 once removes both.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, saving_gain, step_ms
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
 FIX = "torch.from_numpy(a) or torch.as_tensor(a) shares the array's memory instead of copying it (T11)"
 FLOAT64 = ("; the arrays are float64: convert the whole array once at load (a = a.astype(np.float32)), then "
            "torch.from_numpy(a[i]) per sample")
 
 
-def _from_datasets(obs: dict):
+def _from_datasets(obs: Observation):
     """(evidence, ms per step, float64) for copies a Dataset makes per item, scaled by the batch size."""
     for ds in obs.get("datasets") or []:
         c = ds.get("tensor_copies") or {}
@@ -30,7 +37,7 @@ def _from_datasets(obs: dict):
 
 
 @register("tensor-copy", priority=50, techniques=("T11", "T12"), summary="torch.tensor() called on numpy arrays")
-def check(obs: dict):
+def check(obs: Observation):
     c = obs.get("tensor_copies", {})
     step = step_ms(obs)
     if c.get("count"):

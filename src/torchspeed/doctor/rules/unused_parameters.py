@@ -1,13 +1,20 @@
 """`unused-parameters`: layers created but never used by forward (T37)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding
+
+if TYPE_CHECKING:
+    from torchspeed.doctor.observation import Observation
 
 MEDIUM_FRACTION = 0.2
 
 
 @register("unused-parameters", priority=150, techniques=("T37",), summary="parameters that never receive a gradient")
-def check(obs: dict):
+def check(obs: Observation):
     m = obs.get("model", {})
     unused = m.get("unused_params") or []
     never = m.get("never_called_modules") or []
