@@ -12,6 +12,7 @@ from torchspeed.plan.recipe import choose_recipe
 from torchspeed.plan.recipe_tta import TTA_COST, after_training, choose_tta, flip_scores
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import TrialCache
+from torchspeed.train.eval_view import eval_weights
 from torchspeed.train.evaluate import evaluate
 from torchspeed.train.trainer import Trainer
 
@@ -100,3 +101,27 @@ def test_a_users_own_tta_stands():
     trainer.config.tta = "flip"
     after_training(trainer, rec)  # whatever the check says, the user's setting is kept
     assert trainer.config.tta == "flip"
+
+
+def test_the_check_scores_the_weights_that_are_evaluated_schedule_free_averaged(monkeypatch):
+    pytest.importorskip("schedulefree")
+    trainer = Trainer(_net(), optimizer="schedulefree", lr=0.01, device="cpu",
+                      config=TrainConfig(progress=False, compile=False, precision="fp32", channels_last=False,
+                                         schedule=None, epochs=1))
+    trainer.fit(_loader())
+    seen = {}
+
+    def spy(model, batches, **kw):
+        seen["w"] = model[0].weight.detach().clone()
+        return {"plain": {"loss": 0.5, "acc": 0.8}, "flip": {"loss": 0.5, "acc": 0.8}}
+
+    monkeypatch.setattr(recipe_tta, "flip_scores", spy)
+    rec = choose_recipe(_net(), _loader(), parts=("tta",), progress=False)
+    training_weights = trainer.module[0].weight.detach().clone()
+    after_training(trainer, rec)
+    with eval_weights(trainer) as module:
+        averaged = module[0].weight.detach().clone()
+    # Schedule-Free's average differs from its iterate by far more than the eval()/train() round trip's rounding
+    assert (averaged - training_weights).abs().max() > 1e-3
+    torch.testing.assert_close(seen["w"], averaged, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(trainer.module[0].weight.detach(), training_weights, rtol=1e-5, atol=1e-6)

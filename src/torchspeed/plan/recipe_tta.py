@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchspeed.train.decision import Decision, TrialCache
+from torchspeed.train.eval_view import eval_weights
 
 __all__ = ["TTA_COST", "after_training", "choose_tta", "flip_scores", "is_image_batch"]
 
@@ -90,7 +91,7 @@ def choose_tta(model: nn.Module, batches: Sequence, *, device: torch.device | st
 
 
 def after_training(trainer, rec) -> Decision | None:
-    """The recipe's TTA part for a trained `Trainer` (the weights it evaluates: the EMA's when one is on).
+    """The recipe's TTA part for a trained `Trainer`, on the weights it evaluates (`train.eval_view.eval_weights`).
 
     Measured when the plan left it pending (then cached for the next run of this model), or read
     from the plan's decision (cached or prior); recorded in the trainer's decisions, and a chosen
@@ -104,9 +105,9 @@ def after_training(trainer, rec) -> Decision | None:
     if pending is None:
         dec = rec.decisions.get("tta") or Decision(None, "not decided")
     else:
-        module = trainer.callbacks.eval_module(trainer.module)
-        dec = decide_once(lambda: choose_tta(module, rec.probe, device=trainer.device, precision=trainer.precision,
-                                             channels_last=trainer.channels_last))
+        with eval_weights(trainer) as module:  # the weights evaluated and saved (EMA, Schedule-Free's average)
+            dec = decide_once(lambda: choose_tta(module, rec.probe, device=trainer.device,
+                                                 precision=trainer.precision, channels_last=trainer.channels_last))
         if pending.get("cache") is not None:
             cache = TrialCache(pending["cache"])
             entry = cache.get(pending["key"]) or {}

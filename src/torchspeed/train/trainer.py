@@ -43,6 +43,7 @@ from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_s
                                           unwrap_data_parallel)
 from torchspeed.train.dcp import ShardedCheckpoints, notify_checkpoint
 from torchspeed.train.evaluate import evaluate
+from torchspeed.train.eval_view import eval_weights
 from torchspeed.train.fsdp import check_optimizer, single_process_group, wrap_parallel
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
 from torchspeed.train.loggers import LoggerCallback
@@ -50,7 +51,7 @@ from torchspeed.train.memory_format import apply_channels_last
 from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
 from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
 from torchspeed.train.decision import Decision
-from torchspeed.train.bnstats import batchnorm_layers, recalibrate_bn
+from torchspeed.train.bnstats import batchnorm_layers
 from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, averaged_weights, create_optimizer, describe_optimizer,
                                     is_schedule_free, zero_grad)
 from torchspeed.train.precision import MixedPrecision, Precision
@@ -431,11 +432,7 @@ class Trainer(MeasuredSwitches):
         # The plain module: a DDP forward would issue collectives that uneven shards could leave waiting.
         if self.dist is not None and not self.sharded:  # FSDP2: every rank runs the whole set (collective forward)
             loader = shard_loader(loader, for_eval=True)
-        module = self.callbacks.eval_module(self.module)  # the EMA weights when an EMA callback is on
-        with averaged_weights(self.optimizer):  # Schedule-Free: its averaged weights (and their BN statistics)
-            if self._recent:
-                recalibrate_bn(module, list(self._recent), device=self.device, step_fn=self.step_fn,
-                               channels_last=self.channels_last)
+        with eval_weights(self) as module:  # the EMA's, or Schedule-Free's averaged weights with their BN statistics
             out = evaluate(module, loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
                            step_fn=self.step_fn, channels_last=self.channels_last, tta=self.config.tta,
                            tta_scales=self.config.tta_scales)

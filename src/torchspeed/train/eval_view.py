@@ -1,0 +1,29 @@
+"""The weights a trained model is judged by (T40, T14's Schedule-Free alternative): the EMA's when an EMA callback is
+on, a Schedule-Free optimizer's averaged weights, with BatchNorm statistics recomputed for them, otherwise the
+training weights. `Trainer.evaluate` and the recipe's after-training TTA check both look through `eval_weights`,
+so the check scores the model that is evaluated and saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from torch import nn
+
+from torchspeed.train.bnstats import recalibrate_bn
+from torchspeed.train.optim import averaged_weights
+
+__all__ = ["eval_weights"]
+
+
+@contextmanager
+def eval_weights(trainer) -> Iterator[nn.Module]:
+    """Inside the block: the module to evaluate (see the module docstring); the training weights again after."""
+    module = trainer.callbacks.eval_module(trainer.module)  # the EMA weights when an EMA callback is on
+    with averaged_weights(trainer.optimizer):  # Schedule-Free: its averaged weights (and their BN statistics)
+        recent = getattr(trainer, "_recent", None)
+        if recent:
+            recalibrate_bn(module, list(recent), device=trainer.device, step_fn=trainer.step_fn,
+                           channels_last=trainer.channels_last)
+        yield module
