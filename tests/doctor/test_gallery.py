@@ -9,6 +9,7 @@ import hashlib
 import os
 import re
 import textwrap
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,8 @@ import pytest
 from torchspeed.doctor import DoctorJob, diagnose_many
 from torchspeed.doctor.observation import undeclared_keys
 from torchspeed.doctor.registry import severity_for_gain
-from torchspeed.doctor.rules import (allocator, cpu_bf16_math, cpu_oversubscribed, data_bound, dataloader_workers,
-                                     elementwise_bound, optimizer_kernel)
-from torchspeed.doctor.rules._common import frac, robust_frac, saving_gain
-from torchspeed.doctor.rules.slow_jpeg_decode import SHARE as JPEG_SHARE
+from torchspeed.doctor.rules import data_bound
+from torchspeed.doctor.rules._common import robust_frac, saving_gain
 
 SCRIPTS = Path(__file__).parent / "scripts"
 GALLERY = sorted(p for p in SCRIPTS.glob("*.py") if not p.name.startswith("_"))
@@ -166,35 +165,16 @@ STYLES = {
 }
 
 
-# Rules whose verdict reads a time measurement (a share, a slow-down) that a loaded machine moves. On a
-# gallery script planted for one of them the rule may stay quiet only when its own measurement says so (its
-# threshold is tested with fixed numbers in test_rules.py); each entry checks that the measurement was made.
-def _jpeg_below(o):
-    pil = [d for d in o.get("datasets", []) if "PIL JPEG" in d.get("decoders", {})]
-    return bool(pil) and all(d["decode_share"] < JPEG_SHARE for d in pil)
-
-
-def _oversub_below(o):
-    c = o["cpu"]
-    if not (c["workers"] + c["threads"] > c["cores"] and c["compute_ms_alone"] is not None):
-        return False  # the contention was not measured: the rule had nothing to read
-    s = cpu_oversubscribed.slow_down(c)  # None: the workers were still busy while the model ran "alone"
-    return s is None or s["ratio"][0] < cpu_oversubscribed.RATIO or \
-        c["worker_ms_per_batch"] < cpu_oversubscribed.EXPLAINS * s["lost_ms"][1]
-
-
-MEASURED = {
-    "slow-jpeg-decode": _jpeg_below,
-    "cpu-oversubscribed": _oversub_below,
-    "elementwise-bound": lambda o: o["kernels"]["elementwise_share"] < elementwise_bound.SHARE,
-    "cpu-bf16-math": lambda o: not o["env"]["bf16_supported"] or o["kernels"]["matmul_share"] < cpu_bf16_math.SHARE,
-    "allocator": lambda o: o["env"]["allocator"] != "glibc"
-    or o["breakdown"]["minor_faults_per_step"] < allocator.FAULTS,
-    "data-bound": lambda o: robust_frac(o, "data_wait") < data_bound.THRESHOLD,
-    "dataloader-workers": lambda o: frac(o, "data_wait") < dataloader_workers.THRESHOLD,
-    "optimizer-kernel": lambda o: o["optimizer"]["fused_available"] and not o["optimizer"]["fused"] and
-    o["breakdown"]["compute_detail_ms"]["optimizer"] < optimizer_kernel.SHARE * o["breakdown"]["step_ms"],
+# Planted rules a machine may be unable to fire, whatever the script: decided from a capability the child
+# detected (TORCHSPEED_CPU_PROFILE injects the CPU's), never from the rule's own measurement. The measurements
+# the time-dependent rules read are checked on workloads with known costs in test_probe_known.py.
+CAPABLE = {
+    "cpu-bf16-math": lambda env: env["bf16_supported"],    # bf16 math pays only where the CPU runs bf16 natively
+    "allocator": lambda env: env["allocator"] == "glibc",  # tcmalloc, jemalloc or tuned glibc keep freed blocks
 }
+# The gallery runs on this many usable cores, whatever the machine has (the child inherits the affinity):
+# oversubscribed.py's 2 workers + 2 intra-op threads must exceed them.
+CORES = 2
 NEW_RULES = {"cpu-oversubscribed", "elementwise-bound", "compile-graph-breaks", "debug-mode-on", "cpu-bf16-math",
              "allocator"}
 
@@ -208,6 +188,20 @@ def _expect(path: Path) -> tuple[set[str], tuple[str, ...]]:
 
 def _digest(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@contextmanager
+def _usable_cores(n: int):
+    """This process (and the children it starts) may run on its first `n` cores only, until the block ends."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(sorted(saved)[:n]))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
 
 
 def _no_gain(job, candidates):
@@ -231,7 +225,8 @@ def reports(tmp_path_factory):
     os.environ["DOCTOR_TEST_CWD"] = os.getcwd()  # the child inherits it; cwd must stay the same
     # the environment re-runs (allocator settings, threads) are injected as no gain: no assertion rests
     # on this machine's clock (test_envfix checks how measured gains rank)
-    out = diagnose_many(jobs, quiet=True, threads=1, measure_env=_no_gain)
+    with _usable_cores(CORES):
+        out = diagnose_many(jobs, quiet=True, threads=1, measure_env=_no_gain)
     after = {SCRIPTS: _digest(SCRIPTS), style_dir: _digest(style_dir)}
     return {p.name: (r, _expect(p)[0]) for p, r in zip(paths, out)}, before, after
 
@@ -272,10 +267,7 @@ def test_script_gets_its_findings(reports, name):
     else:
         assert r.status == "stopped", (r.status, r.traceback, r.notes)
         missing = expect - set(found)
-        for rule in sorted(missing & set(MEASURED)):
-            # the rule stayed quiet: only right when its own measurement was below its threshold
-            assert MEASURED[rule](r.observation), (rule, r.observation.get("kernels"), r.observation.get("cpu"))
-            missing.discard(rule)
+        missing -= {rule for rule in missing if rule in CAPABLE and not CAPABLE[rule](r.observation["env"])}
         assert not missing, f"missing {missing}; found {found}; notes {r.notes}"
         for f in r.findings:
             assert f.severity in ("high", "medium", "low") and f.evidence and f.fix
@@ -347,11 +339,9 @@ def test_in_memory_tensor_dataset_is_told_to_index_whole_batches(reports):
     r, _ = reports[0]["tensor_dataset.py"]
     assert r.observation["loaders"][0]["in_memory"]  # seen as a TensorDataset
     assert "dataloader-workers" not in r.rules       # never told to add workers
-    # data-bound follows its measured share (a loaded machine can move it under the threshold); when it
-    # fires, its advice is batched indexing (tested with fixed numbers in test_evidence.py)
+    # per-sample indexing and collate of 256 rows take most of the step: data-bound, advising batched indexing
     fired = r.finding("data-bound")
-    assert (fired is not None) == (robust_frac(r.observation, "data_wait") >= data_bound.THRESHOLD)
-    assert fired is None or ("index whole batches" in fired.fix and fired.patch == "batched_index")
+    assert fired is not None and "index whole batches" in fired.fix and fired.patch == "batched_index"
 
 
 def test_graph_breaks_name_the_line_and_the_reason(reports):

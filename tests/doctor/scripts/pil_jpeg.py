@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
 
-def write_jpegs(folder, n=48, size=96):
+def write_jpegs(folder, n=48, size=256):
     rng = np.random.default_rng(0)
     base = np.linspace(0, 255, size * size * 3).reshape(size, size, 3)
     paths = []
