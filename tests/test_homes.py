@@ -261,10 +261,8 @@ def test_every_import_names_the_module_that_defines_it():
     assert misplaced_imports(sources, texts, packages) == [], "import each name from its home"
 
 
-# Re-exports still listed in `__all__` of doctor modules under rework: each goes with that rework (drop it
-# from `__all__`; nothing imports it from there), and this list shrinks to nothing.
-SHIMS_LEFT = {"torchspeed.doctor._envfix": ["env_label"], "torchspeed.doctor.fix": ["measure_variants"],
-              "torchspeed.doctor.registry": ["ESTIMATED"]}
+# Re-exports still listed in `__all__` (module -> names): none are left, and none may come back.
+SHIMS_LEFT: dict[str, list[str]] = {}
 
 
 def test_a_module_exports_only_what_it_defines():

@@ -48,7 +48,7 @@ class EnvInfo:
     device: str
     device_name: str
     device_memory_gib: float | None
-    compute_capability: tuple[int, int] | None
+    compute_capability: tuple[int, int] | None  # (major, minor): a list once through JSON
     cpu_model: str
     cpu_cores: int
     torch_threads: int
@@ -58,7 +58,7 @@ class EnvInfo:
     bf16_supported: bool
     fp16_supported: bool
     best_precision: str
-    allocator: str
+    allocator: str  # "glibc" | "glibc (tuned)" | "tcmalloc" | "jemalloc" | "unknown"
     tcmalloc_path: str | None
     compile_available: bool
     notes: tuple[str, ...] = field(default_factory=tuple)

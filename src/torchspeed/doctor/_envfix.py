@@ -35,16 +35,12 @@ from collections.abc import Callable, Mapping
 from torchspeed.doctor.observation import EnvFixResult, Observation
 from torchspeed.env import GLIBC_MALLOC_ENV
 
-__all__ = ["ENV_FIXES", "env_candidates", "patch_candidates", "measure_env_fixes", "summarize", "env_label",
-           "run_env_rounds"]
+__all__ = ["ENV_FIXES", "env_candidates", "patch_candidates", "measure_env_fixes", "summarize", "run_env_rounds"]
 
 # fix name -> the rule whose advice it measures
 ENV_FIXES = {"malloc": "allocator", "threads": "cpu-oversubscribed", "omp_passive": "omp-wait-policy",
              "workers": "dataloader-workers"}
 WAIT_SHARE = 0.05  # the data wait (share of the step) worth re-running the script with workers for
-
-
-from torchspeed.doctor.rules._common import env_label  # noqa: E402  (one home: the rules print it too)
 
 
 def env_candidates(obs: Observation, environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:

@@ -28,7 +28,7 @@ from torchspeed.doctor._patch_base import NotApplicable, PatchContext, apply_pat
 from torchspeed.doctor.diagnose import DoctorJob, diagnose_many, measure_variants
 from torchspeed.doctor.report import DoctorReport
 
-__all__ = ["FixError", "fix_script", "plan_patches", "unified_diff", "measure_variants"]
+__all__ = ["FixError", "fix_script", "plan_patches", "unified_diff"]
 
 
 class FixError(RuntimeError):

@@ -11,9 +11,12 @@ decoder, a kind of host read): `dict[str, ...]` of a TypedDict or a number.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import typing
 from typing import TypedDict
+
+from torchspeed.env import EnvInfo
 
 __all__ = ["Observation", "Environment", "Breakdown", "Fractions", "FractionsMedian", "ComputeDetail", "Syncs",
            "TensorCopies", "ZeroGrad", "EvalForwards", "Memory", "LoaderInfo", "DatasetTiming", "DatasetCopies",
@@ -22,31 +25,11 @@ __all__ = ["Observation", "Environment", "Breakdown", "Fractions", "FractionsMed
            "ThreadStage", "CompileStage", "AllocatorStage", "EnvFixResult", "undeclared_keys"]
 
 
-class Environment(TypedDict, total=False):
-    """`torchspeed.env.detect().to_dict()`: what this machine can accelerate (T01)."""
-    python: str
-    torch: str
-    torchvision: str | None
-    cuda_available: bool
-    cuda_version: str | None
-    cudnn_version: int | None
-    device: str
-    device_name: str
-    device_memory_gib: float | None
-    compute_capability: list[int] | None  # (major, minor): a tuple in the child, a list once through JSON
-    cpu_model: str
-    cpu_cores: int
-    torch_threads: int
-    avx512: bool
-    avx512_bf16: bool
-    amx: bool
-    bf16_supported: bool
-    fp16_supported: bool
-    best_precision: str
-    allocator: str               # "glibc" | "glibc (tuned)" | "tcmalloc" | "jemalloc" | "unknown"
-    tcmalloc_path: str | None
-    compile_available: bool
-    notes: list[str]
+# `obs["env"]` is `torchspeed.env.detect().to_dict()`: what this machine can accelerate (T01). Its keys are
+# EnvInfo's fields, read from the dataclass so the two cannot drift apart (a tuple there arrives as a list
+# once through JSON).
+_ENV_HINTS = typing.get_type_hints(EnvInfo)
+Environment = TypedDict("Environment", {f.name: _ENV_HINTS[f.name] for f in dataclasses.fields(EnvInfo)}, total=False)
 
 
 class Fractions(TypedDict, total=False):

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # type-only: the registry and the rules import no more at run
     from torchspeed.doctor.observation import Observation
 
 __all__ = ["Rule", "RULES", "RuleError", "register", "load_rules", "rule_ids", "fix_rules", "run_rules", "severity_for_gain",
-           "settle", "merge_causes", "apply_fix_measurements", "with_fix", "HIGH_GAIN", "MEDIUM_GAIN", "ESTIMATED"]
+           "settle", "merge_causes", "apply_fix_measurements", "with_fix", "HIGH_GAIN", "MEDIUM_GAIN"]
 
 HIGH_GAIN, MEDIUM_GAIN = 1.25, 1.05
 _SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2}
