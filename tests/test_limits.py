@@ -13,8 +13,6 @@ FUNCTION_LINES = 80
 
 # "path" (modules) or "path:Qualified.name" (functions) -> why it is still over
 ALLOWED = {
-    "bench/runner.py:run_bench": "the throughput bench's one sequence (build, warm up, rounds, rows); to split with "
-                                 "the bench's progress home",
     "cli/train.py:run": "argument checks then one fit call; to split into checks and the call",
     "cli/tune.py:run": "argument checks then the tuners in turn; to split into checks and each tuner",
     "data/pipeline.py:build_loaders": "one set-up of the two loaders from a folder; to split per split",
