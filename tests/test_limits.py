@@ -13,17 +13,10 @@ FUNCTION_LINES = 80
 
 # "path" (modules) or "path:Qualified.name" (functions) -> why it is still over
 ALLOWED = {
-    "bench/runner.py:run_bench": "the throughput bench's one sequence (build, warm up, rounds, rows); to split with "
-                                 "the bench's progress home",
-    "cli/train.py:run": "argument checks then one fit call; to split into checks and the call",
-    "cli/tune.py:run": "argument checks then the tuners in turn; to split into checks and each tuner",
-    "data/pipeline.py:build_loaders": "one set-up of the two loaders from a folder; to split per split",
     "doctor/_job.py:run_job": "the script's process: start, probe, stop, report; to split with typed observations",
     "doctor/_model_checks.py:examine_model": "one pass over the model's modules for every check; to split per check",
     "doctor/_probe.py:Probe._install": "every hook the probe installs, in one place; to split per hook family",
     "doctor/report.py:render_report": "the report's sections in order; to split per section",
-    "tune/auto.py:tune_for_fit": "the old fit tuners in order; moves into the plan",
-    "tune/loader.py:_Tuner._decide": "the worker search's decision; to split into sweep and confirmation",
 }
 
 

@@ -304,7 +304,7 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
 
     `data` None: the model's own kind of data (`text` for `gpt`, else `synthetic`).
     """
-    from torchspeed.bench.workloads import check_workload, default_data
+    from torchspeed.bench.workloads import BLOCK_SIZE, check_workload, default_data
 
     data = data or default_data(model)
     check_workload(model, data)
@@ -323,34 +323,8 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
     spec = {"model": model, "data": data, "batch_size": batch_size, "train_size": train_size, "lr": lr,
             "seed": seed, "device": str(dev), "image_size": image_size,
             "val_size": 1024 if image_size < 64 else 2 * batch_size, "hand": {"compile": compile}}
-
-
-    procs: list[ConfigProcess] = []
-    try:
-        with progress_bar(enabled=progress) as bar:
-            skipped = not_applicable(chosen, model, image_size=image_size)
-            procs = [ConfigProcess(c, spec) for c in chosen if c.name not in skipped]  # set-up: all at once
-            _measure(procs, bar, rounds=rounds, steps=steps, warmup=warmup)
-            task = bar.add_task("validation", total=len(procs))
-            rows = []
-            naive_times = procs[0].times
-            for p in procs:
-                bar.update(task, description=f"validation {p.cfg.name}")
-                fin = p.send({"op": "finish", "eval_batches": eval_batches})
-                rates = [steps * batch_size / t for t in p.times]
-                rows.append(BenchRow(p.cfg.name, statistics.median(rates),
-                                     statistics.median(paired_ratios(naive_times, p.times)),
-                                     fin["train_loss"], fin["val_acc"], rates,
-                                     fin["decisions"] | {"warmup_steps": p.warmup_steps}))
-                bar.advance(task)
-            rows += [BenchRow(name, None, None, None, None, decisions={"not_applicable": why})
-                     for name, why in skipped.items()]
-            order = [c.name for c in chosen]
-            rows.sort(key=lambda r: order.index(r.config))
-            times = {p.cfg.name: p.times for p in procs}
-    finally:
-        for p in procs:
-            p.close()
+    rows, times = _run_configs(chosen, spec, rounds=rounds, steps=steps, warmup=warmup, eval_batches=eval_batches,
+                               progress=progress)
     info = detect()
     flops = _flops_per_sample(model, image_size)
     if dev.type == "cuda" and flops:
@@ -373,10 +347,41 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
         meta["all_over_hand_interval"] = compare_ratios(meta["all_over_hand_runs"])
         meta["all_over_hand"] = meta["all_over_hand_interval"]["median"]
         meta["all_over_hand_verdict"] = meta["all_over_hand_interval"]["verdict"]
-    shape = f"(bytes, {_block_size()} per sample)" if data == "text" else f"3x{image_size}x{image_size}"
+    shape = f"(bytes, {BLOCK_SIZE} per sample)" if data == "text" else f"3x{image_size}x{image_size}"
     return BenchResult(device=f"{info.device}: {info.device_name}", torch=torch.__version__,
                        workload=f"{model} on {data} {shape}, batch {batch_size}", rows=rows,
                        meta=meta)
+
+
+def _run_configs(chosen: list[BenchConfig], spec: dict, *, rounds: int, steps: int, warmup: int,
+                 eval_batches: int | None, progress: bool) -> tuple[list[BenchRow], dict[str, list[float]]]:
+    """(rows in `chosen`'s order, each config's round seconds): each config that can act on the model runs in its
+    own process, timed by `_measure`, then validated; the processes are closed whatever happens."""
+    procs: list[ConfigProcess] = []
+    try:
+        with progress_bar(enabled=progress) as bar:
+            skipped = not_applicable(chosen, spec["model"], image_size=spec["image_size"])
+            procs = [ConfigProcess(c, spec) for c in chosen if c.name not in skipped]  # set-up: all at once
+            _measure(procs, bar, rounds=rounds, steps=steps, warmup=warmup)
+            task = bar.add_task("validation", total=len(procs))
+            rows = []
+            for p in procs:
+                bar.update(task, description=f"validation {p.cfg.name}")
+                fin = p.send({"op": "finish", "eval_batches": eval_batches})
+                rates = [steps * spec["batch_size"] / t for t in p.times]
+                rows.append(BenchRow(p.cfg.name, statistics.median(rates),
+                                     statistics.median(paired_ratios(procs[0].times, p.times)),
+                                     fin["train_loss"], fin["val_acc"], rates,
+                                     fin["decisions"] | {"warmup_steps": p.warmup_steps}))
+                bar.advance(task)
+            rows += [BenchRow(name, None, None, None, None, decisions={"not_applicable": why})
+                     for name, why in skipped.items()]
+            order = [c.name for c in chosen]
+            rows.sort(key=lambda r: order.index(r.config))
+            return rows, {p.cfg.name: p.times for p in procs}
+    finally:
+        for p in procs:
+            p.close()
 
 
 def _measure(procs: list[ConfigProcess], bar, *, rounds: int, steps: int, warmup: int) -> None:
@@ -409,12 +414,6 @@ def _measure(procs: list[ConfigProcess], bar, *, rounds: int, steps: int, warmup
 def check_chance(data: str) -> float:
     """The chance level of a row's check_val_acc: a uniform guess over 10 classes, or 256 bytes for text."""
     return 1 / 256 if data == "text" else 1 / 10
-
-
-def _block_size() -> int:
-    from torchspeed.bench.workloads import BLOCK_SIZE
-
-    return BLOCK_SIZE
 
 
 def _flops_per_sample(model: str, image_size: int) -> float | None:

@@ -145,6 +145,8 @@ def _init_from(model, path: str) -> str:
 
 
 def run(args) -> int:
+    """Train on --data: the loaders and the model built, `torchspeed.fit` run, and (on rank 0 alone) model.pt,
+    run.json and the summary written."""
     _check_args(args)
     import torch
     from rich.console import Console
@@ -161,14 +163,7 @@ def run(args) -> int:
     rank0, world = is_rank_zero(), get_world_size()  # from torchrun's RANK/WORLD_SIZE (1 and rank 0 otherwise)
     console = Console(quiet=not rank0, soft_wrap=True)  # --no-progress drops the bars, never the summary
     device = default_device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError("--device cuda asked for, but no CUDA GPU is visible; use --device cpu")
-    if world > 1:
-        from torchspeed.data.packed import is_packed
-
-        if is_packed(args.data):  # its block-shuffle sampler has no distributed version (yet)
-            raise CLIError("a packed file cannot be split between processes yet: under `torchspeed launch` "
-                           "pass the ImageFolder it was packed from as --data")
+    _check_device(device, args.data, world)
     torch.manual_seed(args.seed)
     try:
         size_note = ""
@@ -187,24 +182,14 @@ def run(args) -> int:
     lr = _previous_lr(args.out) if args.resume and args.lr == "auto" else args.lr
     n_train = len(pipe.train.dataset) if pipe.train.dataset is not None else "?"
     n_val = len(pipe.val.dataset) if pipe.val is not None else 0
-    console.print(f"[bold]torchspeed train[/]: {args.model} on {args.data} ({len(pipe.classes)} classes, "
-                  f"{n_train} training / {n_val} validation images), {args.epochs} epoch(s), batch {args.batch_size}, "
-                  f"size {args.size}{size_note}, {device}{f' x {world} processes' if world > 1 else ''}; "
-                  f"{pipe.decisions['loader']}, random crop on the {pipe.decisions['augment']}"
-                  + (f"; weights from {init}" if init else ""))
+    console.print(_headline(args, pipe, n_train=n_train, n_val=n_val, device=device, world=world,
+                            size_note=size_note, init=init))
     warning = small_val_warning(n_val)
     if warning:
         console.print(f"[yellow]warning[/]: {warning}")
     os.makedirs(args.out, exist_ok=True)
-    compile_opt = {"auto": "auto", "on": True, "off": False}[args.compile]
     try:
-        result = torchspeed.fit(model, pipe.train, val_loader=pipe.val, epochs=args.epochs, lr=lr,
-                                optimizer=args.optimizer, weight_decay=args.weight_decay, momentum=args.momentum,
-                                betas=args.betas, device=device, precision=args.precision, compile=compile_opt,
-                                max_steps=args.max_steps, out_dir=args.out,
-                                checkpoint_dir=os.path.join(args.out, "checkpoints"),
-                                resume="auto" if args.resume else None, seed=args.seed,
-                                restore_best=False if args.no_restore_best else "auto", progress=not args.no_progress)
+        result = torchspeed.fit(model, pipe.train, val_loader=pipe.val, lr=lr, device=device, **_fit_options(args))
     except ImageDecodeError as e:
         raise CLIError(f"{e} (or run with --on-error skip)") from None
     except CheckpointError as e:
@@ -219,16 +204,58 @@ def run(args) -> int:
     _save_model(os.path.join(args.out, "model.pt"), model, args=args, classes=pipe.classes)
     peak = result.decisions.get("peak_lr")
     used_lr = float(peak.value if peak is not None else lr)
+    write_json(os.path.join(args.out, "run.json"), _run_info(args, result, pipe, lr=used_lr, bad=bad, world=world,
+                                                             n_train=n_train, n_val=n_val))
+    _print_summary(console, result, classes=pipe.classes, lr=used_lr, bad=bad, out=args.out)
+    return 0
+
+
+def _check_device(device, data: str, world: int) -> None:
+    """The device and the process count can train on `data`: a CUDA device asked for is visible, and a packed
+    file is not split between processes (its block-shuffle sampler has no distributed version yet)."""
+    import torch
+
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError("--device cuda asked for, but no CUDA GPU is visible; use --device cpu")
+    if world > 1:
+        from torchspeed.data.packed import is_packed
+
+        if is_packed(data):
+            raise CLIError("a packed file cannot be split between processes yet: under `torchspeed launch` "
+                           "pass the ImageFolder it was packed from as --data")
+
+
+def _headline(args, pipe, *, n_train, n_val: int, device, world: int, size_note: str, init: str | None) -> str:
+    """The line printed before training: model, data, split sizes, epochs, batch, size (and where it came from),
+    device and processes, what the pipeline decided (loader, where the random crop runs), the weights' origin."""
+    return (f"[bold]torchspeed train[/]: {args.model} on {args.data} ({len(pipe.classes)} classes, "
+            f"{n_train} training / {n_val} validation images), {args.epochs} epoch(s), batch {args.batch_size}, "
+            f"size {args.size}{size_note}, {device}{f' x {world} processes' if world > 1 else ''}; "
+            f"{pipe.decisions['loader']}, random crop on the {pipe.decisions['augment']}"
+            + (f"; weights from {init}" if init else ""))
+
+
+def _fit_options(args) -> dict:
+    """The flags as `torchspeed.fit`'s options (besides the model, loaders, LR and device): --compile on/off as
+    True/False, checkpoints under --out, --resume as resume="auto", the best epoch restored unless told not to."""
+    return dict(epochs=args.epochs, optimizer=args.optimizer, weight_decay=args.weight_decay,
+                momentum=args.momentum, betas=args.betas, precision=args.precision,
+                compile={"auto": "auto", "on": True, "off": False}[args.compile], max_steps=args.max_steps,
+                out_dir=args.out, checkpoint_dir=os.path.join(args.out, "checkpoints"),
+                resume="auto" if args.resume else None, seed=args.seed,
+                restore_best=False if args.no_restore_best else "auto", progress=not args.no_progress)
+
+
+def _run_info(args, result, pipe, *, lr: float, bad: list[str], world: int, n_train, n_val: int) -> dict:
+    """run.json: the settings used (the flags, the peak LR trained with), the classes, what the pipeline and fit
+    decided, the data's sizes and files (bad ones listed), the final metrics and the process count."""
     data = {"train_images": n_train, "val_images": n_val,
             "val_from": args.val or (f"{args.val_fraction:.0%} held out of --data" if n_val else "none"),
             **{f"{k}_files": str(ds.summary()) for k, ds in pipe.datasets.items()
                if k == "train" or args.val}}
-    run_info = {"args": vars(args) | {"func": None}, "lr": used_lr, "classes": pipe.classes,
-                "pipeline": pipe.decisions, "fit_decisions": result.decisions, "data": data, "bad_files": bad,
-                "final": result.final, "world_size": world}
-    write_json(os.path.join(args.out, "run.json"), run_info)
-    _print_summary(console, result, classes=pipe.classes, lr=used_lr, bad=bad, out=args.out)
-    return 0
+    return {"args": vars(args) | {"func": None}, "lr": lr, "classes": pipe.classes,
+            "pipeline": pipe.decisions, "fit_decisions": result.decisions, "data": data, "bad_files": bad,
+            "final": result.final, "world_size": world}
 
 
 def _print_summary(console, result, *, classes, lr, bad, out) -> None:

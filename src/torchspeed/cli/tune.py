@@ -15,11 +15,18 @@ largest batch it reports is 24, not 400 (`--min-steps 1` lifts the cap).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torchspeed._extras import require
 from torchspeed._io import write_json
 from torchspeed.cli.main import CLIError
 from torchspeed.env import default_device
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from torchspeed.tune import BatchSizeResult, LoaderSettings, LRFinderResult, NoiseScaleResult
 
 WHAT = ("batch", "lr", "loader", "noise", "all")
 BUILTIN = ("synthetic", "digits", "jpeg")
@@ -118,7 +125,8 @@ def _model(args, num_classes: int):
         raise CLIError(str(e)) from None
 
 
-def run(args) -> int:
+def _check_args(args) -> None:
+    """The numeric options' expected mistakes as one-line errors, before torch and the data load."""
     args.image_size = _image_size(args)
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be positive, got {args.batch_size}")
@@ -126,9 +134,13 @@ def run(args) -> int:
         raise CLIError(f"--min-steps must be at least 1, got {args.min_steps}")
     if args.max_batch < 8:
         raise CLIError(f"--max-batch must be at least 8, got {args.max_batch}")
+
+
+def run(args) -> int:
+    """Each tuner asked for, in turn, on one model and data set: its table printed, its result in tune.json."""
+    _check_args(args)
     import torch
     from rich.console import Console
-    from rich.table import Table
     from torch.utils.data import DataLoader
 
     from torchspeed.bench.runner import provenance
@@ -156,48 +168,18 @@ def run(args) -> int:
         cap = max(8, len(ds) // args.min_steps // 8 * 8)
         res = find_batch_size(model, ds, max_batch=min(args.max_batch, cap), memory_budget=budget,
                               rounds=2 if args.quick else 3)
-        limit = (f"an epoch of {len(ds)} samples keeps {args.min_steps}+ steps" if cap < args.max_batch
-                 and res.limited_by != "memory" else f"limited by {res.limited_by}")
-        t = Table(title=f"batch size: largest {res.largest} ({limit}), fastest {res.fastest}")
-        for col in ("batch", "fits", "samples/s", "memory", "note"):
-            t.add_column(col, justify="left" if col == "note" else "right")
-        for r in res.table:
-            t.add_row(str(r.batch_size), "yes" if r.fits else "no",
-                      "-" if r.samples_per_s is None else f"{r.samples_per_s:,.0f}",
-                      "-" if r.peak_bytes is None else f"{r.peak_bytes / 2 ** 20:,.1f} MiB", r.note)
-        console.print(t)
+        console.print(_batch_table(res, samples=len(ds), cap=cap, args=args))
         report["batch"] = res.to_dict()
 
     if args.what in ("lr", "all"):
         loader = DataLoader(ds, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
         res_lr = find_lr(model, loader, num_steps=60 if args.quick else 100, plot=out / "lr.png")
-        t = Table(title="learning rate (range test)")
-        t.add_column("rule")
-        t.add_column("lr", justify="right")
-        for name, v in (("suggestion", res_lr.suggestion), ("steepest (smoothed)", res_lr.steepest_lr),
-                        ("valley", res_lr.valley_lr), ("loss minimum", res_lr.min_loss_lr),
-                        ("bottom of the fall (90%)", res_lr.bottom_lr),
-                        ("one-cycle max_lr", res_lr.max_lr), ("one-cycle min_lr", res_lr.min_lr)):
-            t.add_row(name, f"{v:.3g}")
-        for lr, score in res_lr.trial:  # the measured fallback, when the curve could not be read
-            t.add_row(f"trial: mean loss {score:.4g}", f"{lr:.3g}")
-        console.print(t)
-        console.print(f"suggestion by: {res_lr.rule}" + ("; stopped when the loss diverged" if res_lr.diverged else ""))
-        console.print(f"confidence: {res_lr.confidence}" + (f" ({res_lr.warning})" if res_lr.warning else ""))
+        _print_lr(console, res_lr)
         report["lr"] = res_lr.to_dict()
 
     if args.what in ("loader", "all"):
         s = tune_loader(ds, batch_size=args.batch_size, model=model, device=device, batches=8 if args.quick else 16)
-        t = Table(title=f"DataLoader: num_workers={s.num_workers}, prefetch_factor={s.prefetch_factor}, "
-                        f"pin_memory={s.pin_memory}, persistent_workers={s.persistent_workers}")
-        for col in ("trial", "workers", "pin", "prefetch", "samples/s", "start-up s", "measured"):
-            t.add_column(col, justify="left" if col == "trial" else "right")
-        for r in s.table:
-            t.add_row(r.note or "-", str(r.num_workers), str(r.pin_memory), str(r.prefetch_factor or "-"),
-                      f"{r.samples_per_s:,.0f}", f"{r.startup_s:.2f}" if not r.end_to_end else "-",
-                      "load + step" if r.end_to_end else "loader",
-                      style="bold" if r.note.startswith("median") else None)
-        console.print(t)
+        console.print(_loader_table(s))
         console.print(s.reason)
         report["loader"] = s.to_dict()
 
@@ -206,14 +188,72 @@ def run(args) -> int:
 
         loader = DataLoader(ds, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
         ns = measure_noise_scale(model, loader, batches=4 if args.quick else 8)
-        crit = ns.critical_batch_size
-        console.print(f"[bold]gradient noise scale[/] B_simple ~{ns.noise_scale:,.0f} samples at the current weights "
-                      f"({ns.batches} batches of {ns.batch_size}, two halves each): critical batch size "
-                      f"{crit if crit else 'not measurable yet'}")
-        console.print(ns.suggestion)
-        report["noise"] = {"noise_scale": ns.noise_scale, "critical_batch_size": crit, "batches": ns.batches,
-                           "batch_size": ns.batch_size, "suggestion": ns.suggestion}
+        _print_noise(console, ns)
+        report["noise"] = {"noise_scale": ns.noise_scale, "critical_batch_size": ns.critical_batch_size,
+                           "batches": ns.batches, "batch_size": ns.batch_size, "suggestion": ns.suggestion}
 
     write_json(out / "tune.json", report)
     console.print(f"wrote {out / 'tune.json'}" + (f" and {out / 'lr.png'}" if "lr" in report else ""))
     return 0
+
+
+def _batch_table(res: BatchSizeResult, *, samples: int, cap: int, args) -> Table:
+    """The batch finder's table, titled with what limited the largest batch: the --min-steps cap (when it, not
+    memory, stopped the search) or the finder's own limit."""
+    from rich.table import Table
+
+    limit = (f"an epoch of {samples} samples keeps {args.min_steps}+ steps" if cap < args.max_batch
+             and res.limited_by != "memory" else f"limited by {res.limited_by}")
+    t = Table(title=f"batch size: largest {res.largest} ({limit}), fastest {res.fastest}")
+    for col in ("batch", "fits", "samples/s", "memory", "note"):
+        t.add_column(col, justify="left" if col == "note" else "right")
+    for r in res.table:
+        t.add_row(str(r.batch_size), "yes" if r.fits else "no",
+                  "-" if r.samples_per_s is None else f"{r.samples_per_s:,.0f}",
+                  "-" if r.peak_bytes is None else f"{r.peak_bytes / 2 ** 20:,.1f} MiB", r.note)
+    return t
+
+
+def _print_lr(console: Console, res_lr: LRFinderResult) -> None:
+    """The LR range test's table (every rule's LR, and the measured trials when the curve could not be read),
+    then the rule that made the suggestion and its confidence."""
+    from rich.table import Table
+
+    t = Table(title="learning rate (range test)")
+    t.add_column("rule")
+    t.add_column("lr", justify="right")
+    for name, v in (("suggestion", res_lr.suggestion), ("steepest (smoothed)", res_lr.steepest_lr),
+                    ("valley", res_lr.valley_lr), ("loss minimum", res_lr.min_loss_lr),
+                    ("bottom of the fall (90%)", res_lr.bottom_lr),
+                    ("one-cycle max_lr", res_lr.max_lr), ("one-cycle min_lr", res_lr.min_lr)):
+        t.add_row(name, f"{v:.3g}")
+    for lr, score in res_lr.trial:  # the measured fallback, when the curve could not be read
+        t.add_row(f"trial: mean loss {score:.4g}", f"{lr:.3g}")
+    console.print(t)
+    console.print(f"suggestion by: {res_lr.rule}" + ("; stopped when the loss diverged" if res_lr.diverged else ""))
+    console.print(f"confidence: {res_lr.confidence}" + (f" ({res_lr.warning})" if res_lr.warning else ""))
+
+
+def _loader_table(s: LoaderSettings) -> Table:
+    """The loader tuner's trials, titled with the settings it chose; its medians in bold."""
+    from rich.table import Table
+
+    t = Table(title=f"DataLoader: num_workers={s.num_workers}, prefetch_factor={s.prefetch_factor}, "
+                    f"pin_memory={s.pin_memory}, persistent_workers={s.persistent_workers}")
+    for col in ("trial", "workers", "pin", "prefetch", "samples/s", "start-up s", "measured"):
+        t.add_column(col, justify="left" if col == "trial" else "right")
+    for r in s.table:
+        t.add_row(r.note or "-", str(r.num_workers), str(r.pin_memory), str(r.prefetch_factor or "-"),
+                  f"{r.samples_per_s:,.0f}", f"{r.startup_s:.2f}" if not r.end_to_end else "-",
+                  "load + step" if r.end_to_end else "loader",
+                  style="bold" if r.note.startswith("median") else None)
+    return t
+
+
+def _print_noise(console: Console, ns: NoiseScaleResult) -> None:
+    """The gradient noise scale, the critical batch size it implies (when measurable), and its suggestion."""
+    crit = ns.critical_batch_size
+    console.print(f"[bold]gradient noise scale[/] B_simple ~{ns.noise_scale:,.0f} samples at the current weights "
+                  f"({ns.batches} batches of {ns.batch_size}, two halves each): critical batch size "
+                  f"{crit if crit else 'not measurable yet'}")
+    console.print(ns.suggestion)

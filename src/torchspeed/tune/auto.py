@@ -45,19 +45,8 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
                  progress: bool = True, optimizer_options: dict | None = None) -> tuple[Iterable, float, dict]:
     """Run the asked-for tuners; return (the loader to train on, the LR, decisions)."""
     from torchspeed.train.optim import create_optimizer
-    from torchspeed.tune.batch import find_batch_size
-    from torchspeed.tune.loader import tune_loader
-    from torchspeed.tune.lr import find_lr
 
-    if loader not in (None, "auto"):
-        raise ValueError(f"loader={loader!r}: use loader='auto' or leave it out")
-    if isinstance(batch_size, str) and batch_size != "auto":
-        raise ValueError(f"batch_size={batch_size!r}: use an int, 'auto' or leave it out")
-    if isinstance(lr, str) and lr != "auto":
-        raise ValueError(f"lr={lr!r}: use a number or 'auto'")
-    if (batch_size is not None or loader is not None) and not isinstance(train_loader, DataLoader):
-        raise TypeError("batch_size/loader tuning rebuilds the torch DataLoader from its dataset; "
-                        f"fit got a {type(train_loader).__name__}: pass a DataLoader or leave these options out")
+    _check_options(train_loader, batch_size=batch_size, lr=lr, loader=loader)
     # Under torchrun the process group must exist before the tuners run, so that rank 0's
     # measurement is broadcast (the Trainer's own call later finds it initialised).
     from torchspeed.train.distributed import maybe_init_distributed
@@ -76,33 +65,19 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
             return optimizer
         return create_optimizer(optimizer, model, lr=lr0, weight_decay=weight_decay, **(optimizer_options or {}))
 
+    measure = dict(loss_fn=loss_fn, step_fn=step_fn, precision=precision, progress=progress)
     old_batch = getattr(train_loader, "batch_size", None)
     new_batch = old_batch
     if batch_size == "auto":
-        dataset = train_loader.dataset  # type: ignore[union-attr]
-        if isinstance(dataset, IterableDataset):
-            raise ValueError("batch_size='auto' needs a map-style dataset (len and indexing); got an IterableDataset")
-        res = find_batch_size(model, dataset, loss_fn=loss_fn, step_fn=step_fn, optimizer=scratch_optimizer(1e-3), precision=precision,
-                              collate_fn=train_loader.collate_fn,  # type: ignore[union-attr]
-                              max_batch=max(8, min(1024, len(dataset) // 16 // 8 * 8)), progress=progress)
-        new_batch = res.fastest
-        decisions["batch_size"] = Decision(new_batch, f"fastest measured; largest that fits {res.largest}, limited by "
-                                                      f"{res.limited_by}", measured={"samples_per_s": [
-                                                          (t.batch_size, t.samples_per_s) for t in res.table
-                                                          if t.samples_per_s]})
+        new_batch, decisions["batch_size"] = _fastest_batch(model, train_loader, scratch_optimizer, **measure)
     elif isinstance(batch_size, int):
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         new_batch = batch_size
 
     if lr == "auto":
-        res_lr = find_lr(model, train_loader, loss_fn=loss_fn, step_fn=step_fn, optimizer=scratch_optimizer(1e-6),
-                         precision=precision, progress=progress)
-        lr_val = res_lr.max_lr if schedule == "onecycle" else res_lr.suggestion
-        decisions["lr_find"] = Decision(lr_val, f"{'one-cycle max' if schedule == 'onecycle' else 'suggestion'} of the "
-                                                f"range test{f' at batch {old_batch}' if old_batch else ''}; "
-                                                f"{res_lr.rule}; confidence {res_lr.confidence}"
-                                                f"{': ' + res_lr.warning if res_lr.warning else ''}")
+        lr_val, decisions["lr_find"] = _range_test_lr(model, train_loader, scratch_optimizer, schedule=schedule,
+                                                      old_batch=old_batch, **measure)
     else:
         lr_val = float(lr)
     if new_batch != old_batch and old_batch:
@@ -112,18 +87,82 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
         lr_val = scaled
     if lr == "auto" or new_batch != old_batch:
         decisions["peak_lr"] = Decision(lr_val, "the peak LR the run trains with")
-
-    if isinstance(optimizer, torch.optim.Optimizer) and (lr == "auto" or new_batch != old_batch):
-        base = optimizer.param_groups[0]["lr"] or 1.0  # the Trainer uses a given optimizer's own lr
-        for g in optimizer.param_groups:
-            g["lr"] = lr_val * (g["lr"] / base if optimizer.param_groups[0]["lr"] else 1.0)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            _set_peak_lr(optimizer, lr_val)
 
     settings: dict = {}
     if loader == "auto":
-        s = tune_loader(train_loader.dataset, batch_size=new_batch, model=model, loss_fn=loss_fn,  # type: ignore[union-attr]
-                        device=dev, collate_fn=train_loader.collate_fn, progress=progress)  # type: ignore[union-attr]
-        settings = s.kwargs()
-        decisions["loader"] = Decision(settings, s.reason)
+        settings, decisions["loader"] = _tuned_loader(model, train_loader, new_batch, loss_fn=loss_fn, device=dev,
+                                                      progress=progress)
     if new_batch != old_batch or settings:
         train_loader = rebuild_loader(train_loader, **({"batch_size": new_batch} if new_batch else {}), **settings)  # type: ignore[arg-type]
     return train_loader, lr_val, decisions
+
+
+def _check_options(train_loader: Iterable, *, batch_size: int | str | None, lr: float | str, loader: str | None) -> None:
+    """The tuning options' mistakes as errors before the process group or any tuner starts: only "auto" (or a
+    number) is a valid setting, and batch or loader tuning needs a torch DataLoader to rebuild."""
+    if loader not in (None, "auto"):
+        raise ValueError(f"loader={loader!r}: use loader='auto' or leave it out")
+    if isinstance(batch_size, str) and batch_size != "auto":
+        raise ValueError(f"batch_size={batch_size!r}: use an int, 'auto' or leave it out")
+    if isinstance(lr, str) and lr != "auto":
+        raise ValueError(f"lr={lr!r}: use a number or 'auto'")
+    if (batch_size is not None or loader is not None) and not isinstance(train_loader, DataLoader):
+        raise TypeError("batch_size/loader tuning rebuilds the torch DataLoader from its dataset; "
+                        f"fit got a {type(train_loader).__name__}: pass a DataLoader or leave these options out")
+
+
+def _fastest_batch(model: nn.Module, train_loader: DataLoader, make_optimizer: Callable[[float], torch.optim.Optimizer],
+                   *, loss_fn: Callable | None, step_fn: Callable | None, precision: str,
+                   progress: bool) -> tuple[int, Decision]:
+    """batch_size="auto" (T17): the fastest batch `find_batch_size` measures on the loader's dataset, searched up to
+    1/16 of it (an epoch keeps at least 16 steps) and at most 1024; the decision keeps the measured rates."""
+    from torchspeed.tune.batch import find_batch_size
+
+    dataset = train_loader.dataset
+    if isinstance(dataset, IterableDataset):
+        raise ValueError("batch_size='auto' needs a map-style dataset (len and indexing); got an IterableDataset")
+    res = find_batch_size(model, dataset, loss_fn=loss_fn, step_fn=step_fn, optimizer=make_optimizer(1e-3),
+                          precision=precision, collate_fn=train_loader.collate_fn,
+                          max_batch=max(8, min(1024, len(dataset) // 16 // 8 * 8)), progress=progress)  # type: ignore[arg-type]
+    return res.fastest, Decision(res.fastest, f"fastest measured; largest that fits {res.largest}, limited by "
+                                              f"{res.limited_by}", measured={"samples_per_s": [
+                                                  (t.batch_size, t.samples_per_s) for t in res.table
+                                                  if t.samples_per_s]})
+
+
+def _range_test_lr(model: nn.Module, train_loader: Iterable, make_optimizer: Callable[[float], torch.optim.Optimizer],
+                   *, schedule: str | None, old_batch: int | None, loss_fn: Callable | None, step_fn: Callable | None,
+                   precision: str, progress: bool) -> tuple[float, Decision]:
+    """lr="auto" (T15): `find_lr` on the user's loader at its own batch size; the one-cycle max LR when the schedule
+    is one-cycle, otherwise the suggestion, with the rule and confidence behind it."""
+    from torchspeed.tune.lr import find_lr
+
+    res_lr = find_lr(model, train_loader, loss_fn=loss_fn, step_fn=step_fn, optimizer=make_optimizer(1e-6),
+                     precision=precision, progress=progress)
+    lr_val = res_lr.max_lr if schedule == "onecycle" else res_lr.suggestion
+    return lr_val, Decision(lr_val, f"{'one-cycle max' if schedule == 'onecycle' else 'suggestion'} of the "
+                                    f"range test{f' at batch {old_batch}' if old_batch else ''}; "
+                                    f"{res_lr.rule}; confidence {res_lr.confidence}"
+                                    f"{': ' + res_lr.warning if res_lr.warning else ''}")
+
+
+def _set_peak_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """A given optimizer trains at the tuned peak LR (the Trainer uses a given optimizer's own lr): its first
+    group gets `lr`, the others keep their ratio to it (all get `lr` when the first group's lr is 0)."""
+    base = optimizer.param_groups[0]["lr"] or 1.0
+    for g in optimizer.param_groups:
+        g["lr"] = lr * (g["lr"] / base if optimizer.param_groups[0]["lr"] else 1.0)
+
+
+def _tuned_loader(model: nn.Module, train_loader: DataLoader, batch_size: int | None, *, loss_fn: Callable | None,
+                  device: torch.device, progress: bool) -> tuple[dict, Decision]:
+    """loader="auto" (T06-T08): `tune_loader` at the final batch size, with the model step as consumer: (the
+    DataLoader settings, the decision that holds them and why)."""
+    from torchspeed.tune.loader import tune_loader
+
+    s = tune_loader(train_loader.dataset, batch_size=batch_size, model=model, loss_fn=loss_fn,  # type: ignore[arg-type]
+                    device=device, collate_fn=train_loader.collate_fn, progress=progress)
+    settings = s.kwargs()
+    return settings, Decision(settings, s.reason)

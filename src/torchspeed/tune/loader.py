@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -216,7 +217,9 @@ class _Tuner:
                 snap.restore()
 
     def _decide(self, bar, task) -> LoaderSettings:
-        cuda = self.device.type == "cuda"
+        """The loader settings that train fastest, or 0 workers and why workers do not help: a first sweep of worker
+        counts, their medians over interleaved rounds, prefetch and pinning for the best count, then a
+        confirmation against num_workers=0."""
         bar.update(task, description="loader: timing the model step")
         model_rate = self._model_rate()
         bar.update(task, description="loader: num_workers=0")
@@ -228,34 +231,57 @@ class _Tuner:
                       f"({model_rate:,.0f} samples/s); the loader already outruns the model step, so hiding "
                       f"loading behind it could save under {100 * model_rate / base.samples_per_s:.0f}% of the time")
             return self._result(0, False, None, base, base, model_rate, True, reason)
+        value = functools.partial(_training_rate, model_rate=model_rate)
+        stop_note, outruns = self._sweep(bar, task, base, model_rate)
+        medians = self._median_rounds(bar, task)
+        base = medians[0]
+        best = max(medians.values(), key=lambda t: (value(t), -t.num_workers))
+        if best.num_workers == 0 or value(best) < value(base) * (1 + self.min_gain):
+            reason = (f"workers do not help: no worker count is more than {100 * self.min_gain:.0f}% faster than "
+                      f"loading in the main process ({base.samples_per_s:,.0f} samples/s at 0 workers, "
+                      f"{max(t.samples_per_s for t in self.table):,.0f} at best"
+                      + ("" if model_rate is None else f"; the model step takes {model_rate:,.0f} samples/s")
+                      + "); inter-process copies cost what parallel loading saves")
+            return self._result(0, False, None, base, base, model_rate, outruns, reason)
 
-        def value(t: LoaderTrial) -> float:
-            """Predicted samples/s of training: serial load + step at 0 workers, overlapped with workers."""
-            if model_rate is None:
-                return t.samples_per_s
-            if t.num_workers == 0:
-                return 1 / (1 / t.samples_per_s + 1 / model_rate)
-            return min(t.samples_per_s, model_rate)
+        workers = best.num_workers
+        best, prefetch, pin = self._prefetch_and_pin(bar, task, best, value)
+        what, e2e_w, e2e_0 = self._confirm(bar, task, workers, pin, prefetch)
+        if e2e_w < e2e_0 * (1 + self.min_gain):
+            why = ("the workers take cores from the model's compute" if self.step is not None
+                   else "the first measurement was noise")
+            reason = (f"workers do not help ({what}): {workers} workers reach {e2e_w:,.0f} vs {e2e_0:,.0f} "
+                      f"samples/s at 0 workers, under the {100 * self.min_gain:.0f}% needed ({why})")
+            return self._result(0, False, None, base, base, model_rate, outruns, reason)
 
-        best = prev = base
-        stop_note = ""
+        reason = (f"{workers} workers: {e2e_w / e2e_0:.2f}x num_workers=0 ({what}: {e2e_w:,.0f} vs {e2e_0:,.0f} "
+                  "samples/s)"
+                  + ("" if model_rate is None else f"; model step alone {model_rate:,.0f} samples/s")
+                  + (f"; {stop_note}" if stop_note else "")
+                  + f"; persistent workers save {best.startup_s:.2f} s of start-up per epoch")
+        return self._result(workers, pin, prefetch, best, base, model_rate, outruns, reason)
+
+    def _sweep(self, bar, task, base: LoaderTrial, model_rate: float | None) -> tuple[str, bool]:
+        """Round 1 over num_workers = 1, 2, ... up to `max_workers`, after `base` (0 workers): it stops once the
+        loader outruns the model step (more workers cannot help) or once a worker more gains under `plateau`.
+        (why it stopped early, or "", whether the loader outran the model step)."""
+        prev = base
         for w in range(1, self.max_workers + 1):
             bar.update(task, description=f"loader: num_workers={w}")
             t = self._trial(w, False, 2, "round 1")
-            if value(t) > value(best):
-                best = t
             if model_rate is not None and t.samples_per_s >= model_rate * (1 + self.plateau):
-                stop_note = (f"stopped at {w} workers: the loader ({t.samples_per_s:,.0f} samples/s) now "
-                             f"outruns the model step ({model_rate:,.0f} samples/s), more workers cannot help")
-                outruns = True
-                break
+                return (f"stopped at {w} workers: the loader ({t.samples_per_s:,.0f} samples/s) now "
+                        f"outruns the model step ({model_rate:,.0f} samples/s), more workers cannot help"), True
             # one worker only moves loading out of the main process; plateau is judged from 2 on
             if w >= 2 and t.samples_per_s < prev.samples_per_s * (1 + self.plateau):
-                stop_note = f"stopped at {w} workers: throughput plateaued"
-                break
+                return f"stopped at {w} workers: throughput plateaued", False
             prev = t
-        # More interleaved rounds over the counts measured, medians decide: on a shared machine a
-        # single half-second trial is at the mercy of whatever else runs in that half second.
+        return "", False
+
+    def _median_rounds(self, bar, task) -> dict[int, LoaderTrial]:
+        """{worker count: its median trial}: the counts swept so far measured again in `rounds` - 1 more interleaved
+        rounds, medians over all. On a shared machine a single half-second trial is at the mercy of whatever else
+        runs in that half second; interleaving spreads a slow spell over every count."""
         swept = sorted({t.num_workers for t in self.table})
         first = {w: [t.samples_per_s for t in self.table if t.num_workers == w] for w in swept}
 
@@ -271,16 +297,12 @@ class _Tuner:
                                   statistics.median(t.startup_s for t in self.table if t.num_workers == w),
                                   False, f"median of {len(v)} rounds") for w, v in rates.items()}
         self.table.extend(medians.values())
-        base = medians[0]
-        best = max(medians.values(), key=lambda t: (value(t), -t.num_workers))
-        if best.num_workers == 0 or value(best) < value(base) * (1 + self.min_gain):
-            reason = (f"workers do not help: no worker count is more than {100 * self.min_gain:.0f}% faster than "
-                      f"loading in the main process ({base.samples_per_s:,.0f} samples/s at 0 workers, "
-                      f"{max(t.samples_per_s for t in self.table):,.0f} at best"
-                      + ("" if model_rate is None else f"; the model step takes {model_rate:,.0f} samples/s")
-                      + "); inter-process copies cost what parallel loading saves")
-            return self._result(0, False, None, base, base, model_rate, bool(outruns), reason)
+        return medians
 
+    def _prefetch_and_pin(self, bar, task, best: LoaderTrial,
+                          value: Callable[[LoaderTrial], float]) -> tuple[LoaderTrial, int, bool]:
+        """(the best trial, prefetch_factor, pin_memory) for `best`'s worker count: a prefetch factor other than 2 is
+        kept only when `plateau` faster (T08); on CUDA pinned memory is kept when faster at all (T07)."""
         workers = best.num_workers
         prefetch = 2
         for pf in self.prefetch_factors:
@@ -291,16 +313,20 @@ class _Tuner:
             if value(t) > value(best) * (1 + self.plateau):
                 best, prefetch = t, pf
         pin = False
-        if cuda:
+        if self.device.type == "cuda":
             bar.update(task, description="loader: pin_memory")
             t = self._trial(workers, True, prefetch, "pinned")
             if value(t) > value(best):
                 best, pin = t, True
+        return best, prefetch, pin
 
-        # Confirm against num_workers=0 in interleaved rounds, so one lucky trial cannot decide. With a
-        # model the step runs in the loop too: on a CPU, workers take cores from the model's compute.
+    def _confirm(self, bar, task, workers: int, pin: bool, prefetch: int) -> tuple[str, float, float]:
+        """(what was timed, samples/s with the chosen settings, samples/s at num_workers=0), from 2 interleaved
+        rounds, so one lucky trial cannot decide. With a model the step runs in the loop too: on a CPU, workers
+        take cores from the model's compute. Both rows go into the table."""
         what = "end to end (load + step)" if self.step is not None else "confirmation (loader alone)"
         bar.update(task, description=f"loader: {what} against num_workers=0")
+
         def e2e(w: int) -> float:
             return self._time(self._loader(w, pin if w else False, prefetch if w else None), self.batches, self.step)[1]
 
@@ -308,19 +334,7 @@ class _Tuner:
         e2e_w, e2e_0 = confirm[workers], confirm[0]
         self.table.append(LoaderTrial(0, False, None, e2e_0, 0.0, self.step is not None, what))
         self.table.append(LoaderTrial(workers, pin, prefetch, e2e_w, 0.0, self.step is not None, what))
-        if e2e_w < e2e_0 * (1 + self.min_gain):
-            why = ("the workers take cores from the model's compute" if self.step is not None
-                   else "the first measurement was noise")
-            reason = (f"workers do not help ({what}): {workers} workers reach {e2e_w:,.0f} vs {e2e_0:,.0f} "
-                      f"samples/s at 0 workers, under the {100 * self.min_gain:.0f}% needed ({why})")
-            return self._result(0, False, None, base, base, model_rate, bool(outruns), reason)
-
-        reason = (f"{workers} workers: {e2e_w / e2e_0:.2f}x num_workers=0 ({what}: {e2e_w:,.0f} vs {e2e_0:,.0f} "
-                  "samples/s)"
-                  + ("" if model_rate is None else f"; model step alone {model_rate:,.0f} samples/s")
-                  + (f"; {stop_note}" if stop_note else "")
-                  + f"; persistent workers save {best.startup_s:.2f} s of start-up per epoch")
-        return self._result(workers, pin, prefetch, best, base, model_rate, bool(outruns), reason)
+        return what, e2e_w, e2e_0
 
     def _result(self, workers, pin, prefetch, best: LoaderTrial, base: LoaderTrial, model_rate, outruns,
                 reason) -> LoaderSettings:
@@ -329,3 +343,13 @@ class _Tuner:
                               speedup_vs_0=best.samples_per_s / base.samples_per_s, workers_help=workers > 0,
                               loader_outruns_model=None if model_rate is None else outruns,
                               model_samples_per_s=model_rate, reason=reason, table=tuple(self.table))
+
+
+def _training_rate(t: LoaderTrial, model_rate: float | None) -> float:
+    """Predicted samples/s of training with trial `t`'s loader: load then step in turn at 0 workers, the two
+    overlapped with workers (the slower one sets the pace); the loader alone without a model step."""
+    if model_rate is None:
+        return t.samples_per_s
+    if t.num_workers == 0:
+        return 1 / (1 / t.samples_per_s + 1 / model_rate)
+    return min(t.samples_per_s, model_rate)
