@@ -315,3 +315,24 @@ def test_a_trial_measured_under_other_kernels_is_not_reused(tiny_cnn, tmp_path, 
     assert run() == "measured" and run() == "cached"
     monkeypatch.setattr(autoswitch, "kernel_isa", lambda: {"aten": "AVX2", "onednn": "AVX2"})
     assert run() == "measured"
+
+
+def _drive(trial, seconds):
+    while not trial.done:
+        trial.record(seconds[trial.current().label()])
+    return trial.best
+
+
+def test_the_optimizer_kernel_stage_keeps_the_kernel_the_run_started_with_within_noise():
+    """A short trial cannot resolve a 10% step difference: within min_gain the run keeps its (the rule's) fused
+    kernel rather than foreach; foreach is taken only when it measures clearly faster."""
+    from torchspeed.train.switches import LiveTrial
+
+    grid = [Switches("fp32", False, True)]
+    tie = LiveTrial(grid, fused_choice=True, rounds=2, steps=1, warmup=1)
+    assert _drive(tie, {"fp32+fused": 1.0, "fp32+foreach": 0.99}) == Switches("fp32", False, True)
+    assert "the kernel the run started with" in tie.report["stages"][-1]["why"]
+    clear = LiveTrial(grid, fused_choice=True, rounds=2, steps=1, warmup=1)
+    assert _drive(clear, {"fp32+fused": 1.0, "fp32+foreach": 0.8}).fused is False
+    started_foreach = LiveTrial([Switches("fp32", False, False)], fused_choice=True, rounds=2, steps=1, warmup=1)
+    assert _drive(started_foreach, {"fp32+fused": 0.99, "fp32+foreach": 1.0}).fused is False
