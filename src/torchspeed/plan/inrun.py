@@ -89,6 +89,5 @@ class MeasureInRun(Callback):
             tuning.measured["in_run_s"] = seconds
             tuning.measured["in_run_steps"] = pending["cost"]
         if self.cache is not None:
-            entry = self.cache.get(pending["key"]) or {}
-            entry["lr"] = {"lr": self.rec.lr, "min_lr": self.rec.min_lr, "decision": dict(trainer.decisions["lr"])}
-            self.cache.put(pending["key"], entry)
+            self.cache.merge(pending["key"], {"lr": {"lr": self.rec.lr, "min_lr": self.rec.min_lr,
+                                                     "decision": dict(trainer.decisions["lr"])}})

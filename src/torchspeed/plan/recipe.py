@@ -63,8 +63,9 @@ from torch import nn
 from torchspeed.plan.budget import TuningBudget
 from torchspeed.plan.recipe_lr import LR_TRIAL_FACTORS, choose_lr_part
 from torchspeed.plan.recipe_optimizer import choose_optimizer_part
-from torchspeed.plan.recipe_tta import TTA_COST, is_image_batch
+from torchspeed.plan.recipe_tta import TTA_COST
 from torchspeed.train.decision import Decision, TrialCache
+from torchspeed.train.evaluate import is_image_batch
 from torchspeed.tune.batch_choice import BATCH_MIN_STEPS
 
 __all__ = ["PARTS", "EMA_MIN_STEPS", "Recipe", "choose_recipe", "is_classifier"]

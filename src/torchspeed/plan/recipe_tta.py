@@ -18,18 +18,13 @@ from torch import nn
 
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.eval_view import eval_weights
+from torchspeed.train.evaluate import averaged_log_probs, is_image_batch, tta_views
 
-__all__ = ["TTA_COST", "after_training", "choose_tta", "flip_scores", "is_image_batch"]
+__all__ = ["TTA_COST", "after_training", "choose_tta", "flip_scores"]
 
 # Training steps' worth of the check: 2 forward passes on each of the recipe's 4 probe batches, a forward pass
 # being about a third of a training step (forward + backward + optimizer step).
 TTA_COST = 3
-
-
-def is_image_batch(batch) -> bool:
-    """(images, labels) with images (N, C, H, W): the batches flip TTA applies to (`evaluate(tta="flip")` too)."""
-    return (isinstance(batch, (list, tuple)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor)
-            and batch[0].dim() == 4 and isinstance(batch[1], torch.Tensor))
 
 
 def flip_scores(model: nn.Module, batches: Sequence, *, device: torch.device | str | None = None,
@@ -51,13 +46,12 @@ def flip_scores(model: nn.Module, batches: Sequence, *, device: torch.device | s
             for batch in batches:
                 x, y = to_device(tuple(batch), device, channels_last=channels_last)
                 with precision.autocast():
-                    out, out_flip = model(x), model(torch.flip(x, dims=[-1]))
+                    outs = [model(v) for v in tta_views(x, flip=True)]  # the image, then its mirror
+                out = outs[0]
                 if not isinstance(out, torch.Tensor) or out.dim() != 2:
                     raise ValueError(f"flip TTA needs (N, classes) logits; the model returned {type(out).__name__}"
                                      + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else ""))
-                p, q = F.softmax(out.float(), dim=-1), F.softmax(out_flip.float(), dim=-1)
-                for name, probs in (("plain", p), ("flip", (p + q) / 2)):
-                    logp = probs.clamp_min(1e-12).log()
+                for name, logp in (("plain", averaged_log_probs(outs[:1])), ("flip", averaged_log_probs(outs))):
                     sums[name][0] += float(F.nll_loss(logp, y, reduction="sum"))
                     sums[name][1] += int((logp.argmax(-1) == y).sum())
                 n += int(y.shape[0])
@@ -109,10 +103,7 @@ def after_training(trainer, rec) -> Decision | None:
             dec = decide_once(lambda: choose_tta(module, rec.probe, device=trainer.device,
                                                  precision=trainer.precision, channels_last=trainer.channels_last))
         if pending.get("cache") is not None:
-            cache = TrialCache(pending["cache"])
-            entry = cache.get(pending["key"]) or {}
-            entry["tta"] = {"tta": dec.value, "decision": dict(dec)}
-            cache.put(pending["key"], entry)
+            TrialCache(pending["cache"]).merge(pending["key"], {"tta": {"tta": dec.value, "decision": dict(dec)}})
     rec.tta = dec.value
     trainer.decisions["tta"] = dec
     if dec.value and trainer.config.tta is None:

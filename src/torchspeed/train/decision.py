@@ -97,6 +97,10 @@ class TrialCache:
     def get(self, key: str) -> dict | None:
         return self._load().get(key)
 
+    def merge(self, key: str, parts: dict) -> None:
+        """Add `parts` to the entry at `key` (kept: the parts an earlier writer put there)."""
+        self.put(key, (self.get(key) or {}) | parts)
+
     def put(self, key: str, value: dict) -> None:
         data = self._load()
         data[key] = value

@@ -23,7 +23,19 @@ from torchspeed.train.metrics import DeviceMeter
 from torchspeed.train.precision import Precision, resolve_precision
 from torchspeed.train.transfer import to_device
 
-__all__ = ["evaluate", "tta_views"]
+__all__ = ["averaged_log_probs", "evaluate", "is_image_batch", "tta_views"]
+
+
+def is_image_batch(batch) -> bool:
+    """(images, labels) with images (N, C, H, W): the batches test-time augmentation applies to."""
+    return (isinstance(batch, (list, tuple)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor)
+            and batch[0].dim() == 4 and isinstance(batch[1], torch.Tensor))
+
+
+def averaged_log_probs(outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The log of the mean softmax over the views' logits: TTA's prediction (one view: the plain log-softmax)."""
+    probs = torch.stack([F.softmax(o.float(), dim=-1) for o in outputs]).mean(0)
+    return probs.clamp_min(1e-12).log()
 
 
 def tta_views(x: torch.Tensor, *, flip: bool = False, scales: Sequence[float] = ()) -> list[torch.Tensor]:
@@ -85,11 +97,9 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str |
 
 def _tta_forward(model: nn.Module, batch, *, flip: bool, scales: Sequence[float]) -> StepOutput:
     """Average the softmax over the views of an image batch `(x, y)`."""
-    if not isinstance(batch, (list, tuple)) or len(batch) != 2 or batch[0].dim() != 4:
+    if not is_image_batch(batch):
         raise ValueError("test-time augmentation (tta/tta_scales) needs (images, labels) batches with images "
                          "of shape (N, C, H, W)")
     x, y = batch
-    views = tta_views(x, flip=flip, scales=scales)
-    probs = torch.stack([F.softmax(model(v).float(), dim=-1) for v in views]).mean(0)
-    logits = probs.clamp_min(1e-12).log()
+    logits = averaged_log_probs([model(v) for v in tta_views(x, flip=flip, scales=scales)])
     return StepOutput(F.nll_loss(logits, y), logits, y, int(y.shape[0]))
