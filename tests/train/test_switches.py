@@ -126,6 +126,46 @@ def test_the_trial_steps_are_the_runs_own_steps(tiny_cnn):
     assert state and all(v.is_contiguous(memory_format=torch.channels_last) for v in state)  # the state followed
 
 
+def _record_input_layouts(t):
+    """(trial over?, model in channels_last?, input in channels_last?) at each training forward of `t`'s conv."""
+    conv, seen = t.module[0], []
+
+    def hook(_m, args):
+        if torch.is_grad_enabled():  # training steps only, not the trial's no-grad numerics check
+            seen.append((t.switch_trial is None, t.channels_last,
+                         args[0].is_contiguous(memory_format=torch.channels_last)))
+    conv.register_forward_pre_hook(hook)
+    return seen
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_after_the_trial_the_inputs_follow_the_layout_it_chose(tiny_cnn, prefetch):
+    """The rule's prior is bf16 + channels_last here; the trial measures plain fp32 fastest. The rest of the
+    epoch's inputs must then be NCHW too: a channels_last input would run every convolution channels_last."""
+    t = _trainer(tiny_cnn(), BF16_CPU, seconds={"fp32": 0.5, "fp32+channels_last": 1.0, "bf16": 1.0,
+                                                "bf16+channels_last": 1.0}, prefetch=prefetch)
+    assert t.channels_last is True  # the prior the epoch's batch iterator starts with
+    seen = _record_input_layouts(t)
+    res = t.fit(_loader(n=16 * 40))
+    assert res.decisions["channels_last"].value is False
+    after = [s for s in seen if s[0]]
+    assert len(after) >= 10 and all(model_cl is False and input_cl is False for _, model_cl, input_cl in after)
+    during = [s for s in seen if not s[0]]
+    assert all(model_cl == input_cl for _, model_cl, input_cl in during)  # each candidate got its own layout
+
+
+def test_a_cache_hit_lays_out_the_inputs_from_the_first_step(tiny_cnn, monkeypatch):
+    """A cached trial that chose NCHW, under a channels_last prior: every step's input is NCHW (no step measured)."""
+    hit = {"switches": {"precision": "fp32", "channels_last": False, "fused": None, "threads": None}, "steps": 9,
+           "stages": [], "extra_s": 0.1}
+    monkeypatch.setattr(TrialCache, "get", lambda self, key: hit)
+    t = _trainer(tiny_cnn(), BF16_CPU)
+    seen = _record_input_layouts(t)
+    res = t.fit(_loader(n=16 * 6))
+    assert res.decisions["switch_trial"].value == "cached"
+    assert len(seen) == 6 and all(s == (True, False, False) for s in seen)
+
+
 def test_a_short_run_measures_what_it_can_afford_and_says_so(tiny_cnn):
     t = _trainer(tiny_cnn(), BF16_CPU, seconds={"fp32": 1.0, "fp32+channels_last": 0.8, "bf16": 1.2,
                                                 "bf16+channels_last": 0.9})

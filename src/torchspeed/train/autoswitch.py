@@ -31,7 +31,7 @@ from torchspeed.train.batch import forward_loss
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.distributed import broadcast_object, is_rank_zero
 from torchspeed.train.guard import is_out_of_memory
-from torchspeed.train.memory_format import has_conv2d
+from torchspeed.train.memory_format import batch_layout, has_conv2d
 from torchspeed.train.optim import describe_optimizer
 from torchspeed.train.precision import MixedPrecision, Precision, normalize_precision
 from torchspeed.train.switches import (LiveTrial, Switches, batch_signature, candidate_grid, fusable, model_signature,
@@ -103,20 +103,6 @@ def rule_choice(model: nn.Module, *, caps: DeviceCaps, precision: str = "auto",
 
 def _summary(report: dict) -> str:
     return "; ".join(f"{s['stage']}: {s['chosen']}, {s['why']}" for s in report.get("stages", []))
-
-
-def _layout(batch, channels_last: bool):
-    """4D float tensors of a device batch in the candidate's memory layout (either way)."""
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 4 and batch.is_floating_point():
-            return batch.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-        return batch
-    if isinstance(batch, (list, tuple)):
-        moved = [_layout(b, channels_last) for b in batch]
-        return type(batch)(moved) if isinstance(batch, tuple) and not hasattr(batch, "_fields") else moved
-    if isinstance(batch, dict):
-        return {k: _layout(v, channels_last) for k, v in batch.items()}
-    return batch
 
 
 def _state_follows_layout(optimizer: torch.optim.Optimizer) -> None:
@@ -249,12 +235,12 @@ class MeasuredSwitches:
         trial = self.switch_trial
         if not self._trial_meta["cache_checked"]:
             if self._check_cache(batch):
-                return run_step(batch)
+                return run_step(batch_layout(batch, self.channels_last))
             trial.losses = self._numerics_losses(batch)
             self._trial_meta["started"] = time.perf_counter()
         cand = trial.current()
         self.apply_switches(cand)
-        batch = _layout(batch, cand.channels_last)
+        batch = batch_layout(batch, cand.channels_last)
         t0 = time.perf_counter()
         try:
             run_step(batch)
@@ -264,7 +250,7 @@ class MeasuredSwitches:
             trial.fail(e)
             self._reset_micro()
             self.apply_switches(trial.grid[0])
-            run_step(_layout(batch, trial.grid[0].channels_last))
+            run_step(batch_layout(batch, trial.grid[0].channels_last))
         else:
             sync(self.device)
             sec = time.perf_counter() - t0

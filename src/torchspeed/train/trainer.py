@@ -47,7 +47,7 @@ from torchspeed.train.eval_view import eval_weights
 from torchspeed.train.fsdp import check_optimizer, single_process_group, wrap_parallel
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
 from torchspeed.train.loggers import LoggerCallback
-from torchspeed.train.memory_format import apply_channels_last
+from torchspeed.train.memory_format import apply_channels_last, batch_layout
 from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
 from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
 from torchspeed.train.decision import Decision
@@ -264,11 +264,17 @@ class Trainer(MeasuredSwitches):
                                       grad_accum=self.config.grad_accum, precision=self.precision.name) from e
 
     def batches(self, loader: Iterable) -> Iterator:
-        """Iterate `loader` with batches already on the device (prefetched on CUDA)."""
-        if self.config.prefetch:
-            return iter(Prefetcher(loader, self.device, channels_last=self.channels_last))
-        # The naive path: a blocking copy of each tensor, no pinning, no side stream.
-        return (to_device(b, self.device, non_blocking=False, channels_last=self.channels_last) for b in loader)
+        """Iterate `loader` with batches on the device (prefetched on CUDA), in the model's memory layout even
+        when the switch trial changes it mid-epoch (else every convolution runs in the inputs' layout)."""
+        made_with = self.channels_last
+        moved = (Prefetcher(loader, self.device, channels_last=made_with) if self.config.prefetch else
+                 (to_device(b, self.device, non_blocking=False, channels_last=made_with) for b in loader))  # naive
+        for batch in moved:
+            if self.switch_trial is None and self.channels_last != made_with:  # a trial step lays out its own
+                batch = batch_layout(batch, self.channels_last)  # as is where already in it
+                if isinstance(moved, Prefetcher):
+                    moved.channels_last = self.channels_last  # the next batches are copied in it
+            yield batch
 
     def run_steps(self, batches: Iterator, n: int) -> float:
         """Train `n` micro-batches from an iterator of device batches; return seconds (synced)."""
