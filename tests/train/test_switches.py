@@ -82,7 +82,7 @@ def _trainer(model, caps, *, seconds=None, optimizer=None, lr=0.05, **cfg):
 
 def test_bf16_cpu_where_bf16_loses_keeps_fp32(tiny_cnn):
     seconds = {"fp32+fused": 1.0, "fp32+channels_last+fused": 0.9, "bf16+fused": 1.1,
-               "bf16+channels_last+fused": 1.4, "fp32+channels_last+foreach": 0.95}
+               "bf16+channels_last+fused": 1.3, "fp32+channels_last+foreach": 0.95}  # all within DROP_AT
     t = _trainer(tiny_cnn(), BF16_CPU, seconds=seconds, fused_optimizer="auto")
     res = t.fit(_loader(n=16 * 200))  # long enough for the full trial
     d = res.decisions
@@ -95,6 +95,41 @@ def test_bf16_cpu_where_bf16_loses_keeps_fp32(tiny_cnn):
     per = TRIAL_SETTINGS["warmup"] + TRIAL_SETTINGS["rounds"] * TRIAL_SETTINGS["steps"]
     assert t.calls.count("bf16+channels_last+fused") == per  # warm-up, then interleaved rounds of timed steps
     assert t.calls.index("bf16+fused") < t.calls.index("fp32+channels_last+fused", 4)  # interleaved, not in blocks
+
+
+def test_a_long_shot_leaves_the_trial_after_its_first_timed_step():
+    """A candidate DROP_AT x slower than the fastest after round 1 takes no later turns (each would cost the run a
+    slow step); one within DROP_AT stays for every round; the choice and the record are unchanged otherwise."""
+    from torchspeed.train.switches import DROP_AT, LiveTrial
+
+    grid = candidate_grid(caps=BF16_CPU, has_conv=True)  # fp32, fp32+cl, bf16, bf16+cl
+    secs = {"fp32": 2.0, "fp32+channels_last": 1.3, "bf16": 2.2, "bf16+channels_last": 1.0}
+    assert secs["fp32"] > DROP_AT * secs["bf16+channels_last"] > secs["fp32+channels_last"]
+    trial, taken = LiveTrial(grid, rounds=3, steps=2, warmup=1), []
+    while not trial.done:
+        s = trial.current()
+        taken.append(s.label())
+        trial.record(secs[s.label()])
+    assert taken.count("fp32") == taken.count("bf16") == 1 + 2  # warm-up + its first round's two timed steps
+    assert taken.count("fp32+channels_last") == taken.count("bf16+channels_last") == 1 + 3 * 2
+    assert trial.steps_run == len(taken) == 6 + 14 and trial.best == Switches("bf16", True)
+    assert set(trial.report["dropped"]) == {"fp32", "bf16"}
+
+
+def test_the_long_shot_cut_is_measured_from_a_candidate_the_numerics_guard_allows():
+    """The fastest candidate moves the loss: the others are judged against the fastest allowed one, so the
+    plain settings are not dropped for being slower than a candidate that cannot be taken."""
+    from torchspeed.train.switches import LiveTrial
+
+    grid = candidate_grid(caps=BF16_CPU, has_conv=False)  # fp32, bf16
+    trial = LiveTrial(grid, rounds=3, steps=1, warmup=1, losses={"fp32": 2.3, "bf16": 2.9})
+    taken = []
+    while not trial.done:
+        s = trial.current()
+        taken.append(s.label())
+        trial.record({"fp32": 1.0, "bf16": 0.4}[s.label()])
+    assert taken.count("fp32") == 4 and "dropped" not in trial.report
+    assert trial.best == Switches("fp32", False) and "bf16" in trial.report["rejected"]
 
 
 def test_a_half_precision_that_moves_the_loss_is_not_taken(tiny_cnn, monkeypatch):

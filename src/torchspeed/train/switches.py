@@ -143,6 +143,9 @@ def choose(times: dict[Switches, list[float]], *, plain: Switches, min_gain: flo
     return pick, why
 
 
+DROP_AT = 1.5  # a candidate this many times slower than the fastest after one timed step is out of the later rounds
+
+
 def trial_steps(n_candidates: int, *, rounds: int, steps: int, warmup: int) -> int:
     return n_candidates * (warmup + rounds * steps)
 
@@ -194,6 +197,27 @@ class LiveTrial:
         schedule = turns(cands, rounds=self.rounds, warmup=self.warmup, repeat=self.steps,
                          warm=[s for s in cands if s != self.best])  # the winner is warm
         self._queue = [(t.key, t.round > 0) for t in schedule]
+        self._pruned = False
+
+    def _drop_long_shots(self) -> None:
+        """Once every candidate has a timed step: one DROP_AT x slower than the fastest (that the numerics guard
+        allows) leaves the later rounds. Each of its turns would cost the run a slow step, and no step's noise
+        turns 1.5x around; its timings stay in the record."""
+        if self._pruned or not all(self.times.values()):
+            return
+        self._pruned = True
+        rejected = self._rejections(self.grid[0]) if self.stage == "precision x layout" else {}
+        med = medians(self.times)
+        allowed = [m for s, m in med.items() if s not in rejected]
+        if not allowed:
+            return
+        fastest = min(allowed)
+        out = {s: m / fastest for s, m in med.items() if m > DROP_AT * fastest}
+        if out:
+            self._queue = [(c, t) for c, t in self._queue if c not in out]
+            self.report.setdefault("dropped", {}).update(
+                {s.label(): f"{r:.2f}x the fastest after its first timed step: out of the later rounds"
+                 for s, r in out.items()})
 
     @property
     def done(self) -> bool:
@@ -209,6 +233,7 @@ class LiveTrial:
         if timed and s in self.times:
             self.times[s].append(seconds)
             self._seen.setdefault(s, []).append(seconds)
+            self._drop_long_shots()
         if not self._queue:
             self._end_stage()
 
@@ -252,7 +277,8 @@ class LiveTrial:
         else:
             self.report.update(steps=self.steps_run, chosen=best.label(), switches=asdict(best))
 
-    def _numerics(self, plain: Switches) -> dict[Switches, str]:
+    def _rejections(self, plain: Switches) -> dict[Switches, str]:
+        """The candidates whose precision moves the loss at the same weights beyond `loss_tol`, and why."""
         ref = self.losses.get(plain.precision)
         rejected = {}
         for s in self.times:
@@ -261,7 +287,11 @@ class LiveTrial:
                 continue
             if not numerics_ok(ref, loss, tol=self.loss_tol):
                 rejected[s] = f"loss {loss:.4g} vs {ref:.4g} in {plain.precision} at the same weights (> {self.loss_tol:.0%} apart)"
-                self.report["rejected"][s.label()] = rejected[s]
+        return rejected
+
+    def _numerics(self, plain: Switches) -> dict[Switches, str]:
+        rejected = self._rejections(plain)
+        self.report["rejected"].update({s.label(): why for s, why in rejected.items()})
         self.report["losses"] = dict(self.losses)
         return rejected
 
