@@ -12,9 +12,15 @@ throughput bench starts that config. Reported per config: the median over rounds
 seconds (training + choosing), the final accuracy per seed, and per pair the median of the
 per-round ratios.
 
+A search's JSON also gives the workload (model, data, batch, LR, optimizer, training-set size) and the
+metric: the GPT's time to the plain loop's loss (`torchspeed bench --model gpt --data text
+--target-loss naive`) is timed the same way, the target its validation loss.
+
 Run:
     python benchmarks/bench_time_to_target.py --from /tmp/bench.json --target 0.97 --rounds 2 \
         --json benchmarks/results/cpu-avx2/time_to_target_interleaved.json
+    python benchmarks/bench_time_to_target.py --from benchmarks/results/cpu-amx/gpt_time_to_loss.json \
+        --configs naive,auto,schedulefree --seeds 2 --rounds 3 --json benchmarks/results/cpu-amx/gpt_interleaved.json
 """
 
 from __future__ import annotations
@@ -29,11 +35,34 @@ from torchspeed.bench.time_to_target import CONFIGS, DEFAULT_LR, _process
 from torchspeed.env import default_device
 
 
-def _budgets(args) -> dict[str, int]:
+DIGITS = {"model": "resnet20", "data": "digits", "batch_size": 64, "train_size": 2048, "val_size": 1024,
+          "lr": DEFAULT_LR, "optimizer": "sgd", "image_size": 32}
+
+
+def _workload(args) -> tuple[dict, str, float | None]:
+    """The worker's base spec, the metric and the target: the digits by default, else the source search's own."""
+    if not args.source:
+        return dict(DIGITS), "val_acc", args.target
+    d = json.loads(Path(args.source).read_text())
+    meta, tta = d.get("meta", {}), d["tta"]
+    tm = tta.get("meta", {})
+    base = {"model": tm.get("model", DIGITS["model"]), "data": tm.get("data", DIGITS["data"]),
+            "batch_size": tm.get("batch_size", DIGITS["batch_size"]), "lr": tm.get("lr_peak", DIGITS["lr"]),
+            "optimizer": tm.get("optimizer", DIGITS["optimizer"]), "image_size": tm.get("image_size", 32)}
+    size = tm.get("image_size", 32)  # as run_time_to_target sizes its sets
+    base["train_size"] = meta.get("train_size") or (2048 if size < 64 else 4 * base["batch_size"])
+    base["val_size"] = 1024 if size < 64 else 2 * base["batch_size"]
+    metric = tm.get("metric", "val_acc")
+    targets = [e["target"] for e in tta["targets"]]
+    target = args.target if metric == "val_acc" or len(targets) != 1 else targets[0]
+    return base, metric, target
+
+
+def _budgets(args, target: float | None) -> dict[str, int]:
     out: dict[str, int] = {}
     if args.source:
         tta = json.loads(Path(args.source).read_text())["tta"]
-        entry = next(e for e in tta["targets"] if abs(e["target"] - args.target) < 1e-9)
+        entry = next(e for e in tta["targets"] if abs(e["target"] - target) < 1e-9)
         out = {k: v["budget_steps"] for k, v in entry["configs"].items() if v.get("budget_steps")}
     for item in args.budgets or ():
         name, steps = item.split("=")
@@ -55,12 +84,12 @@ def main() -> int:
     p.add_argument("--json", default="benchmarks/results/cpu/time_to_target_interleaved.json")
     args = p.parse_args()
     args.configs = tuple(args.configs.split(","))
-    budgets = _budgets(args)
+    base, metric, target = _workload(args)
+    budgets = _budgets(args, target)
     dev = default_device(None)
     busy = machine_busy()[0]
     by_name = {c.name: c for c in bench_configs(dev, compile=False, hand=False, busy=busy)}
-    base = {"model": "resnet20", "data": "digits", "batch_size": 64, "train_size": 2048, "val_size": 1024,
-            "lr": DEFAULT_LR, "optimizer": "sgd", "data_seed": 0, "device": str(dev), "image_size": 32}
+    base |= {"data_seed": 0, "device": str(dev)}
     seeds = list(range(args.seeds))
     runs: dict[str, list[list[dict]]] = {c: [] for c in budgets}
     for r in range(args.rounds):
@@ -71,13 +100,14 @@ def main() -> int:
             out = _process(cfg, spec)["runs"]
             runs[c].append(out)
             total = sum(x["train_s"] + x["tuning_s"] for x in out)
-            print(f"round {r + 1} {c:>12} {steps:>3} steps: {total:7.1f} s over {len(out)} seeds, val_acc "
-                  + ", ".join(f"{x['val_acc']:.3f}" for x in out), flush=True)
+            print(f"round {r + 1} {c:>12} {steps:>3} steps: {total:7.1f} s over {len(out)} seeds, {metric} "
+                  + ", ".join(f"{x[metric]:.3f}" for x in out), flush=True)
     per_round = {c: [sum(x["train_s"] + x["tuning_s"] for x in rr) / len(rr) for rr in rs] for c, rs in runs.items()}
-    result = {"target": args.target, "budgets": budgets, "rounds": args.rounds, "seeds": seeds, "busy": busy,
+    result = {"workload": {k: base[k] for k in DIGITS}, "metric": metric, "target": target, "budgets": budgets, "rounds": args.rounds, "seeds": seeds, "busy": busy,
               "configs": {c: {"budget_steps": budgets[c], "mean_total_s_per_round": per_round[c],
                               "median_total_s": statistics.median(per_round[c]),
                               "val_acc": [[x["val_acc"] for x in rr] for rr in runs[c]],
+                              "val_loss": [[x["val_loss"] for x in rr] for rr in runs[c]],
                               "tuning_s": [[x["tuning_s"] for x in rr] for rr in runs[c]],
                               "decisions": runs[c][0][0]["decisions"]} for c in budgets},
               "meta": provenance()}
