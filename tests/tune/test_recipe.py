@@ -57,6 +57,9 @@ def test_no_smoothing_for_a_users_own_loss_or_a_regression_and_no_bn_part_withou
     batch = next(iter(_loader()))
     assert is_classifier(mlp, batch) and not is_classifier(mlp, batch, loss_fn=nn.MSELoss())
     assert not is_classifier(nn.Sequential(nn.Flatten(), nn.Linear(192, 1)), (batch[0], batch[1].float()))
+    seen = []
+    mlp.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
+    assert is_classifier(mlp, batch) and seen == [2] < [len(batch[0])]  # the shapes, read off 2 samples
 
 
 def test_a_long_run_gets_an_ema_spanning_about_a_twentieth_of_it():

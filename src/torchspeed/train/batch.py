@@ -53,7 +53,7 @@ from torchspeed.train.wrappers import unwrap_model
 
 __all__ = ["StepOutput", "ModelOutput", "split_batch", "forward_loss", "batch_size", "count_correct",
            "SequenceCrossEntropy", "model_loss", "read_output", "call_model", "takes_target", "list_inputs",
-           "shifts_labels", "default_loss", "TARGET_KEYS", "TARGET_PARAMS", "IGNORE_INDEX", "AUX_WEIGHT"]
+           "shifts_labels", "default_loss", "first_samples", "TARGET_KEYS", "TARGET_PARAMS", "IGNORE_INDEX", "AUX_WEIGHT"]
 
 TARGET_KEYS = ("labels", "label", "target", "targets", "y")
 TARGET_PARAMS = ("targets", "target", "labels", "y")  # forward parameters that take the batch's target
@@ -120,6 +120,25 @@ def batch_size(batch) -> int:
             if n:
                 return n
     return 0
+
+
+def first_samples(batch, n: int):
+    """The batch cut to its first `n` samples: every tensor (and list of samples) whose first dimension is the
+    batch's size; anything else as it is."""
+    b = batch_size(batch)
+    return batch if b <= n else _cut(batch, b, n)
+
+
+def _cut(v, b: int, n: int):
+    if isinstance(v, torch.Tensor):
+        return v[:n] if v.dim() and v.shape[0] == b else v
+    if isinstance(v, Mapping):
+        return {k: _cut(e, b, n) for k, e in v.items()}
+    if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+        if _is_sample_list(v) and len(v) == b:
+            return type(v)(v[:n])
+        return type(v)(_cut(e, b, n) for e in v)
+    return v
 
 
 def list_inputs(inputs) -> bool:
