@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from torchspeed.env import DeviceCaps, detect, sync
-from torchspeed.train.batch import forward_loss
+from torchspeed.train.batch import first_samples, forward_loss
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.distributed import broadcast_object, is_rank_zero
 from torchspeed.train.guard import is_out_of_memory
@@ -43,6 +43,7 @@ log = logging.getLogger("torchspeed")
 
 TRIAL_SETTINGS = {"rounds": 3, "steps": 2, "warmup": 1}
 LIVE_SHARE = 0.25  # a short run spends at most about this share of its steps trying candidates (each step trains)
+GUARD_SAMPLES = 8  # the numerics guard compares the precisions' losses on the first batch's first 8 samples
 
 
 def kernel_isa() -> dict:
@@ -206,10 +207,12 @@ class MeasuredSwitches:
         return True
 
     def _numerics_losses(self, batch) -> dict[str, float]:
-        """The loss at the current weights on `batch` in each candidate precision (eval mode, no grad): the guard."""
+        """The loss at the current weights on `batch`'s first GUARD_SAMPLES samples in each candidate precision (eval
+        mode, no grad): the guard. Rounding moves each sample's loss alike, so a few samples show it."""
         precisions = list(dict.fromkeys(s.precision for s in self.switch_trial.grid))
         if len(precisions) < 2:
             return {}
+        batch = first_samples(batch, GUARD_SAMPLES)
         was, out = self.module.training, {}
         self.module.eval()
         try:
