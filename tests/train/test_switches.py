@@ -425,3 +425,13 @@ def test_the_numerics_guard_reads_a_few_samples_in_each_precision(tiny_cnn):
     res = t.fit(_loader(n=16 * 30))
     assert guard == [GUARD_SAMPLES, GUARD_SAMPLES] and GUARD_SAMPLES < 16  # fp32 and bf16, not the whole batch
     assert set(res.decisions["switch_trial"].measured["losses"]) == {"fp32", "bf16"}
+
+
+def test_the_rules_reasons_say_what_decided_each_switch(tiny_cnn):
+    """trial=False with the precision and layout asked for: the kernel's reason is the kernel's rule, and nothing
+    claims the CPU lacks the half precision it has."""
+    t = _trainer(tiny_cnn(), BF16_CPU, trial=False, precision="fp32", channels_last=True, fused_optimizer="auto")
+    d = t.fit(_loader(n=32)).decisions
+    assert d["fused_optimizer"].value is True and d["fused_optimizer"].reason == "rule: the fused kernel where torch has one"
+    assert d["precision"].reason == d["channels_last"].reason == "asked for"
+    assert not any("no native half precision" in str(v) for v in d.values())

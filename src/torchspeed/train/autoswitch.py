@@ -82,8 +82,9 @@ def _as_decisions(sw: Switches, how: str, why: str, measured: dict | None, *, fi
     """One Decision per switch: 'asked for' where the user fixed it, else `how` (measured/cached/rule)."""
     out = {"precision": Decision(sw.precision, fixed.get("precision") or f"{how}: {why}", measured),
            "channels_last": Decision(sw.channels_last, fixed.get("channels_last") or f"{how}: {why}", measured)}
-    if sw.fused is not None:
-        out["fused_optimizer"] = Decision(sw.fused, fixed.get("fused") or f"{how}: {why}", measured)
+    if sw.fused is not None:  # the rule's kernel is the fused one where torch has it, whatever the other switches
+        out["fused_optimizer"] = Decision(sw.fused, fixed.get("fused") or (
+            "rule: the fused kernel where torch has one" if how == "rule" else f"{how}: {why}"), measured)
     if sw.threads is not None:
         out["threads"] = Decision(sw.threads, f"{how}: {why}", measured)
     return out
@@ -150,7 +151,8 @@ class MeasuredSwitches:
         prior = rule_switches(caps=self.caps, has_conv=has_conv, precision=precision, channels_last=layout,
                               fused=cur_fused)
         rule_why = (f"{prior.precision} is the half precision this {self.caps.device_type.upper()} runs natively"
-                    if prior.precision != "fp32" else "no native half precision") + (
+                    if prior.precision != "fp32" else "fp32 asked for" if precision != "auto" else
+                    "no native half precision") + (
             ", channels_last for a conv net" if prior.channels_last else "")
         trial = False if cfg.deterministic else cfg.trial  # a timing-dependent choice would break bit-identical reruns
         if len(grid) == 1 and not fused_choice and len(threads) < 2:
