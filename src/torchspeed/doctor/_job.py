@@ -136,95 +136,136 @@ def _analyse(probe: Probe, job: dict, obs: dict) -> None:
         obs.setdefault("analysis_traceback", traceback.format_exc())
 
 
-def run_job(job: dict) -> dict:
-    """Run one script under the probe; return the observation (JSON-ready dict)."""
-    from torchspeed.env import detect
+class _Run:
+    """One script's run: the job, its observation, the probe and compile log it runs under, and whether
+    the analysis ran (once: inside the last step while the script is alive, or after it ended)."""
 
-    script = os.path.abspath(job["script"])
-    script_dir = os.path.dirname(script)
-    steps, warmup = int(job.get("steps", 30)), int(job.get("warmup", 5))
-    obs: dict = {"script": job["script"], "argv": list(job.get("args", [])), "steps_requested": steps,
-                 "warmup": warmup, "env": detect().to_dict(), "notes": []}
-    probe = Probe(steps=steps, warmup=warmup)
-    compile_log = CompileLog()
-    saved = {"argv": sys.argv, "path": list(sys.path), "modules": set(sys.modules),
-             "threads": torch.get_num_threads(), "cudnn": torch.backends.cudnn.benchmark,
-             "dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled(), "cwd": os.getcwd(),
-             "anomaly": torch.is_anomaly_enabled(), "deterministic": torch.are_deterministic_algorithms_enabled(),
-             "precision": _precision_settings()}
-    analysed = False
+    def __init__(self, job: dict, obs: dict):
+        self.job, self.obs = job, obs
+        self.probe = Probe(steps=obs["steps_requested"], warmup=obs["warmup"])
+        self.compile_log = CompileLog()
+        self.analysed = False
+        self.probe.on_stop = self.analyse_live
 
-    def analyse() -> None:
-        # Runs inside the last optimizer step while the script is still alive (its temp files,
-        # open datasets and models exist), with every patch already removed.
-        nonlocal analysed
-        if analysed:
+    def analyse_live(self) -> None:
+        """The probe's stop, inside the last optimizer step while the script is still alive (its temp files,
+        open datasets and models exist): the time limit and every patch come off, then the analysis runs."""
+        if self.analysed:
             return
-        analysed = True
+        self.analysed = True
         signal.setitimer(signal.ITIMER_REAL, 0)
-        probe._restore()
+        self.probe._restore()
+        obs = self.obs
         obs.setdefault("cudnn_benchmark", torch.backends.cudnn.benchmark)
         obs["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
         read_settings(obs)
-        obs["compile"] = _compile_events(compile_log.records)
-        _analyse(probe, job, obs)
+        obs["compile"] = _compile_events(self.compile_log.records)
+        _analyse(self.probe, self.job, obs)
 
-    probe.on_stop = analyse
-    old_handler = signal.signal(signal.SIGALRM, _alarm)
-    t_start = time.perf_counter()
-    status, tb = "finished", None
-    sys.argv = [script, *obs["argv"]]
-    sys.path.insert(0, script_dir)
+    def read_before_reset(self) -> None:
+        """The script ended before the step limit: read its settings before they are reset."""
+        if not self.analysed:
+            read_settings(self.obs)
+            self.obs["compile"] = _compile_events(self.compile_log.records)
+
+    def analyse_after(self) -> None:
+        """The script ended before the step limit: examine what it left behind."""
+        if not self.analysed:
+            self.analysed = True
+            self.obs.setdefault("cuda_devices", torch.cuda.device_count() if torch.cuda.is_available() else 0)
+            _analyse(self.probe, self.job, self.obs)
+
+
+def _start(job: dict) -> dict:
+    """The observation a run starts from: the script, its arguments, the step counts, the machine."""
+    from torchspeed.env import detect
+
+    steps, warmup = int(job.get("steps", 30)), int(job.get("warmup", 5))
+    return {"script": job["script"], "argv": list(job.get("args", [])), "steps_requested": steps,
+            "warmup": warmup, "env": detect().to_dict(), "notes": []}
+
+
+def _save_globals() -> dict:
+    """Every global the script may change, to put back after it (`_stop`)."""
+    return {"argv": sys.argv, "path": list(sys.path), "modules": set(sys.modules),
+            "threads": torch.get_num_threads(), "cudnn": torch.backends.cudnn.benchmark,
+            "dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled(), "cwd": os.getcwd(),
+            "anomaly": torch.is_anomaly_enabled(), "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "precision": _precision_settings()}
+
+
+def _probe_script(script: str, run: _Run) -> tuple[str, str | None]:
+    """The probe phase: run the script under the probe and the time limit; (status, traceback) of how it
+    ended: stopped at the step limit, finished, exited, raised, timed out or interrupted."""
     try:
-        signal.setitimer(signal.ITIMER_REAL, float(job.get("time_limit", 300)))
+        signal.setitimer(signal.ITIMER_REAL, float(run.job.get("time_limit", 300)))
         try:
-            with compile_log, probe:
-                _run_script(script, job.get("source"))
+            with run.compile_log, run.probe:
+                _run_script(script, run.job.get("source"))
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
     except StopScript:
-        status = "stopped"
+        return "stopped", None
     except TimeLimit:
-        status = "timeout"
+        return "timeout", None
     except SystemExit as e:
-        status = "finished" if e.code in (None, 0) else "exited"
-        if status == "exited":
-            tb = f"SystemExit: {e.code}"
+        return ("finished", None) if e.code in (None, 0) else ("exited", f"SystemExit: {e.code}")
     except KeyboardInterrupt:
-        status, tb = "interrupted", "KeyboardInterrupt"
+        return "interrupted", "KeyboardInterrupt"
     except BaseException as e:  # the user's script raised: report it with its traceback
-        status = "raised"
         frames = [f for f in traceback.extract_tb(e.__traceback__) if is_user_file(f.filename)]
-        tb = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) + \
+        return "raised", "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) + \
             "".join(traceback.format_exception_only(type(e), e))
+    return "finished", None
+
+
+def _drop_script_modules(before: set, script_dir: str) -> None:
+    """Forget the script's own modules (imported from its folder), not the packages it imported."""
+    env_dirs = tuple(os.path.realpath(p) + os.sep for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
+    for name in set(sys.modules) - before:
+        f = os.path.realpath(getattr(sys.modules.get(name), "__file__", None) or "") if name in sys.modules else ""
+        # A virtual environment inside the script's folder (project/.venv) holds torch: its modules register
+        # C++ libraries once per process and must never be imported twice.
+        if f and f.startswith(os.path.realpath(script_dir) + os.sep) and not f.startswith(env_dirs):
+            del sys.modules[name]
+
+
+def _stop(run: _Run, saved: dict, script_dir: str) -> None:
+    """The stop phase: put back every global the script may have changed (`_save_globals`), after
+    reading the settings it left (and its own cudnn.benchmark) into the observation."""
+    sys.argv = saved["argv"]
+    sys.path[:] = saved["path"]
+    _drop_script_modules(saved["modules"], script_dir)
+    run.read_before_reset()
+    torch.set_num_threads(saved["threads"])
+    run.obs.setdefault("cudnn_benchmark", torch.backends.cudnn.benchmark)  # the script's own setting
+    torch.backends.cudnn.benchmark = saved["cudnn"]
+    torch.set_default_dtype(saved["dtype"])
+    torch.set_grad_enabled(saved["grad"])
+    torch.autograd.set_detect_anomaly(saved["anomaly"])
+    torch.use_deterministic_algorithms(saved["deterministic"])
+    _restore_precision(saved["precision"])
+    if os.getcwd() != saved["cwd"]:
+        os.chdir(saved["cwd"])
+
+
+def run_job(job: dict) -> dict:
+    """Run one script under the probe; return the observation (JSON-ready dict). The phases: start (the
+    observation, the saved globals), probe (the script runs), stop (the globals put back), report (the
+    analysis, when the probe's stop did not run it inside the last step)."""
+    script = os.path.abspath(job["script"])
+    run = _Run(job, _start(job))
+    saved = _save_globals()
+    old_handler = signal.signal(signal.SIGALRM, _alarm)
+    t_start = time.perf_counter()
+    sys.argv = [script, *run.obs["argv"]]
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        status, tb = _probe_script(script, run)
     finally:
         signal.signal(signal.SIGALRM, old_handler)
-        sys.argv = saved["argv"]
-        sys.path[:] = saved["path"]
-        env_dirs = tuple(os.path.realpath(p) + os.sep for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
-        for name in set(sys.modules) - saved["modules"]:  # the script's own modules, not the packages it imported
-            f = os.path.realpath(getattr(sys.modules.get(name), "__file__", None) or "") if name in sys.modules else ""
-            # A virtual environment inside the script's folder (project/.venv) holds torch: its modules register
-            # C++ libraries once per process and must never be imported twice.
-            if f and f.startswith(os.path.realpath(script_dir) + os.sep) and not f.startswith(env_dirs):
-                del sys.modules[name]
-        if not analysed:  # the script ended before the step limit: read its settings before they are reset
-            read_settings(obs)
-            obs["compile"] = _compile_events(compile_log.records)
-        torch.set_num_threads(saved["threads"])
-        obs.setdefault("cudnn_benchmark", torch.backends.cudnn.benchmark)  # the script's own setting
-        torch.backends.cudnn.benchmark = saved["cudnn"]
-        torch.set_default_dtype(saved["dtype"])
-        torch.set_grad_enabled(saved["grad"])
-        torch.autograd.set_detect_anomaly(saved["anomaly"])
-        torch.use_deterministic_algorithms(saved["deterministic"])
-        _restore_precision(saved["precision"])
-        if os.getcwd() != saved["cwd"]:
-            os.chdir(saved["cwd"])
-    obs["status"], obs["traceback"] = status, tb
-    obs["wall_s"] = round(time.perf_counter() - t_start, 3)
-    if not analysed:
-        analysed = True
-        obs.setdefault("cuda_devices", torch.cuda.device_count() if torch.cuda.is_available() else 0)
-        _analyse(probe, job, obs)  # examine what the script left behind
-    return obs
+        _stop(run, saved, os.path.dirname(script))
+    run.obs["status"], run.obs["traceback"] = status, tb
+    run.obs["wall_s"] = round(time.perf_counter() - t_start, 3)
+    run.analyse_after()
+    return run.obs

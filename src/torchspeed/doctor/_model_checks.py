@@ -117,17 +117,11 @@ def leaf_trace(model: nn.Module, args, reps: int = 5, train: bool = True, kwargs
     return order, {id(mod): per_step.get(id(mod), 0.0) for mod in order}, shapes, m
 
 
-def examine_model(cap: Captured, obs: dict) -> None:
-    info: dict = {"found": cap.model is not None}
-    obs["model"] = info
-    if cap.model is None:
-        obs["notes"].append("no module with parameters was called in training mode: model checks skipped")
-        return
-    model = cap.model
-    inner = _unwrap(model)
-    pinfo = cap.model_info
+def _layout(model: nn.Module, inner: nn.Module) -> dict:
+    """What the model is: its class, size, device, Conv2d and channels_last weights, norm layers,
+    DataParallel (T31), compiled."""
     params = list(inner.parameters())
-    info.update({
+    return {
         "class": type(model).__name__, "inner_class": type(inner).__name__,
         "params": int(sum(p.numel() for p in params)),
         "data_parallel": isinstance(model, nn.DataParallel),
@@ -138,57 +132,63 @@ def examine_model(cap: Captured, obs: dict) -> None:
                                      and not m.weight.is_contiguous() for m in inner.modules()),
         "norm_layers": sum(isinstance(m, _NORMS) for m in inner.modules()),
         "compiled": is_compiled(model),
-    })
-    # unused parameters (T37): in the optimizer but no gradient at a step, or in a module that is never
-    # used. A module whose own forward never ran is still used when its parameters got gradients
-    # (nn.MultiheadAttention reads out_proj.weight functionally): only report modules with neither.
+    }
+
+
+def _unused(cap: Captured, inner: nn.Module, n_params: int) -> dict:
+    """Unused parameters (T37): in the optimizer but no gradient at a step, or in a module that is never
+    used. A module whose own forward never ran is still used when its parameters got gradients
+    (nn.MultiheadAttention reads out_proj.weight functionally): only report modules with neither."""
     names = {id(p): n for n, p in inner.named_parameters()}
     unused = sorted({names[i] for i in cap.unused_ids if i in names})
     never_called = [n for n, m in inner.named_modules()
                     if not any(True for _ in m.children()) and any(True for _ in m.parameters(recurse=False))
                     and id(m) not in cap.called and not any(id(p) in cap.grad_ids for p in m.parameters())]
     n_unused = sum(p.numel() for n, p in inner.named_parameters() if n in set(unused))
-    info["unused_params"] = unused[:20]
-    info["unused_param_count"] = len(unused)
-    info["unused_param_fraction"] = round(n_unused / max(1, info["params"]), 4)
-    info["never_called_modules"] = never_called[:20]
-    info["optimizer"] = type(cap.optimizer).__name__ if cap.optimizer is not None else None
-    obs["optimizer"] = optimizer_info(cap.optimizer)
-    if pinfo is not None:
-        info["autocast"] = pinfo["autocast_calls"] > 0
-        info["autocast_dtype"] = pinfo["autocast_dtype"]
-        env = obs.get("env", {})
-        if info["autocast"] and info["device"] == "cpu" and not env.get("bf16_supported", True):
-            obs["notes"].append(f"autocast ({info['autocast_dtype']}) is on, but this CPU has no AVX512-BF16/AMX: "
-                                "bf16 is emulated here and usually much slower than fp32")
-        info["train_calls"] = pinfo["train_calls"]
-    args = cap.args
-    if args is None:
-        obs["notes"].append("no training-mode forward after the first step was captured: input checks skipped")
-        return
-    x = first_tensor(list(args) + list(cap.kwargs.values()))
-    if x is not None:
-        xf = x.float()
-        info["input"] = {"shape": list(x.shape), "dtype": str(x.dtype), "mean": round(xf.mean().item(), 4),
-                         "std": round(xf.std().item(), 4) if xf.numel() > 1 else 0.0,
-                         "min": round(xf.min().item(), 4), "max": round(xf.max().item(), 4),
-                         "channels_last": x.dim() == 4 and x.shape[1] > 1 and x.is_contiguous(memory_format=torch.channels_last)
-                         and not x.is_contiguous()}
-        info["batch_size"] = int(x.shape[0]) if x.dim() > 0 else None
+    return {"unused_params": unused[:20], "unused_param_count": len(unused),
+            "unused_param_fraction": round(n_unused / max(1, n_params), 4), "never_called_modules": never_called[:20]}
+
+
+def _precision(pinfo: dict, info: dict, obs: dict) -> None:
+    """The precision the script trained in: autocast and its dtype; a note when it is bf16 emulated on a
+    CPU without bf16 instructions."""
+    info["autocast"] = pinfo["autocast_calls"] > 0
+    info["autocast_dtype"] = pinfo["autocast_dtype"]
+    env = obs.get("env", {})
+    if info["autocast"] and info["device"] == "cpu" and not env.get("bf16_supported", True):
+        obs["notes"].append(f"autocast ({info['autocast_dtype']}) is on, but this CPU has no AVX512-BF16/AMX: "
+                            "bf16 is emulated here and usually much slower than fp32")
+    info["train_calls"] = pinfo["train_calls"]
+
+
+def _input_stats(x: torch.Tensor) -> dict:
+    """The captured batch's first tensor: shape, dtype, value range (unnormalised inputs, T30), layout."""
+    xf = x.float()
+    return {"shape": list(x.shape), "dtype": str(x.dtype), "mean": round(xf.mean().item(), 4),
+            "std": round(xf.std().item(), 4) if xf.numel() > 1 else 0.0,
+            "min": round(xf.min().item(), 4), "max": round(xf.max().item(), 4),
+            "channels_last": x.dim() == 4 and x.shape[1] > 1 and x.is_contiguous(memory_format=torch.channels_last)
+            and not x.is_contiguous()}
+
+
+def _rerun(cap: Captured, inner: nn.Module, info: dict):
+    """Conv+BatchNorm pairs (T27) and the leaf trace, both from re-running the model on its captured
+    batch: forward and backward, or forward only where backward hooks cannot wrap the model."""
+    pairs = find_conv_bn_pairs(inner, example_input=cap.args, example_kwargs=cap.kwargs)
+    info["conv_bias_before_bn"] = [f"{p.conv} -> {p.bn}" for p in pairs if p.has_bias]
+    info["conv_bn_pairs"] = len(pairs)
     try:
-        pairs = find_conv_bn_pairs(inner, example_input=args, example_kwargs=cap.kwargs)
-        info["conv_bias_before_bn"] = [f"{p.conv} -> {p.bn}" for p in pairs if p.has_bias]
-        info["conv_bn_pairs"] = len(pairs)
-        try:
-            order, times, shapes, copy_ = leaf_trace(inner, args, kwargs=cap.kwargs)
-            info["design_timing"] = "forward+backward"
-        except Exception:  # e.g. in-place ops that backward hooks cannot wrap: time forward only
-            order, times, shapes, copy_ = leaf_trace(inner, args, train=False, kwargs=cap.kwargs)
-            info["design_timing"] = "forward"
-    except Exception as e:  # a model that cannot rerun on its captured input: skip these checks
-        obs["notes"].append(f"re-running the model on its captured input failed ({type(e).__name__}: {e}); "
-                            "structure checks skipped")
-        return
+        trace = leaf_trace(inner, cap.args, kwargs=cap.kwargs)
+        info["design_timing"] = "forward+backward"
+    except Exception:  # e.g. in-place ops that backward hooks cannot wrap: time forward only
+        trace = leaf_trace(inner, cap.args, train=False, kwargs=cap.kwargs)
+        info["design_timing"] = "forward"
+    return trace
+
+
+def _odd_sizes(order: list[nn.Module], copy_: nn.Module) -> list[str]:
+    """Linear/Conv widths between layers that are not multiples of 8 (T24); the first layer's input and
+    the last layer's output are the data's, except a last Linear as wide as an embedding table."""
     mod_names = {id(m): n for n, m in copy_.named_modules()}
     weighted = [m for m in order if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))]
     # a last Linear as wide as an embedding table is an LM head over the vocabulary: its width is
@@ -206,8 +206,11 @@ def examine_model(cap: Captured, obs: dict) -> None:
         for attr, v, check in sizes:
             if check and v % 8:
                 odd.append(f"{n}.{attr}={v}")
-    info["odd_sizes"] = sorted(set(odd))[:20]
-    # model design (T36): share of forward time vs share of FLOPs in grouped / depthwise convs
+    return sorted(set(odd))[:20]
+
+
+def _design(order: list[nn.Module], times: dict, shapes: dict) -> dict:
+    """Model design (T36): share of forward time vs share of FLOPs in grouped / depthwise convs."""
     total_t = sum(times.values()) or 1e-9
     flops, g_flops, g_time, n_grouped = 0.0, 0.0, 0.0, 0
     for m in order:
@@ -221,6 +224,37 @@ def examine_model(cap: Captured, obs: dict) -> None:
                 g_time += times.get(id(m), 0.0)
         elif isinstance(m, nn.Linear) and id(m) in shapes:
             flops += float(torch.Size(shapes[id(m)]).numel()) * m.in_features
-    info["design"] = {"grouped_convs": n_grouped, "grouped_time_share": round(g_time / total_t, 4),
-                      "grouped_flops_share": round(g_flops / flops, 4) if flops else 0.0,
-                      "leaf_modules": len(order)}
+    return {"grouped_convs": n_grouped, "grouped_time_share": round(g_time / total_t, 4),
+            "grouped_flops_share": round(g_flops / flops, 4) if flops else 0.0, "leaf_modules": len(order)}
+
+
+def examine_model(cap: Captured, obs: dict) -> None:
+    """Every model check on the captured model into `obs["model"]` (and `obs["optimizer"]`); a check that
+    needs what was not captured (a batch, a model that re-runs) is skipped with a note."""
+    info: dict = {"found": cap.model is not None}
+    obs["model"] = info
+    if cap.model is None:
+        obs["notes"].append("no module with parameters was called in training mode: model checks skipped")
+        return
+    inner = _unwrap(cap.model)
+    info.update(_layout(cap.model, inner))
+    info.update(_unused(cap, inner, info["params"]))
+    info["optimizer"] = type(cap.optimizer).__name__ if cap.optimizer is not None else None
+    obs["optimizer"] = optimizer_info(cap.optimizer)
+    if cap.model_info is not None:
+        _precision(cap.model_info, info, obs)
+    if cap.args is None:
+        obs["notes"].append("no training-mode forward after the first step was captured: input checks skipped")
+        return
+    x = first_tensor(list(cap.args) + list(cap.kwargs.values()))
+    if x is not None:
+        info["input"] = _input_stats(x)
+        info["batch_size"] = int(x.shape[0]) if x.dim() > 0 else None
+    try:
+        order, times, shapes, copy_ = _rerun(cap, inner, info)
+    except Exception as e:  # a model that cannot rerun on its captured input: skip these checks
+        obs["notes"].append(f"re-running the model on its captured input failed ({type(e).__name__}: {e}); "
+                            "structure checks skipped")
+        return
+    info["odd_sizes"] = _odd_sizes(order, copy_)
+    info["design"] = _design(order, times, shapes)

@@ -198,15 +198,30 @@ class Probe:
 
     # -- instrumentation ----------------------------------------------------------------
     def _install(self) -> None:
+        """Every hook family, in this order (`_restore` undoes them in reverse)."""
+        self._install_step_and_forward_hooks()
+        self._install_backward_and_zero_grad()
+        self._install_data_loader()
+        self._install_host_device_copies()
+        self._install_sync_counters()
+        self._patch(torch, "tensor", functools.partial(count_tensor_copies, self.copies))  # numpy copies
+        if torch.cuda.is_available():
+            self._install_cuda_sync_warnings()
+
+    def _install_step_and_forward_hooks(self) -> None:
+        """Global optimizer step and module forward hooks: step boundaries, the model and its inputs."""
         from torch.nn.modules import module as mm
         from torch.optim import optimizer as om
-        from torch.utils.data import dataloader as dl
 
-        probe = self
         self._handles.append(om.register_optimizer_step_pre_hook(self._on_step_pre))
         self._handles.append(om.register_optimizer_step_post_hook(self._on_step_post))
         self._handles.append(mm.register_module_forward_pre_hook(self._on_forward_pre))
         self._handles.append(mm.register_module_forward_hook(self._on_forward_post))
+
+    def _install_backward_and_zero_grad(self) -> None:
+        """`Tensor.backward` timed; `zero_grad` (optimizer and module) timed, counted, with its
+        set_to_none=False call sites."""
+        probe = self
 
         def wrap_backward(orig):
             @functools.wraps(orig)
@@ -234,6 +249,12 @@ class Probe:
         self._patch(torch.optim.Optimizer, "zero_grad", wrap_zero_grad)
         self._patch(nn.Module, "zero_grad", wrap_zero_grad)
 
+    def _install_data_loader(self) -> None:
+        """DataLoader iteration timed as data time: each loader, its iterator's set-up and each batch's wait."""
+        from torch.utils.data import dataloader as dl
+
+        probe = self
+
         def wrap_iter(orig):
             @functools.wraps(orig)
             def __iter__(self):
@@ -255,6 +276,10 @@ class Probe:
             return __next__
         self._patch(dl._BaseDataLoaderIter, "__next__", wrap_next)
 
+    def _install_host_device_copies(self) -> None:
+        """`Tensor.to` (from the CPU to an accelerator) and `Tensor.cuda` timed as copy time."""
+        probe = self
+
         def wrap_to(orig):
             @functools.wraps(orig)
             def to(self, *a, **k):
@@ -271,25 +296,28 @@ class Probe:
             return cuda
         self._patch(torch.Tensor, "cuda", wrap_cuda)
 
+    def _install_sync_counters(self) -> None:
+        """Host reads of device values from user code (`.item`, `.tolist`, `.numpy`, `.cpu`, `nonzero`)."""
         for name in ("item", "tolist", "numpy", "cpu", "nonzero"):
             self._patch(torch.Tensor, name, functools.partial(self._wrap_sync, name))
         self._patch(torch, "nonzero", functools.partial(self._wrap_sync, "nonzero"))
 
-        self._patch(torch, "tensor", functools.partial(count_tensor_copies, self.copies))
-        if torch.cuda.is_available():
-            # every implicit sync (also the ones we cannot patch: boolean-mask indexing,
-            # Python control flow on device values) emits a warning: count them, print none
-            torch.cuda.set_sync_debug_mode("warn")
-            import warnings
+    def _install_cuda_sync_warnings(self) -> None:
+        """Every implicit CUDA sync (also the ones we cannot patch: boolean-mask indexing, Python control
+        flow on device values) emits a warning: count them, print none."""
+        import warnings
 
-            def wrap_showwarning(orig):
-                def showwarning(message, category, *a, **k):
-                    if "synchroniz" in str(message):
-                        probe.cuda_sync_warnings += 1
-                        return None
-                    return orig(message, category, *a, **k)
-                return showwarning
-            self._patch(warnings, "showwarning", wrap_showwarning)
+        probe = self
+        torch.cuda.set_sync_debug_mode("warn")
+
+        def wrap_showwarning(orig):
+            def showwarning(message, category, *a, **k):
+                if "synchroniz" in str(message):
+                    probe.cuda_sync_warnings += 1
+                    return None
+                return orig(message, category, *a, **k)
+            return showwarning
+        self._patch(warnings, "showwarning", wrap_showwarning)
 
     @staticmethod
     def _moves_to_accelerator(a, k) -> bool:

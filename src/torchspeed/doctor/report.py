@@ -103,12 +103,20 @@ _STATUS = {
 
 
 def render_report(report: DoctorReport, console=None) -> None:
-    """Print the report with rich: env facts, breakdown, ranked findings, verify table."""
+    """Print the report with rich, one section after another: the machine and the run, the step-time
+    breakdown, memory, the ranked findings, --verify, fit's plan, the environment fixes, --fix, notes."""
     from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
 
     console = console or Console()
+    for section in (_render_run, _render_breakdown, _render_memory, _render_findings, _render_verify,
+                    _render_fit_plan, _render_env_fixes, _render_fix, _render_notes):
+        section(report, console)
+
+
+def _render_run(report: DoctorReport, console) -> None:
+    """The machine (T01) and how the script's run ended, with its traceback."""
+    from rich.text import Text
+
     e = report.env
     console.rule(f"torchspeed doctor: {report.script}")
     console.print(f"[bold]machine[/]: {e.get('device', '?')} ({e.get('device_name', '?')}), {e.get('cpu_cores', '?')} cores, "
@@ -117,78 +125,104 @@ def render_report(report: DoctorReport, console=None) -> None:
     for n in e.get("notes", []):
         console.print(f"  [yellow]env:[/] {n}")
     n = report.observation.get("steps_observed", 0)
-    console.print(f"[bold]run[/]: " + _STATUS.get(report.status, report.status).format(n=n))
+    console.print("[bold]run[/]: " + _STATUS.get(report.status, report.status).format(n=n))
     if report.traceback:
         console.print(Text(report.traceback.rstrip(), style="red"))
+
+
+def _render_breakdown(report: DoctorReport, console) -> None:
+    """The step-time breakdown (T02): a table of each part's time and share."""
+    from rich.table import Table
+
     b = report.breakdown
-    if b.get("steps"):
-        out = b.get("outlier_steps", 0)
-        left = f", {out} start-up outlier(s) left out: {b.get('outlier_step_ms')} ms" if out else ""
-        t = Table(title=f"step time: {b['step_ms']:.2f} ms (trimmed mean of {b['steps']} steps after warm-up{left})")
-        for col in ("data wait", "copy", "compute", "sync", "other"):
-            t.add_column(col, justify="right")
-        keys = ("data_wait", "copy", "compute", "sync", "other")
-        ms = ("data_wait_ms", "copy_ms", "compute_ms", "sync_ms", "other_ms")
-        t.add_row(*[f"{b[m]:.2f} ms ({b['fractions'][k]:.0%})" for k, m in zip(keys, ms)])
-        console.print(t)
+    if not b.get("steps"):
+        return
+    out = b.get("outlier_steps", 0)
+    left = f", {out} start-up outlier(s) left out: {b.get('outlier_step_ms')} ms" if out else ""
+    t = Table(title=f"step time: {b['step_ms']:.2f} ms (trimmed mean of {b['steps']} steps after warm-up{left})")
+    for col in ("data wait", "copy", "compute", "sync", "other"):
+        t.add_column(col, justify="right")
+    keys = ("data_wait", "copy", "compute", "sync", "other")
+    ms = ("data_wait_ms", "copy_ms", "compute_ms", "sync_ms", "other_ms")
+    t.add_row(*[f"{b[m]:.2f} ms ({b['fractions'][k]:.0%})" for k, m in zip(keys, ms)])
+    console.print(t)
+
+
+def _render_memory(report: DoctorReport, console) -> None:
+    """Peak memory: the process's RSS and, on CUDA, the peak allocated of the total."""
     mem = report.observation.get("memory") or {}
-    if mem:
-        line = f"[bold]memory[/]: peak RSS {mem.get('max_rss_mib', 0):.0f} MiB"
-        if "cuda_max_allocated_mib" in mem:
-            line += f", CUDA peak allocated {mem['cuda_max_allocated_mib']:.0f} of {mem['cuda_total_mib']:.0f} MiB"
-        console.print(line)
-    if report.findings:
-        console.print("[bold]findings, most costly first[/]")
-        colors = {"high": "red", "medium": "yellow", "low": "dim"}
-        for i, f in enumerate(report.findings, 1):
-            gain = "" if f.est_gain is None else f"  est. {f.est_gain:.2f}x"
-            if f.measured_gain is not None:
-                gain += f", measured {f.measured_gain:.2f}x"
-            elif f.basis == "estimated" and f.est_gain is not None:
-                gain += " (estimated, not measured)"
-            head = Text(f"{i:2d}. ")
-            head.append(f"{f.severity.upper():6s}", style=f"bold {colors[f.severity]}")
-            head.append(f" {f.rule}", style="bold")
-            head.append(gain)
-            console.print(head)
-            console.print(Text("    evidence: " + f.evidence))
-            console.print(Text("    fix:      " + f.fix, style="green"))
-            for a in f.also:  # another rule's fix for the same cause
-                console.print(Text(f"    or:       ({a.rule}, {gain_text(a)}) {a.fix}", style="green"))
-    else:
+    if not mem:
+        return
+    line = f"[bold]memory[/]: peak RSS {mem.get('max_rss_mib', 0):.0f} MiB"
+    if "cuda_max_allocated_mib" in mem:
+        line += f", CUDA peak allocated {mem['cuda_max_allocated_mib']:.0f} of {mem['cuda_total_mib']:.0f} MiB"
+    console.print(line)
+
+
+def _render_findings(report: DoctorReport, console) -> None:
+    """The findings, most costly first: severity, rule, gain, evidence, fix, and the folded-in fixes."""
+    from rich.text import Text
+
+    if not report.findings:
         console.print("[green]no findings[/]")
-    if report.verify:
-        t = Table(title="--verify: each fix measured on this model, interleaved with its baseline")
-        for col in ("fix", "baseline ms/step", "with fix ms/step", "speed-up", "note"):
-            t.add_column(col)
-        for v in report.verify.values():
-            if "error" in v:
-                t.add_row(v["fix"], "-", "-", "-", v["error"])
-                continue
-            s = v["speedup"]
-            note = "slower here: not recommended on this machine" if s < 0.97 else ""
-            if v.get("within_noise"):
-                note = f"within noise (middle half of rounds {v['iqr'][0]:.2f}-{v['iqr'][1]:.2f}x)"
-            if "compile_s" in v:
-                note = (note + f" compile took {v['compile_s']} s").strip()
-            t.add_row(v["fix"], f"{v['baseline_ms']:.2f}", f"{v['candidate_ms']:.2f}", f"{s:.2f}x", note)
-        console.print(t)
+        return
+    console.print("[bold]findings, most costly first[/]")
+    colors = {"high": "red", "medium": "yellow", "low": "dim"}
+    for i, f in enumerate(report.findings, 1):
+        gain = "" if f.est_gain is None else f"  est. {f.est_gain:.2f}x"
+        if f.measured_gain is not None:
+            gain += f", measured {f.measured_gain:.2f}x"
+        elif f.basis == "estimated" and f.est_gain is not None:
+            gain += " (estimated, not measured)"
+        head = Text(f"{i:2d}. ")
+        head.append(f"{f.severity.upper():6s}", style=f"bold {colors[f.severity]}")
+        head.append(f" {f.rule}", style="bold")
+        head.append(gain)
+        console.print(head)
+        console.print(Text("    evidence: " + f.evidence))
+        console.print(Text("    fix:      " + f.fix, style="green"))
+        for a in f.also:  # another rule's fix for the same cause
+            console.print(Text(f"    or:       ({a.rule}, {gain_text(a)}) {a.fix}", style="green"))
+
+
+def _render_verify(report: DoctorReport, console) -> None:
+    """`--verify`: each fix measured on the captured model against its interleaved baseline."""
+    from rich.table import Table
+
+    if not report.verify:
+        return
+    t = Table(title="--verify: each fix measured on this model, interleaved with its baseline")
+    for col in ("fix", "baseline ms/step", "with fix ms/step", "speed-up", "note"):
+        t.add_column(col)
+    for v in report.verify.values():
+        if "error" in v:
+            t.add_row(v["fix"], "-", "-", "-", v["error"])
+            continue
+        s = v["speedup"]
+        note = "slower here: not recommended on this machine" if s < 0.97 else ""
+        if v.get("within_noise"):
+            note = f"within noise (middle half of rounds {v['iqr'][0]:.2f}-{v['iqr'][1]:.2f}x)"
+        if "compile_s" in v:
+            note = (note + f" compile took {v['compile_s']} s").strip()
+        t.add_row(v["fix"], f"{v['baseline_ms']:.2f}", f"{v['candidate_ms']:.2f}", f"{s:.2f}x", note)
+    console.print(t)
+
+
+def _render_fit_plan(report: DoctorReport, console) -> None:
+    """What fit's plan would choose for this model, measured against the script's own settings."""
     plan = report.observation.get("fit_plan") or {}
-    if plan.get("chosen"):
-        console.print(f"[bold]fit's plan[/] for this model: {plan['chosen']} ({plan['why']}); measured "
-                      f"{plan['speedup']:.2f}x per step against the script's own {plan['script']}"
-                      + (" (within noise)" if plan.get("within_noise") else ""), highlight=False)
-        rest = plan.get("beyond_grid") or {}
-        if rest.get("not_covered"):
-            console.print("  the plan's figure leaves out: " + "; ".join(rest["not_covered"]), highlight=False)
-    _render_env_fixes(report, console)
-    if report.fix:
-        _render_fix(report, console)
-    for n in report.notes:
-        console.print(f"[dim]note: {n}[/]")
+    if not plan.get("chosen"):
+        return
+    console.print(f"[bold]fit's plan[/] for this model: {plan['chosen']} ({plan['why']}); measured "
+                  f"{plan['speedup']:.2f}x per step against the script's own {plan['script']}"
+                  + (" (within noise)" if plan.get("within_noise") else ""), highlight=False)
+    rest = plan.get("beyond_grid") or {}
+    if rest.get("not_covered"):
+        console.print("  the plan's figure leaves out: " + "; ".join(rest["not_covered"]), highlight=False)
 
 
 def _render_env_fixes(report: DoctorReport, console) -> None:
+    """The environment fixes (and the workers patch), each re-run on the script against the original."""
     from rich.table import Table
 
     entries = (report.observation.get("env_fixes") or {}).values()
@@ -210,10 +244,13 @@ def _render_env_fixes(report: DoctorReport, console) -> None:
 
 
 def _render_fix(report: DoctorReport, console) -> None:
+    """`--fix`: each patch measured on the script, the kept ones together end to end, their diff."""
     from rich.table import Table
     from rich.text import Text
 
     fx = report.fix
+    if not fx:
+        return
     t = Table(title=f"--fix: each patch measured on the script itself ({fx['rounds']} interleaved rounds of "
                     f"{fx['steps']} steps)")
     for col in ("rule", "patch", "speed-up", "kept", "note"):
@@ -231,3 +268,9 @@ def _render_fix(report: DoctorReport, console) -> None:
         console.print(Text(fx["combined_diff"].rstrip()), highlight=False)
         console.print("[green]written to the script[/]" if fx.get("applied") else
                       "[dim]the script was not changed; add --apply to write these patches[/]")
+
+
+def _render_notes(report: DoctorReport, console) -> None:
+    """The doctor's notes: checks it skipped or that failed, and why."""
+    for n in report.notes:
+        console.print(f"[dim]note: {n}[/]")
