@@ -8,9 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from torchspeed.bench.scaling import _torchrun, measure_scaling
+from torchspeed.bench.scaling import ScalingResult, ScalingRow, _torchrun, measure_scaling
 
 ABORT_ONCE = Path(__file__).parent / "scripts" / "abort_once.py"
+
+
+def test_a_row_derives_its_label_and_median_from_its_samples():
+    """The label and the median are read from the row's fields; the JSON rows keep every key, in order."""
+    row = ScalingRow(2, 4, [10.0, 14.0, 11.0], final_loss=0.5)
+    assert (row.name, row.samples_per_s) == ("2 procs x 4 threads", 11.0)
+    assert ScalingRow(1, 8, [5.0]).name == "1 proc x 8 threads"
+    assert ScalingResult([row], {}, {}).to_dict()["rows"] == [
+        {"name": "2 procs x 4 threads", "nproc": 2, "threads": 4, "samples_per_s": 11.0,
+         "samples": [10.0, 14.0, 11.0], "final_loss": 0.5}]
+    assert list(ScalingResult([row], {}, {}).to_dict()["rows"][0]) == ["name", "nproc", "threads", "samples_per_s",
+                                                                      "samples", "final_loss"]
 
 
 # Two torchrun jobs of a few seconds each when the machine is idle; a minute each next to other work.

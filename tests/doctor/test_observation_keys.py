@@ -400,6 +400,24 @@ def test_declared_reads_pass_and_other_dicts_are_left_alone(tmp_path):
                                                  ("model", "Observation"), ("class", "ModelInfo")}
 
 
+def test_keys_inherited_from_a_base_are_declared(tmp_path):
+    """A TypedDict's keys include those of the bases it inherits (`CompileStage`'s `speedup` from `_StageFigure`,
+    `EnvFixResult`'s `within_noise` from `_RoundRatios`): the readers' side and the writers' side both see them."""
+    checked, missing = _scan_source(tmp_path, '''
+        def check(obs):
+            comp = obs["fit_plan"]["beyond_grid"]["compile"]
+            e = (obs.get("env_fixes") or {}).get("malloc") or {}
+            return comp["measured"], comp["speedup"], comp["compile_s"], e["within_noise"], e["fix"], e["nope"]
+    ''')
+    assert [k for _, k, _ in missing] == ["nope"]
+    assert {(k, td) for _, k, td in checked} >= {("measured", "CompileStage"), ("speedup", "CompileStage"),
+                                                 ("compile_s", "CompileStage"), ("within_noise", "EnvFixResult"),
+                                                 ("fix", "EnvFixResult")}
+    plan = {"speedup": 1.1, "ratios": [1.1], "beyond_grid": {"allocator": {"measured": True, "how": "re-run",
+                                                                           "iqr": None, "spedup": 1.0}}}
+    assert schema.undeclared_keys({"fit_plan": plan}) == ["fit_plan.beyond_grid.allocator.spedup"]
+
+
 def test_environment_declares_every_field_of_env_info():
     """`obs["env"]` is `torchspeed.env.EnvInfo.to_dict()`: the two lists of fields agree."""
     from torchspeed.env import EnvInfo

@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -44,14 +44,32 @@ from torchspeed.train.rounds import interleaved, paired_ratios
 __all__ = ["ScalingRow", "ScalingResult", "measure_scaling", "run_scaling_cli"]
 
 
+def _config_name(nproc: int, threads: int) -> str:
+    """A configuration's label in the table and the JSON: "2 procs x 4 threads"."""
+    return f"{nproc} proc{'s' if nproc > 1 else ''} x {threads} threads"
+
+
 @dataclass(frozen=True)
 class ScalingRow:
-    name: str
+    """One configuration (`nproc` processes of `threads` intra-op threads each) and what its jobs measured. Its
+    label and its median are derived from these fields, so a row cannot disagree with its own samples."""
     nproc: int
     threads: int
-    samples_per_s: float               # median over rounds, all processes together
-    samples: list[float] = field(default_factory=list)  # one per round
+    samples: list[float]               # samples/s of each round's job, all processes together
     final_loss: float | None = None
+
+    @property
+    def name(self) -> str:
+        return _config_name(self.nproc, self.threads)
+
+    @property
+    def samples_per_s(self) -> float:
+        """The median over the rounds."""
+        return statistics.median(self.samples)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "nproc": self.nproc, "threads": self.threads, "samples_per_s": self.samples_per_s,
+                "samples": list(self.samples), "final_loss": self.final_loss}
 
 
 @dataclass(frozen=True)
@@ -61,7 +79,7 @@ class ScalingResult:
     meta: dict
 
     def to_dict(self) -> dict:
-        return {"rows": [asdict(r) for r in self.rows], "ratios": self.ratios, "meta": self.meta}
+        return {"rows": [r.to_dict() for r in self.rows], "ratios": self.ratios, "meta": self.meta}
 
 
 
@@ -77,25 +95,25 @@ def measure_scaling(*, nproc: int = 2, model: str = "mlp", data: str = "syntheti
             raise ValueError(f"{nproc} processes need {nproc} GPUs; {torch.cuda.device_count()} visible")
         same_cores_row = False
     tpp = threads or max(1, usable_cores() // nproc)
-    configs = [(f"1 proc x {tpp} threads", 1, tpp), (f"{nproc} procs x {tpp} threads", nproc, tpp)]
+    configs = [(1, tpp), (nproc, tpp)]  # (processes, threads each)
     if same_cores_row and device == "cpu":
-        configs.append((f"1 proc x {tpp * nproc} threads", 1, tpp * nproc))
+        configs.append((1, tpp * nproc))
     spec = dict(model=model, data=data, batch_size=batch_size, steps=steps, warmup=warmup, windows=windows,
                 device=device)
-    losses: dict[str, float | None] = {}
+    losses: dict[tuple[int, int], float | None] = {}
     restarts: list[int] = []
 
-    def job(name: str, n: int, t: int) -> float:
+    def job(n: int, t: int) -> float:
         out = _run_job(spec, nproc=n, threads=t, timeout_s=timeout_s)
-        losses[name] = out.get("loss")
+        losses[(n, t)] = out.get("loss")
         restarts.append(out.get("attempts", 1) - 1)
         return out["samples_per_s"]
 
     # interleaved rounds, the order reversed every round so drift hits both sides
-    times = interleaved({c[0]: (lambda c=c: job(*c)) for c in configs}, rounds=rounds, order="alternate").times
+    times = interleaved({_config_name(*c): (lambda c=c: job(*c)) for c in configs}, rounds=rounds,
+                        order="alternate").times
     restarted = sum(restarts)
-    rows = [ScalingRow(name, n, t, statistics.median(times[name]), times[name], losses.get(name))
-            for name, n, t in configs]
+    rows = [ScalingRow(n, t, times[_config_name(n, t)], losses.get((n, t))) for n, t in configs]
     base, multi = rows[0], rows[1]
     ratios = {f"{nproc} procs / 1 proc": multi.samples_per_s / base.samples_per_s}
     # Paired per round (the jobs of one round ran back to back): robust to slow drifts of the machine.

@@ -6,7 +6,9 @@ verdict from the numbers it was drawn from. `undeclared_keys(obs)` lists any key
 that this schema does not declare (a test runs it on every gallery script), and
 tests/doctor/test_observation_keys.py parses the rules and the other readers: a key they read must be
 declared here. Every field is a TypedDict down to its leaves, except maps keyed by a name (a fix, a
-decoder, a kind of host read): `dict[str, ...]` of a TypedDict or a number.
+decoder, a kind of host read): `dict[str, ...]` of a TypedDict or a number. Keys that several TypedDicts
+share in meaning are declared once, in a private base they inherit (`_RoundRatios`: the per-round ratios of
+every interleaved measurement; `_FixRun`; `_StageFigure`; `_StepShares`).
 """
 
 from __future__ import annotations
@@ -32,19 +34,22 @@ _ENV_HINTS = typing.get_type_hints(EnvInfo)
 Environment = TypedDict("Environment", {f.name: _ENV_HINTS[f.name] for f in dataclasses.fields(EnvInfo)}, total=False)
 
 
-class Fractions(TypedDict, total=False):
-    data_wait: float
+class _StepShares(TypedDict, total=False):
+    """Shares of the step time (0-1) by part; both sets of shares have the host's copy and sync parts."""
     copy: float
-    compute: float
     sync: float
+
+
+class Fractions(_StepShares, total=False):
+    """The parts of the mean step (`Breakdown`'s `*_ms`) as shares of it."""
+    data_wait: float
+    compute: float
     other: float
 
 
-class FractionsMedian(TypedDict, total=False):
+class FractionsMedian(_StepShares, total=False):
     """The median step's own shares (`_summary`): a wait only a few steps pay does not move these."""
     data: float
-    copy: float
-    sync: float
 
 
 class ComputeDetail(TypedDict, total=False):
@@ -253,17 +258,28 @@ OptimizerInfo = TypedDict("OptimizerInfo", {"class": str, "fused": bool | None, 
                                             "fused_available": bool, "param_tensors": int}, total=False)
 
 
-class VerifyResult(TypedDict, total=False):
-    """`--verify`'s measurement of one fix on the script's model, interleaved with its baseline (`verify`)."""
-    fix: str
-    rule: str | None             # the first rule the fix proves (`registry.fix_rules`)
-    baseline_ms: float
-    candidate_ms: float
+class _RoundRatios(TypedDict, total=False):
+    """A candidate timed against the script's own settings in interleaved rounds: the per-round ratios (the
+    script's time / the candidate's) and what they say. `--verify`'s fixes, the environment re-runs and fit's
+    plan all report these."""
     speedup: float               # median of the per-round ratios
     ratios: list[float]
     iqr: list[float]             # the middle half of the ratios
     within_noise: bool           # the middle half holds 1.0
+
+
+class _FixRun(_RoundRatios, total=False):
+    """One named fix measured in `rounds` rounds, or why it could not be."""
+    fix: str
     rounds: int
+    error: str                   # the fix could not be measured
+
+
+class VerifyResult(_FixRun, total=False):
+    """`--verify`'s measurement of one fix on the script's model, interleaved with its baseline (`verify`)."""
+    rule: str | None             # the first rule the fix proves (`registry.fix_rules`)
+    baseline_ms: float
+    candidate_ms: float
     steps_per_round: int
     candidate: str               # what the candidate ran: "num_workers=2", "torch.autocast('cpu', ...)", the fix
     current: str                 # workers, pin_memory: the script's setting, "num_workers=0"
@@ -271,35 +287,35 @@ class VerifyResult(TypedDict, total=False):
     tuner: str                   # workers: why the tuner chose its count
     compile_s: float             # compile: the first step's time, compilation included
     note: str                    # the optimizer could not be rebuilt: what was used instead
-    error: str                   # the fix could not be measured on this model
     seconds: float               # the measurement's own wall time
 
 
-class ThreadStage(TypedDict, total=False):
+class _StageFigure(TypedDict, total=False):
+    """What the doctor measured for one of fit's stages beyond the plan's grid: how, or why not, and the figure."""
+    how: str                     # what ran to measure it
+    why: str                     # why it was not measured
+    speedup: float
+    iqr: list[float] | None
+
+
+class ThreadStage(_StageFigure, total=False):
     """fit's thread stage on a CPU with DataLoader workers, read from the `threads` environment re-run."""
     choices: list[int]
-    how: str
     chosen: int | None
-    why: str
-    speedup: float
-    iqr: list[float] | None
 
 
-class CompileStage(TypedDict, total=False):
+class _SwitchStage(_StageFigure, total=False):
+    """A stage fit switches on or leaves off: `measured` says whether the doctor has its figure."""
     measured: bool
-    why: str
-    speedup: float
-    iqr: list[float] | None
+
+
+class CompileStage(_SwitchStage, total=False):
+    """torch.compile on top of the plan, from `--verify`'s compile fix on the script's model."""
     compile_s: float | None
-    how: str
 
 
-class AllocatorStage(TypedDict, total=False):
-    measured: bool
-    why: str
-    speedup: float
-    iqr: list[float] | None
-    how: str
+class AllocatorStage(_SwitchStage, total=False):
+    """fit's in-process malloc thresholds, from the `malloc` environment re-run of the script."""
 
 
 class BeyondGrid(TypedDict, total=False):
@@ -310,35 +326,24 @@ class BeyondGrid(TypedDict, total=False):
     not_covered: list[str]
 
 
-class FitPlan(TypedDict, total=False):
+class FitPlan(_RoundRatios, total=False):
     """fit's choice of switches for the script's model under `--verify`, measured against the script (`_fit_plan`)."""
     error: str                   # no plan: no model forward with a captured batch
     grid: list[str]              # the candidates' labels, "bf16+channels_last+fused", ...
     script: str                  # the script's own switches
     chosen: str
     why: str
-    speedup: float
-    ratios: list[float]
-    iqr: list[float]
-    within_noise: bool
     candidates: dict[str, float]  # label -> median ratio against the script
     fixes: list[str]             # the verify fixes for the switches the plan changes
     errors: dict[str, str]       # label -> why that candidate could not run
     beyond_grid: BeyondGrid      # added by the report (`diagnose.report_from_observation`)
 
 
-class EnvFixResult(TypedDict, total=False):
+class EnvFixResult(_FixRun, total=False):
     """One environment fix (or the workers patch) re-run on the script, interleaved with the original (`_envfix`)."""
-    fix: str
     rule: str
     env: dict[str, str]          # the variables set
     steps: int
-    error: str
-    speedup: float
-    ratios: list[float]
-    iqr: list[float]
-    within_noise: bool
-    rounds: int
     baseline_ms: float | None
     candidate_ms: float | None
     patch: str                   # a source fix: the --fix patch that ran, its label and worker count

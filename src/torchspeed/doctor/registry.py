@@ -34,12 +34,9 @@ import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.report import ESTIMATED, Finding, gain_text
-
-if TYPE_CHECKING:  # type-only: the registry and the rules import no more at run time (tests/test_layers.py)
-    from torchspeed.doctor.observation import Observation
 
 __all__ = ["Rule", "RULES", "RuleError", "register", "load_rules", "rule_ids", "fix_rules", "run_rules", "severity_for_gain",
            "settle", "merge_causes", "apply_fix_measurements", "with_fix", "HIGH_GAIN", "MEDIUM_GAIN"]

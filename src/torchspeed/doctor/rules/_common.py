@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import EnvFixResult, LoaderInfo, Observation, VerifyResult
 from torchspeed.doctor.report import Finding
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import EnvFixResult, LoaderInfo, Observation, VerifyResult
 
 
 def on_cuda(obs: Observation) -> bool:

@@ -10,13 +10,9 @@ and the finding is ranked on that measurement.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, on_cuda, saving_gain, step_ms
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 FAULTS = 1000       # minor page faults per step worth reporting
 US_PER_FAULT = 0.7  # a fault plus zeroing a 4 KiB page, in microseconds

@@ -6,13 +6,9 @@ each with the user's file and line and the reason, so the fix can name the line.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import CompileEvent, Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import CompileEvent, Observation
 
 
 def _fmt(events: list[CompileEvent], n: int = 3) -> str:

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 EST = 1.02  # one broadcast add and one optimizer update per conv; --verify measures it
 

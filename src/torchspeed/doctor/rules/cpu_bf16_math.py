@@ -8,13 +8,9 @@ share of matrix-product time comes from the profiler (`_kernels`); `--verify` me
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 SHARE = 0.30   # matmul/conv share of the kernel time worth reporting
 BF16 = 1.8     # typical bf16 / fp32 matmul throughput ratio on AVX512-BF16 (more with AMX)

@@ -21,13 +21,10 @@ workers) by re-running a few steps of the script with it (`_envfix`, "threads").
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
+from torchspeed.doctor.observation import CpuContention, Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import env_measured, finding, saving_gain, step_ms
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import CpuContention, Observation
 
 RATIO = 1.15  # compute in the script / compute alone worth reporting (on the low end of the spreads)
 EXPLAINS = 0.25  # the workers' CPU work per step must be at least this share of the compute time lost

@@ -10,14 +10,10 @@ For a loop that loads in the main process the plain run re-runs the script with 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import (finding, frac, in_memory_fix, loader_summary, robust_frac, step_ms,
                                              workers_verdict)
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 THRESHOLD = 0.10  # share of the step spent waiting for the next batch
 

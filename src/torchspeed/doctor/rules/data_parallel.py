@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, on_cuda
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 
 @register("data-parallel", priority=130, techniques=("T31",), summary="nn.DataParallel instead of DistributedDataParallel")

@@ -8,14 +8,10 @@ batches (`data-bound` says so), never workers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, frac, verified
 from torchspeed.doctor.rules.data_bound import overlap_gain
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 THRESHOLD = 0.05
 

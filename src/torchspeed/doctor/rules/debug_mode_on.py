@@ -7,13 +7,9 @@ reproducible ones (on CUDA mostly). All are debugging switches, read from the ru
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, on_cuda
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 # Typical cost of each switch on a training step; the report says these are estimates.
 EST = {"anomaly_detection": 1.3, "profiler": 1.15, "deterministic": 1.0}

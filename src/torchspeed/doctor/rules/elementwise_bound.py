@@ -7,13 +7,9 @@ one pass. The share comes from the profiler (`_kernels`); `--verify` measures co
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 SHARE = 0.50     # element-wise share of the aten time worth reporting
 FUSED = 2.0      # assumed speed-up of the element-wise part once fused (several passes become one)

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, step_ms
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 SAVED = 0.3  # share of a grad-enabled forward that no_grad/inference_mode saves (graph + kept activations)
 

@@ -7,13 +7,9 @@ unless the calls themselves are measurably slow, medium/high on CUDA.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, on_cuda, saving_gain, step_ms
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 PER_STEP = 0.5  # calls per optimizer step worth reporting
 

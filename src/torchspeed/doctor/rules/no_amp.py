@@ -7,13 +7,9 @@ advice there is to stay in fp32. `--verify` measures it on the script's model.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda, verified
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 
 def precision_speedup(obs: Observation) -> float:

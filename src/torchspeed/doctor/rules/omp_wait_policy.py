@@ -11,13 +11,9 @@ beyond the noise of its rounds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import env_measured, finding
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 
 @register("omp-wait-policy", priority=16, techniques=("T45",),

@@ -11,13 +11,9 @@ against the script's own, interleaved) and by `--fix` (the script run with `fuse
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, in_plan, step_ms
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 SHARE = 0.03   # optimizer share of the step worth reporting without a measurement
 FUSED = 1.5    # assumed speed-up of the optimizer step once fused (an estimate: --verify measures it)

@@ -4,13 +4,9 @@ Linear's out_features when it is an LM head (as wide as an nn.Embedding's vocabu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 
 @register("size-not-multiple-of-8", priority=140, techniques=("T24",), summary="channel/feature sizes or batch not multiples of 8")

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, on_cuda
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 
 @register("small-batch", priority=160, techniques=("T17",), summary="a batch too small to keep the device busy")

@@ -7,13 +7,9 @@ copied and usually converted again: storing the array as float32 once removes bo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, saving_gain, step_ms
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 FIX = "torch.from_numpy(a) or torch.as_tensor(a) shares the array's memory instead of copying it (T11)"
 FLOAT64 = ("; the arrays are float64: convert the whole array once at load (a = a.astype(np.float32)), then "

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, saving_gain, step_ms
-
-if TYPE_CHECKING:
-    from torchspeed.doctor.observation import Observation
 
 
 @register("zero-grad-memset", priority=100, techniques=("T26",), summary="zero_grad(set_to_none=False)", fix="set_to_none")
