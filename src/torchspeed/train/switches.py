@@ -197,7 +197,7 @@ class LiveTrial:
         schedule = turns(cands, rounds=self.rounds, warmup=self.warmup, repeat=self.steps,
                          warm=[s for s in cands if s != self.best])  # the winner is warm
         self._queue = [(t.key, t.round > 0) for t in schedule]
-        self._pruned = False
+        self._pruned = self._part_timed = False
 
     def _drop_long_shots(self) -> None:
         """Once every candidate has a timed step: one DROP_AT x slower than the fastest (that the numerics guard
@@ -226,13 +226,17 @@ class LiveTrial:
     def current(self) -> Switches:
         return self._queue[0][0]
 
-    def record(self, seconds: float) -> None:
-        """The seconds the current candidate's step took (warm-up steps are not timed)."""
+    def record(self, seconds: float, *, whole_step: bool = True) -> None:
+        """The seconds the current candidate's step took (warm-up steps are not timed); `whole_step` False: the
+        seconds of the part the stage's candidates differ in (the optimizer's step), not a step's."""
         s, timed = self._queue.pop(0)
         self.steps_run += 1
         if timed and s in self.times:
             self.times[s].append(seconds)
-            self._seen.setdefault(s, []).append(seconds)
+            if whole_step:  # what the compile trial compares against: seconds per whole eager step
+                self._seen.setdefault(s, []).append(seconds)
+            else:
+                self._part_timed = True
             self._drop_long_shots()
         if not self._queue:
             self._end_stage()
@@ -268,7 +272,7 @@ class LiveTrial:
                 best, why = self.best, "not measured (the run ended first): kept"
         med = medians(times)
         self.report["stages"].append({"stage": name, "chosen": best.label(), "why": why, "seconds_per_step": {
-            s.label(): m for s, m in med.items()}})
+            s.label(): m for s, m in med.items()}, "timed": "the optimizer step" if self._part_timed else "the step"})
         self.best = best
         if best in med:
             self._extra += sum(max(0.0, m - med[best]) * len(times[c]) for c, m in med.items())
