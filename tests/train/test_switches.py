@@ -461,3 +461,18 @@ def test_the_optimizer_kernel_stage_times_the_optimizer_step_alone(tiny_cnn, mon
     assert res.decisions["fused_optimizer"].value is True
     assert all(v >= 0.1 for v in layout["seconds_per_step"].values())
     assert trials and all(x >= 0.1 for x in trials[0].winner_times())  # whole eager steps for the compile trial
+
+
+def test_a_trial_cached_by_another_method_is_measured_again(tiny_cnn, monkeypatch):
+    """The cache key holds the trial's method: an entry the same model left under an earlier method is not read."""
+    from torchspeed.train import autoswitch
+
+    seconds = {"fp32": 1.0, "fp32+channels_last": 0.5}
+    first = _trainer(tiny_cnn(), AVX2, seconds=seconds)
+    first.switch_measure_fn = None  # real timings, so the result is cached
+    first.fit(_loader(n=16 * 40))
+    again = _trainer(tiny_cnn(), AVX2)
+    assert again.fit(_loader(n=16 * 40)).decisions["switch_trial"].value == "cached"
+    monkeypatch.setattr(autoswitch, "TRIAL_METHOD", autoswitch.TRIAL_METHOD + 1)
+    later = _trainer(tiny_cnn(), AVX2)
+    assert later.fit(_loader(n=16 * 40)).decisions["switch_trial"].value == "measured"

@@ -43,6 +43,9 @@ log = logging.getLogger("torchspeed")
 
 TRIAL_SETTINGS = {"rounds": 3, "steps": 2, "warmup": 1}
 LIVE_SHARE = 0.25  # a short run spends at most about this share of its steps trying candidates (each step trains)
+# How the trial measures and chooses, in the cache key: a trial cached by an earlier method (which, say, timed the
+# optimizer kernels on whole steps) is measured again, not read. Bump it with any change to the schedule or the choice.
+TRIAL_METHOD = 3
 GUARD_SAMPLES = 8  # the numerics guard compares the precisions' losses on the first batch's first 8 samples
 
 
@@ -211,7 +214,7 @@ class MeasuredSwitches:
                                "device": info.device_name if self.device.type != "cpu" else "cpu",
                                "torch": torch.__version__, "grid": m["grid"], "fused_choice": m["fused_choice"],
                                "threads": m["threads"], "loss": getattr(self.loss_fn, "__class__", type(None)).__name__,
-                               "kernels": kernel_isa(), "live": 1})
+                               "kernels": kernel_isa(), "method": TRIAL_METHOD})
 
     def _check_cache(self, batch) -> bool:
         """At the first step: a trial measured before on this model, input and machine settles it (0 steps)."""
