@@ -3,7 +3,8 @@ statistics, on a fake clock and fixed measurements (no wall time)."""
 
 import pytest
 
-from torchspeed.train.rounds import Turn, interleaved, medians, paired_ratios, round_order, run_for, turns
+from torchspeed.train.rounds import (Turn, interleaved, medians, paired_ratios, ratio_summary, round_order, run_for,
+                                     turns)
 
 
 def test_the_schedule_warms_each_candidate_then_runs_round_robin_rounds():
@@ -78,3 +79,15 @@ def test_run_for_runs_at_least_min_calls_and_min_time_and_syncs_before_reading_t
 def test_medians_leave_out_candidates_never_measured_and_ratios_pair_rounds():
     assert medians({"A": [3.0, 1.0, 2.0], "B": []}) == {"A": 2.0}
     assert paired_ratios([2.0, 3.0], [1.0, 2.0, 9.0]) == [2.0, 1.5]
+
+
+def test_the_ratio_summary_reads_the_median_the_quartiles_and_whether_they_straddle_one():
+    assert ratio_summary([1.2, 0.8, 1.5, 1.1, 1.3]) == {
+        "speedup": 1.2, "ratios": [1.2, 0.8, 1.5, 1.1, 1.3], "iqr": [1.1, 1.3], "within_noise": False}
+    assert ratio_summary([0.9, 1.1, 1.0]) == {"speedup": 1.0, "ratios": [0.9, 1.1, 1.0], "iqr": [0.95, 1.05],
+                                              "within_noise": True}
+    one = ratio_summary([1.234567])
+    assert one["iqr"] == [1.2346, 1.2346] and one["speedup"] == 1.2346 and not one["within_noise"]
+    # the test is on the unrounded quartiles: a first quartile of 1.00003 rounds to 1.0 but is above 1.0
+    near = ratio_summary([1.00003, 1.00003, 1.2])
+    assert near["iqr"][0] == 1.0 and near["within_noise"] is False

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 
 from torchspeed.doctor.observation import EnvFixResult, Observation
 from torchspeed.env import GLIBC_MALLOC_ENV
+from torchspeed.train.rounds import ratio_summary
 
 __all__ = ["ENV_FIXES", "env_candidates", "patch_candidates", "measure_env_fixes", "summarize", "run_env_rounds"]
 
@@ -90,14 +91,8 @@ def summarize(name: str, env: dict, m: dict, *, steps: int) -> EnvFixResult:
     if m.get("error") or not ratios:
         entry["error"] = m.get("error") or "no round could be measured"
         return entry
-    if len(ratios) >= 2:
-        q = statistics.quantiles(ratios, n=4, method="inclusive")
-        lo, hi = q[0], q[2]
-    else:
-        lo = hi = ratios[0]
     base, cand = m.get("baseline_ms") or [], m.get("ms") or []
-    entry.update({"speedup": round(statistics.median(ratios), 4), "ratios": [round(r, 4) for r in ratios],
-                  "iqr": [round(lo, 4), round(hi, 4)], "within_noise": bool(lo <= 1.0 <= hi), "rounds": len(ratios),
+    entry.update({**ratio_summary(ratios), "rounds": len(ratios),
                   "baseline_ms": round(statistics.median(base), 3) if base else None,
                   "candidate_ms": round(statistics.median(cand), 3) if cand else None})
     return entry

@@ -38,6 +38,7 @@ from torchspeed.model.conv_bias import remove_conv_bias
 from torchspeed.env import sync
 from torchspeed.train.sampler import rebuild_loader
 from torchspeed.train.precision import half_precision
+from torchspeed.train.rounds import ratio_summary
 from torchspeed.train.memory_format import apply_channels_last, to_channels_last
 
 __all__ = ["IMPLEMENTED", "verify_fixes", "applicable_fixes", "time_model_alone", "measure_contention"]
@@ -174,12 +175,8 @@ def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25) -> V
         b_ms.append(times[0])
         c_ms.append(times[1])
         ratios.append(times[0] / times[1])
-    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) >= 2 else [ratios[0]] * 3
     return {"baseline_ms": round(statistics.median(b_ms), 4), "candidate_ms": round(statistics.median(c_ms), 4),
-            "speedup": round(statistics.median(ratios), 4), "ratios": [round(r, 4) for r in ratios],
-            "iqr": [round(q[0], 4), round(q[2], 4)],
-            # the middle half of the per-round ratios straddles 1.0: no measurable difference
-            "within_noise": bool(q[0] <= 1.0 <= q[2]),
+            **ratio_summary(ratios),  # within_noise: the middle half of the ratios straddles 1.0
             "rounds": rounds, "steps_per_round": k}
 
 

@@ -17,7 +17,7 @@ decides, and the per-round ratios pair the candidates that ran side by side.
   or a rate) and returns every candidate's measurements (`Rounds`).
 - `run_for`: one measurement, a call repeated until it ran at least `min_calls` times and
   `min_time` seconds, on a clock that can be injected.
-- `medians`, `paired_ratios`: how the rounds are read.
+- `medians`, `paired_ratios`, `ratio_summary`: how the rounds are read.
 
 Example:
     >>> r = interleaved({"a": time_a, "b": time_b}, rounds=3, warmup=1)
@@ -32,7 +32,8 @@ from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
-__all__ = ["ORDERS", "Turn", "Rounds", "round_order", "turns", "interleaved", "run_for", "medians", "paired_ratios"]
+__all__ = ["ORDERS", "Turn", "Rounds", "round_order", "turns", "interleaved", "run_for", "medians", "paired_ratios",
+           "ratio_summary"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -83,6 +84,15 @@ def paired_ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
     """`num[i] / den[i]` for every round both ran. With seconds, (reference, candidate) gives the candidate's
     speed-up per round; with rates, (candidate, reference)."""
     return [a / b for a, b in zip(num, den)]
+
+
+def ratio_summary(ratios: Sequence[float]) -> dict:
+    """Per-round speed-up ratios read as `{"speedup", "ratios", "iqr", "within_noise"}`: the median, the
+    ratios, the first and third quartiles (inclusive method; one ratio gives [r, r]), all rounded to 4
+    places, and whether the unrounded quartiles straddle 1.0 (no measurable difference). Needs one ratio."""
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) >= 2 else [ratios[0]] * 3
+    return {"speedup": round(statistics.median(ratios), 4), "ratios": [round(r, 4) for r in ratios],
+            "iqr": [round(q[0], 4), round(q[2], 4)], "within_noise": bool(q[0] <= 1.0 <= q[2])}
 
 
 @dataclass
