@@ -10,12 +10,9 @@ rules read, in the declared schema (`torchspeed.doctor.observation.Observation`)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from torchspeed._io import write_json
-
-if TYPE_CHECKING:  # type-only: the report stays as light as the rules that import it
-    from torchspeed.doctor.observation import Breakdown, Environment, Observation, VerifyResult
+from torchspeed.doctor.observation import Breakdown, Environment, Observation, VerifyResult
 
 __all__ = ["Finding", "DoctorReport", "render_report"]
 
