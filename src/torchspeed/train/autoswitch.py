@@ -31,11 +31,12 @@ from torchspeed.train.batch import first_samples, forward_loss
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.distributed import broadcast_object, is_rank_zero
 from torchspeed.train.guard import is_out_of_memory
-from torchspeed.train.memory_format import batch_layout, has_conv2d
+from torchspeed.train.memory_format import has_conv2d
 from torchspeed.train.optim import describe_optimizer
 from torchspeed.train.precision import MixedPrecision, Precision, normalize_precision
 from torchspeed.train.switches import (LiveTrial, Switches, batch_signature, candidate_grid, fusable, model_signature,
                                        rule_switches, set_fused, trial_steps)
+from torchspeed.train.transfer import batch_layout
 
 __all__ = ["rule_choice", "trial_settings", "TRIAL_SETTINGS", "LIVE_SHARE", "MeasuredSwitches", "kernel_isa"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["has_conv2d", "apply_channels_last", "to_channels_last", "is_channels_last", "batch_layout"]
+__all__ = ["has_conv2d", "apply_channels_last", "to_channels_last", "is_channels_last"]
 
 
 def has_conv2d(model: nn.Module) -> bool:
@@ -40,17 +40,3 @@ def to_channels_last(x):
 def is_channels_last(x: torch.Tensor) -> bool:
     return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
 
-
-def batch_layout(batch, channels_last: bool):
-    """The 4D float tensors of a batch (a tensor, a list, tuple or dict of them) in the given memory layout,
-    either way; a tensor already in it is returned as is."""
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 4 and batch.is_floating_point():
-            return batch.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-        return batch
-    if isinstance(batch, (list, tuple)):
-        moved = [batch_layout(b, channels_last) for b in batch]
-        return type(batch)(moved) if isinstance(batch, tuple) and not hasattr(batch, "_fields") else moved
-    if isinstance(batch, dict):
-        return {k: batch_layout(v, channels_last) for k, v in batch.items()}
-    return batch

@@ -47,7 +47,7 @@ from torchspeed.train.eval_view import eval_weights
 from torchspeed.train.fsdp import check_optimizer, single_process_group, wrap_parallel
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
 from torchspeed.train.loggers import LoggerCallback
-from torchspeed.train.memory_format import apply_channels_last, batch_layout
+from torchspeed.train.memory_format import apply_channels_last
 from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
 from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
 from torchspeed.train.decision import Decision
@@ -66,7 +66,7 @@ from torchspeed.train.schedule import lr_rule, steps_in_run
 from torchspeed.train.batch_ramp import BatchRamp, BatchRampLR
 from torchspeed.train.segment import BestEpoch, group_settings
 from torchspeed.train.step import AccumulationWindow
-from torchspeed.train.transfer import Prefetcher, to_device
+from torchspeed.train.transfer import Prefetcher, batch_layout, to_device
 
 __all__ = ["Trainer", "FitResult"]
 

@@ -6,6 +6,8 @@
   4D float tensors only (a list of 3D images stays as it is: the model batches it). From
   pinned (page-locked) host memory the copy runs asynchronously and overlaps compute; from
   pageable memory it is a synchronous copy.
+- `batch_layout(batch, channels_last)`: a device batch's 4D float tensors in one memory layout,
+  either way; `map_tensors` is the walk over a batch both use.
 - `Prefetcher(loader, device)`: on CUDA, copies batch i+1 on a side stream while batch i
   computes, and makes the compute stream wait on the copy (no host sync). On the CPU there
   is nothing to copy, so it iterates the loader as it is (and says so in `.mode`).
@@ -25,22 +27,36 @@ import torch
 
 from torchspeed.train.memory_format import to_channels_last
 
-__all__ = ["to_device", "Prefetcher", "loader_kwargs"]
+__all__ = ["map_tensors", "to_device", "batch_layout", "Prefetcher", "loader_kwargs"]
+
+
+def map_tensors(batch, fn):
+    """`fn` applied to every tensor in `batch` (nested tuples, lists and mappings; anything else as it is).
+    A tuple stays a tuple; a list, a named tuple and a list of samples come back as lists, a mapping as a dict."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, (list, tuple)):
+        moved = [map_tensors(b, fn) for b in batch]
+        return type(batch)(moved) if isinstance(batch, tuple) and not hasattr(batch, "_fields") else moved
+    if isinstance(batch, Mapping):  # dicts, target dicts, Hugging Face's BatchEncoding (a UserDict)
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    return batch
 
 
 def to_device(batch, device: torch.device, *, non_blocking: bool = True, channels_last: bool = False):
     """Move every tensor in `batch` to `device`; 4D float inputs optionally to channels_last."""
-    if isinstance(batch, torch.Tensor):
-        out = batch.to(device, non_blocking=non_blocking)
-        if channels_last and out.dim() == 4 and out.is_floating_point():
-            out = to_channels_last(out)
-        return out
-    if isinstance(batch, (list, tuple)):
-        moved = [to_device(b, device, non_blocking=non_blocking, channels_last=channels_last) for b in batch]
-        return type(batch)(moved) if isinstance(batch, tuple) and not hasattr(batch, "_fields") else moved
-    if isinstance(batch, Mapping):  # dicts, target dicts, Hugging Face's BatchEncoding (a UserDict)
-        return {k: to_device(v, device, non_blocking=non_blocking, channels_last=channels_last) for k, v in batch.items()}
-    return batch
+    def move(t: torch.Tensor) -> torch.Tensor:
+        out = t.to(device, non_blocking=non_blocking)
+        return to_channels_last(out) if channels_last and out.dim() == 4 and out.is_floating_point() else out
+    return map_tensors(batch, move)
+
+
+def batch_layout(batch, channels_last: bool):
+    """The 4D float tensors of a device batch in the given memory layout, either way (a switch-trial candidate's,
+    or the layout the trial chose); a tensor already in it is returned as is."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return map_tensors(batch, lambda t: t.contiguous(memory_format=fmt) if t.dim() == 4 and t.is_floating_point()
+                       else t)
 
 
 def loader_kwargs(device: torch.device | str, *, num_workers: int) -> dict:
