@@ -116,6 +116,25 @@ def test_a_long_shot_leaves_the_trial_after_its_first_timed_step():
     assert set(trial.report["dropped"]) == {"fp32", "bf16"}
 
 
+def test_the_measuring_cost_counts_warm_up_steps_but_not_the_runs_start_up():
+    """extra_seconds: every trial step above the winner's median, the warm-up steps (a switch of settings and its
+    first step's one-off work) included; the run's first step only up to its candidate's own median, since
+    any run pays its start-up once."""
+    from torchspeed.train.switches import LiveTrial
+
+    grid = candidate_grid(caps=BF16_CPU, has_conv=False)  # fp32, bf16
+    trial = LiveTrial(grid, rounds=1, steps=1, warmup=1)
+    warm_up = {"fp32": 5.0, "bf16": 0.7}  # the run's start-up lands on fp32's
+    timed, seen = {"fp32": 1.0, "bf16": 0.5}, set()
+    while not trial.done:
+        s = trial.current().label()
+        trial.record((timed if s in seen else warm_up)[s])
+        seen.add(s)
+    assert trial.best == Switches("bf16", False) and trial.steps_run == 4
+    # timed: fp32 0.5 over; warm-ups: fp32 capped at its median 1.0 (0.5 over), bf16 0.7 (0.2 over)
+    assert trial.extra_seconds() == pytest.approx(0.5 + 0.5 + 0.2)
+
+
 def test_the_long_shot_cut_is_measured_from_a_candidate_the_numerics_guard_allows():
     """The fastest candidate moves the loss: the others are judged against the fastest allowed one, so the
     plain settings are not dropped for being slower than a candidate that cannot be taken."""

@@ -18,8 +18,9 @@ rules give 2x on a CIFAR ResNet-20. So `fit` measures instead:
    optimizer state and the inputs, optimizer kernel, threads) and trains real steps: `warmup`
    untimed, then `rounds` interleaved rounds of `steps` timed steps; median per candidate.
    Every one of those steps counts toward the run, so the only cost of measuring is the time
-   the slower candidates lose (`LiveTrial.extra_seconds`), and no run is too short to measure:
-   a short run measures fewer rounds (`autoswitch.trial_settings`) and says so.
+   the slower candidates and the switches between settings lose (`LiveTrial.extra_seconds`,
+   warm-up steps included), and no run is too short to measure: a short run measures fewer
+   rounds (`autoswitch.trial_settings`) and says so.
 3. **Choice** (`choose`, pure): the fastest candidate, except that a candidate with fewer
    changes from the plain loop wins when it is within `min_gain` (2%) of the fastest: noise
    does not buy a change. A half precision whose loss, at the same weights on the same
@@ -198,6 +199,7 @@ class LiveTrial:
                          warm=[s for s in cands if s != self.best])  # the winner is warm
         self._queue = [(t.key, t.round > 0) for t in schedule]
         self._pruned = self._part_timed = False
+        self._warm: list[tuple[Switches, float, bool]] = []  # (candidate, seconds, the run's first step)
 
     def _drop_long_shots(self) -> None:
         """Once every candidate has a timed step: one DROP_AT x slower than the fastest (that the numerics guard
@@ -231,6 +233,9 @@ class LiveTrial:
         seconds of the part the stage's candidates differ in (the optimizer's step), not a step's."""
         s, timed = self._queue.pop(0)
         self.steps_run += 1
+        if not timed and whole_step:  # a warm-up step trains and costs too: see extra_seconds
+            first = self.steps_run == 1  # the run's first step: its start-up cost is paid with or without a trial
+            self._warm.append((s, seconds, first))
         if timed and s in self.times:
             self.times[s].append(seconds)
             if whole_step:  # what the compile trial compares against: seconds per whole eager step
@@ -275,11 +280,21 @@ class LiveTrial:
             s.label(): m for s, m in med.items()}, "timed": "the optimizer step" if self._part_timed else "the step"})
         self.best = best
         if best in med:
-            self._extra += sum(max(0.0, m - med[best]) * len(times[c]) for c, m in med.items())
+            self._extra += self._stage_extra(times, med, med[best])
         if self._stages:
             self._start_stage(self._stages.pop(0))
         else:
             self.report.update(steps=self.steps_run, chosen=best.label(), switches=asdict(best))
+
+    def _stage_extra(self, times: dict, med: dict, best: float) -> float:
+        """A stage's cost over its winner: each timed step at its candidate's median above the winner's, and each
+        warm-up step above the winner's median (switching to a setting and its first step's one-off work are
+        part of measuring). The run's first step counts at most its candidate's median: the start-up cost
+        there is paid with or without a trial."""
+        extra = sum(max(0.0, m - best) * len(times[c]) for c, m in med.items())
+        for c, sec, first in self._warm:
+            extra += max(0.0, (min(sec, med[c]) if first and c in med else sec) - best)
+        return extra
 
     def _rejections(self, plain: Switches) -> dict[Switches, str]:
         """The candidates whose precision moves the loss at the same weights beyond `loss_tol`, and why."""
@@ -304,7 +319,8 @@ class LiveTrial:
         return list(self._seen.get(self.best, []))
 
     def extra_seconds(self) -> float:
-        """What measuring cost: the timed steps' seconds above their stage winner's median (every step trained)."""
+        """What measuring cost: the trial's steps, warm-up steps included, above their stage winner's median
+        (every step trained)."""
         return self._extra
 
 
