@@ -196,6 +196,11 @@ def test_bench_cli_runs_time_to_target_for_digits_unless_switched_off(tiny, monk
         assert main(["bench", "--data", "digits", "--model", "resnet20", "--json", str(out), *off]) == 0
     assert main(["bench", "--data", "synthetic", "--model", "mlp", "--json", str(out)]) == 0
     assert len(calls) == 1 and "tta" not in json.loads(out.read_text())
+    real_find = importlib.util.find_spec  # without the schedulefree extra, a bench with no time to target runs
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "schedulefree" else real_find(n, *a))
+    assert main(["bench", "--data", "digits", "--model", "resnet20", "--json", str(out), "--no-tta"]) == 0
+    assert main(["bench", "--data", "digits", "--json", str(out)]) == 2  # its schedulefree row needs the extra
+    monkeypatch.setattr(importlib.util, "find_spec", real_find)
     assert main(["bench", "--model", "mlp", "--target-acc", "0.5", "--seeds", "2", "--ablation",
                  "--json", str(out)]) == 0
     assert len(calls) == 2 and calls[1]["targets"] == (0.5,) and calls[1]["seeds"] == 2 and calls[1]["ablation"]

@@ -178,7 +178,7 @@ def _time_to_target_args(args):
     if tta_on and args.target_loss in ("all", "naive") and args.target_loss not in tta_configs:
         raise CLIError(f"--target-loss {args.target_loss} is the loss the {args.target_loss} row reaches: add "
                        f"{args.target_loss} to --tta-configs")
-    if "schedulefree" in tta_configs and importlib.util.find_spec("schedulefree") is None:
+    if tta_on and "schedulefree" in tta_configs and importlib.util.find_spec("schedulefree") is None:
         raise CLIError("the schedulefree row needs the schedulefree package: pip install 'torchspeed[schedulefree]', "
                        "or leave it out with --tta-configs naive,all,auto,auto_warm")
     return targets, loss_target, tta_on, tta_configs
