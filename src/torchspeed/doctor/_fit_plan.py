@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from torchspeed.doctor.observation import (AllocatorStage, BeyondGrid, CompileStage, FitPlan, Observation, ThreadStage,
                                           VerifyResult)
+from torchspeed.train.rounds import ratio_summary
 from torchspeed.train.switches import Switches, candidate_grid, choose
 
 __all__ = ["fit_plan", "PLAN_FIXES", "plan_fixes", "beyond_grid", "MIN_GAIN"]
@@ -70,13 +71,6 @@ def _reused(cand: Switches, script: Switches, verify: dict[str, VerifyResult]) -
     return None
 
 
-def _interval(ratios: list[float]) -> list[float]:
-    if len(ratios) < 2:
-        return [ratios[0], ratios[0]]
-    q = statistics.quantiles(ratios, n=4, method="inclusive")
-    return [round(q[0], 4), round(q[2], 4)]
-
-
 def fit_plan(cap, obs: Observation, *, rounds: int = 5, caps=None, measure: Callable | None = None) -> FitPlan:
     """fit's choice for this script's model and its measured ratio against the script's own settings.
 
@@ -105,11 +99,8 @@ def fit_plan(cap, obs: Observation, *, rounds: int = 5, caps=None, measure: Call
     times = {s: [1.0 / r for r in rs] for s, rs in ratios.items() if rs}
     times[script] = [1.0] * n  # the script's own settings: the reference every ratio is taken against
     chosen, why = choose(times, plain=grid[0] if grid[0] in times else script)
-    chosen_ratios = ratios.get(chosen, [1.0] * n)
-    iqr = _interval(chosen_ratios)
     return {"grid": [s.label() for s in grid], "script": script.label(), "chosen": chosen.label(), "why": why,
-            "speedup": round(statistics.median(chosen_ratios), 4), "ratios": [round(r, 4) for r in chosen_ratios],
-            "iqr": iqr, "within_noise": bool(iqr[0] <= 1.0 <= iqr[1]),
+            **ratio_summary(ratios.get(chosen, [1.0] * n)),
             "candidates": {s.label(): round(statistics.median(r), 4) for s, r in ratios.items() if r},
             "fixes": plan_fixes(chosen, script), "errors": errors}
 
