@@ -7,7 +7,8 @@ the seconds of one config and the next are not comparable. This benchmark takes 
 (`--budgets config=steps ...`, from a search's JSON or given) and times each config's complete
 run at its budget *interleaved*: round 1 runs every config on seed 0, 1, 2 in turn, round 2 again,
 ... Each run is the search's own worker process (`bench/time_to_target_worker.py`: cold cache,
-the switch trial and the recipe's choosing on the clock, evaluation off it), started the way the
+the switch trial and the recipe's choosing on the clock, evaluation off it; `auto_warm` reads the cache
+an earlier run left, filled off the clock before round 1), started the way the
 throughput bench starts that config. Reported per config: the median over rounds of its total
 seconds (training + choosing), the final accuracy per seed, and per pair the median of the
 per-round ratios.
@@ -27,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
 from pathlib import Path
 
 from torchspeed.bench.runner import bench_configs, machine_busy, provenance
@@ -92,11 +95,18 @@ def main() -> int:
     base |= {"data_seed": 0, "device": str(dev)}
     seeds = list(range(args.seeds))
     runs: dict[str, list[list[dict]]] = {c: [] for c in budgets}
+    warm_root = tempfile.mkdtemp(prefix="torchspeed-warm-")
+    warm_dirs = {str(s): os.path.join(warm_root, str(s)) for s in seeds}
+    if "auto_warm" in budgets:  # what an earlier run leaves in the cache, measured off the clock
+        for s in seeds:
+            _process(by_name["all"], base | {"mode": "warm", "seed": s, "config": "auto_warm",
+                                            "cache_dir": warm_dirs[str(s)]})
     for r in range(args.rounds):
         for c, steps in budgets.items():  # interleaved: every config once per round, its seeds in one process
             cfg = by_name["naive" if c == "naive" else "all"]
             spec = base | {"mode": "train", "config": c, "seed": seeds[0], "seeds": seeds, "budget": steps,
-                           "target": None, "metric": None, "parts": None, "cache_dirs": {}}
+                           "target": None, "metric": None, "parts": None,
+                           "cache_dirs": warm_dirs if c == "auto_warm" else {}}
             out = _process(cfg, spec)["runs"]
             runs[c].append(out)
             total = sum(x["train_s"] + x["tuning_s"] for x in out)
@@ -112,10 +122,10 @@ def main() -> int:
                               "decisions": runs[c][0][0]["decisions"]} for c in budgets},
               "meta": provenance()}
     ratios = {}
-    for a in budgets:
-        for b in budgets:
-            if a != b and b == "auto":
-                ratios[f"auto_vs_{a}"] = statistics.median(x / y for x, y in zip(per_round[a], per_round[b]))
+    for b in ("auto", "auto_warm"):
+        for a in budgets:
+            if b in budgets and a not in ("auto", "auto_warm"):
+                ratios[f"{b}_vs_{a}"] = statistics.median(x / y for x, y in zip(per_round[a], per_round[b]))
     result["ratios"] = ratios
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x sooner (median of per-round ratios)")
