@@ -227,11 +227,30 @@ def test_a_short_run_measures_what_it_can_afford_and_says_so(tiny_cnn):
     trial = res.decisions["switch_trial"]
     assert trial.value == "measured" and "affords 1 round" in trial.reason
     assert res.steps == 12 and res.decisions["channels_last"].value is True and res.decisions["precision"].value == "fp32"
+    assert trial.measured["steps"] == 8  # a warm-up and one timed step each
     t2 = _trainer(tiny_cnn(), BF16_CPU, seconds={"fp32": 1.0, "fp32+channels_last": 0.8, "bf16": 1.2,
                                                  "bf16+channels_last": 0.9})
     res2 = t2.fit(_loader(n=48))  # 3 steps: fewer than the candidates; decided on what was measured
     assert res2.steps == 3 and res2.decisions["switch_trial"].value == "measured"
     assert res2.decisions["switch_trial"].measured["steps"] == 3
+
+
+def test_a_short_runs_cached_trial_is_measured_again_by_a_run_that_affords_more(tiny_cnn, tmp_path, monkeypatch):
+    """The cache is read by runs that afford no more than it measured (0 steps); a longer run measures again, once,
+    and a short run then reads the deeper entry."""
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    counts = []
+
+    def run(n_batches):  # real timings (an injected clock bypasses the cache): only step counts are asserted
+        res = _trainer(tiny_cnn(), BF16_CPU).fit(_loader(n=16 * n_batches))
+        counts.append(res.decisions["switch_trial"].measured["steps"])
+        return res
+
+    run(12)   # short: one timed step each (after its warm-up), cached
+    run(12)   # as short: reads it
+    run(200)  # affords the full trial: measures again
+    run(12)   # reads the deeper entry
+    assert counts[0] == 8 and counts[1] == 0 and counts[2] > 8 and counts[3] == 0
 
 
 def test_the_trial_leaves_rng_and_data_order_as_without_it(tiny_cnn):

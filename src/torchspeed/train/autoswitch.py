@@ -71,6 +71,11 @@ def trial_settings(n_first: int, n_later: int, remaining_steps: int | None) -> t
     return {"rounds": rounds, "steps": steps, "warmup": 1}, why
 
 
+def _depth(report: dict) -> int:
+    """How many timed steps a trial gave each candidate (a cached report: rounds x steps_per_round)."""
+    return int(report.get("rounds", 3)) * int(report.get("steps_per_round", 2))
+
+
 def _thread_choices(loader, device: torch.device, caps: DeviceCaps) -> tuple[int, ...]:
     workers = getattr(loader, "num_workers", 0) or 0
     if device.type != "cpu" or workers <= 0 or caps.cores < 2:
@@ -225,6 +230,10 @@ class MeasuredSwitches:
         hit = TrialCache().get(m["key"]) if is_rank_zero() and self.switch_measure_fn is None else None
         hit = broadcast_object(hit)
         if hit is None:
+            return False
+        now = self.switch_trial
+        if _depth(hit) < now.rounds * now.steps:
+            log.info("torchspeed: the cached switch trial measured less than this run affords: measured again")
             return False
         self.switch_trial = None
         sw = Switches(**hit["switches"])

@@ -20,13 +20,16 @@ rules give 2x on a CIFAR ResNet-20. So `fit` measures instead:
    Every one of those steps counts toward the run, so the only cost of measuring is the time
    the slower candidates and the switches between settings lose (`LiveTrial.extra_seconds`,
    warm-up steps included), and no run is too short to measure: a short run measures fewer
-   rounds (`autoswitch.trial_settings`) and says so.
+   rounds (`autoswitch.trial_settings`) and says so. Every candidate gets its warm-up step, even
+   in the shortest trial: a setting's first step in a process carries one-off work (oneDNN
+   primitives, cuDNN plans) that, timed, picks the setting the process happened to run before.
 3. **Choice** (`choose`, pure): the fastest candidate, except that a candidate with fewer
    changes from the plain loop wins when it is within `min_gain` (2%) of the fastest: noise
    does not buy a change. A half precision whose loss, at the same weights on the same
    batch, differs from fp32's by more than `loss_tol` is not taken (the numerics guard).
 4. **Cache**: the result is cached per (model, input shape, machine, kernels, torch version) in
-   `TrialCache`, so the next run measures nothing.
+   `TrialCache`, so the next run measures nothing, unless the cached trial measured less than
+   this run affords (a short run's choice is measured again by a longer run, once).
 
 torch.compile is measured on real training steps after this trial, on top of its winner
 (`compile.py`).
