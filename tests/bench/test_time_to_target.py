@@ -224,3 +224,34 @@ def test_bench_cli_runs_time_to_target_for_digits_unless_switched_off(tiny, monk
 def test_bench_cli_refuses_out_of_range_tta_options(argv, message, capsys):
     assert main(["bench", "--model", "mlp", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_weights_a_run_is_judged_by_are_prepared_on_its_clock(monkeypatch, fake_clock):
+    """Schedule-Free's averaged weights need their BatchNorm statistics recalibrated before they are usable: that
+    counts in the run's seconds (once), evaluation does not."""
+    pytest.importorskip("schedulefree")
+    from dataclasses import asdict, replace
+
+    import torch
+    import torchspeed.bench.time_to_target_worker as worker
+    import torchspeed.train.eval_view as eval_view
+    from torchspeed.bench.runner import bench_configs
+
+    real = eval_view.recalibrate_bn
+    calls = []
+
+    def slow_recalibration(*a, **k):  # 100 s on the worker's clock per recalibration
+        calls.append(fake_clock.now)
+        fake_clock.advance(100.0)
+        return real(*a, **k)
+
+    monkeypatch.setattr(worker, "time", fake_clock)
+    monkeypatch.setattr(eval_view, "recalibrate_bn", slow_recalibration)
+    cfg = next(c for c in bench_configs(torch.device("cpu"), compile=False, hand=False) if c.name == "all")
+    spec = {"model": "resnet20", "data": "synthetic", "batch_size": 16, "train_size": 64, "val_size": 32,
+            "lr": 0.1, "optimizer": "sgd", "data_seed": 0, "seed": 0, "device": "cpu", "image_size": 16,
+            "num_workers": 0, "config": "schedulefree", "budget": 4,
+            "train": asdict(replace(cfg.train, schedule="onecycle", trial=False))}
+    run = worker.train_budget(spec)
+    assert len(calls) == 2  # once on the clock, once more inside evaluation
+    assert 100.0 <= run.train_s < 200.0

@@ -23,7 +23,8 @@ end, and find the shortest budget whose run ends at or above the target on every
 search over the grid: a budget is rejected as soon as one seed misses, so most rejected
 budgets cost one run). Reported per config and target: that budget, the samples it trains
 (budget x batch), the training time (mean over seeds of the run at that budget; the switch
-trial and any compilation count, evaluation does not), the tuning time (auto: choosing the
+trial, any compilation and the preparation of the weights evaluation looks through count:
+Schedule-Free's average with its BatchNorm statistics recalibrated; evaluation does not), the tuning time (auto: choosing the
 recipe, once per seed, in its own process), and the final accuracy per seed. From these,
 the speed-ups against `all` (samples, training time, and tuning included) and the
 break-even: the run length (in `all`'s training seconds) beyond which auto's tuning has paid

@@ -66,7 +66,6 @@ def train_budget(spec: dict) -> TTARun:
     from torchspeed.env import allocator_in_use
     from torchspeed.train.config import TrainConfig
     from torchspeed.train.trainer import Trainer
-    from torchspeed.plan.recipe_tta import after_training
 
     # cold: an empty decision cache for this run alone (the switch trial and the recipe measure, on the clock);
     # auto_warm: the cache an earlier run left
@@ -101,10 +100,7 @@ def train_budget(spec: dict) -> TTARun:
         while trainer.step < budget:
             clock += trainer.run_steps(it, 1)
             trainer.callbacks.on_step_end(trainer)
-    if rec is not None and "tta" in rec.parts:  # decided on training batches (or cached, or the prior), on the clock
-        t1 = time.perf_counter()
-        after_training(trainer, rec)
-        clock += time.perf_counter() - t1
+    clock += _judged_weights(trainer, rec)
     if rec is not None and rec.label_smoothing:  # the target's loss is the plain cross-entropy, as for every config
         from torchspeed.train.batch import default_loss
 
@@ -119,6 +115,24 @@ def train_budget(spec: dict) -> TTARun:
     return TTARun(config=spec["config"], seed=spec["seed"], budget=budget, val_acc=out["val_acc"],
                   val_loss=out["val_loss"], train_s=clock, samples=budget * spec["batch_size"], decisions=decisions,
                   tuning_s=tuning_s, tuning_steps=rec.tuning_steps if rec is not None else 0)
+
+
+def _judged_weights(trainer, rec) -> float:
+    """Seconds to the weights the run is judged by, on the clock: the recipe's TTA part (decided on training
+    batches, or cached, or the prior) and, where nothing evaluated them yet, the weights evaluation looks through
+    (Schedule-Free's average with its BatchNorm statistics recalibrated on the last training batches: work no
+    model of such a run is usable without). Evaluation itself then repeats it off the clock, to the same statistics."""
+    from torchspeed.plan.recipe_tta import after_training
+    from torchspeed.train.eval_view import eval_weights
+
+    t0 = time.perf_counter()
+    judged = rec is not None and "tta" in rec.parts and "tta" in rec.pending  # the TTA check evaluates them
+    if rec is not None and "tta" in rec.parts:
+        after_training(trainer, rec)
+    if not judged:
+        with eval_weights(trainer):
+            pass
+    return time.perf_counter() - t0
 
 
 def _choose_for_run(model, loader, spec: dict, device, budget: int):

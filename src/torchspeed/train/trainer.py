@@ -262,6 +262,8 @@ class Trainer(MeasuredSwitches):
                 torch.cuda.empty_cache()
             raise out_of_memory_error(e, batch_size=batch_size(batch) or None, device=self.device,
                                       grad_accum=self.config.grad_accum, precision=self.precision.name) from e
+        if self._recent is not None:  # Schedule-Free with BatchNorm: statistics for the averaged weights
+            self._recent.append(batch)
 
     def batches(self, loader: Iterable) -> Iterator:
         """Iterate `loader` with batches on the device (prefetched on CUDA), in the model's memory layout even
@@ -356,8 +358,6 @@ class Trainer(MeasuredSwitches):
         self._t0, self._seen = time.perf_counter(), 0
         for batch in self.batches(self.position.epoch_iter(train_loader, skip)):
             self.step_batch(batch)
-            if self._recent is not None:  # Schedule-Free with BatchNorm: statistics for the averaged weights
-                self._recent.append(batch)
             if cfg.noise_scale_every and self.window.at_boundary and self.step % cfg.noise_scale_every == 0:
                 observe_batch(self.module, batch, self.noise, loss_fn=self.loss_fn, step_fn=self.step_fn,
                               autocast=self.precision.autocast)  # two half-batch backwards; nothing trained
