@@ -138,3 +138,33 @@ def test_schedule_free_adamw_trains_without_a_schedule_and_evaluates_its_average
     assert res.history[-1]["val_acc"] > 0.6 and res.history[-1]["train_loss"] < res.history[0]["train_loss"]  # chance: 0.25
     assert res.decisions["optimizer"].value.startswith("AdamWScheduleFree") or "ScheduleFree" in str(
         res.decisions["optimizer"])
+
+
+def test_schedule_free_batchnorm_is_recalibrated_on_the_newest_batches_in_the_runs_precision(monkeypatch):
+    """The averaged weights' BatchNorm statistics come from the newest training batches that hold
+    SCHEDULE_FREE_BN_SAMPLES samples (not all kept), in the autocast the run trains in; a loop that trains through
+    `run_steps` (the bench's) keeps them as fit's epoch loop does."""
+    pytest.importorskip("schedulefree")
+    import torchspeed.train.eval_view as eval_view
+    from torchspeed.train.config import TrainConfig
+    from torchspeed.train.eval_view import eval_weights, newest_samples
+    from torchspeed.train.optim import SCHEDULE_FREE_BN_SAMPLES
+    from torchspeed.train.trainer import Trainer
+
+    batches = [(torch.full((n, 3, 4, 4), float(i)), torch.zeros(n, dtype=torch.long)) for i, n in
+               enumerate((100, 100, 100, 100))]
+    assert [int(b[0][0, 0, 0, 0]) for b in newest_samples(batches, 250)] == [1, 2, 3]  # 300 >= 250, oldest first
+    assert len(newest_samples(batches, 10_000)) == 4 and len(newest_samples(batches, 1)) == 1
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                                torch.nn.Linear(64, 2))
+    t = Trainer(model, optimizer="schedulefree", lr=0.01, config=TrainConfig(progress=False, compile=False,
+                                                                             trial=False, precision="bf16"))
+    seen = []
+    monkeypatch.setattr(eval_view, "recalibrate_bn", lambda m, bs, **k: seen.append(
+        (sum(b[0].shape[0] for b in bs), torch.is_autocast_enabled("cpu"))))
+    data = iter([(torch.randn(64, 3, 4, 4), torch.randint(0, 2, (64,))) for _ in range(8)])
+    t.run_steps(t.batches(data), 8)
+    with eval_weights(t):
+        pass
+    assert seen == [(SCHEDULE_FREE_BN_SAMPLES, True)]  # 4 of the 8 kept batches of 64, under bf16 autocast

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, replace
 
 from torchspeed.bench.time_to_target import SF_LR, TTARun, _met
+from torchspeed.train.eval_view import eval_weights
 
 __all__ = ["train_budget", "warm", "main"]
 
@@ -123,7 +124,6 @@ def _judged_weights(trainer, rec) -> float:
     (Schedule-Free's average with its BatchNorm statistics recalibrated on the last training batches: work no
     model of such a run is usable without). Evaluation itself then repeats it off the clock, to the same statistics."""
     from torchspeed.plan.recipe_tta import after_training
-    from torchspeed.train.eval_view import eval_weights
 
     t0 = time.perf_counter()
     judged = rec is not None and "tta" in rec.parts and "tta" in rec.pending  # the TTA check evaluates them

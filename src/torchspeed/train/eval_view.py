@@ -11,10 +11,23 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from torchspeed.train.batch import batch_size
 from torchspeed.train.bnstats import recalibrate_bn
-from torchspeed.train.optim import averaged_weights
+from torchspeed.train.optim import SCHEDULE_FREE_BN_SAMPLES, averaged_weights
 
-__all__ = ["eval_weights"]
+__all__ = ["eval_weights", "newest_samples"]
+
+
+def newest_samples(batches, samples: int) -> list:
+    """The newest of `batches` (oldest first) that together hold at least `samples` samples (all of them when they
+    hold fewer), oldest first."""
+    out, n = [], 0
+    for b in reversed(list(batches)):
+        out.append(b)
+        n += batch_size(b)
+        if n >= samples:
+            break
+    return out[::-1]
 
 
 @contextmanager
@@ -23,7 +36,8 @@ def eval_weights(trainer) -> Iterator[nn.Module]:
     module = trainer.callbacks.eval_module(trainer.module)  # the EMA weights when an EMA callback is on
     with averaged_weights(trainer.optimizer):  # Schedule-Free: its averaged weights (and their BN statistics)
         recent = getattr(trainer, "_recent", None)
-        if recent:
-            recalibrate_bn(module, list(recent), device=trainer.device, step_fn=trainer.step_fn,
-                           channels_last=trainer.channels_last)
+        if recent:  # in the run's precision: the statistics of the forward passes the model was trained with
+            with trainer.precision.autocast():
+                recalibrate_bn(module, newest_samples(recent, SCHEDULE_FREE_BN_SAMPLES), device=trainer.device,
+                               step_fn=trainer.step_fn, channels_last=trainer.channels_last)
         yield module

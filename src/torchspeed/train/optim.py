@@ -40,7 +40,8 @@ from torch import nn
 from torchspeed.train.optim_info import OptimInfo, optimizer_available, optimizer_info, register_optimizer
 
 __all__ = ["create_optimizer", "zero_grad", "param_groups", "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR",
-           "schedule_free_available", "set_schedule_free_warmup", "SCHEDULE_FREE_BN_BATCHES", "hidden_matrices", "matrix_share", "mostly_matrices"]
+           "schedule_free_available", "set_schedule_free_warmup", "SCHEDULE_FREE_BN_BATCHES",
+           "SCHEDULE_FREE_BN_SAMPLES", "hidden_matrices", "matrix_share", "mostly_matrices"]
 
 MUON_MOMENTUM = 0.95  # torch's and Keller Jordan's default
 
@@ -281,7 +282,9 @@ def is_schedule_free(optimizer) -> bool:
     return callable(getattr(optimizer, "eval", None)) and "train_mode" in getattr(optimizer, "defaults", {})
 
 
-SCHEDULE_FREE_BN_BATCHES = 8  # the last training batches BatchNorm is recalibrated on for the averaged weights
+SCHEDULE_FREE_BN_BATCHES = 8  # the last training batches BatchNorm is recalibrated on for the averaged weights...
+SCHEDULE_FREE_BN_SAMPLES = 256  # ...the newest of them that hold this many samples (a per-channel mean and variance
+# over 256 samples x every spatial position is settled; at batch 64 that is 4 forward passes, not 8)
 
 
 def set_schedule_free_warmup(optimizer, total_steps: int | None, warmup_steps: int | None = None) -> int:
