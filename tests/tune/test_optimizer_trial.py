@@ -106,6 +106,25 @@ def test_a_per_step_winner_with_slower_steps_must_win_on_time():
     assert best == "adamw" and "sooner in time" in why
 
 
+def test_time_is_judged_on_the_held_back_loss_where_the_trial_scored_it_on_the_way():
+    """A Schedule-Free challenger's training loss (at its gradient point, not its average) never reaches the
+    baseline's, though its averaged weights beat the baseline's final held-back loss half-way: it wins on time at
+    the same step time and loses at 3x; without the held-back reads the training curves decide, as before."""
+    from torchspeed.tune.optimizer_trial import _judge_by_time
+
+    base = {"name": "sgd", "curve": [1.0] * 20, "step_s": [0.1] * 20, "loss": 0.5}
+    def challenger(step_s):
+        return {"name": "schedulefree", "curve": [2.0] * 20, "step_s": [step_s] * 20, "loss": 0.2,
+                "held_curve": [(5 * step_s, 0.9), (10 * step_s, 0.45), (15 * step_s, 0.3), (20 * step_s, 0.2)]}
+    best, why = _judge_by_time([dict(base), challenger(0.1)], "sgd", "schedulefree", "lower loss", margin=0.02)
+    assert best == "schedulefree" and "held-back loss in 1.00 s against 2.00 s" in why
+    best, why = _judge_by_time([dict(base), challenger(0.3)], "sgd", "schedulefree", "lower loss", margin=0.02)
+    assert best == "sgd" and "sooner in time" in why
+    no_reads = {k: v for k, v in challenger(0.1).items() if k != "held_curve"}
+    best, why = _judge_by_time([dict(base), no_reads], "sgd", "schedulefree", "lower loss", margin=0.02)
+    assert best == "sgd" and "training loss" in why
+
+
 def test_schedule_free_runs_in_the_trial_with_its_warm_up_and_is_scored_at_its_averaged_weights(monkeypatch):
     """No schedule wraps it, it is in train mode while stepping and in eval mode (averaged weights) when scored."""
     pytest.importorskip("schedulefree")
@@ -130,6 +149,7 @@ def test_schedule_free_runs_in_the_trial_with_its_warm_up_and_is_scored_at_its_a
                                steps=12, batch_size=16, schedule="onecycle")
     rows = {r["name"]: r for r in trial.table}
     assert rows["schedulefree"]["error"] is None and math.isfinite(rows["schedulefree"]["loss"])
-    assert modes == ["recalibrated"]  # Schedule-Free alone is scored with statistics for its averaged weights
+    # Schedule-Free alone is scored with statistics for its averaged weights: at 3 checkpoints on the way, and the end
+    assert modes == ["recalibrated"] * 4
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k

@@ -36,8 +36,9 @@ import torch
 from torch import nn
 
 from torchspeed.train.bnstats import recalibrate_bn
-from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, create_optimizer, is_schedule_free,
-                                    set_schedule_free_warmup)
+from torchspeed.train.eval_view import newest_samples
+from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, SCHEDULE_FREE_BN_SAMPLES, create_optimizer,
+                                    is_schedule_free, set_schedule_free_warmup)
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
 from torchspeed.train.progress import progress_bar
 from torchspeed.train.sampler import take_batches
@@ -153,10 +154,12 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
                 step = TrainStep(model, opt, loss_fn=loss_fn, step_fn=step_fn, precision=prec,
                                  scaler=make_grad_scaler(prec))
                 task = bar.add_task(f"optimizer trial: {name}", total=steps)
+                # a challenger is also scored at CHECKPOINTS points on the way: when it reached the first
+                # candidate's final held-back loss, in training seconds (`_judge_by_time`)
+                every = max(1, steps // CHECKPOINTS) if name != names[0] else steps + 1
+                losses, clock, row["held_curve"] = [], [], []
                 model.train()
-                losses: list[float] = []
-                clock: list[float] = []
-                for b in train:
+                for i, b in enumerate(train, 1):
                     t0 = time.perf_counter()
                     losses.append(float(step(to_device(b, device))))  # a host sync per step: fine for a trial
                     clock.append(time.perf_counter() - t0)
@@ -166,17 +169,14 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
                     if not math.isfinite(losses[-1]):
                         row["error"] = f"the loss was not finite at step {len(losses)}"
                         break
+                    if i % every == 0 and i < len(train):
+                        row["held_curve"].append((sum(clock), _held_loss(model, opt, step, held, train[:i], prec)))
                 tail = losses[-max(1, len(losses) // 5):]
                 row["train_loss"] = sum(tail) / len(tail)
                 row["curve"], row["step_s"] = losses, clock
                 if row["error"] is None:
-                    if free:  # scored at its averaged weights, with BatchNorm statistics for them (as it evaluates)
-                        opt.eval()
-                        recalibrate_bn(model, train[-SCHEDULE_FREE_BN_BATCHES:], device=device, step_fn=step_fn)
-                    model.eval()
-                    with torch.no_grad():
-                        held_losses = [float(step.loss(to_device(b, device))) for b in held]
-                    row["loss"] = sum(held_losses) / len(held_losses)
+                    row["loss"] = _held_loss(model, opt, step, held, train, prec, resume=False)
+                    row["held_curve"].append((sum(clock), row["loss"]))
                     if not math.isfinite(row["loss"]):
                         row["error"], row["loss"] = "the held-back loss was not finite", math.inf
                 del opt, sched, step
@@ -187,8 +187,32 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
         best, reason = _judge_by_time(rows, names[0], best, reason, margin=margin)
     for r in rows:
         r["s_per_step"] = statistics.median(r.pop("step_s", None) or [math.nan])
-        r.pop("curve", None)
+        r.pop("curve", None), r.pop("held_curve", None)
     return OptimizerTrial(best=best, table=tuple(rows), reason=reason, steps=steps)
+
+
+CHECKPOINTS = 4  # a challenger's held-back loss is read every steps / 4 (3 reads on the way, and the end)
+
+
+def _held_loss(model, opt, step, held: list, trained: list, prec, *, resume: bool = True) -> float:
+    """The mean loss on the held-back batches at the weights the optimizer is judged by: a Schedule-Free
+    optimizer's average, with BatchNorm statistics recalibrated on the newest batches trained on, as it evaluates
+    (`train/eval_view.py`). Eval mode, no gradient; `resume`: back to training after."""
+    device = model_device(model)
+    free = is_schedule_free(opt)
+    if free:
+        opt.eval()
+        recent = newest_samples(trained[-SCHEDULE_FREE_BN_BATCHES:], SCHEDULE_FREE_BN_SAMPLES)
+        with prec.autocast():
+            recalibrate_bn(model, recent, device=device, step_fn=step.step_fn)
+    model.eval()
+    with torch.no_grad():
+        out = [float(step.loss(to_device(b, device))) for b in held]
+    if resume:
+        model.train()
+        if free:
+            opt.train()
+    return sum(out) / len(out)
 
 
 def seconds_to_loss(curve: Sequence[float], step_s: Sequence[float], target: float, window: int = 5) -> float:
@@ -207,19 +231,25 @@ def seconds_to_loss(curve: Sequence[float], step_s: Sequence[float], target: flo
 
 
 def _judge_by_time(rows: list[dict], base: str, best: str, reason: str, *, margin: float) -> tuple[str, str]:
-    """The per-step winner `best` is kept only when its training loss reaches the baseline's final training loss
-    in fewer seconds (by more than `margin`): a faster-learning optimizer whose steps are slower must win on time."""
+    """The per-step winner `best` is kept only when it reaches the baseline's final loss in fewer seconds (by more
+    than `margin`): a faster-learning optimizer whose steps are slower must win on time. Read on the held-back loss
+    at the weights each is judged by (`held_curve`: training seconds, loss), where the trial scored it on the way;
+    else on the training-loss curves (a Schedule-Free optimizer's training loss is not that of its average)."""
     r = {row["name"]: row for row in rows}
     b, c = r[base], r[best]
     if not b.get("curve") or not c.get("curve"):
         return best, reason
-    window = max(1, len(b["curve"]) // 5)
-    target = sum(b["curve"][-window:]) / window
     t_base = sum(b["step_s"])
-    t_best = seconds_to_loss(c["curve"], c["step_s"], target, window)
+    if c.get("held_curve") and math.isfinite(b.get("loss", math.inf)):
+        what = "held-back loss"
+        t_best = next((t for t, loss in c["held_curve"] if loss <= b["loss"]), math.inf)
+    else:
+        what = "training loss"
+        window = max(1, len(b["curve"]) // 5)
+        t_best = seconds_to_loss(c["curve"], c["step_s"], sum(b["curve"][-window:]) / window, window)
     c["seconds_to_baseline_loss"], b["seconds_to_baseline_loss"] = t_best, t_base
     if t_best < t_base * (1 - margin):
-        return best, reason + (f"; it reached {base}'s final training loss in {t_best:.2f} s against {t_base:.2f} s "
+        return best, reason + (f"; it reached {base}'s final {what} in {t_best:.2f} s against {t_base:.2f} s "
                                "(judged on time)")
-    return base, (f"{best} learned more per step but reached {base}'s final training loss in "
+    return base, (f"{best} learned more per step but reached {base}'s final {what} in "
                   f"{t_best:.2f} s against {t_base:.2f} s: {base} is sooner in time")
