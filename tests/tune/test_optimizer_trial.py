@@ -128,16 +128,17 @@ def test_time_is_judged_on_the_held_back_loss_where_the_trial_scored_it_on_the_w
 def test_schedule_free_runs_in_the_trial_with_its_warm_up_and_is_scored_at_its_averaged_weights(monkeypatch):
     """No schedule wraps it, it is in train mode while stepping and in eval mode (averaged weights) when scored."""
     pytest.importorskip("schedulefree")
-    import torchspeed.tune.optimizer_trial as trial_mod
 
     modes = []
-    real = trial_mod.recalibrate_bn
+    import torchspeed.train.eval_view as eval_view  # where the trial's recalibration (recalibrate_averaged) runs
+
+    real = eval_view.recalibrate_bn
 
     def spy(model, batches, **kw):
         modes.append("recalibrated")
         return real(model, batches, **kw)
 
-    monkeypatch.setattr(trial_mod, "recalibrate_bn", spy)
+    monkeypatch.setattr(eval_view, "recalibrate_bn", spy)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
                           nn.Flatten(), nn.Linear(8, 4))

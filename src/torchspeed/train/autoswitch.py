@@ -73,7 +73,8 @@ def trial_settings(n_first: int, n_later: int, remaining_steps: int | None) -> t
 
 def _depth(report: dict) -> int:
     """How many timed steps a trial gave each candidate (a cached report: rounds x steps_per_round)."""
-    return int(report.get("rounds", 3)) * int(report.get("steps_per_round", 2))
+    return int(report.get("rounds", TRIAL_SETTINGS["rounds"])) * int(report.get("steps_per_round",
+                                                                                 TRIAL_SETTINGS["steps"]))
 
 
 def _thread_choices(loader, device: torch.device, caps: DeviceCaps) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ from torchspeed.train.batch import batch_size
 from torchspeed.train.bnstats import recalibrate_bn
 from torchspeed.train.optim import SCHEDULE_FREE_BN_SAMPLES, averaged_weights
 
-__all__ = ["eval_weights", "newest_samples"]
+__all__ = ["eval_weights", "newest_samples", "recalibrate_averaged"]
 
 
 def newest_samples(batches, samples: int) -> list:
@@ -30,14 +30,23 @@ def newest_samples(batches, samples: int) -> list:
     return out[::-1]
 
 
+def recalibrate_averaged(module: nn.Module, recent, precision, *, device, step_fn=None,
+                         channels_last: bool = False) -> int:
+    """BatchNorm statistics for a Schedule-Free optimizer's averaged weights: recomputed on the newest of the
+    `recent` training batches that hold SCHEDULE_FREE_BN_SAMPLES samples, in the run's `precision` (the statistics
+    of the forward passes the model was trained with). Returns the batches used."""
+    with precision.autocast():
+        return recalibrate_bn(module, newest_samples(recent, SCHEDULE_FREE_BN_SAMPLES), device=device,
+                              step_fn=step_fn, channels_last=channels_last)
+
+
 @contextmanager
 def eval_weights(trainer) -> Iterator[nn.Module]:
     """Inside the block: the module to evaluate (see the module docstring); the training weights again after."""
     module = trainer.callbacks.eval_module(trainer.module)  # the EMA weights when an EMA callback is on
     with averaged_weights(trainer.optimizer):  # Schedule-Free: its averaged weights (and their BN statistics)
         recent = getattr(trainer, "_recent", None)
-        if recent:  # in the run's precision: the statistics of the forward passes the model was trained with
-            with trainer.precision.autocast():
-                recalibrate_bn(module, newest_samples(recent, SCHEDULE_FREE_BN_SAMPLES), device=trainer.device,
-                               step_fn=trainer.step_fn, channels_last=trainer.channels_last)
+        if recent:
+            recalibrate_averaged(module, recent, trainer.precision, device=trainer.device, step_fn=trainer.step_fn,
+                                 channels_last=trainer.channels_last)
         yield module

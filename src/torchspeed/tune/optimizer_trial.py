@@ -35,10 +35,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from torchspeed.train.bnstats import recalibrate_bn
-from torchspeed.train.eval_view import newest_samples
-from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, SCHEDULE_FREE_BN_SAMPLES, create_optimizer,
-                                    is_schedule_free, set_schedule_free_warmup)
+from torchspeed.train.eval_view import recalibrate_averaged
+from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, create_optimizer, is_schedule_free,
+                                    set_schedule_free_warmup)
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
 from torchspeed.train.progress import progress_bar
 from torchspeed.train.sampler import take_batches
@@ -202,9 +201,7 @@ def _held_loss(model, opt, step, held: list, trained: list, prec, *, resume: boo
     free = is_schedule_free(opt)
     if free:
         opt.eval()
-        recent = newest_samples(trained[-SCHEDULE_FREE_BN_BATCHES:], SCHEDULE_FREE_BN_SAMPLES)
-        with prec.autocast():
-            recalibrate_bn(model, recent, device=device, step_fn=step.step_fn)
+        recalibrate_averaged(model, trained[-SCHEDULE_FREE_BN_BATCHES:], prec, device=device, step_fn=step.step_fn)
     model.eval()
     with torch.no_grad():
         out = [float(step.loss(to_device(b, device))) for b in held]
