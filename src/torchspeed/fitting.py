@@ -25,7 +25,7 @@ __all__ = ["fit"]
 
 
 def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
-        optimizer: str | torch.optim.Optimizer = "sgd", lr: float | str = 0.1, weight_decay: float | None = None,
+        optimizer: str | torch.optim.Optimizer = "sgd", lr: float | str | None = None, weight_decay: float | None = None,
         momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999),
         epochs: int = 1, val_loader: Iterable | None = None, device: torch.device | str | None = None,
         batch_size: int | str | None = None, loader: str | None = None, callbacks: Iterable | None = None,
@@ -41,7 +41,9 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     clip_grad_norm, label_smoothing, schedule, log_every, max_steps, out_dir, ...).
     `batch_size="auto"` (or an int), `lr="auto"` and `loader="auto"` run the tuners first and
     rebuild the DataLoader from its dataset (see `torchspeed.tune.auto`).
-    `weight_decay=None` takes the optimizer's default (its row, `torchspeed.train.optim_info.WEIGHT_DECAY`:
+    `lr=None` is 0.1 with a one-cycle schedule; an LR you set (or an optimizer object you pass) is trained at
+    as it is, with a constant schedule, unless `schedule=` says otherwise (`train.schedule.default_schedule`,
+    docs/train.md). `weight_decay=None` takes the optimizer's default (its row, `torchspeed.train.optim_info.WEIGHT_DECAY`:
     5e-4 for SGD, 0.05 for AdamW); biases and norm weights never decay. `momentum` (SGD,
     LARS) and `betas` (AdamW, LAMB, the AdamW part of "muon") go to the optimizer built from its name.
     `callbacks` (`EarlyStopping`, `EMA`, your own `Callback`s) and `loggers` (Lightning Fabric
@@ -66,8 +68,10 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     if unknown:
         raise TypeError(f"fit() got unknown option(s) {sorted(unknown)}; "
                         f"valid: {sorted(TrainConfig.__dataclass_fields__)}")
+    schedule_given = "schedule" in config or cfg.schedule != TrainConfig.schedule  # else the plan's rule decides
     cfg = replace(cfg, epochs=epochs, **config)
     plan = make_plan(model, train_loader, cfg, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
+                     schedule_given=schedule_given,
                      optimizer_options={"momentum": momentum, "betas": betas}, loss_fn=loss_fn, step_fn=step_fn,
                      device=device, batch_size=batch_size, loader=loader, recipe=recipe, recipe_parts=recipe_parts,
                      callbacks=callbacks)

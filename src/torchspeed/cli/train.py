@@ -236,14 +236,16 @@ def _headline(args, pipe, *, n_train, n_val: int, device, world: int, size_note:
 
 
 def _fit_options(args) -> dict:
-    """The flags as `torchspeed.fit`'s options (besides the model, loaders, LR and device): --compile on/off as
+    """The flags as `torchspeed.fit`'s options (besides the model, loaders, LR and device; one-cycle around the LR,
+    measured or given, as --lr says): --compile on/off as
     True/False, checkpoints under --out, --resume as resume="auto", the best epoch restored unless told not to."""
     return dict(epochs=args.epochs, optimizer=args.optimizer, weight_decay=args.weight_decay,
                 momentum=args.momentum, betas=args.betas, precision=args.precision,
                 compile={"auto": "auto", "on": True, "off": False}[args.compile], max_steps=args.max_steps,
                 out_dir=args.out, checkpoint_dir=os.path.join(args.out, "checkpoints"),
                 resume="auto" if args.resume else None, seed=args.seed,
-                restore_best=False if args.no_restore_best else "auto", progress=not args.no_progress)
+                restore_best=False if args.no_restore_best else "auto", progress=not args.no_progress,
+                schedule="onecycle")  # --lr is the peak of a one-cycle schedule (measured, or given)
 
 
 def _run_info(args, result, pipe, *, lr: float, bad: list[str], world: int, n_train, n_val: int) -> dict:

@@ -78,14 +78,17 @@ def _run_steps(loader: Iterable, cfg: TrainConfig) -> int | None:
 
 
 def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
-              optimizer: str | torch.optim.Optimizer = "sgd", lr: float | str = 0.1, weight_decay: float | None = None,
-              optimizer_options: dict | None = None, loss_fn: Callable | None = None, step_fn: Callable | None = None,
+              optimizer: str | torch.optim.Optimizer = "sgd", lr: float | str | None = None,
+              weight_decay: float | None = None, schedule_given: bool = True, optimizer_options: dict | None = None, loss_fn: Callable | None = None, step_fn: Callable | None = None,
               device: torch.device | str | None = None, batch_size: int | str | None = None, loader: str | None = None,
               recipe: str | None = None, recipe_parts: Sequence[str] | None = None, callbacks: Iterable | None = None,
               cache: TrialCache | None = None) -> Plan:
-    """Resolve every automatic choice of a `fit` call (see the module docstring); leaves the model as it was."""
+    """Resolve every automatic choice of a `fit` call (see the module docstring); leaves the model as it was.
+    `schedule_given=False`: `cfg.schedule` is a default, and `train.schedule.default_schedule` chooses it from
+    how the LR was given (`lr=None`: torchspeed's default LR)."""
     from torchspeed.env import DeviceCaps, default_device
     from torchspeed.train.distributed import maybe_init_distributed
+    from torchspeed.train.schedule import DEFAULT_LR, default_schedule
 
     if recipe not in (None, "auto"):
         raise ValueError(f"recipe={recipe!r}: use recipe='auto' (measured on your model) or leave it out")
@@ -100,6 +103,11 @@ def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
                            + (f"; {info.world_size} processes" if info is not None else ""))
     d["switch_plan"] = Decision("on the run's first steps", "precision x layout x optimizer kernel (x threads) "
                                 "timed on real training steps that count toward the run; 0 steps on a cache hit")
+    if not schedule_given:
+        d["schedule"] = default_schedule(lr=lr, optimizer=optimizer, recipe=recipe)
+        cfg = replace(cfg, schedule=d["schedule"].value)
+    if lr is None:
+        lr = DEFAULT_LR
     if recipe and lr == "auto":  # the recipe's LR part decides; this is its prior when it cannot afford to measure
         lr = DEFAULT_RECIPE_LR
     tuned: dict = {}

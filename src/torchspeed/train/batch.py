@@ -34,7 +34,7 @@ How the contract read a model (the call, where the loss came from) is recorded o
 
 Example:
     >>> out = forward_loss(model, batch, loss_fn=None)
-    >>> out.loss.backward(); out.correct()   # (correct, counted) device tensors, or None
+    >>> out.loss.backward(); out.correct()   # (correct on the device, counted), or None
 """
 
 from __future__ import annotations
@@ -149,11 +149,25 @@ def list_inputs(inputs) -> bool:
 
 Signature = tuple[bool, frozenset, tuple, frozenset]
 _SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward function -> Signature
+_OUTER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the object called (a wrapper too) -> Signature
 
 
 def _signature(model: Callable) -> Signature:
     """(takes **kwargs, parameter names, positional names, keyword-only names) of `model`'s forward, cached
-    per function (read once per model class, not every step)."""
+    per function (read once per model class, not every step) and per outer object (no unwrapping per step)."""
+    try:
+        return _OUTER[model]
+    except (KeyError, TypeError):
+        pass
+    sig = _inner_signature(model)
+    try:
+        _OUTER[model] = sig
+    except TypeError:
+        pass
+    return sig
+
+
+def _inner_signature(model: Callable) -> Signature:
     inner = unwrap_model(model)  # the user's module inside the compile controller, DDP and torch.compile
     fn = getattr(inner, "forward", inner)
     key = getattr(fn, "__func__", fn)
@@ -260,8 +274,9 @@ def model_loss(output) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return o.loss, o.logits
 
 
-def count_correct(logits: torch.Tensor | None, target) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(correct, counted) on the device when this looks like classification, else None.
+def count_correct(logits: torch.Tensor | None, target) -> tuple[torch.Tensor, torch.Tensor | int] | None:
+    """(correct, counted) when this looks like classification, else None: `correct` a device tensor, `counted`
+    the batch size (an int) for one target per sample, else a device tensor (tokens or pixels, padding left out).
 
     Classification: integer targets, logits with one extra class dimension: last (`(B, C)` for
     `(B,)`, `(B, T, V)` for `(B, T)`: every token counts) or second (`(N, C, H, W)` for `(N, H, W)`:
@@ -277,8 +292,8 @@ def count_correct(logits: torch.Tensor | None, target) -> tuple[torch.Tensor, to
         pred = logits.detach().argmax(1)  # per pixel (the class dimension second, as F.cross_entropy reads it)
     else:
         return None
-    if target.dim() == 1:
-        return (pred == target).sum(), torch.tensor(target.shape[0], device=target.device)
+    if target.dim() == 1:  # every sample counts: the count is the batch size, known on the host
+        return (pred == target).sum(), target.shape[0]
     valid = target != IGNORE_INDEX
     return ((pred == target) & valid).sum(), valid.sum()
 

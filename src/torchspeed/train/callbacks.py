@@ -20,7 +20,8 @@ Built in: `EarlyStopping` and `EMA` (T40: an exponential moving average of the w
 `torch.optim.swa_utils.AveragedModel`, usable in your own loop too). The trainer talks to all
 of them through one `CallbackList`, one line per event.
 
-Cost: one Python call per callback per optimizer step; nothing reads the device unless the
+Cost: one Python call per optimizer step for each callback that overrides `on_step_end`, none when no
+callback does (the loop then skips the event); nothing reads the device unless the
 callback does (EarlyStopping reads the epoch row, which is already on the host; EMA's update is
 one `torch._foreach_lerp_` over the weights per step, on the device).
 
@@ -83,6 +84,17 @@ class CallbackList:
                 raise TypeError(f"callbacks[{i}] ({type(cb).__name__}) is not a torchspeed Callback: subclass "
                                 "torchspeed.train.callbacks.Callback and override the events you need "
                                 "(loggers go to loggers=[...])")
+        self._refresh()
+
+    def add(self, cb: Callback) -> None:
+        """Append a callback (after the run's own): it gets every event from now on."""
+        self.callbacks.append(cb)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        # The callbacks that override on_step_end: the loop calls this event per step only when there is one.
+        self.step_hooks: list[Callback] = [cb for cb in self.callbacks
+                                           if type(cb).on_step_end is not Callback.on_step_end]
 
     def __iter__(self):
         return iter(self.callbacks)
@@ -93,6 +105,7 @@ class CallbackList:
     @contextlib.contextmanager
     def running(self, trainer):
         """`on_train_start` on entry; `on_train_end` on exit, "success" or "failed" (an exception)."""
+        self._refresh()  # a callback appended to `callbacks` directly is seen from here on
         self.on_train_start(trainer)
         status = "failed"
         try:
@@ -106,7 +119,7 @@ class CallbackList:
             cb.on_train_start(trainer)
 
     def on_step_end(self, trainer) -> None:
-        for cb in self.callbacks:
+        for cb in self.step_hooks:
             cb.on_step_end(trainer)
 
     def on_evaluate(self, trainer, metrics: dict) -> None:
@@ -189,6 +202,8 @@ class EarlyStopping(Callback):
 
     def on_evaluate(self, trainer, metrics: dict) -> None:
         value = metrics.get(self.metric)
+        if value is None and metrics.get("val_skipped"):  # eval_every left this epoch's validation out
+            return
         if value is None:
             have = ", ".join(k for k, v in metrics.items() if isinstance(v, (int, float)))
             raise ValueError(f"EarlyStopping: no epoch metric {self.metric!r} (this run has: {have}); "

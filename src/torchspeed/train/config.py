@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torchspeed.train.compile import MIN_RUN_S
 
-__all__ = ["TrainConfig", "check_reliability_options"]
+__all__ = ["TrainConfig", "check_reliability_options", "parse_eval_every"]
 
 
 @dataclass
@@ -43,6 +43,9 @@ class TrainConfig:
     noise_scale_every: int | None = None  # T17: estimate the gradient noise scale every N steps (train/noise.py)
     log_every: int = 50                 # T13: host reads the loss every N steps (1 = .item() each step)
     max_steps: int | None = None        # stop after this many optimizer steps in total
+    eval_every: int | str | None = None  # validation: None = every epoch; N = at the first epoch end N optimizer
+                                        # steps after the last one; "30s" = after 30 s of training; the last epoch
+                                        # always evaluates (docs/train.md: when it pays)
     tta: str | None = None              # T33: None | "flip"
     tta_scales: tuple[float, ...] = ()
     progress: bool = True
@@ -86,6 +89,7 @@ def check_reliability_options(cfg: TrainConfig) -> None:
         raise ValueError(f"keep_last must be >= 1, got {cfg.keep_last}")
     if cfg.max_nonfinite is not None and cfg.max_nonfinite < 1:
         raise ValueError(f"max_nonfinite must be >= 1 (or None to switch the check off), got {cfg.max_nonfinite}")
+    parse_eval_every(cfg.eval_every)
     if cfg.parallel not in ("auto", "ddp", "fsdp2"):
         raise ValueError(f"parallel must be 'auto', 'ddp' or 'fsdp2', got {cfg.parallel!r}")
     if cfg.resume == "auto" and not cfg.checkpoint_dir:
@@ -93,3 +97,24 @@ def check_reliability_options(cfg: TrainConfig) -> None:
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
         raise FileNotFoundError(f"resume={cfg.resume!r}: no such checkpoint file or folder; pass an existing "
                                 ".pt file, a checkpoint folder, or resume='auto' with checkpoint_dir")
+
+
+def parse_eval_every(value: int | str | None) -> tuple[str, float] | None:
+    """`eval_every` as ("steps", N) or ("seconds", S), None for every epoch; a clear error for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"eval_every must be None, a number of optimizer steps or a duration like '30s', got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"eval_every must be >= 1 optimizer steps, got {value}")
+        return ("steps", float(value))
+    text = str(value).strip().lower()
+    try:
+        seconds = float(text[:-1]) if text.endswith("s") else None
+    except ValueError:
+        seconds = None
+    if seconds is None or seconds <= 0:
+        raise ValueError(f"eval_every={value!r}: pass a number of optimizer steps (eval_every=500) or a duration "
+                         "of training in seconds (eval_every='30s'), or None to evaluate after every epoch")
+    return ("seconds", seconds)

@@ -5,6 +5,11 @@ and less work than `no_grad`. TTA averages the softmax over views of each image:
 `tta="flip"` adds the horizontal mirror; `tta_scales=(0.875, 1.0, 1.125)` adds resized copies
 (multi-scale). Both cost one extra forward per view.
 
+`EvalClock` prices validation inside a run: when it is due (every epoch, or `eval_every` N steps or
+S seconds of training, and always at the end), the seconds it took, and its share of the run. A run
+whose evaluations took more than `EVAL_SHARE_WARN` (5%) of its time says so, with the `eval_every`
+that would bring them to about 2%.
+
 Example:
     >>> evaluate(model, val_loader, device=device, precision=p, tta="flip")
     {'val_loss': 0.41, 'val_acc': 0.88, 'samples': 10000}
@@ -12,6 +17,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -19,11 +28,76 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchspeed.train.batch import StepOutput, default_loss, forward_loss
+from torchspeed.train.decision import Decision
 from torchspeed.train.metrics import DeviceMeter
 from torchspeed.train.precision import Precision, resolve_precision
 from torchspeed.train.transfer import to_device
 
-__all__ = ["averaged_log_probs", "evaluate", "is_image_batch", "tta_views"]
+__all__ = ["averaged_log_probs", "evaluate", "is_image_batch", "tta_views", "EvalClock", "EVAL_SHARE_WARN"]
+
+log = logging.getLogger("torchspeed")
+
+EVAL_SHARE_WARN = 0.05  # a run whose evaluations take more of its time than this says so
+EVAL_SHARE_AIM = 0.02   # the share the suggested eval_every aims at
+
+
+class EvalClock:
+    """When validation is due, and what it cost: `every` is `parse_eval_every`'s ("steps", N) / ("seconds", S),
+    or None for every epoch. `clock` is injectable (tests)."""
+
+    def __init__(self, every: tuple[str, float] | None, *, step: int = 0, clock: Callable[[], float] = time.perf_counter):
+        self.every, self.clock = every, clock
+        self.t0 = self.mark_t = clock()
+        self.mark_step = step
+        self.count, self.seconds = 0, 0.0
+
+    def due(self, step: int, *, last: bool = False) -> bool:
+        """Whether the epoch that ended at optimizer step `step` evaluates (`last`: the run's final epoch always)."""
+        if last or self.every is None:
+            return True
+        kind, n = self.every
+        if kind == "steps":
+            return step - self.mark_step >= n
+        return self.clock() - self.mark_t >= n  # seconds of training since the last evaluation ended
+
+    @contextlib.contextmanager
+    def timing(self):
+        """Around one evaluation: its seconds are counted, and the next interval starts when it ends."""
+        t = self.clock()
+        try:
+            yield
+        finally:
+            self.mark_t = self.clock()
+            self.seconds += self.mark_t - t
+            self.count += 1
+
+    def share(self) -> float:
+        return self.seconds / max(self.clock() - self.t0, 1e-9)
+
+    def decision(self, every, *, steps: int) -> Decision:
+        """The evaluations' share of the run as a Decision; over `EVAL_SHARE_WARN` it also warns, with advice."""
+        share, total = self.share(), self.clock() - self.t0
+        why = (f"{self.count} evaluations took {self.seconds:.2f} s of the {total:.1f} s training loop "
+               f"({'every epoch' if every is None else f'eval_every={every!r}'})")
+        advice = self.advice(steps=steps, total_s=total)
+        if share > EVAL_SHARE_WARN and advice:
+            log.warning("torchspeed: evaluation took %.0f%% of the run (%d evaluations, %.1f s); %s", 100 * share,
+                        self.count, self.seconds, advice)
+            why += f"; {advice}"
+        return Decision(round(share, 4), why, measured={"seconds": round(self.seconds, 4), "count": self.count,
+                                                        "run_s": round(total, 4)})
+
+    def advice(self, *, steps: int, total_s: float) -> str | None:
+        """The eval_every (in steps) that brings evaluation to about `EVAL_SHARE_AIM` of the run, if it is rarer
+        than every epoch; None when evaluating is already cheap enough or there is nothing to space out."""
+        if self.count < 2 or steps < 2:
+            return None
+        per_eval = self.seconds / self.count
+        wanted = max(1, math.floor(EVAL_SHARE_AIM * total_s / per_eval))
+        if wanted >= self.count:
+            return None
+        n = math.ceil(steps / wanted)
+        return f"eval_every={n} (steps) would evaluate {wanted} times instead of {self.count}"
 
 
 def is_image_batch(batch) -> bool:

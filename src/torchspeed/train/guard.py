@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
@@ -127,6 +128,9 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak, in KiB on Linux
 
 
+_NOT_SKIPPED, _SKIPPED = torch.zeros((), dtype=torch.int64), torch.ones((), dtype=torch.int64)  # read-only
+
+
 class NonFiniteGuard:
     """Skip optimizer steps whose loss was NaN/inf; stop after `max_nonfinite` in a row.
 
@@ -144,6 +148,7 @@ class NonFiniteGuard:
         self._window_bad: torch.Tensor | bool = False  # any NaN/inf loss since the last optimizer step
         self.bad_run = torch.zeros((), dtype=torch.int64, device=device)  # skipped steps in a row
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # skipped steps in total
+        self._host_run = 0  # "host" mode: the run of skips, known on the host (no kernel on a good step)
 
     @property
     def mode(self) -> str:
@@ -157,7 +162,7 @@ class NonFiniteGuard:
         """A micro-batch's detached loss: the value to add to the metrics, or None to leave it out."""
         mode = self.mode
         if mode == "host":
-            bad = not bool(torch.isfinite(loss))  # a host read: free on CPU, one sync on CUDA (unfused)
+            bad = not math.isfinite(loss.item())  # a host read: free on CPU, one sync on CUDA (unfused)
             self._window_bad = self._window_bad or bad
             return None if bad else loss
         if mode == "device":
@@ -175,11 +180,21 @@ class NonFiniteGuard:
         mode = self.mode
         if mode in ("off", "scaler"):
             skip = update().to(self.device)
-        elif mode == "host":
+        elif mode == "host":  # the flag is on the host: a good step costs no kernel besides the update
             bad = bool(self._window_bad)
             if self._all_ranks_max is not None:
                 bad = bool(self._all_ranks_max(torch.tensor(float(bad), device=self.device)) > 0)
-            skip = torch.ones((), dtype=torch.int64, device=self.device) if bad else update().to(self.device)
+            self._window_bad = False
+            if not bad:
+                update()  # no scaler in this mode: the update never skips
+                if self._host_run:
+                    self._host_run = 0
+                    self.bad_run.zero_()
+                return _NOT_SKIPPED
+            self._host_run += 1
+            self.bad_run.fill_(self._host_run)
+            self.skipped += 1
+            return _SKIPPED
         else:  # "device": fused kernels read `found_inf` and skip the update on the GPU, as for fp16
             flag = torch.as_tensor(self._window_bad, device=self.device).float()
             if self._all_ranks_max is not None:
@@ -200,7 +215,7 @@ class NonFiniteGuard:
         return self.mode != "off" and (self.device.type != "cuda" or self.mode == "host" or step % log_every == 0)
 
     def check(self, *, where: str, last_checkpoint=None) -> None:
-        run = int(self.bad_run)
+        run = self._host_run if self.mode == "host" else int(self.bad_run)
         if self.limit is not None and run >= self.limit:
             last = f"the last checkpoint, {last_checkpoint}, is intact" if last_checkpoint else \
                 "no checkpoint was written (set checkpoint_dir to keep one)"
@@ -217,3 +232,4 @@ class NonFiniteGuard:
     def load_state_dict(self, state: dict) -> None:
         self.skipped.fill_(int(state["skipped"]))
         self.bad_run.fill_(int(state["bad_run"]))
+        self._host_run = int(state["bad_run"])

@@ -43,18 +43,21 @@ class DeviceMeter:
         self._loss = torch.zeros((), device=self.device, dtype=torch.float64)
         self._correct = torch.zeros((), device=self.device, dtype=torch.float64)
         self._counted = torch.zeros((), device=self.device, dtype=torch.float64)
+        self._counted_host = 0.0  # counts known on the host (one target per sample): no kernel per step
         self._n = 0
         self._has_acc = False
 
     def update(self, loss: torch.Tensor, *, n: int, correct: torch.Tensor | None = None,
                counted: torch.Tensor | int | None = None) -> None:
-        # No .item() here: the add is queued on the device like any other kernel.
-        self._loss += loss.detach().to(torch.float64) * n
+        # No .item() here: the adds are queued on the device like any other kernel (one per sum, in float64).
+        self._loss.add_(loss.detach(), alpha=n)
         self._n += n
         if correct is not None:
-            self._correct += correct.detach().to(torch.float64)
-            self._counted += counted.detach().to(torch.float64) if isinstance(counted, torch.Tensor) else \
-                float(n if counted is None else counted)
+            self._correct.add_(correct.detach())
+            if isinstance(counted, torch.Tensor):
+                self._counted.add_(counted.detach())
+            else:
+                self._counted_host += float(n if counted is None else counted)
             self._has_acc = True
 
     @property
@@ -66,19 +69,20 @@ class DeviceMeter:
         if self._n == 0:
             return {"loss": float("nan"), "acc": None, "samples": 0}
         loss = self._loss.item() / self._n
-        counted = self._counted.item() if self._has_acc else 0.0
+        counted = self._counted.item() + self._counted_host if self._has_acc else 0.0
         acc = self._correct.item() / counted if counted else None
         return {"loss": loss, "acc": acc, "samples": self._n}
 
     def state_dict(self) -> dict:
         """The running sums, on the CPU (for checkpoints: a resumed epoch continues its averages)."""
-        return {"loss": self._loss.cpu(), "correct": self._correct.cpu(), "counted": self._counted.cpu(),
+        return {"loss": self._loss.cpu(), "correct": self._correct.cpu(), "counted": self._counted.cpu() + self._counted_host,
                 "n": self._n, "has_acc": self._has_acc}
 
     def load_state_dict(self, state: dict) -> None:
         self._loss.copy_(state["loss"])
         self._correct.copy_(state["correct"])
         self._counted.copy_(state["counted"])
+        self._counted_host = 0.0
         self._n, self._has_acc = int(state["n"]), bool(state["has_acc"])
 
 

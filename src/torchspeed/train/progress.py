@@ -53,6 +53,8 @@ def decisions_header(decisions: dict) -> str:
 class TrainProgress:
     """A rich progress bar with samples/s and ETA (nothing when disabled); `total` may be None (unknown)."""
 
+    REFRESH_S = 0.1
+
     def __init__(self, *, enabled: bool, total: int | None, header: str | None = None):
         self.enabled = enabled
         self.total = total
@@ -70,21 +72,35 @@ class TrainProgress:
             if self.header:
                 self._p.console.print(self.header)
             self._task = self._p.add_task("train", total=self.total, epoch=1, rate="-", loss="-")
-            self._t0 = time.perf_counter()
-            self._samples = 0
+            self._t0 = self._shown = time.perf_counter()
+            self._samples = self._pending = 0
         return self
 
     def advance(self, samples: int, *, loss: float, epoch: int) -> None:
+        """Count one step; the bar itself is updated at most every `REFRESH_S` (rich's refresh rate is 10/s,
+        and a 1 ms step would otherwise pay for a formatted update it never shows)."""
         if self._p is None:
             return
         self._samples += samples
-        rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
-        self._p.update(self._task, advance=1, epoch=epoch + 1, rate=f"{rate:,.0f}",
+        self._pending += 1
+        now = time.perf_counter()
+        if now - self._shown < self.REFRESH_S:
+            return
+        self._shown = now
+        rate = self._samples / max(now - self._t0, 1e-9)
+        self._p.update(self._task, advance=self._pending, epoch=epoch + 1, rate=f"{rate:,.0f}",
                        loss="-" if math.isnan(loss) else f"{loss:.4f}")
+        self._pending = 0
+
+    def _flush(self) -> None:
+        if self._p is not None and self._pending:
+            self._p.update(self._task, advance=self._pending)
+            self._pending = 0
 
     def epoch_done(self, row: dict) -> None:
         if self._p is None:
             return
+        self._flush()
         parts = [f"epoch {row['epoch']}", f"train_loss {row['train_loss']:.4f}"]
         if row.get("val_acc") is not None:
             parts.append(f"val_acc {row['val_acc']:.4f}")
@@ -95,4 +111,5 @@ class TrainProgress:
 
     def __exit__(self, *exc):
         if self._p is not None:
+            self._flush()
             self._p.__exit__(*exc)

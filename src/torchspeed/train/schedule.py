@@ -6,6 +6,11 @@
   each param group around its own value (the Muon and AdamW parts of "muon", T42).
 - cyclic (T14): triangular cycles between `min_lr` and `max_lr`.
 - warmup + cosine (T16): linear warm-up, then cosine decay to `min_lr`.
+- constant: the LR as set (after a linear warm-up over `warmup_steps`, when given).
+- `default_schedule`: the schedule of a `fit` run that did not name one. A run whose LR the user
+  set (a number, or an optimizer object that carries its own) trains at that LR: constant, as the
+  loop it was ported from. A run whose LR torchspeed chooses (`lr="auto"`, `recipe="auto"`) or
+  that set none (the default 0.1) gets one-cycle around it.
 - `scale_lr` (T17): the linear scaling rule lr = base_lr x world_size x batch / base_batch.
 - `scale_lr_for_batch` (T17): the LR for another batch by the optimizer's rule (`lr_rule`):
   linear for SGD and LARS, the square root for the Adam family; the recipe's batch part and the
@@ -23,12 +28,30 @@ import math
 
 import torch
 
+from torchspeed.train.decision import Decision
 from torchspeed.train.optim_info import OPTIM_INFO
 
-__all__ = ["SCHEDULES", "create_scheduler", "scale_lr", "warmup_cosine_factor", "steps_in_run", "lr_rule",
+__all__ = ["SCHEDULES", "DEFAULT_LR", "default_schedule", "create_scheduler", "scale_lr", "warmup_cosine_factor", "steps_in_run", "lr_rule",
            "batch_lr_factor", "scale_lr_for_batch", "rescale_lr"]
 
 SCHEDULES = ("onecycle", "cyclic", "cosine", "constant")
+DEFAULT_LR = 0.1  # fit's LR when none is given (the peak of its one-cycle schedule)
+
+
+def default_schedule(*, lr: float | str | None, optimizer: object, recipe: str | None = None) -> Decision:
+    """The schedule of a run that named none, and why: the LR the user set is the LR the run trains at.
+
+    - `recipe="auto"` or `lr="auto"`: "onecycle" (the LR is measured as a one-cycle peak);
+    - an LR given as a number, or an optimizer object (it carries the user's LR): "constant";
+    - no LR given: "onecycle" around `DEFAULT_LR`.
+    """
+    if recipe == "auto" or lr == "auto":
+        return Decision("onecycle", "rule: the LR is chosen as the peak of a one-cycle schedule")
+    if isinstance(optimizer, torch.optim.Optimizer) or lr is not None:
+        given = "the optimizer's LR" if isinstance(optimizer, torch.optim.Optimizer) else f"lr={lr:g}"
+        return Decision("constant", f"rule: you set {given}, so the run trains at it as a loop without a "
+                        "scheduler does; pass schedule='onecycle' (or 'cosine') to anneal it")
+    return Decision("onecycle", f"rule: no LR given, so one-cycle around lr={DEFAULT_LR:g} (torchspeed's default)")
 
 
 def steps_in_run(steps_per_epoch: int | None, epochs: int, *, grad_accum: int = 1,
@@ -82,7 +105,11 @@ def warmup_cosine_factor(step: int, *, total_steps: int, warmup_steps: int, min_
 def create_scheduler(name: str | None, optimizer: torch.optim.Optimizer, *, total_steps: int,
                      max_lr: float | None = None, min_lr: float | None = None,
                      warmup_steps: int | None = None, cycle_steps: int | None = None):
-    """Build schedule `name` for `total_steps` optimizer steps (None or "constant": no schedule)."""
+    """Build schedule `name` for `total_steps` optimizer steps (None, or "constant" without `warmup_steps`: no
+    scheduler)."""
+    if name == "constant" and warmup_steps:
+        warm = int(warmup_steps)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
     if name is None or name == "constant":
         return None
     if total_steps <= 0:

@@ -37,14 +37,15 @@ from torchspeed.train.callbacks import Callback, CallbackList
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from torchspeed.train.checkpoint import CheckpointManager
 from torchspeed.train.compile import CompileController
-from torchspeed.train.config import TrainConfig, check_reliability_options
+from torchspeed.train.config import TrainConfig, check_reliability_options, parse_eval_every
 from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object, is_rank_zero,
                                           maybe_init_distributed, reduce_metrics, scale_lr_world_size,
                                           unwrap_data_parallel)
 from torchspeed.train.dcp import ShardedCheckpoints, notify_checkpoint
-from torchspeed.train.evaluate import evaluate
+from torchspeed.train.evaluate import EvalClock, evaluate
 from torchspeed.train.eval_view import eval_weights
 from torchspeed.train.fsdp import check_optimizer, single_process_group, wrap_parallel
+from torchspeed.train.in_memory import sliced_loader
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
 from torchspeed.train.loggers import LoggerCallback
 from torchspeed.train.memory_format import apply_channels_last
@@ -301,8 +302,9 @@ class Trainer(MeasuredSwitches):
         epochs = epochs if epochs is not None else cfg.epochs
         if self.dist is not None:  # T31: each rank trains on its own shard (DistributedSampler)
             train_loader = shard_loader(train_loader, seed=cfg.seed or 0)
-        steps_per_epoch = loader_length(train_loader, max_steps=cfg.max_steps)
         self._ramp = ramp = self._batch_ramp(train_loader)  # T17: batches growing over the run
+        train_loader, val_loader = self._sliced(train_loader), self._sliced(val_loader)  # T10/T11: data in memory
+        steps_per_epoch = loader_length(train_loader, max_steps=cfg.max_steps)
         length = RunLength(epochs, steps_per_epoch, cfg.grad_accum, ramp)
         if self.scheduler is None:
             self.setup_schedule(*length.schedule_span())
@@ -311,6 +313,7 @@ class Trainer(MeasuredSwitches):
         self.prepare(train_loader, remaining_steps=length.micro_batches_left(self.total_steps, self.step))
         self.compiler.plan(length.micro_batches_left(self.total_steps, self.step))  # short runs are not compiled
         total = length.batches_left(start_epoch, start_batch, total_steps=self.total_steps, step=self.step)
+        self._eval = EvalClock(parse_eval_every(cfg.eval_every), step=self.step)
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
         self.best.active = cfg.restore_best is True or (cfg.restore_best == "auto" and val_loader is not None)
         # on_train_start now, on_train_end("success" | "failed") when the loop ends (callbacks.py)
@@ -321,15 +324,31 @@ class Trainer(MeasuredSwitches):
                     break
                 skip = start_batch if epoch == start_epoch else 0  # mid-epoch resume: batches already trained
                 done = self._train_epoch(train_loader, epoch, skip, progress)
-                row = self._epoch_row(epoch, val_loader)
+                last = done or self.should_stop or epoch == epochs - 1
+                row = self._epoch_row(epoch, val_loader if self._eval.due(self.step, last=last) else None,
+                                      skipped_val=val_loader is not None)
                 progress.epoch_done(row)
                 self.callbacks.on_evaluate(self, row)
                 self._end_epoch(row)
         self.finish_switch_trial()  # a run shorter than its trial decides on what it measured
         self.compiler.finish()
+        if self._eval.count:
+            self.decisions["evaluation"] = self._eval.decision(cfg.eval_every, steps=self.step)
         self.best.restore(self.module, self._history, self.decisions)  # restore_best: the best epoch's weights
         return FitResult(history=self._history, config=asdict(cfg), decisions=dict(self.decisions), steps=self.step,
                          skipped_steps=int(self.skipped.item()))
+
+    def _sliced(self, loader: Iterable | None) -> Iterable | None:
+        """`loader` as index slices of its tensors when it is a plain DataLoader over data in memory (in_memory.py)."""
+        if loader is None:
+            return None
+        served = sliced_loader(loader, self.device)
+        if served is not loader and "batching" not in self.decisions:
+            where = "on the device" if served.tensors[0].device.type != "cpu" else "in host memory"
+            self.decisions["batching"] = Decision("index slices", f"the DataLoader holds tensors {where} "
+                                                  "(TensorDataset): each batch is one index per tensor, in the "
+                                                  "loader's order, not a collate of per-sample reads")
+        return served
 
     def _batch_ramp(self, train_loader: Iterable) -> BatchRamp | None:
         """The loader's BatchRamp, if it has one; its LR scaling joins the callbacks (once)."""
@@ -337,7 +356,7 @@ class Trainer(MeasuredSwitches):
         if not isinstance(ramp, BatchRamp):
             return None
         if not any(isinstance(cb, BatchRampLR) for cb in self.callbacks):
-            self.callbacks.callbacks.append(BatchRampLR(ramp))
+            self.callbacks.add(BatchRampLR(ramp))
         self.decisions["batch_ramp"] = Decision(
             f"{ramp.start}->{ramp.end}", f"the loader's BatchRamp over {ramp.ramp_samples:,} samples; the LR "
             f"scales with the batch ({lr_rule(self.optimizer)} rule, the LR set is the one for {ramp.end})")
@@ -362,7 +381,7 @@ class Trainer(MeasuredSwitches):
                 observe_batch(self.module, batch, self.noise, loss_fn=self.loss_fn, step_fn=self.step_fn,
                               autocast=self.precision.autocast)  # two half-batch backwards; nothing trained
             self.position.advance()
-            if self.window.at_boundary:
+            if self.callbacks.step_hooks and self.window.at_boundary:
                 self.callbacks.on_step_end(self)  # EMA update, logging, a callback's stop (before the save)
             n = batch_size(batch)
             self._seen += n
@@ -374,7 +393,8 @@ class Trainer(MeasuredSwitches):
                 return True
         return False
 
-    def _epoch_row(self, epoch: int, val_loader: Iterable | None) -> dict:
+    def _epoch_row(self, epoch: int, val_loader: Iterable | None, *, skipped_val: bool = False) -> dict:
+        """The epoch's metrics; `val_loader` None with `skipped_val`: eval_every left this epoch's evaluation out."""
         sync(self.device)
         elapsed = time.perf_counter() - self._t0
         m, seen = self.meter.compute(), self._seen
@@ -387,20 +407,25 @@ class Trainer(MeasuredSwitches):
         if self.config.noise_scale_every:
             row["noise_scale"] = self.noise.value  # B_simple: about the critical batch size (T17)
         if val_loader is not None:
-            row.update({k: v for k, v in self.evaluate(val_loader).items() if k != "samples"})
+            with self._eval.timing():
+                row.update({k: v for k, v in self.evaluate(val_loader).items() if k != "samples"})
+        elif skipped_val:
+            row["val_skipped"] = True  # eval_every: no validation this epoch (EarlyStopping and best.pt wait)
         return row
 
     def _end_epoch(self, row: dict) -> None:
         self._history.append(row)
         if self.config.out_dir and is_rank_zero():
             write_metrics(self.config.out_dir, self._history, decisions=self.decisions, config=asdict(self.config))
+        scored = not row.get("val_skipped")  # an epoch eval_every did not validate is never the best
         if self.checkpoints is not None and self.window.at_boundary:
             pos = self.position
             if pos.batch == self._steps_per_epoch or (self._steps_per_epoch is None and not self._stopped()
                                                       and not self.should_stop):
                 pos.start_epoch(pos.epoch + 1, 0)  # the position is the next epoch's start
-            self.save_checkpoint(best=self.best.update(row, self.step, self.callbacks.eval_module(self.module)))
-        elif self.checkpoints is None:
+            self.save_checkpoint(best=scored and self.best.update(row, self.step,
+                                                                  self.callbacks.eval_module(self.module)))
+        elif self.checkpoints is None and scored:
             self.best.update(row, self.step, self.callbacks.eval_module(self.module))  # what scored (EMA or not)
 
     def _stopped(self) -> bool:

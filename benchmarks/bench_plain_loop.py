@@ -1,0 +1,202 @@
+"""Claim: `fit` is never slower than the plain loop a user writes for a small model (issue: never slower).
+
+Three small models held in memory (`torchspeed.bench.small`: a 1D CNN, an MLP, a tiny
+transformer; steps of 1-5 ms on 2 cores), each trained by the script's own ~15-line loop and by
+`fit`, in one process, interleaved in rounds after a warm-up round:
+
+- `plain`: the script's loop: Adam at the workload's LR, constant, shuffled index slices of the
+  tensors, an evaluation on the 1,000 held-out samples after each epoch;
+- `plain_loader`: the same loop over `DataLoader(TensorDataset, batch_size=100, shuffle=True)`
+  (the per-sample collate a ported script often has);
+- `fit`: `fit(model, DataLoader(TensorDataset...), optimizer="adamw", lr=<same>, weight_decay=0,
+  epochs=<same>, val_loader=...)`, every run from an empty decision cache (the switch trial is
+  measured on its first steps, counted);
+- `auto` (with `--tta`): `fit(recipe="auto")`, cold.
+
+Two readings per workload:
+
+1. **Whole run** (the same epochs): each row's seconds, and fit's speed against plain per round
+   (plain seconds / fit seconds; median and quartiles). Goal: at least 1/1.05 = 0.952 against plain,
+   above 1.0 against plain_loader.
+2. **Time to the plain loop's accuracy** (`--tta`): per seed, the plain loop's final validation
+   accuracy is the target; each row's seconds until its first evaluation at the target,
+   evaluations counted. Goal: fit no slower than plain on every seed; auto 1.5x sooner.
+
+Run:
+    python benchmarks/bench_plain_loop.py                     # whole runs, 3 workloads x 3 rounds
+    python benchmarks/bench_plain_loop.py --tta --seeds 0,1,2 # time to the plain loop's accuracy
+Writes benchmarks/results/<cpu kind>/plain_loop.json (and plain_loop_tta.json) with commit, versions, device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchspeed
+from torchspeed.bench.runner import provenance
+from torchspeed.bench.small import SMALL, make_small, plain_loop
+from torchspeed.train.callbacks import Callback
+from torchspeed.train.rounds import ratio_summary
+
+
+class StopAt(Callback):
+    """Stops the run at the first evaluation at or above `target`; remembers when (seconds from `t0`)."""
+
+    def __init__(self, target: float, t0: float):
+        self.target, self.t0, self.at = target, t0, None
+
+    def on_evaluate(self, trainer, metrics):
+        if self.at is None and metrics.get("val_acc", 0.0) >= self.target:
+            self.at = time.perf_counter() - self.t0
+            trainer.request_stop(f"val_acc {metrics['val_acc']:.3f} >= {self.target}")
+
+
+def loaders(w, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (DataLoader(TensorDataset(w.x, w.y), batch_size=w.batch_size, shuffle=True, generator=g),
+            DataLoader(TensorDataset(w.vx, w.vy), batch_size=500))
+
+
+def run_fit(w, *, epochs: int, seed: int, recipe: str | None = None, target: float | None = None) -> dict:
+    """One cold `fit` run (a fresh decision cache); seconds to the end, or to `target` when given."""
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TORCHSPEED_CACHE_DIR"] = cache
+        torch.manual_seed(seed)
+        model = w.model()
+        train, val = loaders(w, seed)
+        t0 = time.perf_counter()
+        stop = StopAt(target, t0) if target is not None else None
+        kw = dict(recipe=recipe) if recipe else dict(optimizer="adamw", lr=w.lr, weight_decay=0.0)
+        res = torchspeed.fit(model, train, epochs=epochs, val_loader=val, progress=False,
+                             callbacks=[stop] if stop else None, **kw)
+        seconds = time.perf_counter() - t0
+    out = {"seconds": seconds, "steps": res.steps, "val_acc": res.final.get("val_acc"),
+           "eval_share": res.decisions["evaluation"].value if "evaluation" in res.decisions else None,
+           "decisions": {k: str(d.value)[:60] for k, d in res.decisions.items()}}
+    if target is not None:
+        out["to_target_s"] = stop.at
+    return out
+
+
+def run_plain(w, *, epochs: int, seed: int, loader: bool = False, target: float | None = None) -> dict:
+    torch.manual_seed(seed)
+    model = w.model()
+    t0, at = time.perf_counter(), [None]
+
+    def on_epoch(_, acc):
+        if target is not None and at[0] is None and acc >= target:
+            at[0] = time.perf_counter() - t0
+            return True
+        return False
+
+    if loader:
+        out = _plain_over_loader(model, w, epochs=epochs, seed=seed, on_epoch=on_epoch)
+    else:
+        out = plain_loop(model, w, epochs=epochs, seed=seed, on_epoch=on_epoch)
+    if target is not None:
+        out["to_target_s"] = at[0]
+    return out
+
+
+def _plain_over_loader(model, w, *, epochs, seed, on_epoch) -> dict:
+    """The plain loop over a DataLoader (per-sample collate) instead of slices."""
+    import torch.nn.functional as F
+
+    from torchspeed.bench.small import evaluate_plain
+
+    train, _ = loaders(w, seed)
+    opt = torch.optim.Adam(model.parameters(), lr=w.lr)
+    t0, steps, acc = time.perf_counter(), 0, float("nan")
+    for epoch in range(epochs):
+        for x, y in train:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            steps += 1
+        acc = evaluate_plain(model, w.vx, w.vy)
+        if on_epoch(epoch, acc):
+            break
+    return {"seconds": time.perf_counter() - t0, "steps": steps, "val_acc": acc}
+
+
+def whole_runs(names, *, epochs: int, rounds: int) -> dict:
+    out = {}
+    for name in names:
+        w = make_small(name)
+        rows = {"plain": lambda: run_plain(w, epochs=epochs, seed=0),
+                "plain_loader": lambda: run_plain(w, epochs=epochs, seed=0, loader=True),
+                "fit": lambda: run_fit(w, epochs=epochs, seed=0)}
+        for fn in rows.values():  # warm-up: first-call set-up (torch's lazy imports, kernels), untimed
+            fn()
+        samples: dict[str, list] = {k: [] for k in rows}
+        for r in range(rounds):
+            for k in (list(rows) if r % 2 == 0 else list(rows)[::-1]):
+                samples[k].append(rows[k]())
+        secs = {k: [s["seconds"] for s in v] for k, v in samples.items()}
+        ratio = lambda a, b: ratio_summary([x / y for x, y in zip(secs[a], secs[b])])  # noqa: E731
+        out[name] = {"epochs": epochs, "steps": samples["plain"][0]["steps"],
+                     "step_ms_plain": 1000 * statistics.median(secs["plain"]) / samples["plain"][0]["steps"],
+                     "seconds": secs, "median_s": {k: statistics.median(v) for k, v in secs.items()},
+                     "fit_speed_vs_plain": ratio("plain", "fit"), "fit_speed_vs_plain_loader": ratio("plain_loader", "fit"),
+                     "val_acc": {k: [s["val_acc"] for s in v] for k, v in samples.items()},
+                     "fit_eval_share": [s["eval_share"] for s in samples["fit"]],
+                     "fit_decisions": samples["fit"][-1]["decisions"]}
+        m = out[name]["median_s"]
+        print(f"{name}: plain {m['plain']:.2f} s, plain_loader {m['plain_loader']:.2f} s, fit {m['fit']:.2f} s; "
+              f"fit's speed vs plain {out[name]['fit_speed_vs_plain']}", flush=True)
+    return out
+
+
+def to_target(names, *, epochs: int, seeds: list[int]) -> dict:
+    out = {}
+    for name in names:
+        w = make_small(name)
+        run_plain(w, epochs=1, seed=0), run_fit(w, epochs=1, seed=0)  # warm-up
+        per_seed = []
+        for seed in seeds:
+            target = run_plain(w, epochs=epochs, seed=seed)["val_acc"]
+            row = {"seed": seed, "target": target,
+                   "plain": run_plain(w, epochs=epochs, seed=seed, target=target),
+                   "fit": run_fit(w, epochs=epochs, seed=seed, target=target),
+                   "auto": run_fit(w, epochs=epochs, seed=seed, recipe="auto", target=target)}
+            per_seed.append(row)
+            print(f"{name} seed {seed}: target {target:.3f}; plain {row['plain']['to_target_s']} s, "
+                  f"fit {row['fit']['to_target_s']} s, auto {row['auto']['to_target_s']} s", flush=True)
+        out[name] = {"epochs": epochs, "seeds": per_seed}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default=",".join(SMALL))
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tta", action="store_true", help="time to the plain loop's accuracy instead of whole runs")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    names = args.workloads.split(",")
+    if args.tta:
+        result = {"kind": "time_to_plain_accuracy",
+                  "workloads": to_target(names, epochs=args.epochs, seeds=[int(s) for s in args.seeds.split(",")])}
+    else:
+        result = {"kind": "whole_run", "workloads": whole_runs(names, epochs=args.epochs, rounds=args.rounds)}
+    result["provenance"] = provenance()
+    path = Path(args.out or f"benchmarks/results/cpu/plain_loop{'_tta' if args.tta else ''}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
