@@ -19,7 +19,7 @@ Two readings per workload:
    (plain seconds / fit seconds; median and quartiles). Goal: at least 1/1.05 = 0.952 against plain,
    above 1.0 against plain_loader.
 2. **Time to the plain loop's accuracy** (`--tta`): per seed, the plain loop's final validation
-   accuracy is the target; each row's seconds until its first evaluation at the target,
+   accuracy less `TOLERANCE` (0.005: 5 of the 1,000 held-out samples) is the target; each row's seconds until its first evaluation at the target,
    evaluations counted. Goal: fit no slower than plain on every seed; auto 1.5x sooner.
 
 Run:
@@ -46,6 +46,9 @@ from torchspeed.bench.runner import provenance
 from torchspeed.bench.small import SMALL, make_small, plain_loop
 from torchspeed.train.callbacks import Callback
 from torchspeed.train.rounds import ratio_summary
+
+
+TOLERANCE = 0.005  # the target: the plain loop's final accuracy less 5 of the 1,000 held-out samples (its noise)
 
 
 class StopAt(Callback):
@@ -164,7 +167,7 @@ def to_target(names, *, epochs: int, seeds: list[int]) -> dict:
         run_plain(w, epochs=1, seed=0), run_fit(w, epochs=1, seed=0)  # warm-up
         per_seed = []
         for seed in seeds:
-            target = run_plain(w, epochs=epochs, seed=seed)["val_acc"]
+            target = run_plain(w, epochs=epochs, seed=seed)["val_acc"] - TOLERANCE
             row = {"seed": seed, "target": target,
                    "plain": run_plain(w, epochs=epochs, seed=seed, target=target),
                    "fit": run_fit(w, epochs=epochs, seed=seed, target=target),

@@ -162,7 +162,12 @@ def plain_loop(model: nn.Module, w: SmallWorkload, *, epochs: int, lr: float | N
     t0, steps, acc = time.perf_counter(), 0, float("nan")
     model.train()
     for epoch in range(epochs):
+        # The order a DataLoader(shuffle=True, generator=Generator().manual_seed(seed)) gives (one number drawn before
+        # its permutation, and RandomSampler draws a second one for the remainder, empty here): the loop and `fit`
+        # over that loader then train on the same batches.
+        torch.empty((), dtype=torch.int64).random_(generator=g)
         perm = torch.randperm(len(w.x), generator=g)
+        torch.randperm(len(w.x), generator=g)
         for i in range(0, len(w.x), w.batch_size):
             idx = perm[i:i + w.batch_size]
             loss = F.cross_entropy(model(w.x[idx]), w.y[idx])

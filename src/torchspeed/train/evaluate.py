@@ -53,12 +53,12 @@ class EvalClock:
 
     def due(self, step: int, *, last: bool = False) -> bool:
         """Whether the epoch that ended at optimizer step `step` evaluates (`last`: the run's final epoch always)."""
-        if last or self.every is None:
-            return True
-        kind, n = self.every
-        if kind == "steps":
-            return step - self.mark_step >= n
-        return self.clock() - self.mark_t >= n  # seconds of training since the last evaluation ended
+        kind, n = self.every or ("epoch", 0.0)
+        due = (last or kind == "epoch" or (kind == "steps" and step - self.mark_step >= n)
+               or (kind == "seconds" and self.clock() - self.mark_t >= n))  # training seconds since the last one
+        if due:
+            self.mark_step = step
+        return due
 
     @contextlib.contextmanager
     def timing(self):

@@ -303,7 +303,7 @@ class Trainer(MeasuredSwitches):
         if self.dist is not None:  # T31: each rank trains on its own shard (DistributedSampler)
             train_loader = shard_loader(train_loader, seed=cfg.seed or 0)
         self._ramp = ramp = self._batch_ramp(train_loader)  # T17: batches growing over the run
-        train_loader, val_loader = self._sliced(train_loader), self._sliced(val_loader)  # T10/T11: data in memory
+        train_loader = self._sliced(train_loader)  # T10/T11: data in memory (after sharding: a rank's own shard)
         steps_per_epoch = loader_length(train_loader, max_steps=cfg.max_steps)
         length = RunLength(epochs, steps_per_epoch, cfg.grad_accum, ramp)
         if self.scheduler is None:
@@ -349,6 +349,12 @@ class Trainer(MeasuredSwitches):
                                                   "(TensorDataset): each batch is one index per tensor, in the "
                                                   "loader's order, not a collate of per-sample reads")
         return served
+
+    def _sliced_eval(self, loader: Iterable) -> Iterable:
+        kept = getattr(self, "_eval_sliced", None)  # (the loader given, what serves it): a device copy made once
+        if kept is None or kept[0] is not loader:
+            self._eval_sliced = kept = (loader, sliced_loader(loader, self.device))
+        return kept[1]
 
     def _batch_ramp(self, train_loader: Iterable) -> BatchRamp | None:
         """The loader's BatchRamp, if it has one; its LR scaling joins the callbacks (once)."""
@@ -463,6 +469,7 @@ class Trainer(MeasuredSwitches):
         # The plain module: a DDP forward would issue collectives that uneven shards could leave waiting.
         if self.dist is not None and not self.sharded:  # FSDP2: every rank runs the whole set (collective forward)
             loader = shard_loader(loader, for_eval=True)
+        loader = self._sliced_eval(loader)  # T10/T11: in-memory tensors sliced, once per loader
         with eval_weights(self) as module:  # the EMA's, or Schedule-Free's averaged weights with their BN statistics
             out = evaluate(module, loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
                            step_fn=self.step_fn, channels_last=self.channels_last, tta=self.config.tta,

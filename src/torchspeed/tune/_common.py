@@ -22,6 +22,7 @@ from torch import nn
 
 from torchspeed.env import sync
 from torchspeed.train.batch import default_loss, forward_loss
+from torchspeed.train.optim import is_schedule_free
 from torchspeed.train.step import backward, optimizer_step
 
 T = TypeVar("T")
@@ -136,10 +137,13 @@ def make_batch(dataset, batch_size: int, *, collate_fn=None, offset: int = 0):
 
 
 class TrainStep:
-    """One plain training step (forward in `precision`, backward, optimizer step, zero_grad).
+    """One plain training step (forward in `precision`, backward, optimizer step, zero_grad): the one home of
+    stepping a candidate optimizer for every tuner and recipe part (batch timing, LR range test, optimizer and
+    loader trials).
 
     Batches and losses follow `torchspeed.train.batch` (tuples, dicts, models returning their
-    loss, `step_fn`), as in the trainer.
+    loss, `step_fn`), as in the trainer. An optimizer with modes (Schedule-Free's `train()`/`eval()`) is put
+    in train mode before each step it takes, whoever built it and whatever evaluated it last.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, loss_fn=None, precision=None,
@@ -147,6 +151,7 @@ class TrainStep:
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.loss_fn, self.step_fn = loss_fn or default_loss(), step_fn
         self.precision = precision
+        self._moded = is_schedule_free(optimizer)
 
     def loss(self, batch) -> torch.Tensor:
         ctx = self.precision.autocast() if self.precision is not None else contextlib.nullcontext()
@@ -154,6 +159,8 @@ class TrainStep:
             return forward_loss(self.model, batch, loss_fn=self.loss_fn, step_fn=self.step_fn).loss
 
     def __call__(self, batch) -> torch.Tensor:
+        if self._moded and not self.optimizer.param_groups[0].get("train_mode", True):
+            self.optimizer.train()  # Schedule-Free steps only in train mode (its weights are swapped back too)
         loss = self.loss(batch)
         backward(loss, scaler=self.scaler)        # the loop's own functions (train/step.py):
         optimizer_step(self.optimizer, scaler=self.scaler)  # scale, step, update in one place

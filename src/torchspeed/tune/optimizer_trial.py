@@ -146,9 +146,8 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
                     row["error"] = str(e)
                     continue
                 free = is_schedule_free(opt)
-                if free:  # its own warm-up (the Trainer's rule), no schedule
+                if free:  # its own warm-up (the Trainer's rule), no schedule; TrainStep puts it in train mode
                     set_schedule_free_warmup(opt, steps)
-                    opt.train()
                 sched = None if free else create_scheduler(schedule, opt, total_steps=steps)
                 step = TrainStep(model, opt, loss_fn=loss_fn, step_fn=step_fn, precision=prec,
                                  scaler=make_grad_scaler(prec))
@@ -196,7 +195,7 @@ CHECKPOINTS = 4  # a challenger's held-back loss is read every steps / 4 (3 read
 def _held_loss(model, opt, step, held: list, trained: list, prec, *, resume: bool = True) -> float:
     """The mean loss on the held-back batches at the weights the optimizer is judged by: a Schedule-Free
     optimizer's average, with BatchNorm statistics recalibrated on the newest batches trained on, as it evaluates
-    (`train/eval_view.py`). Eval mode, no gradient; `resume`: back to training after."""
+    (`train/eval_view.py`). Eval mode, no gradient; `resume`: the model back to training after."""
     device = model_device(model)
     free = is_schedule_free(opt)
     if free:
@@ -206,9 +205,7 @@ def _held_loss(model, opt, step, held: list, trained: list, prec, *, resume: boo
     with torch.no_grad():
         out = [float(step.loss(to_device(b, device))) for b in held]
     if resume:
-        model.train()
-        if free:
-            opt.train()
+        model.train()  # the optimizer goes back to train mode with its next step (TrainStep)
     return sum(out) / len(out)
 
 

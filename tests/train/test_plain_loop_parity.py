@@ -1,0 +1,273 @@
+"""Never slower than the user's own loop: data in memory is sliced, per-step machinery runs only when used, a
+ported LR is trained at, evaluation is priced. None of these tests times anything."""
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset, random_split
+
+import torchspeed
+from torchspeed.bench.small import SMALL, evaluate_plain, make_small, plain_loop
+from torchspeed.train import callbacks as cb_mod
+from torchspeed.train.callbacks import Callback, EarlyStopping
+from torchspeed.train.config import parse_eval_every
+from torchspeed.train.evaluate import EvalClock
+from torchspeed.train.in_memory import SlicedLoader, keep_on_device, sliced_loader
+from torchspeed.train.schedule import default_schedule
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def _data(n=240, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 16, generator=g)
+    y = (x.mean(-1).squeeze(1) > 0).long()
+    return x, y
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv1d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                               torch.nn.Linear(64, 2))
+
+
+def _quiet(**kw):
+    return dict(progress=False, compile=False, trial=False, precision="fp32", **kw)
+
+
+# ------------------------------------------------------------------ data in memory is sliced (T10/T11)
+
+def test_an_in_memory_tensor_dataset_is_sliced_not_collated_per_sample(monkeypatch):
+    x, y = _data()
+    calls = []
+    real = TensorDataset.__getitem__
+    monkeypatch.setattr(TensorDataset, "__getitem__", lambda self, i: calls.append(i) or real(self, i))
+    loader = DataLoader(TensorDataset(x, y), batch_size=20, shuffle=True)
+    val = DataLoader(TensorDataset(x[:60], y[:60]), batch_size=30)
+    res = torchspeed.fit(_model(), loader, epochs=2, optimizer="adamw", lr=1e-2, val_loader=val, **_quiet())
+    assert calls == []  # no per-sample read, in training or in validation
+    assert res.decisions["batching"].value == "index slices"
+    assert res.steps == 24 and res.final["val_acc"] is not None
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_slices_come_in_the_dataloaders_order_and_leave_the_same_random_stream(drop_last):
+    x, y = _data(103)
+
+    def run(make):
+        torch.manual_seed(7)
+        loader = make(DataLoader(TensorDataset(x, y), batch_size=10, shuffle=True, drop_last=drop_last,
+                                 generator=torch.Generator().manual_seed(3)))
+        batches = [b for _ in range(2) for b in loader]  # two epochs
+        return batches, torch.rand(3), loader.generator.get_state()
+
+    ref, ref_next, ref_gen = run(lambda dl: dl)
+    got, got_next, got_gen = run(lambda dl: sliced_loader(dl, torch.device("cpu")))
+    assert len(got) == len(ref)
+    assert all(isinstance(b, list) and len(b) == 2 for b in got)  # default_collate's batch type
+    for (gx, gy), (rx, ry) in zip(got, ref):
+        assert torch.equal(gx, rx) and torch.equal(gy, ry)
+    assert torch.equal(got_next, ref_next) and torch.equal(got_gen, ref_gen)
+
+
+def test_shuffling_from_the_global_generator_matches_too():
+    x, y = _data(50)
+    torch.manual_seed(1)
+    ref = [b[1] for b in DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)]
+    torch.manual_seed(1)
+    got = [b[1] for b in sliced_loader(DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True),
+                                       torch.device("cpu"))]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and len(got) == len(ref)
+
+
+def test_a_random_split_subset_is_sliced_through_its_indices():
+    x, y = _data(60)
+    train, _ = random_split(TensorDataset(x, y), [40, 20], generator=torch.Generator().manual_seed(0))
+    dl = DataLoader(train, batch_size=7, shuffle=False)
+    got = sliced_loader(dl, torch.device("cpu"))
+    assert isinstance(got, SlicedLoader) and len(got) == len(dl)
+    for (gx, gy), (rx, ry) in zip(got, dl):
+        assert torch.equal(gx, rx) and torch.equal(gy, ry)
+
+
+def test_loaders_that_are_not_plain_tensors_are_left_as_they_are():
+    x, y = _data(20)
+    ds = TensorDataset(x, y)
+    custom = DataLoader(ds, batch_size=4, collate_fn=lambda b: b)
+    listed = DataLoader([(x[i], y[i]) for i in range(20)], batch_size=4)
+    assert sliced_loader(custom, torch.device("cpu")) is custom
+    assert sliced_loader(listed, torch.device("cpu")) is listed
+
+
+def test_tensors_move_to_the_accelerator_only_when_they_fit_its_share():
+    assert keep_on_device(1 << 20, 16 << 20)
+    assert not keep_on_device(8 << 20, 16 << 20)
+    assert not keep_on_device(1, None)  # a CPU run: nothing moves
+
+
+# ------------------------------------------------------------------ per-step machinery runs only when used
+
+def test_with_no_callbacks_no_per_step_callback_machinery_runs(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cb_mod.CallbackList, "on_step_end", lambda self, tr: seen.append(tr.step))
+    x, y = _data()
+    torchspeed.fit(_model(), DataLoader(TensorDataset(x, y), batch_size=20), epochs=1, lr=1e-2, **_quiet())
+    assert seen == []
+
+    class OnlyEpochs(Callback):
+        def on_evaluate(self, trainer, metrics):
+            pass
+
+    torchspeed.fit(_model(), DataLoader(TensorDataset(x, y), batch_size=20), epochs=1, lr=1e-2,
+                   callbacks=[OnlyEpochs()], **_quiet())
+    assert seen == []
+
+
+def test_a_callback_that_uses_the_step_event_gets_every_step():
+    class Count(Callback):
+        steps = 0
+
+        def on_step_end(self, trainer):
+            Count.steps += 1
+
+    x, y = _data()
+    res = torchspeed.fit(_model(), DataLoader(TensorDataset(x, y), batch_size=20), epochs=2, lr=1e-2,
+                         callbacks=[Count()], **_quiet())
+    assert Count.steps == res.steps == 24
+
+
+# ------------------------------------------------------------------ a ported LR is the LR trained at
+
+def _doc_rule_rows():
+    text = (DOCS / "train.md").read_text()
+    block = text.split("<!-- schedule-rule -->")[1]
+    rows = re.findall(r"^\| `(.+?)` \| (\w+) \|", block, flags=re.M)
+    assert len(rows) >= 4, "docs/train.md lost the schedule rule's table"
+    return rows
+
+
+CASES = {"lr=0.01": dict(lr=0.01, optimizer="adamw"), "optimizer=torch.optim.Adam(...)": dict(lr=None, optimizer="obj"),
+         'lr="auto"': dict(lr="auto", optimizer="sgd"), 'recipe="auto"': dict(lr=0.01, optimizer="sgd", recipe="auto"),
+         "lr=None": dict(lr=None, optimizer="sgd")}
+
+
+def test_the_schedule_chosen_for_an_lr_is_the_one_the_docs_state():
+    for case, stated in _doc_rule_rows():
+        kw = dict(CASES[case])
+        if kw["optimizer"] == "obj":
+            kw["optimizer"] = torch.optim.Adam(_model().parameters(), lr=1e-3)
+        assert default_schedule(**kw).value == stated, case
+
+
+def test_fit_trains_at_the_lr_it_was_given_and_says_why():
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=20, shuffle=True)
+    res = torchspeed.fit(_model(), loader, epochs=3, optimizer="adamw", lr=0.01, weight_decay=0, **_quiet())
+    assert res.decisions["schedule"].value == "constant" and "lr=0.01" in res.decisions["schedule"].reason
+    assert [r["lr"] for r in res.history] == [0.01, 0.01, 0.01]
+    default = torchspeed.fit(_model(), loader, epochs=3, **_quiet())
+    assert default.decisions["schedule"].value == "onecycle"
+    assert default.history[-1]["lr"] < 0.01  # annealed below the 0.1 peak
+    asked = torchspeed.fit(_model(), loader, epochs=3, lr=0.01, schedule="cosine", **_quiet())
+    assert "schedule" not in asked.decisions  # the user's own schedule stands, no rule ran
+    assert asked.history[-1]["lr"] < 0.01
+
+
+def test_a_constant_schedule_can_warm_up():
+    x, y = _data()
+    res = torchspeed.fit(_model(), DataLoader(TensorDataset(x, y), batch_size=20), epochs=2, lr=0.01,
+                         warmup_steps=24, **_quiet())
+    # LambdaLR reads the factor at the step about to run: after 12 steps the 13th runs at 13/24 of the LR
+    assert res.history[0]["lr"] == pytest.approx(0.01 * 13 / 24) and res.history[1]["lr"] == pytest.approx(0.01)
+
+
+# ------------------------------------------------------------------ evaluation is priced
+
+def test_eval_every_n_steps_evaluates_at_the_first_epoch_end_past_n_and_at_the_end():
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=20)  # 12 steps an epoch
+    val = DataLoader(TensorDataset(x[:40], y[:40]), batch_size=20)
+    res = torchspeed.fit(_model(), loader, epochs=5, lr=1e-2, val_loader=val, eval_every=30,
+                         callbacks=[EarlyStopping("val_loss", patience=10)], **_quiet())
+    evaluated = [r["epoch"] for r in res.history if "val_acc" in r]
+    assert evaluated == [3, 5]  # step 36 (>= 30 after 0), then the last epoch
+    assert all(r.get("val_skipped") for r in res.history if r["epoch"] not in evaluated)
+    assert res.decisions["evaluation"].measured["count"] == 2
+    assert res.decisions["restored_best"].value.startswith(("epoch 3", "epoch 5"))
+
+
+def test_eval_every_is_checked():
+    assert parse_eval_every(None) is None
+    assert parse_eval_every(500) == ("steps", 500.0)
+    assert parse_eval_every("30s") == ("seconds", 30.0)
+    for bad in (0, "often", "-3s", True):
+        with pytest.raises(ValueError, match="eval_every"):
+            parse_eval_every(bad)
+    with pytest.raises(ValueError, match="eval_every"):
+        torchspeed.fit(_model(), [(torch.zeros(2, 1, 16), torch.zeros(2, dtype=torch.long))], lr=0.1,
+                       eval_every="soon", **_quiet())
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_evaluation_over_five_percent_of_the_run_is_said_with_the_eval_every_that_fixes_it(caplog):
+    clock = Clock()
+    ev = EvalClock(None, clock=clock)
+    for _ in range(10):  # 10 epochs of 1 s training and 0.2 s evaluation
+        clock.now += 1.0
+        assert ev.due(0)
+        with ev.timing():
+            clock.now += 0.2
+    with caplog.at_level(logging.WARNING, logger="torchspeed"):
+        d = ev.decision(None, steps=400)
+    assert d.value == pytest.approx(2 / 12, rel=1e-3)
+    # 2% of 12 s is 0.24 s: one evaluation of 0.2 s, so every 400 steps
+    assert "eval_every=400" in d.reason and "eval_every=400" in caplog.text
+
+
+def test_cheap_evaluation_says_nothing(caplog):
+    clock = Clock()
+    ev = EvalClock(None, clock=clock)
+    for _ in range(4):
+        clock.now += 10.0
+        with ev.timing():
+            clock.now += 0.01
+    with caplog.at_level(logging.WARNING, logger="torchspeed"):
+        d = ev.decision(None, steps=100)
+    assert d.value < 0.01 and caplog.text == ""
+
+
+def test_eval_every_seconds_counts_training_time_since_the_last_evaluation():
+    clock = Clock()
+    ev = EvalClock(("seconds", 5.0), clock=clock)
+    clock.now = 3.0
+    assert not ev.due(10)
+    clock.now = 5.5
+    assert ev.due(20)
+    with ev.timing():
+        clock.now = 9.0  # a long evaluation does not count as training time
+    clock.now = 12.0
+    assert not ev.due(30) and ev.due(30, last=True)
+
+
+# ------------------------------------------------------------------ the small workloads learn
+
+@pytest.mark.parametrize("name", SMALL)
+def test_each_small_workloads_plain_loop_learns(name):
+    w = make_small(name, n_train=600, n_val=300)
+    torch.manual_seed(0)
+    model = w.model()
+    before = evaluate_plain(model, w.vx, w.vy)
+    out = plain_loop(model, w, epochs=4)
+    classes = int(w.y.max()) + 1
+    assert out["steps"] == 24
+    assert out["val_acc"] > max(before, 1.0 / classes) + 0.1
