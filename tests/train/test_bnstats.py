@@ -103,7 +103,8 @@ def test_final_statistics_keep_or_raise_accuracy_on_real_digits():
                             generator=torch.Generator().manual_seed(2))
         torch.manual_seed(2)
         model = create_model("resnet20")
-        fit(model, loader, epochs=2, max_steps=40, lr=0.1, precision="fp32", channels_last=False, compile=False,
+        fit(model, loader, epochs=2, max_steps=40, lr=0.1, schedule="onecycle", precision="fp32", channels_last=False,
+            compile=False,
             trial=False, progress=False, callbacks=[FinalBatchNormStats()] if on else None)
         accs[on] = evaluate(model, DataLoader(val, batch_size=256))["val_acc"]
     assert accs[True] >= accs[False] - 0.01

@@ -191,7 +191,7 @@ def test_resume_without_rng_restore_differs(tmp_path, monkeypatch):
 
 
 def test_resume_from_explicit_path_and_bad_options(tmp_path):
-    cfg = dict(_FIT, epochs=2)
+    cfg = dict(_FIT, epochs=2, schedule="onecycle")  # a schedule whose length a resume must keep
     ref = _mlp()
     torchspeed.fit(ref, _loader(), checkpoint_dir=str(tmp_path), checkpoint_every=1, **cfg)
     path = CheckpointManager(tmp_path).checkpoints()[-1]

@@ -23,7 +23,8 @@ def _model():
     return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
 
 
-FAST = dict(compile=False, precision="fp32", progress=False, device="cpu", trial=False)  # bit-exact comparisons
+FAST = dict(compile=False, precision="fp32", progress=False, device="cpu", trial=False,  # bit-exact comparisons
+            schedule="onecycle")  # one-cycle segments, the LR given as their peak
 
 
 def test_a_run_without_a_schedule_is_extended_not_crashed(tmp_path):

@@ -26,7 +26,8 @@ def _small_cnn(seed=0):
 
 def test_fit_learns_digits_and_writes_metrics(tmp_path):
     train, val = _loaders()
-    res = torchspeed.fit(_small_cnn(), train, epochs=4, val_loader=val, lr=0.2, compile=False, progress=False,
+    res = torchspeed.fit(_small_cnn(), train, epochs=4, val_loader=val, lr=0.2, schedule="onecycle", compile=False,
+                         progress=False,
                          out_dir=str(tmp_path))
     assert res.final["val_acc"] > 0.9
     assert res.history[0]["train_loss"] > res.history[-1]["train_loss"]

@@ -399,7 +399,8 @@ def test_threads_are_measured_only_when_loader_workers_share_the_cores(tiny_cnn)
         t = _trainer(tiny_cnn(), AVX2, seconds={"fp32": 1.0, "fp32+channels_last": 0.8,
                                                 "fp32+channels_last+2 threads": 0.8,
                                                 "fp32+channels_last+1 threads": 0.6})
-        res = t.fit(DataLoader(ds, batch_size=4, num_workers=1))
+        samples = [ds[i] for i in range(len(ds))]  # not tensors in memory: the loader keeps its worker
+        res = t.fit(DataLoader(samples, batch_size=4, num_workers=1))
         assert res.decisions["threads"].value == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)

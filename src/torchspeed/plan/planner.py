@@ -34,6 +34,7 @@ from torchspeed.plan.budget import TuningBudget
 from torchspeed.plan.recipe import PARTS, Recipe, choose_recipe
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, TrialCache
+from torchspeed.train.schedule import DEFAULT_LR, default_schedule
 
 __all__ = ["Plan", "make_plan", "as_decisions"]
 
@@ -88,7 +89,6 @@ def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
     how the LR was given (`lr=None`: torchspeed's default LR)."""
     from torchspeed.env import DeviceCaps, default_device
     from torchspeed.train.distributed import maybe_init_distributed
-    from torchspeed.train.schedule import DEFAULT_LR, default_schedule
 
     if recipe not in (None, "auto"):
         raise ValueError(f"recipe={recipe!r}: use recipe='auto' (measured on your model) or leave it out")

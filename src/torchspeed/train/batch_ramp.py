@@ -41,9 +41,10 @@ from collections.abc import Iterator, Sized
 from torch.utils.data import Sampler
 
 from torchspeed.train.callbacks import Callback
+from torchspeed.train.decision import Decision
 from torchspeed.train.schedule import batch_lr_factor, lr_rule
 
-__all__ = ["BatchRamp", "BatchRampLR"]
+__all__ = ["BatchRamp", "BatchRampLR", "join_ramp"]
 
 
 class BatchRamp(Sampler[list[int]]):
@@ -171,3 +172,17 @@ class BatchRampLR(Callback):
 
     def on_step_end(self, trainer) -> None:
         self._apply(trainer)
+
+
+def join_ramp(loader, callbacks, optimizer, decisions: dict) -> "BatchRamp | None":
+    """The loader's BatchRamp, if it has one: its LR scaling joins the trainer's `callbacks` (once) and the
+    decision is recorded; None for a loader without one."""
+    ramp = getattr(loader, "batch_sampler", None)
+    if not isinstance(ramp, BatchRamp):
+        return None
+    if not any(isinstance(cb, BatchRampLR) for cb in callbacks):
+        callbacks.add(BatchRampLR(ramp))
+    decisions["batch_ramp"] = Decision(
+        f"{ramp.start}->{ramp.end}", f"the loader's BatchRamp over {ramp.ramp_samples:,} samples; the LR "
+        f"scales with the batch ({lr_rule(optimizer)} rule, the LR set is the one for {ramp.end})")
+    return ramp

@@ -74,6 +74,10 @@ class EvalClock:
     def share(self) -> float:
         return self.seconds / max(self.clock() - self.t0, 1e-9)
 
+    def decisions(self, every, *, steps: int) -> dict[str, Decision]:
+        """{"evaluation": `decision(...)`} when the run evaluated, else {}."""
+        return {"evaluation": self.decision(every, steps=steps)} if self.count else {}
+
     def decision(self, every, *, steps: int) -> Decision:
         """The evaluations' share of the run as a Decision; over `EVAL_SHARE_WARN` it also warns, with advice."""
         share, total = self.share(), self.clock() - self.t0

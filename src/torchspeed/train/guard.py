@@ -39,7 +39,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 
@@ -162,7 +161,7 @@ class NonFiniteGuard:
         """A micro-batch's detached loss: the value to add to the metrics, or None to leave it out."""
         mode = self.mode
         if mode == "host":
-            bad = not math.isfinite(loss.item())  # a host read: free on CPU, one sync on CUDA (unfused)
+            bad = not bool(torch.isfinite(loss))  # a host read: free on CPU, one sync on CUDA (unfused)
             self._window_bad = self._window_bad or bad
             return None if bad else loss
         if mode == "device":

@@ -17,7 +17,7 @@ of one, as `random_split` makes) that way:
 
 Anything else (a custom collate_fn or batch sampler, a dataset that is not tensors, an
 IterableDataset, a stateful loader) is returned as it is. `Trainer.fit` applies it to the
-training and validation loaders and records `decisions["batching"]`.
+training and validation loaders (`InMemory`) and records `decisions["batching"]`.
 
 Example:
     >>> loader = sliced_loader(DataLoader(TensorDataset(x, y), batch_size=100, shuffle=True), torch.device("cpu"))
@@ -31,7 +31,9 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Subset, TensorDataset, default_collate
 
-__all__ = ["SlicedLoader", "sliced_loader", "in_memory_tensors", "keep_on_device", "DEVICE_SHARE"]
+from torchspeed.train.decision import Decision
+
+__all__ = ["SlicedLoader", "sliced_loader", "in_memory_tensors", "keep_on_device", "InMemory", "DEVICE_SHARE"]
 
 DEVICE_SHARE = 0.25  # tensors that take at most this share of the accelerator's free memory move there once
 
@@ -73,9 +75,12 @@ class SlicedLoader:
 
     def __iter__(self) -> Iterator[list[torch.Tensor]]:
         batches = iter(self.batch_sampler)  # lazy, as a DataLoader iterator's sampler iterator is
-        # The one draw a DataLoader iterator makes from its generator (its workers' base seed), so that the
-        # random stream after this pass is the one the DataLoader would have left.
+        # The one draw a DataLoader iterator makes from its generator (its workers' base seed) when it is created,
+        # not at its first batch, so that every random number drawn after iter() is the one the DataLoader leaves.
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        return self._slices(batches)
+
+    def _slices(self, batches: Iterator) -> Iterator[list[torch.Tensor]]:
         device = self.tensors[0].device
         for idx in batches:
             i = torch.as_tensor(idx, dtype=torch.long)
@@ -107,3 +112,26 @@ def sliced_loader(loader: Iterable, device: torch.device, *, free_bytes: int | N
             tensors = tuple(t.to(device) for t in tensors)
             index = index.to(device) if index is not None else None
     return SlicedLoader(loader, tensors, index)
+
+
+class InMemory:
+    """The trainer's use of `sliced_loader`: the training loader served once per run (its decision recorded),
+    the validation loader once per loader object (a device copy is made once, not every evaluation)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._eval: tuple[Iterable, Iterable] | None = None  # (the loader given, what serves it)
+
+    def train(self, loader: Iterable, decisions: dict) -> Iterable:
+        served = sliced_loader(loader, self.device)
+        if served is not loader and "batching" not in decisions:
+            where = "on the device" if served.tensors[0].device.type != "cpu" else "in host memory"
+            decisions["batching"] = Decision("index slices", f"the DataLoader holds tensors {where} (TensorDataset): "
+                                             "each batch is one index per tensor, in the loader's order, not a "
+                                             "collate of per-sample reads")
+        return served
+
+    def eval(self, loader: Iterable) -> Iterable:
+        if self._eval is None or self._eval[0] is not loader:
+            self._eval = (loader, sliced_loader(loader, self.device))
+        return self._eval[1]

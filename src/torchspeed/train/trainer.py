@@ -45,7 +45,7 @@ from torchspeed.train.dcp import ShardedCheckpoints, notify_checkpoint
 from torchspeed.train.evaluate import EvalClock, evaluate
 from torchspeed.train.eval_view import eval_weights
 from torchspeed.train.fsdp import check_optimizer, single_process_group, wrap_parallel
-from torchspeed.train.in_memory import sliced_loader
+from torchspeed.train.in_memory import InMemory
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
 from torchspeed.train.loggers import LoggerCallback
 from torchspeed.train.memory_format import apply_channels_last
@@ -63,8 +63,8 @@ from torchspeed.train.run_length import RunLength, run_schedule
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
 from torchspeed.train.shard import shard_loader
 from torchspeed.train.stateful import collect_state
-from torchspeed.train.schedule import lr_rule, steps_in_run
-from torchspeed.train.batch_ramp import BatchRamp, BatchRampLR
+from torchspeed.train.schedule import steps_in_run
+from torchspeed.train.batch_ramp import join_ramp
 from torchspeed.train.segment import BestEpoch, group_settings
 from torchspeed.train.step import AccumulationWindow
 from torchspeed.train.transfer import Prefetcher, batch_layout, to_device
@@ -159,6 +159,7 @@ class Trainer(MeasuredSwitches):
                                           min_run_s=cfg.compile_min_run_s, decide_all_ranks=broadcast_object,
                                           decisions=self.decisions)
         self.meter = DeviceMeter(self.device)
+        self.in_memory = InMemory(self.device)  # T10/T11: tensors in memory served as index slices
         self.noise = NoiseScaleEstimator()
         self.guard = NonFiniteGuard(cfg.max_nonfinite, optimizer=optimizer, device=self.device,
                                     precision_skips=self.precision.scaler is not None,  # fp16: the scaler skips
@@ -302,8 +303,8 @@ class Trainer(MeasuredSwitches):
         epochs = epochs if epochs is not None else cfg.epochs
         if self.dist is not None:  # T31: each rank trains on its own shard (DistributedSampler)
             train_loader = shard_loader(train_loader, seed=cfg.seed or 0)
-        self._ramp = ramp = self._batch_ramp(train_loader)  # T17: batches growing over the run
-        train_loader = self._sliced(train_loader)  # T10/T11: data in memory (after sharding: a rank's own shard)
+        self._ramp = ramp = join_ramp(train_loader, self.callbacks, self.optimizer, self.decisions)  # T17
+        train_loader = self.in_memory.train(train_loader, self.decisions)  # T10/T11, after sharding
         steps_per_epoch = loader_length(train_loader, max_steps=cfg.max_steps)
         length = RunLength(epochs, steps_per_epoch, cfg.grad_accum, ramp)
         if self.scheduler is None:
@@ -324,49 +325,17 @@ class Trainer(MeasuredSwitches):
                     break
                 skip = start_batch if epoch == start_epoch else 0  # mid-epoch resume: batches already trained
                 done = self._train_epoch(train_loader, epoch, skip, progress)
-                last = done or self.should_stop or epoch == epochs - 1
-                row = self._epoch_row(epoch, val_loader if self._eval.due(self.step, last=last) else None,
-                                      skipped_val=val_loader is not None)
+                row = self._epoch_row(epoch, val_loader, evaluate=self._eval.due(  # eval_every; the last always
+                    self.step, last=done or self.should_stop or epoch == epochs - 1))
                 progress.epoch_done(row)
                 self.callbacks.on_evaluate(self, row)
                 self._end_epoch(row)
         self.finish_switch_trial()  # a run shorter than its trial decides on what it measured
         self.compiler.finish()
-        if self._eval.count:
-            self.decisions["evaluation"] = self._eval.decision(cfg.eval_every, steps=self.step)
+        self.decisions.update(self._eval.decisions(cfg.eval_every, steps=self.step))  # evaluation's share, if any
         self.best.restore(self.module, self._history, self.decisions)  # restore_best: the best epoch's weights
         return FitResult(history=self._history, config=asdict(cfg), decisions=dict(self.decisions), steps=self.step,
                          skipped_steps=int(self.skipped.item()))
-
-    def _sliced(self, loader: Iterable | None) -> Iterable | None:
-        """`loader` as index slices of its tensors when it is a plain DataLoader over data in memory (in_memory.py)."""
-        if loader is None:
-            return None
-        served = sliced_loader(loader, self.device)
-        if served is not loader and "batching" not in self.decisions:
-            where = "on the device" if served.tensors[0].device.type != "cpu" else "in host memory"
-            self.decisions["batching"] = Decision("index slices", f"the DataLoader holds tensors {where} "
-                                                  "(TensorDataset): each batch is one index per tensor, in the "
-                                                  "loader's order, not a collate of per-sample reads")
-        return served
-
-    def _sliced_eval(self, loader: Iterable) -> Iterable:
-        kept = getattr(self, "_eval_sliced", None)  # (the loader given, what serves it): a device copy made once
-        if kept is None or kept[0] is not loader:
-            self._eval_sliced = kept = (loader, sliced_loader(loader, self.device))
-        return kept[1]
-
-    def _batch_ramp(self, train_loader: Iterable) -> BatchRamp | None:
-        """The loader's BatchRamp, if it has one; its LR scaling joins the callbacks (once)."""
-        ramp = getattr(train_loader, "batch_sampler", None)
-        if not isinstance(ramp, BatchRamp):
-            return None
-        if not any(isinstance(cb, BatchRampLR) for cb in self.callbacks):
-            self.callbacks.add(BatchRampLR(ramp))
-        self.decisions["batch_ramp"] = Decision(
-            f"{ramp.start}->{ramp.end}", f"the loader's BatchRamp over {ramp.ramp_samples:,} samples; the LR "
-            f"scales with the batch ({lr_rule(self.optimizer)} rule, the LR set is the one for {ramp.end})")
-        return ramp
 
     def _train_epoch(self, train_loader: Iterable, epoch: int, skip: int, progress: TrainProgress) -> bool:
         """One pass over the loader (or until max_steps); returns True when max_steps was reached."""
@@ -399,8 +368,8 @@ class Trainer(MeasuredSwitches):
                 return True
         return False
 
-    def _epoch_row(self, epoch: int, val_loader: Iterable | None, *, skipped_val: bool = False) -> dict:
-        """The epoch's metrics; `val_loader` None with `skipped_val`: eval_every left this epoch's evaluation out."""
+    def _epoch_row(self, epoch: int, val_loader: Iterable | None, *, evaluate: bool = True) -> dict:
+        """The epoch's metrics; `evaluate` False: eval_every leaves this epoch's validation out."""
         sync(self.device)
         elapsed = time.perf_counter() - self._t0
         m, seen = self.meter.compute(), self._seen
@@ -412,10 +381,10 @@ class Trainer(MeasuredSwitches):
                "lr": self.optimizer.param_groups[0]["lr"], "skipped_steps": int(self.skipped.item())}
         if self.config.noise_scale_every:
             row["noise_scale"] = self.noise.value  # B_simple: about the critical batch size (T17)
-        if val_loader is not None:
+        if val_loader is not None and evaluate:
             with self._eval.timing():
                 row.update({k: v for k, v in self.evaluate(val_loader).items() if k != "samples"})
-        elif skipped_val:
+        elif val_loader is not None:
             row["val_skipped"] = True  # eval_every: no validation this epoch (EarlyStopping and best.pt wait)
         return row
 
@@ -469,7 +438,7 @@ class Trainer(MeasuredSwitches):
         # The plain module: a DDP forward would issue collectives that uneven shards could leave waiting.
         if self.dist is not None and not self.sharded:  # FSDP2: every rank runs the whole set (collective forward)
             loader = shard_loader(loader, for_eval=True)
-        loader = self._sliced_eval(loader)  # T10/T11: in-memory tensors sliced, once per loader
+        loader = self.in_memory.eval(loader)  # T10/T11: in-memory tensors sliced, once per loader
         with eval_weights(self) as module:  # the EMA's, or Schedule-Free's averaged weights with their BN statistics
             out = evaluate(module, loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
                            step_fn=self.step_fn, channels_last=self.channels_last, tta=self.config.tta,
