@@ -255,3 +255,42 @@ def test_the_weights_a_run_is_judged_by_are_prepared_on_its_clock(monkeypatch, f
     run = worker.train_budget(spec)
     assert len(calls) == 2  # once on the clock, once more inside evaluation
     assert 100.0 <= run.train_s < 200.0
+
+
+def test_every_time_to_target_row_is_a_fit_call_and_auto_decides_as_fit_does(monkeypatch, tmp_path):
+    """No second composition: the bench's run is `torchspeed.fit` with the run's budget, and auto's decisions are
+    the ones `fit(recipe="auto")` makes on the same model, data and budget."""
+    from dataclasses import asdict, replace
+
+    import torch
+    import torchspeed.fitting as fitting
+    import torchspeed.bench.time_to_target_worker as worker
+    from torchspeed.bench._worker import _data, _model
+    from torchspeed.bench.runner import bench_configs
+
+    calls = []
+    real_fit = fitting.fit
+
+    def spy(*a, **k):
+        calls.append(k)
+        return real_fit(*a, **k)
+
+    monkeypatch.setattr(fitting, "fit", spy)
+    cfg = next(c for c in bench_configs(torch.device("cpu"), compile=False, hand=False) if c.name == "all")
+    spec = {"model": "mlp", "data": "synthetic", "batch_size": 16, "train_size": 128, "val_size": 32, "lr": 0.1,
+            "optimizer": "sgd", "data_seed": 0, "seed": 0, "device": "cpu", "image_size": 16, "num_workers": 0,
+            "budget": 6, "train": asdict(replace(cfg.train, trial=False, precision="fp32"))}
+    runs = {}
+    for config in ("all", "auto"):
+        runs[config] = worker.train_budget(spec | {"config": config, "cache_dir": str(tmp_path / config)})
+    assert [c["recipe"] for c in calls] == [None, "auto"] and all(c["max_steps"] == 6 for c in calls)
+    assert runs["auto"].decisions["recipe_on"] is not None and runs["all"].budget == 6
+
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path / "direct"))
+    loader, _, device = _data(spec)
+    direct = real_fit(_model(spec), loader, optimizer="sgd", lr=0.1, device=device, epochs=6, max_steps=6,
+                      schedule="onecycle", recipe="auto",
+                      config=replace(cfg.train, trial=False, precision="fp32", progress=False, grad_accum=1))
+    timed = {"tuning", "evaluation", "recipe_cost"}
+    bench = {k: v for k, v in runs["auto"].decisions.items() if k in direct.decisions and k not in timed}
+    assert bench and bench == {k: str(v) for k, v in direct.decisions.items() if k in bench}
