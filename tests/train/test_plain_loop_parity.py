@@ -73,6 +73,30 @@ def test_slices_come_in_the_dataloaders_order_and_leave_the_same_random_stream(d
     assert torch.equal(got_next, ref_next) and torch.equal(got_gen, ref_gen)
 
 
+@pytest.mark.parametrize("n, take", [(100, 3), (100, 10), (103, 11), (103, 4)])
+def test_a_partial_or_whole_epoch_leaves_the_random_stream_as_the_dataloader_does(n, take):
+    """A run that stops mid-epoch (max_steps) draws nothing more; one that ends an epoch draws what the sampler
+    draws at its end (a second permutation for the remainder), before the last short batch."""
+    x, y = _data(n)
+
+    def run(make):
+        loader = make(DataLoader(TensorDataset(x, y), batch_size=10, shuffle=True,
+                                 generator=torch.Generator().manual_seed(5)))
+        it = iter(loader)
+        got = [next(it)[1] for _ in range(take)]
+        return got, loader.generator.get_state()
+
+    ref, ref_gen = run(lambda dl: dl)
+    got, got_gen = run(lambda dl: sliced_loader(dl, torch.device("cpu")))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and torch.equal(got_gen, ref_gen)
+
+
+def test_an_unshuffled_loader_is_sliced_in_order():
+    x, y = _data(25)
+    got = list(sliced_loader(DataLoader(TensorDataset(x, y), batch_size=10), torch.device("cpu")))
+    assert [len(b[1]) for b in got] == [10, 10, 5] and torch.equal(torch.cat([b[1] for b in got]), y)
+
+
 def test_shuffling_from_the_global_generator_matches_too():
     x, y = _data(50)
     torch.manual_seed(1)

@@ -29,7 +29,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Subset, TensorDataset, default_collate
+from torch.utils.data import (BatchSampler, DataLoader, RandomSampler, SequentialSampler, Subset, TensorDataset,
+                              default_collate)
 
 from torchspeed.train.decision import Decision
 
@@ -55,6 +56,29 @@ def keep_on_device(nbytes: int, free_bytes: int | None, *, share: float = DEVICE
     return free_bytes is not None and nbytes <= share * free_bytes
 
 
+def _permutation_batches(sampler: RandomSampler | None, n: int, batch: int, drop_last: bool) -> Iterator[torch.Tensor]:
+    """What `BatchSampler(RandomSampler(...))` (or of a SequentialSampler, `sampler` None) yields, as index tensors.
+
+    RandomSampler draws its seed from the global generator at its first index when it has no generator of its
+    own, then one permutation; when the batch sampler pulls past the last index it draws a second permutation for
+    the remainder (empty), before the last short batch (or the end). The same draws here, at the same points."""
+    if sampler is None:
+        perm = torch.arange(n)
+    else:
+        g = sampler.generator
+        if g is None:
+            g = torch.Generator()
+            g.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+        perm = torch.randperm(n, generator=g)
+    full = n // batch * batch
+    for i in range(0, full, batch):
+        yield perm[i:i + batch]
+    if sampler is not None:
+        torch.randperm(n, generator=g)
+    if full < n and not drop_last:
+        yield perm[full:]
+
+
 class SlicedLoader:
     """A DataLoader over in-memory tensors, served as index slices (see the module docstring).
 
@@ -74,11 +98,22 @@ class SlicedLoader:
         return len(self.batch_sampler)
 
     def __iter__(self) -> Iterator[list[torch.Tensor]]:
-        batches = iter(self.batch_sampler)  # lazy, as a DataLoader iterator's sampler iterator is
+        batches = self._index_batches()  # lazy, as a DataLoader iterator's sampler iterator is
         # The one draw a DataLoader iterator makes from its generator (its workers' base seed) when it is created,
         # not at its first batch, so that every random number drawn after iter() is the one the DataLoader leaves.
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         return self._slices(batches)
+
+    def _index_batches(self) -> Iterator:
+        """The batch sampler's batches of indices; for a plain RandomSampler or SequentialSampler, as tensor slices of
+        the permutation it draws (no Python list per batch), drawing exactly what it draws, when it draws it."""
+        bs, sampler = self.batch_sampler, self.batch_sampler.sampler
+        plain_random = (type(sampler) is RandomSampler and not sampler.replacement
+                        and sampler.num_samples == len(sampler.data_source))
+        if not plain_random and type(sampler) is not SequentialSampler:
+            return iter(bs)
+        return _permutation_batches(sampler if plain_random else None, len(sampler.data_source), bs.batch_size,
+                                    bs.drop_last)
 
     def _slices(self, batches: Iterator) -> Iterator[list[torch.Tensor]]:
         device = self.tensors[0].device
