@@ -11,7 +11,8 @@ transformer; steps of 1-5 ms on 2 cores), each trained by the script's own ~15-l
 - `fit`: `fit(model, DataLoader(TensorDataset...), optimizer="adamw", lr=<same>, weight_decay=0,
   epochs=<same>, val_loader=...)`, every run from an empty decision cache (the switch trial is
   measured on its first steps, counted);
-- `auto` (with `--tta`): `fit(recipe="auto")`, cold.
+- `auto` (with `--tta`): `fit(recipe="auto")`, cold, with no optimizer or LR given;
+- `auto_given` (with `--tta`): `fit(recipe="auto", optimizer="adamw", lr=<the script's>)`, cold.
 
 Two readings per workload:
 
@@ -69,7 +70,8 @@ def loaders(w, seed: int):
             DataLoader(TensorDataset(w.vx, w.vy), batch_size=500))
 
 
-def run_fit(w, *, epochs: int, seed: int, recipe: str | None = None, target: float | None = None) -> dict:
+def run_fit(w, *, epochs: int, seed: int, recipe: str | None = None, target: float | None = None,
+            given: bool = True) -> dict:
     """One cold `fit` run (a fresh decision cache); seconds to the end, or to `target` when given."""
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TORCHSPEED_CACHE_DIR"] = cache
@@ -78,7 +80,9 @@ def run_fit(w, *, epochs: int, seed: int, recipe: str | None = None, target: flo
         train, val = loaders(w, seed)
         t0 = time.perf_counter()
         stop = StopAt(target, t0) if target is not None else None
-        kw = dict(recipe=recipe) if recipe else dict(optimizer="adamw", lr=w.lr, weight_decay=0.0)
+        kw = dict(optimizer="adamw", lr=w.lr, weight_decay=0.0) if given else {}  # the script's optimizer and LR
+        if recipe:
+            kw["recipe"] = recipe
         res = torchspeed.fit(model, train, epochs=epochs, val_loader=val, progress=False,
                              callbacks=[stop] if stop else None, **kw)
         seconds = time.perf_counter() - t0
@@ -171,11 +175,30 @@ def to_target(names, *, epochs: int, seeds: list[int]) -> dict:
             row = {"seed": seed, "target": target,
                    "plain": run_plain(w, epochs=epochs, seed=seed, target=target),
                    "fit": run_fit(w, epochs=epochs, seed=seed, target=target),
-                   "auto": run_fit(w, epochs=epochs, seed=seed, recipe="auto", target=target)}
+                   "auto": run_fit(w, epochs=epochs, seed=seed, recipe="auto", target=target, given=False),
+                   "auto_given": run_fit(w, epochs=epochs, seed=seed, recipe="auto", target=target)}
             per_seed.append(row)
-            print(f"{name} seed {seed}: target {target:.3f}; plain {row['plain']['to_target_s']} s, "
-                  f"fit {row['fit']['to_target_s']} s, auto {row['auto']['to_target_s']} s", flush=True)
+            print(f"{name} seed {seed}: target {target:.3f}; " + ", ".join(
+                f"{k} {_s(row[k]['to_target_s'])}" for k in ("plain", "fit", "auto", "auto_given")), flush=True)
         out[name] = {"epochs": epochs, "seeds": per_seed}
+    return out
+
+
+def _s(seconds: float | None) -> str:
+    return "missed" if seconds is None else f"{seconds:.2f} s"
+
+
+def summary(result: dict) -> dict:
+    """Per workload and row: the seeds' seconds to the target (None: missed), and the speed against plain."""
+    out = {}
+    for name, w in result.items():
+        rows = {}
+        for k in ("fit", "auto", "auto_given"):
+            speed = [s["plain"]["to_target_s"] / s[k]["to_target_s"] if s[k]["to_target_s"] else 0.0
+                     for s in w["seeds"]]
+            rows[k] = {"speed_vs_plain": [round(v, 3) for v in speed], "min": round(min(speed), 3),
+                       "reached": sum(s[k]["to_target_s"] is not None for s in w["seeds"])}
+        out[name] = rows
     return out
 
 
@@ -192,6 +215,8 @@ def main() -> None:
     if args.tta:
         result = {"kind": "time_to_plain_accuracy",
                   "workloads": to_target(names, epochs=args.epochs, seeds=[int(s) for s in args.seeds.split(",")])}
+        result["summary"] = summary(result["workloads"])
+        print(json.dumps(result["summary"], indent=1))
     else:
         result = {"kind": "whole_run", "workloads": whole_runs(names, epochs=args.epochs, rounds=args.rounds)}
     result["provenance"] = provenance()

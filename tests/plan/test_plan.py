@@ -132,8 +132,8 @@ def test_a_short_cold_run_takes_schedule_free_as_its_prior_and_trains_with_it(ti
     used = []
     real = Trainer.setup_schedule
     monkeypatch.setattr(Trainer, "setup_schedule", lambda self, *a: used.append(self.optimizer) or real(self, *a))
-    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1, recipe="auto", lr=0.05, val_loader=_loader(64),
-                         precision="fp32", **FAST)  # the same numerics on every CPU kind
+    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1, recipe="auto", val_loader=_loader(64),
+                         precision="fp32", **FAST)  # no LR given; the same numerics on every CPU kind
     opt = res.decisions["optimizer"]
     assert opt.value == "schedulefree" and opt.reason.startswith("prior: Schedule-Free") and "over 5%" in opt.reason
     assert res.decisions["lr"].value == SCHEDULE_FREE_LR and res.decisions["bn_stats"].value is False
@@ -161,3 +161,18 @@ def test_lr_rescale_keeps_the_schedule_shape():
         for _ in range(30):
             opt.step(), s.step(), ref.step(), r.step()
             assert opt.param_groups[0]["lr"] == pytest.approx(ref.param_groups[0]["lr"], rel=1e-6), name
+
+
+def test_a_run_that_gives_its_lr_keeps_its_loop_as_the_recipes_prior(tiny_cnn, tmp_path, monkeypatch):
+    """auto never loses to the loop it was given for lack of a measurement: with lr given and no budget for a trial,
+    the optimizer, LR, constant schedule and loss are the user's; recipe_parts puts label smoothing back."""
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1, recipe="auto", optimizer="adamw", lr=0.01,
+                         precision="fp32", **FAST)
+    d = res.decisions
+    assert d["recipe_prior"].value == "your loop" and d["schedule"].value == "constant"
+    assert d["optimizer"].value.startswith("AdamW") and "label_smoothing" not in d and "lr" not in d
+    assert [r["lr"] for r in res.history] == [0.01]
+    asked = torchspeed.fit(tiny_cnn(), _loader(), epochs=1, recipe="auto", optimizer="adamw", lr=0.01,
+                           recipe_parts=("label_smoothing",), precision="fp32", **FAST)
+    assert asked.decisions["label_smoothing"].value > 0 and "recipe_prior" not in asked.decisions

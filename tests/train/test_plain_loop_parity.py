@@ -174,7 +174,8 @@ def _doc_rule_rows():
 
 
 CASES = {"lr=0.01": dict(lr=0.01, optimizer="adamw"), "optimizer=torch.optim.Adam(...)": dict(lr=None, optimizer="obj"),
-         'lr="auto"': dict(lr="auto", optimizer="sgd"), 'recipe="auto"': dict(lr=0.01, optimizer="sgd", recipe="auto"),
+         'lr="auto"': dict(lr="auto", optimizer="sgd"), 'recipe="auto"': dict(lr=None, optimizer="sgd", recipe="auto"),
+         'recipe="auto", lr=0.01': dict(lr=0.01, optimizer="sgd", recipe="auto"),
          "lr=None": dict(lr=None, optimizer="sgd")}
 
 

@@ -39,6 +39,7 @@ from torchspeed.train.schedule import DEFAULT_LR, default_schedule
 __all__ = ["Plan", "make_plan", "as_decisions"]
 
 DEFAULT_RECIPE_LR = 0.1  # the prior peak LR when the recipe is asked to choose it and cannot afford to measure
+GIVEN_LOOP_KEEPS = ("lr", "label_smoothing")  # recipe parts left out when the run gives its own LR (docs/recipe.md)
 
 
 def as_decisions(decisions: dict) -> dict[str, Decision]:
@@ -103,6 +104,7 @@ def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
                            + (f"; {info.world_size} processes" if info is not None else ""))
     d["switch_plan"] = Decision("on the run's first steps", "precision x layout x optimizer kernel (x threads) "
                                 "timed on real training steps that count toward the run; 0 steps on a cache hit")
+    lr_given = isinstance(optimizer, torch.optim.Optimizer) or (lr is not None and lr != "auto")
     if not schedule_given:
         d["schedule"] = default_schedule(lr=lr, optimizer=optimizer, recipe=recipe)
         cfg = replace(cfg, schedule=d["schedule"].value)
@@ -127,8 +129,14 @@ def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
         parts = tuple(recipe_parts if recipe_parts is not None else PARTS)
         if batch_size is not None:  # the user's batch (or the tuner's, above) stands
             parts = tuple(p for p in parts if p != "batch")
+        if lr_given and recipe_parts is None:  # your loop is the prior: what changes its objective or LR unmeasured
+            parts = tuple(p for p in parts if p not in GIVEN_LOOP_KEEPS)
+            d["recipe_prior"] = Decision("your loop", "you gave the LR: your optimizer, LR, schedule and loss stand; "
+                                         "the LR search and label smoothing are left out, and Schedule-Free or Muon "
+                                         "replace your optimizer only when their trial wins (recipe_parts= puts "
+                                         "parts back)")
         _apply_recipe(plan, model, parts, weight_decay=weight_decay, optimizer_options=optimizer_options,
-                      loss_fn=loss_fn, step_fn=step_fn, device=dev, cache=cache)
+                      loss_fn=loss_fn, step_fn=step_fn, device=dev, cache=cache, lr_given=lr_given)
     plan.tuning_s = time.perf_counter() - t0
     d["tuning"] = Decision(round(plan.tuning_s, 3), f"{plan.tuning_steps} training steps off the run spent choosing "
                            "before it (the switch trial's steps train and are not counted here)",
@@ -138,7 +146,7 @@ def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
 
 
 def _apply_recipe(plan: Plan, model, parts, *, weight_decay, optimizer_options, loss_fn, step_fn, device,
-                  cache) -> None:
+                  cache, lr_given: bool = False) -> None:
     """The recipe (plan/recipe.py) within the tuning budget, folded into the config, optimizer, LR, callbacks, loader."""
     import torch.distributed as dist
 
@@ -154,7 +162,7 @@ def _apply_recipe(plan: Plan, model, parts, *, weight_decay, optimizer_options, 
                         step_fn=step_fn, total_steps=plan.run_steps, schedule=cfg.schedule, parts=parts,
                         device=device, progress=cfg.progress, budget=budget,
                         cache=None if several else (cache if cache is not None else TrialCache()),
-                        lr_in_run=cfg.trial is not False and not cfg.deterministic)
+                        lr_in_run=cfg.trial is not False and not cfg.deterministic, lr_given=lr_given)
     changes = rec.config()
     if cfg.min_lr is not None:  # the user's own floor wins
         changes.pop("min_lr", None)

@@ -159,7 +159,7 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
                   parts: Sequence[str] = PARTS, device: torch.device | str | None = None,
                   lr_steps: int = 100, lr_trial_steps: int = 24, progress: bool = True,
                   budget: TuningBudget | None = None, cache: TrialCache | None = None,
-                  lr_in_run: bool = False) -> Recipe:
+                  lr_in_run: bool = False, lr_given: bool = False) -> Recipe:
     """Choose each recipe part in `parts` from `model` and the training batches; leaves the model, its optimizer
     state, every RNG and the loader's data order as they were.
 
@@ -170,6 +170,7 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
     its Decision says which. Measured parts are written to `cache` for the next run. With
     `lr_in_run` an affordable LR part is not measured here but left in `Recipe.pending`, for the
     run to measure right after its switch trial, at the precision that trial chose (`plan.inrun`).
+    `lr_given`: the run gave its own LR, so the optimizer part's prior is the given optimizer at that LR.
     """
     from torchspeed.env import default_device
     from torchspeed.train.sampler import keep_rng, take_batches
@@ -198,7 +199,8 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
     with keep_rng(train_loader):  # the tuners read the loader: the run's data order stays as it was
         if opt_name is not None and {"muon", "schedulefree"} & set(parts):
             choose_optimizer_part(model, train_loader, rec, gate, given=opt_name, lr=lr, schedule=schedule,
-                                  precision=precision, loss_fn=loss_fn, step_fn=step_fn, total_steps=total_steps)
+                                  precision=precision, loss_fn=loss_fn, step_fn=step_fn, total_steps=total_steps,
+                                  lr_given=lr_given)
         schedule_free = rec.optimizer == "schedulefree"
         batch_wanted = "batch" in parts and total_steps is not None and total_steps >= BATCH_MIN_STEPS
         measured: dict = {}

@@ -21,10 +21,12 @@ OPTIMIZER_TRIAL_STEPS = 50      # compare_optimizers: steps per candidate
 
 
 def choose_optimizer_part(model, loader, rec: Recipe, gate: _Gate, *, given: str, lr, schedule, precision, loss_fn,
-                          step_fn, total_steps) -> None:
+                          step_fn, total_steps, lr_given: bool = False) -> None:
     """The optimizer parts (T42 Muon, T14's alternative Schedule-Free AdamW): the given optimizer or a candidate,
     compared on time to the same training loss when the budget allows (`compare_optimizers`), else the cache,
-    else the prior: Schedule-Free AdamW, which needs neither an LR search nor a schedule."""
+    else the prior: Schedule-Free AdamW, which needs neither an LR search nor a schedule; or, when the run gave its
+    own LR (`lr_given`), the given optimizer at that LR: the user's loop is a recipe auto could have chosen, and
+    auto replaces it only on a measurement."""
     from torchspeed.train.optim import matrix_share, mostly_matrices, schedule_free_available
 
     d = rec.decisions
@@ -57,9 +59,10 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: _Gate, *, given: str
         chosen = trial.best
         gate.done("optimizer", {"optimizer": chosen})
     else:
-        prior = "schedulefree" if "schedulefree" in cands else given
+        prior = "schedulefree" if "schedulefree" in cands and not lr_given else given
         words = ("Schedule-Free AdamW at its default LR (needs no LR search and no schedule; AlgoPerf 2024's "
                  "self-tuning winner; time to target on the digits in docs/recipe.md)" if prior == "schedulefree"
+                 else f"{given} at the LR you gave (your loop stands until a trial beats it)" if lr_given
                  else f"{given}, as given")
         chosen = gate.settle("optimizer", "optimizer", prior, words, default=prior)
     rec.optimizer = None if chosen == given else chosen

@@ -41,13 +41,14 @@ DEFAULT_LR = 0.1  # fit's LR when none is given (the peak of its one-cycle sched
 def default_schedule(*, lr: float | str | None, optimizer: object, recipe: str | None = None) -> Decision:
     """The schedule of a run that named none, and why: the LR the user set is the LR the run trains at.
 
-    - `recipe="auto"` or `lr="auto"`: "onecycle" (the LR is measured as a one-cycle peak);
-    - an LR given as a number, or an optimizer object (it carries the user's LR): "constant";
+    - `lr="auto"`, or `recipe="auto"` with no LR given: "onecycle" (the LR is chosen as a one-cycle peak);
+    - an LR given as a number, or an optimizer object (it carries the user's LR), with a recipe or not: "constant";
     - no LR given: "onecycle" around `DEFAULT_LR`.
     """
-    if recipe == "auto" or lr == "auto":
+    given = isinstance(optimizer, torch.optim.Optimizer) or (lr is not None and lr != "auto")
+    if lr == "auto" or (recipe == "auto" and not given):
         return Decision("onecycle", "rule: the LR is chosen as the peak of a one-cycle schedule")
-    if isinstance(optimizer, torch.optim.Optimizer) or lr is not None:
+    if given:
         given = "the optimizer's LR" if isinstance(optimizer, torch.optim.Optimizer) else f"lr={lr:g}"
         return Decision("constant", f"rule: you set {given}, so the run trains at it as a loop without a "
                         "scheduler does; pass schedule='onecycle' (or 'cosine') to anneal it")
