@@ -176,3 +176,87 @@ def test_a_run_that_gives_its_lr_keeps_its_loop_as_the_recipes_prior(tiny_cnn, t
     asked = torchspeed.fit(tiny_cnn(), _loader(), epochs=1, recipe="auto", optimizer="adamw", lr=0.01,
                            recipe_parts=("label_smoothing",), precision="fp32", **FAST)
     assert asked.decisions["label_smoothing"].value > 0 and "recipe_prior" not in asked.decisions
+
+
+def test_a_recipe_part_that_raises_is_named_and_the_run_goes_on_with_its_prior(tiny_cnn, tmp_path, monkeypatch, caplog):
+    """A stage that fails is never the end of a run: the optimizer trial raising leaves the given optimizer, says which
+    part failed and why, and the run trains to its end."""
+    import logging
+
+    import torchspeed.tune.optimizer_trial as trial
+    from torchspeed.train.callbacks import Callback
+
+    pytest.importorskip("schedulefree")
+
+    def boom(*a, **k):
+        raise RuntimeError("the trial's kernel is missing")
+
+    class StopSoon(Callback):  # the plan sizes its budget for 4,000 steps; the test trains 3
+        def on_step_end(self, trainer):
+            if trainer.step >= 3:
+                trainer.request_stop("enough for the test")
+
+    monkeypatch.setattr(trial, "compare_optimizers", boom)
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="torchspeed"):
+        res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1000, max_steps=4000, recipe="auto", optimizer="adamw",
+                             recipe_parts=("schedulefree",), callbacks=[StopSoon()], precision="fp32", **FAST)
+    assert res.steps == 3 and "recipe part 'optimizer' failed" in caplog.text
+    d = res.decisions["optimizer"]
+    assert d.value == "adamw" and "'optimizer' failed (RuntimeError: the trial's kernel is missing)" in d.reason
+    assert "the run goes on with its prior" in d.reason
+
+
+def test_the_in_run_lr_measurement_that_raises_leaves_the_prior_lr(tiny_cnn, tmp_path, monkeypatch):
+    import torchspeed.plan.inrun as inrun
+    from torchspeed.train.callbacks import Callback
+
+    def boom(*a, **k):
+        raise ValueError("range test diverged at once")
+
+    class StopSoon(Callback):
+        def on_step_end(self, trainer):
+            if trainer.step >= 4:
+                trainer.request_stop("enough for the test")
+
+    monkeypatch.setattr(inrun, "choose_lr_part", boom)
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1000, max_steps=8000, recipe="auto", recipe_parts=("lr",),
+                         callbacks=[StopSoon()], precision="fp32", channels_last=False, fused_optimizer=True,
+                         **{k: v for k, v in FAST.items()
+                                                                                    if k != "trial"})
+    d = res.decisions["lr"]
+    assert res.steps == 4 and d.value == 0.1 and "'lr' failed (ValueError: range test diverged at once)" in d.reason
+
+
+def test_every_part_measures_together_on_a_long_run_where_schedule_free_wins(tiny_cnn, tmp_path, monkeypatch):
+    """The parts run together on a run long enough for each to measure: the optimizer trial picks Schedule-Free (an
+    injected trial), then the batch part times Schedule-Free steps (it was built in eval mode there before), and the
+    run trains to its end."""
+    pytest.importorskip("schedulefree")
+    import torchspeed.tune.optimizer_trial as trial_mod
+    from torchspeed.train.callbacks import Callback
+
+    stepped = []
+    real_call = __import__("torchspeed.tune._common", fromlist=["TrainStep"]).TrainStep.__call__
+
+    def spy(self, batch):
+        stepped.append(type(self.optimizer).__name__)
+        return real_call(self, batch)
+
+    monkeypatch.setattr("torchspeed.tune._common.TrainStep.__call__", spy)
+    monkeypatch.setattr(trial_mod, "compare_optimizers", lambda *a, **k: trial_mod.OptimizerTrial(
+        best="schedulefree", table=(), reason="injected: Schedule-Free reached the loss sooner", steps=50))
+
+    class StopSoon(Callback):
+        def on_step_end(self, trainer):
+            if trainer.step >= 3:
+                trainer.request_stop("enough for the test")
+
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=10_000, max_steps=20_000, recipe="auto", optimizer="sgd",
+                         callbacks=[StopSoon()], precision="fp32", **FAST)
+    d = res.decisions
+    assert d["optimizer"].value.startswith("AdamWScheduleFree") or d["optimizer"].value == "schedulefree"
+    assert "batch_size" in d and "AdamWScheduleFree" in stepped  # the batch part stepped Schedule-Free
+    assert res.steps == 3

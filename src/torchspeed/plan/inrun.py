@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from torchspeed.plan.recipe import Recipe
+from torchspeed.plan.recipe import Recipe, guarded
 from torchspeed.plan.recipe_lr import choose_lr_part
 from torchspeed.train.callbacks import Callback
 from torchspeed.train.decision import Decision, TrialCache
@@ -57,9 +57,13 @@ class MeasureInRun(Callback):
             return
         self.done = True
         if "lr" in self.rec.pending:
-            self._lr(trainer, self.rec.pending.pop("lr"))
+            pending = self.rec.pending.pop("lr")
+            # a failed measurement is reported and the run goes on at the prior LR (the tuner restored the model)
+            prior = {"lr": self.rec.lr, "min_lr": self.rec.min_lr}
+            if not guarded(self.rec, "lr", prior, self.rec.lr, self._lr, trainer, pending):
+                trainer.decisions["lr"] = self.rec.decisions["lr"]
 
-    def _lr(self, trainer, pending: dict) -> None:
+    def _lr(self, trainer, pending: dict) -> bool:
         import time
 
         from torchspeed.train.batch import default_loss
@@ -91,3 +95,4 @@ class MeasureInRun(Callback):
         if self.cache is not None:
             self.cache.merge(pending["key"], {"lr": {"lr": self.rec.lr, "min_lr": self.rec.min_lr,
                                                      "decision": dict(trainer.decisions["lr"])}})
+        return True

@@ -53,6 +53,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -67,6 +68,8 @@ from torchspeed.plan.recipe_tta import TTA_COST
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.evaluate import is_image_batch
 from torchspeed.tune.batch_choice import BATCH_MIN_STEPS
+
+log = logging.getLogger("torchspeed")
 
 __all__ = ["PARTS", "EMA_MIN_STEPS", "Recipe", "choose_recipe", "is_classifier"]
 
@@ -198,21 +201,22 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
                   step_fn=step_fn, progress=progress)
     with keep_rng(train_loader):  # the tuners read the loader: the run's data order stays as it was
         if opt_name is not None and {"muon", "schedulefree"} & set(parts):
-            choose_optimizer_part(model, train_loader, rec, gate, given=opt_name, lr=lr, schedule=schedule,
-                                  precision=precision, loss_fn=loss_fn, step_fn=step_fn, total_steps=total_steps,
-                                  lr_given=lr_given)
+            guarded(rec, "optimizer", dict(optimizer=None, lr=lr, min_lr=None), opt_name, choose_optimizer_part,
+                    model, train_loader, rec, gate, given=opt_name, lr=lr, schedule=schedule, precision=precision,
+                    loss_fn=loss_fn, step_fn=step_fn, total_steps=total_steps, lr_given=lr_given)
         schedule_free = rec.optimizer == "schedulefree"
         batch_wanted = "batch" in parts and total_steps is not None and total_steps >= BATCH_MIN_STEPS
         measured: dict = {}
         if "lr" in parts and not schedule_free:
-            measured = _lr_part(model, train_loader, rec, gate, optimizer=optimizer, name=rec.optimizer or opt_name,
-                                lr=lr, schedule=schedule, loss_fn=lr_loss, lr_steps=lr_steps,
-                                lr_trial_steps=lr_trial_steps, noise=batch_wanted, in_run=lr_in_run, **tuners)
+            measured = guarded(rec, "lr", dict(lr=lr, min_lr=None), lr, _lr_part, model, train_loader, rec, gate,
+                               optimizer=optimizer, name=rec.optimizer or opt_name, lr=lr, schedule=schedule,
+                               loss_fn=lr_loss, lr_steps=lr_steps, lr_trial_steps=lr_trial_steps, noise=batch_wanted,
+                               in_run=lr_in_run, **tuners) or {}
         if "batch" in parts:
             if not batch_wanted or gate.measure("batch_size", BATCH_COST):
-                _choose_batch(model, train_loader, rec, optimizer=optimizer, name=rec.optimizer or opt_name,
-                              loss_fn=lr_loss, total_steps=total_steps, noise_scale=measured.get("noise_scale"),
-                              **tuners)
+                guarded(rec, "batch_size", dict(batch_size=None, lr=rec.lr, min_lr=rec.min_lr), None, _choose_batch,
+                        model, train_loader, rec, optimizer=optimizer, name=rec.optimizer or opt_name,
+                        loss_fn=lr_loss, total_steps=total_steps, noise_scale=measured.get("noise_scale"), **tuners)
                 if batch_wanted:
                     gate.done("batch_size", {"batch_size": rec.batch_size})
             else:
@@ -226,6 +230,25 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
                                                                       f"{budget.share:.0%} of the run)" if budget else ""),
                                             measured={"seconds": rec.tuning_s, "steps": rec.tuning_steps})
     return rec
+
+
+def guarded(rec: Recipe, part: str, prior: dict, value, fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)`, one recipe part: one that raises is reported with its name (a warning, and the
+    Decision `value` with why) and the run goes on with the part's `prior` (the Recipe fields it sets back): a
+    failed part never ends a run. Returns what `fn` returned, or None when it raised."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any failure of a measurement leaves the run its prior
+        for field_name, kept in prior.items():
+            setattr(rec, field_name, kept)
+        rec.pending.pop(part, None)
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        shown = {k: v for k, v in prior.items() if v is not None} or "as given"
+        rec.decisions[part] = Decision(value, f"the recipe part {part!r} failed "
+                                       f"({type(e).__name__}: {first}); the run goes on with its prior ({shown})")
+        log.warning("torchspeed: the recipe part %r failed (%s: %s); the run goes on with its prior", part,
+                    type(e).__name__, first)
+        return None
 
 
 # Training steps off the run that each measured part costs (the budget's currency); the optimizer trial costs
