@@ -284,11 +284,12 @@ def test_every_time_to_target_row_is_a_fit_call_and_auto_decides_as_fit_does(mon
     for config in ("all", "auto"):
         runs[config] = worker.train_budget(spec | {"config": config, "cache_dir": str(tmp_path / config)})
     assert [c["recipe"] for c in calls] == [None, "auto"] and all(c["max_steps"] == 6 for c in calls)
+    assert [c["lr"] for c in calls] == [0.1, None]  # auto as a user calls it: no LR of its own
     assert runs["auto"].decisions["recipe_on"] is not None and runs["all"].budget == 6
 
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path / "direct"))
     loader, _, device = _data(spec)
-    direct = real_fit(_model(spec), loader, optimizer="sgd", lr=0.1, device=device, epochs=6, max_steps=6,
+    direct = real_fit(_model(spec), loader, optimizer="sgd", device=device, epochs=6, max_steps=6,
                       schedule="onecycle", recipe="auto",
                       config=replace(cfg.train, trial=False, precision="fp32", progress=False, grad_accum=1))
     timed = {"tuning", "evaluation", "recipe_cost"}

@@ -82,6 +82,8 @@ def train_budget(spec: dict) -> TTARun:
     if spec["config"] == "schedulefree":  # the switches of `all`; Schedule-Free AdamW at its defaults, no schedule
         optimizer, lr = "schedulefree", SF_LR
     auto = spec["config"] in ("auto", "auto_warm")
+    if auto:  # fit(recipe="auto") as a user calls it: no LR of their own (one given would be the recipe's prior loop)
+        lr = None
     keep = _Keep()
     t0 = time.perf_counter()
     result = fit(model, loader, optimizer=optimizer, lr=lr, device=device, epochs=budget,  # max_steps ends it
