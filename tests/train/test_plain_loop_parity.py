@@ -247,7 +247,7 @@ class Clock:
 def test_evaluation_over_five_percent_of_the_run_is_said_with_the_eval_every_that_fixes_it(caplog):
     clock = Clock()
     ev = EvalClock(None, clock=clock)
-    for _ in range(10):  # 10 epochs of 1 s training and 0.2 s evaluation
+    for _ in range(10):  # 10 epochs of 1 s training and 0.2 s evaluation (2 s in all: worth a warning)
         clock.now += 1.0
         assert ev.due(0)
         with ev.timing():
@@ -256,7 +256,19 @@ def test_evaluation_over_five_percent_of_the_run_is_said_with_the_eval_every_tha
         d = ev.decision(None, steps=400)
     assert d.value == pytest.approx(2 / 12, rel=1e-3)
     # 2% of 12 s is 0.24 s: one evaluation of 0.2 s, so every 400 steps
-    assert "eval_every=400" in d.reason and "eval_every=400" in caplog.text
+    assert "eval_every=400 (steps) would evaluate once, at the end" in d.reason and "eval_every=400" in caplog.text
+
+
+def test_a_short_run_or_few_evaluations_get_no_advice(caplog):
+    clock = Clock()
+    ev = EvalClock(None, clock=clock)
+    for _ in range(2):  # two evaluations, a third of the run, but 0.2 s in all: noise to warn about
+        clock.now += 0.1
+        with ev.timing():
+            clock.now += 0.1
+    with caplog.at_level(logging.WARNING, logger="torchspeed"):
+        d = ev.decision(None, steps=20)
+    assert d.value > 0.3 and caplog.text == "" and "eval_every" not in d.reason
 
 
 def test_cheap_evaluation_says_nothing(caplog):

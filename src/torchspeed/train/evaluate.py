@@ -7,8 +7,8 @@ and less work than `no_grad`. TTA averages the softmax over views of each image:
 
 `EvalClock` prices validation inside a run: when it is due (every epoch, or `eval_every` N steps or
 S seconds of training, and always at the end), the seconds it took, and its share of the run. A run
-whose evaluations took more than `EVAL_SHARE_WARN` (5%) of its time says so, with the `eval_every`
-that would bring them to about 2%.
+whose evaluations took more than `EVAL_SHARE_WARN` (5%) of its time, and a second or more in all, says
+so, with the `eval_every` that would bring them to about 2%.
 
 Example:
     >>> evaluate(model, val_loader, device=device, precision=p, tta="flip")
@@ -39,6 +39,7 @@ log = logging.getLogger("torchspeed")
 
 EVAL_SHARE_WARN = 0.05  # a run whose evaluations take more of its time than this says so
 EVAL_SHARE_AIM = 0.02   # the share the suggested eval_every aims at
+EVAL_WARN_MIN_S = 1.0   # evaluations that took less than this in all are not worth a warning
 
 
 class EvalClock:
@@ -84,7 +85,7 @@ class EvalClock:
         why = (f"{self.count} evaluations took {self.seconds:.2f} s of the {total:.1f} s training loop "
                f"({'every epoch' if every is None else f'eval_every={every!r}'})")
         advice = self.advice(steps=steps, total_s=total)
-        if share > EVAL_SHARE_WARN and advice:
+        if share > EVAL_SHARE_WARN and advice and self.seconds >= EVAL_WARN_MIN_S:
             log.warning("torchspeed: evaluation took %.0f%% of the run (%d evaluations, %.1f s); %s", 100 * share,
                         self.count, self.seconds, advice)
             why += f"; {advice}"
@@ -94,14 +95,15 @@ class EvalClock:
     def advice(self, *, steps: int, total_s: float) -> str | None:
         """The eval_every (in steps) that brings evaluation to about `EVAL_SHARE_AIM` of the run, if it is rarer
         than every epoch; None when evaluating is already cheap enough or there is nothing to space out."""
-        if self.count < 2 or steps < 2:
+        if self.count < 3 or steps < 2:
             return None
         per_eval = self.seconds / self.count
         wanted = max(1, math.floor(EVAL_SHARE_AIM * total_s / per_eval))
         if wanted >= self.count:
             return None
         n = math.ceil(steps / wanted)
-        return f"eval_every={n} (steps) would evaluate {wanted} times instead of {self.count}"
+        times = "once, at the end" if wanted == 1 else f"{wanted} times"
+        return f"eval_every={n} (steps) would evaluate {times} instead of {self.count} times"
 
 
 def is_image_batch(batch) -> bool:
