@@ -1,0 +1,50 @@
+"""The README leads with the answer: at most 120 lines, and every figure in its tables is the one in
+benchmarks/results/ for the machine it names."""
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+RESULTS = ROOT / "benchmarks" / "results" / "cpu-avx512-bf16"
+
+
+def _table(name: str) -> list[list[str]]:
+    block = README.split(f"<!-- readme-table: {name} -->")[1].split("<!-- /readme-table -->")[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in block.strip().splitlines()]
+    return rows[2:]  # after the header and its rule
+
+
+def test_the_readme_is_short_and_names_the_machine_its_tables_come_from():
+    assert len(README.splitlines()) <= 120
+    meta = json.loads((RESULTS / "time_to_target_097_fit.json").read_text())["meta"]
+    assert meta["cpu"] in README and meta["cpu_flags"]["avx512_bf16"] and "AVX512-BF16" in README
+    assert meta["torch"].split("+")[0] in README
+
+
+def test_the_time_to_target_table_is_the_results_json():
+    rows = _table("time_to_target")
+    assert [r[0] for r in rows] == ["0.97", "0.90"]
+    for row in rows:
+        data = json.loads((RESULTS / f"time_to_target_0{row[0][2:]}_fit.json").read_text())
+        for cell, name in zip(row[1:5], ("naive", "all", "auto", "schedulefree")):
+            c = data["configs"][name]
+            assert cell == f"{c['budget_steps']} steps, {c['median_total_s']:.2f} s", (row[0], name)
+        assert row[5] == f"{data['ratios']['auto_vs_naive']:.2f}x" and row[6] == f"{data['ratios']['auto_vs_all']:.2f}x"
+
+
+def test_the_plain_loop_table_is_the_results_json():
+    data = json.loads((RESULTS / "plain_loop.json").read_text())["workloads"]
+    rows = _table("plain_loop")
+    assert [r[0] for r in rows] == list(data)
+    for model, step, vs_plain, vs_loader in rows:
+        w = data[model]
+        assert step == f"{w['step_ms_plain']:.2f} ms"
+        assert vs_plain == f"{w['fit_speed_vs_plain']['speedup']:.2f}x"
+        assert vs_loader == f"{w['fit_speed_vs_plain_loader']['speedup']:.2f}x"
+
+
+def test_every_doc_the_readme_points_at_exists():
+    for doc in set(re.findall(r"`(docs/[a-z_]+\.md)`", README)):
+        assert (ROOT / doc).exists(), doc
