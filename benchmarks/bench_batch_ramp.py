@@ -45,7 +45,8 @@ def run(kind: str, seed: int, epochs: int, train, val, *, start: int = 32, end: 
         loader, lr = DataLoader(train, batch_sampler=ramp), 0.1 * end / 64  # the linear rule from 0.1 at 64
     val_loader = DataLoader(val, batch_size=256)
     t0 = time.perf_counter()
-    res = torchspeed.fit(model, loader, epochs=epochs, lr=lr, val_loader=val_loader, progress=False)
+    res = torchspeed.fit(model, loader, epochs=epochs, lr=lr, val_loader=val_loader, progress=False,
+                         schedule="onecycle")
     seconds = time.perf_counter() - t0
     return {"row": kind, "seed": seed, "steps": res.steps, "seconds": seconds,
             "samples": sum(r.get("samples", 0) for r in res.history) or None,

@@ -73,7 +73,7 @@ def run_seed(seed: int, *, epochs: int, decays: list[float], plain: list[float],
     emas = [EMA(d, apply_at_end=False) for d in decays] + [EMA(d, warmup=False, apply_at_end=False) for d in plain]
     probe = EvalEach(val_loader, emas)
     torchspeed.fit(model, train_loader, epochs=epochs, val_loader=val_loader, optimizer="sgd", lr=lr,
-                   weight_decay=5e-4, precision="fp32", compile=False, progress=False, seed=seed,
+                   weight_decay=5e-4, precision="fp32", compile=False, progress=False, seed=seed, schedule="onecycle",
                    callbacks=[*emas, probe])
     return probe.rows
 

@@ -58,8 +58,8 @@ def _fit(name: str, init: dict, loader: DataLoader, steps: int, cache: str, **sw
     os.environ["TORCHSPEED_CACHE_DIR"] = cache
     model = _model(name, init)
     t0 = time.perf_counter()
-    res = torchspeed.fit(model, loader, epochs=1, max_steps=steps, lr=0.05, progress=False, compile=False,
-                         **switches)
+    res = torchspeed.fit(model, loader, epochs=1, max_steps=steps, lr=0.05, schedule="onecycle", progress=False,
+                         compile=False, **switches)
     return time.perf_counter() - t0, res.decisions
 
 
