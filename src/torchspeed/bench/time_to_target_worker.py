@@ -28,39 +28,37 @@ def _setup(spec: dict):
     return loader, val_loader, device, _model(spec)
 
 
+WARM_STEPS = 1_000_000  # the earlier run's length: long enough that every part of the recipe measures
+
+
 def warm(spec: dict) -> dict:
-    """What an earlier run leaves in the cache: the recipe measured with no budget and the switch trial, both
-    written to spec["cache_dir"] (the auto_warm row reads them; this time is not on its clock)."""
-    from torchspeed.bench._worker import _data, _model
-    from torchspeed.plan.recipe import choose_recipe
-    from torchspeed.train.decision import TrialCache
+    """What an earlier run leaves in the cache: a `fit(recipe="auto")` call like the auto_warm row's, as long as
+    `WARM_STEPS` (every part measures, the switch trial runs in full), stopped once the switch trial and the
+    in-run measurements have settled; its cache is spec["cache_dir"] (the auto_warm row reads it; this time is
+    not on its clock)."""
+    from torchspeed.fitting import fit
     from torchspeed.train.config import TrainConfig
-    from torchspeed.train.trainer import Trainer
 
     os.environ["TORCHSPEED_CACHE_DIR"] = spec["cache_dir"]
     t0 = time.perf_counter()
-    loader, _, device = _data(spec)  # its validation loader is never read
-    model = _model(spec)
-    rec = choose_recipe(model, loader, optimizer=spec["optimizer"], lr=spec["lr"], precision=spec["train"]["precision"],
-                        device=device, progress=False, schedule="onecycle", cache=TrialCache())
-    cfg = replace(TrainConfig(**spec["train"]), progress=False, **rec.config())
-    trainer = Trainer(model, optimizer=rec.optimizer or spec["optimizer"], lr=rec.lr or spec["lr"], device=device,
-                      config=cfg)
-    trainer.prepare(loader)  # a run of unknown length: the full switch trial, cached for the next run
-    while trainer.switch_trial is not None:
-        for batch in trainer.batches(loader):
-            trainer.step_batch(batch)
-            if trainer.switch_trial is None:
-                break
-    d = rec.to_dict()
-    d["on"] = [p for p in rec.parts if _part_on(rec, p)]
+    loader, _, device, model = _setup(spec)  # its validation loader is never read
+    cfg = replace(TrainConfig(**spec["train"]), grad_accum=1, progress=False)
+    result = fit(model, loader, optimizer=spec["optimizer"], device=device, epochs=WARM_STEPS, config=cfg,
+                 max_steps=WARM_STEPS, schedule="onecycle", callbacks=[_StopWhenSettled()], recipe="auto",
+                 recipe_parts=spec.get("parts"))
+    d = {k: getattr(v, "value", v) for k, v in result.decisions.items()
+         if k in ("optimizer", "lr", "label_smoothing", "bn_stats", "ema", "batch_size", "tta", "switch_trial")}
+    d["on"] = _recipe_on(result.decisions)
     return {"recipe": d, "tuning_s": time.perf_counter() - t0}
 
 
-def _part_on(rec, part: str) -> bool:
-    return {"lr": rec.lr is not None and "lr" in rec.parts, "label_smoothing": rec.label_smoothing > 0,
-            "bn_stats": rec.bn_stats, "ema": rec.ema_decay is not None, "tta": "tta" in rec.parts,
-            "muon": rec.optimizer == "muon", "schedulefree": rec.optimizer == "schedulefree"}.get(part, False)
+class _StopWhenSettled(Callback):
+    """Ends the warming run at the first step end after its switch trial decided (the in-run parts measure at
+    that same step end)."""
+
+    def on_step_end(self, trainer):
+        if trainer.switch_trial is None and not trainer.should_stop:
+            trainer.request_stop("the cache is filled: the switch trial and the in-run parts decided")
 
 
 def train_budget(spec: dict) -> TTARun:
