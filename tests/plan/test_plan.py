@@ -137,6 +137,8 @@ def test_a_short_cold_run_takes_schedule_free_as_its_prior_and_trains_with_it(ti
     opt = res.decisions["optimizer"]
     assert opt.value == "schedulefree" and opt.reason.startswith("prior: Schedule-Free") and "over 5%" in opt.reason
     assert res.decisions["lr"].value == SCHEDULE_FREE_LR and res.decisions["bn_stats"].value is False
+    ls = res.decisions["label_smoothing"]  # the prior is taken whole: nothing unmeasured on top
+    assert ls.value == 0.0 and "taken whole" in ls.reason
     assert used and is_schedule_free(used[0]) and used[0].param_groups[0]["lr"] == SCHEDULE_FREE_LR
     assert res.decisions["schedule"].value is None and res.decisions["tuning"].measured["steps_off_run"] == 0
     assert res.history[-1]["val_acc"] > 0.25  # it learns (the averaged weights, BatchNorm recalibrated for them)

@@ -190,11 +190,6 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
     classifier = is_classifier(model, to_device(held[0], dev), loss_fn=loss_fn, step_fn=step_fn)
     _free_parts(rec, model, classifier, total_steps)
     opt_name = optimizer if isinstance(optimizer, str) else None
-    lr_loss = loss_fn  # the tuners train on the loss the run trains on
-    if lr_loss is None and rec.label_smoothing:
-        from torchspeed.train.batch import default_loss
-
-        lr_loss = default_loss(rec.label_smoothing)
     gate = _Gate(rec, budget, cache, _cache_key(model, held[0], opt_name or type(optimizer).__name__, lr, schedule,
                                                 precision, parts))
     tuners = dict(weight_decay=weight_decay, optimizer_options=optimizer_options, precision=precision,
@@ -205,6 +200,11 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
                     model, train_loader, rec, gate, given=opt_name, lr=lr, schedule=schedule, precision=precision,
                     loss_fn=loss_fn, step_fn=step_fn, total_steps=total_steps, lr_given=lr_given)
         schedule_free = rec.optimizer == "schedulefree"
+        lr_loss = loss_fn  # the tuners train on the loss the run trains on (its smoothing as the parts left it)
+        if lr_loss is None and rec.label_smoothing:
+            from torchspeed.train.batch import default_loss
+
+            lr_loss = default_loss(rec.label_smoothing)
         batch_wanted = "batch" in parts and total_steps is not None and total_steps >= BATCH_MIN_STEPS
         measured: dict = {}
         if "lr" in parts and not schedule_free:

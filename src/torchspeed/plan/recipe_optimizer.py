@@ -67,12 +67,13 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: _Gate, *, given: str
         chosen = gate.settle("optimizer", "optimizer", prior, words, default=prior)
     rec.optimizer = None if chosen == given else chosen
     if rec.optimizer == "schedulefree":
-        _schedule_free_parts(rec, total_steps)
+        _schedule_free_parts(rec, total_steps, whole=d["optimizer"].reason.startswith("prior"))
 
 
-def _schedule_free_parts(rec: Recipe, total_steps: int | None) -> None:
+def _schedule_free_parts(rec: Recipe, total_steps: int | None, *, whole: bool = False) -> None:
     """Schedule-Free AdamW replaces the LR search, the schedule's floor, the BatchNorm tail and the EMA: it averages
-    its own weights and the Trainer recalibrates BatchNorm statistics for them."""
+    its own weights and the Trainer recalibrates BatchNorm statistics for them. `whole`: taken as the prior (not
+    measured), it is taken whole, as the fixed recipe it is: no label smoothing on top, which nothing measured."""
     from torchspeed.train.optim import SCHEDULE_FREE_LR
 
     d = rec.decisions
@@ -84,6 +85,10 @@ def _schedule_free_parts(rec: Recipe, total_steps: int | None) -> None:
         rec.bn_stats = False
         d["bn_stats"] = Decision(False, "Schedule-Free: BatchNorm statistics are recalibrated for its averaged "
                                         "weights at evaluation instead (T47)")
+    if whole and rec.label_smoothing:
+        rec.label_smoothing = 0.0
+        d["label_smoothing"] = Decision(0.0, "Schedule-Free AdamW taken whole as the prior: no label smoothing on "
+                                             "top (a part is added to a prior only where measured)")
     if rec.ema_decay is not None:
         rec.ema_decay = None
         d["ema"] = Decision(None, f"Schedule-Free averages its own weights: no EMA on top (run of {total_steps} "
