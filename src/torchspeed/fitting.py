@@ -63,12 +63,13 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     Example:
         >>> result = fit(model, loader, epochs=3, val_loader=val, precision="auto", compile="auto")
     """
-    cfg = config.pop("config", None) or TrainConfig()
+    given_cfg = config.pop("config", None)
+    cfg = given_cfg or TrainConfig()
     unknown = set(config) - set(TrainConfig.__dataclass_fields__)
     if unknown:
         raise TypeError(f"fit() got unknown option(s) {sorted(unknown)}; "
                         f"valid: {sorted(TrainConfig.__dataclass_fields__)}")
-    schedule_given = "schedule" in config or cfg.schedule != TrainConfig.schedule  # else the plan's rule decides
+    schedule_given = "schedule" in config or given_cfg is not None  # else the plan's rule decides
     cfg = replace(cfg, epochs=epochs, **config)
     plan = make_plan(model, train_loader, cfg, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
                      schedule_given=schedule_given,

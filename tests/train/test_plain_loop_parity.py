@@ -199,6 +199,11 @@ def test_fit_trains_at_the_lr_it_was_given_and_says_why():
     asked = torchspeed.fit(_model(), loader, epochs=3, lr=0.01, schedule="cosine", **_quiet())
     assert "schedule" not in asked.decisions  # the user's own schedule stands, no rule ran
     assert asked.history[-1]["lr"] < 0.01
+    from torchspeed.train import TrainConfig
+
+    built = torchspeed.fit(_model(), loader, epochs=3, lr=0.01, config=TrainConfig(progress=False, compile=False,
+                                                                                  trial=False, precision="fp32"))
+    assert "schedule" not in built.decisions and built.history[-1]["lr"] < 0.01  # a TrainConfig's schedule stands
 
 
 def test_a_constant_schedule_can_warm_up():

@@ -81,7 +81,8 @@ def _run_steps(loader: Iterable, cfg: TrainConfig) -> int | None:
 
 def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
               optimizer: str | torch.optim.Optimizer = "sgd", lr: float | str | None = None,
-              weight_decay: float | None = None, schedule_given: bool = True, optimizer_options: dict | None = None, loss_fn: Callable | None = None, step_fn: Callable | None = None,
+              weight_decay: float | None = None, schedule_given: bool = True, optimizer_options: dict | None = None,
+              loss_fn: Callable | None = None, step_fn: Callable | None = None,
               device: torch.device | str | None = None, batch_size: int | str | None = None, loader: str | None = None,
               recipe: str | None = None, recipe_parts: Sequence[str] | None = None, callbacks: Iterable | None = None,
               cache: TrialCache | None = None) -> Plan:
