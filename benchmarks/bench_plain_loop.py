@@ -105,35 +105,11 @@ def run_plain(w, *, epochs: int, seed: int, loader: bool = False, target: float 
             return True
         return False
 
-    if loader:
-        out = _plain_over_loader(model, w, epochs=epochs, seed=seed, on_epoch=on_epoch)
-    else:
-        out = plain_loop(model, w, epochs=epochs, seed=seed, on_epoch=on_epoch)
+    out = plain_loop(model, w, epochs=epochs, seed=seed, on_epoch=on_epoch,
+                     loader=loaders(w, seed)[0] if loader else None)  # the same loop over a DataLoader
     if target is not None:
         out["to_target_s"] = at[0]
     return out
-
-
-def _plain_over_loader(model, w, *, epochs, seed, on_epoch) -> dict:
-    """The plain loop over a DataLoader (per-sample collate) instead of slices."""
-    import torch.nn.functional as F
-
-    from torchspeed.bench.small import evaluate_plain
-
-    train, _ = loaders(w, seed)
-    opt = torch.optim.Adam(model.parameters(), lr=w.lr)
-    t0, steps, acc = time.perf_counter(), 0, float("nan")
-    for epoch in range(epochs):
-        for x, y in train:
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            steps += 1
-        acc = evaluate_plain(model, w.vx, w.vy)
-        if on_epoch(epoch, acc):
-            break
-    return {"seconds": time.perf_counter() - t0, "steps": steps, "val_acc": acc}
 
 
 def whole_runs(names, *, epochs: int, rounds: int) -> dict:

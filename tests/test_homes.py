@@ -297,8 +297,8 @@ STEPS_ELSEWHERE = {  # loops that are plain PyTorch on purpose
     "bench/hand.py": "the hand-written ceiling: plain PyTorch, no torchspeed code in the step",
     "bench/peers.py": "the peers' loops (plain PyTorch, Lightning Fabric) as their users write them",
     "doctor/verify.py": "replays the user's plain step to verify a fix",
-    "bench/small.py": "a small model's own ~15-line loop: the baseline `fit` is measured against",
-    "bench/suite.py": "each suite workload's plain loop (its optimizer, constant LR): the baseline the suite scores",
+    "bench/small.py": "a small model's own ~15-line loop (`shuffled_epochs`, the suite's too): the baseline `fit` "
+                      "is measured against",
 }
 # The half-precision rule: comparing a CUDA compute capability with a version tuple, asking torch whether
 # bf16 is supported, or reading the device's capability is env.DeviceCaps' job (`.half`, `.of`).

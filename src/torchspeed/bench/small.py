@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SMALL", "SmallWorkload", "make_small", "plain_loop", "evaluate_plain"]
+__all__ = ["SMALL", "SmallWorkload", "make_small", "plain_loop", "shuffled_epochs", "evaluate_plain"]
 
 N_TRAIN, N_VAL = 4000, 1000
 
@@ -149,34 +149,51 @@ def evaluate_plain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_siz
     return correct / len(x)
 
 
-def plain_loop(model: nn.Module, w: SmallWorkload, *, epochs: int, lr: float | None = None,
-               seed: int = 0, evaluate_every_epoch: bool = True,
-               on_epoch: Callable[[int, float], bool] | None = None) -> dict:
-    """The script's own loop: Adam, constant LR, shuffled index slices of tensors in memory, an evaluation per epoch.
+def shuffled_epochs(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
+                    loss_fn: Callable, batch_size: int, epochs: int, seed: int,
+                    evaluate: Callable[[nn.Module], float], on_epoch: Callable[[int, float], bool] | None = None,
+                    loader: Iterable | None = None) -> dict:
+    """The plain script's loop, the one home of it: shuffled index slices of (`x`, `y`), one optimizer step a
+    batch, `evaluate(model)` after each epoch; `on_epoch(epoch, metric)` returning True stops the run.
 
-    `on_epoch(epoch, val_acc)` returning True stops the run (time to a target). Returns the seconds,
-    the steps and the last validation accuracy.
-    """
+    The slices come in the order a `DataLoader(shuffle=True, generator=Generator().manual_seed(seed))` gives, so
+    the loop and `fit` over that loader train on the same batches. `loader`: iterate it instead (the same loop over
+    a DataLoader, with its per-sample collate). Returns the seconds, the steps and each epoch's metric."""
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=lr if lr is not None else w.lr)
-    t0, steps, acc = time.perf_counter(), 0, float("nan")
+    t0, steps, history = time.perf_counter(), 0, []
     model.train()
     for epoch in range(epochs):
-        # The order a DataLoader(shuffle=True, generator=Generator().manual_seed(seed)) gives (one number drawn before
-        # its permutation, and RandomSampler draws a second one for the remainder, empty here): the loop and `fit`
-        # over that loader then train on the same batches.
-        torch.empty((), dtype=torch.int64).random_(generator=g)
-        perm = torch.randperm(len(w.x), generator=g)
-        torch.randperm(len(w.x), generator=g)
-        for i in range(0, len(w.x), w.batch_size):
-            idx = perm[i:i + w.batch_size]
-            loss = F.cross_entropy(model(w.x[idx]), w.y[idx])
+        for xb, yb in (loader if loader is not None else _shuffled_slices(x, y, batch_size, g)):
+            loss = loss_fn(model(xb), yb)
             opt.zero_grad()
             loss.backward()
             opt.step()
             steps += 1
-        if evaluate_every_epoch:
-            acc = evaluate_plain(model, w.vx, w.vy)
-            if on_epoch is not None and on_epoch(epoch, acc):
-                break
-    return {"seconds": time.perf_counter() - t0, "steps": steps, "val_acc": acc}
+        history.append(evaluate(model))
+        if on_epoch is not None and on_epoch(epoch, history[-1]):
+            break
+    return {"seconds": time.perf_counter() - t0, "steps": steps, "history": history}
+
+
+def _shuffled_slices(x: torch.Tensor, y: torch.Tensor, batch: int, g: torch.Generator) -> Iterator:
+    # A DataLoader's draws per epoch: one number before its permutation, the permutation, and RandomSampler's
+    # second one for the remainder (empty here).
+    torch.empty((), dtype=torch.int64).random_(generator=g)
+    perm = torch.randperm(len(x), generator=g)
+    torch.randperm(len(x), generator=g)
+    for i in range(0, len(x), batch):
+        idx = perm[i:i + batch]
+        yield x[idx], y[idx]
+
+
+def plain_loop(model: nn.Module, w: SmallWorkload, *, epochs: int, lr: float | None = None, seed: int = 0,
+               on_epoch: Callable[[int, float], bool] | None = None, loader: Iterable | None = None) -> dict:
+    """The script's own loop (`shuffled_epochs`): Adam at a constant LR, an evaluation of the held-out accuracy per
+    epoch. `on_epoch(epoch, val_acc)` returning True stops the run (time to a target); `loader` replaces the
+    slices. Returns the seconds, the steps and the last validation accuracy."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr if lr is not None else w.lr)
+    out = shuffled_epochs(model, opt, w.x, w.y, loss_fn=F.cross_entropy, batch_size=w.batch_size, epochs=epochs,
+                          seed=seed, evaluate=lambda m: evaluate_plain(m, w.vx, w.vy), on_epoch=on_epoch,
+                          loader=loader)
+    history = out.pop("history")
+    return out | {"val_acc": history[-1] if history else float("nan")}

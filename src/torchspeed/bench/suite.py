@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchspeed._extras import require
-from torchspeed.bench.small import make_small
+from torchspeed.bench.small import make_small, shuffled_epochs
 from torchspeed.bench.text import stdlib_text
 from torchspeed.bench.workloads import digits
 
@@ -279,28 +279,12 @@ def plain_run(workload: Workload, seed: int = 0, *, epochs: int | None = None,
     d = data if data is not None else load_data(workload, n_train=n_train, n_val=n_val)
     torch.manual_seed(seed)
     model = workload.model()
-    opt = make_optimizer(workload, model)
-    g = torch.Generator().manual_seed(seed)
-    n, bs = len(d.x), workload.batch_size
-    t0, steps, history = time.perf_counter(), 0, []
-    model.train()
-    for epoch in range(workload.epochs if epochs is None else epochs):
-        # A DataLoader's draws per epoch: its base seed, the permutation, and RandomSampler's second (unused) one.
-        torch.empty((), dtype=torch.int64).random_(generator=g)
-        perm = torch.randperm(n, generator=g)
-        torch.randperm(n, generator=g)
-        for i in range(0, n, bs):
-            idx = perm[i:i + bs]
-            loss = compute_loss(workload, model(d.x[idx]), d.y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            steps += 1
-        history.append(evaluate(workload, model, d.vx, d.vy))
-        if on_epoch is not None and on_epoch(epoch, history[-1]):
-            break
-    return {"seconds": time.perf_counter() - t0, "steps": steps, "epochs": len(history),
-            "metric": history[-1] if history else float("nan"), "history": history}
+    out = shuffled_epochs(model, make_optimizer(workload, model), d.x, d.y,
+                          loss_fn=lambda out, y: compute_loss(workload, out, y), batch_size=workload.batch_size,
+                          epochs=workload.epochs if epochs is None else epochs, seed=seed,
+                          evaluate=lambda m: evaluate(workload, m, d.vx, d.vy), on_epoch=on_epoch)
+    history = out["history"]
+    return out | {"epochs": len(history), "metric": history[-1] if history else float("nan")}
 
 
 def plain_to_target(workload: Workload, seed: int = 0, *, epochs: int | None = None) -> dict:
