@@ -34,7 +34,7 @@ from torchspeed.plan.budget import TuningBudget
 from torchspeed.plan.recipe import PARTS, Recipe, choose_recipe
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, TrialCache
-from torchspeed.train.schedule import DEFAULT_LR, default_schedule
+from torchspeed.train.schedule import DEFAULT_LR, default_schedule, lr_given
 
 __all__ = ["Plan", "make_plan", "as_decisions"]
 
@@ -105,7 +105,7 @@ def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
                            + (f"; {info.world_size} processes" if info is not None else ""))
     d["switch_plan"] = Decision("on the run's first steps", "precision x layout x optimizer kernel (x threads) "
                                 "timed on real training steps that count toward the run; 0 steps on a cache hit")
-    lr_given = isinstance(optimizer, torch.optim.Optimizer) or (lr is not None and lr != "auto")
+    own_lr = lr_given(lr, optimizer)
     if not schedule_given:
         d["schedule"] = default_schedule(lr=lr, optimizer=optimizer, recipe=recipe)
         cfg = replace(cfg, schedule=d["schedule"].value)
@@ -130,14 +130,14 @@ def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
         parts = tuple(recipe_parts if recipe_parts is not None else PARTS)
         if batch_size is not None:  # the user's batch (or the tuner's, above) stands
             parts = tuple(p for p in parts if p != "batch")
-        if lr_given and recipe_parts is None:  # your loop is the prior: what changes its objective or LR unmeasured
+        if own_lr and recipe_parts is None:  # your loop is the prior: what changes its objective or LR unmeasured
             parts = tuple(p for p in parts if p not in GIVEN_LOOP_KEEPS)
             d["recipe_prior"] = Decision("your loop", "you gave the LR: your optimizer, LR, schedule and loss stand; "
                                          "the LR search and label smoothing are left out, and Schedule-Free or Muon "
                                          "replace your optimizer only when their trial wins (recipe_parts= puts "
                                          "parts back)")
         _apply_recipe(plan, model, parts, weight_decay=weight_decay, optimizer_options=optimizer_options,
-                      loss_fn=loss_fn, step_fn=step_fn, device=dev, cache=cache, lr_given=lr_given)
+                      loss_fn=loss_fn, step_fn=step_fn, device=dev, cache=cache, lr_given=own_lr)
     plan.tuning_s = time.perf_counter() - t0
     d["tuning"] = Decision(round(plan.tuning_s, 3), f"{plan.tuning_steps} training steps off the run spent choosing "
                            "before it (the switch trial's steps train and are not counted here)",

@@ -48,6 +48,7 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: _Gate, *, given: str
             d["optimizer"] = Decision(given, "; ".join(why_not))
         return
     lrs = {n: optimizer_info(n).default_lr or lr for n in cands}  # Schedule-Free at its own default LR
+    measured = False
     if gate.measure("optimizer", len(cands) * OPTIMIZER_TRIAL_STEPS):
         from torchspeed.tune.optimizer_trial import compare_optimizers
 
@@ -56,7 +57,7 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: _Gate, *, given: str
         rec.tuning_steps += int(trial.steps or 0) * len(cands)
         d["optimizer"] = Decision(trial.best, f"{trial.reason} (T42, Schedule-Free: T14's alternative)",
                                   measured={"table": [dict(r) for r in trial.table]})
-        chosen = trial.best
+        chosen, measured = trial.best, True
         gate.done("optimizer", {"optimizer": chosen})
     else:
         prior = "schedulefree" if "schedulefree" in cands and not lr_given else given
@@ -66,8 +67,8 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: _Gate, *, given: str
                  else f"{given}, as given")
         chosen = gate.settle("optimizer", "optimizer", prior, words, default=prior)
     rec.optimizer = None if chosen == given else chosen
-    if rec.optimizer == "schedulefree":
-        _schedule_free_parts(rec, total_steps, whole=d["optimizer"].reason.startswith("prior"))
+    if rec.optimizer == "schedulefree":  # taken whole when neither a trial nor the cache chose it: the prior
+        _schedule_free_parts(rec, total_steps, whole=not measured and gate.cached("optimizer") is None)
 
 
 def _schedule_free_parts(rec: Recipe, total_steps: int | None, *, whole: bool = False) -> None:

@@ -72,16 +72,14 @@ class EvalClock:
             self.seconds += self.mark_t - t
             self.count += 1
 
-    def share(self) -> float:
-        return self.seconds / max(self.clock() - self.t0, 1e-9)
-
     def decisions(self, every, *, steps: int) -> dict[str, Decision]:
         """{"evaluation": `decision(...)`} when the run evaluated, else {}."""
         return {"evaluation": self.decision(every, steps=steps)} if self.count else {}
 
     def decision(self, every, *, steps: int) -> Decision:
         """The evaluations' share of the run as a Decision; over `EVAL_SHARE_WARN` it also warns, with advice."""
-        share, total = self.share(), self.clock() - self.t0
+        total = self.clock() - self.t0
+        share = self.seconds / max(total, 1e-9)
         why = (f"{self.count} evaluations took {self.seconds:.2f} s of the {total:.1f} s training loop "
                f"({'every epoch' if every is None else f'eval_every={every!r}'})")
         advice = self.advice(steps=steps, total_s=total)

@@ -75,8 +75,8 @@ class DeviceMeter:
 
     def state_dict(self) -> dict:
         """The running sums, on the CPU (for checkpoints: a resumed epoch continues its averages)."""
-        return {"loss": self._loss.cpu(), "correct": self._correct.cpu(), "counted": self._counted.cpu() + self._counted_host,
-                "n": self._n, "has_acc": self._has_acc}
+        return {"loss": self._loss.cpu(), "correct": self._correct.cpu(),
+                "counted": self._counted.cpu() + self._counted_host, "n": self._n, "has_acc": self._has_acc}
 
     def load_state_dict(self, state: dict) -> None:
         self._loss.copy_(state["loss"])

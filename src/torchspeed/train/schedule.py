@@ -31,11 +31,16 @@ import torch
 from torchspeed.train.decision import Decision
 from torchspeed.train.optim_info import OPTIM_INFO
 
-__all__ = ["SCHEDULES", "DEFAULT_LR", "default_schedule", "create_scheduler", "scale_lr", "warmup_cosine_factor", "steps_in_run", "lr_rule",
-           "batch_lr_factor", "scale_lr_for_batch", "rescale_lr"]
+__all__ = ["SCHEDULES", "DEFAULT_LR", "lr_given", "default_schedule", "create_scheduler", "scale_lr",
+           "warmup_cosine_factor", "steps_in_run", "lr_rule", "batch_lr_factor", "scale_lr_for_batch", "rescale_lr"]
 
 SCHEDULES = ("onecycle", "cyclic", "cosine", "constant")
 DEFAULT_LR = 0.1  # fit's LR when none is given (the peak of its one-cycle schedule)
+
+
+def lr_given(lr: float | str | None, optimizer: object) -> bool:
+    """Whether the run set its own LR: a number, or an optimizer object (it carries the user's LR)."""
+    return isinstance(optimizer, torch.optim.Optimizer) or (lr is not None and lr != "auto")
 
 
 def default_schedule(*, lr: float | str | None, optimizer: object, recipe: str | None = None) -> Decision:
@@ -45,12 +50,12 @@ def default_schedule(*, lr: float | str | None, optimizer: object, recipe: str |
     - an LR given as a number, or an optimizer object (it carries the user's LR), with a recipe or not: "constant";
     - no LR given: "onecycle" around `DEFAULT_LR`.
     """
-    given = isinstance(optimizer, torch.optim.Optimizer) or (lr is not None and lr != "auto")
+    given = lr_given(lr, optimizer)
     if lr == "auto" or (recipe == "auto" and not given):
         return Decision("onecycle", "rule: the LR is chosen as the peak of a one-cycle schedule")
     if given:
-        given = "the optimizer's LR" if isinstance(optimizer, torch.optim.Optimizer) else f"lr={lr:g}"
-        return Decision("constant", f"rule: you set {given}, so the run trains at it as a loop without a "
+        what = "the optimizer's LR" if isinstance(optimizer, torch.optim.Optimizer) else f"lr={lr:g}"
+        return Decision("constant", f"rule: you set {what}, so the run trains at it as a loop without a "
                         "scheduler does; pass schedule='onecycle' (or 'cosine') to anneal it")
     return Decision("onecycle", f"rule: no LR given, so one-cycle around lr={DEFAULT_LR:g} (torchspeed's default)")
 
