@@ -515,3 +515,17 @@ def test_a_trial_cached_by_another_method_is_measured_again(tiny_cnn, monkeypatc
     monkeypatch.setattr(autoswitch, "TRIAL_METHOD", autoswitch.TRIAL_METHOD + 1)
     later = _trainer(tiny_cnn(), AVX2)
     assert later.fit(_loader(n=16 * 40)).decisions["switch_trial"].value == "measured"
+
+
+def test_a_measured_kernel_keeps_why_the_optimizer_was_chosen(tiny_cnn):
+    """The switch trial changing the kernel describes the new kernel and keeps the reason the optimizer was chosen
+    (the plan's recipe, a cache hit): the trial refines the optimizer's decision, it does not replace why."""
+    from torchspeed.train import Trainer, TrainConfig
+    from torchspeed.train.switches import Switches
+
+    t = Trainer(tiny_cnn(), optimizer="sgd", lr=0.1, device="cpu", config=TrainConfig(
+        precision="fp32", channels_last=False, compile=False, trial=False, progress=False, fused_optimizer=True))
+    t.decisions["optimizer"] = Decision("schedulefree", "cached: measured by an earlier run")
+    t.apply_switches(Switches("fp32", False, fused=False))
+    d = t.decisions["optimizer"]
+    assert "foreach" in d.value and d.reason == "cached: measured by an earlier run; its kernel measured"

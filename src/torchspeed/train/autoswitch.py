@@ -345,7 +345,9 @@ class MeasuredSwitches:
         self.channels_last = sw.channels_last
         if sw.fused is not None and fusable(self.optimizer) and bool(self.optimizer.defaults.get("fused")) != sw.fused:
             set_fused(self.optimizer, sw.fused)
-            self.decisions["optimizer"] = Decision(describe_optimizer(self.optimizer), "measured")
+            before = self.decisions.get("optimizer")  # the optimizer's choice (the plan's, or asked for) stands
+            why = "kernel measured" if before is None else f"{before.reason}; its kernel measured"
+            self.decisions["optimizer"] = Decision(describe_optimizer(self.optimizer), why)
         if sw.threads is not None and sw.threads != torch.get_num_threads():
             torch.set_num_threads(sw.threads)
 
