@@ -16,7 +16,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from torchspeed.plan import as_decisions, make_plan
+from torchspeed.plan import make_plan
+from torchspeed.plan.stages import run_event
 from torchspeed.train.distributed import is_rank_zero
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.trainer import FitResult, Trainer
@@ -78,15 +79,14 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
                      callbacks=callbacks)
     trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=plan.optimizer, lr=plan.lr,
                       weight_decay=weight_decay, momentum=momentum, betas=betas, device=device, config=plan.config,
-                      callbacks=plan.callbacks, loggers=loggers, mesh=mesh, on_checkpoint=on_checkpoint)
-    trainer.decisions.update(plan.decisions)
+                      callbacks=plan.callbacks, loggers=loggers, mesh=mesh, on_checkpoint=on_checkpoint,
+                      decisions=plan.decisions)
     if plan.config.progress and is_rank_zero():
         _print_plan(plan)
     result = trainer.fit(plan.loader, epochs=epochs, val_loader=val_loader)
-    rec = plan.recipe
-    if rec is not None and "tta" in rec.parts:
-        _after_training(trainer, rec, result, val_loader)
-    result.decisions = as_decisions(result.decisions)
+    ctx = plan.context
+    ctx.trainer, ctx.result, ctx.val_loader = trainer, result, val_loader
+    run_event(ctx, "after")  # the plan's after-training stages (flip TTA)
     return result
 
 
@@ -95,13 +95,3 @@ def _print_plan(plan) -> None:
     from rich.console import Console
 
     Console(stderr=True).print(plan.summary(), markup=False, highlight=False)
-
-
-def _after_training(trainer: Trainer, rec, result: FitResult, val_loader) -> None:
-    """The recipe's after-training part: flip TTA when it scores better on training batches (T33)."""
-    from torchspeed.plan.recipe_tta import after_training
-
-    asked = trainer.config.tta  # the user's own TTA stands, and the history already used it
-    dec = result.decisions["tta"] = after_training(trainer, rec)
-    if dec.value and asked is None and val_loader is not None and result.history:
-        result.history[-1]["val_acc_tta"] = trainer.evaluate(val_loader)["val_acc"]

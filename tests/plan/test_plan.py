@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
 from torchspeed.plan import TuningBudget, make_plan
-from torchspeed.plan.recipe import PARTS
+from torchspeed.plan.parts import PARTS
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision
 
@@ -57,7 +57,7 @@ def test_a_short_run_decides_the_lr_from_its_prior_and_says_so(tiny_cnn):
 def test_the_tuners_run_at_the_precision_the_switch_trial_chose(tiny_cnn, monkeypatch, measure_here):
     """The rule says bf16 on this (injected) bf16 CPU; the trial measures fp32 faster: the range test runs in fp32."""
     from torchspeed.train.trainer import Trainer
-    from torchspeed.tune import lr as lr_mod
+    from torchspeed.plan import recipe_lr as lr_mod
 
     monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx512_bf16")
     seconds = {"fp32": 0.5, "fp32+channels_last": 0.6, "bf16": 1.0, "bf16+channels_last": 1.0}
@@ -198,7 +198,7 @@ def test_a_recipe_part_that_raises_is_named_and_the_run_goes_on_with_its_prior(t
             if trainer.step >= 3:
                 trainer.request_stop("enough for the test")
 
-    monkeypatch.setattr(trial, "compare_optimizers", boom)
+    monkeypatch.setattr("torchspeed.plan.recipe_optimizer.compare_optimizers", boom)
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="torchspeed"):
         res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1000, max_steps=4000, recipe="auto", optimizer="adamw",
@@ -247,7 +247,7 @@ def test_every_part_measures_together_on_a_long_run_where_schedule_free_wins(tin
         return real_call(self, batch)
 
     monkeypatch.setattr("torchspeed.tune._common.TrainStep.__call__", spy)
-    monkeypatch.setattr(trial_mod, "compare_optimizers", lambda *a, **k: trial_mod.OptimizerTrial(
+    monkeypatch.setattr("torchspeed.plan.recipe_optimizer.compare_optimizers", lambda *a, **k: trial_mod.OptimizerTrial(
         best="schedulefree", table=(), reason="injected: Schedule-Free reached the loss sooner", steps=50))
 
     class StopSoon(Callback):

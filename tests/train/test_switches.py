@@ -524,8 +524,8 @@ def test_a_measured_kernel_keeps_why_the_optimizer_was_chosen(tiny_cnn):
     from torchspeed.train.switches import Switches
 
     t = Trainer(tiny_cnn(), optimizer="sgd", lr=0.1, device="cpu", config=TrainConfig(
-        precision="fp32", channels_last=False, compile=False, trial=False, progress=False, fused_optimizer=True))
-    t.decisions["optimizer"] = Decision("schedulefree", "cached: measured by an earlier run")
+        precision="fp32", channels_last=False, compile=False, trial=False, progress=False, fused_optimizer=True),
+        decisions={"optimizer": Decision("schedulefree", "cached: measured by an earlier run")})  # the plan's
     t.apply_switches(Switches("fp32", False, fused=False))
     d = t.decisions["optimizer"]
     assert "foreach" in d.value and d.reason == "cached: measured by an earlier run; its kernel measured"

@@ -112,7 +112,7 @@ def test_fit_rebuilds_the_loader_at_the_recipes_batch_and_scales_the_lr(monkeypa
 
     asked: list = []
     _inject_rates(monkeypatch, {8: 100.0, 16: 190.0, 32: 360.0, 64: 370.0}, asked)
-    import torchspeed.tune.batch_choice as bc
+    import torchspeed.plan.recipe as bc  # the recipe's batch part calls the chooser from here
 
     real = bc.choose_batch_size
     monkeypatch.setattr(bc, "choose_batch_size", lambda *a, **kw: real(*a, **(kw | {"noise_scale": 1000.0,
@@ -144,7 +144,7 @@ def test_the_lr_trial_reports_the_noise_scale_where_its_run_ended():
 
 def test_a_larger_batch_reconsiders_the_ema_for_the_shorter_run(monkeypatch):
     """The EMA's span follows the run length in steps, which the batch part changes (x2 batch: half the steps)."""
-    import torchspeed.tune.batch_choice as bc
+    import torchspeed.plan.recipe as bc  # the recipe's batch part calls the chooser from here
     from torchspeed.train.decision import Decision
     from torchspeed.plan import recipe as rp
 

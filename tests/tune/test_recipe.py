@@ -5,7 +5,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from torchspeed.plan.recipe import EMA_MIN_STEPS, PARTS, Recipe, choose_recipe, is_classifier
+from torchspeed.plan.parts import PARTS, Recipe
+from torchspeed.plan.recipe import EMA_MIN_STEPS, choose_recipe, is_classifier
 
 KEEP_OPT = tuple(p for p in PARTS if p != "schedulefree")  # the user's optimizer kept: the LR part measures
 
@@ -128,7 +129,7 @@ def test_muon_is_tried_for_adamw_on_a_matrix_heavy_model_and_not_on_a_conv_net(m
         return OptimizerTrial("muon", ({"name": "adamw", "loss": 1.0}, {"name": "muon", "loss": 0.8}),
                               "muon's held-back loss is 20% lower", 10)
 
-    monkeypatch.setattr(trial_mod, "compare_optimizers", fake)
+    monkeypatch.setattr("torchspeed.plan.recipe_optimizer.compare_optimizers", fake)
     rec = choose_recipe(mlp, _loader(), optimizer="adamw", lr=1e-3, parts=("muon",), progress=False)
     assert asked == [("adamw", "muon")] and rec.optimizer == "muon" and rec.tuning_steps == 20
     assert rec.decisions["optimizer"].value == "muon" and "T42" in rec.decisions["optimizer"].reason
@@ -161,14 +162,14 @@ def _fake_trial(monkeypatch, best):
         return OptimizerTrial(best, tuple({"name": n, "loss": 0.5 if n == best else 1.0} for n in names),
                               f"{best} reached the baseline's loss sooner", 10)
 
-    monkeypatch.setattr(trial_mod, "compare_optimizers", fake)
+    monkeypatch.setattr("torchspeed.plan.recipe_optimizer.compare_optimizers", fake)
     return asked
 
 
 @pytest.mark.parametrize("best", ["schedulefree", "sgd"])
 def test_schedule_free_is_measured_against_the_given_optimizer_when_the_budget_allows(monkeypatch, best):
     pytest.importorskip("schedulefree")
-    from torchspeed.tune import lr as lr_mod
+    from torchspeed.plan import recipe_lr as lr_mod
     from torchspeed.train.optim import SCHEDULE_FREE_LR
 
     asked = _fake_trial(monkeypatch, best)
@@ -206,7 +207,7 @@ def test_schedule_free_is_the_prior_when_the_budget_refuses_and_the_cache_the_ne
 
 
 def test_without_the_package_or_for_another_optimizer_schedule_free_is_not_a_candidate(monkeypatch):
-    import torchspeed.train.optim as optim
+    import torchspeed.plan.recipe_optimizer as optim  # where the recipe looks the package up
 
     asked = _fake_trial(monkeypatch, "schedulefree")
     monkeypatch.setattr(optim, "schedule_free_available", lambda: False)

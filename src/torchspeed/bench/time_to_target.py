@@ -396,7 +396,7 @@ def _nearest(budgets, b: int) -> int:
 def _ablation(on: list[str], seeds: list[int], run_seeds, budgets, target: float, metric: str, auto_budget: int | None,
               batch: int, say) -> list:
     """Leave one part out (`on`: the parts auto turned on) or add one (parts it left off): the budget each needs."""
-    from torchspeed.plan.recipe import PARTS
+    from torchspeed.plan.parts import PARTS
 
     rows = []
     for part in PARTS:

@@ -7,6 +7,6 @@ off the run), `recipe.choose_recipe` (the training recipe's parts).
 """
 
 from torchspeed.plan.budget import TUNING_SHARE, TuningBudget
-from torchspeed.plan.planner import Plan, as_decisions, make_plan
+from torchspeed.plan.planner import Plan, make_plan
 
-__all__ = ["Plan", "make_plan", "as_decisions", "TuningBudget", "TUNING_SHARE"]
+__all__ = ["Plan", "make_plan", "TuningBudget", "TUNING_SHARE"]

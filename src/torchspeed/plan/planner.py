@@ -1,20 +1,27 @@
-"""`make_plan`: every automatic choice of `fit`, resolved once, in dependency order, its cost counted (T06-T08, T15,
-T17, T18, T21, T23, T25, T31-T33, T40, T42, T47).
+"""`make_plan`: every automatic choice of `fit`, as registered stages over one run context, resolved once, in
+dependency order, its cost counted (T06-T08, T15, T17, T18, T21, T23, T25, T31-T33, T40, T42, T47).
 
-The order (Lightning Fabric's connector habit: resolve every "auto" once, then only read):
+The stages (`BUILT_IN`, registered in this order in `plan.stages.STAGES`; Lightning Fabric's connector
+habit: resolve every "auto" once, then only read):
 
-1. distributed set-up (torchrun's process group first, so rank 0 measures for every rank);
-2. device capabilities (`env.DeviceCaps`: what this device runs natively);
-3. switches (precision, channels_last, optimizer kernel, threads): measured on the run's own
-   first steps by the Trainer (`train.autoswitch`), 0 steps on a cache hit; the plan states it;
-4. batch size and 5. LR, when asked (`batch_size=`, `lr="auto"`: `tune.auto.tune_for_fit`);
-6. the recipe parts (`recipe="auto"`: `plan.recipe.choose_recipe`) within the tuning budget
-   (`plan.budget`: at most 5% of the run's steps off the run, none on a cache hit);
-7. the loader, rebuilt at most once, for the batch and worker settings chosen above.
+1. `distributed`: torchrun's process group first, so rank 0 measures for every rank;
+2. `capabilities`: what this device runs natively (`env.DeviceCaps`); the switch trial (precision,
+   channels_last, optimizer kernel, threads) is measured on the run's own first steps by the Trainer
+   (`train.autoswitch`), 0 steps on a cache hit; the plan states it;
+3. `schedule`: the schedule rule (`train.schedule.default_schedule`) and the prior LR;
+4. `tuners`: batch size, LR and loader settings when asked (`batch_size=`, `lr="auto"`, `loader=`:
+   `tune.auto.tune_for_fit`), the loader rebuilt once;
+5. `run_length`: the run's steps, which the budget and the recipe read;
+6. `recipe` (`recipe="auto"`: `plan.recipe.choose_recipe`) within the tuning budget (`plan.budget`: at
+   most 5% of the run's steps off the run, none on a cache hit); the loader rebuilt at most once more,
+   for the batch part's choice;
+7. in the run, after the switch trial: `lr_in_run` (`plan.inrun`), the LR part at the precision the
+   trial chose;
+8. after training: `tta`, the flip-TTA check (`plan.recipe_tta`).
 
-Every value in `Plan.decisions` is a `Decision`. The Trainer only applies the plan; `fit` prints
-it before training (what was chosen, from what evidence, at what cost, and what is still measured
-during the run).
+Every value in `Plan.decisions` is a `Decision`, each key written once. The Trainer only applies the plan;
+`fit` prints it before training (what was chosen, from what evidence, at what cost, and what is still
+measured during the run).
 
 Example:
     >>> plan = make_plan(model, loader, TrainConfig(epochs=3), recipe="auto")
@@ -28,23 +35,28 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from torchspeed.env import DeviceCaps, default_device
+from torchspeed.plan import budget as budget_rules  # its TUNING_SHARE read at each plan (tests inject it)
 from torchspeed.plan.budget import TuningBudget
-from torchspeed.plan.recipe import PARTS, Recipe, choose_recipe
+from torchspeed.plan.inrun import measure_lr_in_run
+from torchspeed.plan.parts import PARTS, Recipe
+from torchspeed.plan.recipe import choose_recipe
+from torchspeed.plan.recipe_tta import after_training
+from torchspeed.plan.stages import RunContext, RunStages, Stage, register_stage, run_event, stages
 from torchspeed.train.config import TrainConfig
-from torchspeed.train.decision import Decision, TrialCache
-from torchspeed.train.schedule import DEFAULT_LR, default_schedule, lr_given
+from torchspeed.train.decision import Decision, Decisions, TrialCache
+from torchspeed.train.distributed import maybe_init_distributed
+from torchspeed.train.sampler import loader_length, rebuild_loader
+from torchspeed.train.schedule import DEFAULT_LR, default_schedule, lr_given, steps_in_run
+from torchspeed.tune.auto import tune_for_fit
 
-__all__ = ["Plan", "make_plan", "as_decisions"]
+__all__ = ["Plan", "make_plan", "BUILT_IN"]
 
 DEFAULT_RECIPE_LR = 0.1  # the prior peak LR when the recipe is asked to choose it and cannot afford to measure
 GIVEN_LOOP_KEEPS = ("lr", "label_smoothing")  # recipe parts left out when the run gives its own LR (docs/recipe.md)
-
-
-def as_decisions(decisions: dict) -> dict[str, Decision]:
-    """Each value a `Decision` (a plain value becomes `Decision(value, "")`)."""
-    return {k: v if isinstance(v, Decision) else Decision(v, "") for k, v in decisions.items()}
 
 
 @dataclass
@@ -58,9 +70,10 @@ class Plan:
     callbacks: list
     run_steps: int | None
     recipe: Recipe | None = None
-    decisions: dict[str, Decision] = field(default_factory=dict)
+    decisions: Decisions = field(default_factory=Decisions)
     tuning_s: float = 0.0
     tuning_steps: int = 0
+    context: RunContext | None = field(default=None, repr=False)  # what the stages shared ("after" runs on it)
 
     def summary(self) -> str:
         """The plan in words, one line per choice: value, then why."""
@@ -72,9 +85,6 @@ class Plan:
 
 
 def _run_steps(loader: Iterable, cfg: TrainConfig) -> int | None:
-    from torchspeed.train.sampler import loader_length
-    from torchspeed.train.schedule import steps_in_run
-
     return steps_in_run(loader_length(loader, max_steps=cfg.max_steps), cfg.epochs, grad_accum=cfg.grad_accum,
                         max_steps=cfg.max_steps)
 
@@ -86,107 +96,147 @@ def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
               device: torch.device | str | None = None, batch_size: int | str | None = None, loader: str | None = None,
               recipe: str | None = None, recipe_parts: Sequence[str] | None = None, callbacks: Iterable | None = None,
               cache: TrialCache | None = None) -> Plan:
-    """Resolve every automatic choice of a `fit` call (see the module docstring); leaves the model as it was.
-    `schedule_given=False`: `cfg.schedule` is a default, and `train.schedule.default_schedule` chooses it from
-    how the LR was given (`lr=None`: torchspeed's default LR)."""
-    from torchspeed.env import DeviceCaps, default_device
-    from torchspeed.train.distributed import maybe_init_distributed
-
+    """Resolve every automatic choice of a `fit` call: the "before" stages in order (see the module docstring);
+    leaves the model as it was. `schedule_given=False`: `cfg.schedule` is a default, and
+    `train.schedule.default_schedule` chooses it from how the LR was given (`lr=None`: torchspeed's default LR)."""
     if recipe not in (None, "auto"):
         raise ValueError(f"recipe={recipe!r}: use recipe='auto' (measured on your model) or leave it out")
     if recipe_parts is not None and recipe is None:
         raise ValueError("recipe_parts needs recipe='auto'")
     t0 = time.perf_counter()
-    d: dict[str, Decision] = {}
-    info = maybe_init_distributed(cfg.distributed, device=device)  # 1: so that rank 0 measures for every rank
-    dev = info.device if info is not None else default_device(device)
-    caps = DeviceCaps.of(dev)  # 2
-    d["device"] = Decision(str(dev), f"native half precision: {caps.half or 'none'}"
-                           + (f"; {info.world_size} processes" if info is not None else ""))
-    d["switch_plan"] = Decision("on the run's first steps", "precision x layout x optimizer kernel (x threads) "
-                                "timed on real training steps that count toward the run; 0 steps on a cache hit")
-    own_lr = lr_given(lr, optimizer)
-    if not schedule_given:
-        d["schedule"] = default_schedule(lr=lr, optimizer=optimizer, recipe=recipe)
-        cfg = replace(cfg, schedule=d["schedule"].value)
-    if lr is None:
-        lr = DEFAULT_LR
-    if recipe and lr == "auto":  # the recipe's LR part decides; this is its prior when it cannot afford to measure
-        lr = DEFAULT_RECIPE_LR
-    tuned: dict = {}
-    if batch_size is not None or lr == "auto" or loader is not None:  # 4, 5 (and the loader's settings, 7)
-        from torchspeed.tune.auto import tune_for_fit
-
-        train_loader, lr, tuned = tune_for_fit(model, train_loader, batch_size=batch_size, lr=lr, loader=loader,
-                                               loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer,
-                                               weight_decay=weight_decay, optimizer_options=optimizer_options,
-                                               device=dev, precision=cfg.precision, schedule=cfg.schedule,
-                                               distributed=cfg.distributed, progress=cfg.progress)
-    d.update(as_decisions(tuned))
-    run_steps = _run_steps(train_loader, cfg)
-    plan = Plan(loader=train_loader, optimizer=optimizer, lr=float(lr), config=cfg, callbacks=list(callbacks or ()),
-                run_steps=run_steps, decisions=d)
-    if recipe:  # 6
-        parts = tuple(recipe_parts if recipe_parts is not None else PARTS)
-        if batch_size is not None:  # the user's batch (or the tuner's, above) stands
-            parts = tuple(p for p in parts if p != "batch")
-        if own_lr and recipe_parts is None:  # your loop is the prior: what changes its objective or LR unmeasured
-            parts = tuple(p for p in parts if p not in GIVEN_LOOP_KEEPS)
-            d["recipe_prior"] = Decision("your loop", "you gave the LR: your optimizer, LR, schedule and loss stand; "
-                                         "the LR search and label smoothing are left out, and Schedule-Free or Muon "
-                                         "replace your optimizer only when their trial wins (recipe_parts= puts "
-                                         "parts back)")
-        _apply_recipe(plan, model, parts, weight_decay=weight_decay, optimizer_options=optimizer_options,
-                      loss_fn=loss_fn, step_fn=step_fn, device=dev, cache=cache, lr_given=own_lr)
-    plan.tuning_s = time.perf_counter() - t0
-    d["tuning"] = Decision(round(plan.tuning_s, 3), f"{plan.tuning_steps} training steps off the run spent choosing "
-                           "before it (the switch trial's steps train and are not counted here)",
-                           measured={"seconds": plan.tuning_s, "steps_off_run": plan.tuning_steps,
-                                     "run_steps": run_steps})
+    ctx = RunContext(model=model, loader=train_loader, cfg=cfg, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
+                     optimizer_options=optimizer_options, loss_fn=loss_fn, step_fn=step_fn, device=device,
+                     batch_size=batch_size, loader_mode=loader, recipe=recipe, recipe_parts=recipe_parts,
+                     schedule_given=schedule_given, cache=cache, callbacks=list(callbacks or ()))
+    run_event(ctx, "before")
+    if any(s.wanted(ctx) for s in stages("after_switches")):  # else no callback: nothing runs per step
+        ctx.callbacks.append(RunStages(ctx))
+    plan = Plan(loader=ctx.loader, optimizer=ctx.optimizer, lr=float(ctx.lr), config=ctx.cfg, callbacks=ctx.callbacks,
+                run_steps=ctx.run_steps, recipe=ctx.rec, decisions=ctx.decisions,
+                tuning_s=time.perf_counter() - t0, tuning_steps=ctx.tuning_steps, context=ctx)
+    ctx.decisions["tuning"] = Decision(
+        round(plan.tuning_s, 3), f"{plan.tuning_steps} training steps off the run spent choosing before it (the "
+        "switch trial's steps train and are not counted here)",
+        measured={"seconds": plan.tuning_s, "steps_off_run": plan.tuning_steps, "run_steps": ctx.run_steps})
     return plan
 
 
-def _apply_recipe(plan: Plan, model, parts, *, weight_decay, optimizer_options, loss_fn, step_fn, device,
-                  cache, lr_given: bool = False) -> None:
-    """The recipe (plan/recipe.py) within the tuning budget, folded into the config, optimizer, LR, callbacks, loader."""
-    import torch.distributed as dist
+# ---------------------------------------------------------------------------------------------- the stages
+def _distributed(ctx: RunContext) -> None:
+    ctx.dist = maybe_init_distributed(ctx.cfg.distributed, device=ctx.device)
+    ctx.dev = ctx.dist.device if ctx.dist is not None else default_device(ctx.device)
 
-    from torchspeed.plan import budget as budget_rules
 
-    cfg = plan.config
-    budget = TuningBudget(plan.run_steps, share=budget_rules.TUNING_SHARE)
+def _capabilities(ctx: RunContext) -> None:
+    ctx.caps = DeviceCaps.of(ctx.dev)
+    ctx.decisions["device"] = Decision(str(ctx.dev), f"native half precision: {ctx.caps.half or 'none'}" + (
+        f"; {ctx.dist.world_size} processes" if ctx.dist is not None else ""))
+    ctx.decisions["switch_plan"] = Decision("on the run's first steps", "precision x layout x optimizer kernel (x "
+                                            "threads) timed on real training steps that count toward the run; 0 "
+                                            "steps on a cache hit")
+
+
+def _schedule(ctx: RunContext) -> None:
+    ctx.own_lr = lr_given(ctx.lr, ctx.optimizer)
+    if not ctx.schedule_given:
+        dec = ctx.decisions["schedule"] = default_schedule(lr=ctx.lr, optimizer=ctx.optimizer, recipe=ctx.recipe)
+        ctx.cfg = replace(ctx.cfg, schedule=dec.value)
+    if ctx.lr is None:
+        ctx.lr = DEFAULT_LR
+    if ctx.recipe and ctx.lr == "auto":  # the recipe's LR part decides; this is its prior when it cannot measure
+        ctx.lr = DEFAULT_RECIPE_LR
+
+
+def _tuners(ctx: RunContext) -> None:
+    ctx.loader, ctx.lr, tuned = tune_for_fit(
+        ctx.model, ctx.loader, batch_size=ctx.batch_size, lr=ctx.lr, loader=ctx.loader_mode, loss_fn=ctx.loss_fn,
+        step_fn=ctx.step_fn, optimizer=ctx.optimizer, weight_decay=ctx.weight_decay,
+        optimizer_options=ctx.optimizer_options, device=ctx.dev, precision=ctx.cfg.precision,
+        schedule=ctx.cfg.schedule, distributed=ctx.cfg.distributed, progress=ctx.cfg.progress)
+    ctx.decisions.update(tuned)
+
+
+def _run_length(ctx: RunContext) -> None:
+    ctx.run_steps = _run_steps(ctx.loader, ctx.cfg)
+
+
+def _recipe(ctx: RunContext) -> None:
+    parts = tuple(ctx.recipe_parts if ctx.recipe_parts is not None else PARTS)
+    if ctx.batch_size is not None:  # the user's batch (or the tuner's) stands
+        parts = tuple(p for p in parts if p != "batch")
+    if ctx.own_lr and ctx.recipe_parts is None:  # your loop is the prior: what changes its objective or LR unmeasured
+        parts = tuple(p for p in parts if p not in GIVEN_LOOP_KEEPS)
+        ctx.decisions["recipe_prior"] = Decision(
+            "your loop", "you gave the LR: your optimizer, LR, schedule and loss stand; the LR search and label "
+            "smoothing are left out, and Schedule-Free or Muon replace your optimizer only when their trial wins "
+            "(recipe_parts= puts parts back)")
     # Every rank runs the same parts (their trials measure on rank 0 and broadcast); a cache file could differ per
     # machine, so under DDP the recipe is measured afresh rather than read from it.
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    rec = choose_recipe(model, plan.loader, optimizer=plan.optimizer, lr=plan.lr, weight_decay=weight_decay,
-                        optimizer_options=optimizer_options, precision=cfg.precision, loss_fn=loss_fn,
-                        step_fn=step_fn, total_steps=plan.run_steps, schedule=cfg.schedule, parts=parts,
-                        device=device, progress=cfg.progress, budget=budget,
-                        cache=None if several else (cache if cache is not None else TrialCache()),
-                        lr_in_run=cfg.trial is not False and not cfg.deterministic, lr_given=lr_given)
+    ctx.cache = None if several else (ctx.cache if ctx.cache is not None else TrialCache())
+    cfg = ctx.cfg
+    rec = choose_recipe(ctx.model, ctx.loader, optimizer=ctx.optimizer, lr=float(ctx.lr),
+                        weight_decay=ctx.weight_decay, optimizer_options=ctx.optimizer_options,
+                        precision=cfg.precision, loss_fn=ctx.loss_fn, step_fn=ctx.step_fn, total_steps=ctx.run_steps,
+                        schedule=cfg.schedule, parts=parts, device=ctx.dev, progress=cfg.progress,
+                        budget=TuningBudget(ctx.run_steps, share=budget_rules.TUNING_SHARE), cache=ctx.cache,
+                        lr_in_run=cfg.trial is not False and not cfg.deterministic, lr_given=ctx.own_lr)
+    _apply_recipe(ctx, rec)
+
+
+def _apply_recipe(ctx: RunContext, rec: Recipe) -> None:
+    """The recipe folded into the config, optimizer, LR, callbacks and loader (rebuilt at most once)."""
     changes = rec.config()
-    if cfg.min_lr is not None:  # the user's own floor wins
+    if ctx.cfg.min_lr is not None:  # the user's own floor wins
         changes.pop("min_lr", None)
-    if loss_fn is not None:
+    if ctx.loss_fn is not None:
         changes.pop("label_smoothing", None)
-    plan.config = replace(cfg, **changes)
-    if rec.optimizer and isinstance(plan.optimizer, str):
-        plan.optimizer = rec.optimizer
-    if rec.batch_size and rec.batch_size != getattr(plan.loader, "batch_size", None):
-        from torchspeed.train.sampler import rebuild_loader
-
-        plan.loader = rebuild_loader(plan.loader, batch_size=rec.batch_size)
-        plan.run_steps = _run_steps(plan.loader, plan.config)
+    ctx.cfg = replace(ctx.cfg, **changes)
+    if rec.optimizer and isinstance(ctx.optimizer, str):
+        ctx.optimizer = rec.optimizer
+    if rec.batch_size and rec.batch_size != getattr(ctx.loader, "batch_size", None):
+        ctx.loader = rebuild_loader(ctx.loader, batch_size=rec.batch_size)
+        ctx.run_steps = _run_steps(ctx.loader, ctx.cfg)
     if rec.lr is not None:
-        plan.lr = rec.lr
-    plan.callbacks += rec.callbacks()
-    if "lr" in rec.pending:  # measured in the run, after the switch trial, at the precision it chooses
-        from torchspeed.plan.inrun import MeasureInRun
+        ctx.lr = rec.lr
+    ctx.callbacks += rec.callbacks()
+    ctx.rec = rec
+    ctx.tuning_steps += rec.tuning_steps
+    ctx.decisions.update(rec.decisions)
 
-        plan.callbacks.append(MeasureInRun(
-            rec, plan.loader, optimizer=plan.optimizer, schedule=cfg.schedule, loss_fn=loss_fn, step_fn=step_fn,
-            weight_decay=weight_decay, optimizer_options=optimizer_options,
-            cache=None if several else (cache if cache is not None else TrialCache()), progress=cfg.progress))
-    plan.recipe = rec
-    plan.tuning_steps += rec.tuning_steps
-    plan.decisions.update(as_decisions(rec.decisions))
+
+def _tta_after(ctx: RunContext) -> None:
+    """The recipe's after-training part: flip TTA when it scores better on training batches (T33)."""
+    trainer, result = ctx.trainer, ctx.result
+    asked = trainer.config.tta  # the user's own TTA stands, and the history already used it
+    dec = result.decisions.refine("tta", after_training(trainer, ctx.rec))
+    if dec.value and asked is None and ctx.val_loader is not None and result.history:
+        result.history[-1]["val_acc_tta"] = trainer.evaluate(ctx.val_loader)["val_acc"]
+
+
+def _wants_tuners(ctx: RunContext) -> bool:
+    return ctx.batch_size is not None or ctx.lr == "auto" or ctx.loader_mode is not None
+
+
+# The built-in stages, in order: the one list a new stage joins (or `register_stage` from anywhere).
+BUILT_IN = (
+    Stage("distributed", "before", _distributed, cost="0 steps", fallback=False,
+          what="torchrun's process group and this rank's device"),
+    Stage("capabilities", "before", _capabilities, needs=("distributed",), fallback=False,
+          what="what the device runs natively; the switch trial is planned on the run's first steps"),
+    Stage("schedule", "before", _schedule, fallback=False, what="the schedule rule and the prior LR"),
+    Stage("tuners", "before", _tuners, needs=("capabilities", "schedule"), cost="the tuners' steps", fallback=False,
+          what="batch size, LR and loader settings when asked (`batch_size=`, `lr=\"auto\"`, `loader=`)",
+          when=_wants_tuners),
+    Stage("run_length", "before", _run_length, needs=("tuners",), fallback=False, what="the run's steps"),
+    Stage("recipe", "before", _recipe, needs=("run_length",), cost="within 5% of the run's steps", fallback=False,
+          what="the recipe's parts (each guarded: a part that fails keeps its prior)",
+          when=lambda ctx: bool(ctx.recipe)),
+    Stage("lr_in_run", "after_switches", measure_lr_in_run, cost="the range test's steps, off the run",
+          what="the LR part at the precision the switch trial chose",
+          when=lambda ctx: ctx.rec is not None and "lr" in ctx.rec.pending),
+    Stage("tta", "after", _tta_after, cost="~8 forward passes", what="flip TTA, kept where it scores better",
+          when=lambda ctx: ctx.rec is not None and "tta" in ctx.rec.parts),
+)
+for _stage in BUILT_IN:
+    register_stage(_stage, replace=True)

@@ -53,90 +53,40 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from torchspeed.env import default_device
 from torchspeed.plan.budget import TuningBudget
+from torchspeed.plan.parts import PARTS, Gate, Recipe, guarded, recipe_key
 from torchspeed.plan.recipe_lr import LR_TRIAL_FACTORS, choose_lr_part
 from torchspeed.plan.recipe_optimizer import choose_optimizer_part
 from torchspeed.plan.recipe_tta import TTA_COST
+from torchspeed.train.batch import default_loss, first_samples, forward_loss
+from torchspeed.train.bnstats import batchnorm_layers
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.evaluate import is_image_batch
-from torchspeed.tune.batch_choice import BATCH_MIN_STEPS
+from torchspeed.train.optim import create_optimizer
+from torchspeed.train.sampler import keep_rng, take_batches
+from torchspeed.train.schedule import scale_lr_for_batch
+from torchspeed.train.transfer import to_device
+from torchspeed.tune.batch_choice import BATCH_MIN_STEPS, choose_batch_size
 
-log = logging.getLogger("torchspeed")
+__all__ = ["EMA_MIN_STEPS", "choose_recipe", "is_classifier"]
 
-__all__ = ["PARTS", "EMA_MIN_STEPS", "Recipe", "choose_recipe", "is_classifier"]
-
-PARTS = ("lr", "label_smoothing", "bn_stats", "ema", "tta", "muon", "schedulefree", "batch")
 LABEL_SMOOTHING = 0.1
 EMA_MIN_STEPS = 2000
 PROBE_BATCHES = 4
-
-
-@dataclass
-class Recipe:
-    """What `choose_recipe` picked; `config()` and `callbacks()` hand it to `fit`/`Trainer`."""
-
-    lr: float | None = None              # one-cycle peak LR (None: the caller's own)
-    min_lr: float | None = None          # the schedule's floor (None: the schedule's default)
-    label_smoothing: float = 0.0
-    bn_stats: bool = False
-    ema_decay: float | None = None
-    optimizer: str | None = None         # "muon" when the trial picked it (None: the caller's)
-    batch_size: int | None = None        # the batch part's choice (None: the loader's own)
-    tta: str | None = None               # decided after training (choose_tta)
-    parts: tuple[str, ...] = PARTS
-    tuning_s: float = 0.0                # seconds spent choosing
-    tuning_steps: int = 0                # training steps (forward + backward) spent choosing
-    decisions: dict = field(default_factory=dict)
-    pending: dict = field(default_factory=dict)  # parts measured later, in the run's first steps (plan/inrun.py)
-    probe: list = field(default_factory=list, repr=False)  # training batches for choose_tta
-
-    def config(self) -> dict:
-        """The `TrainConfig` fields this recipe sets."""
-        out: dict = {"label_smoothing": self.label_smoothing}
-        if self.min_lr is not None:
-            out["min_lr"] = self.min_lr
-        return out
-
-    def callbacks(self) -> list:
-        """The callbacks this recipe adds: BatchNorm statistics over the last steps, an EMA."""
-        from torchspeed.train.bnstats import FinalBatchNormStats
-        from torchspeed.train.callbacks import EMA
-
-        cbs: list = []
-        if self.bn_stats:
-            cbs.append(FinalBatchNormStats())
-        if self.ema_decay is not None:
-            cbs.append(EMA(self.ema_decay))
-        return cbs
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("probe")
-        d["decisions"] = {k: str(v) for k, v in self.decisions.items()}
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Recipe":
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__ and k != "probe"}
-        if "parts" in known:
-            known["parts"] = tuple(known["parts"])
-        return cls(**known)
 
 
 def is_classifier(model: nn.Module, batch, *, loss_fn: Callable | None = None,
                   step_fn: Callable | None = None) -> bool:
     """Whether `model` on `batch` is per-sample classification on the default cross-entropy: logits (B, C), C > 2.
     Read from a forward pass on the batch's first 2 samples: the shapes are the same, at a fraction of the cost."""
-    from torchspeed.train.batch import first_samples, forward_loss
-
     if loss_fn is not None or step_fn is not None:
         return False
     was = model.training
@@ -175,10 +125,6 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
     run to measure right after its switch trial, at the precision that trial chose (`plan.inrun`).
     `lr_given`: the run gave its own LR, so the optimizer part's prior is the given optimizer at that LR.
     """
-    from torchspeed.env import default_device
-    from torchspeed.train.sampler import keep_rng, take_batches
-    from torchspeed.train.transfer import to_device
-
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise ValueError(f"unknown recipe part(s) {sorted(unknown)}; the parts are {', '.join(PARTS)}")
@@ -190,7 +136,7 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
     classifier = is_classifier(model, to_device(held[0], dev), loss_fn=loss_fn, step_fn=step_fn)
     _free_parts(rec, model, classifier, total_steps)
     opt_name = optimizer if isinstance(optimizer, str) else None
-    gate = _Gate(rec, budget, cache, _cache_key(model, held[0], opt_name or type(optimizer).__name__, lr, schedule,
+    gate = Gate(rec, budget, cache, recipe_key(model, held[0], opt_name or type(optimizer).__name__, lr, schedule,
                                                 precision, parts))
     tuners = dict(weight_decay=weight_decay, optimizer_options=optimizer_options, precision=precision,
                   step_fn=step_fn, progress=progress)
@@ -202,8 +148,6 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
         schedule_free = rec.optimizer == "schedulefree"
         lr_loss = loss_fn  # the tuners train on the loss the run trains on (its smoothing as the parts left it)
         if lr_loss is None and rec.label_smoothing:
-            from torchspeed.train.batch import default_loss
-
             lr_loss = default_loss(rec.label_smoothing)
         batch_wanted = "batch" in parts and total_steps is not None and total_steps >= BATCH_MIN_STEPS
         measured: dict = {}
@@ -232,25 +176,6 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
     return rec
 
 
-def guarded(rec: Recipe, part: str, prior: dict, value, fn: Callable, *args, **kwargs):
-    """`fn(*args, **kwargs)`, one recipe part: one that raises is reported with its name (a warning, and the
-    Decision `value` with why) and the run goes on with the part's `prior` (the Recipe fields it sets back): a
-    failed part never ends a run. Returns what `fn` returned, or None when it raised."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - any failure of a measurement leaves the run its prior
-        for field_name, kept in prior.items():
-            setattr(rec, field_name, kept)
-        rec.pending.pop(part, None)
-        first = (str(e).strip().splitlines() or [""])[0][:160]
-        shown = {k: v for k, v in prior.items() if v is not None} or "as given"
-        rec.decisions[part] = Decision(value, f"the recipe part {part!r} failed "
-                                       f"({type(e).__name__}: {first}); the run goes on with its prior ({shown})")
-        log.warning("torchspeed: the recipe part %r failed (%s: %s); the run goes on with its prior", part,
-                    type(e).__name__, first)
-        return None
-
-
 # Training steps off the run that each measured part costs (the budget's currency); the optimizer trial costs
 # OPTIMIZER_TRIAL_STEPS per candidate
 BATCH_COST = 60           # the batch timing at 1-4x the batch, and the noise batches
@@ -258,8 +183,6 @@ BATCH_COST = 60           # the batch timing at 1-4x the batch, and the noise ba
 
 def _free_parts(rec: Recipe, model: nn.Module, classifier: bool, total_steps: int | None) -> None:
     """The parts that cost nothing to choose: label smoothing, BatchNorm statistics, the EMA."""
-    from torchspeed.train.bnstats import batchnorm_layers
-
     d, parts = rec.decisions, rec.parts
     if "label_smoothing" in parts:
         if classifier:
@@ -276,61 +199,7 @@ def _free_parts(rec: Recipe, model: nn.Module, classifier: bool, total_steps: in
         _choose_ema(rec, total_steps)
 
 
-def _cache_key(model, batch, optimizer: str, lr: float, schedule, precision, parts) -> str:
-    from torchspeed.env import detect
-    from torchspeed.train.switches import batch_signature, model_signature
-
-    info = detect()
-    return TrialCache.key({"recipe": 1, "model": model_signature(model), "batch": batch_signature(batch),
-                           "optimizer": optimizer, "lr": lr, "schedule": schedule, "precision": precision,
-                           "parts": sorted(parts), "cpu": info.cpu_model, "device": info.device_name,
-                           "torch": torch.__version__})
-
-
-class _Gate:
-    """For each part that trains off the run: measure it (the budget allows), read an earlier run's measurement
-    (the cache), or keep the prior; every way ends in a Decision that says which."""
-
-    def __init__(self, rec: Recipe, budget: TuningBudget | None, cache: TrialCache | None, key: str):
-        self.rec, self.budget, self.cache, self.key = rec, budget, cache, key
-        self.hit = (cache.get(key) or {}) if cache is not None else {}
-        self.new: dict = {}
-        self.refused: dict[str, str] = {}
-
-    def cached(self, part: str) -> dict | None:
-        return self.hit.get(part)
-
-    def measure(self, part: str, cost: int) -> bool:
-        if part in self.hit:
-            return False
-        if self.budget is None or self.budget.allows(cost):
-            if self.budget is not None:
-                self.budget.spend(cost)
-            return True
-        self.refused[part] = self.budget.refusal(cost)
-        return False
-
-    def settle(self, part: str, field: str, prior, prior_words: str, *, default):
-        """The value of `field` when `part` was not measured: cached, or the prior (`default`), with its Decision."""
-        d = self.rec.decisions
-        refused = self.refused.get(part)
-        if part in self.hit:
-            value = self.hit[part].get(field)
-            d[part] = Decision(value if value is not None else prior, "cached: measured by an earlier run of this "
-                               "model on this machine (0 steps now)", measured=self.hit[part])
-            return value if value is not None else default
-        d[part] = Decision(prior, f"prior: {prior_words}; not measured ({refused or 'part off'})")
-        return default
-
-    def done(self, part: str, values: dict) -> None:
-        self.new[part] = values | {"decision": dict(self.rec.decisions.get(part) or {})}
-
-    def save(self) -> None:
-        if self.cache is not None and self.new:
-            self.cache.put(self.key, self.hit | self.new)
-
-
-def _lr_part(model, loader, rec: Recipe, gate: "_Gate", *, optimizer, name, lr, schedule, loss_fn, lr_steps,
+def _lr_part(model, loader, rec: Recipe, gate: Gate, *, optimizer, name, lr, schedule, loss_fn, lr_steps,
              lr_trial_steps, noise, in_run, **tuners) -> dict:
     """The LR part within the budget: left for the run to measure after its switch trial (`in_run`), measured here,
     or read from the cache or kept at the given peak. Returns what the measurement found (the noise scale)."""
@@ -354,7 +223,7 @@ def _lr_part(model, loader, rec: Recipe, gate: "_Gate", *, optimizer, name, lr, 
     return {}
 
 
-def _tta_part(rec: Recipe, gate: "_Gate", batch) -> None:
+def _tta_part(rec: Recipe, gate: Gate, batch) -> None:
     """Flip TTA: checked after training on the probe batches (within the budget), cached, or the prior (none)."""
     if not is_image_batch(batch):
         rec.decisions["tta"] = Decision(None, "not an image classifier ((images, labels) batches): no flip")
@@ -371,24 +240,19 @@ def _choose_ema(rec: Recipe, total_steps: int | None, why: str = "") -> None:
     """The EMA part (T40): on for runs of EMA_MIN_STEPS+ steps, its average spanning about the last twentieth."""
     if total_steps and total_steps >= EMA_MIN_STEPS:
         rec.ema_decay = round(min(0.9999, max(0.99, 1 - 20 / total_steps)), 6)
-        rec.decisions["ema"] = Decision(rec.ema_decay, f"a run of {total_steps} steps{why}: the average spans "
-                                                       "about its last twentieth (T40)")
+        dec = Decision(rec.ema_decay, f"a run of {total_steps} steps{why}: the average spans about its last "
+                                      "twentieth (T40)")
     else:
         rec.ema_decay = None
-        rec.decisions["ema"] = Decision(None, f"run of {total_steps or 'unknown'} steps{why}, under {EMA_MIN_STEPS}: "
-                                              "an average of so few steps gained nothing measured (docs/recipe.md)")
+        dec = Decision(None, f"run of {total_steps or 'unknown'} steps{why}, under {EMA_MIN_STEPS}: an average of "
+                             "so few steps gained nothing measured (docs/recipe.md)")
+    rec.decisions.refine("ema", dec)  # the batch part refines it for the run's length at its batch
 
 
 def _choose_batch(model, loader, rec: Recipe, *, optimizer, name, weight_decay, optimizer_options, precision,
                   loss_fn, step_fn, total_steps, noise_scale, progress) -> None:
     """The batch part (T17, tune/batch_choice.py): the batch with the least predicted time to a target, the LR
     (and floor) scaled to it."""
-    import torch.distributed as dist
-
-    from torchspeed.train.optim import create_optimizer
-    from torchspeed.train.schedule import scale_lr_for_batch
-    from torchspeed.tune.batch_choice import choose_batch_size
-
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     b0 = getattr(loader, "batch_size", None)
     long_run = total_steps is not None and total_steps >= BATCH_MIN_STEPS  # else it decides without measuring
@@ -411,6 +275,5 @@ def _choose_batch(model, loader, rec: Recipe, *, optimizer, name, weight_decay, 
             rec.min_lr = rec.min_lr * rec.lr / old
         prev = rec.decisions.get("lr")
         rule = "square root" if rec.lr / old != new / b0 else "linear"
-        rec.decisions["lr"] = Decision(rec.lr, (prev.reason + "; then " if prev is not None else "") +
-                                       f"{old:.3g} scaled to batch {new} by the {rule} rule for {kind} (T17)",
-                                       measured=getattr(prev, "measured", None))
+        rec.decisions.refine("lr", Decision(rec.lr, f"{old:.3g} scaled to batch {new} by the {rule} rule for "
+                                                    f"{kind} (T17)", measured=getattr(prev, "measured", None)))

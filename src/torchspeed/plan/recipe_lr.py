@@ -5,12 +5,16 @@ one-cycle trial of its pick and 2x, 4x (`refine_onecycle_peak`). `choose_recipe`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
 
+from torchspeed.plan.parts import Recipe
 from torchspeed.train.decision import Decision
-
-if TYPE_CHECKING:
-    from torchspeed.plan.recipe import Recipe
+from torchspeed.train.noise import measure_noise_scale
+from torchspeed.train.optim import create_optimizer
+from torchspeed.train.precision import make_grad_scaler, resolve_precision
+from torchspeed.train.sampler import take_batches
+from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device
+from torchspeed.tune.lr import _trial_run, find_lr, trial_ceiling
 
 __all__ = ["LR_TRIAL_FACTORS", "LR_TRIAL_MARGIN", "NOISE_BATCHES", "choose_lr_part", "refine_onecycle_peak"]
 
@@ -22,9 +26,6 @@ NOISE_BATCHES = 8                   # batches of the LR trial's own on which the
 def choose_lr_part(model, loader, rec: Recipe, *, optimizer, name, schedule, loss_fn, lr_steps, lr_trial_steps, noise,
                weight_decay, optimizer_options, precision, step_fn, progress) -> dict:
     """The LR part (T14, T15): the range test, then a short one-cycle trial of its pick and 2x, 4x."""
-    from torchspeed.train.optim import create_optimizer
-    from torchspeed.tune.lr import find_lr
-
     scratch = optimizer if not isinstance(optimizer, str) else create_optimizer(
         name, model, lr=1e-6, weight_decay=weight_decay, **(optimizer_options or {}))
     res = find_lr(model, loader, loss_fn=loss_fn, step_fn=step_fn, optimizer=scratch, precision=precision,
@@ -47,10 +48,10 @@ def choose_lr_part(model, loader, rec: Recipe, *, optimizer, name, schedule, los
     rec.lr = peak
     if onecycle:
         rec.min_lr = peak / 10
-    rec.decisions["lr"] = Decision(rec.lr, f"{how} on {name or type(optimizer).__name__} ({res.rule}; confidence "
+    rec.decisions.refine("lr", Decision(rec.lr, f"{how} on {name or type(optimizer).__name__} ({res.rule}; confidence "
                                            f"{res.confidence}{': ' + res.warning if res.warning else ''}); floor "
                                            f"{rec.min_lr if rec.min_lr is not None else 'default'} (T14, T15)",
-                                   measured=measured)
+                                   measured=measured))  # (the in-run measurement refines its prior)
     return measured
 
 
@@ -69,9 +70,6 @@ def refine_onecycle_peak(model, loader, res, *, optimizer, name=None, weight_dec
     gradient noise scale is measured at the end of each candidate's run on that many of its batches, and
     the chosen peak's goes in as "noise_scale" (None when not measured). Under DDP rank 0 measures.
     """
-    from torchspeed.tune._common import decide_once
-    from torchspeed.tune.lr import trial_ceiling
-
     peak = float(res.max_lr)
     cands = sorted({peak * f for f in LR_TRIAL_FACTORS if peak * f <= max(peak, trial_ceiling(res))})
     if len(cands) < 2:
@@ -95,8 +93,6 @@ def refine_onecycle_peak(model, loader, res, *, optimizer, name=None, weight_dec
 
 def _onecycle_shape(i: int, n: int) -> float:
     """The LR trial's factor at step `i` of `n`: 25% linear warm-up from 1/10, then a cosine down to 1/100."""
-    import math
-
     warm = max(1, n // 4)
     if i < warm:
         return 0.1 + 0.9 * i / warm
@@ -108,13 +104,6 @@ def _lr_trial(model, loader, peaks, *, optimizer, name, weight_decay, optimizer_
     """Each peak LR trained for `steps` steps as a one-cycle (`_onecycle_shape`) from the same state on the same
     batches; the score is the mean training loss over the last third (the range test's `_trial_run`). Rows are
     (peak, score, the noise scale at the end of its run on `noise_batches` of its batches, or None)."""
-    from torchspeed.train.noise import measure_noise_scale
-    from torchspeed.train.optim import create_optimizer
-    from torchspeed.train.precision import make_grad_scaler, resolve_precision
-    from torchspeed.tune._common import StateSnapshot, TrainStep, model_device
-    from torchspeed.train.sampler import take_batches
-    from torchspeed.tune.lr import _trial_run
-
     device = model_device(model)
     prec = resolve_precision(precision, device=device)
     opt = optimizer if not isinstance(optimizer, str) else create_optimizer(

@@ -6,13 +6,11 @@ an earlier run's measurement (the cache); else the prior, Schedule-Free AdamW.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from torchspeed.plan.parts import Gate, Recipe
 from torchspeed.train.decision import Decision
+from torchspeed.train.optim import SCHEDULE_FREE_LR, matrix_share, mostly_matrices, schedule_free_available
 from torchspeed.train.optim_info import optimizer_info
-
-if TYPE_CHECKING:
-    from torchspeed.plan.recipe import Recipe, _Gate
+from torchspeed.tune.optimizer_trial import compare_optimizers
 
 __all__ = ["SF_REPLACES", "OPTIMIZER_TRIAL_STEPS", "choose_optimizer_part"]
 
@@ -20,15 +18,13 @@ SF_REPLACES = ("sgd", "adamw")  # the plain optimizers a Schedule-Free candidate
 OPTIMIZER_TRIAL_STEPS = 50      # compare_optimizers: steps per candidate
 
 
-def choose_optimizer_part(model, loader, rec: Recipe, gate: _Gate, *, given: str, lr, schedule, precision, loss_fn,
+def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str, lr, schedule, precision, loss_fn,
                           step_fn, total_steps, lr_given: bool = False) -> None:
     """The optimizer parts (T42 Muon, T14's alternative Schedule-Free AdamW): the given optimizer or a candidate,
     compared on time to the same training loss when the budget allows (`compare_optimizers`), else the cache,
     else the prior: Schedule-Free AdamW, which needs neither an LR search nor a schedule; or, when the run gave its
     own LR (`lr_given`), the given optimizer at that LR: the user's loop is a recipe auto could have chosen, and
     auto replaces it only on a measurement."""
-    from torchspeed.train.optim import matrix_share, mostly_matrices, schedule_free_available
-
     d = rec.decisions
     cands = [given]
     why_not = []
@@ -50,8 +46,6 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: _Gate, *, given: str
     lrs = {n: optimizer_info(n).default_lr or lr for n in cands}  # Schedule-Free at its own default LR
     measured = False
     if gate.measure("optimizer", len(cands) * OPTIMIZER_TRIAL_STEPS):
-        from torchspeed.tune.optimizer_trial import compare_optimizers
-
         trial = compare_optimizers(model, loader, tuple(cands), lr=lrs, precision=precision, loss_fn=loss_fn,
                                    step_fn=step_fn, schedule=schedule, steps=OPTIMIZER_TRIAL_STEPS, progress=False)
         rec.tuning_steps += int(trial.steps or 0) * len(cands)
@@ -75,22 +69,20 @@ def _schedule_free_parts(rec: Recipe, total_steps: int | None, *, whole: bool = 
     """Schedule-Free AdamW replaces the LR search, the schedule's floor, the BatchNorm tail and the EMA: it averages
     its own weights and the Trainer recalibrates BatchNorm statistics for them. `whole`: taken as the prior (not
     measured), it is taken whole, as the fixed recipe it is: no label smoothing on top, which nothing measured."""
-    from torchspeed.train.optim import SCHEDULE_FREE_LR
-
     d = rec.decisions
     rec.lr, rec.min_lr = SCHEDULE_FREE_LR, None
     if "lr" in rec.parts:
-        d["lr"] = Decision(SCHEDULE_FREE_LR, "Schedule-Free AdamW's default LR; no range test (it needs no LR "
-                                             "schedule; warm-up over the run's first twentieth)")
+        d.refine("lr", Decision(SCHEDULE_FREE_LR, "Schedule-Free AdamW's default LR; no range test (it needs no LR "
+                                                  "schedule; warm-up over the run's first twentieth)"))
     if rec.bn_stats:
         rec.bn_stats = False
-        d["bn_stats"] = Decision(False, "Schedule-Free: BatchNorm statistics are recalibrated for its averaged "
-                                        "weights at evaluation instead (T47)")
+        d.refine("bn_stats", Decision(False, "Schedule-Free: BatchNorm statistics are recalibrated for its averaged "
+                                             "weights at evaluation instead (T47)"))
     if whole and rec.label_smoothing:
         rec.label_smoothing = 0.0
-        d["label_smoothing"] = Decision(0.0, "Schedule-Free AdamW taken whole as the prior: no label smoothing on "
-                                             "top (a part is added to a prior only where measured)")
+        d.refine("label_smoothing", Decision(0.0, "Schedule-Free AdamW taken whole as the prior: no label smoothing "
+                                                  "on top (a part is added to a prior only where measured)"))
     if rec.ema_decay is not None:
         rec.ema_decay = None
-        d["ema"] = Decision(None, f"Schedule-Free averages its own weights: no EMA on top (run of {total_steps} "
-                                  "steps)")
+        d.refine("ema", Decision(None, f"Schedule-Free averages its own weights: no EMA on top (run of {total_steps} "
+                                       "steps)"))

@@ -19,6 +19,9 @@ from torch import nn
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.eval_view import eval_weights
 from torchspeed.train.evaluate import averaged_log_probs, is_image_batch, tta_views
+from torchspeed.train.precision import resolve_precision
+from torchspeed.train.transfer import to_device
+from torchspeed.tune._common import decide_once
 
 __all__ = ["TTA_COST", "after_training", "choose_tta", "flip_scores"]
 
@@ -31,9 +34,6 @@ def flip_scores(model: nn.Module, batches: Sequence, *, device: torch.device | s
                 precision="fp32", channels_last: bool = False) -> dict[str, dict[str, float]]:
     """Loss and accuracy of `model` on `batches` of (images, labels), plain and with flip TTA (the mean of the
     softmaxes of the image and its mirror, as `evaluate(tta="flip")` scores it), from 2 forward passes a batch."""
-    from torchspeed.train.precision import resolve_precision
-    from torchspeed.train.transfer import to_device
-
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if isinstance(precision, str):
         precision = resolve_precision(precision, device=device)
@@ -91,8 +91,6 @@ def after_training(trainer, rec) -> Decision | None:
     from the plan's decision (cached or prior); recorded in the trainer's decisions, and a chosen
     TTA becomes its `config.tta` unless one was set. Under DDP rank 0 measures for every rank.
     None when the recipe has no TTA part."""
-    from torchspeed.tune._common import decide_once
-
     if "tta" not in rec.parts:
         return None
     pending = rec.pending.pop("tta", None)
@@ -105,7 +103,7 @@ def after_training(trainer, rec) -> Decision | None:
         if pending.get("cache") is not None:
             TrialCache(pending["cache"]).merge(pending["key"], {"tta": {"tta": dec.value, "decision": dict(dec)}})
     rec.tta = dec.value
-    trainer.decisions["tta"] = dec
+    trainer.decisions.refine("tta", dec)  # the plan's "checked after training" becomes what the check found
     if dec.value and trainer.config.tta is None:
         trainer.config.tta = dec.value
     return dec

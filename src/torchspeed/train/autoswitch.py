@@ -200,17 +200,18 @@ class MeasuredSwitches:
                                       else (), **settings)
         self._trial_meta = {"grid": [s.label() for s in grid], "fused_choice": fused_choice, "threads": threads,
                             "short": short, "started": None, "cache_checked": False}
-        self.decisions["switch_trial"] = Decision("pending", "measured on the run's first steps" + short)
+        self.decisions.refine("switch_trial", Decision("pending", "measured on the run's first steps" + short))
 
     def _settle(self, sw: Switches, how: str, why: str, measured: dict | None, trial: Decision) -> None:
         self.apply_switches(sw)
         before = self.decisions.get("channels_last")
-        self.decisions.update(_as_decisions(sw, how, why, measured, fixed=self._fixed) | {"switch_trial": trial})
+        for k, d in (_as_decisions(sw, how, why, measured, fixed=self._fixed) | {"switch_trial": trial}).items():
+            self.decisions.refine(k, d)  # the trial (or the cache) refines the rule's assumption
         clause = "; not applicable to the inputs"  # the batch contract saw list inputs: the note stays
         if sw.channels_last and isinstance(before, Decision) and clause in before.reason:
             now = self.decisions["channels_last"]
-            self.decisions["channels_last"] = Decision(True, now.reason + before.reason[before.reason.index(clause):],
-                                                       now.measured)
+            self.decisions.refine("channels_last", Decision(True, now.reason + before.reason[before.reason.index(
+                clause):], now.measured))
 
     # ------------------------------------------------------------------ the run's first steps
     def _cache_key(self, batch) -> str:
@@ -347,7 +348,7 @@ class MeasuredSwitches:
             set_fused(self.optimizer, sw.fused)
             before = self.decisions.get("optimizer")  # the optimizer's choice (the plan's, or asked for) stands
             why = "kernel measured" if before is None else f"{before.reason}; its kernel measured"
-            self.decisions["optimizer"] = Decision(describe_optimizer(self.optimizer), why)
+            self.decisions.refine("optimizer", Decision(describe_optimizer(self.optimizer), why))
         if sw.threads is not None and sw.threads != torch.get_num_threads():
             torch.set_num_threads(sw.threads)
 

@@ -411,8 +411,8 @@ def _record(decisions: dict | None, call: str, why: str, *, lists: bool = False,
         why += "; the inputs are lists of tensors (variable-size images), batched inside the model"
         layout = decisions.get("channels_last")
         if isinstance(layout, Decision) and layout.value is True:
-            decisions["channels_last"] = Decision(True, f"{layout.reason}; not applicable to the inputs (lists of "
-                                                        "images, batched inside the model): the weights only",
-                                                  layout.measured)
+            decisions.refine("channels_last", Decision(True, f"{layout.reason}; not applicable to the inputs (lists "
+                                                             "of images, batched inside the model): the weights only",
+                                                       layout.measured))
     measured = {k: float(v.detach().float()) for k, v in parts.items()} if parts else None  # once: one sync
     decisions["batch_contract"] = Decision(call if call == "step_fn" else f"called as {call}", why, measured)

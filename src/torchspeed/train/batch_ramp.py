@@ -182,7 +182,7 @@ def join_ramp(loader, callbacks, optimizer, decisions: dict) -> "BatchRamp | Non
         return None
     if not any(isinstance(cb, BatchRampLR) for cb in callbacks):
         callbacks.add(BatchRampLR(ramp))
-    decisions["batch_ramp"] = Decision(
+    decisions.refine("batch_ramp", Decision(
         f"{ramp.start}->{ramp.end}", f"the loader's BatchRamp over {ramp.ramp_samples:,} samples; the LR "
-        f"scales with the batch ({lr_rule(optimizer)} rule, the LR set is the one for {ramp.end})")
+        f"scales with the batch ({lr_rule(optimizer)} rule, the LR set is the one for {ramp.end})"))
     return ramp

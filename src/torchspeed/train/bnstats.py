@@ -126,8 +126,8 @@ class FinalBatchNormStats(Callback):
         if self.start is not None:
             from torchspeed.train.decision import Decision
 
-            trainer.decisions["bn_stats"] = Decision(True, f"BatchNorm statistics averaged over the last "
-                                                           f"{total - self.start} of {total} steps (T47)")
+            trainer.decisions.refine("bn_stats", Decision(True, f"BatchNorm statistics averaged over the last "
+                                                                f"{total - self.start} of {total} steps (T47)"))
             if trainer.step > self.start:  # a resume inside the tail: keep averaging, do not reset
                 self._begin(trainer, reset=False)
             elif trainer.step == self.start:

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from torchspeed.env import sync
-from torchspeed.train.decision import Decision
+from torchspeed.train.decision import Decision, Decisions
 
 __all__ = ["compile_model", "CompileTrial", "CompileDecision", "CompileController", "MIN_RUN_S"]
 
@@ -189,7 +189,7 @@ class CompileController:
                  min_run_s: float = MIN_RUN_S, decide_all_ranks: Callable[[CompileDecision], CompileDecision]
                  | None = None, decisions: dict | None = None):
         self.model, self.device, self.setting = model, device, setting
-        self.decisions: dict[str, object] = decisions if decisions is not None else {}  # "compile": a Decision
+        self.decisions = decisions if decisions is not None else Decisions()  # "compile": a Decision
         self._compiled: dict[str | None, nn.Module] = {}
         self._broadcast = decide_all_ranks or (lambda d: d)
         self.active: nn.Module = model
@@ -330,4 +330,4 @@ class CompileController:
         else:
             self._eager()
             self._compiled.clear()
-        self.decisions["compile"] = Decision(bool(decision.use_compiled), decision.reason, asdict(decision))
+        self.decisions.refine("compile", Decision(bool(decision.use_compiled), decision.reason, asdict(decision)))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from torchspeed._io import write_json
 
-__all__ = ["Decision", "TrialCache", "cache_dir"]
+__all__ = ["Decision", "Decisions", "DecisionConflict", "TrialCache", "cache_dir"]
 
 log = logging.getLogger("torchspeed")
 _WARNED: set = set()  # one warning per damaged file and process
@@ -46,6 +46,7 @@ class Decision(dict):
     value = property(lambda self: self["value"])
     reason = property(lambda self: self["reason"])
     measured = property(lambda self: self.get("measured"))
+    refines = property(lambda self: self.get("refines"))  # the Decision this one refined (`Decisions.refine`)
 
     def __str__(self) -> str:
         return f"{self.value} ({self.reason})" if self.reason else str(self.value)
@@ -55,6 +56,72 @@ class Decision(dict):
 
     def to_dict(self) -> dict:
         return dict(self)
+
+
+class DecisionConflict(KeyError):
+    """A second writer to a decided key: a later stage refines the key (`Decisions.refine`), it does not overwrite."""
+
+    def __str__(self) -> str:  # KeyError quotes its message
+        return str(self.args[0])
+
+
+class Decisions(dict):
+    """The run's decisions, `{key: Decision}`, each key written once.
+
+    `d[key] = Decision(...)` decides a key; a second write raises `DecisionConflict`, so two modules
+    cannot both decide one value and the last writer silently win. A stage that knows more later (the
+    switch trial measuring what the rule assumed, the LR measured in the run) calls
+    `refine(key, decision)`: the new Decision keeps the earlier value and reason under "refines".
+    Values that are not a `Decision` raise `TypeError` (nothing is wrapped after the fact).
+
+    Example:
+        >>> d = Decisions(); d["lr"] = Decision(0.1, "prior")
+        >>> d.refine("lr", Decision(0.4, "measured")).refines
+        {'value': 0.1, 'reason': 'prior'}
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        self.update(*args, **kwargs)
+
+    def __setitem__(self, key: str, value: Decision) -> None:
+        if not isinstance(value, Decision):
+            raise TypeError(f"decisions[{key!r}] must be a Decision(value, reason), got {type(value).__name__}")
+        if key in self:
+            raise DecisionConflict(f"decisions[{key!r}] is already decided ({self[key]}); a later stage refines it "
+                                   f"with decisions.refine({key!r}, Decision(...)) instead of writing it again")
+        super().__setitem__(key, value)
+
+    def update(self, *args, **kwargs) -> None:
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def setdefault(self, key: str, default: Decision) -> Decision:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def refine(self, key: str, decision: Decision) -> Decision:
+        """Replace the Decision at `key` with `decision`, which keeps the earlier one (value, reason, and what that
+        refined) under "refines". A key not decided yet is simply decided."""
+        if not isinstance(decision, Decision):
+            raise TypeError(f"decisions.refine({key!r}, ...) takes a Decision, got {type(decision).__name__}")
+        before = self.get(key)
+        if before is not None and before is not decision:
+            decision = Decision(decision.value, decision.reason, decision.measured)
+            decision["refines"] = {k: v for k, v in before.items() if k != "measured"}
+        super().__setitem__(key, decision)
+        return decision
+
+    def copy(self) -> "Decisions":
+        out = Decisions()
+        for k, v in self.items():
+            dict.__setitem__(out, k, v)
+        return out
 
 
 def cache_dir() -> Path:

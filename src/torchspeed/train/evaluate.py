@@ -72,9 +72,10 @@ class EvalClock:
             self.seconds += self.mark_t - t
             self.count += 1
 
-    def decisions(self, every, *, steps: int) -> dict[str, Decision]:
-        """{"evaluation": `decision(...)`} when the run evaluated, else {}."""
-        return {"evaluation": self.decision(every, steps=steps)} if self.count else {}
+    def record(self, decisions, every, *, steps: int) -> None:
+        """decisions["evaluation"] = `decision(...)` when the run evaluated (a second fit of one trainer refines it)."""
+        if self.count:
+            decisions.refine("evaluation", self.decision(every, steps=steps))
 
     def decision(self, every, *, steps: int) -> Decision:
         """The evaluations' share of the run as a Decision; over `EVAL_SHARE_WARN` it also warns, with advice."""

@@ -188,11 +188,12 @@ def wrap_fsdp2(model: nn.Module, *, config, world_size: int, backend: str, preci
         "fsdp_blocks": Decision(f"{len(blocks)} x {', '.join(names)} + root" if blocks else "root only",
                                 "rule: the largest repeated submodule, one all-gather each" if blocks
                                 else "rule: no repeated submodule found: the whole model is one unit"),
-        "distributed": (f"FSDP2, {world_size} processes ({backend}), "
-                        f"reshard_after_forward={config.reshard_after_forward}, "
-                        f"params {str(dtype or torch.float32).removeprefix('torch.')}, "
-                        f"reduce {'float32' if dtype else 'as params'}, cpu_offload={config.cpu_offload}, "
-                        f"mesh={'given' if mesh is not None else 'default 1-D'}"),
+        "distributed": Decision(f"FSDP2, {world_size} processes ({backend}), "
+                                f"reshard_after_forward={config.reshard_after_forward}, "
+                                f"params {str(dtype or torch.float32).removeprefix('torch.')}, "
+                                f"reduce {'float32' if dtype else 'as params'}, cpu_offload={config.cpu_offload}, "
+                                f"mesh={'given' if mesh is not None else 'default 1-D'}",
+                                "each rank holds a shard of the weights, gradients and optimizer state"),
     }
 
 
@@ -211,7 +212,8 @@ def wrap_parallel(module: nn.Module, config, info, *, precision: str, mesh=None,
         decisions.update(wrap_fsdp2(module, config=config, world_size=info.world_size, backend=info.backend,
                                     precision=precision, mesh=mesh))
         return module, module, True
-    module, ddp, decisions["distributed"] = wrap_for_training(module, dist=info, static_graph=config.static_graph,
-                                                             sync_batchnorm=config.sync_batchnorm,
-                                                             grad_accum=config.grad_accum)
+    module, ddp, how = wrap_for_training(module, dist=info, static_graph=config.static_graph,
+                                         sync_batchnorm=config.sync_batchnorm, grad_accum=config.grad_accum)
+    decisions["distributed"] = Decision(how, "each rank trains a copy on its own shard of the data; the gradients "
+                                        "are averaged in buckets during the backward")
     return module, ddp, False

@@ -159,7 +159,7 @@ class InMemory:
 
     def train(self, loader: Iterable, decisions: dict) -> Iterable:
         served = sliced_loader(loader, self.device)
-        if served is not loader and "batching" not in decisions:
+        if served is not loader and "batching" not in decisions:  # (a second fit of one trainer: decided)
             where = "on the device" if served.tensors[0].device.type != "cpu" else "in host memory"
             decisions["batching"] = Decision("index slices", f"the DataLoader holds tensors {where} (TensorDataset): "
                                              "each batch is one index per tensor, in the loader's order, not a "

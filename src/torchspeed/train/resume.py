@@ -69,7 +69,10 @@ def _load_run_state(trainer, state: dict) -> None:
     trainer.step = int(state["step"])
     trainer._history, trainer.best.record = list(state["history"]), state["best"]
     if state.get("stopped"):  # a callback had ended this run: it stays ended
-        trainer.should_stop, trainer.decisions["stopped"] = True, state["stopped"]
+        s = state["stopped"]
+        trainer.should_stop = True
+        trainer.decisions.refine("stopped", Decision(s["value"], s.get("reason", "")) if isinstance(s, dict) else
+                                 Decision(s, "requested during the run"))
 
 
 def resume_run(trainer, steps_per_epoch: int | None) -> tuple[int, int]:
@@ -94,11 +97,13 @@ def resume_run(trainer, steps_per_epoch: int | None) -> tuple[int, int]:
         ShardedCheckpoints.load(found.path, trainer.module, trainer.optimizer)
     restore_state(trainer.stateful, state, source=found.path, skip=skip, optional=_OPTIONAL)
     if extend:  # a finished run given more steps: this run's settings, a new schedule over the added steps
-        trainer.scheduler, trainer.decisions["extended"] = extend_schedule(
+        trainer.scheduler, extended = extend_schedule(
             trainer.optimizer, trainer._group_settings, trainer.config, done=trainer.step, total=trainer.total_steps)
+        trainer.decisions.refine("extended", extended)
     epoch, batch = trainer.position.epoch, trainer.position.batch
     trainer.resumed_from = trainer.last_checkpoint = found.path
-    trainer.decisions |= resumed_decisions(found, epoch=epoch, batch=batch, step=trainer.step)
+    for k, d in resumed_decisions(found, epoch=epoch, batch=batch, step=trainer.step).items():
+        trainer.decisions.refine(k, d)
     return epoch, batch
 
 
@@ -106,8 +111,8 @@ def _resume_switches(trainer, switches: dict) -> None:
     """The precision, layout and kernels the resumed run trained with, in effect (no switch trial)."""
     trainer.apply_switches(Switches(**switches))
     trainer._prepared = True
-    trainer.decisions |= {k: Decision(switches.get(k, "resumed"), "as in the run being resumed")
-                          for k in ("precision", "channels_last", "switch_trial")}
+    for k in ("precision", "channels_last", "switch_trial"):  # what the rule assumed gives way to what ran
+        trainer.decisions.refine(k, Decision(switches.get(k, "resumed"), "as in the run being resumed"))
 
 
 def find_resume(resume: str | os.PathLike, manager: CheckpointManager | None) -> FoundCheckpoint | None:

@@ -76,6 +76,6 @@ class BestEpoch:
             return
         module.load_state_dict(weights)
         last = history[-1]["epoch"] if history else None
-        decisions["restored_best"] = Decision(f"epoch {best['epoch']} of {last}", f"{best['metric']} "
-                                              f"{best['value']:.4g}" + (", the last epoch" if best["epoch"] == last
-                                                                         else ""))
+        decisions.refine("restored_best", Decision(f"epoch {best['epoch']} of {last}", f"{best['metric']} "
+                                                   f"{best['value']:.4g}" + (", the last epoch" if best["epoch"] ==
+                                                                              last else "")))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,7 +51,7 @@ from torchspeed.train.loggers import LoggerCallback
 from torchspeed.train.memory_format import apply_channels_last
 from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
 from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
-from torchspeed.train.decision import Decision
+from torchspeed.train.decision import Decision, Decisions
 from torchspeed.train.bnstats import batchnorm_layers
 from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, averaged_weights, create_optimizer, describe_optimizer,
                                     is_schedule_free, zero_grad)
@@ -102,7 +102,7 @@ class Trainer(MeasuredSwitches):
                  momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999), device: torch.device | str | None = None,
                  config: TrainConfig | None = None, caps: DeviceCaps | None = None,
                  callbacks: Iterable[Callback] | None = None, loggers: Iterable | None = None, mesh=None,
-                 on_checkpoint: Callable[[str, int], object] | None = None):
+                 on_checkpoint: Callable[[str, int], object] | None = None, decisions: Mapping | None = None):
         self.config = cfg = config or TrainConfig()
         self.window = AccumulationWindow(cfg.grad_accum)  # T19: k micro-batches per optimizer step
         if cfg.deterministic:  # bit-identical reruns and resumes (docs/reliability.md); costs speed
@@ -117,10 +117,9 @@ class Trainer(MeasuredSwitches):
             self.dist = single_process_group(device)
         self._prepared = self.sharded = False  # sharded: FSDP2 (fsdp.py), checkpoints in DCP folders (dcp.py)
         self.device = self.dist.device if self.dist is not None else default_device(device)
-        self.decisions: dict[str, object] = {}
+        self.decisions = Decisions(decisions or {})  # the plan's, then the loop's own: each key written once
         # What this device can accelerate: every automatic choice below is a function of it (tests inject it).
         self.caps = caps or DeviceCaps.of(self.device)
-
         benchmark = None if cfg.cudnn_benchmark == "auto" else bool(cfg.cudnn_benchmark)
         self.decisions.update(configure_backends(self.device, cudnn_benchmark=False if cfg.deterministic else benchmark))
         if self.device.type == "cpu" and cfg.malloc:  # glibc malloc's training settings, in this process
@@ -130,7 +129,7 @@ class Trainer(MeasuredSwitches):
         self.model = model.to(self.device)
         # The rules decide now (the loop is usable at once); `prepare` measures the switches left on "auto".
         prior, rules = rule_choice(self.model, caps=self.caps, precision=cfg.precision, channels_last=cfg.channels_last)
-        self.decisions.update(rules)
+        self.decisions.update({k: v for k, v in rules.items() if k not in self.decisions})  # the plan's stand
         self.channels_last = prior.channels_last
         if self.channels_last:
             apply_channels_last(self.model)
@@ -183,12 +182,13 @@ class Trainer(MeasuredSwitches):
             optimizer = create_optimizer(optimizer, self.model, fused=cfg.fused_optimizer, **hyper)
         if is_schedule_free(optimizer):
             optimizer.train()  # Schedule-Free steps only in train mode (evaluation switches and switches back)
-        self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), "asked for" if not isinstance(
-            cfg.fused_optimizer, str) else "rule: fused kernel where torch has one")
+        if "optimizer" not in self.decisions:  # else the plan chose it and its decision stands
+            self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), "asked for" if not isinstance(
+                cfg.fused_optimizer, str) else "rule: fused kernel where torch has one")
         if cfg.scale_lr_world_size and self.dist is not None:
             for g in optimizer.param_groups:  # before the schedule reads the lr as its peak
                 g["lr"] = scale_lr_world_size(g["lr"], world_size=self.dist.world_size)
-            self.decisions["lr"] = Decision(optimizer.param_groups[0]["lr"], f"x{self.dist.world_size} (world size, T17)")
+            self.decisions.refine("lr", Decision(optimizer.param_groups[0]["lr"], f"x{self.dist.world_size} (world size, T17)"))
         return optimizer
 
     def _setup_checkpoints(self, on_checkpoint: Callable[[str, int], object] | None) -> None:
@@ -209,7 +209,7 @@ class Trainer(MeasuredSwitches):
 
     def request_stop(self, reason: str) -> None:
         """End training after the current step (or epoch); `reason` goes to decisions["stopped"]."""
-        self.should_stop, self.decisions["stopped"] = True, Decision(reason, "requested during the run")
+        self.should_stop = self.decisions.setdefault("stopped", Decision(reason, "requested during the run")) is not None
         log.warning("stopping: %s", reason)
 
     # ------------------------------------------------------------------ the hot path
@@ -296,7 +296,7 @@ class Trainer(MeasuredSwitches):
         self._group_settings = group_settings(self.optimizer)  # a finished run extended gets them back
         self.scheduler, decision = run_schedule(self.optimizer, self.config, self.total_steps)
         if decision is not None:
-            self.decisions["schedule"] = decision
+            self.decisions.refine("schedule", decision)  # the plan's rule named it; this is its shape over the run
 
     def fit(self, train_loader: Iterable, *, epochs: int | None = None, val_loader: Iterable | None = None) -> FitResult:
         cfg = self.config
@@ -332,9 +332,9 @@ class Trainer(MeasuredSwitches):
                 self._end_epoch(row)
         self.finish_switch_trial()  # a run shorter than its trial decides on what it measured
         self.compiler.finish()
-        self.decisions.update(self._eval.decisions(cfg.eval_every, steps=self.step))  # evaluation's share, if any
+        self._eval.record(self.decisions, cfg.eval_every, steps=self.step)  # evaluation's share, if any
         self.best.restore(self.module, self._history, self.decisions)  # restore_best: the best epoch's weights
-        return FitResult(history=self._history, config=asdict(cfg), decisions=dict(self.decisions), steps=self.step,
+        return FitResult(history=self._history, config=asdict(cfg), decisions=self.decisions.copy(), steps=self.step,
                          skipped_steps=int(self.skipped.item()))
 
     def _train_epoch(self, train_loader: Iterable, epoch: int, skip: int, progress: TrainProgress) -> bool:

@@ -1,0 +1,180 @@
+"""The plan's stages: every automatic choice of `fit` is one registered `Stage` over one `RunContext` (T06-T08, T15,
+T17, T18, T21, T23, T25, T31-T33, T40, T42, T47).
+
+A stage has a name, the event it runs at, what must run before it, its cost in words, and a function
+of the `RunContext` that reads what earlier stages resolved and writes its `Decision`s into
+`ctx.decisions` (each key once: `train.decision.Decisions`). The events:
+
+- "before": before training, in `plan.make_plan` (distributed set-up, capabilities, the schedule
+  rule, the tuners, the recipe);
+- "after_switches": inside the run, at the first step end once the switch trial has settled, so a
+  stage measures at the precision, layout and kernels the run trains with (`RunStages`, a callback
+  the plan adds only when such a stage is wanted);
+- "after": once training ends (`fit` calls `run_event(ctx, "after")`), e.g. the flip-TTA check.
+
+`register_stage(Stage(...))` adds a stage with no other edit: `stages(event)` lists the registered
+stages of an event in registration order, each after the stages it `needs`. The built-in stages
+are registered in one visible list (`plan.planner.BUILT_IN`); docs/architecture.md renders the order
+(`render_stages`). A stage with `fallback=True` that raises is reported with its name (a warning and
+its Decision) and the run goes on with what the context held before it: a stage that fails never
+ends a run. Stages that check the user's input (`fallback=False`) raise, so a bad argument is an error.
+
+Example:
+    >>> register_stage(Stage("my_probe", "before", lambda ctx: ctx.decisions.__setitem__(
+    ...     "my_probe", Decision(1, "measured"))))
+    >>> make_plan(model, loader, TrainConfig()).decisions["my_probe"]
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from torchspeed.env import DeviceCaps
+from torchspeed.train.callbacks import Callback
+from torchspeed.train.config import TrainConfig
+from torchspeed.train.decision import Decision, Decisions, TrialCache
+from torchspeed.train.distributed import DistInfo
+
+log = logging.getLogger("torchspeed")
+
+__all__ = ["EVENTS", "Stage", "RunContext", "STAGES", "register_stage", "unregister_stage", "stages", "run_event",
+           "RunStages", "render_stages"]
+
+EVENTS = ("before", "after_switches", "after")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One automatic choice: `run(ctx)` at `event`, after the stages it `needs`; `when(ctx)`: whether it is wanted
+    (an "after_switches" stage that is not wanted adds nothing to the run's steps); `cost`: its cost in words."""
+
+    name: str
+    event: str
+    run: Callable[["RunContext"], None]
+    needs: tuple[str, ...] = ()
+    cost: str = "0 steps"
+    what: str = ""
+    fallback: bool = True
+    when: Callable[["RunContext"], bool] | None = None
+
+    def __post_init__(self):
+        if self.event not in EVENTS:
+            raise ValueError(f"Stage {self.name!r}: event {self.event!r} is not one of {EVENTS}")
+
+    def wanted(self, ctx: "RunContext") -> bool:
+        return self.when is None or bool(self.when(ctx))
+
+
+@dataclass
+class RunContext:
+    """What the stages share, each value resolved once: the `fit` call's arguments, then what stages resolved."""
+
+    model: nn.Module
+    loader: Iterable
+    cfg: TrainConfig
+    optimizer: str | torch.optim.Optimizer = "sgd"
+    lr: float | str | None = None
+    weight_decay: float | None = None
+    optimizer_options: dict | None = None
+    loss_fn: Callable | None = None
+    step_fn: Callable | None = None
+    device: torch.device | str | None = None     # as asked; `dev` is what the capabilities stage resolved
+    batch_size: int | str | None = None
+    loader_mode: str | None = None
+    recipe: str | None = None
+    recipe_parts: Sequence[str] | None = None
+    schedule_given: bool = True
+    cache: TrialCache | None = None
+    callbacks: list = field(default_factory=list)
+    decisions: Decisions = field(default_factory=Decisions)
+    # resolved by the stages
+    dist: DistInfo | None = None
+    dev: torch.device | None = None
+    caps: DeviceCaps | None = None
+    own_lr: bool = False                          # the run gave its own LR (train.schedule.lr_given)
+    run_steps: int | None = None
+    rec: object = None                            # the recipe (plan.parts.Recipe) when one was chosen
+    tuning_steps: int = 0                         # training steps off the run spent choosing
+    trainer: object = None                        # "after_switches" and "after": the Trainer
+    result: object = None                         # "after": the FitResult
+    val_loader: Iterable | None = None
+
+
+STAGES: dict[str, Stage] = {}
+
+
+def register_stage(stage: Stage, *, replace: bool = False) -> Stage:
+    """Add `stage` to the plan (after the stages registered before it, and after those it `needs`)."""
+    if stage.name in STAGES and not replace:
+        raise ValueError(f"a stage named {stage.name!r} is already registered (replace=True replaces it)")
+    STAGES[stage.name] = stage
+    return stage
+
+
+def unregister_stage(name: str) -> None:
+    STAGES.pop(name, None)
+
+
+def stages(event: str) -> list[Stage]:
+    """The registered stages of `event`, in registration order, each after the stages it needs."""
+    mine = [s for s in STAGES.values() if s.event == event]
+    names = {s.name for s in mine}
+    done: list[Stage] = []
+    placed: set[str] = set()
+    pending = list(mine)
+    while pending:
+        ready = next((s for s in pending if all(n in placed or n not in names for n in s.needs)), None)
+        if ready is None:
+            raise ValueError(f"the {event!r} stages {[s.name for s in pending]} need each other (a cycle)")
+        pending.remove(ready)
+        done.append(ready)
+        placed.add(ready.name)
+    return done
+
+
+def _run(stage: Stage, ctx: RunContext) -> None:
+    if not stage.fallback:
+        return stage.run(ctx)
+    try:
+        stage.run(ctx)
+    except Exception as e:  # noqa: BLE001 - a stage that fails leaves the run what it had before the stage
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        ctx.decisions.refine(stage.name, Decision("failed", f"the stage {stage.name!r} failed ({type(e).__name__}: "
+                                                            f"{first}); the run goes on with its prior"))
+        log.warning("torchspeed: the stage %r failed (%s: %s); the run goes on with its prior", stage.name,
+                    type(e).__name__, first)
+
+
+def run_event(ctx: RunContext, event: str) -> None:
+    """Run every wanted stage of `event` in order."""
+    for stage in stages(event):
+        if stage.wanted(ctx):
+            _run(stage, ctx)
+
+
+class RunStages(Callback):
+    """The "after_switches" stages, run once at the first step end after the switch trial has settled."""
+
+    def __init__(self, ctx: RunContext):
+        self.ctx, self.done = ctx, False
+
+    def on_step_end(self, trainer) -> None:
+        if self.done or trainer.switch_trial is not None:
+            return
+        self.done = True
+        self.ctx.trainer = trainer
+        run_event(self.ctx, "after_switches")
+
+
+def render_stages() -> str:
+    """The registered stages as the Markdown table docs/architecture.md shows (tests compare the two)."""
+    rows = ["| event | stage | needs | cost | what it decides |", "|---|---|---|---|---|"]
+    for event in EVENTS:
+        for s in stages(event):
+            rows.append(f"| {event} | `{s.name}` | {', '.join(s.needs) or '-'} | {s.cost} | {s.what} |")
+    return "\n".join(rows)
