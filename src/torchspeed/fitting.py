@@ -87,6 +87,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     ctx = plan.context
     ctx.trainer, ctx.result, ctx.val_loader = trainer, result, val_loader
     run_event(ctx, "after")  # the plan's after-training stages (flip TTA)
+    result.decisions = trainer.decisions.copy()  # with what the stages in the run and after it decided
     return result
 
 

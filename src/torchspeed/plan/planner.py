@@ -45,12 +45,13 @@ from torchspeed.plan.inrun import measure_lr_in_run
 from torchspeed.plan.parts import PARTS, Recipe
 from torchspeed.plan.recipe import choose_recipe
 from torchspeed.plan.recipe_tta import after_training
-from torchspeed.plan.stages import RunContext, RunStages, Stage, register_stage, run_event, stages
+from torchspeed.plan.stages import RunContext, RunStages, Stage, register_stage, run_event, run_length, stages
+from torchspeed.plan.switches_first import switches_first, wants_switches_first
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, Decisions, TrialCache
 from torchspeed.train.distributed import maybe_init_distributed
-from torchspeed.train.sampler import loader_length, rebuild_loader
-from torchspeed.train.schedule import DEFAULT_LR, default_schedule, lr_given, steps_in_run
+from torchspeed.train.sampler import rebuild_loader
+from torchspeed.train.schedule import DEFAULT_LR, default_schedule, lr_given
 from torchspeed.tune.auto import tune_for_fit
 
 __all__ = ["Plan", "make_plan", "BUILT_IN"]
@@ -82,11 +83,6 @@ class Plan:
         for k, d in self.decisions.items():
             lines.append(f"  {k}: {d.value!s:.60} - {d.reason}" if d.reason else f"  {k}: {d.value!s:.60}")
         return "\n".join(lines)
-
-
-def _run_steps(loader: Iterable, cfg: TrainConfig) -> int | None:
-    return steps_in_run(loader_length(loader, max_steps=cfg.max_steps), cfg.epochs, grad_accum=cfg.grad_accum,
-                        max_steps=cfg.max_steps)
 
 
 def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
@@ -151,13 +147,13 @@ def _tuners(ctx: RunContext) -> None:
     ctx.loader, ctx.lr, tuned = tune_for_fit(
         ctx.model, ctx.loader, batch_size=ctx.batch_size, lr=ctx.lr, loader=ctx.loader_mode, loss_fn=ctx.loss_fn,
         step_fn=ctx.step_fn, optimizer=ctx.optimizer, weight_decay=ctx.weight_decay,
-        optimizer_options=ctx.optimizer_options, device=ctx.dev, precision=ctx.cfg.precision,
+        optimizer_options=ctx.optimizer_options, device=ctx.dev, precision=ctx.precision or ctx.cfg.precision,
         schedule=ctx.cfg.schedule, distributed=ctx.cfg.distributed, progress=ctx.cfg.progress)
     ctx.decisions.update(tuned)
 
 
 def _run_length(ctx: RunContext) -> None:
-    ctx.run_steps = _run_steps(ctx.loader, ctx.cfg)
+    ctx.run_steps = run_length(ctx.loader, ctx.cfg)
 
 
 def _recipe(ctx: RunContext) -> None:
@@ -177,8 +173,9 @@ def _recipe(ctx: RunContext) -> None:
     cfg = ctx.cfg
     rec = choose_recipe(ctx.model, ctx.loader, optimizer=ctx.optimizer, lr=float(ctx.lr),
                         weight_decay=ctx.weight_decay, optimizer_options=ctx.optimizer_options,
-                        precision=cfg.precision, loss_fn=ctx.loss_fn, step_fn=ctx.step_fn, total_steps=ctx.run_steps,
-                        schedule=cfg.schedule, parts=parts, device=ctx.dev, progress=cfg.progress,
+                        precision=ctx.precision or cfg.precision, loss_fn=ctx.loss_fn, step_fn=ctx.step_fn,
+                        total_steps=ctx.run_steps, schedule=cfg.schedule, parts=parts, device=ctx.dev,
+                        progress=cfg.progress,
                         budget=TuningBudget(ctx.run_steps, share=budget_rules.TUNING_SHARE), cache=ctx.cache,
                         lr_in_run=cfg.trial is not False and not cfg.deterministic, lr_given=ctx.own_lr)
     _apply_recipe(ctx, rec)
@@ -196,7 +193,7 @@ def _apply_recipe(ctx: RunContext, rec: Recipe) -> None:
         ctx.optimizer = rec.optimizer
     if rec.batch_size and rec.batch_size != getattr(ctx.loader, "batch_size", None):
         ctx.loader = rebuild_loader(ctx.loader, batch_size=rec.batch_size)
-        ctx.run_steps = _run_steps(ctx.loader, ctx.cfg)
+        ctx.run_steps = run_length(ctx.loader, ctx.cfg)
     if rec.lr is not None:
         ctx.lr = rec.lr
     ctx.callbacks += rec.callbacks()
@@ -209,7 +206,7 @@ def _tta_after(ctx: RunContext) -> None:
     """The recipe's after-training part: flip TTA when it scores better on training batches (T33)."""
     trainer, result = ctx.trainer, ctx.result
     asked = trainer.config.tta  # the user's own TTA stands, and the history already used it
-    dec = result.decisions.refine("tta", after_training(trainer, ctx.rec))
+    dec = after_training(trainer, ctx.rec)  # (in the trainer's decisions: the plan's "checked after training" refined)
     if dec.value and asked is None and ctx.val_loader is not None and result.history:
         result.history[-1]["val_acc_tta"] = trainer.evaluate(ctx.val_loader)["val_acc"]
 
@@ -225,7 +222,10 @@ BUILT_IN = (
     Stage("capabilities", "before", _capabilities, needs=("distributed",), fallback=False,
           what="what the device runs natively; the switch trial is planned on the run's first steps"),
     Stage("schedule", "before", _schedule, fallback=False, what="the schedule rule and the prior LR"),
-    Stage("tuners", "before", _tuners, needs=("capabilities", "schedule"), cost="the tuners' steps", fallback=False,
+    Stage("switches", "before", switches_first, needs=("capabilities", "schedule"), cost="the trial's steps, off the "
+          "run", what="precision x layout (x kernel) measured first when a later stage measures: it measures at "
+          "what the run trains with", when=wants_switches_first),
+    Stage("tuners", "before", _tuners, needs=("switches",), cost="the tuners' steps", fallback=False,
           what="batch size, LR and loader settings when asked (`batch_size=`, `lr=\"auto\"`, `loader=`)",
           when=_wants_tuners),
     Stage("run_length", "before", _run_length, needs=("tuners",), fallback=False, what="the run's steps"),

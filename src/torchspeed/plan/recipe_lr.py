@@ -1,6 +1,6 @@
 """The recipe's LR part (T14, T15): the range test run with the run's optimizer and precision, then a short
 one-cycle trial of its pick and 2x, 4x (`refine_onecycle_peak`). `choose_recipe` calls it before the run, or
-`plan.inrun.MeasureInRun` right after the switch trial, at the precision that trial chose.
+the `lr_in_run` stage (`plan.inrun.measure_lr_in_run`) right after the switch trial, at the precision that trial chose.
 """
 
 from __future__ import annotations

@@ -39,11 +39,13 @@ from torchspeed.train.callbacks import Callback
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, Decisions, TrialCache
 from torchspeed.train.distributed import DistInfo
+from torchspeed.train.sampler import loader_length
+from torchspeed.train.schedule import steps_in_run
 
 log = logging.getLogger("torchspeed")
 
 __all__ = ["EVENTS", "Stage", "RunContext", "STAGES", "register_stage", "unregister_stage", "stages", "run_event",
-           "RunStages", "render_stages"]
+           "RunStages", "render_stages", "run_length"]
 
 EVENTS = ("before", "after_switches", "after")
 
@@ -96,6 +98,7 @@ class RunContext:
     dist: DistInfo | None = None
     dev: torch.device | None = None
     caps: DeviceCaps | None = None
+    precision: str | None = None                  # the switch trial's, when it ran before the measuring stages
     own_lr: bool = False                          # the run gave its own LR (train.schedule.lr_given)
     run_steps: int | None = None
     rec: object = None                            # the recipe (plan.parts.Recipe) when one was chosen
@@ -106,6 +109,12 @@ class RunContext:
 
 
 STAGES: dict[str, Stage] = {}
+
+
+def run_length(loader: Iterable, cfg: TrainConfig) -> int | None:
+    """The run's optimizer steps: epochs x the loader's length, or max_steps (None: unknown)."""
+    return steps_in_run(loader_length(loader, max_steps=cfg.max_steps), cfg.epochs, grad_accum=cfg.grad_accum,
+                        max_steps=cfg.max_steps)
 
 
 def register_stage(stage: Stage, *, replace: bool = False) -> Stage:
@@ -140,9 +149,13 @@ def stages(event: str) -> list[Stage]:
 def _run(stage: Stage, ctx: RunContext) -> None:
     if not stage.fallback:
         return stage.run(ctx)
+    prior = dict(vars(ctx), callbacks=list(ctx.callbacks))  # what the context held before the stage
     try:
         stage.run(ctx)
     except Exception as e:  # noqa: BLE001 - a stage that fails leaves the run what it had before the stage
+        callbacks = prior.pop("callbacks")
+        vars(ctx).update(prior)
+        ctx.callbacks[:] = callbacks  # (the same list the plan hands the Trainer)
         first = (str(e).strip().splitlines() or [""])[0][:160]
         ctx.decisions.refine(stage.name, Decision("failed", f"the stage {stage.name!r} failed ({type(e).__name__}: "
                                                             f"{first}); the run goes on with its prior"))

@@ -117,7 +117,7 @@ class Trainer(MeasuredSwitches):
             self.dist = single_process_group(device)
         self._prepared = self.sharded = False  # sharded: FSDP2 (fsdp.py), checkpoints in DCP folders (dcp.py)
         self.device = self.dist.device if self.dist is not None else default_device(device)
-        self.decisions = Decisions(decisions or {})  # the plan's, then the loop's own: each key written once
+        self.decisions = decisions if isinstance(decisions, Decisions) else Decisions(decisions or {})  # the plan's
         # What this device can accelerate: every automatic choice below is a function of it (tests inject it).
         self.caps = caps or DeviceCaps.of(self.device)
         benchmark = None if cfg.cudnn_benchmark == "auto" else bool(cfg.cudnn_benchmark)
