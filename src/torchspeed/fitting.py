@@ -1,8 +1,10 @@
 """`torchspeed.fit`: the plan, then the trainer (T06-T08, T15, T17, and every technique `Trainer` composes).
 
-`fit` sits on the top floor: `torchspeed.plan.make_plan` resolves every automatic choice once
-(with the tuners of `torchspeed.tune` and the recipe, within a tuning budget), and
-`torchspeed.train.Trainer` applies it, measuring the switches on the run's own first steps.
+`fit` is the plan plus the Trainer: `torchspeed.plan.make_plan` runs the plan's registered stages
+(`plan/stages.py`: every automatic choice once, with the tuners of `torchspeed.tune` and the
+recipe, within a tuning budget), `torchspeed.train.Trainer` applies the plan into the plan's own
+decisions (the switch trial on the run's first steps, then the plan's in-run stages), and the
+plan's after-training stages end the call.
 
 Example:
     >>> result = torchspeed.fit(model, loader, epochs=3, val_loader=val, batch_size="auto", lr="auto")
@@ -80,7 +82,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=plan.optimizer, lr=plan.lr,
                       weight_decay=weight_decay, momentum=momentum, betas=betas, device=device, config=plan.config,
                       callbacks=plan.callbacks, loggers=loggers, mesh=mesh, on_checkpoint=on_checkpoint,
-                      decisions=plan.decisions)
+                      decisions=plan.decisions, caps=plan.context.caps)  # the plan's capabilities, resolved once
     if plan.config.progress and is_rank_zero():
         _print_plan(plan)
     result = trainer.fit(plan.loader, epochs=epochs, val_loader=val_loader)

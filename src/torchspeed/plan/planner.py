@@ -111,8 +111,8 @@ def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
                 run_steps=ctx.run_steps, recipe=ctx.rec, decisions=ctx.decisions,
                 tuning_s=time.perf_counter() - t0, tuning_steps=ctx.tuning_steps, context=ctx)
     ctx.decisions["tuning"] = Decision(
-        round(plan.tuning_s, 3), f"{plan.tuning_steps} training steps off the run spent choosing before it (the "
-        "switch trial's steps train and are not counted here)",
+        round(plan.tuning_s, 3), f"{plan.tuning_steps} training steps off the run spent choosing before it (a "
+        "switch trial on the run's own steps trains, and is not counted here)",
         measured={"seconds": plan.tuning_s, "steps_off_run": plan.tuning_steps, "run_steps": ctx.run_steps})
     return plan
 
@@ -171,12 +171,14 @@ def _recipe(ctx: RunContext) -> None:
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     ctx.cache = None if several else (ctx.cache if ctx.cache is not None else TrialCache())
     cfg = ctx.cfg
+    budget = TuningBudget(ctx.run_steps, share=budget_rules.TUNING_SHARE)
+    budget.spend(ctx.tuning_steps)  # what the stages before it spent off the run (the switch trial) counts too
     rec = choose_recipe(ctx.model, ctx.loader, optimizer=ctx.optimizer, lr=float(ctx.lr),
                         weight_decay=ctx.weight_decay, optimizer_options=ctx.optimizer_options,
                         precision=ctx.precision or cfg.precision, loss_fn=ctx.loss_fn, step_fn=ctx.step_fn,
                         total_steps=ctx.run_steps, schedule=cfg.schedule, parts=parts, device=ctx.dev,
                         progress=cfg.progress,
-                        budget=TuningBudget(ctx.run_steps, share=budget_rules.TUNING_SHARE), cache=ctx.cache,
+                        budget=budget, cache=ctx.cache,
                         lr_in_run=cfg.trial is not False and not cfg.deterministic, lr_given=ctx.own_lr)
     _apply_recipe(ctx, rec)
 

@@ -41,6 +41,7 @@ __all__ = ["wants_switches_first", "switches_first", "PROBE_BATCHES", "MAX_PROBE
 PROBE_BATCHES = 4
 MAX_PROBE_STEPS = 200  # a trial that has not decided by then decides on what it measured
 CHEAPEST_PART = min(BATCH_COST, 2 * OPTIMIZER_TRIAL_STEPS)  # the recipe measures nothing its budget cannot afford
+PROBE_COST = 40  # about what the trial takes (4 candidates x 3 rounds x 2 steps, warm-ups, the kernel stage)
 
 
 def wants_switches_first(ctx: RunContext) -> bool:
@@ -54,7 +55,8 @@ def wants_switches_first(ctx: RunContext) -> bool:
         return True  # the tuners measure
     if not ctx.recipe:
         return False
-    return TuningBudget(run_length(ctx.loader, cfg), share=budget_rules.TUNING_SHARE).allows(CHEAPEST_PART)
+    budget = TuningBudget(run_length(ctx.loader, cfg), share=budget_rules.TUNING_SHARE)
+    return budget.allows(PROBE_COST + CHEAPEST_PART)  # its steps count in the recipe's budget
 
 
 def switches_first(ctx: RunContext) -> None:

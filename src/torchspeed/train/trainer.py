@@ -78,7 +78,7 @@ log = logging.getLogger("torchspeed")
 class FitResult:
     history: list[dict]
     config: dict
-    decisions: dict
+    decisions: Decisions
     steps: int
     skipped_steps: int
 
