@@ -100,7 +100,7 @@ def worker_one_step(rank: int, out: str) -> None:
     static = sgd_trainer(make_model(seed=rank), static_graph=True)
     static.train_step((x[half], y[half]))
     torch.save({"static_params": [p.detach().clone() for p in static.module.parameters()],
-                "static_decision": static.decisions["distributed"], "grads": grads, "params": [p.detach().clone() for p in trainer.module.parameters()],
+                "static_decision": static.decisions["distributed"].value, "grads": grads, "params": [p.detach().clone() for p in trainer.module.parameters()],
                 "lr": trainer.optimizer.param_groups[0]["lr"], "decisions": trainer.decisions,
                 "is_ddp": isinstance(trainer.model, nn.parallel.DistributedDataParallel)}, f"{out}/rank{rank}.pt")
 
@@ -183,6 +183,6 @@ def worker_sync_batchnorm(rank: int, out: str) -> None:
     assert trainer.device == torch.device("cuda", rank), trainer.device
     trainer.train_step((x[half].to(trainer.device), y[half].to(trainer.device)))
     torch.save({"params": [p.detach().cpu() for p in trainer.module.parameters()],
-                "decision": trainer.decisions["distributed"],
+                "decision": trainer.decisions["distributed"].value,
                 "has_sync_bn": any(isinstance(m, nn.SyncBatchNorm) for m in trainer.module.modules())},
                f"{out}/rank{rank}.pt")

@@ -146,7 +146,7 @@ def worker_options(rank: int, out: str) -> None:
         trainer.module[1].fc1.register_forward_hook(lambda m, i, o: recomputed.append(torch.is_grad_enabled()))
         trainer.train_step((x, y))
         results[name] = {"weights": full_state_dict(trainer.module), "forwards": len(recomputed),
-                         "decision": trainer.decisions["distributed"]}
+                         "decision": trainer.decisions["distributed"].value}
     for name, make in {"bad_class": lambda: sharded_trainer(make_block_model(), activation_checkpointing=("Blok",)),
                        "optimizer": lambda: _optimizer_instance()}.items():
         try:

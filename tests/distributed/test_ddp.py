@@ -41,7 +41,7 @@ def test_one_ddp_step_equals_single_process_on_the_concatenated_batch(tmp_path):
         for g, p in zip(r["grads"], ref.parameters()):
             torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
         # Trainer: wrapped in DDP, LR scaled by the world size (T17), same update as one process
-        assert r["is_ddp"] and "DDP, 2 processes (gloo)" in r["decisions"]["distributed"]
+        assert r["is_ddp"] and "DDP, 2 processes (gloo)" in r["decisions"]["distributed"].value
         assert r["lr"] == pytest.approx(0.2)
         for got, want in zip(r["params"], _reference_sgd_step(x, y, lr=0.2)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -101,7 +101,7 @@ def test_only_rank_zero_writes_metrics_and_checkpoints(epochs_run):
     assert (epochs_run / "out0" / "metrics.json").exists() and (epochs_run / "out0" / "metrics.csv").exists()
     assert not (epochs_run / "out1").exists()
     written = json.loads((epochs_run / "out0" / "metrics.json").read_text())
-    assert len(written["history"]) == 2 and "DDP" in written["decisions"]["distributed"]
+    assert len(written["history"]) == 2 and "DDP" in written["decisions"]["distributed"]["value"]
     assert list((epochs_run / "ckpt0").glob("*.pt")), "rank 0 wrote no checkpoint"
     ckpt1 = epochs_run / "ckpt1"
     assert not (ckpt1.exists() and any(ckpt1.iterdir())), "rank 1 wrote into its checkpoint_dir"
