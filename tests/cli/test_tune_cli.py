@@ -29,7 +29,8 @@ def test_loader_rows_carry_their_labels(folder, tmp_path, capsys):
     assert main(["tune", "loader", "--data", str(folder), "--quick", "--batch-size", "16",
                  "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "round 1" in out and "median of" in out
+    # several rounds end in their median; a loader that outruns the step at once is said so after one (load decides)
+    assert "round 1" in out and ("median of" in out or "workers do not help" in out)
     rows = json.loads((tmp_path / "tune.json").read_text())["loader"]["table"]
     assert all(r["note"] for r in rows)  # no unlabelled row
 

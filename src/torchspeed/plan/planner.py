@@ -179,7 +179,8 @@ def _recipe(ctx: RunContext) -> None:
                         total_steps=ctx.run_steps, schedule=cfg.schedule, parts=parts, device=ctx.dev,
                         progress=cfg.progress,
                         budget=budget, cache=ctx.cache,
-                        lr_in_run=cfg.trial is not False and not cfg.deterministic, lr_given=ctx.own_lr)
+                        lr_in_run=cfg.trial is not False and not cfg.deterministic, lr_given=ctx.own_lr,
+                        precision_setting=cfg.precision)
     _apply_recipe(ctx, rec)
 
 

@@ -112,7 +112,7 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
                   parts: Sequence[str] = PARTS, device: torch.device | str | None = None,
                   lr_steps: int = 100, lr_trial_steps: int = 24, progress: bool = True,
                   budget: TuningBudget | None = None, cache: TrialCache | None = None,
-                  lr_in_run: bool = False, lr_given: bool = False) -> Recipe:
+                  lr_in_run: bool = False, lr_given: bool = False, precision_setting: str | None = None) -> Recipe:
     """Choose each recipe part in `parts` from `model` and the training batches; leaves the model, its optimizer
     state, every RNG and the loader's data order as they were.
 
@@ -124,6 +124,8 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
     `lr_in_run` an affordable LR part is not measured here but left in `Recipe.pending`, for the
     run to measure right after its switch trial, at the precision that trial chose (`plan.inrun`).
     `lr_given`: the run gave its own LR, so the optimizer part's prior is the given optimizer at that LR.
+    `precision_setting`: the run's precision setting ("auto"), when `precision` is what the switch trial resolved
+    it to: the cache is keyed on the setting, which resolves the same way on a later run of this model.
     """
     unknown = set(parts) - set(PARTS)
     if unknown:
@@ -137,7 +139,7 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
     _free_parts(rec, model, classifier, total_steps)
     opt_name = optimizer if isinstance(optimizer, str) else None
     gate = Gate(rec, budget, cache, recipe_key(model, held[0], opt_name or type(optimizer).__name__, lr, schedule,
-                                                precision, parts))
+                                                precision_setting or precision, parts))
     tuners = dict(weight_decay=weight_decay, optimizer_options=optimizer_options, precision=precision,
                   step_fn=step_fn, progress=progress)
     with keep_rng(train_loader):  # the tuners read the loader: the run's data order stays as it was
