@@ -82,19 +82,35 @@ def test_rows_are_interleaved_and_rotated_per_seed_with_auto_warm_after_its_auto
         suite_run.run_suite(workloads=["tiny_suite"], rows=("naive", "auto_warm"), console=Console(file=sys.stderr))
 
 
-def test_a_seed_that_would_end_past_the_time_limit_is_left_out(tiny, monkeypatch):
+def _clocked(monkeypatch, seconds: float):
+    """run_suite's runs faked, each taking `seconds` on the returned clock."""
     now = [0.0]
 
     def run_row(w, row, seed, data, **kw):
-        now[0] += 10.0
+        now[0] += seconds
         return _fake_run([])(w, row, seed, data)
 
     monkeypatch.setattr(suite_run, "run_row", run_row)
     monkeypatch.setattr(suite_run, "_warm_up", lambda w, data, first: 0.01)
+    return lambda: now[0]
+
+
+def test_a_seed_that_would_end_past_the_time_limit_is_left_out(tiny, monkeypatch):
+    clock = _clocked(monkeypatch, 10.0)
     res = suite_run.run_suite(workloads=["tiny_suite"], rows=("naive", "fit"), seeds=(0, 1, 2), time_limit_s=45.0,
-                              console=Console(file=sys.stderr), clock=lambda: now[0])
-    assert res["seeds"] == [0, 1] and res["seeds_left_out"] == [2]  # 20 s a seed: a third would end at 60 s
+                              console=Console(file=sys.stderr), clock=clock)
+    assert res["seeds"] == [0, 1] and res["left_out"] == [{"seed": 2, "workloads": ["tiny_suite"]}]  # 20 s a seed
     assert res["workloads"]["tiny_suite"]["rows"]["fit"]["seeds"] == 2
+
+
+def test_no_workload_starts_past_the_time_limit(tiny, monkeypatch):
+    clock = _clocked(monkeypatch, 10.0)
+    res = suite_run.run_suite(workloads=["mlp", "tiny_suite", "cnn1d"], rows=("naive", "fit"), seeds=(0, 1),
+                              time_limit_s=25.0, console=Console(file=sys.stderr), clock=clock)
+    assert res["seeds"] == [0] and list(res["workloads"]) == ["mlp", "tiny_suite"] == list(res["table"])
+    assert res["left_out"] == [{"seed": 0, "workloads": ["cnn1d"]},
+                               {"seed": 1, "workloads": ["mlp", "tiny_suite", "cnn1d"]}]
+    assert res["score"]["targets_reached"] == {"naive": 2, "fit": 2}  # cnn1d, never run, is not scored
 
 
 def test_a_missed_target_is_a_miss_and_scores_infinite(tiny, monkeypatch):
@@ -156,7 +172,7 @@ def test_the_fit_rows_call_fit_as_their_users_would(tiny):
 
 
 RESULT = {  # a hand-made suite result: w1 every row reached, w2 `b` missed on both seeds and `a` on one
-    "rows": ["naive", "a", "b"], "rows_left_out": [], "seeds": [0, 1], "seeds_left_out": [],
+    "rows": ["naive", "a", "b"], "rows_left_out": [], "seeds": [0, 1], "left_out": [{"seed": 1, "workloads": ["w2"]}],
     "table": {"w1": {"naive": 4.0, "a": 1.0, "b": 2.0}, "w2": {"naive": 3.0, "a": 1.5, "b": None}},
     "workloads": {
         "w1": {"metric": "val_acc", "target": 0.9, "rows": {r: {"reached": 2, "seeds": 2, "runs": []}
@@ -176,7 +192,7 @@ def test_the_table_prints_each_rows_time_relative_time_and_the_scores(capsys):
     assert "1.50 s 1.00x (1/2)" in out and "missed (0/2)" in out  # w2: a on one seed, b on none
     assert "acc >= 0.9" in out and "loss <= 2.1" in out
     assert "2.83x" in out and "2/2" in out and "1/2" in out  # a's geomean speed; targets reached
-    assert "stopped at the time cap (a miss): w2/b" in out
+    assert "stopped at the time cap (a miss): w2/b" in out and "left out for time: seed 1 of w2" in out
 
 
 def test_the_png_is_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch):

@@ -8,10 +8,10 @@ rows (`ROWS`), one after the other in one process, every `fit` row from an empty
   `DataLoader` over a `TensorDataset` of the same tensors, every speed switch at its default (T10, T11, T13,
   T18, T21, T23, T25, T26: the measured switch trial);
 - `all`: the same with a one-cycle schedule (T14) peaking at the plain loop's LR;
-- `schedulefree`: Schedule-Free AdamW (T42's neighbour in `train/optim.py`) at its own defaults, no schedule;
+- `schedulefree`: Schedule-Free AdamW (`train/optim.py`) at its own defaults, no schedule;
 - `onecycle`: the fixed recipe a user would pick: AdamW (SGD for an SGD workload) by name, one-cycle at the
   plain loop's LR;
-- `auto`: `fit(recipe="auto")` with no LR, cold: choosing (range test, trials) on the clock;
+- `auto`: `fit(recipe="auto")` with no LR, cold: the measured recipe (T15 + T32 + T33), choosing on the clock;
 - `auto_warm`: the same, reading the cache its seed's cold `auto` run left.
 
 A row's time to target is the seconds from the start of its call (choosing, the switch trial and evaluations
@@ -266,12 +266,13 @@ def run_suite(*, workloads: Sequence[str] | None = None, rows: Sequence[str] = R
               console: Console | None = None, clock: Callable[[], float] = time.perf_counter) -> dict:
     """Every workload (`workloads`: names, default all registered) x row x seed, interleaved; the JSON-ready result.
 
-    A seed after the first starts only while the time so far plus the last seed's fits in `time_limit_s`
-    (None: no limit); the seeds left out are listed. `console` gets one progress line per run."""
+    `time_limit_s` (None: none): a seed after the first starts only where the time so far plus the last seed's
+    fits in it, and no workload starts past it (its rows all run, or none); what was left out is listed, and a
+    workload with no run is left out of the table. `console` gets one progress line per run."""
     console = console or Console()
     chosen = suite_workloads(workloads)
-    rows, left_out = _check_rows(rows)
-    units = _units(rows)
+    rows, rows_left_out = _check_rows(rows)
+    _units(rows)  # auto_warm without auto: refused before anything runs
     start = clock()
     data = {w.name: load_data(w) for w in chosen}
     caps = {}
@@ -279,46 +280,65 @@ def run_suite(*, workloads: Sequence[str] | None = None, rows: Sequence[str] = R
         epoch_s = _warm_up(w, data[w.name], first=i == 0)
         caps[w.name] = max(MIN_CAP_S, TIME_CAP * epoch_s * w.epochs)
     runs: dict[str, dict[str, list]] = {w.name: {r: [] for r in rows} for w in chosen}
-    done_seeds, skipped, per_seed = [], [], []
-    total = len(chosen) * len(rows) * len(seeds)
+    done, left_out, per_seed = [], [], []
     for k, seed in enumerate(seeds):
         elapsed = clock() - start
         if k and time_limit_s is not None and elapsed + max(per_seed) > time_limit_s:
-            skipped = list(seeds[k:])
-            console.print(f"[yellow]suite: seeds {', '.join(map(str, skipped))} left out: another seed would end "
+            left_out += [{"seed": s, "workloads": [w.name for w in chosen]} for s in seeds[k:]]
+            console.print(f"[yellow]suite: seeds {', '.join(map(str, seeds[k:]))} left out: another seed would end "
                           f"past the {time_limit_s:.0f} s limit ({elapsed:.0f} s so far)[/]")
             break
         seed_t0 = clock()
-        order = round_order(units, k + 1, "rotate")  # the rows rotated from seed to seed
-        for w in chosen:
-            for unit in order:
-                with tempfile.TemporaryDirectory(prefix="torchspeed-suite-auto-") as shared:
-                    for row in unit:  # auto_warm reads what its seed's auto left in `shared`
-                        n_done = sum(len(v) for per in runs.values() for v in per.values())
-                        console.print(f"[dim]suite {n_done + 1}/{total}[/] {w.name} · {row} · seed {seed} · "
-                                      f"{_eta(runs, chosen, rows, seeds, clock() - start)}")
-                        runs[w.name][row].append(run_row(w, row, seed, data[w.name], cap_s=caps[w.name],
-                                                         cache_dir=shared if len(unit) > 1 else None))
+        late = _one_seed(chosen, rows, k, seed, runs, data, caps, console=console, clock=clock, start=start,
+                         limit=time_limit_s, n_seeds=len(seeds))
         per_seed.append(clock() - seed_t0)
-        done_seeds.append(seed)
-    table = reduce_seeds(runs)
-    return {"kind": "suite", "rows": rows, "rows_left_out": left_out, "seeds": done_seeds, "seeds_left_out": skipped,
+        done.append(seed)
+        if late:
+            left_out += [{"seed": seed, "workloads": late}] + [{"seed": s, "workloads": [w.name for w in chosen]}
+                                                              for s in seeds[k + 1:]]
+            console.print(f"[yellow]suite: past the {time_limit_s:.0f} s limit: seed {seed} left out "
+                          f"{', '.join(late)}{', and every later seed' if seeds[k + 1:] else ''}[/]")
+            break
+    ran = [w for w in chosen if any(runs[w.name].values())]
+    table = reduce_seeds({w.name: runs[w.name] for w in ran})
+    return {"kind": "suite", "rows": rows, "rows_left_out": rows_left_out, "seeds": done, "left_out": left_out,
             "settings": {"budget_factor": BUDGET_FACTOR, "scheduled_rows": list(SCHEDULED), "time_cap": TIME_CAP,
                          "min_cap_s": MIN_CAP_S, "time_limit_s": time_limit_s},
             "workloads": {w.name: _workload_entry(w, data[w.name], caps[w.name], runs[w.name], table[w.name])
-                          for w in chosen},
+                          for w in ran},
             "table": table, "score": score(table), "seconds": clock() - start, "load_average": os.getloadavg(),
             "provenance": provenance()}
 
 
-def _eta(runs: dict, chosen: Sequence[Workload], rows: Sequence[str], seeds: Sequence[int], elapsed: float) -> str:
+def _one_seed(chosen: Sequence[Workload], rows: Sequence[str], k: int, seed: int, runs: dict, data: dict,
+              caps: dict, *, console: Console, clock: Callable[[], float], start: float, limit: float | None,
+              n_seeds: int) -> list[str]:
+    """Seed `seed` (the `k`-th round): each workload's rows in turn, rotated by `k`; `runs` gets each run. Returns
+    the workloads left out because the time so far passed `limit` before their turn."""
+    order = round_order(_units(rows), k + 1, "rotate")  # the rows rotated from seed to seed
+    total = len(chosen) * len(rows) * n_seeds
+    for i, w in enumerate(chosen):
+        if limit is not None and clock() - start > limit:
+            return [x.name for x in chosen[i:]]
+        for unit in order:
+            with tempfile.TemporaryDirectory(prefix="torchspeed-suite-auto-") as shared:
+                for row in unit:  # auto_warm reads what its seed's auto left in `shared`
+                    n_done = sum(len(v) for per in runs.values() for v in per.values())
+                    console.print(f"[dim]suite {n_done + 1}/{total}[/] {w.name} · {row} · seed {seed} · "
+                                  f"{_eta(runs, chosen, rows, n_seeds, clock() - start)}")
+                    runs[w.name][row].append(run_row(w, row, seed, data[w.name], cap_s=caps[w.name],
+                                                     cache_dir=shared if len(unit) > 1 else None))
+    return []
+
+
+def _eta(runs: dict, chosen: Sequence[Workload], rows: Sequence[str], n_seeds: int, elapsed: float) -> str:
     """"about M:SS left": each run still to come priced at its own earlier seeds' mean, else the mean run so far."""
     secs = [r["seconds"] for per in runs.values() for v in per.values() for r in v]
     if not secs:
         return "time left: measuring the first run"
     mean = elapsed / len(secs)
     left = sum((statistics.fmean(x["seconds"] for x in runs[w.name][r]) if runs[w.name][r] else mean)
-               * (len(seeds) - len(runs[w.name][r])) for w in chosen for r in rows)
+               * (n_seeds - len(runs[w.name][r])) for w in chosen for r in rows)
     return f"about {int(left // 60)}:{int(left % 60):02d} left"
 
 
@@ -390,8 +410,8 @@ def _notes(result: dict) -> list[str]:
     out = []
     if result["rows_left_out"]:
         out.append(f"left out: {', '.join(result['rows_left_out'])} (pip install 'torchspeed[schedulefree]')")
-    if result["seeds_left_out"]:
-        out.append(f"seeds left out for time: {', '.join(map(str, result['seeds_left_out']))}")
+    for gap in result.get("left_out", []):
+        out.append(f"left out for time: seed {gap['seed']} of {', '.join(gap['workloads'])}")
     capped = sorted({f"{n}/{r}" for n, w in result["workloads"].items() for r, e in w["rows"].items()
                      if any(x["stopped"] == "time cap" for x in e["runs"])})
     if capped:
