@@ -113,6 +113,24 @@ def test_no_workload_starts_past_the_time_limit(tiny, monkeypatch):
     assert res["score"]["targets_reached"] == {"naive": 2, "fit": 2}  # cnn1d, never run, is not scored
 
 
+def test_a_workload_still_running_past_the_margin_is_stopped_and_its_seed_dropped(tiny, monkeypatch):
+    caps = []
+    clock = _clocked(monkeypatch, 40.0)
+    monkeypatch.setattr(suite_run, "MIN_CAP_S", 1000.0)  # each run's cap: the time left to the hard stop
+    real = suite_run.run_row
+    monkeypatch.setattr(suite_run, "run_row", lambda w, row, seed, data, cap_s=None, **kw: (
+        caps.append(cap_s), real(w, row, seed, data, cap_s=cap_s, **kw))[1])
+    res = suite_run.run_suite(workloads=["tiny_suite", "mlp"], rows=("naive", "fit", "auto", "auto_warm"),
+                              seeds=(0,), time_limit_s=100.0, console=Console(file=sys.stderr), clock=clock)
+    # tiny_suite: 4 runs of 40 s end at 160 s (past 100 s, not past 190 s); mlp starts past the limit: left out
+    assert list(res["workloads"]) == ["tiny_suite"] and res["left_out"] == [{"seed": 0, "workloads": ["mlp"]}]
+    assert caps == pytest.approx([190.0, 150.0, 110.0, 70.0])  # 100 s + the 90 s margin, less the time so far
+    res = suite_run.run_suite(workloads=["tiny_suite", "mlp"], rows=("naive", "fit", "auto", "auto_warm"),
+                              seeds=(0,), time_limit_s=20.0, console=Console(file=sys.stderr), clock=clock)
+    # past 110 s during tiny_suite's third run: its runs of seed 0 are dropped, and so is the suite's only seed
+    assert res["workloads"] == {} and res["left_out"] == [{"seed": 0, "workloads": ["tiny_suite", "mlp"]}]
+
+
 def test_a_missed_target_is_a_miss_and_scores_infinite(tiny, monkeypatch):
     calls = []
     monkeypatch.setattr(suite_run, "run_row", _fake_run(calls, reach=lambda w, row, seed: row != "fit" or seed == 0))

@@ -58,7 +58,7 @@ from torchspeed.train.callbacks import Callback
 from torchspeed.train.optim import SCHEDULE_FREE_LR, schedule_free_available
 from torchspeed.train.rounds import round_order
 
-__all__ = ["ROWS", "SCHEDULED", "BUDGET_FACTOR", "TIME_CAP", "MIN_CAP_S", "DEFAULT_SEEDS", "TIME_LIMIT_S",
+__all__ = ["ROWS", "SCHEDULED", "BUDGET_FACTOR", "TIME_CAP", "MIN_CAP_S", "DEFAULT_SEEDS", "TIME_LIMIT_S", "STOP_MARGIN_S",
            "StopAtTarget", "fit_kwargs", "run_row", "run_suite", "reduce_seeds", "score", "print_suite",
            "write_suite"]
 
@@ -68,7 +68,8 @@ BUDGET_FACTOR = 2        # rows at a constant LR (or none) train up to this many
 TIME_CAP = 4.0           # ... and stop once past this many times the plain loop's seconds for its whole budget
 MIN_CAP_S = 5.0          # ... but never before this many seconds (fit's fixed costs on the smallest workloads)
 DEFAULT_SEEDS = (0, 1)
-TIME_LIMIT_S = 480.0     # run_suite starts no seed whose estimated time would end past this
+TIME_LIMIT_S = 480.0     # run_suite starts no seed whose estimated time would end past this, no workload past it
+STOP_MARGIN_S = 90.0     # ... and stops a workload still running this long after it (its seed's runs dropped)
 
 
 class StopAtTarget(Callback):
@@ -267,7 +268,8 @@ def run_suite(*, workloads: Sequence[str] | None = None, rows: Sequence[str] = R
     """Every workload (`workloads`: names, default all registered) x row x seed, interleaved; the JSON-ready result.
 
     `time_limit_s` (None: none): a seed after the first starts only where the time so far plus the last seed's
-    fits in it, and no workload starts past it (its rows all run, or none); what was left out is listed, and a
+    fits in it, no workload starts past it, and one still running `STOP_MARGIN_S` after it is stopped and its
+    runs of that seed dropped (a workload's rows run together or not at all); what was left out is listed, and a
     workload with no run is left out of the table. `console` gets one progress line per run."""
     console = console or Console()
     chosen = suite_workloads(workloads)
@@ -314,9 +316,11 @@ def _one_seed(chosen: Sequence[Workload], rows: Sequence[str], k: int, seed: int
               caps: dict, *, console: Console, clock: Callable[[], float], start: float, limit: float | None,
               n_seeds: int) -> list[str]:
     """Seed `seed` (the `k`-th round): each workload's rows in turn, rotated by `k`; `runs` gets each run. Returns
-    the workloads left out because the time so far passed `limit` before their turn."""
+    the workloads left out: those whose turn came past `limit`, and one still running at `limit + STOP_MARGIN_S`
+    (its runs stop there, and its runs of this seed are dropped: a workload's rows run together or not at all)."""
     order = round_order(_units(rows), k + 1, "rotate")  # the rows rotated from seed to seed
     total = len(chosen) * len(rows) * n_seeds
+    hard = None if limit is None else limit + STOP_MARGIN_S
     for i, w in enumerate(chosen):
         if limit is not None and clock() - start > limit:
             return [x.name for x in chosen[i:]]
@@ -326,8 +330,13 @@ def _one_seed(chosen: Sequence[Workload], rows: Sequence[str], k: int, seed: int
                     n_done = sum(len(v) for per in runs.values() for v in per.values())
                     console.print(f"[dim]suite {n_done + 1}/{total}[/] {w.name} · {row} · seed {seed} · "
                                   f"{_eta(runs, chosen, rows, n_seeds, clock() - start)}")
-                    runs[w.name][row].append(run_row(w, row, seed, data[w.name], cap_s=caps[w.name],
+                    cap = caps[w.name] if hard is None else min(caps[w.name], hard - (clock() - start))
+                    runs[w.name][row].append(run_row(w, row, seed, data[w.name], cap_s=cap,
                                                      cache_dir=shared if len(unit) > 1 else None))
+                    if hard is not None and clock() - start > hard:
+                        for v in runs[w.name].values():
+                            v[:] = [r for r in v if r["seed"] != seed]
+                        return [x.name for x in chosen[i:]]
     return []
 
 
