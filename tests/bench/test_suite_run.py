@@ -227,6 +227,7 @@ def test_the_png_is_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch
     (["--full", "--workloads", "mlp"], "--workloads belong to the suite"),
     (["--model", "mlp", "--rows", "naive"], "leave out --full and --model"),
     (["--seeds", "0"], "--seeds must be positive"),
+    (["--time-limit", "-1"], "--time-limit must be positive"),
 ])
 def test_bench_cli_refuses_bad_suite_options(argv, message, capsys):
     assert main(["bench", *argv]) == 2

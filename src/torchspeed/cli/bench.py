@@ -28,7 +28,8 @@ def register(sub) -> None:
     p.add_argument("--rows", default=None,
                    help="suite: comma-separated rows (default naive,fit,all,schedulefree,onecycle,auto,auto_warm)")
     p.add_argument("--time-limit", type=float, default=None,
-                   help="suite: start no further seed once it would end past this many seconds (default 480)")
+                   help="suite: seconds after which no seed or workload starts (default 480); a workload still "
+                        "running 90 s later stops and its seed's runs are dropped")
     p.add_argument("--quick", action="store_true",
                    help="fewer steps, batch 64, no torch.compile (throughput table in 2-3 minutes on 2 CPU cores; "
                         "time to accuracy on digits about 2 more)")
@@ -81,6 +82,8 @@ def run(args) -> int:
     given = [d for d, default in getattr(args, "classic_defaults", {}).items() if getattr(args, d, default) != default]
     if args.seeds is not None and args.seeds <= 0:
         raise CLIError(f"--seeds must be positive, got {args.seeds}")
+    if args.time_limit is not None and args.time_limit <= 0:
+        raise CLIError(f"--time-limit must be positive, got {args.time_limit:g}")
     if not (args.full or given):
         return run_suite_cli(args)
     suite_only = [f"--{d.replace('_', '-')}" for d in SUITE_ONLY if getattr(args, d, None) is not None]
