@@ -26,7 +26,7 @@ def _line(seed: int) -> SuiteData:
 
 TINY = Workload("tiny_suite", "test", _line, lambda: nn.Linear(4, 2), "sgd", 0.5, 25, 2, "cross_entropy", "val_acc",
                 0.0, "a linear model on one informative feature")
-RUN_FIELDS = {"seed", "budget_epochs", "budget_steps", "to_target_s", "reached", "seconds", "steps_to_target",
+RUN_FIELDS = {"call", "seed", "budget_epochs", "budget_steps", "to_target_s", "reached", "seconds", "steps_to_target",
               "steps_trained", "stopped", "metric", "choosing_s", "in_run_choosing_s", "steps_measured", "decisions"}
 
 
@@ -164,6 +164,8 @@ def test_every_row_runs_through_fit_and_records_its_budget_seconds_and_steps(tin
         assert run["steps_trained"] >= run["steps_to_target"] and run["seconds"] >= run["to_target_s"] > 0
         if name != "naive":
             assert run["decisions"], name  # what fit decided
+    assert rows["fit"]["runs"][0]["call"] == {"optimizer": "SGD", "progress": False}
+    assert rows["auto"]["runs"][0]["call"] == {"optimizer": "sgd", "recipe": "auto", "progress": False}
     assert (tmp_path / "suite.png").exists() or "matplotlib" not in sys.modules
 
 

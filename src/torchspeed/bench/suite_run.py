@@ -196,7 +196,8 @@ def run_row(workload: Workload, row: str, seed: int, data: SuiteData, *, cap_s: 
     measured = dict(getattr(tuning, "measured", None) or {})
     keep = ("optimizer", "lr", "precision", "channels_last", "schedule", "label_smoothing", "ema", "bn_stats",
             "compile", "recipe_prior")
-    return out | {"to_target_s": stop.at, "reached": stop.at is not None, "seconds": seconds,
+    call = {k: v if isinstance(v, (str, int, float)) else type(v).__name__ for k, v in kw.items() if v is not None}
+    return out | {"call": call, "to_target_s": stop.at, "reached": stop.at is not None, "seconds": seconds,
                   "steps_to_target": stop.step, "steps_trained": result.steps, "stopped": stop.stopped,
                   "metric": stop.metric, "choosing_s": float(measured.get("seconds", 0.0)),
                   "in_run_choosing_s": float(measured.get("in_run_s", 0.0)),
@@ -223,7 +224,8 @@ def _naive(workload: Workload, seed: int, data: SuiteData, epochs: int, cap_s: f
     t0 = time.perf_counter()
     out = plain_run(workload, seed, epochs=epochs, on_epoch=on_epoch, data=data)
     seconds = time.perf_counter() - t0
-    return {"to_target_s": at[0] if at else None, "reached": bool(at), "seconds": seconds,
+    return {"call": {"loop": "plain_run", "optimizer": workload.optimizer, "lr": workload.lr},
+            "to_target_s": at[0] if at else None, "reached": bool(at), "seconds": seconds,
             "steps_to_target": out["steps"] if at else None, "steps_trained": out["steps"],
             "stopped": state["stopped"], "metric": state["metric"], "choosing_s": 0.0, "in_run_choosing_s": 0.0,
             "steps_measured": 0, "decisions": {}}
