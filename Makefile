@@ -2,15 +2,17 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# `make bench`: ResNet-20 on the real handwritten digits: the throughput table (naive, each technique,
-# hand, all) and the time-to-target tables (naive, all and auto: the shortest step budget that ends at
-# 97% and 90% validation accuracy on 3 seeds, naive, all, auto cold and warm, Schedule-Free AdamW); 30 minutes on
-# a 2-core AVX2 EPYC. `make bench BENCH_ARGS=` runs the full default bench instead.
-BENCH_ARGS ?= --data digits --model resnet20 --quick
+# `make bench`: the suite (docs/bench.md): time to target on six small workloads of different kinds (a 1D CNN,
+# a tabular MLP, a transformer, a digits CNN, a regression, a character-level GRU language model), rows naive,
+# fit, all, schedulefree, onecycle, auto (cold) and auto_warm on 2 seeds, scored as AlgoPerf does; at most 10
+# minutes on 2 CPU cores. `make bench-full`: the throughput bench (each technique alone, hand, all) and time to
+# 97% and 90% on the digits with ResNet-20 (BENCH_FULL_ARGS): 21 minutes on a 2-core AVX2 EPYC.
+BENCH_ARGS ?=
+BENCH_FULL_ARGS ?= --data digits --model resnet20 --quick
 # torch/torchvision pins: the pair that installs together from PyPI on x86_64 Linux with Python 3.11.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: bench test install clean
+.PHONY: bench bench-full test install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +25,9 @@ install: $(VENV)/.installed
 
 bench: install
 	$(VENV)/bin/torchspeed bench $(BENCH_ARGS)
+
+bench-full: install
+	$(VENV)/bin/torchspeed bench $(BENCH_FULL_ARGS)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

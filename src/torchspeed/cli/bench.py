@@ -1,4 +1,7 @@
-"""`torchspeed bench`: naive vs each technique vs all, on this machine, side by side."""
+"""`torchspeed bench`: by default the suite (bench/suite_run.py: time to target on every registered workload, rows
+naive, fit, all, schedulefree, onecycle, auto and auto_warm, scored as AlgoPerf does); with `--full` or any of the
+throughput bench's options, naive vs each technique vs all on one workload, side by side (bench/runner.py), and
+its time to target (bench/time_to_target.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,24 @@ import os
 from torchspeed.cli.main import CLIError
 
 
+SHARED = ("json", "png", "seeds", "full", "func")  # the suite's options and the throughput bench's alike
+SUITE_ONLY = ("workloads", "rows", "time_limit")
+
+
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="train the default workload the naive way and the fast way, side by side")
+    p = sub.add_parser("bench", help="time to target on the workload suite (default), or the throughput bench "
+                                     "(--full, or its options) on one workload")
+    p.add_argument("--full", action="store_true",
+                   help="the throughput bench instead of the suite: each technique on its own and all together "
+                        "(ResNet-18 by default), then time to target where the data has one (make bench-full)")
+    p.add_argument("--workloads", default=None,
+                   help="suite: comma-separated workloads (default: every registered one: "
+                        "cnn1d, mlp, transformer, digits_cnn, regression, char_lm)")
+    p.add_argument("--rows", default=None,
+                   help="suite: comma-separated rows (default naive,fit,all,schedulefree,onecycle,auto,auto_warm)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="suite: seconds after which no seed or workload starts (default 480); a workload still "
+                        "running 90 s later stops and its seed's runs are dropped")
     p.add_argument("--quick", action="store_true",
                    help="fewer steps, batch 64, no torch.compile (throughput table in 2-3 minutes on 2 CPU cores; "
                         "time to accuracy on digits about 2 more)")
@@ -31,7 +50,8 @@ def register(sub) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--configs", default=None, help="comma-separated subset of configs (naive is always run)")
     p.add_argument("--json", default="bench.json", help="where to write the results JSON (default bench.json)")
-    p.add_argument("--png", default=None, help="bar chart path (default: next to the JSON, .png)")
+    p.add_argument("--png", default=None, help="the suite's performance profile, or the throughput bench's bar "
+                                               "chart (default: next to the JSON, .png)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out (rows and all)")
     p.add_argument("--no-hand", action="store_true",
                    help="leave out the hand-written ceiling (its settings search trains every combination)")
@@ -46,26 +66,67 @@ def register(sub) -> None:
                    help="time to a validation loss instead (language models): a number, or 'all' (or 'naive') for "
                         "the loss all (or naive, the plain loop) reaches in its default budget")
     p.add_argument("--no-tta", action="store_true", help="skip time to accuracy (as --target-acc 0)")
-    p.add_argument("--seeds", type=int, default=3, help="time to accuracy: seeds per config (default 3)")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="seeds per row: the suite's (default 2) or time to accuracy's (default 3)")
     p.add_argument("--tta-configs", default="naive,all,auto,auto_warm,schedulefree",
                    help="time to accuracy: which of naive, all, auto (cold cache, choosing counted), auto_warm "
                         "(the cache an earlier run left) and schedulefree (Schedule-Free AdamW at its defaults, "
                         "the switches of all) to run (default all five)")
     p.add_argument("--ablation", action="store_true",
                    help="time to accuracy: also leave each recipe part out (or add it) and find its budget")
-    p.set_defaults(func=run)
+    classic = {k: v for k, v in vars(p.parse_args([])).items() if k not in SHARED + SUITE_ONLY}
+    p.set_defaults(func=run, classic_defaults=classic)
 
 
 def run(args) -> int:
+    given = [d for d, default in getattr(args, "classic_defaults", {}).items() if getattr(args, d, default) != default]
+    if args.seeds is not None and args.seeds <= 0:
+        raise CLIError(f"--seeds must be positive, got {args.seeds}")
+    if args.time_limit is not None and args.time_limit <= 0:
+        raise CLIError(f"--time-limit must be positive, got {args.time_limit:g}")
+    if not (args.full or given):
+        return run_suite_cli(args)
+    suite_only = [f"--{d.replace('_', '-')}" for d in SUITE_ONLY if getattr(args, d, None) is not None]
+    if suite_only:
+        raise CLIError(f"{', '.join(suite_only)} belong to the suite: leave out --full and "
+                       + ", ".join(f"--{d.replace('_', '-')}" for d in given or ["full"]))
+    args.seeds = args.seeds or 3
+    return run_throughput(args)
+
+
+def run_suite_cli(args) -> int:
+    """The suite (bench/suite_run.py): its table first, then the JSON and the performance profile."""
+    from rich.console import Console
+
+    from torchspeed.bench import suite_run
+
+    console = Console()
+    split = (lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None)  # noqa: E731
+    seeds = tuple(range(args.seeds)) if args.seeds else suite_run.DEFAULT_SEEDS
+    limit = suite_run.TIME_LIMIT_S if args.time_limit is None else args.time_limit
+    console.print(f"[bold]torchspeed bench[/]: time to target on the suite, {len(seeds)} seeds, rows rotated per "
+                  f"seed; a seed starts only where it fits in {limit:.0f} s (`--full`: the throughput bench)")
+    try:
+        result = suite_run.run_suite(workloads=split(args.workloads), rows=split(args.rows) or suite_run.ROWS,
+                                     seeds=seeds, time_limit_s=limit, console=console)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    suite_run.print_suite(console, result)
+    png = args.png or os.path.splitext(args.json)[0] + ".png"
+    note = suite_run.write_suite(result, args.json, png)
+    console.print(f"wrote {args.json}" + (f"; {note}" if note else f" and {png}")
+                  + f" ({result['seconds']:.0f} s)")
+    return 0
+
+
+def run_throughput(args) -> int:
+    """The throughput bench on one workload (`--full`, or any of its options), then its time to target."""
     if args.batch_size <= 0:
         raise CLIError(f"--batch-size must be positive, got {args.batch_size}")
     if args.steps is not None and args.steps <= 0:
         raise CLIError(f"--steps must be positive, got {args.steps}")
     if args.image_size < 8:
         raise CLIError(f"--image-size must be at least 8, got {args.image_size}")
-    for name in ("seeds",):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise CLIError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     sharding = _check_workload(args)
     targets, loss_target, tta_on, tta_configs = _time_to_target_args(args)
     if args.nproc is not None:
@@ -155,8 +216,7 @@ def _check_workload(args) -> bool:
 
 def _time_to_target_args(args):
     """--target-acc, --target-loss and --tta-configs, checked: (targets, loss target, on, configs)."""
-    from torchspeed.bench.time_to_target import CONFIGS as TTA_CONFIGS
-    from torchspeed.bench.time_to_target import resolve_targets
+    from torchspeed.bench.time_to_target import CONFIGS as TTA_CONFIGS, resolve_targets
 
     try:
         targets = resolve_targets(args.data, args.target_acc, off=args.no_tta or args.target_loss is not None)
