@@ -529,3 +529,6 @@ def test_a_measured_kernel_keeps_why_the_optimizer_was_chosen(tiny_cnn):
     t.apply_switches(Switches("fp32", False, fused=False))
     d = t.decisions["optimizer"]
     assert "foreach" in d.value and d.reason == "cached: measured by an earlier run; its kernel measured"
+    t.apply_switches(Switches("fp32", False, fused=True))  # the trial's candidates take turns: said once
+    t.apply_switches(Switches("fp32", False, fused=False))
+    assert t.decisions["optimizer"].reason == "cached: measured by an earlier run; its kernel measured"

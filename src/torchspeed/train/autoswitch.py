@@ -348,6 +348,7 @@ class MeasuredSwitches:
             set_fused(self.optimizer, sw.fused)
             before = self.decisions.get("optimizer")  # the optimizer's choice (the plan's, or asked for) stands
             why = "kernel measured" if before is None else f"{before.reason}; its kernel measured"
+            why = why.replace("; its kernel measured; its kernel measured", "; its kernel measured")  # each turn: once
             self.decisions.refine("optimizer", Decision(describe_optimizer(self.optimizer), why))
         if sw.threads is not None and sw.threads != torch.get_num_threads():
             torch.set_num_threads(sw.threads)
