@@ -412,7 +412,7 @@ def print_suite(console: Console, result: dict) -> None:
     table.add_row("targets reached", "", *[f"{sc['targets_reached'][r]}/{len(result['workloads'])}" for r in rows])
     table.add_row("profile score", "tau 1-4", *[f"{sc['profile_score'][r]:.2f}" for r in rows])
     if not console.is_terminal:  # a log or a pipe: the table at its full width, not folded into 80 columns
-        console.width = max(console.width, 36 + 16 * len(rows))
+        console.width = max(console.width, 40 + 21 * len(rows))
     console.print(table)
     for note in _notes(result):
         console.print(note)
