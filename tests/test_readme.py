@@ -48,3 +48,20 @@ def test_the_plain_loop_table_is_the_results_json():
 def test_every_doc_the_readme_points_at_exists():
     for doc in set(re.findall(r"`(docs/[a-z_]+\.md)`", README)):
         assert (ROOT / doc).exists(), doc
+
+
+def test_the_suite_table_is_the_suites_json():
+    data = json.loads((RESULTS / "suite.json").read_text())
+    prov = data["provenance"]
+    assert prov["cpu"] in README and prov["cpu_flags"]["avx512_bf16"] and prov["torch"].split("+")[0] in README
+    header = README.split("<!-- readme-table: suite -->")[1].strip().splitlines()[0]
+    assert [c.strip() for c in header.strip().strip("|").split("|")][1:] == data["rows"]
+    rows = _table("suite")
+    assert [r[0] for r in rows] == [*data["workloads"], "speed vs naive", "targets reached"]
+    for row in rows[:-2]:
+        for cell, name in zip(row[1:], data["rows"], strict=True):
+            secs = data["table"][row[0]][name]
+            assert cell == ("missed" if secs is None else f"{secs:.2f} s"), (row[0], name)
+    score, n = data["score"], len(data["workloads"])
+    assert rows[-2][1:] == [f"{score['geomean_vs_naive'][r]:.2f}x" for r in data["rows"]]
+    assert rows[-1][1:] == [f"{score['targets_reached'][r]}/{n}" for r in data["rows"]]

@@ -67,7 +67,7 @@ SCHEDULED = ("all", "onecycle", "auto", "auto_warm")  # one-cycle over the plain
 BUDGET_FACTOR = 2        # rows at a constant LR (or none) train up to this many times the plain loop's epochs
 TIME_CAP = 4.0           # ... and stop once past this many times the plain loop's seconds for its whole budget
 MIN_CAP_S = 5.0          # ... but never before this many seconds (fit's fixed costs on the smallest workloads)
-DEFAULT_SEEDS = (0, 1)
+DEFAULT_SEEDS = (0, 1, 2)
 TIME_LIMIT_S = 480.0     # run_suite starts no seed whose estimated time would end past this, no workload past it
 STOP_MARGIN_S = 90.0     # ... and stops a workload still running this long after it (its seed's runs dropped)
 
@@ -412,7 +412,7 @@ def print_suite(console: Console, result: dict) -> None:
     table.add_row("targets reached", "", *[f"{sc['targets_reached'][r]}/{len(result['workloads'])}" for r in rows])
     table.add_row("profile score", "tau 1-4", *[f"{sc['profile_score'][r]:.2f}" for r in rows])
     if not console.is_terminal:  # a log or a pipe: the table at its full width, not folded into 80 columns
-        console.width = max(console.width, 36 + 16 * len(rows))
+        console.width = max(console.width, 40 + 21 * len(rows))
     console.print(table)
     for note in _notes(result):
         console.print(note)

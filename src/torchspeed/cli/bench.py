@@ -67,7 +67,7 @@ def register(sub) -> None:
                         "the loss all (or naive, the plain loop) reaches in its default budget")
     p.add_argument("--no-tta", action="store_true", help="skip time to accuracy (as --target-acc 0)")
     p.add_argument("--seeds", type=int, default=None,
-                   help="seeds per row: the suite's (default 2) or time to accuracy's (default 3)")
+                   help="seeds per row (default 3): the suite's or time to accuracy's")
     p.add_argument("--tta-configs", default="naive,all,auto,auto_warm,schedulefree",
                    help="time to accuracy: which of naive, all, auto (cold cache, choosing counted), auto_warm "
                         "(the cache an earlier run left) and schedulefree (Schedule-Free AdamW at its defaults, "
