@@ -18,6 +18,8 @@ A row's time to target is the seconds from the start of its call (choosing, the 
 counted; building the model and the loaders not) to its first evaluation at the target (one per epoch). Its
 budget: rows at a constant LR (or none) train up to `BUDGET_FACTOR` times the plain loop's epochs; a scheduled
 row's schedule spans the plain loop's epochs, as a user who keeps their epochs and adds a schedule runs it.
+`auto` is given the same budget as the unscheduled rows, as AlgoPerf gives a self-tuning method the
+workload's whole budget: the recipe plans its schedule (or none) for the length it is given.
 A run also stops once it is `TIME_CAP` times past the plain loop's whole budget (AlgoPerf's runtime budget,
 at least `MIN_CAP_S`); a run that stops before the target is a miss. The seeds are rounds: in each, every
 workload runs each of its rows in turn, the rows rotated from seed to seed (`train/rounds.round_order`), so
@@ -63,7 +65,7 @@ __all__ = ["ROWS", "SCHEDULED", "BUDGET_FACTOR", "TIME_CAP", "MIN_CAP_S", "DEFAU
            "write_suite"]
 
 ROWS = ("naive", "fit", "all", "schedulefree", "onecycle", "auto", "auto_warm")
-SCHEDULED = ("all", "onecycle", "auto", "auto_warm")  # one-cycle over the plain loop's epochs (auto: its choice)
+SCHEDULED = ("all", "onecycle")  # one-cycle over the plain loop's epochs (auto plans for the budget it is given)
 BUDGET_FACTOR = 2        # rows at a constant LR (or none) train up to this many times the plain loop's epochs
 TIME_CAP = 4.0           # ... and stop once past this many times the plain loop's seconds for its whole budget
 MIN_CAP_S = 5.0          # ... but never before this many seconds (fit's fixed costs on the smallest workloads)
