@@ -128,3 +128,28 @@ def test_a_best_epoch_from_before_a_resume_comes_back_from_best_pt(tmp_path, mon
                          resume="auto", **FAST)
     assert str(res.decisions["restored_best"]).startswith("epoch 2 of 4")
     assert all(torch.equal(model.state_dict()[k], v) for k, v in after[1].items())
+
+
+def test_a_second_fit_of_one_trainer_gets_its_own_schedule_segment():
+    """Staged training on one Trainer: the second `fit` trains its epochs on from the first's last step with a new
+    one-cycle segment (its LR rises again and anneals) instead of stepping the first call's schedule past its
+    end (torch: "Tried to step 4 times. The specified number of total steps is 3")."""
+    from torchspeed.train.callbacks import Callback
+    from torchspeed.train.config import TrainConfig
+
+    class LRs(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_step_end(self, trainer):
+            self.seen.append(trainer.optimizer.param_groups[0]["lr"])
+
+    lrs = LRs()
+    cfg = TrainConfig(**{k: v for k, v in FAST.items() if k != "device"})
+    trainer = Trainer(_model(), lr=0.05, device="cpu", config=cfg, callbacks=[lrs])
+    first = trainer.fit(_loader(), epochs=2)  # 6 steps
+    second = trainer.fit(_loader(), epochs=3)  # 9 more
+    assert first.steps == 6 and second.steps == 15 and trainer.total_steps == 15
+    assert "a second fit of this Trainer" in second.decisions["extended"].reason
+    again = lrs.seen[6:]
+    assert max(again) > 4 * lrs.seen[5] and again[-1] < max(again) / 4  # it rose again, then annealed

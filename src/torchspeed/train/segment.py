@@ -25,9 +25,9 @@ from torch import nn
 
 from torchspeed.train.checkpoint import load_checkpoint, update_best
 from torchspeed.train.decision import Decision
-from torchspeed.train.schedule import create_scheduler
+from torchspeed.train.schedule import create_scheduler, steps_in_run
 
-__all__ = ["group_settings", "extend_schedule", "BestEpoch"]
+__all__ = ["group_settings", "extend_schedule", "schedule_for_call", "BestEpoch"]
 
 
 def group_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -46,6 +46,27 @@ def extend_schedule(optimizer: torch.optim.Optimizer, settings: list[dict], conf
                              min_lr=config.min_lr)
     return sched, Decision(f"{done} -> {total} steps", f"a finished run extended: a new {config.schedule or 'constant'}"
                                                        f" schedule segment over the {total - done} added steps")
+
+
+def schedule_for_call(trainer, span: tuple[int | None, int]) -> None:
+    """The LR schedule for one `Trainer.fit` call over `span` (batches per epoch, epochs): built over the run at the
+    first call; a later call on the same Trainer trains on from its step, so it gets a new segment of the run's
+    schedule over its own steps (as a finished run resumed with more steps does), never the first call's
+    schedule stepped past its end."""
+    cfg = trainer.config
+    if trainer.scheduler is None:
+        return trainer.setup_schedule(*span)
+    added = steps_in_run(span[0], span[1], grad_accum=cfg.grad_accum)
+    if cfg.max_steps is not None or added is None or trainer.total_steps is None or \
+            trainer.step + added <= trainer.total_steps:
+        return  # max_steps caps the whole run; an unknown length keeps the schedule; the schedule still covers it
+    total = trainer.step + added
+    trainer.scheduler, extended = extend_schedule(trainer.optimizer, trainer._group_settings, cfg, done=trainer.step,
+                                                  total=total)
+    trainer.total_steps = total
+    trainer.decisions.refine("extended", Decision(extended.value, f"a second fit of this Trainer: a new "
+                                                  f"{cfg.schedule or 'constant'} schedule segment over its "
+                                                  f"{added} steps"))
 
 
 class BestEpoch:

@@ -65,7 +65,7 @@ from torchspeed.train.shard import shard_loader
 from torchspeed.train.stateful import collect_state
 from torchspeed.train.schedule import steps_in_run
 from torchspeed.train.batch_ramp import join_ramp
-from torchspeed.train.segment import BestEpoch, group_settings
+from torchspeed.train.segment import BestEpoch, group_settings, schedule_for_call
 from torchspeed.train.step import AccumulationWindow
 from torchspeed.train.transfer import Prefetcher, batch_layout, to_device
 
@@ -307,8 +307,7 @@ class Trainer(MeasuredSwitches):
         train_loader = self.in_memory.train(train_loader, self.decisions)  # T10/T11, after sharding
         steps_per_epoch = loader_length(train_loader, max_steps=cfg.max_steps)
         length = RunLength(epochs, steps_per_epoch, cfg.grad_accum, ramp)
-        if self.scheduler is None:
-            self.setup_schedule(*length.schedule_span())
+        schedule_for_call(self, length.schedule_span())  # the first call's schedule, or a segment for a later one
         self._steps_per_epoch = steps_per_epoch
         start_epoch, start_batch = (resume_run(self, None if ramp else steps_per_epoch) if cfg.resume else (0, 0))
         self.prepare(train_loader, remaining_steps=length.micro_batches_left(self.total_steps, self.step))
