@@ -18,6 +18,8 @@ from torchspeed.bench.suite import (WORKLOADS, SuiteData, Workload, compute_loss
                                     plot_profile, profile_score, register_workload, relative_times, suite_workloads,
                                     targets_reached)
 
+from suite_helpers import line_data, registered  # tests/bench/suite_helpers.py
+
 BUILTIN = [w.name for w in suite_workloads()]
 EPOCHS = 3  # on reduced data: 8 batches an epoch
 
@@ -73,24 +75,14 @@ def test_the_loss_falls_on_one_fixed_batch(name):
 
 
 # ---------------------------------------------------------------- the registry
-def _line(seed: int) -> SuiteData:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(140, 4, generator=g)
-    y = (x[:, 0] > 0).long()
-    return SuiteData(x[:100], y[:100], x[100:], y[100:])
-
-
-TINY = Workload("tiny_line", "test", _line, lambda: nn.Linear(4, 2), "sgd", 0.5, 25, 3, "cross_entropy", "val_acc",
+TINY = Workload("tiny_line", "test", line_data, lambda: nn.Linear(4, 2), "sgd", 0.5, 25, 3, "cross_entropy", "val_acc",
                 0.0, "a linear model on one informative feature")
 
 
 @pytest.fixture
 def tiny():
-    register_workload(TINY)
-    try:
-        yield TINY
-    finally:
-        WORKLOADS.pop(TINY.name, None)
+    with registered(TINY) as w:
+        yield w
 
 
 def test_a_workload_registered_anywhere_joins_the_suite(tiny):
@@ -138,7 +130,7 @@ class _Recorder(nn.Module):
 def test_the_plain_loop_draws_the_batches_a_shuffling_data_loader_draws():
     rec = _Recorder()
     w = dataclasses.replace(TINY, model=lambda: rec)
-    d = _line(0)
+    d = line_data(0)
     plain_run(w, 7, epochs=2, data=d)
     loader = DataLoader(TensorDataset(d.x, d.y), batch_size=25, shuffle=True,
                         generator=torch.Generator().manual_seed(7))

@@ -13,18 +13,13 @@ from rich.console import Console
 from torch import nn
 
 from torchspeed.bench import suite_run
-from torchspeed.bench.suite import WORKLOADS, SuiteData, Workload, register_workload, suite_workloads
+from torchspeed.bench.suite import Workload, suite_workloads
 from torchspeed.cli.main import main
 
-
-def _line(seed: int) -> SuiteData:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(140, 4, generator=g)
-    y = (x[:, 0] > 0).long()
-    return SuiteData(x[:100], y[:100], x[100:], y[100:])
+from suite_helpers import line_data, registered  # tests/bench/suite_helpers.py
 
 
-TINY = Workload("tiny_suite", "test", _line, lambda: nn.Linear(4, 2), "sgd", 0.5, 25, 2, "cross_entropy", "val_acc",
+TINY = Workload("tiny_suite", "test", line_data, lambda: nn.Linear(4, 2), "sgd", 0.5, 25, 2, "cross_entropy", "val_acc",
                 0.0, "a linear model on one informative feature")
 RUN_FIELDS = {"call", "seed", "budget_epochs", "budget_steps", "to_target_s", "reached", "seconds", "steps_to_target",
               "steps_trained", "stopped", "metric", "choosing_s", "in_run_choosing_s", "steps_measured", "decisions"}
@@ -32,11 +27,8 @@ RUN_FIELDS = {"call", "seed", "budget_epochs", "budget_steps", "to_target_s", "r
 
 @pytest.fixture
 def tiny():
-    register_workload(TINY)
-    try:
-        yield TINY
-    finally:
-        WORKLOADS.pop(TINY.name, None)
+    with registered(TINY) as w:
+        yield w
 
 
 def _fake_run(calls, *, reach=lambda w, row, seed: True):
@@ -56,7 +48,7 @@ def fake(monkeypatch):
     calls = []
     monkeypatch.setattr(suite_run, "run_row", _fake_run(calls))
     monkeypatch.setattr(suite_run, "_warm_up", lambda w, data, first: 0.01)
-    monkeypatch.setattr(suite_run, "load_data", lambda w: _line(0))
+    monkeypatch.setattr(suite_run, "load_data", lambda w: line_data(0))
     return calls
 
 
@@ -170,7 +162,7 @@ def test_every_row_runs_through_fit_and_records_its_budget_seconds_and_steps(tin
 
 
 def test_a_run_stops_at_its_time_cap_as_a_miss(tiny):
-    data = _line(0)
+    data = line_data(0)
     for row in ("naive", "fit"):
         run = suite_run.run_row(dataclasses.replace(tiny, target=1.01), row, 0, data, cap_s=0.0)
         assert run["stopped"] == "time cap" and run["to_target_s"] is None and not run["reached"], row
