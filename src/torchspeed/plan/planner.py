@@ -177,8 +177,7 @@ def _recipe(ctx: RunContext) -> None:
                         weight_decay=ctx.weight_decay, optimizer_options=ctx.optimizer_options,
                         precision=ctx.precision or cfg.precision, loss_fn=ctx.loss_fn, step_fn=ctx.step_fn,
                         total_steps=ctx.run_steps, schedule=cfg.schedule, parts=parts, device=ctx.dev,
-                        progress=cfg.progress,
-                        budget=budget, cache=ctx.cache,
+                        progress=cfg.progress, budget=budget, cache=ctx.cache,
                         lr_in_run=cfg.trial is not False and not cfg.deterministic, lr_given=ctx.own_lr,
                         precision_setting=cfg.precision)
     _apply_recipe(ctx, rec)

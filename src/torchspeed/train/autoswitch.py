@@ -347,8 +347,12 @@ class MeasuredSwitches:
         if sw.fused is not None and fusable(self.optimizer) and bool(self.optimizer.defaults.get("fused")) != sw.fused:
             set_fused(self.optimizer, sw.fused)
             before = self.decisions.get("optimizer")  # the optimizer's choice (the plan's, or asked for) stands
-            why = "kernel measured" if before is None else f"{before.reason}; its kernel measured"
-            why = why.replace("; its kernel measured; its kernel measured", "; its kernel measured")  # each turn: once
+            if before is None:
+                why = "kernel measured"
+            elif before.reason.endswith("its kernel measured"):  # each candidate's turn flips it: said once
+                why = before.reason
+            else:
+                why = f"{before.reason}; its kernel measured"
             self.decisions.refine("optimizer", Decision(describe_optimizer(self.optimizer), why))
         if sw.threads is not None and sw.threads != torch.get_num_threads():
             torch.set_num_threads(sw.threads)

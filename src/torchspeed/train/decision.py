@@ -119,8 +119,7 @@ class Decisions(dict):
 
     def copy(self) -> "Decisions":
         out = Decisions()
-        for k, v in self.items():
-            dict.__setitem__(out, k, v)
+        dict.update(out, self)  # (each key is decided once here already)
         return out
 
 

@@ -129,7 +129,7 @@ class Trainer(MeasuredSwitches):
         self.model = model.to(self.device)
         # The rules decide now (the loop is usable at once); `prepare` measures the switches left on "auto".
         prior, rules = rule_choice(self.model, caps=self.caps, precision=cfg.precision, channels_last=cfg.channels_last)
-        self.decisions.update({k: v for k, v in rules.items() if k not in self.decisions})  # the plan's stand
+        self.decisions.update(rules)
         self.channels_last = prior.channels_last
         if self.channels_last:
             apply_channels_last(self.model)
@@ -209,7 +209,8 @@ class Trainer(MeasuredSwitches):
 
     def request_stop(self, reason: str) -> None:
         """End training after the current step (or epoch); `reason` goes to decisions["stopped"]."""
-        self.should_stop = self.decisions.setdefault("stopped", Decision(reason, "requested during the run")) is not None
+        self.should_stop = True
+        self.decisions.setdefault("stopped", Decision(reason, "requested during the run"))  # the first reason stands
         log.warning("stopping: %s", reason)
 
     # ------------------------------------------------------------------ the hot path
