@@ -45,10 +45,9 @@ def test_cudnn_benchmark_and_tf32_switched_on():
     applied = configure_backends("cuda", fixed_shapes=True)
     assert torch.backends.cudnn.benchmark and applied["cudnn_benchmark"]
     assert applied["tf32"].value
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: the per-backend setting
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"  # still readable
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9 maps the flag onto the per-backend setting
         assert torch.backends.cuda.matmul.fp32_precision == "tf32" and torch.backends.cudnn.conv.fp32_precision == "tf32"
-    else:
-        assert torch.backends.cuda.matmul.allow_tf32
 
 
 def test_fp16_trainer_counts_skipped_steps():

@@ -4,7 +4,9 @@
   the fastest (1.27x-1.70x forward+backward in NVIDIA's numbers). With shapes that change
   every step it re-tunes every step, so it is off for variable shapes.
 - TF32 matmuls/convolutions on Ampere+ GPUs: fp32 code gets Tensor Cores. Set through the
-  per-backend `fp32_precision` settings (`enable_tf32`), the legacy flags on torch < 2.9 only.
+  legacy `allow_tf32` flags, which keep `torch.get_float32_matmul_precision()` readable for the
+  libraries that read it (Lightning); through the per-backend `fp32_precision` settings only in
+  a process that already uses them (`enable_tf32`).
 - CPU threads: torch uses one thread per usable core; oversubscription (more threads than
   cores, e.g. inherited from a container's visible CPU count) is corrected. (With DataLoader
   workers on the same cores, `fit` measures fewer threads too: `switches.py`.)
@@ -63,21 +65,26 @@ def configure_backends(device: torch.device | str, *, fixed_shapes: bool = True,
 def enable_tf32(backends=None) -> str:
     """TF32 for CUDA's fp32 matmuls (cuBLAS) and convolutions/RNNs (cuDNN); say which API set it.
 
-    torch >= 2.9 has one setting per backend, `fp32_precision` (what `doctor --verify` sets for
-    oneDNN too), and refuses to read the legacy flags once it is used: so the legacy flags
-    (`allow_tf32`, the same switch as `set_float32_matmul_precision("high")`) only where a backend
-    lacks it. `backends` replaces `torch.backends` (tests inject it)."""
+    torch >= 2.9 has two APIs for this: the legacy flags (`allow_tf32`, the switch behind
+    `set_float32_matmul_precision("high")`) and one `fp32_precision` setting per backend. Once the
+    per-backend setting is written, torch refuses to read the legacy state: every later
+    `torch.get_float32_matmul_precision()` raises ("mix of the legacy and new APIs"), and libraries
+    read it (Lightning's Fabric and Trainer do when they start). So the legacy flags, which torch maps
+    onto the per-backend settings and which both readers can read; the per-backend settings only where
+    the process already uses them (the legacy state no longer reads). `backends` replaces
+    `torch.backends` (tests inject it)."""
     b = backends if backends is not None else torch.backends
-    cudnn = getattr(b, "cudnn", None)
-    targets = {"cuda.matmul": getattr(b.cuda, "matmul", None), "cudnn.conv": getattr(cudnn, "conv", None),
-               "cudnn.rnn": getattr(cudnn, "rnn", None)}
-    if all(hasattr(t, "fp32_precision") for t in targets.values()):
-        for t in targets.values():
+    matmul, cudnn = b.cuda.matmul, b.cudnn
+    try:
+        matmul.allow_tf32  # raises once this process has written a per-backend fp32_precision
+    except RuntimeError:
+        for t in (matmul, cudnn.conv, cudnn.rnn):
             t.fp32_precision = "tf32"
-        return "fp32_precision = 'tf32' on " + ", ".join(targets)
-    b.cuda.matmul.allow_tf32 = True  # torch < 2.9
+        return ("fp32_precision = 'tf32' on cuda.matmul, cudnn.conv, cudnn.rnn (this process already sets "
+                "precision per backend)")
+    matmul.allow_tf32 = True
     cudnn.allow_tf32 = True
-    return "allow_tf32 (this torch has no per-backend fp32_precision)"
+    return "allow_tf32 on cuda.matmul and cudnn (torch.get_float32_matmul_precision() stays readable)"
 
 
 def tune_malloc(*, mallopt: Callable[[int, int], int] | None = None) -> Decision:
