@@ -79,8 +79,33 @@ def _seeded(make):
     return make()
 
 
+def _hand_compile_row(o: dict, rows: dict, res: dict, clock: Clock, make_row) -> None:
+    """The hand loop under torch.compile (`make_row()`), or why not: o["hand_compile"] is True, False, or "auto"
+    (on CUDA, when at its turn to warm up the part has o["compile_reserve_s"] left for a compilation)."""
+    setting = o["hand_compile"]
+    if setting is True or (setting == "auto" and o["device"].startswith("cuda")):
+        def time_left() -> str | None:  # asked when its turn to warm up comes
+            left = clock.left()
+            return None if setting is True or left > o["compile_reserve_s"] else (
+                f"{left:.0f} s left, under the {o['compile_reserve_s']} s a compilation needs")
+
+        rows["hand_compile"] = make_row(time_left)
+    else:
+        res["rows"]["hand_compile"] = {"status": "skipped", "reason": "compile off here (hand_compile="
+                                                                      f"{setting!r}, device {o['device']})"}
+
+
+def _best_hand(res: dict) -> None:
+    """`best_hand`: the faster of the hand loop eager and compiled; the fit rows' ratios against it."""
+    done = [r for r in ("hand", "hand_compile") if res["rows"].get(r, {}).get(res["unit"])]
+    best = max(done, key=lambda r: res["rows"][r][res["unit"]], default=None)
+    res["best_hand"] = best
+    for fit_row in ("all", "all_eager"):
+        res["ratios"][f"{fit_row}/best_hand"] = res["ratios"].get(f"{fit_row}/{best}") if best else None
+
+
 # ---------------------------------------------------------------------------------------------- resnet
-def _resnet_rows(o: dict, batch: int, device: torch.device, res: dict) -> dict:
+def _resnet_rows(o: dict, batch: int, device: torch.device, clock: Clock, res: dict) -> dict:
     size = o["image_size"]
     g = torch.Generator(device=device).manual_seed(0)
     data = [(torch.randn(batch, 3, size, size, device=device, generator=g),
@@ -100,6 +125,9 @@ def _resnet_rows(o: dict, batch: int, device: torch.device, res: dict) -> dict:
     for name, cfg in (("all_eager", TrainConfig(progress=False, compile=False)), ("all", TrainConfig(progress=False))):
         rows[name] = TrainerRow(make(), data, device, cfg, warmup=o["warmup"], remaining_steps=o["all_run_steps"],
                                 **sgd)
+    _hand_compile_row(o, rows, res, clock, lambda time_left: HandRow(
+        make(), data, device, HandSettings(half, channels_last=True, fused=True, compile=True), lr=0.1,
+        warmup=o["warmup"], cudnn_benchmark=True, only_if=time_left))
     return rows
 
 
@@ -130,13 +158,16 @@ def resnet_part(o: dict, out: Partial, clock: Clock) -> None:
 
     def run(batch: int) -> None:
         out.data.update(batch=batch, rows={}, ratios={})
-        rows = _resnet_rows(o, batch, device, out.data)
-        pairs = tuple((a, b) for a in ("all", "all_eager") for b in ("hand", "lightning", "naive")) + (
-            ("all", "all_eager"), ("hand", "naive"), ("lightning", "naive"))
+        rows = _resnet_rows(o, batch, device, clock, out.data)
+        pairs = tuple((a, b) for a in ("all", "all_eager") for b in ("hand", "hand_compile", "lightning", "naive")) + (
+            ("all", "all_eager"), ("hand", "naive"), ("hand_compile", "hand"), ("lightning", "naive"))
         timing = Timing(o["steps"], o["rounds"], batch, "img_per_s", flops, {"mfu": out.data["peak_flops"]}, pairs,
                         early_rounds=o["early_rounds"])
+        # fit's defaults before the compiled hand loop: `all` is the part's point, the hand loop's compilation
+        # (which can reuse the kernels all's compile trial cached) comes when the time left holds one
         measure_rows(rows, out.data, out.save, clock, timing,
-                     stages=[("naive", "hand", "lightning", "all_eager"), ("all",)])
+                     stages=[("naive", "hand", "lightning", "all_eager"), ("all",), ("hand_compile",)])
+        _best_hand(out.data)
 
     _halving(out, o["batch"], run)
 
@@ -176,19 +207,9 @@ def _gpt_rows(o: dict, batch: int, device: torch.device, clock: Clock, res: dict
                          ("all", TrainConfig(progress=False))):  # fit's defaults without compiling, and all of them
         rows[name] = TrainerRow(_seeded(lambda: GPT(cfg)), data, device, config, warmup=o["warmup"],
                                 remaining_steps=o["all_run_steps"], **adamw)
-    setting = o["hand_compile"]  # True, False, or "auto": on CUDA, when the part has the time for a compilation
-    if setting is True or (setting == "auto" and device.type == "cuda"):
-        def time_left() -> str | None:  # asked when its turn to warm up comes
-            left = clock.left()
-            return None if setting is True or left > o["compile_reserve_s"] else (
-                f"{left:.0f} s left, under the {o['compile_reserve_s']} s a compilation needs")
-
-        rows["hand_compile"] = HandRow(_seeded(lambda: GPT(cfg)), data, device,
-                                       HandSettings(half, fused=True, compile=True), lr=6e-4, warmup=o["warmup"],
-                                       cudnn_benchmark=False, adamw=True, only_if=time_left)
-    else:
-        res["rows"]["hand_compile"] = {"status": "skipped", "reason": "compile off here (hand_compile="
-                                                                      f"{setting!r}, device {device.type})"}
+    _hand_compile_row(o, rows, res, clock, lambda time_left: HandRow(
+        _seeded(lambda: GPT(cfg)), data, device, HandSettings(half, fused=True, compile=True), lr=6e-4,
+        warmup=o["warmup"], cudnn_benchmark=False, adamw=True, only_if=time_left))
     res["flops_per_token"] = gpt_flops_per_token(rows["hand"].loop.model)
     return rows
 
@@ -214,11 +235,7 @@ def gpt_part(o: dict, out: Partial, clock: Clock) -> None:
         # two, the first of which can reuse what the hand loop's compilation cached)
         measure_rows(rows, out.data, out.save, clock, timing, stages=[("hand", "all_eager"), ("hand_compile",),
                                                                       ("all",)])
-        done = [r for r in ("hand", "hand_compile") if out.data["rows"].get(r, {}).get("tokens_per_s")]
-        best = max(done, key=lambda r: out.data["rows"][r]["tokens_per_s"], default=None)
-        out.data["best_hand"] = best
-        for fit_row in ("all", "all_eager"):
-            out.data["ratios"][f"{fit_row}/best_hand"] = out.data["ratios"].get(f"{fit_row}/{best}") if best else None
+        _best_hand(out.data)
 
     _halving(out, o["batch"], run)
 

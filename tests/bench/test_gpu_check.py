@@ -50,6 +50,13 @@ def test_every_part_ends_with_a_result_or_a_reason_and_carries_provenance(tiny):
     assert [f.name for f in out.glob("*.json")] == ["gpu_check.json"]  # at most 2 JSON files, here the one
 
 
+def test_seconds_a_part_leaves_unused_go_to_the_next_part(tiny):
+    """The tests part is skipped at once on the CPU: the resnet part may spend its seconds too."""
+    parts, limits = tiny[1]["parts"], tiny[1]["limits_s"]
+    assert parts["tests"]["banked_s"] == 0 and parts["resnet"]["banked_s"] > limits["tests"] - 30
+    assert parts["resnet"]["limit_s"] == pytest.approx(limits["resnet"] + parts["resnet"]["banked_s"], abs=0.2)
+
+
 def test_resnet_rows_ratios_and_mfu(tiny):
     part = tiny[1]["parts"]["resnet"]
     assert part["status"] == "ok", part.get("error")
@@ -71,10 +78,13 @@ def test_resnet_rows_ratios_and_mfu(tiny):
     assert {"all/hand", "all/lightning", "all/naive"} <= set(res["ratios"])
     assert res["ratios"]["all/hand"]["speedup"] > 0 and len(res["ratios"]["all/hand"]["iqr"]) == 2
     assert res["ratios"]["all_eager/hand"]["speedup"] > 0 and res["rows"]["all_eager"]["decisions"]["compile"]
-    first, last = res["stages"]  # the rows timed before fit's compile trial warms up, kept should it run out of time
-    assert "all" not in first["timed"] and first["rows"]["hand"]["img_per_s"] > 0
+    first, last = res["stages"][0], res["stages"][res["stage"]]  # the rows timed before fit's compile trial warms up,
+    assert "all" not in first["timed"] and first["rows"]["hand"]["img_per_s"] > 0  # kept should it run out of time
     assert first["ratios"]["all/hand"] is None
-    assert "all" in last["timed"] and res["stage"] == 1 and res["rounds_done"] == last["rounds_done"] >= 1
+    assert "all" in last["timed"] and res["stage"] >= 1 and res["rounds_done"] == last["rounds_done"] >= 1
+    # the compiled hand loop comes last, and only where it may compile (here: off, and said why)
+    assert res["rows"]["hand_compile"]["status"] == "skipped" and res["rows"]["hand_compile"]["reason"]
+    assert res["best_hand"] == "hand" and res["ratios"]["all/best_hand"] == res["ratios"]["all/hand"]
 
 
 def test_gpt_rows_mfu_and_measured_peak(tiny):
@@ -109,6 +119,7 @@ def test_a_part_past_its_limit_is_recorded_as_timed_out_and_the_next_part_still_
     assert list(report["parts"]) == ["resnet", "gpt"] and report["finished"]
     resnet = report["parts"]["resnet"]
     assert resnet["status"] == "timed_out" and resnet["limit_s"] == 0.5 and "timed out" in resnet["error"]
+    assert resnet["banked_s"] == 0 and report["parts"]["gpt"]["banked_s"] == 0  # a part at its limit leaves none
     assert _provenance_ok(resnet["provenance"])  # the driver's, when the part had none of its own yet
     gpt = report["parts"]["gpt"]
     assert gpt["status"] == "ok" and gpt["result"]["rows"]["all"]["tokens_per_s"] > 0
