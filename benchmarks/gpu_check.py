@@ -65,10 +65,12 @@ TTA_SOURCE = "benchmarks/results/cpu-amx/bench_s5.json"
 
 FULL = {
     "resnet": {"image_size": 224, "batch": 256, "steps": 6, "rounds": 5, "early_rounds": 2, "warmup": 3,
-               "data_batches": 4, "all_run_steps": None, "hand_compile": "auto", "compile_reserve_s": 35},
+               "data_batches": 4, "all_run_steps": None, "hand_compile": "auto", "compile_reserve_s": 35,
+               "profile_s": 10},
     "gpt": {"n_layer": 12, "n_embd": 768, "n_head": 12, "block": 1024, "vocab": 50304, "batch": 16, "steps": 8,
             "rounds": 5, "early_rounds": 2, "warmup": 3, "data_batches": 4, "all_run_steps": None,
-            "hand_compile": "auto", "compile_reserve_s": 40, "matmul_n": 8192, "matmul_iters": 30},
+            "hand_compile": "auto", "compile_reserve_s": 40, "matmul_n": 8192, "matmul_iters": 30,
+            "profile_s": 10},
     "tta": {"source": TTA_SOURCE, "target": 0.97, "configs": ["naive", "all", "auto"], "seeds": 2, "budgets": None},
 }
 # --tiny: the same code at sizes a 2-core CPU runs in seconds; all_run_steps tells fit's compile trial the run
@@ -245,6 +247,10 @@ def summary(name: str, rec: dict) -> list[str]:
         lines += [f"  {k:>13}: {_rate(v, unit)}" for k, v in res["rows"].items()]
         lines += [f"  {k:>13}: {v['speedup']:.3f}x (quartiles {v['iqr']})"
                   for k, v in res.get("ratios", {}).items() if v]
+        for row, p in (res.get("profile") or {}).items():
+            if isinstance(p, dict) and "ops" in p:
+                lines.append(f"  profile {row}: {p['launches_per_step']:.0f} launches/step, syncs {p['syncs_per_step']}, "
+                             + ", ".join(f"{op['name'][:40]} {op['ms_per_step']:.2f} ms" for op in p["ops"][:3]))
         if res.get("measured_matmul_peak"):
             lines.append(f"  matmul peak ({res['measured_matmul_peak']['dtype']}): "
                          f"{res['measured_matmul_peak']['flops_per_s'] / 1e12:.1f} TFLOP/s")

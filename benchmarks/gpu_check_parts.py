@@ -36,7 +36,8 @@ from types import SimpleNamespace
 
 import torch
 
-from gpu_check_rows import Clock, HandRow, LightningRow, Partial, Timing, TrainerRow, measure_rows, out_of_memory
+from gpu_check_rows import (Clock, HandRow, LightningRow, Partial, Timing, TrainerRow, measure_rows, out_of_memory,
+                            profile_rows)
 from torchspeed.bench.flops import peak_bf16_flops, train_flops_per_sample
 from torchspeed.bench.hand import HandSettings
 from torchspeed.bench.runner import provenance
@@ -95,13 +96,23 @@ def _hand_compile_row(o: dict, rows: dict, res: dict, clock: Clock, make_row) ->
                                                                       f"{setting!r}, device {o['device']})"}
 
 
-def _best_hand(res: dict) -> None:
-    """`best_hand`: the faster of the hand loop eager and compiled; the fit rows' ratios against it."""
+def _best_hand(res: dict, rows: dict, o: dict, clock: Clock, save) -> None:
+    """`best_hand`: the faster of the hand loop eager and compiled; the fit rows' ratios against it; then, when
+    o["profile_s"] are left, a profile of `all` and the best hand loop (gpu_check_rows.profile_rows)."""
     done = [r for r in ("hand", "hand_compile") if res["rows"].get(r, {}).get(res["unit"])]
     best = max(done, key=lambda r: res["rows"][r][res["unit"]], default=None)
     res["best_hand"] = best
     for fit_row in ("all", "all_eager"):
         res["ratios"][f"{fit_row}/best_hand"] = res["ratios"].get(f"{fit_row}/{best}") if best else None
+    names = [r for r in ("all", best) if r and res["rows"].get(r, {}).get(res["unit"])]
+    if len(names) < 2 or clock.left() < o["profile_s"]:
+        res["profile"] = {"skipped": f"{clock.left():.0f} s left (under {o['profile_s']} s) or a row missing"}
+        return
+    save()
+    try:
+        res["profile"] = profile_rows(rows, names, o["steps"])
+    except Exception as e:  # the profile is a diagnosis: its failure costs the part nothing it measured
+        res["profile"] = {"error": f"{type(e).__name__}: {e}"}
 
 
 # ---------------------------------------------------------------------------------------------- resnet
@@ -167,7 +178,7 @@ def resnet_part(o: dict, out: Partial, clock: Clock) -> None:
         # (which can reuse the kernels all's compile trial cached) comes when the time left holds one
         measure_rows(rows, out.data, out.save, clock, timing,
                      stages=[("naive", "hand", "lightning", "all_eager"), ("all",), ("hand_compile",)])
-        _best_hand(out.data)
+        _best_hand(out.data, rows, o, clock, out.save)
 
     _halving(out, o["batch"], run)
 
@@ -235,7 +246,7 @@ def gpt_part(o: dict, out: Partial, clock: Clock) -> None:
         # two, the first of which can reuse what the hand loop's compilation cached)
         measure_rows(rows, out.data, out.save, clock, timing, stages=[("hand", "all_eager"), ("hand_compile",),
                                                                       ("all",)])
-        _best_hand(out.data)
+        _best_hand(out.data, rows, o, clock, out.save)
 
     _halving(out, o["batch"], run)
 

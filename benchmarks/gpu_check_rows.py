@@ -277,3 +277,34 @@ def measure_rows(rows: dict, res: dict, save, clock: Clock, t: Timing, stages: l
             res["stages"].append({"stage": i, "timed": list(ready), "rounds_done": 0})
             _time_rounds(ready, res, save, clock, t, t.rounds if i == len(stages) - 1 else t.early_rounds)
             ready = {k: v for k, v in ready.items() if res["rows"][k]["status"] == "ok"}  # failed: out of later stages
+
+
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
+
+
+def profile_rows(rows: dict, names: list[str], steps: int, *, top: int = 12) -> dict:
+    """Where a step's time goes, per row: `steps` steps under torch.profiler, the ops that took the most device time
+    (CPU time where no device ran), kernel launches and host syncs per step. The next lease reads the fit row's
+    gap to the hand loop from this, instead of guessing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    out = {}
+    for name in names:
+        row = rows[name]
+        row.activate()
+        row.steps(1)  # the profiler's own start is not the row's
+        with profile(activities=acts) as prof:
+            row.steps(steps)
+        events = prof.key_averages()
+        key = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+        ops = sorted((e for e in events if key(e) > 0), key=key, reverse=True)[:top]
+        count = {e.key: e.count for e in events}
+        out[name] = {"steps": steps, "timed_on": "device" if cuda else "cpu",
+                     "ops": [{"name": e.key, "per_step": e.count / steps, "ms_per_step": key(e) / 1e3 / steps}
+                             for e in ops],
+                     "launches_per_step": sum(count.get(k, 0) for k in _LAUNCHES) / steps,
+                     "syncs_per_step": {k: count[k] / steps for k in _SYNCS if count.get(k)}}
+    return out

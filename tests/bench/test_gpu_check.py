@@ -100,6 +100,11 @@ def test_gpt_rows_mfu_and_measured_peak(tiny):
     assert res["rows"]["hand_compile"]["status"] == "skipped" and res["rows"]["hand_compile"]["reason"]
     assert res["ratios"]["all/hand"]["speedup"] > 0 and res["best_hand"] == "hand"
     assert res["ratios"]["all/best_hand"] == res["ratios"]["all/hand"] and res["ratios"]["all/hand_compile"] is None
+    prof = res["profile"]  # where fit's step and the best hand loop's spend their time, for the next lease to read
+    assert set(prof) == {"all", "hand"}, prof
+    for name, p in prof.items():
+        assert p["timed_on"] == "cpu" and p["ops"] and all(op["ms_per_step"] > 0 for op in p["ops"]), name
+        assert p["launches_per_step"] == 0 and isinstance(p["syncs_per_step"], dict), name
 
 
 def test_time_to_target_at_the_budgets_given(tiny):
