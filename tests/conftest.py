@@ -1,3 +1,4 @@
+import math
 import os
 import tempfile
 
@@ -69,3 +70,11 @@ class FakeClock:
 def fake_clock():
     """A `FakeClock`; patch it in with `monkeypatch.setattr(module, "time", fake_clock)`."""
     return FakeClock()
+
+
+@pytest.fixture(autouse=True)
+def _unpriced_switch_trials(request, monkeypatch):
+    """A switch trial is priced in real seconds (switches.LiveTrial._price): a slow first step on a loaded machine
+    would stop it. Tests see the unpriced trial unless marked `priced` (those inject their seconds)."""
+    if request.node.get_closest_marker("priced") is None:
+        monkeypatch.setattr("torchspeed.train.autoswitch.PRICE_SHARE", math.inf)

@@ -232,7 +232,48 @@ def test_a_short_run_measures_what_it_can_afford_and_says_so(tiny_cnn):
                                                  "bf16+channels_last": 0.9})
     res2 = t2.fit(_loader(n=48))  # 3 steps: fewer than the candidates; decided on what was measured
     assert res2.steps == 3 and res2.decisions["switch_trial"].value == "measured"
-    assert res2.decisions["switch_trial"].measured["steps"] == 3
+    assert res2.decisions["switch_trial"].measured["steps"] == 3  # (unpriced here: conftest)
+
+
+def _cold_first_steps(trainer, cold_s: float, steady: dict) -> None:
+    """Injected seconds: each candidate's first step `cold_s` (a switch's one-off work: kernels, cuDNN's autotuning,
+    oneDNN's primitives), its later steps `steady[label]`."""
+    seen = set()
+
+    def measure(s, sec):
+        label = s.label().replace("+foreach", "")  # the kernel the trainer built (fused_optimizer=False)
+        first = label not in seen
+        seen.add(label)
+        return cold_s if first else steady[label]
+    trainer.switch_measure_fn = measure
+
+
+STEADY = {"fp32": 0.010, "fp32+channels_last": 0.008, "bf16": 0.012, "bf16+channels_last": 0.009}
+
+
+@pytest.mark.priced
+def test_a_trial_that_would_cost_more_than_a_short_run_can_win_keeps_the_plain_settings(tiny_cnn):
+    """The digits on a fresh H200: 3.6 s of measuring on a 96-step run of 10 ms steps. Here a switch's first step
+    costs 0.5 s and the 12-step run takes ~0.12 s: the trial stops after the plain settings' warm-up and one timed
+    step, and the run keeps them."""
+    t = _trainer(tiny_cnn(), BF16_CPU)
+    _cold_first_steps(t, 0.5, STEADY)
+    res = t.fit(_loader(n=16 * 12))
+    trial = res.decisions["switch_trial"]
+    assert res.steps == 12 and trial.value == "measured" and trial.measured["steps"] == 2
+    assert "not measured: 3 other setting(s)" in trial.measured["stopped"]
+    assert res.decisions["precision"].value == "fp32" and res.decisions["channels_last"].value is False
+    assert "kept the plain settings" in res.decisions["precision"].reason
+
+
+@pytest.mark.priced
+def test_a_run_long_enough_to_pay_for_the_trial_measures_every_setting(tiny_cnn):
+    t = _trainer(tiny_cnn(), BF16_CPU)
+    _cold_first_steps(t, 0.05, STEADY)  # 3 x 0.04 s to try the others, under a quarter of 200 x 10 ms
+    res = t.fit(_loader(n=16 * 200))
+    trial = res.decisions["switch_trial"]
+    assert "stopped" not in trial.measured and trial.measured["steps"] > 8
+    assert res.decisions["channels_last"].value is True and res.decisions["precision"].value == "fp32"
 
 
 def test_a_short_runs_cached_trial_is_measured_again_by_a_run_that_affords_more(tiny_cnn, tmp_path, monkeypatch):

@@ -38,12 +38,14 @@ from torchspeed.train.switches import (LiveTrial, Switches, batch_signature, can
                                        rule_switches, set_fused, trial_steps)
 from torchspeed.train.transfer import batch_layout
 
-__all__ = ["rule_choice", "trial_settings", "TRIAL_SETTINGS", "LIVE_SHARE", "MeasuredSwitches", "kernel_isa"]
+__all__ = ["rule_choice", "trial_settings", "TRIAL_SETTINGS", "LIVE_SHARE", "PRICE_SHARE", "MeasuredSwitches",
+           "kernel_isa"]
 
 log = logging.getLogger("torchspeed")
 
 TRIAL_SETTINGS = {"rounds": 3, "steps": 2, "warmup": 1}
 LIVE_SHARE = 0.25  # a short run spends at most about this share of its steps trying candidates (each step trains)
+PRICE_SHARE = 0.25  # ... and a trial whose settings would cost more than this share of the run's seconds is not run
 # How the trial measures and chooses, in the cache key: a trial cached by an earlier method (which, say, timed the
 # optimizer kernels on whole steps) is measured again, not read. Bump it with any change to the schedule or the choice.
 TRIAL_METHOD = 3
@@ -196,8 +198,10 @@ class MeasuredSwitches:
                 "trial=False: the fixed rules decide"))
         n_later = (2 if fused_choice else 0) + (len(threads) if len(threads) > 1 else 0)
         settings, short = trial_settings(len(grid), n_later, remaining_steps)
+        # priced in seconds on a run of known length; not under DDP, where every rank must run the same schedule
         self.switch_trial = LiveTrial(grid, fused_choice=fused_choice, thread_choices=threads if len(threads) > 1
-                                      else (), **settings)
+                                      else (), run_steps=remaining_steps if self.dist is None else None,
+                                      share=PRICE_SHARE, **settings)
         self._trial_meta = {"grid": [s.label() for s in grid], "fused_choice": fused_choice, "threads": threads,
                             "short": short, "started": None, "cache_checked": False}
         self.decisions.refine("switch_trial", Decision("pending", "measured on the run's first steps" + short))
@@ -325,7 +329,8 @@ class MeasuredSwitches:
         sw = broadcast_object(trial.best)  # every rank runs what rank 0 measured
         report["switches"] = {"precision": sw.precision, "channels_last": sw.channels_last, "fused": sw.fused,
                               "threads": sw.threads}
-        if self.switch_measure_fn is None and is_rank_zero() and self._trial_meta.get("key") and report["steps"]:
+        if (self.switch_measure_fn is None and is_rank_zero() and self._trial_meta.get("key") and report["steps"]
+                and not report.get("stopped")):  # a trial the run could not afford measured nothing to keep
             TrialCache().put(self._trial_meta["key"], report)
         self._settle(sw, "measured", _summary(report), report, Decision(
             "measured", f"{report['steps']} of the run's own steps, each trained; measuring cost "

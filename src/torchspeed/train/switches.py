@@ -43,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -168,10 +169,11 @@ class LiveTrial:
 
     def __init__(self, grid: list[Switches], *, fused_choice: bool = False, thread_choices: tuple[int, ...] = (),
                  rounds: int = 3, steps: int = 2, warmup: int = 1, min_gain: float = 1.02, loss_tol: float = 0.05,
-                 losses: dict[str, float] | None = None):
+                 losses: dict[str, float] | None = None, run_steps: int | None = None, share: float = 0.25):
         self.grid, self.fused_choice, self.thread_choices = grid, fused_choice, thread_choices
         self.rounds, self.steps, self.warmup = rounds, steps, warmup
         self.min_gain, self.loss_tol = min_gain, loss_tol
+        self.run_steps, self.share = run_steps, share  # the trial's price in seconds: see _price
         self.losses = dict(losses or {})
         self.report: dict = {"failed": {}, "rejected": {}, "stages": [], "rounds": rounds, "steps_per_round": steps,
                              "warmup": warmup}
@@ -201,6 +203,10 @@ class LiveTrial:
         schedule = turns(cands, rounds=self.rounds, warmup=self.warmup, repeat=self.steps,
                          warm=[s for s in cands if s != self.best])  # the winner is warm
         self._queue = [(t.key, t.round > 0) for t in schedule]
+        if name == "precision x layout" and self.run_steps is not None and self.warmup and len(cands) > 1:
+            # the plain settings' first timed step right after their warm-up: the step's cost and a switch's
+            # one-off cost are known before any other candidate is tried (_price)
+            self._queue.insert(self.warmup, self._queue.pop(self._queue.index((cands[0], True))))
         self._pruned = self._part_timed = False
         self._warm: list[tuple[Switches, float, bool]] = []  # (candidate, seconds, the run's first step)
 
@@ -246,8 +252,29 @@ class LiveTrial:
             else:
                 self._part_timed = True
             self._drop_long_shots()
+            if self.stage == "precision x layout" and s == self.grid[0] and len(self.times[s]) == 1:
+                self._price(seconds)
         if not self._queue:
             self._end_stage()
+
+    def _price(self, step_s: float) -> None:
+        """The trial priced in seconds, once the plain settings have one warm-up and one timed step: each other
+        candidate costs at least a switch's one-off work (the plain settings' first step over their timed one:
+        kernel loading, cuDNN's autotuning, oneDNN's primitives; an upper estimate, as it holds the process's
+        start-up too) or a step. Where that exceeds `share` of the run's seconds at the plain settings' pace,
+        no gain the trial could find pays for it: the run keeps the plain settings (`report["stopped"]`)."""
+        warm = [sec for c, sec, _ in self._warm if c == self.grid[0]]
+        if self.run_steps is None or not warm:
+            return
+        switch_s = max(max(warm) - step_s, step_s) * self.warmup
+        others = len(self.candidates) - 1 + (1 if self.fused_choice else 0) + len(self.thread_choices)
+        cost, run_s = others * switch_s, self.run_steps * step_s
+        if math.isinf(self.share) or cost <= self.share * run_s:
+            return
+        self.report["stopped"] = (f"not measured: {others} other setting(s) would cost about {cost:.2f} s to try "
+                                  f"(a switch's first step {switch_s:.3f} s), over {self.share:.0%} of this "
+                                  f"{self.run_steps}-step run's ~{run_s:.2f} s at the plain settings' pace")
+        self._queue, self._stages = [], []
 
     def fail(self, error: BaseException) -> None:
         """The current candidate cannot run (a precision this model cannot take): out of the race, said why."""
@@ -270,6 +297,8 @@ class LiveTrial:
             plain = self.grid[0]
             rejected = self._numerics(plain)
             best, why = choose(times, plain=plain, min_gain=self.min_gain, rejected=rejected)
+            if self.report.get("stopped"):
+                best, why = plain, "kept the plain settings, " + self.report["stopped"]
         else:
             # within the noise the run keeps the kernel it started with (the rule's: fused where torch has one, a
             # 2-3x cheaper optimizer step on a CPU), not foreach: a 1-step trial cannot resolve a 10% step difference
