@@ -44,7 +44,8 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     clip_grad_norm, label_smoothing, schedule, log_every, max_steps, out_dir, ...).
     `batch_size="auto"` (or an int), `lr="auto"` and `loader="auto"` run the tuners first and
     rebuild the DataLoader from its dataset (see `torchspeed.tune.auto`).
-    `lr=None` is 0.1 with a one-cycle schedule; an LR you set (or an optimizer object you pass) is trained at
+    `lr=None` is the optimizer's own default LR (SGD 0.1, AdamW and Adam 1e-3: `optim_info.default_lr`) as the peak
+    of a one-cycle schedule; an LR you set (or an optimizer object you pass) is trained at
     as it is, with a constant schedule, unless `schedule=` says otherwise (`train.schedule.default_schedule`,
     docs/train.md). `weight_decay=None` takes the optimizer's default (its row, `torchspeed.train.optim_info.WEIGHT_DECAY`:
     5e-4 for SGD, 0.05 for AdamW); biases and norm weights never decay. `momentum` (SGD,

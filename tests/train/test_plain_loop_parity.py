@@ -206,6 +206,22 @@ def test_fit_trains_at_the_lr_it_was_given_and_says_why():
     assert "schedule" not in built.decisions and built.history[-1]["lr"] < 0.01  # a TrainConfig's schedule stands
 
 
+def test_a_run_that_names_an_optimizer_and_no_lr_trains_at_that_optimizers_default():
+    """fit(optimizer="adamw") with no LR trained AdamW at a one-cycle peak of 0.1, SGD's LR, 100x Adam's own."""
+    from torchspeed.train.optim_info import default_lr
+    from torchspeed.train.trainer import Trainer
+
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=20, shuffle=True)
+    res = torchspeed.fit(_model(), loader, epochs=3, optimizer="adamw", **_quiet())
+    sched = res.decisions["schedule"]
+    assert sched.value == "onecycle" and "lr=0.001 (adamw's default LR)" in sched.reason
+    assert max(r["lr"] for r in res.history) <= 1e-3 + 1e-12  # the one-cycle's peak is AdamW's 1e-3
+    assert default_lr("adamw") == default_lr("Adam") == 1e-3 and default_lr("sgd") == 0.1
+    assert Trainer(_model(), optimizer="adamw").optimizer.param_groups[0]["lr"] == 1e-3
+    assert Trainer(_model()).optimizer.param_groups[0]["lr"] == 0.1  # SGD, as before
+
+
 def test_a_constant_schedule_can_warm_up():
     x, y = _data()
     res = torchspeed.fit(_model(), DataLoader(TensorDataset(x, y), batch_size=20), epochs=2, lr=0.01,

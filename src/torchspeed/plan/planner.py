@@ -51,12 +51,12 @@ from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, Decisions, TrialCache
 from torchspeed.train.distributed import maybe_init_distributed
 from torchspeed.train.sampler import rebuild_loader
-from torchspeed.train.schedule import DEFAULT_LR, default_schedule, lr_given
+from torchspeed.train.optim_info import default_lr
+from torchspeed.train.schedule import default_schedule, lr_given
 from torchspeed.tune.auto import tune_for_fit
 
 __all__ = ["Plan", "make_plan", "BUILT_IN"]
 
-DEFAULT_RECIPE_LR = 0.1  # the prior peak LR when the recipe is asked to choose it and cannot afford to measure
 GIVEN_LOOP_KEEPS = ("lr", "label_smoothing")  # recipe parts left out when the run gives its own LR (docs/recipe.md)
 
 
@@ -137,10 +137,10 @@ def _schedule(ctx: RunContext) -> None:
     if not ctx.schedule_given:
         dec = ctx.decisions["schedule"] = default_schedule(lr=ctx.lr, optimizer=ctx.optimizer, recipe=ctx.recipe)
         ctx.cfg = replace(ctx.cfg, schedule=dec.value)
-    if ctx.lr is None:
-        ctx.lr = DEFAULT_LR
+    if ctx.lr is None:  # the named optimizer's own default LR (SGD 0.1, AdamW 1e-3)
+        ctx.lr = default_lr(ctx.optimizer)
     if ctx.recipe and ctx.lr == "auto":  # the recipe's LR part decides; this is its prior when it cannot measure
-        ctx.lr = DEFAULT_RECIPE_LR
+        ctx.lr = default_lr(ctx.optimizer)
 
 
 def _tuners(ctx: RunContext) -> None:

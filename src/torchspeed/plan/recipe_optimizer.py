@@ -43,7 +43,7 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
         if why_not:
             d["optimizer"] = Decision(given, "; ".join(why_not))
         return
-    lrs = {n: optimizer_info(n).default_lr or lr for n in cands}  # Schedule-Free at its own default LR
+    lrs = {n: lr if n == given else optimizer_info(n).default_lr or lr for n in cands}  # Schedule-Free at its own
     measured = False
     if gate.measure("optimizer", len(cands) * OPTIMIZER_TRIAL_STEPS):
         trial = compare_optimizers(model, loader, tuple(cands), lr=lrs, precision=precision, loss_fn=loss_fn,

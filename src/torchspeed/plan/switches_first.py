@@ -30,9 +30,9 @@ from torchspeed.plan.recipe import BATCH_COST
 from torchspeed.plan.recipe_optimizer import OPTIMIZER_TRIAL_STEPS
 from torchspeed.plan.stages import RunContext, run_length
 from torchspeed.train.decision import Decision
+from torchspeed.train.optim_info import default_lr
 from torchspeed.train.precision import normalize_precision
 from torchspeed.train.sampler import keep_rng, take_batches
-from torchspeed.train.schedule import DEFAULT_LR
 from torchspeed.train.trainer import Trainer
 from torchspeed.train.transfer import to_device
 
@@ -62,7 +62,7 @@ def wants_switches_first(ctx: RunContext) -> bool:
 def switches_first(ctx: RunContext) -> None:
     """Run the switch trial on copies and the probe batches; its precision is the context's from here on."""
     opts = ctx.optimizer_options or {}
-    lr = ctx.lr if isinstance(ctx.lr, (int, float)) else DEFAULT_LR
+    lr = ctx.lr if isinstance(ctx.lr, (int, float)) else default_lr(ctx.optimizer)
     cfg = replace(ctx.cfg, progress=False, compile=False, checkpoint_dir=None, resume=None, out_dir=None,
                   malloc=False, max_steps=None)
     with keep_rng(ctx.loader):  # the run sees the same batches and RNG as without this stage

@@ -314,18 +314,23 @@ def averaged_weights(optimizer):
 # Weight decay: SGD and LARS 5e-4 (the ResNet convention); AdamW 0.05 and LAMB 0.02 (timm's: decoupled decay is
 # multiplied by the LR, so it needs a larger value); Muon with match_rms_adamw reuses AdamW's (Liu et al. 2025,
 # "Muon is Scalable"). FSDP2's DTensor shards have no fused-SGD kernel (AdamW's works).
+# The default LR (what a run that names the optimizer and no LR trains at, the peak of its one-cycle): SGD's 0.1 (the
+# ResNet convention), the Adam family's and LAMB's own 1e-3 (torch's and timm's defaults; NAdam's 2e-3), Muon's 1e-3
+# (match_rms_adamw scales its update to AdamW's, so AdamW's LR carries over), LARS's 0.1 (SGD-like with its trust
+# ratio), Schedule-Free AdamW's own 0.0025.
 for _info in (
-    OptimInfo("sgd", torch.optim.SGD, 5e-4, fusable=True, fused_shards=False, momentum=True, nesterov=True),
-    OptimInfo("adamw", torch.optim.AdamW, 0.05, "sqrt", fusable=True, betas=True),
-    OptimInfo("lamb", "timm.optim:Lamb", 0.02, "sqrt", betas=True, extra="timm"),
-    OptimInfo("lars", "timm.optim:Lars", 5e-4, momentum=True, extra="timm"),
-    OptimInfo("muon", MuonAdamW, 0.05, "sqrt", betas=True, build=_muon_adamw),
+    OptimInfo("sgd", torch.optim.SGD, 5e-4, fusable=True, fused_shards=False, momentum=True, nesterov=True,
+              default_lr=0.1),
+    OptimInfo("adamw", torch.optim.AdamW, 0.05, "sqrt", fusable=True, betas=True, default_lr=1e-3),
+    OptimInfo("lamb", "timm.optim:Lamb", 0.02, "sqrt", betas=True, default_lr=1e-3, extra="timm"),
+    OptimInfo("lars", "timm.optim:Lars", 5e-4, momentum=True, default_lr=0.1, extra="timm"),
+    OptimInfo("muon", MuonAdamW, 0.05, "sqrt", betas=True, default_lr=1e-3, build=_muon_adamw),
     # Schedule-Free AdamW (Defazio et al. 2024): no LR schedule, its warm-up set by the Trainer; 0.0025 is its own
     OptimInfo("schedulefree", "schedulefree:AdamWScheduleFree", 0.05, "sqrt", betas=True, schedule_free=True,
               default_lr=0.0025, extra="schedulefree"),
-    OptimInfo("adam", torch.optim.Adam, 0.0, "sqrt", fusable=True, betas=True),
-    OptimInfo("nadam", torch.optim.NAdam, 0.0, "sqrt", betas=True),
-    OptimInfo("radam", torch.optim.RAdam, 0.0, "sqrt", betas=True),
+    OptimInfo("adam", torch.optim.Adam, 0.0, "sqrt", fusable=True, betas=True, default_lr=1e-3),
+    OptimInfo("nadam", torch.optim.NAdam, 0.0, "sqrt", betas=True, default_lr=2e-3),
+    OptimInfo("radam", torch.optim.RAdam, 0.0, "sqrt", betas=True, default_lr=1e-3),
 ):
     register_optimizer(_info)
 del _info

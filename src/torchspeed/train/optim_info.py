@@ -28,7 +28,7 @@ import torch
 
 from torchspeed._extras import require
 
-__all__ = ["OptimInfo", "OPTIM_INFO", "LR_RULES", "register_optimizer", "optimizer_info", "info_for",
+__all__ = ["OptimInfo", "OPTIM_INFO", "LR_RULES", "register_optimizer", "optimizer_info", "default_lr", "info_for",
            "optimizer_available", "OPTIMIZERS", "WEIGHT_DECAY", "default_weight_decay"]
 
 LR_RULES = ("linear", "sqrt")
@@ -54,7 +54,7 @@ class OptimInfo:
     nesterov: bool = False           # takes `nesterov`
     betas: bool = False              # takes `betas`
     schedule_free: bool = False      # needs no LR schedule (Schedule-Free: train()/eval() around evaluation)
-    default_lr: float | None = None  # its own default LR, where it has one
+    default_lr: float | None = None  # its own default LR: a run that names it and no LR trains at it (None: 0.1)
     extra: str | None = None         # the extra it needs (pip install 'torchspeed[extra]'); None: torch alone
     build: Callable[..., torch.optim.Optimizer] | None = None
 
@@ -99,6 +99,13 @@ def optimizer_info(name: str) -> OptimInfo:
     if info is None:
         raise ValueError(f"optimizer {name!r} is not one of {', '.join(OPTIM_INFO)}; or pass a torch.optim.Optimizer")
     return info
+
+
+def default_lr(optimizer: object) -> float:
+    """The LR a run trains at when it gives none: the named optimizer's own default (`OptimInfo.default_lr`), else 0.1
+    (SGD's; an optimizer object carries its own LR, and this is only a fallback for it)."""
+    info = OPTIM_INFO.get(optimizer.lower()) if isinstance(optimizer, str) else None
+    return info.default_lr if info is not None and info.default_lr is not None else 0.1
 
 
 def info_for(optimizer: torch.optim.Optimizer | None) -> OptimInfo | None:

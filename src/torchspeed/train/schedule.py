@@ -29,13 +29,12 @@ import math
 import torch
 
 from torchspeed.train.decision import Decision
-from torchspeed.train.optim_info import OPTIM_INFO
+from torchspeed.train.optim_info import OPTIM_INFO, default_lr
 
-__all__ = ["SCHEDULES", "DEFAULT_LR", "lr_given", "default_schedule", "create_scheduler", "scale_lr",
+__all__ = ["SCHEDULES", "lr_given", "default_schedule", "create_scheduler", "scale_lr",
            "warmup_cosine_factor", "steps_in_run", "lr_rule", "batch_lr_factor", "scale_lr_for_batch", "rescale_lr"]
 
 SCHEDULES = ("onecycle", "cyclic", "cosine", "constant")
-DEFAULT_LR = 0.1  # fit's LR when none is given (the peak of its one-cycle schedule)
 
 
 def lr_given(lr: float | str | None, optimizer: object) -> bool:
@@ -48,7 +47,7 @@ def default_schedule(*, lr: float | str | None, optimizer: object, recipe: str |
 
     - `lr="auto"`, or `recipe="auto"` with no LR given: "onecycle" (the LR is chosen as a one-cycle peak);
     - an LR given as a number, or an optimizer object (it carries the user's LR), with a recipe or not: "constant";
-    - no LR given: "onecycle" around `DEFAULT_LR`.
+    - no LR given: "onecycle" around the optimizer's own default LR (`optim_info.default_lr`: SGD 0.1, AdamW 1e-3).
     """
     given = lr_given(lr, optimizer)
     if lr == "auto" or (recipe == "auto" and not given):
@@ -57,7 +56,9 @@ def default_schedule(*, lr: float | str | None, optimizer: object, recipe: str |
         what = "the optimizer's LR" if isinstance(optimizer, torch.optim.Optimizer) else f"lr={lr:g}"
         return Decision("constant", f"rule: you set {what}, so the run trains at it as a loop without a "
                         "scheduler does; pass schedule='onecycle' (or 'cosine') to anneal it")
-    return Decision("onecycle", f"rule: no LR given, so one-cycle around lr={DEFAULT_LR:g} (torchspeed's default)")
+    name = optimizer if isinstance(optimizer, str) else "the optimizer"
+    return Decision("onecycle", f"rule: no LR given, so one-cycle around lr={default_lr(optimizer):g} ({name}'s "
+                                "default LR)")
 
 
 def steps_in_run(steps_per_epoch: int | None, epochs: int, *, grad_accum: int = 1,

@@ -53,6 +53,7 @@ from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
 from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
 from torchspeed.train.decision import Decision, Decisions
 from torchspeed.train.bnstats import batchnorm_layers
+from torchspeed.train.optim_info import default_lr
 from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, averaged_weights, create_optimizer, describe_optimizer,
                                     is_schedule_free, zero_grad)
 from torchspeed.train.precision import MixedPrecision, Precision
@@ -98,7 +99,7 @@ class Trainer(MeasuredSwitches):
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
-                 optimizer: str | torch.optim.Optimizer = "sgd", lr: float = 0.1, weight_decay: float | None = None,
+                 optimizer: str | torch.optim.Optimizer = "sgd", lr: float | None = None, weight_decay: float | None = None,
                  momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999), device: torch.device | str | None = None,
                  config: TrainConfig | None = None, caps: DeviceCaps | None = None,
                  callbacks: Iterable[Callback] | None = None, loggers: Iterable | None = None, mesh=None,
@@ -148,10 +149,9 @@ class Trainer(MeasuredSwitches):
                              "pass nn.CrossEntropyLoss(label_smoothing=...) as loss_fn instead")
         self.loss_fn, self.step_fn = loss_fn, step_fn
 
-        self.optimizer = optimizer = self._build_optimizer(optimizer, lr=lr, weight_decay=weight_decay,
-                                                           momentum=momentum, betas=betas)
-        self.scheduler = None
-        self.total_steps: int | None = None
+        self.optimizer = optimizer = self._build_optimizer(optimizer, lr=default_lr(optimizer) if lr is None else lr,
+                                                           weight_decay=weight_decay, momentum=momentum, betas=betas)
+        self.scheduler, self.total_steps = None, None  # set by fit (setup_schedule)
 
         # T25: which module runs the forward (eager, compiled, or the compile="auto" trial deciding).
         self.compiler = CompileController(self.model, cfg.compile, device=self.device, mode=cfg.compile_mode,
