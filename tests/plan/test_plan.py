@@ -57,7 +57,7 @@ def test_a_short_run_decides_the_lr_from_its_prior_and_says_so(tiny_cnn):
 def test_the_tuners_run_at_the_precision_the_switch_trial_chose(tiny_cnn, monkeypatch, measure_here):
     """The rule says bf16 on this (injected) bf16 CPU; the trial measures fp32 faster: the range test runs in fp32."""
     from torchspeed.train.trainer import Trainer
-    from torchspeed.plan import recipe_lr as lr_mod
+    from torchspeed.tune import lr_peak as lr_mod
 
     monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx512_bf16")
     seconds = {"fp32": 0.5, "fp32+channels_last": 0.6, "bf16": 1.0, "bf16+channels_last": 1.0}

@@ -148,7 +148,8 @@ def test_the_plans_trials_measure_at_the_precision_the_switch_trial_chose(tiny_c
     """The rule says bf16 on this (injected) bf16 CPU; the injected switch trial measures fp32 faster. The optimizer
     trial and the batch timing (before training) and the LR range test (in the run) all run in fp32."""
     import torchspeed.tune.optimizer_trial as trial_mod
-    from torchspeed.plan import budget, recipe, recipe_lr, recipe_optimizer
+    from torchspeed.plan import budget, recipe, recipe_optimizer
+    from torchspeed.tune import lr_peak
     from torchspeed.train.callbacks import Callback
     from torchspeed.train.trainer import Trainer
 
@@ -169,11 +170,11 @@ def test_the_plans_trials_measure_at_the_precision_the_switch_trial_chose(tiny_c
         seen["batch timing"].append(kw["precision"])
         return None, Decision(None, "injected: the loader's batch stays")
 
-    real_find_lr = recipe_lr.find_lr
+    real_find_lr = lr_peak.find_lr
     monkeypatch.setattr(recipe_optimizer, "schedule_free_available", lambda: True)
     monkeypatch.setattr(recipe_optimizer, "compare_optimizers", optimizer_trial)
     monkeypatch.setattr(recipe, "choose_batch_size", batch_timing)
-    monkeypatch.setattr(recipe_lr, "find_lr", lambda *a, **k: seen["LR range test"].append(k["precision"])
+    monkeypatch.setattr(lr_peak, "find_lr", lambda *a, **k: seen["LR range test"].append(k["precision"])
                         or real_find_lr(*a, **k))
 
     class StopAfterTheLR(Callback):

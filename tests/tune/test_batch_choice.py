@@ -129,7 +129,7 @@ def test_fit_rebuilds_the_loader_at_the_recipes_batch_and_scales_the_lr(monkeypa
 
 def test_the_lr_trial_reports_the_noise_scale_where_its_run_ended():
     from torchspeed.tune.lr import find_lr
-    from torchspeed.plan.recipe_lr import refine_onecycle_peak
+    from torchspeed.tune.lr_peak import refine_onecycle_peak
 
     model, loader = _net(), _loader()
     before = {k: v.clone() for k, v in model.state_dict().items()}

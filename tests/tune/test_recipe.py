@@ -169,7 +169,7 @@ def _fake_trial(monkeypatch, best):
 @pytest.mark.parametrize("best", ["schedulefree", "sgd"])
 def test_schedule_free_is_measured_against_the_given_optimizer_when_the_budget_allows(monkeypatch, best):
     pytest.importorskip("schedulefree")
-    from torchspeed.plan import recipe_lr as lr_mod
+    from torchspeed.tune import lr_peak as lr_mod
     from torchspeed.train.optim import SCHEDULE_FREE_LR
 
     asked = _fake_trial(monkeypatch, best)

@@ -63,7 +63,8 @@ from torch import nn
 from torchspeed.env import default_device
 from torchspeed.plan.budget import TuningBudget
 from torchspeed.plan.parts import PARTS, Gate, Recipe, guarded, recipe_key
-from torchspeed.plan.recipe_lr import LR_TRIAL_FACTORS, choose_lr_part
+from torchspeed.plan.recipe_lr import choose_lr_part
+from torchspeed.tune.lr_peak import LR_TRIAL_FACTORS
 from torchspeed.plan.recipe_optimizer import choose_optimizer_part
 from torchspeed.plan.recipe_tta import TTA_COST
 from torchspeed.train.batch import default_loss, first_samples, forward_loss

@@ -7,9 +7,12 @@ the new batch size and the tuned worker settings.
 
 - batch_size="auto": the fastest batch `find_batch_size` measures (T17), at most 1/16 of the
   dataset (an epoch keeps at least 16 steps), or an int.
-- lr="auto": `find_lr` on the user's loader at its own batch size; the one-cycle max LR
-  when the schedule is one-cycle, otherwise the suggestion.
-- When the batch changes, the LR (tuned or given) is scaled by the optimizer's rule
+- lr="auto": the one LR chooser (`tune.lr_peak.choose_peak_lr`, which the recipe's LR part
+  calls too) on the user's loader: the range test's one-cycle pick,
+  refined by a short one-cycle trial of it and 2x, 4x, when the schedule is one-cycle;
+  otherwise the range test's suggestion.
+- lr="auto" is measured at the batch the run trains with (the tuned one, the loader rebuilt for
+  it). When the batch changes, a given LR is scaled by the optimizer's rule
   (`schedule.scale_lr_for_batch`: linear for SGD, square root for the Adam family; T17), the
   same rule the recipe's batch part uses.
 - loader="auto": `tune_loader` at the final batch size, with the model step as consumer.
@@ -33,6 +36,7 @@ from torchspeed.env import default_device
 from torchspeed.train.sampler import rebuild_loader
 from torchspeed.train.decision import Decision
 from torchspeed.train.schedule import lr_rule, scale_lr_for_batch
+from torchspeed.tune.lr_peak import LR_TRIAL_STEPS, choose_peak_lr
 
 __all__ = ["tune_for_fit"]
 
@@ -75,12 +79,13 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         new_batch = batch_size
 
-    if lr == "auto":
-        lr_val, decisions["lr_find"] = _range_test_lr(model, train_loader, scratch_optimizer, schedule=schedule,
-                                                      old_batch=old_batch, **measure)
+    if lr == "auto":  # measured at the batch the run trains with: nothing to scale
+        at = rebuild_loader(train_loader, batch_size=new_batch) if new_batch != old_batch else train_loader
+        lr_val, decisions["lr_find"] = _range_test_lr(model, at, scratch_optimizer, schedule=schedule,
+                                                      old_batch=new_batch, **measure)
     else:
         lr_val = float(lr)
-    if new_batch != old_batch and old_batch:
+    if new_batch != old_batch and old_batch and lr != "auto":
         scaled = scale_lr_for_batch(lr_val, new_batch, old_batch, optimizer)
         decisions["lr"] = Decision(scaled, f"{lr_val:.3g} scaled to batch {new_batch} from {old_batch} by the "
                                            f"{lr_rule(optimizer)} rule (T17)")
@@ -135,17 +140,16 @@ def _fastest_batch(model: nn.Module, train_loader: DataLoader, make_optimizer: C
 def _range_test_lr(model: nn.Module, train_loader: Iterable, make_optimizer: Callable[[float], torch.optim.Optimizer],
                    *, schedule: str | None, old_batch: int | None, loss_fn: Callable | None, step_fn: Callable | None,
                    precision: str, progress: bool) -> tuple[float, Decision]:
-    """lr="auto" (T15): `find_lr` on the user's loader at its own batch size; the one-cycle max LR when the schedule
-    is one-cycle, otherwise the suggestion, with the rule and confidence behind it."""
-    from torchspeed.tune.lr import find_lr
-
-    res_lr = find_lr(model, train_loader, loss_fn=loss_fn, step_fn=step_fn, optimizer=make_optimizer(1e-6),
-                     precision=precision, progress=progress)
-    lr_val = res_lr.max_lr if schedule == "onecycle" else res_lr.suggestion
-    return lr_val, Decision(lr_val, f"{'one-cycle max' if schedule == 'onecycle' else 'suggestion'} of the "
-                                    f"range test{f' at batch {old_batch}' if old_batch else ''}; "
-                                    f"{res_lr.rule}; confidence {res_lr.confidence}"
-                                    f"{': ' + res_lr.warning if res_lr.warning else ''}")
+    """lr="auto" (T15): the one LR chooser (`tune.lr_peak.choose_peak_lr`, the recipe's LR part too) on the user's
+    loader at the run's batch: the range test, and on a one-cycle run the short trial of its pick and 2x, 4x."""
+    choice = choose_peak_lr(model, train_loader, optimizer=make_optimizer(1e-6), schedule=schedule, loss_fn=loss_fn,
+                            step_fn=step_fn, trial_steps=LR_TRIAL_STEPS if schedule == "onecycle" else 0,
+                            precision=precision, progress=progress)
+    res = choice.result
+    return choice.lr, Decision(choice.lr, f"{choice.how}{f' at batch {old_batch}' if old_batch else ''}; "
+                                          f"{res.rule}; confidence {res.confidence}"
+                                          f"{': ' + res.warning if res.warning else ''} ({choice.steps} steps)",
+                               measured=choice.measured)
 
 
 def _set_peak_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
