@@ -234,3 +234,19 @@ def test_first_samples_cuts_every_per_sample_part_and_leaves_the_rest():
     cut = first_samples((imgs, targets), 2)  # detection: lists of samples
     assert len(cut[0]) == len(cut[1]) == 2 and cut[0][1] is imgs[1]
     assert first_samples((x[:2], y[:2]), 4)[0].shape[0] == 2  # already as small: as it is
+
+
+def test_a_target_the_default_loss_cannot_take_is_named_with_both_shapes_and_the_fix():
+    """torch says "0D or 1D target tensor expected, multi-target not supported" and names neither shape."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 2))
+    mask = DataLoader(TensorDataset(torch.randn(8, 3, 2, 2), torch.zeros(8, 2, 2, dtype=torch.long)), batch_size=4)
+    with pytest.raises(ValueError, match=r"logits of shape \(4, 2\) and a target of shape \(4, 2, 2\).*class "
+                                         r"indices of shape \(4,\)"):
+        torchspeed.fit(model, mask, epochs=1, progress=False, trial=False, compile=False)
+    values = DataLoader(TensorDataset(torch.randn(8, 12), torch.randn(8)), batch_size=4)  # regression, no loss_fn
+    reg = nn.Sequential(nn.Linear(12, 1))
+    with pytest.raises(ValueError, match=r"logits of shape \(4, 1\) and a target of shape \(4,\).*nn.MSELoss"):
+        torchspeed.fit(reg, values, epochs=1, progress=False, trial=False, compile=False)
+    ok = torchspeed.fit(nn.Sequential(nn.Linear(12, 3)), DataLoader(TensorDataset(  # shapes that fit: untouched
+        torch.randn(8, 12), torch.softmax(torch.randn(8, 3), 1)), batch_size=4), epochs=1, progress=False)
+    assert ok.steps == 2

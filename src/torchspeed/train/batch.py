@@ -68,7 +68,32 @@ class SequenceCrossEntropy(nn.CrossEntropyLoss):
         if input.dim() >= 3 and target.dim() == input.dim() - 1 and input.shape[:-1] == target.shape \
                 and not target.is_floating_point():
             return super().forward(input.reshape(-1, input.shape[-1]), target.reshape(-1))
-        return super().forward(input, target)
+        try:
+            return super().forward(input, target)
+        except (RuntimeError, ValueError) as e:  # torch's words name neither shape: say which and the fix
+            why = _shape_mismatch(input, target)
+            if why is None:
+                raise
+            raise ValueError(why) from e
+
+
+def _shape_mismatch(logits: torch.Tensor, target: torch.Tensor) -> str | None:
+    """Why the default cross-entropy cannot take these shapes, with the fix; None where the shapes fit (the error
+    was something else)."""
+    lt, tt = tuple(logits.shape), tuple(target.shape)
+    if target.is_floating_point():
+        if lt == tt:
+            return None
+        fits = f"class probabilities of the logits' shape {lt}, or class indices (an integer tensor)"
+    elif logits.dim() == target.dim() + 1 and lt[:1] == tt[:1] and lt[2:] == tt[1:]:
+        return None
+    else:
+        fits = (f"class indices of shape {lt[:1] + lt[2:]} (one per sample{', per position' if logits.dim() > 2 else ''})"
+                if logits.dim() >= 2 else "a 0-dim class index")
+    return (f"the default cross-entropy got logits of shape {lt} and a target of shape {tt} "
+            f"({str(target.dtype).replace('torch.', '')}): for these logits the target must be {fits}. Check what "
+            "the loader yields as the target (a mask or a one-hot where indices were meant, a missing squeeze), or "
+            "pass loss_fn= for another loss (nn.MSELoss() for regression)")
 
 
 def default_loss(label_smoothing: float = 0.0) -> nn.Module:
