@@ -196,3 +196,27 @@ def test_with_nothing_measured_before_training_the_switch_trial_stays_on_the_run
     res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1, recipe="auto", progress=False, compile=False, malloc=False)
     assert res.decisions["switch_plan"].value == "on the run's first steps"
     assert res.decisions["tuning"].measured["steps_off_run"] == 0
+
+
+def test_under_fit_the_plan_decides_the_backends_and_the_rules_and_the_trainer_only_applies_them(tiny_cnn,
+                                                                                                    monkeypatch):
+    """fit = the plan + the Trainer: the backend switches (cudnn.benchmark and TF32, threads, malloc) and the rules'
+    precision and layout are decided once, by the plan's "backends" and "rules" stages, before any stage measures;
+    the Trainer reads them. A Trainer built without a plan still decides them itself, with the same functions."""
+    import torchspeed.train.trainer as trainer_mod
+    from torchspeed.train.trainer import Trainer
+
+    before = [s.name for s in stages("before")]
+    assert before.index("backends") < before.index("switches") < before.index("tuners")
+    assert before.index("rules") < before.index("switches")
+
+    def refuse(*a, **k):
+        raise AssertionError("the Trainer decided what the plan had decided")
+
+    monkeypatch.setattr(trainer_mod, "decide_backends", refuse)
+    monkeypatch.setattr(trainer_mod, "rule_choice", refuse)
+    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1, lr=0.05, progress=False, compile=False, trial=False)
+    d = res.decisions
+    assert d["threads"].value >= 1 and d["precision"].reason.startswith("rule:") and "channels_last" in d
+    with pytest.raises(AssertionError, match="the Trainer decided"):
+        Trainer(tiny_cnn(), lr=0.05, config=TrainConfig(**FAST))  # on its own, it decides (here: refused)

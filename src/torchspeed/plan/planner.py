@@ -47,6 +47,8 @@ from torchspeed.plan.recipe import choose_recipe
 from torchspeed.plan.recipe_tta import after_training
 from torchspeed.plan.stages import RunContext, RunStages, Stage, register_stage, run_event, run_length, stages
 from torchspeed.plan.switches_first import switches_first, wants_switches_first
+from torchspeed.train.autoswitch import rule_choice
+from torchspeed.train.backends import apply_backends, decide_backends
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, Decisions, TrialCache
 from torchspeed.train.distributed import maybe_init_distributed
@@ -130,6 +132,19 @@ def _capabilities(ctx: RunContext) -> None:
     ctx.decisions["switch_plan"] = Decision("on the run's first steps", "precision x layout x optimizer kernel (x "
                                             "threads) timed on real training steps that count toward the run; 0 "
                                             "steps on a cache hit")
+
+
+def _backends(ctx: RunContext) -> None:
+    """cudnn.benchmark and TF32 (CUDA), the intra-op threads and glibc malloc's settings (CPU), put into effect now:
+    the tuners and trials after it measure under what the run trains with."""
+    ctx.decisions.update(decide_backends(ctx.dev, ctx.cfg))
+    apply_backends(ctx.dev, ctx.decisions)
+
+
+def _rules(ctx: RunContext) -> None:
+    """The rules' precision and layout: what the run trains with until (or unless) its switch trial measures."""
+    ctx.decisions.update(rule_choice(ctx.model, caps=ctx.caps, precision=ctx.cfg.precision,
+                                     channels_last=ctx.cfg.channels_last)[1])
 
 
 def _schedule(ctx: RunContext) -> None:
@@ -223,6 +238,10 @@ BUILT_IN = (
           what="torchrun's process group and this rank's device"),
     Stage("capabilities", "before", _capabilities, needs=("distributed",), fallback=False,
           what="what the device runs natively; the switch trial is planned on the run's first steps"),
+    Stage("backends", "before", _backends, needs=("capabilities",), fallback=False,
+          what="cudnn.benchmark and TF32 (CUDA), threads and malloc (CPU), in effect from here"),
+    Stage("rules", "before", _rules, needs=("capabilities",), fallback=False,
+          what="the rules' precision and layout, until the switch trial measures"),
     Stage("schedule", "before", _schedule, fallback=False, what="the schedule rule and the prior LR"),
     Stage("switches", "before", switches_first, needs=("capabilities", "schedule"), cost="the trial's steps, off the "
           "run", what="precision x layout (x kernel) measured first when a later stage measures: it measures at "

@@ -34,7 +34,8 @@ import torch
 from torchspeed.env import GLIBC_MALLOC_ENV, allocator_in_use, usable_cores
 from torchspeed.train.decision import Decision
 
-__all__ = ["configure_backends", "enable_tf32", "tune_malloc"]
+__all__ = ["configure_backends", "backend_decisions", "decide_backends", "apply_backends", "BACKEND_KEYS",
+           "enable_tf32", "tune_malloc"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 _malloc_tuned: Decision | None = None
@@ -42,24 +43,65 @@ _malloc_tuned: Decision | None = None
 
 def configure_backends(device: torch.device | str, *, fixed_shapes: bool = True, tf32: bool = True,
                        cudnn_benchmark: bool | None = None) -> dict[str, object]:
-    """Set the process-wide switches for `device`; return a `Decision` per switch set."""
+    """Set the process-wide switches for `device`; return a `Decision` per switch set
+    (`backend_decisions`, then `apply_backends`)."""
+    decisions = backend_decisions(device, fixed_shapes=fixed_shapes, tf32=tf32, cudnn_benchmark=cudnn_benchmark)
+    apply_backends(device, decisions)
+    return decisions
+
+
+def backend_decisions(device: torch.device | str, *, fixed_shapes: bool = True, tf32: bool = True,
+                      cudnn_benchmark: bool | None = None) -> dict[str, Decision]:
+    """What `apply_backends` should set for `device`, and why: cudnn.benchmark and TF32 on CUDA; the intra-op
+    threads on a CPU (no more than its usable cores). Sets nothing (the plan decides, the Trainer applies)."""
     device = torch.device(device)
-    applied: dict[str, Decision] = {}
     if device.type == "cuda":
         bench = fixed_shapes if cudnn_benchmark is None else cudnn_benchmark
-        torch.backends.cudnn.benchmark = bool(bench)
-        applied["cudnn_benchmark"] = Decision(bool(bench), "asked for" if cudnn_benchmark is not None else (
-            "fixed input shapes: cuDNN times its algorithms once" if fixed_shapes else "input shapes vary"))
-        how = enable_tf32() if tf32 else "off"
-        applied["tf32"] = Decision(bool(tf32), f"fp32 matmuls and convolutions on Tensor Cores (Ampere+): {how}")
-    else:
-        cores = usable_cores()
-        before = torch.get_num_threads()
-        if before > cores:
-            torch.set_num_threads(cores)
-        applied["threads"] = Decision(torch.get_num_threads(), f"{cores} usable cores" + (
-            f" (was {before}: oversubscribed)" if before > cores else ""))
-    return applied
+        how = ("allow_tf32 on cuda.matmul and cudnn (torch.get_float32_matmul_precision() stays readable)"
+               if _legacy_readable() else "fp32_precision = 'tf32' on cuda.matmul, cudnn.conv, cudnn.rnn (this "
+               "process already sets precision per backend)") if tf32 else "off"
+        return {"cudnn_benchmark": Decision(bool(bench), "asked for" if cudnn_benchmark is not None else (
+                    "fixed input shapes: cuDNN times its algorithms once" if fixed_shapes else "input shapes vary")),
+                "tf32": Decision(bool(tf32), f"fp32 matmuls and convolutions on Tensor Cores (Ampere+): {how}")}
+    if device.type != "cpu":
+        return {}
+    cores, before = usable_cores(), torch.get_num_threads()
+    return {"threads": Decision(min(before, cores), f"{cores} usable cores" + (
+        f" (was {before}: oversubscribed)" if before > cores else ""))}
+
+
+def apply_backends(device: torch.device | str, decisions) -> None:
+    """Put `decisions` (`backend_decisions`' keys) into effect, process-wide; a key not there is left as it is."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if "cudnn_benchmark" in decisions:
+            torch.backends.cudnn.benchmark = bool(decisions["cudnn_benchmark"].value)
+        if "tf32" in decisions and decisions["tf32"].value:
+            enable_tf32()
+    elif "threads" in decisions and decisions["threads"].value != torch.get_num_threads():
+        torch.set_num_threads(int(decisions["threads"].value))
+
+
+BACKEND_KEYS = ("cudnn_benchmark", "tf32", "threads", "malloc")  # what `decide_backends` decides
+
+
+def decide_backends(device: torch.device | str, config) -> dict[str, Decision]:
+    """`backend_decisions` from a TrainConfig's settings (`cudnn_benchmark`, `deterministic`, `malloc`), with glibc
+    malloc's training settings on a CPU (`tune_malloc`: process-wide, once). The plan's "backends" stage calls it;
+    a Trainer built without a plan calls it itself."""
+    bench = None if config.cudnn_benchmark == "auto" else bool(config.cudnn_benchmark)
+    out = backend_decisions(device, cudnn_benchmark=False if config.deterministic else bench)
+    if torch.device(device).type == "cpu" and config.malloc:
+        out["malloc"] = tune_malloc()
+    return out
+
+
+def _legacy_readable() -> bool:
+    try:
+        torch.backends.cuda.matmul.allow_tf32  # raises once this process has written a per-backend fp32_precision
+    except RuntimeError:
+        return False
+    return True
 
 
 def enable_tf32(backends=None) -> str:

@@ -31,7 +31,8 @@ from torch import nn
 
 from torchspeed.env import DeviceCaps, default_device, sync
 from torchspeed.train.autoswitch import MeasuredSwitches, rule_choice
-from torchspeed.train.backends import configure_backends, tune_malloc
+from torchspeed.train.switches import Switches
+from torchspeed.train.backends import BACKEND_KEYS, apply_backends, decide_backends
 from torchspeed.train.batch import batch_size, default_loss, forward_loss
 from torchspeed.train.callbacks import Callback, CallbackList
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
@@ -119,18 +120,18 @@ class Trainer(MeasuredSwitches):
         self._prepared = self.sharded = False  # sharded: FSDP2 (fsdp.py), checkpoints in DCP folders (dcp.py)
         self.device = self.dist.device if self.dist is not None else default_device(device)
         self.decisions = decisions if isinstance(decisions, Decisions) else Decisions(decisions or {})  # the plan's
-        # What this device can accelerate: every automatic choice below is a function of it (tests inject it).
-        self.caps = caps or DeviceCaps.of(self.device)
-        benchmark = None if cfg.cudnn_benchmark == "auto" else bool(cfg.cudnn_benchmark)
-        self.decisions.update(configure_backends(self.device, cudnn_benchmark=False if cfg.deterministic else benchmark))
-        if self.device.type == "cpu" and cfg.malloc:  # glibc malloc's training settings, in this process
-            self.decisions["malloc"] = tune_malloc()
+        self.caps = caps or DeviceCaps.of(self.device)  # what the device accelerates (tests inject it)
+        if not any(k in self.decisions for k in BACKEND_KEYS):  # fit's plan decided them ("backends"); else here
+            self.decisions.update(decide_backends(self.device, cfg))
+        apply_backends(self.device, self.decisions)
 
         model = unwrap_data_parallel(model)
         self.model = model.to(self.device)
-        # The rules decide now (the loop is usable at once); `prepare` measures the switches left on "auto".
-        prior, rules = rule_choice(self.model, caps=self.caps, precision=cfg.precision, channels_last=cfg.channels_last)
-        self.decisions.update(rules)
+        if "precision" not in self.decisions:  # the rules' precision and layout: fit's plan decided them ("rules")
+            self.decisions.update(rule_choice(self.model, caps=self.caps, precision=cfg.precision,
+                                              channels_last=cfg.channels_last)[1])  # `prepare` measures "auto" ones
+        rules = self.decisions
+        prior = Switches(rules["precision"].value, bool(rules["channels_last"].value))
         self.channels_last = prior.channels_last
         if self.channels_last:
             apply_channels_last(self.model)
@@ -152,7 +153,6 @@ class Trainer(MeasuredSwitches):
         self.optimizer = optimizer = self._build_optimizer(optimizer, lr=default_lr(optimizer) if lr is None else lr,
                                                            weight_decay=weight_decay, momentum=momentum, betas=betas)
         self.scheduler, self.total_steps = None, None  # set by fit (setup_schedule)
-
         # T25: which module runs the forward (eager, compiled, or the compile="auto" trial deciding).
         self.compiler = CompileController(self.model, cfg.compile, device=self.device, mode=cfg.compile_mode,
                                           min_run_s=cfg.compile_min_run_s, decide_all_ranks=broadcast_object,
