@@ -96,11 +96,11 @@ class TrainerRow:
 
     def warm(self) -> dict:
         """As `fit` starts: the switches left on "auto" decided by trial on the first steps, then compile's trial."""
-        self.trainer.prepare(self.data, remaining_steps=self.remaining_steps)
+        self.trainer.switcher.prepare(self.data, remaining_steps=self.remaining_steps)
         if self.remaining_steps is not None:  # as fit does: a run too short to pay back a compilation stays eager
             self.trainer.compiler.plan(self.remaining_steps)
         total, taken = self.steps(self.warmup), self.warmup
-        while self.trainer.switch_trial is not None or self.trainer.compiler.undecided:
+        while self.trainer.switcher.live is not None or self.trainer.compiler.undecided:
             total += self.steps(1)
             taken += 1
         self.benchmark = torch.backends.cudnn.benchmark

@@ -6,6 +6,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
+from torchspeed.train.autoswitch import SwitchStage
 from torchspeed.plan import TuningBudget, make_plan
 from torchspeed.plan.parts import PARTS
 from torchspeed.train.config import TrainConfig
@@ -61,9 +62,9 @@ def test_the_tuners_run_at_the_precision_the_switch_trial_chose(tiny_cnn, monkey
 
     monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx512_bf16")
     seconds = {"fp32": 0.5, "fp32+channels_last": 0.6, "bf16": 1.0, "bf16+channels_last": 1.0}
-    monkeypatch.setattr(Trainer, "switch_measure_fn",
+    monkeypatch.setattr(SwitchStage, "measure_fn",
                         staticmethod(lambda s, sec: seconds[s.label().replace("+fused", "").replace("+foreach", "")]))
-    monkeypatch.setattr(Trainer, "_numerics_losses", lambda self, batch: {})
+    monkeypatch.setattr(SwitchStage, "_numerics_losses", lambda self, batch: {})
     seen = []
     real = lr_mod.find_lr
     monkeypatch.setattr(lr_mod, "find_lr", lambda *a, **k: seen.append(k["precision"]) or real(*a, **k))

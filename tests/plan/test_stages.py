@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
+from torchspeed.train.autoswitch import SwitchStage
 from torchspeed.plan.stages import STAGES, RunContext, Stage, register_stage, render_stages, stages, unregister_stage
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, DecisionConflict, Decisions
@@ -46,7 +47,7 @@ def test_a_stage_registered_in_a_test_runs_at_its_event_with_no_other_edit(tiny_
         ctx.decisions["probe_before"] = Decision(ctx.run_steps, "read from the context")
 
     def in_run(ctx: RunContext):
-        seen.append(("after_switches", ctx.trainer.step, ctx.trainer.switch_trial))
+        seen.append(("after_switches", ctx.trainer.step, ctx.trainer.switcher.live))
         ctx.trainer.decisions["probe_in_run"] = Decision(ctx.trainer.step, "at the first step end")
 
     def after(ctx: RunContext):
@@ -157,9 +158,9 @@ def test_the_plans_trials_measure_at_the_precision_the_switch_trial_chose(tiny_c
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(budget, "TUNING_SHARE", 20.0)  # every part affordable
     seconds = {"fp32": 0.5, "fp32+channels_last": 0.6, "bf16": 1.0, "bf16+channels_last": 1.0}
-    monkeypatch.setattr(Trainer, "switch_measure_fn",
+    monkeypatch.setattr(SwitchStage, "measure_fn",
                         staticmethod(lambda s, sec: seconds[s.label().replace("+fused", "").replace("+foreach", "")]))
-    monkeypatch.setattr(Trainer, "_numerics_losses", lambda self, batch: {})
+    monkeypatch.setattr(SwitchStage, "_numerics_losses", lambda self, batch: {})
     seen: dict[str, list] = {"optimizer trial": [], "batch timing": [], "LR range test": []}
 
     def optimizer_trial(model, data, names, **kw):

@@ -135,9 +135,9 @@ def test_the_guard_follows_a_precision_switch_without_a_rebuild():
     guard = t.guard
     guard.skipped.fill_(3)
     assert guard.mode == "host"  # fp32 on CPU: the guard reads the loss and skips bad steps itself
-    t.apply_switches(Switches("fp16", False, None, None))  # fp16: the GradScaler skips them
+    t.switcher.apply(Switches("fp16", False, None, None))  # fp16: the GradScaler skips them
     assert t.guard is guard and guard.mode == "scaler" and int(guard.skipped) == 3
-    t.apply_switches(Switches("fp32", False, None, None))
+    t.switcher.apply(Switches("fp32", False, None, None))
     assert guard.mode == "host"
 
 

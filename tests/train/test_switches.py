@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
+from torchspeed.train.autoswitch import SwitchStage
 from torchspeed.env import DeviceCaps
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.precision import resolve_precision
@@ -75,7 +76,7 @@ def _trainer(model, caps, *, seconds=None, optimizer=None, lr=0.05, **cfg):
         def measure(s, sec):  # labels without "+foreach" stand for the foreach kernel the trainer built
             calls.append(s.label())
             return seconds[s.label()] if s.label() in seconds else seconds[s.label().replace("+foreach", "")]
-        t.switch_measure_fn = measure
+        t.switcher.measure_fn = measure
         t.calls = calls
     return t
 
@@ -86,7 +87,7 @@ def test_bf16_cpu_where_bf16_loses_keeps_fp32(tiny_cnn):
     t = _trainer(tiny_cnn(), BF16_CPU, seconds=seconds, fused_optimizer="auto")
     res = t.fit(_loader(n=16 * 200))  # long enough for the full trial
     d = res.decisions
-    assert t.switches() == Switches("fp32", True, True, t.switches().threads)
+    assert t.switcher.current() == Switches("fp32", True, True, t.switcher.current().threads)
     assert isinstance(d["precision"], Decision) and d["precision"].value == "fp32"
     assert d["channels_last"].value is True and d["fused_optimizer"].value is True
     assert d["switch_trial"].value == "measured" and d["switch_trial"].measured["stages"][0]["chosen"] == \
@@ -154,7 +155,7 @@ def test_the_long_shot_cut_is_measured_from_a_candidate_the_numerics_guard_allow
 def test_a_half_precision_that_moves_the_loss_is_not_taken(tiny_cnn, monkeypatch):
     from torchspeed.train.trainer import Trainer
 
-    monkeypatch.setattr(Trainer, "_numerics_losses", lambda self, batch: {"fp32": 2.3, "bf16": 2.9})
+    monkeypatch.setattr(SwitchStage, "_numerics_losses", lambda self, batch: {"fp32": 2.3, "bf16": 2.9})
     t = _trainer(tiny_cnn(), BF16_CPU, seconds={"fp32": 1.0, "fp32+channels_last": 1.0, "bf16": 0.5,
                                                 "bf16+channels_last": 0.5})
     res = t.fit(_loader(n=320))
@@ -186,7 +187,7 @@ def _record_input_layouts(t):
 
     def hook(_m, args):
         if torch.is_grad_enabled():  # training steps only, not the trial's no-grad numerics check
-            seen.append((t.switch_trial is None, t.channels_last,
+            seen.append((t.switcher.live is None, t.channels_last,
                          args[0].is_contiguous(memory_format=torch.channels_last)))
     conv.register_forward_pre_hook(hook)
     return seen
@@ -245,7 +246,7 @@ def _cold_first_steps(trainer, cold_s: float, steady: dict) -> None:
         first = label not in seen
         seen.add(label)
         return cold_s if first else steady[label]
-    trainer.switch_measure_fn = measure
+    trainer.switcher.measure_fn = measure
 
 
 STEADY = {"fp32": 0.010, "fp32+channels_last": 0.008, "bf16": 0.012, "bf16+channels_last": 0.009}
@@ -341,7 +342,7 @@ def test_fit_and_the_bench_all_row_make_the_same_decisions(monkeypatch):
     seconds = {"fp32+fused": 1.0, "fp32+channels_last+fused": 0.7, "bf16+fused": 0.9,
                "bf16+channels_last+fused": 0.8, "fp32+channels_last+foreach": 0.75}
     monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx512_bf16")
-    monkeypatch.setattr(Trainer, "switch_measure_fn", staticmethod(lambda s, sec: seconds[s.label()]))
+    monkeypatch.setattr(SwitchStage, "measure_fn", staticmethod(lambda s, sec: seconds[s.label()]))
     all_cfg = next(c for c in bench_configs(torch.device("cpu"), compile=False) if c.name == "all").train
     from dataclasses import asdict
     spec = {"data": "synthetic", "train_size": 64, "val_size": 32, "seed": 0, "device": "cpu", "num_workers": 0,
@@ -529,9 +530,8 @@ def test_the_optimizer_kernel_stage_times_the_optimizer_step_alone(tiny_cnn, mon
     t.optimizer.register_step_post_hook(
         lambda opt, *a: fake_clock.advance(0.002 if opt.defaults.get("fused") else 0.006))
     trials = []
-    real_finish = type(t).finish_switch_trial
-    monkeypatch.setattr(type(t), "finish_switch_trial", lambda self: (trials.append(self.switch_trial),
-                                                                        real_finish(self))[1])
+    real_finish = SwitchStage.finish
+    monkeypatch.setattr(SwitchStage, "finish", lambda self: (trials.append(self.live), real_finish(self))[1])
     res = t.fit(_loader(n=16 * 200))
     stages = {s["stage"]: s for s in res.decisions["switch_trial"].measured["stages"]}
     kernel, layout = stages["optimizer kernel"], stages["precision x layout"]
@@ -549,7 +549,7 @@ def test_a_trial_cached_by_another_method_is_measured_again(tiny_cnn, monkeypatc
 
     seconds = {"fp32": 1.0, "fp32+channels_last": 0.5}
     first = _trainer(tiny_cnn(), AVX2, seconds=seconds)
-    first.switch_measure_fn = None  # real timings, so the result is cached
+    first.switcher.measure_fn = None  # real timings, so the result is cached
     first.fit(_loader(n=16 * 40))
     again = _trainer(tiny_cnn(), AVX2)
     assert again.fit(_loader(n=16 * 40)).decisions["switch_trial"].value == "cached"
@@ -567,9 +567,9 @@ def test_a_measured_kernel_keeps_why_the_optimizer_was_chosen(tiny_cnn):
     t = Trainer(tiny_cnn(), optimizer="sgd", lr=0.1, device="cpu", config=TrainConfig(
         precision="fp32", channels_last=False, compile=False, trial=False, progress=False, fused_optimizer=True),
         decisions={"optimizer": Decision("schedulefree", "cached: measured by an earlier run")})  # the plan's
-    t.apply_switches(Switches("fp32", False, fused=False))
+    t.switcher.apply(Switches("fp32", False, fused=False))
     d = t.decisions["optimizer"]
     assert "foreach" in d.value and d.reason == "cached: measured by an earlier run; its kernel measured"
-    t.apply_switches(Switches("fp32", False, fused=True))  # the trial's candidates take turns: said once
-    t.apply_switches(Switches("fp32", False, fused=False))
+    t.switcher.apply(Switches("fp32", False, fused=True))  # the trial's candidates take turns: said once
+    t.switcher.apply(Switches("fp32", False, fused=False))
     assert t.decisions["optimizer"].reason == "cached: measured by an earlier run; its kernel measured"

@@ -115,9 +115,9 @@ class _TrainerState(_State):
         # What fit() does: measure the switches left on "auto" on this model's first training steps (the bench
         # stands for a long run: the full trial). Here, not at set-up: the configs set up all at once but warm up
         # one at a time, so the trial has the cores to itself.
-        self.trainer.prepare(self.loader)
+        self.trainer.switcher.prepare(self.loader)
         total, taken = self.steps(n), n
-        while self.trainer.switch_trial is not None or self.trainer.compiler.undecided:  # finish both trials
+        while self.trainer.switcher.live is not None or self.trainer.compiler.undecided:  # finish both trials
             total += self.steps(1)
             taken += 1
         self._restart()

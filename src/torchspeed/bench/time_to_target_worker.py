@@ -57,7 +57,7 @@ class _StopWhenSettled(Callback):
     that same step end)."""
 
     def on_step_end(self, trainer):
-        if trainer.switch_trial is None and not trainer.should_stop:
+        if trainer.switcher.live is None and not trainer.should_stop:
             trainer.request_stop("the cache is filled: the switch trial and the in-run parts decided")
 
 

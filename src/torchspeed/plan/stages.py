@@ -177,7 +177,7 @@ class RunStages(Callback):
         self.ctx, self.done = ctx, False
 
     def on_step_end(self, trainer) -> None:
-        if self.done or trainer.switch_trial is not None:
+        if self.done or trainer.switcher.live is not None:
             return
         self.done = True
         self.ctx.trainer = trainer

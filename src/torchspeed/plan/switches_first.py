@@ -71,12 +71,12 @@ def switches_first(ctx: RunContext) -> None:
         trainer = Trainer(model, loss_fn=ctx.loss_fn, step_fn=ctx.step_fn, optimizer=optimizer, lr=float(lr),
                           weight_decay=ctx.weight_decay, momentum=opts.get("momentum", 0.9),
                           betas=opts.get("betas", (0.9, 0.999)), device=ctx.dev, config=cfg, caps=ctx.caps)
-        trainer.prepare(ctx.loader, remaining_steps=run_length(ctx.loader, ctx.cfg))  # the run's own trial key
+        trainer.switcher.prepare(ctx.loader, remaining_steps=run_length(ctx.loader, ctx.cfg))  # the run's own trial key
         steps = 0
-        while trainer.switch_trial is not None and steps < MAX_PROBE_STEPS:
+        while trainer.switcher.live is not None and steps < MAX_PROBE_STEPS:
             trainer.step_batch(batches[steps % len(batches)])
             steps += 1
-        trainer.finish_switch_trial()
+        trainer.switcher.finish()
     ctx.precision = trainer.precision.name
     how = trainer.decisions["switch_trial"]
     steps = int((how.measured or {}).get("steps", steps))  # a cache hit: 0 (its one step was the cache check)

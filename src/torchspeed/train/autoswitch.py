@@ -1,7 +1,7 @@
 """The trainer's measured choice of precision, channels_last, fused kernels and threads, on its own steps
 (T18, T21, T23; the candidates, the schedule and the choice are `switches.py`).
 
-`MeasuredSwitches.prepare` turns the settings left on "auto" into a plan: the fixed rules when
+`SwitchStage.prepare` turns the settings left on "auto" into a plan: the fixed rules when
 nothing is left to choose (or `trial=False`, or a deterministic run), else a `LiveTrial` armed
 for the run's first steps. At the first step the trial cache is read (this model, input
 shape, machine, kernels and torch version measured before: 0 steps measured); on a miss the
@@ -12,7 +12,7 @@ out for it). The user's RNG and the loader's data order are untouched: nothing i
 the loader that the run does not train on.
 
 Example:
-    >>> trainer.prepare(loader, remaining_steps=400)   # fit does this; the trial runs in the first steps
+    >>> trainer.switcher.prepare(loader, remaining_steps=400)   # fit does this; the trial runs in the first steps
     >>> trainer.decisions["switch_trial"]
 """
 
@@ -38,7 +38,7 @@ from torchspeed.train.switches import (LiveTrial, Switches, batch_signature, can
                                        rule_switches, set_fused, trial_steps)
 from torchspeed.train.transfer import batch_layout
 
-__all__ = ["rule_choice", "trial_settings", "TRIAL_SETTINGS", "LIVE_SHARE", "PRICE_SHARE", "MeasuredSwitches",
+__all__ = ["rule_choice", "trial_settings", "TRIAL_SETTINGS", "LIVE_SHARE", "PRICE_SHARE", "SwitchStage",
            "kernel_isa"]
 
 log = logging.getLogger("torchspeed")
@@ -155,36 +155,46 @@ def _state_follows_layout(optimizer: torch.optim.Optimizer) -> None:
                     st[k] = v.contiguous(memory_format=fmt)
 
 
-class MeasuredSwitches:
-    """The trainer's side of the measured switches (a mixin of `Trainer`): arm the trial, run each of the
-    run's first steps with the trial's candidate in effect, put the winner into effect, report it."""
+class SwitchStage:
+    """The switch trial of one Trainer (`trainer.switcher`): arm it (`prepare`), run each of the run's first steps
+    with its candidate in effect (`step`, which the Trainer calls while `live`), put the winner into effect and
+    report it (`finish`); `apply` puts any `Switches` into effect, `current` says which are.
 
-    switch_trial: LiveTrial | None = None
-    switch_measure_fn = None  # tests: (switches, measured seconds) -> the seconds to record
+    A part the Trainer holds, not a base class of it: it reads and sets the Trainer's precision, layout and
+    optimizer kernel through `self.t`, and writes its decisions into the Trainer's (the plan's) `Decisions`."""
+
+    measure_fn = None  # tests: (switches, measured seconds) -> the seconds to record
+
+    def __init__(self, trainer, *, prepared: bool = False):
+        self.t = trainer
+        self.live: LiveTrial | None = None  # the trial while it runs
+        self.prepared = prepared  # True: nothing to arm (FSDP2's sharded forward is collective: no trial)
+        self._fixed: dict = {}
+        self._trial_meta: dict = {}
 
     def prepare(self, loader: Iterable, *, remaining_steps: int | None = None) -> None:
         """Decide the switches left on "auto": the rules, or a trial on the run's first steps (`remaining_steps`
         None: a run of unknown length). Once; fit and the bench's `all` call it."""
-        if self._prepared:
+        if self.prepared:
             return
-        self._prepared, cfg = True, self.config
+        self.prepared, cfg = True, self.t.config
         precision = normalize_precision(cfg.precision)
         # Under DDP the gradient buckets were laid out for the current memory format: the layout stays.
-        layout = self.channels_last if self.dist is not None else cfg.channels_last
+        layout = self.t.channels_last if self.t.dist is not None else cfg.channels_last
         fused = cfg.fused_optimizer
-        has_conv = has_conv2d(self.module)
-        cur_fused = _current_fused(self.optimizer)
+        has_conv = has_conv2d(self.t.module)
+        cur_fused = _current_fused(self.t.optimizer)
         self._fixed = {"precision": None if precision == "auto" else "asked for",
                        "channels_last": None if layout == "auto" else (
                            "asked for" if has_conv or not layout else "asked for (no 2D convolutions to change)"),
                        "fused": None if fused == "auto" else "asked for"}
-        grid = candidate_grid(caps=self.caps, has_conv=has_conv, precision=precision, channels_last=layout,
+        grid = candidate_grid(caps=self.t.caps, has_conv=has_conv, precision=precision, channels_last=layout,
                               fused=cur_fused)
         fused_choice = fused == "auto" and cur_fused is not None
-        threads = _thread_choices(loader, self.device, self.caps)
-        prior = rule_switches(caps=self.caps, has_conv=has_conv, precision=precision, channels_last=layout,
+        threads = _thread_choices(loader, self.t.device, self.t.caps)
+        prior = rule_switches(caps=self.t.caps, has_conv=has_conv, precision=precision, channels_last=layout,
                               fused=cur_fused)
-        rule_why = (f"{prior.precision} is the half precision this {self.caps.device_type.upper()} runs natively"
+        rule_why = (f"{prior.precision} is the half precision this {self.t.caps.device_type.upper()} runs natively"
                     if prior.precision != "fp32" else "fp32 asked for" if precision != "auto" else
                     "no native half precision") + (
             ", channels_last for a conv net" if prior.channels_last else "")
@@ -199,33 +209,33 @@ class MeasuredSwitches:
         n_later = (2 if fused_choice else 0) + (len(threads) if len(threads) > 1 else 0)
         settings, short = trial_settings(len(grid), n_later, remaining_steps)
         # priced in seconds on a run of known length; not under DDP, where every rank must run the same schedule
-        self.switch_trial = LiveTrial(grid, fused_choice=fused_choice, thread_choices=threads if len(threads) > 1
-                                      else (), run_steps=remaining_steps if self.dist is None else None,
-                                      share=PRICE_SHARE, **settings)
+        self.live = LiveTrial(grid, fused_choice=fused_choice, thread_choices=threads if len(threads) > 1 else (),
+                              run_steps=remaining_steps if self.t.dist is None else None, share=PRICE_SHARE,
+                              **settings)
         self._trial_meta = {"grid": [s.label() for s in grid], "fused_choice": fused_choice, "threads": threads,
                             "short": short, "started": None, "cache_checked": False}
-        self.decisions.refine("switch_trial", Decision("pending", "measured on the run's first steps" + short))
+        self.t.decisions.refine("switch_trial", Decision("pending", "measured on the run's first steps" + short))
 
     def _settle(self, sw: Switches, how: str, why: str, measured: dict | None, trial: Decision) -> None:
-        self.apply_switches(sw)
-        before = self.decisions.get("channels_last")
+        self.apply(sw)
+        before = self.t.decisions.get("channels_last")
         for k, d in (_as_decisions(sw, how, why, measured, fixed=self._fixed) | {"switch_trial": trial}).items():
-            self.decisions.refine(k, d)  # the trial (or the cache) refines the rule's assumption
+            self.t.decisions.refine(k, d)  # the trial (or the cache) refines the rule's assumption
         clause = "; not applicable to the inputs"  # the batch contract saw list inputs: the note stays
         if sw.channels_last and isinstance(before, Decision) and clause in before.reason:
-            now = self.decisions["channels_last"]
-            self.decisions.refine("channels_last", Decision(True, now.reason + before.reason[before.reason.index(
+            now = self.t.decisions["channels_last"]
+            self.t.decisions.refine("channels_last", Decision(True, now.reason + before.reason[before.reason.index(
                 clause):], now.measured))
 
     # ------------------------------------------------------------------ the run's first steps
     def _cache_key(self, batch) -> str:
         info = detect()
         m = self._trial_meta
-        return TrialCache.key({"model": model_signature(self.module), "batch": batch_signature(batch),
-                               "optimizer": type(self.optimizer).__name__, "caps": self.caps, "cpu": info.cpu_model,
-                               "device": info.device_name if self.device.type != "cpu" else "cpu",
+        return TrialCache.key({"model": model_signature(self.t.module), "batch": batch_signature(batch),
+                               "optimizer": type(self.t.optimizer).__name__, "caps": self.t.caps, "cpu": info.cpu_model,
+                               "device": info.device_name if self.t.device.type != "cpu" else "cpu",
                                "torch": torch.__version__, "grid": m["grid"], "fused_choice": m["fused_choice"],
-                               "threads": m["threads"], "loss": getattr(self.loss_fn, "__class__", type(None)).__name__,
+                               "threads": m["threads"], "loss": getattr(self.t.loss_fn, "__class__", type(None)).__name__,
                                "kernels": kernel_isa(), "method": TRIAL_METHOD})
 
     def _check_cache(self, batch) -> bool:
@@ -233,15 +243,15 @@ class MeasuredSwitches:
         m = self._trial_meta
         m["cache_checked"] = True
         m["key"] = self._cache_key(batch)
-        hit = TrialCache().get(m["key"]) if is_rank_zero() and self.switch_measure_fn is None else None
+        hit = TrialCache().get(m["key"]) if is_rank_zero() and self.measure_fn is None else None
         hit = broadcast_object(hit)
         if hit is None:
             return False
-        now = self.switch_trial
+        now = self.live
         if _depth(hit) < now.rounds * now.steps:
             log.info("torchspeed: the cached switch trial measured less than this run affords: measured again")
             return False
-        self.switch_trial = None
+        self.live = None
         sw = Switches(**hit["switches"])
         report = hit | {"steps": 0, "extra_s": 0.0, "cached_extra_s": hit.get("extra_s")}
         self._settle(sw, "cached trial", _summary(hit), report, Decision(
@@ -252,45 +262,45 @@ class MeasuredSwitches:
     def _numerics_losses(self, batch) -> dict[str, float]:
         """The loss at the current weights on `batch`'s first GUARD_SAMPLES samples in each candidate precision (eval
         mode, no grad): the guard. Rounding moves each sample's loss alike, so a few samples show it."""
-        precisions = list(dict.fromkeys(s.precision for s in self.switch_trial.grid))
+        precisions = list(dict.fromkeys(s.precision for s in self.live.grid))
         if len(precisions) < 2:
             return {}
         batch = first_samples(batch, GUARD_SAMPLES)
-        was, out = self.module.training, {}
-        self.module.eval()
+        was, out = self.t.module.training, {}
+        self.t.module.eval()
         try:
             with torch.no_grad():
                 for p in precisions:
                     try:
-                        with Precision(p, self.device.type).autocast():
-                            out[p] = float(forward_loss(self.module, batch, loss_fn=self.loss_fn,
-                                                        step_fn=self.step_fn).loss.float())
+                        with Precision(p, self.t.device.type).autocast():
+                            out[p] = float(forward_loss(self.t.module, batch, loss_fn=self.t.loss_fn,
+                                                        step_fn=self.t.step_fn).loss.float())
                     except Exception:  # this precision cannot run the model: the trial finds out and says why
                         continue
         finally:
-            self.module.train(was)
+            self.t.module.train(was)
         return out
 
-    def trial_step(self, batch, run_step) -> None:
+    def step(self, batch, run_step) -> None:
         """One of the run's steps while the switch trial is on: the candidate's settings, the step, its time.
         The steps run eager (a compiled module would recompile for each candidate); compile comes after."""
-        with self.compiler.eager():
+        with self.t.compiler.eager():
             self._trial_step(batch, run_step)
 
     def _trial_step(self, batch, run_step) -> None:
-        trial = self.switch_trial
+        trial = self.live
         if not self._trial_meta["cache_checked"]:
             if self._check_cache(batch):
-                return run_step(batch_layout(batch, self.channels_last))
+                return run_step(batch_layout(batch, self.t.channels_last))
             trial.losses = self._numerics_losses(batch)
             self._trial_meta["started"] = time.perf_counter()
         cand = trial.current()
-        self.apply_switches(cand)
+        self.apply(cand)
         batch = batch_layout(batch, cand.channels_last)
         # the optimizer-kernel stage times the optimizer's step alone: the kernels differ there only, and a 3x
         # cheaper optimizer step is a few percent of a whole step, under a whole step's noise
-        clock = _OptimizerClock(self.optimizer, self.device) if (
-            trial.stage == "optimizer kernel" and self.config.grad_accum == 1) else None
+        clock = _OptimizerClock(self.t.optimizer, self.t.device) if (
+            trial.stage == "optimizer kernel" and self.t.config.grad_accum == 1) else None
         t0 = time.perf_counter()
         try:
             run_step(batch)
@@ -298,28 +308,28 @@ class MeasuredSwitches:
             if is_out_of_memory(e) or cand == trial.grid[0]:
                 raise
             trial.fail(e)
-            self._reset_micro()
-            self.apply_switches(trial.grid[0])
+            self.t._reset_micro()
+            self.apply(trial.grid[0])
             run_step(batch_layout(batch, trial.grid[0].channels_last))
         else:
-            sync(self.device)
+            sync(self.t.device)
             sec = time.perf_counter() - t0
             alone = clock.seconds if clock is not None else None
             sec = alone if alone is not None else sec
-            trial.record(self.switch_measure_fn(cand, sec) if self.switch_measure_fn else sec,
+            trial.record(self.measure_fn(cand, sec) if self.measure_fn else sec,
                          whole_step=alone is None)
         finally:
             if clock is not None:
                 clock.remove()
         if trial.done:
-            self.finish_switch_trial()
+            self.finish()
 
-    def finish_switch_trial(self) -> None:
+    def finish(self) -> None:
         """Decide on what the trial measured (all of it, or what a run that ended early allowed), apply, cache."""
-        trial = self.switch_trial
+        trial = self.live
         if trial is None:
             return
-        self.switch_trial = None
+        self.live = None
         if not trial.done:
             trial.finish_early()
         report = dict(trial.report)
@@ -329,40 +339,40 @@ class MeasuredSwitches:
         sw = broadcast_object(trial.best)  # every rank runs what rank 0 measured
         report["switches"] = {"precision": sw.precision, "channels_last": sw.channels_last, "fused": sw.fused,
                               "threads": sw.threads}
-        if (self.switch_measure_fn is None and is_rank_zero() and self._trial_meta.get("key") and report["steps"]
+        if (self.measure_fn is None and is_rank_zero() and self._trial_meta.get("key") and report["steps"]
                 and not report.get("stopped")):  # a trial the run could not afford measured nothing to keep
             TrialCache().put(self._trial_meta["key"], report)
         self._settle(sw, "measured", _summary(report), report, Decision(
             "measured", f"{report['steps']} of the run's own steps, each trained; measuring cost "
                         f"{report['extra_s']:.2f} s over the winner{self._trial_meta['short']}", report))
-        if self.total_steps is not None:  # the compile trial starts from the winner's eager steps
-            self.compiler.after_switch_trial(trial.winner_times(),
-                                             max(0, (self.total_steps - self.step) * self.config.grad_accum))
+        if self.t.total_steps is not None:  # the compile trial starts from the winner's eager steps
+            self.t.compiler.after_switch_trial(trial.winner_times(),
+                                               max(0, (self.t.total_steps - self.t.step) * self.t.config.grad_accum))
 
-    def apply_switches(self, sw: Switches) -> None:
+    def apply(self, sw: Switches) -> None:
         """Put `sw` into effect: autocast dtype (and its scaler), memory layout (weights and optimizer state),
         optimizer kernel, threads."""
-        if sw.precision != self.precision.name:
-            self.precision = MixedPrecision(Precision(sw.precision, self.device.type, "measured"))
-            self.guard.precision_skips = self.precision.scaler is not None  # fp16's scaler skips bad steps itself
-        if sw.channels_last != self.channels_last:
-            self.module.to(memory_format=torch.channels_last if sw.channels_last else torch.contiguous_format)
-            _state_follows_layout(self.optimizer)
-        self.channels_last = sw.channels_last
-        if sw.fused is not None and fusable(self.optimizer) and bool(self.optimizer.defaults.get("fused")) != sw.fused:
-            set_fused(self.optimizer, sw.fused)
-            before = self.decisions.get("optimizer")  # the optimizer's choice (the plan's, or asked for) stands
+        if sw.precision != self.t.precision.name:
+            self.t.precision = MixedPrecision(Precision(sw.precision, self.t.device.type, "measured"))
+            self.t.guard.precision_skips = self.t.precision.scaler is not None  # fp16's scaler skips bad steps itself
+        if sw.channels_last != self.t.channels_last:
+            self.t.module.to(memory_format=torch.channels_last if sw.channels_last else torch.contiguous_format)
+            _state_follows_layout(self.t.optimizer)
+        self.t.channels_last = sw.channels_last
+        if sw.fused is not None and fusable(self.t.optimizer) and bool(self.t.optimizer.defaults.get("fused")) != sw.fused:
+            set_fused(self.t.optimizer, sw.fused)
+            before = self.t.decisions.get("optimizer")  # the optimizer's choice (the plan's, or asked for) stands
             if before is None:
                 why = "kernel measured"
             elif before.reason.endswith("its kernel measured"):  # each candidate's turn flips it: said once
                 why = before.reason
             else:
                 why = f"{before.reason}; its kernel measured"
-            self.decisions.refine("optimizer", Decision(describe_optimizer(self.optimizer), why))
+            self.t.decisions.refine("optimizer", Decision(describe_optimizer(self.t.optimizer), why))
         if sw.threads is not None and sw.threads != torch.get_num_threads():
             torch.set_num_threads(sw.threads)
 
-    def switches(self) -> Switches:  # in effect; saved in checkpoints: a resume runs what the run it continues ran
-        fused = bool(self.optimizer.defaults.get("fused")) if fusable(self.optimizer) else None
-        return Switches(self.precision.name, self.channels_last, fused, torch.get_num_threads() if self.dist is None
-                        and self.device.type == "cpu" else None)
+    def current(self) -> Switches:  # in effect; saved in checkpoints: a resume runs what the run it continues ran
+        fused = bool(self.t.optimizer.defaults.get("fused")) if fusable(self.t.optimizer) else None
+        return Switches(self.t.precision.name, self.t.channels_last, fused, torch.get_num_threads() if self.t.dist is None
+                        and self.t.device.type == "cpu" else None)

@@ -109,8 +109,8 @@ def resume_run(trainer, steps_per_epoch: int | None) -> tuple[int, int]:
 
 def _resume_switches(trainer, switches: dict) -> None:
     """The precision, layout and kernels the resumed run trained with, in effect (no switch trial)."""
-    trainer.apply_switches(Switches(**switches))
-    trainer._prepared = True
+    trainer.switcher.apply(Switches(**switches))
+    trainer.switcher.prepared = True
     for k in ("precision", "channels_last", "switch_trial"):  # what the rule assumed gives way to what ran
         trainer.decisions.refine(k, Decision(switches.get(k, "resumed"), "as in the run being resumed"))
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from torchspeed.env import DeviceCaps, default_device, sync
-from torchspeed.train.autoswitch import MeasuredSwitches, rule_choice
+from torchspeed.train.autoswitch import SwitchStage, rule_choice
 from torchspeed.train.switches import Switches
 from torchspeed.train.backends import BACKEND_KEYS, apply_backends, decide_backends
 from torchspeed.train.batch import batch_size, default_loss, forward_loss
@@ -89,7 +89,7 @@ class FitResult:
         return self.history[-1] if self.history else {}
 
 
-class Trainer(MeasuredSwitches):
+class Trainer:
     """Owns the model, optimizer, precision and schedule for one run; see `torchspeed.fit` for the options.
 
     `loss_fn(output, target)` replaces the default cross-entropy; `step_fn(model, batch)`
@@ -117,7 +117,7 @@ class Trainer(MeasuredSwitches):
         self.dist: DistInfo | None = maybe_init_distributed(cfg.distributed, device=device)
         if self.dist is None and cfg.parallel == "fsdp2":  # FSDP2 and DCP need a group, even of one process
             self.dist = single_process_group(device)
-        self._prepared = self.sharded = False  # sharded: FSDP2 (fsdp.py), checkpoints in DCP folders (dcp.py)
+        self.sharded = False  # FSDP2 (fsdp.py): checkpoints in DCP folders (dcp.py), and no switch trial
         self.device = self.dist.device if self.dist is not None else default_device(device)
         self.decisions = decisions if isinstance(decisions, Decisions) else Decisions(decisions or {})  # the plan's
         self.caps = caps or DeviceCaps.of(self.device)  # what the device accelerates (tests inject it)
@@ -139,7 +139,6 @@ class Trainer(MeasuredSwitches):
         if self.dist is not None:  # DDP, or FSDP2 shards (no rank-0 switch trial: a sharded forward is collective)
             self.module, self.model, self.sharded = wrap_parallel(self.module, cfg, self.dist, precision=prior.precision,
                                                                   mesh=mesh, decisions=self.decisions)
-            self._prepared = self.sharded
         # T21: autocast, the (fp16-scaled) backward and step, and the GradScaler, in one object.
         self.precision = MixedPrecision(Precision(prior.precision, self.device.type, rules["precision"].reason))
 
@@ -164,6 +163,7 @@ class Trainer(MeasuredSwitches):
                                     precision_skips=self.precision.scaler is not None,  # fp16: the scaler skips
                                     all_ranks_max=all_reduce_max if self.dist is not None else None)
         self.step, self._last_loss = 0, float("nan")  # optimizer steps taken; the loss read at the last log sync
+        self.switcher = SwitchStage(self, prepared=self.sharded)  # the switch trial: step_batch steps it
         self._setup_checkpoints(on_checkpoint)
         self._steps_per_epoch, self._ramp, self._history = None, None, []  # set by fit
         # Every callback and logger behind one object: the loop calls each event in one line.
@@ -252,8 +252,8 @@ class Trainer(MeasuredSwitches):
     def step_batch(self, batch) -> None:
         """Train on one device batch (runs the switch trial, then the compile trial, while they are undecided)."""
         try:
-            if self.switch_trial is not None:  # the run's first steps: the switch candidates take turns (autoswitch.py)
-                self.trial_step(batch, self.train_step)
+            if self.switcher.live is not None:  # the run's first steps: the switch candidates take turns
+                self.switcher.step(batch, self.train_step)
             else:
                 self.compiler.run(self.train_step, batch, on_fallback=self._reset_micro, is_fatal=is_out_of_memory)
         except Exception as e:
@@ -275,7 +275,7 @@ class Trainer(MeasuredSwitches):
         moved = (Prefetcher(loader, self.device, channels_last=made_with) if self.config.prefetch else
                  (to_device(b, self.device, non_blocking=False, channels_last=made_with) for b in loader))  # naive
         for batch in moved:
-            if self.switch_trial is None and self.channels_last != made_with:  # a trial step lays out its own
+            if self.switcher.live is None and self.channels_last != made_with:  # a trial step lays out its own
                 batch = batch_layout(batch, self.channels_last)  # as is where already in it
                 if isinstance(moved, Prefetcher):
                     moved.channels_last = self.channels_last  # the next batches are copied in it
@@ -311,7 +311,7 @@ class Trainer(MeasuredSwitches):
         schedule_for_call(self, length.schedule_span())  # the first call's schedule, or a segment for a later one
         self._steps_per_epoch = steps_per_epoch
         start_epoch, start_batch = (resume_run(self, None if ramp else steps_per_epoch) if cfg.resume else (0, 0))
-        self.prepare(train_loader, remaining_steps=length.micro_batches_left(self.total_steps, self.step))
+        self.switcher.prepare(train_loader, remaining_steps=length.micro_batches_left(self.total_steps, self.step))
         self.compiler.plan(length.micro_batches_left(self.total_steps, self.step))  # short runs are not compiled
         total = length.batches_left(start_epoch, start_batch, total_steps=self.total_steps, step=self.step)
         self._eval = EvalClock(parse_eval_every(cfg.eval_every), step=self.step)
@@ -330,7 +330,7 @@ class Trainer(MeasuredSwitches):
                 progress.epoch_done(row)
                 self.callbacks.on_evaluate(self, row)
                 self._end_epoch(row)
-        self.finish_switch_trial()  # a run shorter than its trial decides on what it measured
+        self.switcher.finish()  # a run shorter than its trial decides on what it measured
         self.compiler.finish()
         self._eval.record(self.decisions, cfg.eval_every, steps=self.step)  # evaluation's share, if any
         self.best.restore(self.module, self._history, self.decisions)  # restore_best: the best epoch's weights
@@ -410,7 +410,7 @@ class Trainer(MeasuredSwitches):
     def checkpoint_state(self, *, weights: bool = True) -> dict:
         """Everything an exact resume needs: each part in `stateful` under its name (`weights=False`: the
         model and optimizer left out, as a sharded run writes them as DCP shards), the config and switches."""
-        return {"format": CHECKPOINT_FORMAT, "config": jsonable(asdict(self.config)), "switches": asdict(self.switches()),
+        return {"format": CHECKPOINT_FORMAT, "config": jsonable(asdict(self.config)), "switches": asdict(self.switcher.current()),
                 **collect_state(self.stateful, skip=() if weights else ("model", "optimizer"))}
 
     def save_checkpoint(self, *, best: bool = False) -> Path | None:
