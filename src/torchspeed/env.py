@@ -126,10 +126,18 @@ def _cpu_model() -> str:
 
 
 def default_device(device=None):
-    """`device` as a torch.device; None means the GPU when torch sees one, else the CPU."""
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """`device` as a torch.device; None means the GPU when torch sees one, else the CPU. A CUDA device asked for
+    where torch sees none is an error that says why and what to do (torch's own, at the first tensor moved, names
+    the driver only)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+        raise RuntimeError(f"device={str(device)!r} was asked for, but torch sees no CUDA GPU here ({build}; "
+                           "torch.cuda.is_available() is False): leave device out to train on what this machine has, "
+                           "or install a CUDA build of torch on a machine with an NVIDIA GPU and its driver")
+    return device
 
 
 def sync(device) -> None:

@@ -202,3 +202,14 @@ def test_compile_auto_leaves_a_short_run_eager_without_compiling(monkeypatch):
     res = torchspeed.fit(_tiny(), DataLoader(ds, batch_size=8), epochs=2, compile="auto", progress=False,
                          compile_min_run_s=0)
     assert calls == [None] and res.decisions["compile"].measured["compiled_s"] > 0
+
+
+def test_a_cuda_device_asked_for_where_torch_sees_none_says_why_and_what_to_do(monkeypatch):
+    """torch's own error, at the first tensor moved, is "Found no NVIDIA driver on your system"."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine sees none too
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    with pytest.raises(RuntimeError, match=r"device='cuda' was asked for, but torch sees no CUDA GPU here.*leave "
+                                           r"device out"):
+        torchspeed.fit(torch.nn.Linear(8, 3), loader, device="cuda", progress=False)
+    assert torchspeed.fit(torch.nn.Linear(8, 3), loader, progress=False).steps == 4  # left out: what is here
