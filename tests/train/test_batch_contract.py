@@ -250,3 +250,33 @@ def test_a_target_the_default_loss_cannot_take_is_named_with_both_shapes_and_the
     ok = torchspeed.fit(nn.Sequential(nn.Linear(12, 3)), DataLoader(TensorDataset(  # shapes that fit: untouched
         torch.randn(8, 12), torch.softmax(torch.randn(8, 3), 1)), batch_size=4), epochs=1, progress=False)
     assert ok.steps == 2
+
+
+def test_a_model_call_that_fails_on_the_first_step_says_how_the_batch_was_read():
+    """PyTorch's text-classification tutorial collates (label, text, offsets): read as (inputs..., target), the
+    model is called as model(label, text) and torch's error ("offsets[0] has to be 0") names neither."""
+
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc = nn.EmbeddingBag(50, 8), nn.Linear(8, 4)
+
+        def forward(self, text, offsets):
+            return self.fc(self.emb(text, offsets))
+
+    def collate(items):
+        return (torch.tensor([y for y, _ in items]), torch.cat([t for _, t in items]),
+                torch.tensor([0] + [len(t) for _, t in items[:-1]]).cumsum(0))
+
+    data = [(i % 4, torch.randint(0, 50, (5 + i % 3,))) for i in range(32)]
+    loader = DataLoader(data, batch_size=8, collate_fn=collate)
+    with pytest.raises(Exception) as info:
+        torchspeed.fit(Bag(), loader, epochs=1, progress=False, trial=False, compile=False)
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert "model(x0, x1)" in note and "last of 3 elements as the target" in note and "step_fn=" in note
+
+    def step_fn(model, batch):
+        label, text, offsets = batch
+        return F.cross_entropy(model(text, offsets), label)
+
+    assert torchspeed.fit(Bag(), loader, epochs=1, step_fn=step_fn, progress=False).steps == 4

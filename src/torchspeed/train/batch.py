@@ -81,15 +81,11 @@ def _shape_mismatch(logits: torch.Tensor, target: torch.Tensor) -> str | None:
     """Why the default cross-entropy cannot take these shapes, with the fix; None where the shapes fit (the error
     was something else)."""
     lt, tt = tuple(logits.shape), tuple(target.shape)
-    if target.is_floating_point():
-        if lt == tt:
-            return None
-        fits = f"class probabilities of the logits' shape {lt}, or class indices (an integer tensor)"
-    elif logits.dim() == target.dim() + 1 and lt[:1] == tt[:1] and lt[2:] == tt[1:]:
+    if lt == tt if target.is_floating_point() else (len(lt) == len(tt) + 1 and lt[:1] == tt[:1] and lt[2:] == tt[1:]):
         return None
-    else:
-        fits = (f"class indices of shape {lt[:1] + lt[2:]} (one per sample{', per position' if logits.dim() > 2 else ''})"
-                if logits.dim() >= 2 else "a 0-dim class index")
+    fits = (f"class probabilities of the logits' shape {lt}, or class indices (an integer tensor)"
+            if target.is_floating_point() else f"class indices of shape {lt[:1] + lt[2:]} (one per sample"
+            f"{', per position' if len(lt) > 2 else ''})" if len(lt) >= 2 else "a 0-dim class index")
     return (f"the default cross-entropy got logits of shape {lt} and a target of shape {tt} "
             f"({str(target.dtype).replace('torch.', '')}): for these logits the target must be {fits}. Check what "
             "the loader yields as the target (a mask or a one-hot where indices were meant, a missing squeeze), or "
@@ -388,12 +384,21 @@ def forward_loss(model: Callable, batch, *, loss_fn: Callable | None = None, ste
     param = takes_target(model, len(inputs)) if target is not None and not isinstance(inputs, dict) else None
     if isinstance(model, CompileController) and model.undecided and list_inputs(inputs):
         _no_compile_trial(model)
-    out = call_model(model, inputs, target, param)
-    o = read_output(out)
-    if o.loss is not None:
-        loss, how = o.loss, f"the model returns its own loss ({o.form})"
-    else:
-        loss, how = _score(model, o, out, target, loss_fn)
+    try:
+        out = call_model(model, inputs, target, param)
+        o = read_output(out)
+        if o.loss is not None:
+            loss, how = o.loss, f"the model returns its own loss ({o.form})"
+        else:
+            loss, how = _score(model, o, out, target, loss_fn)
+    except Exception as e:
+        if decisions is not None and "batch_contract" not in decisions:  # the first step: say how the batch was read
+            e.add_note(f"torchspeed called the model as {_call_text(inputs, param)}"
+                       + ("" if isinstance(inputs, dict) or target is None else
+                          f", the batch's last of {len(inputs) + 1} elements as the target")
+                       + " (the batch contract: docs/models.md). If your batch is laid out otherwise (the label "
+                         "first, say), pass step_fn=lambda model, batch: <the loss>.")
+        raise
     logits, scored = o.logits, target
     if o.loss is not None and logits is not None:
         how += "; its logits feed the metrics"
