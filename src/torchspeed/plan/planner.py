@@ -152,9 +152,9 @@ def _schedule(ctx: RunContext) -> None:
     if not ctx.schedule_given:
         dec = ctx.decisions["schedule"] = default_schedule(lr=ctx.lr, optimizer=ctx.optimizer, recipe=ctx.recipe)
         ctx.cfg = replace(ctx.cfg, schedule=dec.value)
-    if ctx.lr is None:  # the named optimizer's own default LR (SGD 0.1, AdamW 1e-3)
-        ctx.lr = default_lr(ctx.optimizer)
-    if ctx.recipe and ctx.lr == "auto":  # the recipe's LR part decides; this is its prior when it cannot measure
+    # no LR given, or the recipe's LR part to decide (this is its prior where it cannot measure): the named
+    # optimizer's own default LR (SGD 0.1, AdamW 1e-3)
+    if ctx.lr is None or (ctx.recipe and ctx.lr == "auto"):
         ctx.lr = default_lr(ctx.optimizer)
 
 

@@ -22,13 +22,11 @@ def choose_lr_part(model, loader, rec: Recipe, *, optimizer, name, schedule, los
                             weight_decay=weight_decay, optimizer_options=optimizer_options, precision=precision,
                             noise_batches=NOISE_BATCHES if noise else 0, progress=progress)
     rec.tuning_steps += choice.steps
-    res = choice.result
     rec.lr = choice.lr
     if schedule == "onecycle":
         rec.min_lr = choice.lr / 10
-    rec.decisions.refine("lr", Decision(rec.lr, f"{choice.how} on {name or type(optimizer).__name__} ({res.rule}; "
-                                                f"confidence {res.confidence}"
-                                                f"{': ' + res.warning if res.warning else ''}); floor "
+    rec.decisions.refine("lr", Decision(rec.lr, f"{choice.how} on {name or type(optimizer).__name__} "
+                                                f"({choice.evidence}); floor "
                                                 f"{rec.min_lr if rec.min_lr is not None else 'default'} (T14, T15)",
                                         measured=choice.measured))  # (the in-run measurement refines its prior)
     return choice.measured

@@ -57,9 +57,7 @@ def backend_decisions(device: torch.device | str, *, fixed_shapes: bool = True, 
     device = torch.device(device)
     if device.type == "cuda":
         bench = fixed_shapes if cudnn_benchmark is None else cudnn_benchmark
-        how = ("allow_tf32 on cuda.matmul and cudnn (torch.get_float32_matmul_precision() stays readable)"
-               if _legacy_readable() else "fp32_precision = 'tf32' on cuda.matmul, cudnn.conv, cudnn.rnn (this "
-               "process already sets precision per backend)") if tf32 else "off"
+        how = (_TF32_LEGACY if _legacy_readable(torch.backends.cuda.matmul) else _TF32_PER_BACKEND) if tf32 else "off"
         return {"cudnn_benchmark": Decision(bool(bench), "asked for" if cudnn_benchmark is not None else (
                     "fixed input shapes: cuDNN times its algorithms once" if fixed_shapes else "input shapes vary")),
                 "tf32": Decision(bool(tf32), f"fp32 matmuls and convolutions on Tensor Cores (Ampere+): {how}")}
@@ -96,9 +94,16 @@ def decide_backends(device: torch.device | str, config) -> dict[str, Decision]:
     return out
 
 
-def _legacy_readable() -> bool:
+_TF32_LEGACY = "allow_tf32 on cuda.matmul and cudnn (torch.get_float32_matmul_precision() stays readable)"
+_TF32_PER_BACKEND = ("fp32_precision = 'tf32' on cuda.matmul, cudnn.conv, cudnn.rnn (this process already sets "
+                     "precision per backend)")
+
+
+def _legacy_readable(matmul) -> bool:
+    """Whether torch still reads the legacy TF32 flag: it raises once this process has written a per-backend
+    fp32_precision."""
     try:
-        torch.backends.cuda.matmul.allow_tf32  # raises once this process has written a per-backend fp32_precision
+        matmul.allow_tf32
     except RuntimeError:
         return False
     return True
@@ -117,16 +122,13 @@ def enable_tf32(backends=None) -> str:
     `torch.backends` (tests inject it)."""
     b = backends if backends is not None else torch.backends
     matmul, cudnn = b.cuda.matmul, b.cudnn
-    try:
-        matmul.allow_tf32  # raises once this process has written a per-backend fp32_precision
-    except RuntimeError:
+    if not _legacy_readable(matmul):
         for t in (matmul, cudnn.conv, cudnn.rnn):
             t.fp32_precision = "tf32"
-        return ("fp32_precision = 'tf32' on cuda.matmul, cudnn.conv, cudnn.rnn (this process already sets "
-                "precision per backend)")
+        return _TF32_PER_BACKEND
     matmul.allow_tf32 = True
     cudnn.allow_tf32 = True
-    return "allow_tf32 on cuda.matmul and cudnn (torch.get_float32_matmul_precision() stays readable)"
+    return _TF32_LEGACY
 
 
 def tune_malloc(*, mallopt: Callable[[int, int], int] | None = None) -> Decision:

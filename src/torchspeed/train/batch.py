@@ -78,16 +78,18 @@ class SequenceCrossEntropy(nn.CrossEntropyLoss):
 
 
 def _shape_mismatch(logits: torch.Tensor, target: torch.Tensor) -> str | None:
-    """Why the default cross-entropy cannot take these shapes, with the fix; None where the shapes fit (the error
-    was something else)."""
+    """Why the default cross-entropy cannot take these shapes, with the fix; None where they fit (another error)."""
     lt, tt = tuple(logits.shape), tuple(target.shape)
-    if lt == tt if target.is_floating_point() else (len(lt) == len(tt) + 1 and lt[:1] == tt[:1] and lt[2:] == tt[1:]):
+    if target.is_floating_point():  # class probabilities
+        fit, want = lt == tt, f"class probabilities of the logits' shape {lt}, or class indices (an integer tensor)"
+    else:  # class indices: the logits' shape without its class dimension (the second)
+        fit = len(lt) == len(tt) + 1 and lt[:1] == tt[:1] and lt[2:] == tt[1:]
+        want = (f"class indices of shape {lt[:1] + lt[2:]} (one per sample{', per position' if len(lt) > 2 else ''})"
+                if len(lt) >= 2 else "a 0-dim class index")
+    if fit:
         return None
-    fits = (f"class probabilities of the logits' shape {lt}, or class indices (an integer tensor)"
-            if target.is_floating_point() else f"class indices of shape {lt[:1] + lt[2:]} (one per sample"
-            f"{', per position' if len(lt) > 2 else ''})" if len(lt) >= 2 else "a 0-dim class index")
     return (f"the default cross-entropy got logits of shape {lt} and a target of shape {tt} "
-            f"({str(target.dtype).replace('torch.', '')}): for these logits the target must be {fits}. Check what "
+            f"({str(target.dtype).replace('torch.', '')}): for these logits the target must be {want}. Check what "
             "the loader yields as the target (a mask or a one-hot where indices were meant, a missing squeeze), or "
             "pass loss_fn= for another loss (nn.MSELoss() for regression)")
 

@@ -36,7 +36,7 @@ from torchspeed.env import default_device
 from torchspeed.train.sampler import rebuild_loader
 from torchspeed.train.decision import Decision
 from torchspeed.train.schedule import lr_rule, scale_lr_for_batch
-from torchspeed.tune.lr_peak import LR_TRIAL_STEPS, choose_peak_lr
+from torchspeed.tune.lr_peak import choose_peak_lr
 
 __all__ = ["tune_for_fit"]
 
@@ -82,7 +82,7 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
     if lr == "auto":  # measured at the batch the run trains with: nothing to scale
         at = rebuild_loader(train_loader, batch_size=new_batch) if new_batch != old_batch else train_loader
         lr_val, decisions["lr_find"] = _range_test_lr(model, at, scratch_optimizer, schedule=schedule,
-                                                      old_batch=new_batch, **measure)
+                                                      batch=new_batch, **measure)
     else:
         lr_val = float(lr)
     if new_batch != old_batch and old_batch and lr != "auto":
@@ -138,18 +138,14 @@ def _fastest_batch(model: nn.Module, train_loader: DataLoader, make_optimizer: C
 
 
 def _range_test_lr(model: nn.Module, train_loader: Iterable, make_optimizer: Callable[[float], torch.optim.Optimizer],
-                   *, schedule: str | None, old_batch: int | None, loss_fn: Callable | None, step_fn: Callable | None,
+                   *, schedule: str | None, batch: int | None, loss_fn: Callable | None, step_fn: Callable | None,
                    precision: str, progress: bool) -> tuple[float, Decision]:
     """lr="auto" (T15): the one LR chooser (`tune.lr_peak.choose_peak_lr`, the recipe's LR part too) on the user's
     loader at the run's batch: the range test, and on a one-cycle run the short trial of its pick and 2x, 4x."""
     choice = choose_peak_lr(model, train_loader, optimizer=make_optimizer(1e-6), schedule=schedule, loss_fn=loss_fn,
-                            step_fn=step_fn, trial_steps=LR_TRIAL_STEPS if schedule == "onecycle" else 0,
-                            precision=precision, progress=progress)
-    res = choice.result
-    return choice.lr, Decision(choice.lr, f"{choice.how}{f' at batch {old_batch}' if old_batch else ''}; "
-                                          f"{res.rule}; confidence {res.confidence}"
-                                          f"{': ' + res.warning if res.warning else ''} ({choice.steps} steps)",
-                               measured=choice.measured)
+                            step_fn=step_fn, precision=precision, progress=progress)  # (a trial on one-cycle runs)
+    return choice.lr, Decision(choice.lr, f"{choice.how}{f' at batch {batch}' if batch else ''}; {choice.evidence} "
+                                          f"({choice.steps} steps)", measured=choice.measured)
 
 
 def _set_peak_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -47,6 +47,12 @@ class PeakChoice:
     steps: int
     noise_scale: float | None = None
 
+    @property
+    def evidence(self) -> str:
+        """The range test's rule and how far to trust it, in words (both callers' Decisions say it)."""
+        r = self.result
+        return f"{r.rule}; confidence {r.confidence}" + (f": {r.warning}" if r.warning else "")
+
 
 def choose_peak_lr(model, loader, *, optimizer, name=None, schedule="onecycle", loss_fn=None, step_fn=None,
                    lr_steps: int = 100, trial_steps: int = LR_TRIAL_STEPS, weight_decay=None, optimizer_options=None,
