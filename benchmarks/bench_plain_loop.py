@@ -26,7 +26,8 @@ Two readings per workload:
 Run:
     python benchmarks/bench_plain_loop.py                     # whole runs, 3 workloads x 3 rounds
     python benchmarks/bench_plain_loop.py --tta --seeds 0,1,2 # time to the plain loop's accuracy
-Writes benchmarks/results/<cpu kind>/plain_loop.json (and plain_loop_tta.json) with commit, versions, device.
+Writes benchmarks/results/cpu/plain_loop.json (and plain_loop_tta.json) with commit, versions, device; `--out` names
+another path (the per-CPU folders, e.g. benchmarks/results/cpu-avx512-bf16/, are written with it).
 """
 
 from __future__ import annotations
