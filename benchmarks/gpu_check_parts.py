@@ -286,7 +286,9 @@ def tta_part(o: dict, out: Partial, clock: Clock) -> None:
             "status": "ok", "budget_steps": steps, "process_s": time.perf_counter() - t0,
             "val_acc": [r["val_acc"] for r in runs], "reached": [r[metric] >= target for r in runs],
             "train_s": [r["train_s"] for r in runs], "tuning_s": [r["tuning_s"] for r in runs],
-            "mean_total_s": statistics.fmean(total), "decisions": runs[0].get("decisions")}
+            "mean_total_s": statistics.fmean(total), "decisions": runs[0].get("decisions"),
+            "phases": [r.get("phases") for r in runs],  # per seed: where each run's seconds went
+            "switch_trial": [(r.get("decisions") or {}).get("switch_trial") for r in runs]}
         out.save()
     done = {c: v["mean_total_s"] for c, v in out.data["configs"].items() if v["status"] == "ok"}
     out.data["sooner"] = {f"auto_vs_{c}": done[c] / done["auto"] for c in done if c != "auto" and "auto" in done}

@@ -116,6 +116,8 @@ def test_time_to_target_at_the_budgets_given(tiny):
     for name, c in res["configs"].items():
         assert c["status"] == "ok" and c["budget_steps"] == 2, name
         assert len(c["val_acc"]) == len(c["reached"]) == len(res["seeds"]) and c["mean_total_s"] > 0, name
+        assert [p["steps"] for p in c["phases"]] == [2] * len(res["seeds"]), name  # each seed's seconds in parts
+        assert len(c["switch_trial"]) == len(res["seeds"]), name
     assert set(res["sooner"]) == {"auto_vs_naive", "auto_vs_all"}
 
 

@@ -255,6 +255,10 @@ def test_the_weights_a_run_is_judged_by_are_prepared_on_its_clock(monkeypatch, f
     run = worker.train_budget(spec)
     assert len(calls) == 2  # once on the clock, once more inside evaluation
     assert 100.0 <= run.train_s < 200.0
+    ph = run.phases  # where the seconds went: the recalibration is the judged weights' part, the steps are not
+    assert ph["steps"] == 4 and 100.0 <= ph["judged_weights_s"] < 200.0 and ph["next_3_steps_s"] < 100.0
+    assert set(ph) == {"before_steps_s", "first_step_s", "next_3_steps_s", "rest_steps_s", "steps", "after_steps_s",
+                       "judged_weights_s"}
 
 
 def test_every_time_to_target_row_is_a_fit_call_and_auto_decides_as_fit_does(monkeypatch, tmp_path):

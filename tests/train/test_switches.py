@@ -236,10 +236,11 @@ def test_a_short_run_measures_what_it_can_afford_and_says_so(tiny_cnn):
     assert res2.decisions["switch_trial"].measured["steps"] == 3  # (unpriced here: conftest)
 
 
-def _cold_first_steps(trainer, cold_s: float, steady: dict) -> None:
+def _cold_first_steps(trainer, cold_s: float, steady: dict, *, warm_plain: bool = False) -> None:
     """Injected seconds: each candidate's first step `cold_s` (a switch's one-off work: kernels, cuDNN's autotuning,
-    oneDNN's primitives), its later steps `steady[label]`."""
-    seen = set()
+    oneDNN's primitives), its later steps `steady[label]`. `warm_plain`: the plain settings ran in this process
+    before (a second run), so their first step costs a steady one."""
+    seen = {"fp32"} if warm_plain else set()
 
     def measure(s, sec):
         label = s.label().replace("+foreach", "")  # the kernel the trainer built (fused_optimizer=False)
@@ -263,6 +264,21 @@ def test_a_trial_that_would_cost_more_than_a_short_run_can_win_keeps_the_plain_s
     trial = res.decisions["switch_trial"]
     assert res.steps == 12 and trial.value == "measured" and trial.measured["steps"] == 2
     assert "not measured: 3 other setting(s)" in trial.measured["stopped"]
+    assert res.decisions["precision"].value == "fp32" and res.decisions["channels_last"].value is False
+    assert "kept the plain settings" in res.decisions["precision"].reason
+
+
+@pytest.mark.priced
+def test_in_a_warm_process_the_first_dear_switch_stops_the_trial(tiny_cnn):
+    """A second run in one process (the H200's second seed): the plain settings' first step is cheap, so their
+    price lets the trial start, but the first other setting's first step costs 0.5 s. The rest is priced at that:
+    the trial stops after it, not after paying for every setting."""
+    t = _trainer(tiny_cnn(), BF16_CPU)
+    _cold_first_steps(t, 0.5, STEADY, warm_plain=True)
+    res = t.fit(_loader(n=16 * 12))
+    trial = res.decisions["switch_trial"]
+    assert res.steps == 12 and trial.measured["steps"] == 3  # plain warm-up and timed step, one other's warm-up
+    assert "not measured: 2 other setting(s)" in trial.measured["stopped"]
     assert res.decisions["precision"].value == "fp32" and res.decisions["channels_last"].value is False
     assert "kept the plain settings" in res.decisions["precision"].reason
 

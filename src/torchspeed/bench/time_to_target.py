@@ -62,8 +62,7 @@ __all__ = ["DEFAULT_TARGETS", "BUDGETS", "CONFIGS", "TTARun", "TTAResult", "reso
 
 # Targets per dataset, fixed before any tuning: the digits at 0.97, and 0.90 to compare with earlier results.
 DEFAULT_TARGETS = {"digits": (0.97, 0.90)}
-# Step budgets (one-cycle lengths), multiples of 8 then about x1.25.
-BUDGETS = (8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 96, 112, 128, 160, 192, 256, 320, 400)
+BUDGETS = (8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 96, 112, 128, 160, 192, 256, 320, 400)  # one-cycle lengths
 START = 80          # where the search starts for naive/all (today's default budget)
 DEFAULT_LR = 0.1    # today's recipe: the one-cycle's peak LR (SGD, momentum 0.9)
 CONFIGS = ("naive", "all", "auto", "auto_warm", "schedulefree")
@@ -84,6 +83,7 @@ class TTARun:
     decisions: dict = field(default_factory=dict)
     tuning_s: float = 0.0        # choosing the recipe in the run's own process, before training (auto)
     tuning_steps: int = 0        # training steps off the run that choosing spent
+    phases: dict = field(default_factory=dict)  # where train_s went (the worker's _Keep.phases)
 
     @property
     def total_s(self) -> float:

@@ -87,9 +87,11 @@ def train_budget(spec: dict) -> TTARun:
     result = fit(model, loader, optimizer=optimizer, lr=lr, device=device, epochs=budget,  # max_steps ends it
                  config=cfg, max_steps=budget, schedule="onecycle", callbacks=[keep],
                  recipe="auto" if auto else None, recipe_parts=spec.get("parts") if auto else None)
-    clock = time.perf_counter() - t0
+    t_end = time.perf_counter()
+    clock = t_end - t0
     trainer, decided = keep.trainer, result.decisions
-    clock += _judged_weights(trainer, decided)
+    judged = _judged_weights(trainer, decided)
+    clock += judged
     if trainer.config.label_smoothing:  # the target's loss is the plain cross-entropy, as for every config
         from torchspeed.train.batch import default_loss
 
@@ -106,16 +108,38 @@ def train_budget(spec: dict) -> TTARun:
     return TTARun(config=spec["config"], seed=spec["seed"], budget=budget, val_acc=out["val_acc"],
                   val_loss=out["val_loss"], train_s=clock, samples=budget * spec["batch_size"], decisions=decisions,
                   tuning_s=float(measured.get("seconds", 0.0)) if auto else 0.0,
-                  tuning_steps=int(measured.get("steps_off_run", 0)) if auto else 0)
+                  tuning_steps=int(measured.get("steps_off_run", 0)) if auto else 0,
+                  phases=keep.phases(t0, t_end) | {"judged_weights_s": judged})
 
 
 class _Keep(Callback):
-    """Keeps the Trainer `fit` ran, for the evaluation after it (off the clock)."""
+    """Keeps the Trainer `fit` ran, for the evaluation after it (off the clock), and where its seconds went."""
 
     trainer = None
+    EARLY = 16  # the steps after the first that a switch trial on the run's own steps may take
+
+    def __init__(self):
+        self.started, self.ends = None, []
+
+    def on_train_start(self, trainer):
+        self.started = time.perf_counter()
+
+    def on_step_end(self, trainer):
+        self.ends.append(time.perf_counter())
 
     def on_train_end(self, trainer, status):
         self.trainer = trainer
+
+    def phases(self, t0: float, t_end: float) -> dict:
+        """The run's clock in parts, host-side (an asynchronous device's work lands where the host next waits for
+        it): fit's set-up before the first step, the first step, the next EARLY steps, the rest, and fit's work
+        after the last step."""
+        if self.started is None or not self.ends:
+            return {}
+        e, k = self.ends, min(self.EARLY, len(self.ends) - 1)
+        return {"before_steps_s": self.started - t0, "first_step_s": e[0] - self.started,
+                f"next_{k}_steps_s": e[k] - e[0], "rest_steps_s": e[-1] - e[k], "steps": len(e),
+                "after_steps_s": t_end - e[-1]}
 
 
 def _recipe_on(decisions: dict) -> list[str]:

@@ -245,6 +245,8 @@ class LiveTrial:
         if not timed and whole_step:  # a warm-up step trains and costs too: see extra_seconds
             first = self.steps_run == 1  # the run's first step: its start-up cost is paid with or without a trial
             self._warm.append((s, seconds, first))
+            if self.stage == "precision x layout" and s != self.grid[0]:
+                self._price()  # its one-off cost is known now: the rest priced at the dearest seen so far
         if timed and s in self.times:
             self.times[s].append(seconds)
             if whole_step:  # what the compile trial compares against: seconds per whole eager step
@@ -253,23 +255,32 @@ class LiveTrial:
                 self._part_timed = True
             self._drop_long_shots()
             if self.stage == "precision x layout" and s == self.grid[0] and len(self.times[s]) == 1:
-                self._price(seconds)
+                self._price()
         if not self._queue:
             self._end_stage()
 
-    def _price(self, step_s: float) -> None:
-        """The trial priced in seconds, once the plain settings have one warm-up and one timed step: each other
-        candidate costs at least a switch's one-off work (the plain settings' first step over their timed one:
-        kernel loading, cuDNN's autotuning, oneDNN's primitives; an upper estimate, as it holds the process's
-        start-up too) or a step. Where that exceeds `share` of the run's seconds at the plain settings' pace,
-        no gain the trial could find pays for it: the run keeps the plain settings (`report["stopped"]`)."""
-        warm = [sec for c, sec, _ in self._warm if c == self.grid[0]]
-        if self.run_steps is None or not warm:
+    def _price(self) -> None:
+        """The trial priced in seconds, once the plain settings have one warm-up and one timed step, and again after
+        each other candidate's first step: each candidate not tried yet costs at least a switch's one-off work
+        (kernel loading, cuDNN's autotuning, oneDNN's primitives) or a step. The one-off work is the dearest first
+        step seen so far over the plain settings' timed step: the plain settings' own (an upper estimate in a fresh
+        process, as it holds the process's start-up too) or a candidate's (in a process that ran the plain
+        settings before, theirs is cheap and a new setting's is not). Where the rest exceeds `share` of the
+        run's seconds at the plain settings' pace, no gain the trial could find pays for it: the run keeps the
+        plain settings (`report["stopped"]`)."""
+        plain = self.grid[0]
+        timed = self.times.get(plain)
+        if self.run_steps is None or not timed or math.isinf(self.share) or "stopped" in self.report:
             return
-        switch_s = max(max(warm) - step_s, step_s) * self.warmup
-        others = len(self.candidates) - 1 + (1 if self.fused_choice else 0) + len(self.thread_choices)
+        step_s = timed[0]
+        firsts = [sec for c, sec, _ in self._warm if c == plain] or [step_s]
+        firsts += [sec for c, sec, _ in self._warm if c != plain]
+        switch_s = max(max(firsts) - step_s, step_s) * self.warmup
+        tried = {c for c, _, _ in self._warm}
+        others = (len([c for c in self.candidates if c not in tried]) + (1 if self.fused_choice else 0)
+                  + len(self.thread_choices))
         cost, run_s = others * switch_s, self.run_steps * step_s
-        if math.isinf(self.share) or cost <= self.share * run_s:
+        if others == 0 or cost <= self.share * run_s:
             return
         self.report["stopped"] = (f"not measured: {others} other setting(s) would cost about {cost:.2f} s to try "
                                   f"(a switch's first step {switch_s:.3f} s), over {self.share:.0%} of this "
