@@ -123,10 +123,11 @@ def test_make_plan_resolves_in_order_and_returns_what_the_trainer_applies(tiny_c
 
 
 def test_a_short_cold_run_takes_schedule_free_as_its_prior_and_trains_with_it(tiny_cnn, tmp_path, monkeypatch):
-    """No budget for an optimizer trial in 16 steps: Schedule-Free AdamW at its default LR replaces SGD, its LR search,
-    the schedule and the BatchNorm tail; the run trains with it and its averaged weights are evaluated."""
+    """No budget for an optimizer trial in 16 steps: Schedule-Free AdamW, its LR scaled to this narrow model's width,
+    replaces SGD, its LR search, the schedule and the BatchNorm tail; the run trains with it and its averaged weights
+    are evaluated."""
     pytest.importorskip("schedulefree")
-    from torchspeed.train.optim import SCHEDULE_FREE_LR, is_schedule_free
+    from torchspeed.train.optim import SCHEDULE_FREE_LR, is_schedule_free, schedule_free_lr
     from torchspeed.train.trainer import Trainer
 
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
@@ -137,10 +138,12 @@ def test_a_short_cold_run_takes_schedule_free_as_its_prior_and_trains_with_it(ti
                          precision="fp32", **FAST)  # no LR given; the same numerics on every CPU kind
     opt = res.decisions["optimizer"]
     assert opt.value == "schedulefree" and opt.reason.startswith("prior: Schedule-Free") and "over 5%" in opt.reason
-    assert res.decisions["lr"].value == SCHEDULE_FREE_LR and res.decisions["bn_stats"].value is False
+    sf_lr = schedule_free_lr(tiny_cnn())[0]
+    assert sf_lr > SCHEDULE_FREE_LR and "fan-in" in res.decisions["lr"].reason
+    assert res.decisions["lr"].value == sf_lr and res.decisions["bn_stats"].value is False
     ls = res.decisions["label_smoothing"]  # the prior is taken whole: nothing unmeasured on top
     assert ls.value == 0.0 and "taken whole" in ls.reason
-    assert used and is_schedule_free(used[0]) and used[0].param_groups[0]["lr"] == SCHEDULE_FREE_LR
+    assert used and is_schedule_free(used[0]) and used[0].param_groups[0]["lr"] == sf_lr
     assert res.decisions["schedule"].value is None and res.decisions["tuning"].measured["steps_off_run"] == 0
     assert res.history[-1]["val_acc"] > 0.25  # it learns (the averaged weights, BatchNorm recalibrated for them)
     model = tiny_cnn()

@@ -4,6 +4,7 @@ import inspect
 
 import pytest
 import torch
+from torch import nn
 
 from torchspeed.train.optim import create_optimizer, is_schedule_free
 from torchspeed.train.optim_info import (OPTIM_INFO, OPTIMIZERS, WEIGHT_DECAY, OptimInfo, default_weight_decay,
@@ -91,3 +92,29 @@ def test_a_bad_row_or_name_says_what_is_wrong():
         OptimInfo("x", "somewhere.Opt")
     with pytest.raises(ValueError, match="not one of sgd, adamw"):
         optimizer_info("adagradx")
+
+
+# ------------------------------------------------------------------ Schedule-Free's LR by the model's width
+def test_typical_fan_in_is_the_median_by_weight_count_embeddings_excepted():
+    from torchspeed.train.optim import typical_fan_in
+
+    mlp = nn.Sequential(nn.Linear(20, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 5))
+    assert typical_fan_in(mlp) == 512  # 20 x 512 + 2 x 512-input matrices: most weights take 512 inputs
+    conv = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Conv2d(16, 32, 3))  # 3*9 and 16*9 inputs per output
+    assert typical_fan_in(conv) == 144
+    lm = nn.Sequential(nn.Embedding(50_000, 64), nn.Linear(64, 64))  # the lookup has no fan-in
+    assert typical_fan_in(lm) == 64
+    assert typical_fan_in(nn.Sequential(nn.BatchNorm1d(4))) is None
+
+
+def test_schedule_free_lr_scales_up_for_narrow_models_only_and_at_most_4x():
+    from torchspeed.train.optim import SCHEDULE_FREE_LR, schedule_free_lr
+
+    wide = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 10))
+    assert schedule_free_lr(wide)[0] == SCHEDULE_FREE_LR and "default" in schedule_free_lr(wide)[1]
+    mid = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    assert schedule_free_lr(mid)[0] == pytest.approx(2 * SCHEDULE_FREE_LR)
+    narrow = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 2))
+    lr, why = schedule_free_lr(narrow)
+    assert lr == pytest.approx(4 * SCHEDULE_FREE_LR) and "fan-in is 32" in why
+    assert schedule_free_lr(nn.Sequential(nn.BatchNorm1d(4)))[0] == SCHEDULE_FREE_LR

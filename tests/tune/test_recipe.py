@@ -170,22 +170,24 @@ def _fake_trial(monkeypatch, best):
 def test_schedule_free_is_measured_against_the_given_optimizer_when_the_budget_allows(monkeypatch, best):
     pytest.importorskip("schedulefree")
     from torchspeed.tune import lr_peak as lr_mod
-    from torchspeed.train.optim import SCHEDULE_FREE_LR
+    from torchspeed.train.optim import SCHEDULE_FREE_LR, schedule_free_lr
 
+    sf_lr = schedule_free_lr(_bn_net())[0]  # the candidate's LR for this (narrow) model's width
+    assert sf_lr > SCHEDULE_FREE_LR
     asked = _fake_trial(monkeypatch, best)
     ranges = []
     real = lr_mod.find_lr
     monkeypatch.setattr(lr_mod, "find_lr", lambda *a, **k: ranges.append(1) or real(*a, **k))
     rec = choose_recipe(_bn_net(), _loader(), lr=0.05, total_steps=40, lr_steps=20, lr_trial_steps=0,
                         parts=("lr", "bn_stats", "schedulefree"), progress=False, precision="fp32")
-    assert asked == [(("sgd", "schedulefree"), {"sgd": 0.05, "schedulefree": SCHEDULE_FREE_LR})]
+    assert asked == [(("sgd", "schedulefree"), {"sgd": 0.05, "schedulefree": sf_lr})]
     assert rec.decisions["optimizer"].value == best and rec.decisions["optimizer"].measured["table"]
     if best == "schedulefree":  # it replaces the LR search, the floor and the BatchNorm tail
-        assert rec.optimizer == "schedulefree" and rec.lr == SCHEDULE_FREE_LR and rec.min_lr is None
+        assert rec.optimizer == "schedulefree" and rec.lr == sf_lr and rec.min_lr is None
         assert not rec.bn_stats and rec.callbacks() == [] and not ranges
         assert rec.tuning_steps == 20  # the trial's 10 steps x 2 candidates, and no range test
     else:
-        assert rec.optimizer is None and rec.bn_stats and ranges and rec.lr != SCHEDULE_FREE_LR
+        assert rec.optimizer is None and rec.bn_stats and ranges and rec.lr != sf_lr
 
 
 def test_schedule_free_is_the_prior_when_the_budget_refuses_and_the_cache_the_next_time(monkeypatch, tmp_path):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torchspeed.plan.parts import Gate, Recipe
 from torchspeed.train.decision import Decision
-from torchspeed.train.optim import SCHEDULE_FREE_LR, matrix_share, mostly_matrices, schedule_free_available
+from torchspeed.train.optim import matrix_share, mostly_matrices, schedule_free_available, schedule_free_lr
 from torchspeed.train.optim_info import optimizer_info
 from torchspeed.tune.optimizer_trial import compare_optimizers
 
@@ -43,7 +43,9 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
         if why_not:
             d["optimizer"] = Decision(given, "; ".join(why_not))
         return
-    lrs = {n: lr if n == given else optimizer_info(n).default_lr or lr for n in cands}  # Schedule-Free at its own
+    sf_lr = schedule_free_lr(model)  # Schedule-Free's LR for this model's width, as candidate and as prior
+    lrs = {n: lr if n == given else sf_lr[0] if n == "schedulefree" else optimizer_info(n).default_lr or lr
+           for n in cands}
     measured = False
     if gate.measure("optimizer", len(cands) * OPTIMIZER_TRIAL_STEPS):
         trial = compare_optimizers(model, loader, tuple(cands), lr=lrs, precision=precision, loss_fn=loss_fn,
@@ -55,25 +57,27 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
         gate.done("optimizer", {"optimizer": chosen})
     else:
         prior = "schedulefree" if "schedulefree" in cands and not lr_given else given
-        words = ("Schedule-Free AdamW at its default LR (needs no LR search and no schedule; AlgoPerf 2024's "
-                 "self-tuning winner; time to target on the digits in docs/recipe.md)" if prior == "schedulefree"
+        words = ("Schedule-Free AdamW, its LR set by the model's width (needs no LR search and no schedule; "
+                 "AlgoPerf 2024's self-tuning winner; time to target in docs/recipe.md)" if prior == "schedulefree"
                  else f"{given} at the LR you gave (your loop stands until a trial beats it)" if lr_given
                  else f"{given}, as given")
         chosen = gate.settle("optimizer", "optimizer", prior, words, default=prior)
     rec.optimizer = None if chosen == given else chosen
     if rec.optimizer == "schedulefree":  # taken whole when neither a trial nor the cache chose it: the prior
-        _schedule_free_parts(rec, total_steps, whole=not measured and gate.cached("optimizer") is None)
+        _schedule_free_parts(rec, total_steps, sf_lr, whole=not measured and gate.cached("optimizer") is None)
 
 
-def _schedule_free_parts(rec: Recipe, total_steps: int | None, *, whole: bool = False) -> None:
+def _schedule_free_parts(rec: Recipe, total_steps: int | None, sf_lr: tuple[float, str], *,
+                         whole: bool = False) -> None:
     """Schedule-Free AdamW replaces the LR search, the schedule's floor, the BatchNorm tail and the EMA: it averages
-    its own weights and the Trainer recalibrates BatchNorm statistics for them. `whole`: taken as the prior (not
-    measured), it is taken whole, as the fixed recipe it is: no label smoothing on top, which nothing measured."""
+    its own weights and the Trainer recalibrates BatchNorm statistics for them. `sf_lr`: its LR and why
+    (`schedule_free_lr`). `whole`: taken as the prior (not measured), it is taken whole, as the fixed recipe it
+    is: no label smoothing on top, which nothing measured."""
     d = rec.decisions
-    rec.lr, rec.min_lr = SCHEDULE_FREE_LR, None
+    rec.lr, rec.min_lr = sf_lr[0], None
     if "lr" in rec.parts:
-        d.refine("lr", Decision(SCHEDULE_FREE_LR, "Schedule-Free AdamW's default LR; no range test (it needs no LR "
-                                                  "schedule; warm-up over the run's first twentieth)"))
+        d.refine("lr", Decision(sf_lr[0], f"{sf_lr[1]}; no range test (it needs no LR schedule; warm-up over the "
+                                          "run's first twentieth)"))
     if rec.bn_stats:
         rec.bn_stats = False
         d.refine("bn_stats", Decision(False, "Schedule-Free: BatchNorm statistics are recalibrated for its averaged "

@@ -40,6 +40,7 @@ from torch import nn
 from torchspeed.train.optim_info import OptimInfo, optimizer_available, optimizer_info, register_optimizer
 
 __all__ = ["create_optimizer", "zero_grad", "param_groups", "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR",
+           "typical_fan_in", "schedule_free_lr",
            "schedule_free_available", "set_schedule_free_warmup", "SCHEDULE_FREE_BN_BATCHES",
            "SCHEDULE_FREE_BN_SAMPLES", "hidden_matrices", "matrix_share", "mostly_matrices"]
 
@@ -335,3 +336,44 @@ for _info in (
     register_optimizer(_info)
 del _info
 SCHEDULE_FREE_LR = optimizer_info("schedulefree").default_lr  # Schedule-Free AdamW's own default LR
+
+
+# Schedule-Free AdamW's default LR was tuned on AlgoPerf's workloads (ResNet-50, ViT, Conformer, the WMT transformer,
+# U-Net, DLRM, GNN), whose weight matrices mostly take 512 inputs or more. Adam's best LR for a hidden matrix goes as
+# 1 / its fan-in (muP, Yang et al. 2022), so a narrower model's prior is scaled up, at most SF_MAX_SCALE x.
+SF_REF_FAN_IN = 512
+SF_MAX_SCALE = 4.0
+
+
+def typical_fan_in(model: nn.Module) -> int | None:
+    """The fan-in (inputs per output unit: a Linear's in_features, a conv's in_channels x kernel size) of the
+    model's weights, the median by element count over its trainable weights of 2 or more dims, embeddings
+    excepted (a lookup has no fan-in). None: no such weight."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    seen, fans = set(), []
+    for p in model.parameters():
+        if p.requires_grad and p.ndim >= 2 and p.shape[0] and id(p) not in embeddings and id(p) not in seen:
+            seen.add(id(p))
+            fans.append((p.numel() // p.shape[0], p.numel()))
+    if not fans:
+        return None
+    fans.sort()
+    half, acc = sum(n for _, n in fans) / 2, 0
+    for fan, n in fans:
+        acc += n
+        if acc >= half:
+            return fan
+    return fans[-1][0]
+
+
+def schedule_free_lr(model: nn.Module) -> tuple[float, str]:
+    """Schedule-Free AdamW's LR for `model` when nothing measured one, and why: its default, scaled by
+    SF_REF_FAN_IN / the model's typical fan-in, between 1x and SF_MAX_SCALE x (see SF_REF_FAN_IN)."""
+    fan = typical_fan_in(model)
+    scale = 1.0 if fan is None else min(SF_MAX_SCALE, max(1.0, SF_REF_FAN_IN / max(fan, 1)))
+    if scale == 1.0:
+        return SCHEDULE_FREE_LR, (f"Schedule-Free AdamW's default LR (the weights' typical fan-in {fan} is as wide as "
+                                  f"those it was tuned on)" if fan is not None else "Schedule-Free AdamW's default LR")
+    return SCHEDULE_FREE_LR * scale, (
+        f"Schedule-Free AdamW's default {SCHEDULE_FREE_LR:g} x {scale:.2g}: the weights' typical fan-in is {fan}, "
+        f"under the {SF_REF_FAN_IN} it was tuned at, and Adam's best LR goes as 1 / fan-in (muP)")
