@@ -160,3 +160,24 @@ def test_a_larger_batch_reconsiders_the_ema_for_the_shorter_run(monkeypatch):
         assert (rec.ema_decay is not None) is on
         if on:
             assert rec.ema_decay == pytest.approx(round(1 - 20 / (total // 2), 6))
+
+
+@pytest.mark.parametrize("run_steps, measured", [(1250, False), (20_000, True)])
+def test_the_batch_part_is_priced_with_its_timing_floor_in_the_runs_steps(monkeypatch, run_steps, measured):
+    """A character GRU's 1,250 steps of 7 ms: the batch timing's floor (0.9 s) is 129 of its steps, so the part costs
+    279 steps, over the 62 a 5% budget allows (in steps alone, 60, it was measured and took half the run); a
+    20,000-step run affords it."""
+    import torchspeed.plan.recipe as rp
+    from torchspeed.plan.budget import TuningBudget
+    from torchspeed.train.decision import Decision
+
+    monkeypatch.setattr(rp, "step_seconds", lambda *a, **k: 0.007)  # injected: no clock in a test
+    calls = []
+    monkeypatch.setattr(rp, "choose_batch_size", lambda *a, **kw: calls.append(1) or (None, Decision(16, "injected")))
+    assert rp.batch_cost(0.007) == 150 + 129 and rp.batch_cost(None) == 150
+    rec = rp.choose_recipe(_net(), _loader(), optimizer="sgd", lr=0.05, total_steps=run_steps, parts=("batch",),
+                           budget=TuningBudget(run_steps), progress=False, precision="fp32")
+    assert bool(calls) is measured
+    if not measured:
+        reason = rec.decisions["batch_size"].reason
+        assert reason.startswith("prior: the loader's batch") and "~279 steps off the run" in reason

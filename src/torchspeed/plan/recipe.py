@@ -31,7 +31,7 @@ The parts (`PARTS`), and how each is chosen:
   `schedulefree` extra) for SGD or AdamW. When the budget affords a short trial
   (`tune.optimizer_trial`, 50 steps a candidate) they are compared on time to the given
   optimizer's training loss; else an earlier run's measurement; else the prior, Schedule-Free
-  AdamW at its default LR, which needs no LR search and no schedule. Chosen, it replaces the
+  AdamW at an LR set by the model's width, which needs no LR search and no schedule. Chosen, it replaces the
   LR part, the floor, the BatchNorm tail (it recalibrates statistics for its averaged weights)
   and the EMA. An optimizer object, or LAMB/LARS/Muon by name, is kept as given.
 - `batch` (T17): for runs of at least `BATCH_MIN_STEPS` steps, the batch with the least
@@ -39,7 +39,9 @@ The parts (`PARTS`), and how each is chosen:
   measured at the end of the LR trial), divided by the samples/s measured at half to four
   times the loader's batch (`tune.batch_choice`). The LR follows (linear rule for SGD, square
   root for Adam-family). `fit` rebuilds the DataLoader; a batch size given to `fit` switches
-  the part off.
+  the part off. Its cost is priced in the run's steps from a timed forward and backward pass
+  (`batch_cost`): its timing runs at up to 4x the batch, with a floor of seconds a step count
+  does not show.
 
 Cost: the range test's steps (100 by default) and, when asked, the fallback and optimizer
 trials; `Recipe.tuning_s` and `Recipe.tuning_steps` report it, and the bench counts it
@@ -53,6 +55,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -75,6 +78,8 @@ from torchspeed.train.optim import create_optimizer
 from torchspeed.train.sampler import keep_rng, take_batches
 from torchspeed.train.schedule import scale_lr_for_batch
 from torchspeed.train.transfer import to_device
+from torchspeed.train.noise import measure_noise_scale
+from torchspeed.tune._common import decide_once
 from torchspeed.tune.batch_choice import BATCH_MIN_STEPS, choose_batch_size
 
 __all__ = ["EMA_MIN_STEPS", "choose_recipe", "is_classifier"]
@@ -160,7 +165,10 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
                                loss_fn=lr_loss, lr_steps=lr_steps, lr_trial_steps=lr_trial_steps, noise=batch_wanted,
                                in_run=lr_in_run, **tuners) or {}
         if "batch" in parts:
-            if not batch_wanted or gate.measure("batch_size", BATCH_COST):
+            cost = BATCH_COST
+            if batch_wanted and gate.cached("batch_size") is None:
+                cost = batch_cost(decide_once(lambda: step_seconds(model, held[0], loss_fn=lr_loss, step_fn=step_fn)))
+            if not batch_wanted or gate.measure("batch_size", cost):
                 guarded(rec, "batch_size", dict(batch_size=None, lr=rec.lr, min_lr=rec.min_lr), None, _choose_batch,
                         model, train_loader, rec, optimizer=optimizer, name=rec.optimizer or opt_name,
                         loss_fn=lr_loss, total_steps=total_steps, noise_scale=measured.get("noise_scale"), **tuners)
@@ -181,7 +189,27 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
 
 # Training steps off the run that each measured part costs (the budget's currency); the optimizer trial costs
 # OPTIMIZER_TRIAL_STEPS per candidate
-BATCH_COST = 60           # the batch timing at 1-4x the batch, and the noise batches
+BATCH_COST = 150          # the batch timing's ~60 steps, most at 2-4x the batch, and the noise batches
+BATCH_FLOOR_S = 0.9       # plus find_batch_size's timing floors: ~3 sizes x 3 rounds x its min_time (0.1 s)
+
+
+def batch_cost(step_s: float | None) -> int:
+    """The batch part's cost in the run's steps at `step_s` seconds a step (None: not timed): BATCH_COST, and its
+    timing's floor of BATCH_FLOOR_S seconds in steps. Priced in steps alone it cost a 1,250-step run of 7 ms
+    steps (a character GRU) 1.5-2.6 s, over half the run, against a budget of 5%."""
+    return BATCH_COST + (math.ceil(BATCH_FLOOR_S / max(step_s, 1e-4)) if step_s else 0)
+
+
+def step_seconds(model: nn.Module, batch, *, loss_fn: Callable | None, step_fn: Callable | None) -> float | None:
+    """Seconds of a forward and backward pass over `batch`: the second of two (the first holds one-off work).
+    Nothing is trained (`measure_noise_scale` leaves the model as it was). None: the batch cannot be split."""
+    try:
+        measure_noise_scale(model, [batch], batches=1, loss_fn=loss_fn, step_fn=step_fn)
+        t0 = time.perf_counter()
+        measure_noise_scale(model, [batch], batches=1, loss_fn=loss_fn, step_fn=step_fn)
+    except Exception:  # a batch the noise measurement cannot read: priced in steps alone
+        return None
+    return time.perf_counter() - t0
 
 
 def _free_parts(rec: Recipe, model: nn.Module, classifier: bool, total_steps: int | None) -> None:
