@@ -284,6 +284,25 @@ def test_in_a_warm_process_the_first_dear_switch_stops_the_trial(tiny_cnn):
 
 
 @pytest.mark.priced
+@pytest.mark.parametrize("cold_s, n_batches, calls", [(0.5, 12, 0), (0.05, 200, 1)])
+def test_the_numerics_guard_is_paid_only_by_a_trial_that_tries_another_precision(tiny_cnn, monkeypatch, cold_s,
+                                                                                 n_batches, calls):
+    """The guard's forward in every precision (on a GPU, cuDNN's autotuning for each one, cold) runs before the first
+    other precision trains, not before the trial: a trial its price stops at once never pays it."""
+    seen = []
+    real = SwitchStage._numerics_losses
+    monkeypatch.setattr(SwitchStage, "_numerics_losses",
+                        lambda self, batch: seen.append(self.live.current().precision) or real(self, batch))
+    t = _trainer(tiny_cnn(), BF16_CPU)
+    _cold_first_steps(t, cold_s, STEADY)
+    res = t.fit(_loader(n=16 * n_batches))
+    assert len(seen) == calls and set(seen) <= {"bf16"}  # once, just before the first bf16 step
+    assert ("stopped" in res.decisions["switch_trial"].measured) is (calls == 0)
+    if calls:
+        assert set(res.decisions["switch_trial"].measured["losses"]) == {"fp32", "bf16"}
+
+
+@pytest.mark.priced
 def test_a_run_long_enough_to_pay_for_the_trial_measures_every_setting(tiny_cnn):
     t = _trainer(tiny_cnn(), BF16_CPU)
     _cold_first_steps(t, 0.05, STEADY)  # 3 x 0.04 s to try the others, under a quarter of 200 x 10 ms

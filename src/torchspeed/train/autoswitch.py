@@ -292,9 +292,13 @@ class SwitchStage:
         if not self._trial_meta["cache_checked"]:
             if self._check_cache(batch):
                 return run_step(batch_layout(batch, self.t.channels_last))
-            trial.losses = self._numerics_losses(batch)
             self._trial_meta["started"] = time.perf_counter()
         cand = trial.current()
+        if not self._trial_meta.get("losses_taken") and cand.precision != trial.grid[0].precision:
+            # the guard's losses, at the weights now, before the first other precision trains: not before the
+            # trial starts, so a trial its price stops at once (or one of a single precision) never pays them
+            self._trial_meta["losses_taken"] = True
+            trial.losses = self._numerics_losses(batch)
         self.apply(cand)
         batch = batch_layout(batch, cand.channels_last)
         # the optimizer-kernel stage times the optimizer's step alone: the kernels differ there only, and a 3x
