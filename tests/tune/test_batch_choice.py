@@ -162,11 +162,11 @@ def test_a_larger_batch_reconsiders_the_ema_for_the_shorter_run(monkeypatch):
             assert rec.ema_decay == pytest.approx(round(1 - 20 / (total // 2), 6))
 
 
-@pytest.mark.parametrize("run_steps, measured", [(1250, False), (20_000, True)])
+@pytest.mark.parametrize("run_steps, measured", [(4000, False), (20_000, True)])
 def test_the_batch_part_is_priced_with_its_timing_floor_in_the_runs_steps(monkeypatch, run_steps, measured):
-    """A character GRU's 1,250 steps of 7 ms: the batch timing's floor (0.9 s) is 129 of its steps, so the part costs
-    279 steps, over the 62 a 5% budget allows (in steps alone, 60, it was measured and took half the run); a
-    20,000-step run affords it."""
+    """Steps of 7 ms (a character GRU's): the batch timing's floor (0.9 s) is 129 of them, so the part costs 279
+    steps, over the 200 a 5% budget of a 4,000-step run allows (priced in steps alone, 60, it was measured on a
+    1,250-step run and took half of it); a 20,000-step run affords it."""
     import torchspeed.plan.recipe as rp
     from torchspeed.plan.budget import TuningBudget
     from torchspeed.train.decision import Decision
@@ -181,3 +181,14 @@ def test_the_batch_part_is_priced_with_its_timing_floor_in_the_runs_steps(monkey
     if not measured:
         reason = rec.decisions["batch_size"].reason
         assert reason.startswith("prior: the loader's batch") and "~279 steps off the run" in reason
+
+
+def test_a_run_too_short_for_the_batch_part_at_its_least_price_times_nothing(monkeypatch):
+    import torchspeed.plan.recipe as rp
+    from torchspeed.plan.budget import TuningBudget
+
+    timed = []
+    monkeypatch.setattr(rp, "step_seconds", lambda *a, **k: timed.append(1) or 0.007)
+    rec = rp.choose_recipe(_net(), _loader(), optimizer="sgd", lr=0.05, total_steps=320, parts=("batch",),
+                           budget=TuningBudget(320), progress=False, precision="fp32")
+    assert not timed and "~150 steps off the run" in rec.decisions["batch_size"].reason

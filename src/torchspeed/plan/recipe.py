@@ -165,8 +165,8 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
                                loss_fn=lr_loss, lr_steps=lr_steps, lr_trial_steps=lr_trial_steps, noise=batch_wanted,
                                in_run=lr_in_run, **tuners) or {}
         if "batch" in parts:
-            cost = BATCH_COST
-            if batch_wanted and gate.cached("batch_size") is None:
+            cost = BATCH_COST  # timed only where the budget would afford the part at that price
+            if batch_wanted and gate.cached("batch_size") is None and (budget is None or budget.allows(cost)):
                 cost = batch_cost(decide_once(lambda: step_seconds(model, held[0], loss_fn=lr_loss, step_fn=step_fn)))
             if not batch_wanted or gate.measure("batch_size", cost):
                 guarded(rec, "batch_size", dict(batch_size=None, lr=rec.lr, min_lr=rec.min_lr), None, _choose_batch,
