@@ -48,3 +48,68 @@ def test_tf32_on_this_torch_leaves_the_matmul_precision_readable():
             assert m.fp32_precision == "tf32"  # torch maps the legacy flag onto the per-backend setting
     finally:
         m.allow_tf32, c.allow_tf32 = saved
+
+
+# ------------------------------------------------------------------ no autotuning for shapes that run once
+class _SeesAutotune(torch.nn.Module):
+    """Records cudnn.benchmark at each forward (a flag torch keeps on every build, CUDA or not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.seen = torch.nn.Linear(4, 3), []
+
+    def forward(self, x):
+        self.seen.append((x.shape[0], torch.backends.cudnn.benchmark))
+        return self.lin(x)
+
+
+def test_no_autotune_turns_cudnn_benchmark_off_inside_and_restores_it_after_an_error():
+    from torchspeed.train.backends import no_autotune
+
+    before = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = True
+        with pytest.raises(RuntimeError):
+            with no_autotune():
+                assert torch.backends.cudnn.benchmark is False
+                raise RuntimeError("a probe failed")
+        assert torch.backends.cudnn.benchmark is True
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+def test_the_plans_odd_shaped_probes_run_without_autotuning_and_training_with_it(monkeypatch):
+    """The recipe's classifier check (2 samples), the noise scale's half batches and the switch trial's numerics
+    guard run at shapes the run never trains at: cuDNN must not autotune them (seconds each in a fresh GPU process);
+    the training steps keep the run's setting."""
+    import torchspeed
+    from torch.utils.data import DataLoader, TensorDataset
+    from torchspeed.env import DeviceCaps
+    from torchspeed.plan.recipe import is_classifier
+    from torchspeed.train.autoswitch import SwitchStage
+    from torchspeed.train.noise import measure_noise_scale
+
+    before = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = True
+        model = _SeesAutotune()
+        x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+        assert is_classifier(model, (x[:16], y[:16]))
+        measure_noise_scale(model, [(x[:16], y[:16])], batches=1)
+        assert model.seen and all(flag is False for _, flag in model.seen)
+        assert torch.backends.cudnn.benchmark is True
+        model.seen.clear()
+        guard = []
+        real = SwitchStage._numerics_losses
+        monkeypatch.setattr(SwitchStage, "_numerics_losses", lambda self, batch: guard.append(
+            len(model.seen)) or real(self, batch))
+        caps = DeviceCaps("cpu", "bf16", True, (), frozenset({"cpu_bf16_fast"}))
+        monkeypatch.setattr(DeviceCaps, "of", classmethod(lambda cls, dev: caps))
+        torchspeed.fit(model, DataLoader(TensorDataset(x, y), batch_size=16), epochs=2, lr=0.1, progress=False,
+                       compile=False, cudnn_benchmark=True, malloc=False)
+        assert guard, "the trial tried another precision: its guard ran"
+        probes = [flag for n, flag in model.seen if n != 16]  # the guard's few samples
+        steps = [flag for n, flag in model.seen if n == 16]
+        assert probes and not any(probes) and steps and all(steps)
+    finally:
+        torch.backends.cudnn.benchmark = before

@@ -70,6 +70,7 @@ from torchspeed.plan.recipe_lr import choose_lr_part
 from torchspeed.tune.lr_peak import LR_TRIAL_FACTORS
 from torchspeed.plan.recipe_optimizer import choose_optimizer_part
 from torchspeed.plan.recipe_tta import TTA_COST
+from torchspeed.train.backends import no_autotune
 from torchspeed.train.batch import default_loss, first_samples, forward_loss
 from torchspeed.train.bnstats import batchnorm_layers
 from torchspeed.train.decision import Decision, TrialCache
@@ -98,7 +99,7 @@ def is_classifier(model: nn.Module, batch, *, loss_fn: Callable | None = None,
     was = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), no_autotune():  # 2 samples: a shape the run never trains at
             out = forward_loss(model, first_samples(batch, 2))
     except Exception:  # a batch this check cannot read: leave classification parts off
         return False

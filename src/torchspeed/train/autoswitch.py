@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from torchspeed.env import DeviceCaps, detect, sync
+from torchspeed.train.backends import no_autotune
 from torchspeed.train.batch import first_samples, forward_loss
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.distributed import broadcast_object, is_rank_zero
@@ -269,7 +270,7 @@ class SwitchStage:
         was, out = self.t.module.training, {}
         self.t.module.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), no_autotune():  # GUARD_SAMPLES samples: a shape the run never trains at
                 for p in precisions:
                     try:
                         with Precision(p, self.t.device.type).autocast():

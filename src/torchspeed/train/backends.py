@@ -24,8 +24,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 import os
 import platform
 
@@ -34,7 +35,7 @@ import torch
 from torchspeed.env import GLIBC_MALLOC_ENV, allocator_in_use, usable_cores
 from torchspeed.train.decision import Decision
 
-__all__ = ["configure_backends", "backend_decisions", "decide_backends", "apply_backends", "BACKEND_KEYS",
+__all__ = ["no_autotune", "configure_backends", "backend_decisions", "decide_backends", "apply_backends", "BACKEND_KEYS",
            "enable_tf32", "tune_malloc"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
@@ -159,3 +160,17 @@ def tune_malloc(*, mallopt: Callable[[int, int], int] | None = None) -> Decision
                       "faulted in afresh each step)") if ok else "mallopt refused the settings")
     _malloc_tuned = d
     return d
+
+
+@contextlib.contextmanager
+def no_autotune() -> Iterator[None]:
+    """cuDNN's autotuning (`cudnn.benchmark`) off inside the block, as it was after. For forward passes at a shape
+    the run never trains at (the plan's probes on a few samples, the switch trial's numerics guard, the halves of a
+    noise-scale batch): autotuning times every algorithm of every convolution once per new shape, seconds in a
+    fresh process, and a shape that runs once never pays it back; cuDNN's heuristics choose instead."""
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before

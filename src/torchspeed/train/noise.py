@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchspeed.train.backends import no_autotune
 from torchspeed.train.batch import batch_size, forward_loss
 from torchspeed.train.rng import capture_rng_state, restore_rng_state
 from torchspeed.train.sampler import iter_batches
@@ -158,9 +159,10 @@ def measure_noise_scale(model: nn.Module, loader: Iterable, *, batches: int = 8,
     reader = iter_batches(loader, cycle=False, what="the loader given to measure_noise_scale")
     try:
         model.train()
-        for batch in itertools.islice(reader, batches):
-            observe_batch(model, to_device(batch, device), est, loss_fn=loss_fn, step_fn=step_fn)
-            size = max(size, 2 * batch_size(split_batch_in_two(batch)[0]))
+        with no_autotune():  # half batches: a shape the run never trains at
+            for batch in itertools.islice(reader, batches):
+                observe_batch(model, to_device(batch, device), est, loss_fn=loss_fn, step_fn=step_fn)
+                size = max(size, 2 * batch_size(split_batch_in_two(batch)[0]))
     finally:
         reader.close()
         for n, m in model.named_modules():
