@@ -136,9 +136,14 @@ def describe_optimizer(opt: torch.optim.Optimizer) -> str:
 # --- Muon for the hidden matrices, AdamW for the rest (T42) ---------------------------------------------------
 
 
+def _embedding_weights(model: nn.Module) -> set[int]:
+    """ids of the embeddings' weights (`nn.Embedding`, `nn.EmbeddingBag`): lookups, not matrices applied to inputs."""
+    return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+
+
 def _head_weights(model: nn.Module) -> set[int]:
     """ids of the output head's weights: the last nn.Linear's, and any Linear weight tied to an embedding."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    embeddings = _embedding_weights(model)
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     heads = {id(m.weight) for m in linears if id(m.weight) in embeddings}
     if linears:
@@ -155,7 +160,7 @@ def hidden_matrices(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], l
     Everything else (embeddings, the head, biases, norm weights, conv kernels of 3 or more dims) is other.
     A parameter shared by several modules is listed once.
     """
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    embeddings = _embedding_weights(model)
     excluded = embeddings | _head_weights(model)
     hidden, other = [], []
     for name, p in model.named_parameters():
@@ -349,12 +354,9 @@ def typical_fan_in(model: nn.Module) -> int | None:
     """The fan-in (inputs per output unit: a Linear's in_features, a conv's in_channels x kernel size) of the
     model's weights, the median by element count over its trainable weights of 2 or more dims, embeddings
     excepted (a lookup has no fan-in). None: no such weight."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
-    seen, fans = set(), []
-    for p in model.parameters():
-        if p.requires_grad and p.ndim >= 2 and p.shape[0] and id(p) not in embeddings and id(p) not in seen:
-            seen.add(id(p))
-            fans.append((p.numel() // p.shape[0], p.numel()))
+    embeddings = _embedding_weights(model)
+    fans = [(p.numel() // p.shape[0], p.numel()) for p in model.parameters()  # (a shared weight comes once)
+            if p.requires_grad and p.ndim >= 2 and p.shape[0] and id(p) not in embeddings]
     if not fans:
         return None
     fans.sort()

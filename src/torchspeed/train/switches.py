@@ -273,9 +273,8 @@ class LiveTrial:
         if self.run_steps is None or not timed or math.isinf(self.share) or "stopped" in self.report:
             return
         step_s = timed[0]
-        firsts = [sec for c, sec, _ in self._warm if c == plain] or [step_s]
-        firsts += [sec for c, sec, _ in self._warm if c != plain]
-        switch_s = max(max(firsts) - step_s, step_s) * self.warmup
+        dearest = max((sec for _, sec, _ in self._warm), default=step_s)  # any setting's first step, the plain's too
+        switch_s = max(dearest - step_s, step_s) * self.warmup
         tried = {c for c, _, _ in self._warm}
         others = (len([c for c in self.candidates if c not in tried]) + (1 if self.fused_choice else 0)
                   + len(self.thread_choices))
