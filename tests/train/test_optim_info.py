@@ -107,14 +107,30 @@ def test_typical_fan_in_is_the_median_by_weight_count_embeddings_excepted():
     assert typical_fan_in(nn.Sequential(nn.BatchNorm1d(4))) is None
 
 
-def test_schedule_free_lr_scales_up_for_narrow_models_only_and_at_most_4x():
-    from torchspeed.train.optim import SCHEDULE_FREE_LR, schedule_free_lr
+def test_schedule_free_lr_scales_up_for_narrow_models_by_class_transformers_at_most_4x():
+    """muP's 1 / fan-in, from 2048 and at most 16x for a model without attention or LayerNorm; from 512 and at most
+    4x for one with either (a transformer: twice that lost accuracy, docs/recipe.md)."""
+    from torchspeed.train.optim import SCHEDULE_FREE_LR, has_attention, schedule_free_lr
 
-    wide = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 10))
+    wide = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 10))
     assert schedule_free_lr(wide)[0] == SCHEDULE_FREE_LR and "default" in schedule_free_lr(wide)[1]
-    mid = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
-    assert schedule_free_lr(mid)[0] == pytest.approx(2 * SCHEDULE_FREE_LR)
+    mid = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))
+    assert not has_attention(mid) and schedule_free_lr(mid)[0] == pytest.approx(4 * SCHEDULE_FREE_LR)
     narrow = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 2))
     lr, why = schedule_free_lr(narrow)
-    assert lr == pytest.approx(4 * SCHEDULE_FREE_LR) and "fan-in is 32" in why
+    assert lr == pytest.approx(16 * SCHEDULE_FREE_LR) and "fan-in is 32" in why and "no attention" in why
+    # the same widths with a LayerNorm, an attention layer, or a model's own attention class: the transformer rule
+    normed = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.Linear(32, 32), nn.Linear(32, 2))
+    assert has_attention(normed) and schedule_free_lr(normed)[0] == pytest.approx(4 * SCHEDULE_FREE_LR)
+
+    class CausalSelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(512, 3 * 512)
+
+    own = nn.Sequential(CausalSelfAttention(), nn.Linear(512, 512))
+    assert has_attention(own) and schedule_free_lr(own)[0] == SCHEDULE_FREE_LR
+    mha = nn.ModuleList([nn.MultiheadAttention(32, 4), nn.Linear(32, 32)])
+    assert has_attention(mha) and schedule_free_lr(mha)[0] == pytest.approx(4 * SCHEDULE_FREE_LR)
+    assert not has_attention(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.GRU(8, 8)))
     assert schedule_free_lr(nn.Sequential(nn.BatchNorm1d(4)))[0] == SCHEDULE_FREE_LR

@@ -40,7 +40,7 @@ from torch import nn
 from torchspeed.train.optim_info import OptimInfo, optimizer_available, optimizer_info, register_optimizer
 
 __all__ = ["create_optimizer", "zero_grad", "param_groups", "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR",
-           "typical_fan_in", "schedule_free_lr",
+           "typical_fan_in", "schedule_free_lr", "has_attention",
            "schedule_free_available", "set_schedule_free_warmup", "SCHEDULE_FREE_BN_BATCHES",
            "SCHEDULE_FREE_BN_SAMPLES", "hidden_matrices", "matrix_share", "mostly_matrices"]
 
@@ -345,9 +345,26 @@ SCHEDULE_FREE_LR = optimizer_info("schedulefree").default_lr  # Schedule-Free Ad
 
 # Schedule-Free AdamW's default LR was tuned on AlgoPerf's workloads (ResNet-50, ViT, Conformer, the WMT transformer,
 # U-Net, DLRM, GNN), whose weight matrices mostly take 512 inputs or more. Adam's best LR for a hidden matrix goes as
-# 1 / its fan-in (muP, Yang et al. 2022), so a narrower model's prior is scaled up, at most SF_MAX_SCALE x.
+# 1 / its fan-in (muP, Yang et al. 2022), so a narrower model's prior is scaled up. Two classes, measured
+# (benchmarks/bench_sf_lr.py, docs/recipe.md):
+# - attention or LayerNorm/RMSNorm (a transformer): default x 512 / fan-in, at most 4x. Twice that lost accuracy on a
+#   64-wide ViT, and 4x that diverged;
+# - neither (MLPs, CNNs, RNNs): default x 2048 / fan-in, at most 16x. On eight such models (fan-in 64 to 512) the
+#   transformer rule's LR took up to 3.2x the seconds to the target, or missed it (3 of 8).
 SF_REF_FAN_IN = 512
 SF_MAX_SCALE = 4.0
+SF_REF_FAN_IN_PLAIN = 2048
+SF_MAX_SCALE_PLAIN = 16.0
+_ATTENTION_WORDS = ("attention", "attn", "layernorm", "rmsnorm", "transformer")
+
+
+def has_attention(model: nn.Module) -> bool:
+    """Whether `model` looks like a transformer: an attention module or a LayerNorm/RMSNorm, by type or by class
+    name (a model's own `CausalSelfAttention`, `RMSNorm`)."""
+    kinds = (nn.MultiheadAttention, nn.LayerNorm, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+             *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+    return any(isinstance(m, kinds) or any(w in type(m).__name__.lower() for w in _ATTENTION_WORDS)
+               for m in model.modules())
 
 
 def typical_fan_in(model: nn.Module) -> int | None:
@@ -369,13 +386,18 @@ def typical_fan_in(model: nn.Module) -> int | None:
 
 
 def schedule_free_lr(model: nn.Module) -> tuple[float, str]:
-    """Schedule-Free AdamW's LR for `model` when nothing measured one, and why: its default, scaled by
-    SF_REF_FAN_IN / the model's typical fan-in, between 1x and SF_MAX_SCALE x (see SF_REF_FAN_IN)."""
+    """Schedule-Free AdamW's LR for `model` when nothing measured one, and why: its default, scaled by a reference
+    fan-in / the model's typical fan-in, at least 1x; the reference and the most by the model's class (a transformer:
+    SF_REF_FAN_IN, at most SF_MAX_SCALE x; else SF_REF_FAN_IN_PLAIN, at most SF_MAX_SCALE_PLAIN x)."""
     fan = typical_fan_in(model)
-    scale = 1.0 if fan is None else min(SF_MAX_SCALE, max(1.0, SF_REF_FAN_IN / max(fan, 1)))
+    attention = has_attention(model)
+    ref, most = (SF_REF_FAN_IN, SF_MAX_SCALE) if attention else (SF_REF_FAN_IN_PLAIN, SF_MAX_SCALE_PLAIN)
+    scale = 1.0 if fan is None else min(most, max(1.0, ref / max(fan, 1)))
     if scale == 1.0:
         return SCHEDULE_FREE_LR, (f"Schedule-Free AdamW's default LR (the weights' typical fan-in {fan} is as wide as "
                                   f"those it was tuned on)" if fan is not None else "Schedule-Free AdamW's default LR")
+    kind = "attention or LayerNorm: x 512 / fan-in, at most 4x" if attention else \
+        "no attention or LayerNorm: x 2048 / fan-in, at most 16x"
     return SCHEDULE_FREE_LR * scale, (
         f"Schedule-Free AdamW's default {SCHEDULE_FREE_LR:g} x {scale:.2g}: the weights' typical fan-in is {fan}, "
-        f"under the {SF_REF_FAN_IN} it was tuned at, and Adam's best LR goes as 1 / fan-in (muP)")
+        f"and Adam's best LR goes as 1 / fan-in (muP); {kind} (measured, docs/recipe.md)")
