@@ -9,7 +9,8 @@ LR, to a target on each model, 2 seeds:
   `schedulefree` row with its LR replaced);
 - models the suite does not have, on data that ships offline: a narrow CNN (8 channels) and a 64-wide MLP on
   scikit-learn's 8x8 digits, a 2-layer GRU classifying token sequences by their first token, and a 64-wide
-  ViT (2 layers, LayerNorm, attention) on the digits' 2x2 patches.
+  ViT (2 layers, LayerNorm, attention) on the digits' 2x2 patches; and a deep one, ResNet-20 (22 weight layers,
+  BatchNorm) on the digits at 32 px (the bench's time-to-accuracy workload).
 
 Per model: seconds and steps to the target at each LR (`null`: missed in the budget), the rule's LR and class
 (attention/LayerNorm or not), and the rule's seconds against the fastest grid LR's.
@@ -99,9 +100,21 @@ def _first_token(n: int = 4000, t: int = 30):
     return x[:n], y[:n], x[n:], y[n:]
 
 
+def _digits32():
+    from torchspeed.bench.workloads import digits
+    train, val = digits()
+    return (*train.tensors, *val.tensors)
+
+
+def _resnet20():
+    from torchspeed.bench.workloads import resnet20
+    return resnet20()
+
+
 # name: (model, data, batch, epochs, target val_acc)
 HELD_OUT = {"narrow_cnn": (NarrowCNN, _digits, 32, 8, 0.9), "mlp64": (MLP64, _digits, 32, 8, 0.97),
-            "gru2": (GRU2, _first_token, 64, 6, 0.9), "tiny_vit": (TinyViT, _digits, 32, 8, 0.9)}
+            "gru2": (GRU2, _first_token, 64, 6, 0.9), "tiny_vit": (TinyViT, _digits, 32, 8, 0.9),
+            "resnet20": (_resnet20, _digits32, 64, 4, 0.97)}
 
 
 class StopAt(Callback):

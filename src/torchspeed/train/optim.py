@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 
 import torch
 from torch import nn
@@ -40,7 +41,7 @@ from torch import nn
 from torchspeed.train.optim_info import OptimInfo, optimizer_available, optimizer_info, register_optimizer
 
 __all__ = ["create_optimizer", "zero_grad", "param_groups", "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR",
-           "typical_fan_in", "schedule_free_lr", "has_attention",
+           "typical_fan_in", "schedule_free_lr", "has_attention", "weight_layers",
            "schedule_free_available", "set_schedule_free_warmup", "SCHEDULE_FREE_BN_BATCHES",
            "SCHEDULE_FREE_BN_SAMPLES", "hidden_matrices", "matrix_share", "mostly_matrices"]
 
@@ -349,12 +350,16 @@ SCHEDULE_FREE_LR = optimizer_info("schedulefree").default_lr  # Schedule-Free Ad
 # (benchmarks/bench_sf_lr.py, docs/recipe.md):
 # - attention or LayerNorm/RMSNorm (a transformer): default x 512 / fan-in, at most 4x. Twice that lost accuracy on a
 #   64-wide ViT, and 4x that diverged;
-# - neither (MLPs, CNNs, RNNs): default x 2048 / fan-in, at most 16x. On eight such models (fan-in 64 to 512) the
-#   transformer rule's LR took up to 3.2x the seconds to the target, or missed it (3 of 8).
+# - neither (MLPs, CNNs, RNNs): default x 2048 / fan-in, at most 16x, times sqrt(SF_REF_DEPTH / depth) where the
+#   model has more weight layers than SF_REF_DEPTH (Adam's LR for a deep residual stack goes as 1 / sqrt(depth):
+#   depth-muP, Yang et al. 2023). On eight such models of 3-5 weight layers (fan-in 64 to 512) the transformer
+#   rule's LR took up to 3.2x the seconds to the target, or missed it (3 of 8); ResNet-20 (22 weight layers) lost
+#   accuracy at the width rule's 3.6x without the depth factor.
 SF_REF_FAN_IN = 512
 SF_MAX_SCALE = 4.0
 SF_REF_FAN_IN_PLAIN = 2048
 SF_MAX_SCALE_PLAIN = 16.0
+SF_REF_DEPTH = 5  # the deepest of the models the plain rule was measured on (weight layers)
 _ATTENTION_WORDS = ("attention", "attn", "layernorm", "rmsnorm", "transformer")
 
 
@@ -385,19 +390,30 @@ def typical_fan_in(model: nn.Module) -> int | None:
     return fans[-1][0]
 
 
+def weight_layers(model: nn.Module) -> int:
+    """The model's depth in weight layers: its trainable weights of 2 or more dims, embeddings excepted."""
+    embeddings = _embedding_weights(model)
+    return sum(1 for p in model.parameters() if p.requires_grad and p.ndim >= 2 and id(p) not in embeddings)
+
+
 def schedule_free_lr(model: nn.Module) -> tuple[float, str]:
     """Schedule-Free AdamW's LR for `model` when nothing measured one, and why: its default, scaled by a reference
     fan-in / the model's typical fan-in, at least 1x; the reference and the most by the model's class (a transformer:
-    SF_REF_FAN_IN, at most SF_MAX_SCALE x; else SF_REF_FAN_IN_PLAIN, at most SF_MAX_SCALE_PLAIN x)."""
+    SF_REF_FAN_IN, at most SF_MAX_SCALE x; else SF_REF_FAN_IN_PLAIN, at most SF_MAX_SCALE_PLAIN x, and times
+    sqrt(SF_REF_DEPTH / depth) for a model deeper than SF_REF_DEPTH weight layers)."""
     fan = typical_fan_in(model)
     attention = has_attention(model)
     ref, most = (SF_REF_FAN_IN, SF_MAX_SCALE) if attention else (SF_REF_FAN_IN_PLAIN, SF_MAX_SCALE_PLAIN)
-    scale = 1.0 if fan is None else min(most, max(1.0, ref / max(fan, 1)))
+    depth = weight_layers(model)
+    deep = not attention and depth > SF_REF_DEPTH
+    scale = 1.0 if fan is None else min(most, ref / max(fan, 1)) * (math.sqrt(SF_REF_DEPTH / depth) if deep else 1.0)
+    scale = max(1.0, scale)
     if scale == 1.0:
         return SCHEDULE_FREE_LR, (f"Schedule-Free AdamW's default LR (the weights' typical fan-in {fan} is as wide as "
                                   f"those it was tuned on)" if fan is not None else "Schedule-Free AdamW's default LR")
-    kind = "attention or LayerNorm: x 512 / fan-in, at most 4x" if attention else \
-        "no attention or LayerNorm: x 2048 / fan-in, at most 16x"
+    kind = ("attention or LayerNorm: x 512 / fan-in, at most 4x" if attention else
+            "no attention or LayerNorm: x 2048 / fan-in, at most 16x" +
+            (f", x sqrt({SF_REF_DEPTH} / {depth}) for its {depth} weight layers (depth-muP)" if deep else ""))
     return SCHEDULE_FREE_LR * scale, (
         f"Schedule-Free AdamW's default {SCHEDULE_FREE_LR:g} x {scale:.2g}: the weights' typical fan-in is {fan}, "
         f"and Adam's best LR goes as 1 / fan-in (muP); {kind} (measured, docs/recipe.md)")
