@@ -108,9 +108,10 @@ def test_typical_fan_in_is_the_median_by_weight_count_embeddings_excepted():
 
 
 def test_schedule_free_lr_scales_up_for_narrow_models_by_class_transformers_at_most_4x():
-    """muP's 1 / fan-in, from 2048 and at most 16x for a model without attention or LayerNorm; from 512 and at most
-    4x for one with either (a transformer: twice that lost accuracy, docs/recipe.md)."""
-    from torchspeed.train.optim import SCHEDULE_FREE_LR, has_attention, schedule_free_lr
+    """muP's 1 / fan-in, from 2048 and at most 16x for a model without attention or LayerNorm (less for one deeper than
+    5 weight layers); from 512 and at most 4x for one with either (a transformer: twice that lost accuracy,
+    docs/recipe.md)."""
+    from torchspeed.train.optim import SCHEDULE_FREE_LR, has_attention, schedule_free_lr, weight_layers
 
     wide = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 10))
     assert schedule_free_lr(wide)[0] == SCHEDULE_FREE_LR and "default" in schedule_free_lr(wide)[1]
@@ -133,4 +134,11 @@ def test_schedule_free_lr_scales_up_for_narrow_models_by_class_transformers_at_m
     mha = nn.ModuleList([nn.MultiheadAttention(32, 4), nn.Linear(32, 32)])
     assert has_attention(mha) and schedule_free_lr(mha)[0] == pytest.approx(4 * SCHEDULE_FREE_LR)
     assert not has_attention(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.GRU(8, 8)))
+    # a deep stack without attention: the width rule x sqrt(5 / depth) (depth-muP); 20 layers of fan-in 32: 16x / 2
+    deep = nn.Sequential(*(nn.Linear(32, 32) for _ in range(20)))
+    assert weight_layers(deep) == 20 and weight_layers(narrow) == 3
+    lr, why = schedule_free_lr(deep)
+    assert lr == pytest.approx(8 * SCHEDULE_FREE_LR) and "20 weight layers" in why
+    wide_deep = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(80)))  # 2x x sqrt(5 / 80) = 0.5x: at least 1x
+    assert schedule_free_lr(wide_deep)[0] == SCHEDULE_FREE_LR
     assert schedule_free_lr(nn.Sequential(nn.BatchNorm1d(4)))[0] == SCHEDULE_FREE_LR

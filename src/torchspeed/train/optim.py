@@ -353,8 +353,8 @@ SCHEDULE_FREE_LR = optimizer_info("schedulefree").default_lr  # Schedule-Free Ad
 # - neither (MLPs, CNNs, RNNs): default x 2048 / fan-in, at most 16x, times sqrt(SF_REF_DEPTH / depth) where the
 #   model has more weight layers than SF_REF_DEPTH (Adam's LR for a deep residual stack goes as 1 / sqrt(depth):
 #   depth-muP, Yang et al. 2023). On eight such models of 3-5 weight layers (fan-in 64 to 512) the transformer
-#   rule's LR took up to 3.2x the seconds to the target, or missed it (3 of 8); ResNet-20 (22 weight layers) lost
-#   accuracy at the width rule's 3.6x without the depth factor.
+#   rule's LR took up to 3.5x the seconds to the target, or missed it (3 of 8); ResNet-20 (22 weight layers) was
+#   slower at 4x and missed at 8x, where the width rule alone gives it 3.6x.
 SF_REF_FAN_IN = 512
 SF_MAX_SCALE = 4.0
 SF_REF_FAN_IN_PLAIN = 2048
