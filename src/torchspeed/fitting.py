@@ -3,8 +3,8 @@
 `fit` is the plan plus the Trainer: `torchspeed.plan.make_plan` runs the plan's registered stages
 (`plan/stages.py`: every automatic choice once, with the tuners of `torchspeed.tune` and the
 recipe, within a tuning budget), `torchspeed.train.Trainer` applies the plan into the plan's own
-decisions (the switch trial on the run's first steps, then the plan's in-run stages), and the
-plan's after-training stages end the call.
+decisions (the plan's "first_steps" stages arm the switch trial, which the Trainer steps on the run's
+first steps; then the plan's in-run stages), and the plan's after-training stages end the call.
 
 Example:
     >>> result = torchspeed.fit(model, loader, epochs=3, val_loader=val, batch_size="auto", lr="auto")
@@ -83,7 +83,8 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=plan.optimizer, lr=plan.lr,
                       weight_decay=weight_decay, momentum=momentum, betas=betas, device=device, config=plan.config,
                       callbacks=plan.callbacks, loggers=loggers, mesh=mesh, on_checkpoint=on_checkpoint,
-                      decisions=plan.decisions, caps=plan.context.caps)  # the plan's capabilities, resolved once
+                      decisions=plan.decisions, caps=plan.context.caps,  # the plan's capabilities, resolved once
+                      first_steps=plan.first_steps)  # the plan's "first_steps" stages arm the run's trials
     if plan.config.progress and is_rank_zero():
         _print_plan(plan)
     result = trainer.fit(plan.loader, epochs=epochs, val_loader=val_loader)

@@ -221,3 +221,35 @@ def test_under_fit_the_plan_decides_the_backends_and_the_rules_and_the_trainer_o
     assert d["threads"].value >= 1 and d["precision"].reason.startswith("rule:") and "channels_last" in d
     with pytest.raises(AssertionError, match="the Trainer decided"):
         Trainer(tiny_cnn(), lr=0.05, config=TrainConfig(**FAST))  # on its own, it decides (here: refused)
+
+
+def test_the_switch_trial_is_the_plans_first_steps_stage_and_the_trainer_steps_what_it_arms(tiny_cnn, registered,
+                                                                                            monkeypatch, tmp_path):
+    """fit's Trainer arms no trial itself: the plan's "first_steps" stages run at the start of its run, with the
+    trainer, the loader it trains on and the steps left, and arm the switch and compile trials; the Trainer steps
+    the switch trial while it is live. Without the plan's `switch_trial` stage, fit's run has no switch trial; a
+    Trainer on its own arms both with the same functions."""
+    import torchspeed.plan.planner as planner
+    from torchspeed.train.trainer import Trainer
+
+    assert [s.name for s in stages("first_steps")] == ["switch_trial", "compile_trial"]
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))  # a measured trial, not an earlier test's cache
+    seen, stepped = [], []
+    registered(Stage("probe_first", "first_steps", lambda ctx: seen.append(
+        (ctx.trainer.step, ctx.steps_left, type(ctx.run_loader).__name__, ctx.trainer.switcher.live is not None)),
+        needs=("switch_trial",)))
+    real = SwitchStage.step
+    monkeypatch.setattr(SwitchStage, "step", lambda self, *a: stepped.append(1) or real(self, *a))
+    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=2, lr=0.05, progress=False, compile=False, malloc=False,
+                         precision="auto", trial=True)
+    assert seen == [(0, 8, "SlicedLoader", True)]  # the trial armed before the probe; the loader sliced
+    assert stepped and res.decisions["switch_trial"].value == "measured"
+    # the plan's stage is what arms it: without it, fit's run has no switch trial
+    monkeypatch.setitem(STAGES, "switch_trial", Stage("switch_trial", "first_steps", lambda ctx: None))
+    stepped.clear()
+    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=2, lr=0.05, progress=False, compile=False, malloc=False,
+                         precision="auto", trial=True)
+    assert not stepped and "switch_trial" not in res.decisions
+    # a Trainer on its own arms them itself, with the same functions as the plan's stages
+    trainer = Trainer(tiny_cnn(), lr=0.05, config=TrainConfig(**FAST))
+    assert trainer.first_steps == (planner.arm_switch_trial, planner.arm_compile_trial)

@@ -5,9 +5,7 @@ The stages (`BUILT_IN`, registered in this order in `plan.stages.STAGES`; Lightn
 habit: resolve every "auto" once, then only read):
 
 1. `distributed`: torchrun's process group first, so rank 0 measures for every rank;
-2. `capabilities`: what this device runs natively (`env.DeviceCaps`); the switch trial (precision,
-   channels_last, optimizer kernel, threads) is measured on the run's own first steps by the Trainer
-   (`train.autoswitch`), 0 steps on a cache hit; the plan states it;
+2. `capabilities`: what this device runs natively (`env.DeviceCaps`);
 3. `schedule`: the schedule rule (`train.schedule.default_schedule`) and the prior LR;
 4. `tuners`: batch size, LR and loader settings when asked (`batch_size=`, `lr="auto"`, `loader=`:
    `tune.auto.tune_for_fit`), the loader rebuilt once;
@@ -15,11 +13,15 @@ habit: resolve every "auto" once, then only read):
 6. `recipe` (`recipe="auto"`: `plan.recipe.choose_recipe`) within the tuning budget (`plan.budget`: at
    most 5% of the run's steps off the run, none on a cache hit); the loader rebuilt at most once more,
    for the batch part's choice;
-7. in the run, after the switch trial: `lr_in_run` (`plan.inrun`), the LR part at the precision the
+7. at the run's start ("first_steps", with the Trainer): `switch_trial`, precision x layout x optimizer
+   kernel (x threads) by the rules or a trial on the run's own first steps (`train.autoswitch`; 0 steps on
+   a cache hit), which the Trainer steps while it is live; `compile_trial`, `compile="auto"`'s trial told
+   the run's length;
+8. in the run, after the switch trial: `lr_in_run` (`plan.inrun`), the LR part at the precision the
    trial chose;
-8. after training: `tta`, the flip-TTA check (`plan.recipe_tta`).
+9. after training: `tta`, the flip-TTA check (`plan.recipe_tta`).
 
-Every value in `Plan.decisions` is a `Decision`, each key written once. The Trainer only applies the plan;
+Every value in `Plan.decisions` is a `Decision`, each key written once. The Trainer applies the plan and steps what its stages arm;
 `fit` prints it before training (what was chosen, from what evidence, at what cost, and what is still
 measured during the run).
 
@@ -45,10 +47,12 @@ from torchspeed.plan.inrun import measure_lr_in_run
 from torchspeed.plan.parts import PARTS, Recipe
 from torchspeed.plan.recipe import choose_recipe
 from torchspeed.plan.recipe_tta import after_training
-from torchspeed.plan.stages import RunContext, RunStages, Stage, register_stage, run_event, run_length, stages
+from torchspeed.plan.stages import (RunContext, RunStages, Stage, first_steps_hook, register_stage, run_event,
+                                    run_length, stages)
 from torchspeed.plan.switches_first import switches_first, wants_switches_first
-from torchspeed.train.autoswitch import rule_choice
+from torchspeed.train.autoswitch import arm_switch_trial, rule_choice
 from torchspeed.train.backends import apply_backends, decide_backends
+from torchspeed.train.compile import arm_compile_trial
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, Decisions, TrialCache
 from torchspeed.train.distributed import maybe_init_distributed
@@ -77,6 +81,7 @@ class Plan:
     tuning_s: float = 0.0
     tuning_steps: int = 0
     context: RunContext | None = field(default=None, repr=False)  # what the stages shared ("after" runs on it)
+    first_steps: tuple = ()  # for the Trainer: runs the "first_steps" stages at the start of its run
 
     def summary(self) -> str:
         """The plan in words, one line per choice: value, then why."""
@@ -111,7 +116,8 @@ def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
         ctx.callbacks.append(RunStages(ctx))
     plan = Plan(loader=ctx.loader, optimizer=ctx.optimizer, lr=float(ctx.lr), config=ctx.cfg, callbacks=ctx.callbacks,
                 run_steps=ctx.run_steps, recipe=ctx.rec, decisions=ctx.decisions,
-                tuning_s=time.perf_counter() - t0, tuning_steps=ctx.tuning_steps, context=ctx)
+                tuning_s=time.perf_counter() - t0, tuning_steps=ctx.tuning_steps, context=ctx,
+                first_steps=(first_steps_hook(ctx),))
     ctx.decisions["tuning"] = Decision(
         round(plan.tuning_s, 3), f"{plan.tuning_steps} training steps off the run spent choosing before it (a "
         "switch trial on the run's own steps trains, and is not counted here)",
@@ -219,6 +225,14 @@ def _apply_recipe(ctx: RunContext, rec: Recipe) -> None:
     ctx.decisions.update(rec.decisions)
 
 
+def _switch_trial(ctx: RunContext) -> None:
+    arm_switch_trial(ctx.trainer, ctx.run_loader, ctx.steps_left)
+
+
+def _compile_trial(ctx: RunContext) -> None:
+    arm_compile_trial(ctx.trainer, ctx.run_loader, ctx.steps_left)
+
+
 def _tta_after(ctx: RunContext) -> None:
     """The recipe's after-training part: flip TTA when it scores better on training batches (T33)."""
     trainer, result = ctx.trainer, ctx.result
@@ -237,7 +251,7 @@ BUILT_IN = (
     Stage("distributed", "before", _distributed, cost="0 steps", fallback=False,
           what="torchrun's process group and this rank's device"),
     Stage("capabilities", "before", _capabilities, needs=("distributed",), fallback=False,
-          what="what the device runs natively; the switch trial is planned on the run's first steps"),
+          what="what the device runs natively"),
     Stage("backends", "before", _backends, needs=("capabilities",), fallback=False,
           what="cudnn.benchmark and TF32 (CUDA), threads and malloc (CPU), in effect from here"),
     Stage("rules", "before", _rules, needs=("capabilities",), fallback=False,
@@ -253,6 +267,11 @@ BUILT_IN = (
     Stage("recipe", "before", _recipe, needs=("run_length",), cost="within 5% of the run's steps", fallback=False,
           what="the recipe's parts (each guarded: a part that fails keeps its prior)",
           when=lambda ctx: bool(ctx.recipe)),
+    Stage("switch_trial", "first_steps", _switch_trial, fallback=False, cost="the run's own first steps (0 on a "
+          "cache hit)", what="precision x layout x optimizer kernel (x threads): the rules, or a trial the Trainer "
+          "steps on the run's first steps"),
+    Stage("compile_trial", "first_steps", _compile_trial, needs=("switch_trial",), fallback=False,
+          cost="the run's own steps", what="`compile=\"auto\"`: told the run's length (a short run stays eager)"),
     Stage("lr_in_run", "after_switches", measure_lr_in_run, cost="the range test's steps, off the run",
           what="the LR part at the precision the switch trial chose",
           when=lambda ctx: ctx.rec is not None and "lr" in ctx.rec.pending),

@@ -7,6 +7,10 @@ of the `RunContext` that reads what earlier stages resolved and writes its `Deci
 
 - "before": before training, in `plan.make_plan` (distributed set-up, capabilities, the schedule
   rule, the tuners, the recipe);
+- "first_steps": at the start of the Trainer's run, with the trainer, the loader it trains on and the
+  steps left (`ctx.trainer`, `ctx.run_loader`, `ctx.steps_left`): a stage arms what the Trainer steps on
+  the run's first steps (the switch trial, which the Trainer's `step_batch` steps while it is live; the
+  compile trial); the plan hands the Trainer `first_steps_hook(ctx)`, which runs these stages;
 - "after_switches": inside the run, at the first step end once the switch trial has settled, so a
   stage measures at the precision, layout and kernels the run trains with (`RunStages`, a callback
   the plan adds only when such a stage is wanted);
@@ -45,9 +49,9 @@ from torchspeed.train.schedule import steps_in_run
 log = logging.getLogger("torchspeed")
 
 __all__ = ["EVENTS", "Stage", "RunContext", "STAGES", "register_stage", "unregister_stage", "stages", "run_event",
-           "RunStages", "render_stages", "run_length"]
+           "RunStages", "first_steps_hook", "render_stages", "run_length"]
 
-EVENTS = ("before", "after_switches", "after")
+EVENTS = ("before", "first_steps", "after_switches", "after")
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,9 @@ class RunContext:
     run_steps: int | None = None
     rec: object = None                            # the recipe (plan.parts.Recipe) when one was chosen
     tuning_steps: int = 0                         # training steps off the run spent choosing
-    trainer: object = None                        # "after_switches" and "after": the Trainer
+    trainer: object = None                        # "first_steps", "after_switches" and "after": the Trainer
+    run_loader: Iterable | None = None            # "first_steps": the loader the Trainer trains on (sliced, sharded)
+    steps_left: int | None = None                 # "first_steps": the run's micro-batches left (None: unknown)
     result: object = None                         # "after": the FitResult
     val_loader: Iterable | None = None
 
@@ -168,6 +174,17 @@ def run_event(ctx: RunContext, event: str) -> None:
     for stage in stages(event):
         if stage.wanted(ctx):
             _run(stage, ctx)
+
+
+def first_steps_hook(ctx: RunContext) -> Callable:
+    """What the plan hands the Trainer (`Trainer(first_steps=...)`): at the start of its run, the "first_steps"
+    stages run with the trainer, the loader it trains on and the steps left."""
+
+    def arm(trainer, loader: Iterable, steps_left: int | None) -> None:
+        ctx.trainer, ctx.run_loader, ctx.steps_left = trainer, loader, steps_left
+        run_event(ctx, "first_steps")
+
+    return arm
 
 
 class RunStages(Callback):

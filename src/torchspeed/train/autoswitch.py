@@ -40,7 +40,7 @@ from torchspeed.train.switches import (LiveTrial, Switches, batch_signature, can
 from torchspeed.train.transfer import batch_layout
 
 __all__ = ["rule_choice", "trial_settings", "TRIAL_SETTINGS", "LIVE_SHARE", "PRICE_SHARE", "SwitchStage",
-           "kernel_isa"]
+           "kernel_isa", "arm_switch_trial"]
 
 log = logging.getLogger("torchspeed")
 
@@ -381,3 +381,9 @@ class SwitchStage:
         fused = bool(self.t.optimizer.defaults.get("fused")) if fusable(self.t.optimizer) else None
         return Switches(self.t.precision.name, self.t.channels_last, fused, torch.get_num_threads() if self.t.dist is None
                         and self.t.device.type == "cpu" else None)
+
+
+def arm_switch_trial(trainer, loader: Iterable, remaining_steps: int | None) -> None:
+    """A first-steps part (`Trainer.first_steps`; fit's plan: its "switch_trial" stage): decide the trainer's
+    switches by the rules, or arm its trial on the run's first steps (`SwitchStage.prepare`)."""
+    trainer.switcher.prepare(loader, remaining_steps=remaining_steps)

@@ -43,7 +43,7 @@ from torch import nn
 from torchspeed.env import sync
 from torchspeed.train.decision import Decision, Decisions
 
-__all__ = ["compile_model", "CompileTrial", "CompileDecision", "CompileController", "MIN_RUN_S"]
+__all__ = ["compile_model", "CompileTrial", "CompileDecision", "CompileController", "MIN_RUN_S", "arm_compile_trial"]
 
 log = logging.getLogger("torchspeed")
 
@@ -331,3 +331,9 @@ class CompileController:
             self._eager()
             self._compiled.clear()
         self.decisions.refine("compile", Decision(bool(decision.use_compiled), decision.reason, asdict(decision)))
+
+
+def arm_compile_trial(trainer, loader, remaining_steps: int | None) -> None:
+    """A first-steps part (`Trainer.first_steps`; fit's plan: its "compile_trial" stage): tell the trainer's compile
+    trial how many steps the run has left (a run too short to pay back a compilation stays eager)."""
+    trainer.compiler.plan(remaining_steps)

@@ -7,9 +7,8 @@ accumulation and clipping T19/T20 (step.py), transfer and prefetch T07 (transfer
 T13 (metrics.py), compile T25 (compile.py), validation T28/T33 (evaluate.py), the NaN/OOM guards (guard.py),
 exact resume (`stateful` parts: stateful.py, resume.py; files: checkpoint.py, store.py, dcp.py; sampler.py),
 DDP and FSDP2 T31 (distributed.py, fsdp.py), the batch contract (batch.py), the progress bar (progress.py). The
-trainer only decides which to switch on and calls them in order, so a reader can follow one
-training step from top to bottom in `train_step`. Every switch is in `TrainConfig` (config.py); `torchspeed.fit`
-(fitting.py, above this package and the tuners) is the one-call entry point.
+trainer calls them in order (a reader can follow one step top to bottom in `train_step`); every switch is in
+`TrainConfig` (config.py); `torchspeed.fit` (fitting.py: the plan, then this) is the one-call entry point.
 
 Example:
     >>> trainer = Trainer(model, config=TrainConfig(epochs=5))
@@ -30,14 +29,13 @@ import torch
 from torch import nn
 
 from torchspeed.env import DeviceCaps, default_device, sync
-from torchspeed.train.autoswitch import SwitchStage, rule_choice
+from torchspeed.train.autoswitch import SwitchStage, arm_switch_trial, rule_choice
 from torchspeed.train.switches import Switches
 from torchspeed.train.backends import BACKEND_KEYS, apply_backends, decide_backends
 from torchspeed.train.batch import batch_size, default_loss, forward_loss
 from torchspeed.train.callbacks import Callback, CallbackList
-from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
-from torchspeed.train.checkpoint import CheckpointManager
-from torchspeed.train.compile import CompileController
+from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT, CheckpointManager
+from torchspeed.train.compile import CompileController, arm_compile_trial
 from torchspeed.train.config import TrainConfig, check_reliability_options, parse_eval_every
 from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object, is_rank_zero,
                                           maybe_init_distributed, reduce_metrics, scale_lr_world_size,
@@ -92,11 +90,11 @@ class FitResult:
 class Trainer:
     """Owns the model, optimizer, precision and schedule for one run; see `torchspeed.fit` for the options.
 
-    `loss_fn(output, target)` replaces the default cross-entropy; `step_fn(model, batch)`
-    returns the loss for batches the contract in `batch.py` does not cover. `callbacks`
-    (callbacks.py: EarlyStopping, EMA, your own) and `loggers` (loggers.py) are not config:
-    they are objects, kept out of the config dict written to metrics.json and checkpoints. `stateful` maps a
-    name to each part a checkpoint holds and a resume restores (stateful.py); register your own there.
+    `loss_fn(output, target)` replaces the default cross-entropy; `step_fn(model, batch)` returns the loss for
+    batches the contract in `batch.py` does not cover. `callbacks` (callbacks.py: EarlyStopping, EMA, your own) and
+    `loggers` (loggers.py) are objects, kept out of the config written to metrics.json and checkpoints. `stateful`
+    maps a name to each part a checkpoint holds and a resume restores (stateful.py); register your own there.
+    `first_steps`: (trainer, loader, steps left) -> None each, at `fit`'s start: fit's plan's "first_steps" stages.
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
@@ -104,8 +102,10 @@ class Trainer:
                  momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999), device: torch.device | str | None = None,
                  config: TrainConfig | None = None, caps: DeviceCaps | None = None,
                  callbacks: Iterable[Callback] | None = None, loggers: Iterable | None = None, mesh=None,
-                 on_checkpoint: Callable[[str, int], object] | None = None, decisions: Mapping | None = None):
+                 on_checkpoint: Callable[[str, int], object] | None = None, decisions: Mapping | None = None,
+                 first_steps: Iterable[Callable] | None = None):
         self.config = cfg = config or TrainConfig()
+        self.first_steps = tuple(first_steps) if first_steps is not None else (arm_switch_trial, arm_compile_trial)
         self.window = AccumulationWindow(cfg.grad_accum)  # T19: k micro-batches per optimizer step
         if cfg.deterministic:  # bit-identical reruns and resumes (docs/reliability.md); costs speed
             enable_determinism()
@@ -311,8 +311,8 @@ class Trainer:
         schedule_for_call(self, length.schedule_span())  # the first call's schedule, or a segment for a later one
         self._steps_per_epoch = steps_per_epoch
         start_epoch, start_batch = (resume_run(self, None if ramp else steps_per_epoch) if cfg.resume else (0, 0))
-        self.switcher.prepare(train_loader, remaining_steps=length.micro_batches_left(self.total_steps, self.step))
-        self.compiler.plan(length.micro_batches_left(self.total_steps, self.step))  # short runs are not compiled
+        for arm in self.first_steps:  # the switch trial (or the rules), then the compile trial: short runs stay eager
+            arm(self, train_loader, length.micro_batches_left(self.total_steps, self.step))
         total = length.batches_left(start_epoch, start_batch, total_steps=self.total_steps, step=self.step)
         self._eval = EvalClock(parse_eval_every(cfg.eval_every), step=self.step)
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
