@@ -200,3 +200,11 @@ def test_plot_profile_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingExtraError, match=r"pip install 'torchspeed\[plot\]'"):
         plot_profile(performance_profile(TABLE), tmp_path / "profile.png")
+
+
+def test_median_run_keeps_the_median_repeat_a_miss_counting_as_slowest():
+    from torchspeed.bench.suite import median_run
+
+    runs = [{"to_target_s": t} for t in (0.3, None, 0.1)]
+    assert median_run(runs) == {"to_target_s": 0.3, "repeats_s": [0.3, None, 0.1]}
+    assert median_run(runs[:1]) == {"to_target_s": 0.3}

@@ -44,7 +44,7 @@ from torchspeed.bench.workloads import digits
 __all__ = ["Workload", "SuiteData", "WORKLOADS", "register_workload", "suite_workloads", "load_data",
            "make_optimizer", "compute_loss", "evaluate", "reached", "plain_run", "plain_to_target",
            "relative_times", "geometric_mean_speed", "targets_reached", "performance_profile", "profile_score",
-           "plot_profile", "TAUS", "METRICS", "LOSSES", "OPTIMIZERS"]
+           "plot_profile", "median_run", "TAUS", "METRICS", "LOSSES", "OPTIMIZERS"]
 
 METRICS = {"val_acc": "higher", "val_loss": "lower"}  # the target metric -> which way is better
 LOSSES = ("cross_entropy", "mse")
@@ -311,6 +311,15 @@ Table = Mapping[str, Mapping[str, "float | None"]]
 def _rows(table: Table) -> list[str]:
     """Every row named on any workload, in first-seen order."""
     return list(dict.fromkeys(r for per in table.values() for r in per))
+
+
+def median_run(runs: Sequence[dict]) -> dict:
+    """Of repeats of one run, the one of median seconds to target (a miss infinitely slow), with every repeat's
+    seconds to target as `repeats_s` (one run: itself, as it is)."""
+    if len(runs) == 1:
+        return runs[0]
+    ordered = sorted(runs, key=lambda r: math.inf if r["to_target_s"] is None else r["to_target_s"])
+    return ordered[len(ordered) // 2] | {"repeats_s": [r["to_target_s"] for r in runs]}
 
 
 def relative_times(table: Table) -> dict[str, dict[str, float]]:
