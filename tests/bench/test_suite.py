@@ -205,6 +205,6 @@ def test_plot_profile_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
 def test_median_run_keeps_the_median_repeat_a_miss_counting_as_slowest():
     from torchspeed.bench.suite import median_run
 
-    runs = [{"to_target_s": t} for t in (0.3, None, 0.1)]
-    assert median_run(runs) == {"to_target_s": 0.3, "repeats_s": [0.3, None, 0.1]}
-    assert median_run(runs[:1]) == {"to_target_s": 0.3}
+    runs = [{"to_target_s": t, "seconds": 1.0} for t in (0.3, None, 0.1)]
+    assert median_run(runs) == {"to_target_s": 0.3, "seconds": 1.0, "repeats_s": [0.3, None, 0.1], "all_repeats_s": 3.0}
+    assert median_run(runs[:1]) == {"to_target_s": 0.3, "seconds": 1.0}

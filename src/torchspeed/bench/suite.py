@@ -315,11 +315,12 @@ def _rows(table: Table) -> list[str]:
 
 def median_run(runs: Sequence[dict]) -> dict:
     """Of repeats of one run, the one of median seconds to target (a miss infinitely slow), with every repeat's
-    seconds to target as `repeats_s` (one run: itself, as it is)."""
+    seconds to target as `repeats_s` and the repeats' whole seconds as `all_repeats_s` (one run: itself)."""
     if len(runs) == 1:
         return runs[0]
     ordered = sorted(runs, key=lambda r: math.inf if r["to_target_s"] is None else r["to_target_s"])
-    return ordered[len(ordered) // 2] | {"repeats_s": [r["to_target_s"] for r in runs]}
+    return ordered[len(ordered) // 2] | {"repeats_s": [r["to_target_s"] for r in runs],
+                                         "all_repeats_s": sum(r.get("seconds", 0.0) for r in runs)}
 
 
 def relative_times(table: Table) -> dict[str, dict[str, float]]:

@@ -352,11 +352,11 @@ def _one_seed(chosen: Sequence[Workload], rows: Sequence[str], k: int, seed: int
 
 def _eta(runs: dict, chosen: Sequence[Workload], rows: Sequence[str], n_seeds: int, elapsed: float) -> str:
     """"about M:SS left": each run still to come priced at its own earlier seeds' mean, else the mean run so far."""
-    secs = [r["seconds"] for per in runs.values() for v in per.values() for r in v]
+    cost = lambda r: r.get("all_repeats_s", r["seconds"])  # noqa: E731  (a short run's repeats included)
+    secs = [cost(r) for per in runs.values() for v in per.values() for r in v]
     if not secs:
         return "time left: measuring the first run"
-    mean = elapsed / len(secs)
-    left = sum((statistics.fmean(x["seconds"] for x in runs[w.name][r]) if runs[w.name][r] else mean)
+    left = sum((statistics.fmean(map(cost, runs[w.name][r])) if runs[w.name][r] else elapsed / len(secs))
                * (n_seeds - len(runs[w.name][r])) for w in chosen for r in rows)
     return f"about {int(left // 60)}:{int(left % 60):02d} left"
 
