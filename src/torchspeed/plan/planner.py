@@ -21,8 +21,8 @@ habit: resolve every "auto" once, then only read):
    trial chose;
 9. after training: `tta`, the flip-TTA check (`plan.recipe_tta`).
 
-Every value in `Plan.decisions` is a `Decision`, each key written once. The Trainer applies the plan and steps what its stages arm;
-`fit` prints it before training (what was chosen, from what evidence, at what cost, and what is still
+Every value in `Plan.decisions` is a `Decision`, each key written once. The Trainer applies the plan and steps
+what its stages arm; `fit` prints it before training (what was chosen, from what evidence, at what cost, and what is still
 measured during the run).
 
 Example:

@@ -35,8 +35,8 @@ import torch
 from torchspeed.env import GLIBC_MALLOC_ENV, allocator_in_use, usable_cores
 from torchspeed.train.decision import Decision
 
-__all__ = ["no_autotune", "configure_backends", "backend_decisions", "decide_backends", "apply_backends", "BACKEND_KEYS",
-           "enable_tf32", "tune_malloc"]
+__all__ = ["no_autotune", "configure_backends", "backend_decisions", "decide_backends", "apply_backends",
+           "BACKEND_KEYS", "enable_tf32", "tune_malloc"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 _malloc_tuned: Decision | None = None

@@ -372,13 +372,17 @@ def has_attention(model: nn.Module) -> bool:
                for m in model.modules())
 
 
+def _weight_matrices(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable weights of 2 or more dims, embeddings excepted (a lookup has no fan-in); a shared one once."""
+    embeddings = _embedding_weights(model)
+    return [p for p in model.parameters() if p.requires_grad and p.ndim >= 2 and id(p) not in embeddings]
+
+
 def typical_fan_in(model: nn.Module) -> int | None:
     """The fan-in (inputs per output unit: a Linear's in_features, a conv's in_channels x kernel size) of the
     model's weights, the median by element count over its trainable weights of 2 or more dims, embeddings
     excepted (a lookup has no fan-in). None: no such weight."""
-    embeddings = _embedding_weights(model)
-    fans = [(p.numel() // p.shape[0], p.numel()) for p in model.parameters()  # (a shared weight comes once)
-            if p.requires_grad and p.ndim >= 2 and p.shape[0] and id(p) not in embeddings]
+    fans = [(p.numel() // p.shape[0], p.numel()) for p in _weight_matrices(model) if p.shape[0]]
     if not fans:
         return None
     fans.sort()
@@ -392,8 +396,7 @@ def typical_fan_in(model: nn.Module) -> int | None:
 
 def weight_layers(model: nn.Module) -> int:
     """The model's depth in weight layers: its trainable weights of 2 or more dims, embeddings excepted."""
-    embeddings = _embedding_weights(model)
-    return sum(1 for p in model.parameters() if p.requires_grad and p.ndim >= 2 and id(p) not in embeddings)
+    return len(_weight_matrices(model))
 
 
 def schedule_free_lr(model: nn.Module) -> tuple[float, str]:
