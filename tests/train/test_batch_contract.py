@@ -247,6 +247,9 @@ def test_a_target_the_default_loss_cannot_take_is_named_with_both_shapes_and_the
     reg = nn.Sequential(nn.Linear(12, 1))
     with pytest.raises(ValueError, match=r"logits of shape \(4, 1\) and a target of shape \(4,\).*nn.MSELoss"):
         torchspeed.fit(reg, values, epochs=1, progress=False, trial=False, compile=False)
+    column = DataLoader(TensorDataset(torch.randn(8, 12), torch.randn(8, 1)), batch_size=4)  # shapes fit: loss 0
+    with pytest.raises(ValueError, match=r"logits with one class \(shape \(4, 1\)\).*nn.MSELoss\(\).*BCEWithLogits"):
+        torchspeed.fit(nn.Sequential(nn.Linear(12, 1)), column, epochs=1, progress=False, trial=False, compile=False)
     ok = torchspeed.fit(nn.Sequential(nn.Linear(12, 3)), DataLoader(TensorDataset(  # shapes that fit: untouched
         torch.randn(8, 12), torch.softmax(torch.randn(8, 3), 1)), batch_size=4), epochs=1, progress=False)
     assert ok.steps == 2
@@ -280,3 +283,31 @@ def test_a_model_call_that_fails_on_the_first_step_says_how_the_batch_was_read()
         return F.cross_entropy(model(text, offsets), label)
 
     assert torchspeed.fit(Bag(), loader, epochs=1, step_fn=step_fn, progress=False).steps == 4
+
+
+class WithAux(nn.Module):
+    """A mixture-of-experts-shaped model: (logits, aux_loss), where aux_loss is a term the script adds, not the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 3)
+
+    def forward(self, x):
+        logits = self.fc(x)
+        return logits, logits.mean()  # minimised alone, it would push every logit down and learn nothing
+
+
+def test_a_given_loss_fn_scores_the_logits_of_a_tuple_whose_scalar_the_model_made_without_the_target():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 12, generator=g)
+    y = x[:, :3].argmax(1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    decisions: dict = {}
+    model = WithAux()
+    out = forward_loss(model, (x[:16], y[:16]), loss_fn=nn.CrossEntropyLoss(), decisions=decisions)
+    assert torch.allclose(out.loss, F.cross_entropy(model(x[:16])[0], y[:16]))
+    assert not out.own_loss and "not added" in decisions["batch_contract"].reason
+    res = torchspeed.fit(WithAux(), loader, epochs=3, loss_fn=nn.CrossEntropyLoss(), optimizer="adamw", lr=0.05, **FAST)
+    assert res.history[-1]["train_loss"] > 0 and res.history[-1]["train_loss"] < res.history[0]["train_loss"]
+    own = forward_loss(model, (x[:16], y[:16]), loss_fn=None)  # no loss_fn: the tuple's scalar is the loss
+    assert own.own_loss and torch.allclose(own.loss, model(x[:16])[1])

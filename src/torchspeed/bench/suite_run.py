@@ -56,7 +56,7 @@ from torchspeed.bench.suite import (EVAL_BATCH, SuiteData, Workload, geometric_m
                                     median_run, performance_profile, plain_run, plot_profile, profile_score, reached,
                                     relative_times, suite_workloads, targets_reached)
 from torchspeed.fitting import fit
-from torchspeed.train.batch import default_loss
+from torchspeed.train.losses import default_loss
 from torchspeed.train.callbacks import Callback
 from torchspeed.train.optim import SCHEDULE_FREE_LR, schedule_free_available
 from torchspeed.train.rounds import round_order

@@ -93,7 +93,7 @@ def train_budget(spec: dict) -> TTARun:
     judged = _judged_weights(trainer, decided)
     clock += judged
     if trainer.config.label_smoothing:  # the target's loss is the plain cross-entropy, as for every config
-        from torchspeed.train.batch import default_loss
+        from torchspeed.train.losses import default_loss
 
         trainer.loss_fn = default_loss()
     out = trainer.evaluate(val_loader)    # off the clock

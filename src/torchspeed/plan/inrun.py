@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from torchspeed.plan.parts import guarded
 from torchspeed.plan.recipe_lr import choose_lr_part
-from torchspeed.train.batch import default_loss
+from torchspeed.train.losses import default_loss
 from torchspeed.train.decision import Decision
 from torchspeed.train.sampler import keep_rng, rebuild_loader
 from torchspeed.train.schedule import rescale_lr

@@ -71,7 +71,8 @@ from torchspeed.tune.lr_peak import LR_TRIAL_FACTORS
 from torchspeed.plan.recipe_optimizer import choose_optimizer_part
 from torchspeed.plan.recipe_tta import TTA_COST
 from torchspeed.train.backends import no_autotune
-from torchspeed.train.batch import default_loss, first_samples, forward_loss
+from torchspeed.train.batch import first_samples, forward_loss
+from torchspeed.train.losses import default_loss
 from torchspeed.train.bnstats import batchnorm_layers
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.evaluate import is_image_batch

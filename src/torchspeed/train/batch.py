@@ -49,53 +49,16 @@ from torch import nn
 
 from torchspeed.train.compile import CompileController, CompileDecision
 from torchspeed.train.decision import Decision
+from torchspeed.train.losses import IGNORE_INDEX, SequenceCrossEntropy, default_loss
 from torchspeed.train.wrappers import unwrap_model
 
 __all__ = ["StepOutput", "ModelOutput", "split_batch", "forward_loss", "batch_size", "count_correct",
-           "SequenceCrossEntropy", "model_loss", "read_output", "call_model", "takes_target", "list_inputs",
-           "shifts_labels", "default_loss", "first_samples", "TARGET_KEYS", "TARGET_PARAMS", "IGNORE_INDEX", "AUX_WEIGHT"]
+           "model_loss", "read_output", "call_model", "takes_target", "list_inputs", "shifts_labels", "first_samples",
+           "TARGET_KEYS", "TARGET_PARAMS", "AUX_WEIGHT"]
 
 TARGET_KEYS = ("labels", "label", "target", "targets", "y")
 TARGET_PARAMS = ("targets", "target", "labels", "y")  # forward parameters that take the batch's target
-IGNORE_INDEX = -100  # the usual "no target here" token (padding), as in F.cross_entropy
 AUX_WEIGHT = 0.5  # the auxiliary head's share of a {"out", "aux"} loss (torchvision's segmentation recipe)
-
-
-class SequenceCrossEntropy(nn.CrossEntropyLoss):
-    """Cross-entropy that also takes sequence logits (B, T, V) with targets (B, T), flattened."""
-
-    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if input.dim() >= 3 and target.dim() == input.dim() - 1 and input.shape[:-1] == target.shape \
-                and not target.is_floating_point():
-            return super().forward(input.reshape(-1, input.shape[-1]), target.reshape(-1))
-        try:
-            return super().forward(input, target)
-        except (RuntimeError, ValueError) as e:  # torch's words name neither shape: say which and the fix
-            why = _shape_mismatch(input, target)
-            if why is None:
-                raise
-            raise ValueError(why) from e
-
-
-def _shape_mismatch(logits: torch.Tensor, target: torch.Tensor) -> str | None:
-    """Why the default cross-entropy cannot take these shapes, with the fix; None where they fit (another error)."""
-    lt, tt = tuple(logits.shape), tuple(target.shape)
-    if target.is_floating_point():  # class probabilities
-        fit, want = lt == tt, f"class probabilities of the logits' shape {lt}, or class indices (an integer tensor)"
-    else:  # class indices: the logits' shape without its class dimension (the second)
-        fit = len(lt) == len(tt) + 1 and lt[:1] == tt[:1] and lt[2:] == tt[1:]
-        want = (f"class indices of shape {lt[:1] + lt[2:]} (one per sample{', per position' if len(lt) > 2 else ''})"
-                if len(lt) >= 2 else "a 0-dim class index")
-    if fit:
-        return None
-    return (f"the default cross-entropy got logits of shape {lt} and a target of shape {tt} "
-            f"({str(target.dtype).replace('torch.', '')}): for these logits the target must be {want}. Check what "
-            "the loader yields as the target (a mask or a one-hot where indices were meant, a missing squeeze), or "
-            "pass loss_fn= for another loss (nn.MSELoss() for regression)")
-
-
-def default_loss(label_smoothing: float = 0.0) -> nn.Module:
-    return SequenceCrossEntropy(label_smoothing=label_smoothing, ignore_index=IGNORE_INDEX)
 
 
 def split_batch(batch) -> tuple[tuple | dict, object]:
@@ -363,7 +326,15 @@ def _score(model: Callable, o: ModelOutput, out, target, loss_fn: Callable | Non
     if o.aux is not None:
         return fn(o.logits, target) + AUX_WEIGHT * fn(o.aux, target), \
             f"{name} on 'out' + {AUX_WEIGHT} x {name} on 'aux' (per pixel for masks)"
-    return fn(o.logits, target), f"{name}(logits, target)"
+    extra = "; the output's 0-dim tensor is not added (step_fn= adds it)" if "0-dim" in o.form else ""
+    return fn(o.logits, target), f"{name}(logits, target){extra}"
+
+
+def _extra_scalar(o: ModelOutput, loss_fn: Callable | None, param: str | None) -> bool:
+    """A tuple's 0-dim tensor is the model's loss only when the model was handed the target or no loss_fn was
+    given: else (`(logits, aux_loss)` with loss_fn=) loss_fn scores the logits and the scalar is not added."""
+    given = loss_fn is not None and not isinstance(loss_fn, SequenceCrossEntropy)
+    return given and param is None and o.logits is not None and o.form.startswith("a tuple")
 
 
 def _eval_hint(model) -> str:
@@ -389,6 +360,8 @@ def forward_loss(model: Callable, batch, *, loss_fn: Callable | None = None, ste
     try:
         out = call_model(model, inputs, target, param)
         o = read_output(out)
+        if o.loss is not None and _extra_scalar(o, loss_fn, param):  # the user's loss_fn scores the logits
+            o = ModelOutput(None, o.logits, form=o.form)
         if o.loss is not None:
             loss, how = o.loss, f"the model returns its own loss ({o.form})"
         else:

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchspeed.train.batch import StepOutput, default_loss, forward_loss
+from torchspeed.train.batch import StepOutput, forward_loss
+from torchspeed.train.losses import default_loss
 from torchspeed.train.decision import Decision
 from torchspeed.train.metrics import DeviceMeter
 from torchspeed.train.precision import Precision, resolve_precision

@@ -32,7 +32,8 @@ from torchspeed.env import DeviceCaps, default_device, sync
 from torchspeed.train.autoswitch import SwitchStage, arm_switch_trial, rule_choice
 from torchspeed.train.switches import Switches
 from torchspeed.train.backends import BACKEND_KEYS, apply_backends, decide_backends
-from torchspeed.train.batch import batch_size, default_loss, forward_loss
+from torchspeed.train.batch import batch_size, forward_loss
+from torchspeed.train.losses import default_loss
 from torchspeed.train.callbacks import Callback, CallbackList
 from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT, CheckpointManager
 from torchspeed.train.compile import CompileController, arm_compile_trial
@@ -141,7 +142,6 @@ class Trainer:
                                                                   mesh=mesh, decisions=self.decisions)
         # T21: autocast, the (fp16-scaled) backward and step, and the GradScaler, in one object.
         self.precision = MixedPrecision(Precision(prior.precision, self.device.type, rules["precision"].reason))
-
         if loss_fn is None:
             loss_fn = default_loss(cfg.label_smoothing)
         elif cfg.label_smoothing:

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from torchspeed.env import sync
-from torchspeed.train.batch import default_loss, forward_loss
+from torchspeed.train.batch import forward_loss
+from torchspeed.train.losses import default_loss
 from torchspeed.train.optim import is_schedule_free
 from torchspeed.train.step import backward, optimizer_step
 

@@ -1,0 +1,64 @@
+"""The default loss (T32): cross-entropy over classes, tokens and pixels, with errors that name the shapes.
+
+`default_loss` is what `fit`, `evaluate` and the tuners score a model's logits with when no `loss_fn` is given
+(the batch contract, `torchspeed.train.batch`): `nn.CrossEntropyLoss` with label smoothing and `ignore_index`
+-100, flattened when the output is a sequence of logits `(B, T, V)` for targets `(B, T)` (language models).
+Where torch's own message names neither shape, the error says which shapes came and what the target must be
+(`_shape_mismatch`); logits with one class (a regression model, or a binary one, left on the default) are refused
+at once: softmax over one class makes the loss 0 whatever the weights, so nothing would train.
+
+Example:
+    >>> loss = default_loss(label_smoothing=0.1)(logits, target)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["SequenceCrossEntropy", "default_loss", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100  # the usual "no target here" token (padding), as in F.cross_entropy
+
+
+class SequenceCrossEntropy(nn.CrossEntropyLoss):
+    """Cross-entropy that also takes sequence logits (B, T, V) with targets (B, T), flattened."""
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if input.dim() >= 3 and target.dim() == input.dim() - 1 and input.shape[:-1] == target.shape \
+                and not target.is_floating_point():
+            return super().forward(input.reshape(-1, input.shape[-1]), target.reshape(-1))
+        try:
+            loss = super().forward(input, target)
+        except (RuntimeError, ValueError) as e:  # torch's words name neither shape: say which and the fix
+            why = _shape_mismatch(input, target)
+            if why is None:
+                raise
+            raise ValueError(why) from e
+        if input.dim() >= 2 and input.shape[1] == 1:  # softmax over one class: the loss is 0, nothing would train
+            raise ValueError(f"the default cross-entropy got logits with one class (shape {tuple(input.shape)}): "
+                             "its loss is 0 whatever the weights. For regression pass loss_fn=nn.MSELoss(); for a "
+                             "binary target, loss_fn=nn.BCEWithLogitsLoss() (float 0/1 targets); or give the model "
+                             "one output per class")
+        return loss
+
+
+def _shape_mismatch(logits: torch.Tensor, target: torch.Tensor) -> str | None:
+    """Why the default cross-entropy cannot take these shapes, with the fix; None where they fit (another error)."""
+    lt, tt = tuple(logits.shape), tuple(target.shape)
+    if target.is_floating_point():  # class probabilities
+        fit, want = lt == tt, f"class probabilities of the logits' shape {lt}, or class indices (an integer tensor)"
+    else:  # class indices: the logits' shape without its class dimension (the second)
+        fit = len(lt) == len(tt) + 1 and lt[:1] == tt[:1] and lt[2:] == tt[1:]
+        want = (f"class indices of shape {lt[:1] + lt[2:]} (one per sample{', per position' if len(lt) > 2 else ''})"
+                if len(lt) >= 2 else "a 0-dim class index")
+    if fit:
+        return None
+    return (f"the default cross-entropy got logits of shape {lt} and a target of shape {tt} "
+            f"({str(target.dtype).replace('torch.', '')}): for these logits the target must be {want}. Check what "
+            "the loader yields as the target (a mask or a one-hot where indices were meant, a missing squeeze), or "
+            "pass loss_fn= for another loss (nn.MSELoss() for regression)")
+
+
+def default_loss(label_smoothing: float = 0.0) -> nn.Module:
+    return SequenceCrossEntropy(label_smoothing=label_smoothing, ignore_index=IGNORE_INDEX)
