@@ -311,3 +311,14 @@ def test_a_given_loss_fn_scores_the_logits_of_a_tuple_whose_scalar_the_model_mad
     assert res.history[-1]["train_loss"] > 0 and res.history[-1]["train_loss"] < res.history[0]["train_loss"]
     own = forward_loss(model, (x[:16], y[:16]), loss_fn=None)  # no loss_fn: the tuple's scalar is the loss
     assert own.own_loss and torch.allclose(own.loss, model(x[:16])[1])
+
+
+def test_float64_data_from_numpy_gets_a_note_that_names_the_dtype_and_the_fix():
+    """torch.from_numpy keeps numpy's float64; a script's loop casts with .float(), a port to fit often forgets."""
+    x, y = torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))
+    with pytest.raises(RuntimeError) as info:
+        torchspeed.fit(nn.Linear(4, 3), DataLoader(TensorDataset(x, y), batch_size=8), epochs=1, **FAST)
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert "float64" in note and "dtype=torch.float32" in note
+    res = torchspeed.fit(nn.Linear(4, 3), DataLoader(TensorDataset(x.float(), y), batch_size=8), epochs=1, **FAST)
+    assert res.steps == 2

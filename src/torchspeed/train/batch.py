@@ -330,6 +330,13 @@ def _score(model: Callable, o: ModelOutput, out, target, loss_fn: Callable | Non
     return fn(o.logits, target), f"{name}(logits, target){extra}"
 
 
+def _float64(v) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.dtype is torch.float64
+    values = list(v.values()) if isinstance(v, Mapping) else v if isinstance(v, (list, tuple)) else ()
+    return any(_float64(e) for e in values)
+
+
 def _extra_scalar(o: ModelOutput, loss_fn: Callable | None, param: str | None) -> bool:
     """A tuple's 0-dim tensor is the model's loss only when the model was handed the target or no loss_fn was
     given: else (`(logits, aux_loss)` with loss_fn=) loss_fn scores the logits and the scalar is not added."""
@@ -373,6 +380,10 @@ def forward_loss(model: Callable, batch, *, loss_fn: Callable | None = None, ste
                           f", the batch's last of {len(inputs) + 1} elements as the target")
                        + " (the batch contract: docs/models.md). If your batch is laid out otherwise (the label "
                          "first, say), pass step_fn=lambda model, batch: <the loss>.")
+            if "ouble" in str(e) and _float64((inputs, target)):  # torch says Double / double, never float64
+                e.add_note("The batch holds float64 tensors (numpy's default, which torch.from_numpy keeps) and the "
+                           "model's weights are float32: make the data float32 where it is built (torch.as_tensor(x, "
+                           "dtype=torch.float32), or .float() on the TensorDataset's tensors), or cast in step_fn.")
         raise
     logits, scored = o.logits, target
     if o.loss is not None and logits is not None:
