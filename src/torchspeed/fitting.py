@@ -47,8 +47,9 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     `lr=None` is the optimizer's own default LR (SGD 0.1, AdamW and Adam 1e-3: `optim_info.default_lr`) as the peak
     of a one-cycle schedule; an LR you set (or an optimizer object you pass) is trained at
     as it is, with a constant schedule, unless `schedule=` says otherwise (`train.schedule.default_schedule`,
-    docs/train.md). `weight_decay=None` takes the optimizer's default (its row, `torchspeed.train.optim_info.WEIGHT_DECAY`:
-    5e-4 for SGD, 0.05 for AdamW); biases and norm weights never decay. `momentum` (SGD,
+    docs/train.md); `schedule=lambda opt: StepLR(opt, 1, 0.7)` is your own scheduler, built on the optimizer that
+    trains and stepped after each epoch (`schedule_interval="step"`: each step). `weight_decay=None` takes the
+    optimizer's default (its row, `torchspeed.train.optim_info.WEIGHT_DECAY`: 5e-4 for SGD, 0.05 for AdamW); biases and norm weights never decay. `momentum` (SGD,
     LARS) and `betas` (AdamW, LAMB, the AdamW part of "muon") go to the optimizer built from its name.
     `callbacks` (`EarlyStopping`, `EMA`, your own `Callback`s) and `loggers` (Lightning Fabric
     loggers, `TensorBoardLogger`, anything with `log_metrics(metrics, step)`): docs/integrations.md.

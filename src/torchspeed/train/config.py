@@ -9,6 +9,7 @@ label smoothing, T33 test-time augmentation); docs/techniques.md maps each to it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,9 @@ class TrainConfig:
     grad_accum: int = 1                 # T19
     clip_grad_norm: float | None = None  # T20
     label_smoothing: float = 0.0        # T32
-    schedule: str | None = "onecycle"   # T14/T16: "onecycle" | "cyclic" | "cosine" | None
+    schedule: str | Callable | None = "onecycle"  # T14/T16: "onecycle" | "cyclic" | "cosine" | "constant" | None, or a
+                                        # function of the optimizer that builds your own LR scheduler (schedule.py)
+    schedule_interval: str = "epoch"    # your own scheduler: stepped after each "epoch" or each optimizer "step"
     warmup_steps: int | None = None
     min_lr: float | None = None
     noise_scale_every: int | None = None  # T17: estimate the gradient noise scale every N steps (train/noise.py)
@@ -90,6 +93,9 @@ def check_reliability_options(cfg: TrainConfig) -> None:
     if cfg.max_nonfinite is not None and cfg.max_nonfinite < 1:
         raise ValueError(f"max_nonfinite must be >= 1 (or None to switch the check off), got {cfg.max_nonfinite}")
     parse_eval_every(cfg.eval_every)
+    if cfg.schedule_interval not in ("epoch", "step"):
+        raise ValueError(f"schedule_interval must be 'epoch' or 'step' (when your own scheduler steps), "
+                         f"got {cfg.schedule_interval!r}")
     if cfg.parallel not in ("auto", "ddp", "fsdp2"):
         raise ValueError(f"parallel must be 'auto', 'ddp' or 'fsdp2', got {cfg.parallel!r}")
     if cfg.resume == "auto" and not cfg.checkpoint_dir:

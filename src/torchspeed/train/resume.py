@@ -83,9 +83,10 @@ def resume_run(trainer, steps_per_epoch: int | None) -> tuple[int, int]:
                        steps_per_epoch=steps_per_epoch)
     if found is None:
         return 0, 0
+    own = callable(trainer.config.schedule)  # your scheduler spans no step count: it goes on from its state
     state = check_resumable(found, steps_per_epoch=steps_per_epoch, total_steps=trainer.total_steps,
-                            has_scheduler=trainer.scheduler is not None)
-    extend = is_extension(state, trainer.total_steps)
+                            has_scheduler=trainer.scheduler is not None and not own)
+    extend = is_extension(state, trainer.total_steps) and not own
     skip = (("model", "optimizer") if trainer.sharded else ()) + (("scheduler",) if extend else ())
     check_parts(trainer.stateful, state, source=found.path, skip=skip, optional=_OPTIONAL)
     if "model" not in skip:  # best.pt with EMA keeps the training weights under "train_model"

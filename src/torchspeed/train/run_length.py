@@ -23,7 +23,7 @@ from torchspeed.train.batch_ramp import BatchRamp
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision
 from torchspeed.train.optim import is_schedule_free, set_schedule_free_warmup
-from torchspeed.train.schedule import create_scheduler
+from torchspeed.train.schedule import create_scheduler, schedule_label
 
 __all__ = ["RunLength", "run_schedule"]
 
@@ -60,5 +60,10 @@ def run_schedule(optimizer, config: TrainConfig, total: int | None) -> tuple[obj
     if is_schedule_free(optimizer):
         warm = set_schedule_free_warmup(optimizer, total, config.warmup_steps)
         return None, Decision(None, f"Schedule-Free AdamW: no LR schedule, {warm} warm-up steps")
-    return create_scheduler(config.schedule, optimizer, total_steps=total, warmup_steps=config.warmup_steps,
-                            min_lr=config.min_lr), None
+    sched = create_scheduler(config.schedule, optimizer, total_steps=total, warmup_steps=config.warmup_steps,
+                             min_lr=config.min_lr, interval=config.schedule_interval)
+    if not callable(config.schedule):
+        return sched, None
+    when = "after each epoch" if config.schedule_interval == "epoch" else "after each optimizer step"
+    return sched, Decision(schedule_label(config.schedule), f"yours: {type(getattr(sched, 'inner', sched)).__name__}, "
+                                                            f"stepped {when}")

@@ -18,6 +18,14 @@
 
 Every scheduler here is stepped once per optimizer step (not per epoch).
 
+- **Your own scheduler**: `schedule=` may be a function of the optimizer that builds any torch LR
+  scheduler (`lambda opt: StepLR(opt, step_size=1, gamma=0.7)`), as the script being ported built
+  it. A function, not a scheduler object: `fit` may build the optimizer anew (the fused kernel, a
+  switch trial's candidates), and a scheduler is bound to the optimizer it was made on. It is stepped
+  after each epoch (`schedule_interval="epoch"`, as torch's examples and Lightning do by default;
+  `EpochScheduler`), or after each optimizer step (`"step"`); `ReduceLROnPlateau` steps on the
+  epoch's validation loss (its accuracy with `mode="max"`). Its state is checkpointed and resumed.
+
 Example:
     >>> sched = create_scheduler("onecycle", opt, total_steps=1000, max_lr=0.4)
 """
@@ -31,10 +39,12 @@ import torch
 from torchspeed.train.decision import Decision
 from torchspeed.train.optim_info import OPTIM_INFO, default_lr
 
-__all__ = ["SCHEDULES", "lr_given", "default_schedule", "create_scheduler", "scale_lr",
+__all__ = ["SCHEDULES", "lr_given", "default_schedule", "create_scheduler", "scale_lr", "EpochScheduler",
+           "schedule_label", "INTERVALS",
            "warmup_cosine_factor", "steps_in_run", "lr_rule", "batch_lr_factor", "scale_lr_for_batch", "rescale_lr"]
 
 SCHEDULES = ("onecycle", "cyclic", "cosine", "constant")
+INTERVALS = ("epoch", "step")  # when a schedule of your own is stepped
 
 
 def lr_given(lr: float | str | None, optimizer: object) -> bool:
@@ -109,11 +119,68 @@ def warmup_cosine_factor(step: int, *, total_steps: int, warmup_steps: int, min_
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def create_scheduler(name: str | None, optimizer: torch.optim.Optimizer, *, total_steps: int,
+class EpochScheduler:
+    """A scheduler of yours stepped after each epoch: the trainer's per-optimizer-step `step()` waits, and
+    `epoch_end(row)` steps it (`ReduceLROnPlateau` on the epoch's `val_loss`, or `val_acc` in mode "max"; the
+    training figures where the run has no validation; an epoch that `eval_every` left unvalidated does not step it).
+    Its state is the scheduler's own."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def step(self) -> None:
+        pass
+
+    def epoch_end(self, row: dict) -> None:
+        if not isinstance(self.inner, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            return self.inner.step()
+        if row.get("val_skipped"):
+            return None
+        kind = "acc" if self.inner.mode == "max" else "loss"
+        value = row.get(f"val_{kind}")
+        value = value if value is not None else row.get(f"train_{kind}")
+        if value is not None:
+            self.inner.step(value)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def _own_scheduler(factory, optimizer: torch.optim.Optimizer, interval: str):
+    if interval not in INTERVALS:
+        raise ValueError(f"schedule_interval must be one of {INTERVALS}, got {interval!r}")
+    sched = factory(optimizer)
+    if not (hasattr(sched, "step") and hasattr(sched, "state_dict")) or getattr(sched, "optimizer", None) is not optimizer:
+        raise TypeError("schedule=<a function> must build an LR scheduler on the optimizer it is given, e.g. "
+                        "schedule=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7); it returned "
+                        f"{type(sched).__name__}" + (" bound to another optimizer" if hasattr(sched, "step") else ""))
+    if interval == "step":
+        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError("ReduceLROnPlateau steps on an epoch's metric: use schedule_interval='epoch'")
+        return sched
+    return EpochScheduler(sched)
+
+
+def schedule_label(schedule) -> str:
+    """A schedule in words: its name, or "yours (<the function>)" for a function that builds one."""
+    if callable(schedule):
+        return f"yours ({getattr(schedule, '__qualname__', type(schedule).__name__)})"
+    return schedule or "constant"
+
+
+def create_scheduler(name, optimizer: torch.optim.Optimizer, *, total_steps: int,
                      max_lr: float | None = None, min_lr: float | None = None,
-                     warmup_steps: int | None = None, cycle_steps: int | None = None):
+                     warmup_steps: int | None = None, cycle_steps: int | None = None, interval: str = "epoch"):
     """Build schedule `name` for `total_steps` optimizer steps (None, or "constant" without `warmup_steps`: no
-    scheduler)."""
+    scheduler); `name` a function of the optimizer: your own scheduler, stepped per `interval` (see above)."""
+    if callable(name):
+        return _own_scheduler(name, optimizer, interval)
     if name == "constant" and warmup_steps:
         warm = int(warmup_steps)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))

@@ -25,7 +25,7 @@ from torch import nn
 
 from torchspeed.train.checkpoint import load_checkpoint, update_best
 from torchspeed.train.decision import Decision
-from torchspeed.train.schedule import create_scheduler, steps_in_run
+from torchspeed.train.schedule import create_scheduler, schedule_label, steps_in_run
 
 __all__ = ["group_settings", "extend_schedule", "schedule_for_call", "BestEpoch"]
 
@@ -43,8 +43,8 @@ def extend_schedule(optimizer: torch.optim.Optimizer, settings: list[dict], conf
             del g[k]  # the old schedule's keys (initial_lr, max_lr, ...) and its last LR
         g.update(s)
     sched = create_scheduler(config.schedule, optimizer, total_steps=total - done, warmup_steps=config.warmup_steps,
-                             min_lr=config.min_lr)
-    return sched, Decision(f"{done} -> {total} steps", f"a finished run extended: a new {config.schedule or 'constant'}"
+                             min_lr=config.min_lr, interval=config.schedule_interval)
+    return sched, Decision(f"{done} -> {total} steps", f"a finished run extended: a new {schedule_label(config.schedule)}"
                                                        f" schedule segment over the {total - done} added steps")
 
 
@@ -58,14 +58,14 @@ def schedule_for_call(trainer, span: tuple[int | None, int]) -> None:
         return trainer.setup_schedule(*span)
     added = steps_in_run(span[0], span[1], grad_accum=cfg.grad_accum)
     if cfg.max_steps is not None or added is None or trainer.total_steps is None or \
-            trainer.step + added <= trainer.total_steps:
-        return  # max_steps caps the whole run; an unknown length keeps the schedule; the schedule still covers it
+            trainer.step + added <= trainer.total_steps or callable(cfg.schedule):
+        return  # max_steps caps the whole run; an unknown length keeps the schedule; it still covers it; yours goes on
     total = trainer.step + added
     trainer.scheduler, extended = extend_schedule(trainer.optimizer, trainer._group_settings, cfg, done=trainer.step,
                                                   total=total)
     trainer.total_steps = total
     trainer.decisions.refine("extended", Decision(extended.value, f"a second fit of this Trainer: a new "
-                                                  f"{cfg.schedule or 'constant'} schedule segment over its "
+                                                  f"{schedule_label(cfg.schedule)} schedule segment over its "
                                                   f"{added} steps"))
 
 

@@ -125,9 +125,7 @@ class Trainer:
         if not any(k in self.decisions for k in BACKEND_KEYS):  # fit's plan decided them ("backends"); else here
             self.decisions.update(decide_backends(self.device, cfg))
         apply_backends(self.device, self.decisions)
-
-        model = unwrap_data_parallel(model)
-        self.model = model.to(self.device)
+        self.model = model = unwrap_data_parallel(model).to(self.device)
         if "precision" not in self.decisions:  # the rules' precision and layout: fit's plan decided them ("rules")
             self.decisions.update(rule_choice(self.model, caps=self.caps, precision=cfg.precision,
                                               channels_last=cfg.channels_last)[1])  # `prepare` measures "auto" ones
@@ -389,6 +387,7 @@ class Trainer:
         return row
 
     def _end_epoch(self, row: dict) -> None:
+        getattr(self.scheduler, "epoch_end", lambda _: None)(row)  # a scheduler of yours stepped per epoch
         self._history.append(row)
         if self.config.out_dir and is_rank_zero():
             write_metrics(self.config.out_dir, self._history, decisions=self.decisions, config=asdict(self.config))
