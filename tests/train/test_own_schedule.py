@@ -65,6 +65,10 @@ def test_a_schedule_function_that_does_not_build_a_scheduler_on_its_optimizer_is
     with pytest.raises(TypeError, match="lambda opt.*bound to another optimizer"):
         torchspeed.fit(nn.Linear(8, 3), _data(), epochs=1, optimizer="sgd", lr=0.1,
                        schedule=lambda opt: torch.optim.lr_scheduler.StepLR(other, 1), **FAST)
+    with pytest.raises(TypeError, match=r"a StepLR object: pass the function that builds it.*lambda opt: StepLR"):
+        model = nn.Linear(8, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torchspeed.fit(model, _data(), epochs=1, optimizer=opt, schedule=torch.optim.lr_scheduler.StepLR(opt, 1), **FAST)
     with pytest.raises(ValueError, match="schedule_interval must be 'epoch' or 'step'"):
         torchspeed.fit(nn.Linear(8, 3), _data(), epochs=1, schedule_interval="batch", **FAST)
 

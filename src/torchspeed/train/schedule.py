@@ -181,6 +181,10 @@ def create_scheduler(name, optimizer: torch.optim.Optimizer, *, total_steps: int
     scheduler); `name` a function of the optimizer: your own scheduler, stepped per `interval` (see above)."""
     if callable(name):
         return _own_scheduler(name, optimizer, interval)
+    if hasattr(name, "step") and hasattr(name, "state_dict"):
+        raise TypeError(f"schedule= got a {type(name).__name__} object: pass the function that builds it, e.g. "
+                        f"schedule=lambda opt: {type(name).__name__}(opt, ...), so that it is built on the optimizer "
+                        "fit trains with (fit may build the optimizer anew)")
     if name == "constant" and warmup_steps:
         warm = int(warmup_steps)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
