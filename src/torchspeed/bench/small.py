@@ -187,11 +187,13 @@ def _shuffled_slices(x: torch.Tensor, y: torch.Tensor, batch: int, g: torch.Gene
 
 
 def plain_loop(model: nn.Module, w: SmallWorkload, *, epochs: int, lr: float | None = None, seed: int = 0,
-               on_epoch: Callable[[int, float], bool] | None = None, loader: Iterable | None = None) -> dict:
+               on_epoch: Callable[[int, float], bool] | None = None, loader: Iterable | None = None,
+               fused: bool | None = None) -> dict:
     """The script's own loop (`shuffled_epochs`): Adam at a constant LR, an evaluation of the held-out accuracy per
     epoch. `on_epoch(epoch, val_acc)` returning True stops the run (time to a target); `loader` replaces the
-    slices. Returns the seconds, the steps and the last validation accuracy."""
-    opt = torch.optim.Adam(model.parameters(), lr=lr if lr is not None else w.lr)
+    slices; `fused=True`: Adam's fused kernel (the same update, rounded differently). Returns the seconds, the
+    steps and the last validation accuracy."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr if lr is not None else w.lr, fused=fused)
     out = shuffled_epochs(model, opt, w.x, w.y, loss_fn=F.cross_entropy, batch_size=w.batch_size, epochs=epochs,
                           seed=seed, evaluate=lambda m: evaluate_plain(m, w.vx, w.vy), on_epoch=on_epoch,
                           loader=loader)
