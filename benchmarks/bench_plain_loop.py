@@ -14,8 +14,11 @@ transformer; steps of 1-5 ms on 2 cores), each trained by the script's own ~15-l
 - `auto` (with `--tta`): `fit(recipe="auto")`, cold, with no optimizer or LR given;
 - `auto_given` (with `--tta`): `fit(recipe="auto", optimizer="adamw", lr=<the script's>)`, cold;
 - `plain_fused` (with `--tta`): the script's loop with Adam's fused kernel: the same update, rounded
-  differently. Its time to the target against `plain` is the per-seed noise floor of the reading: what
-  rounding alone moves, with the same optimizer, LR, batches and per-step cost.
+  differently (what rounding alone moves);
+- `plain_bf16_start` (with `--tta`): the script's loop with its first `PERTURB_STEPS` training forwards under
+  bf16 autocast, and nothing else changed: the numerics a switch trial's candidate steps give a run's first
+  steps. The control for reading `fit` per seed: the target is the script's own final accuracy, so a run
+  whose trajectory parts from the script's at all can cross it later or miss it, and never much sooner.
 
 Two readings per workload:
 
@@ -53,6 +56,7 @@ from torchspeed.train.callbacks import Callback
 from torchspeed.train.rounds import ratio_summary
 
 
+PERTURB_STEPS = 5  # plain_bf16_start: training forwards under bf16 autocast at the start (a trial runs about as many)
 TOLERANCE = 0.005  # the target: the plain loop's final accuracy less 5 of the 1,000 held-out samples (its noise)
 
 
@@ -98,10 +102,26 @@ def run_fit(w, *, epochs: int, seed: int, recipe: str | None = None, target: flo
     return out
 
 
+class Bf16First(torch.nn.Module):
+    """`model` with its first `steps` training forwards under bf16 autocast (the control row)."""
+
+    def __init__(self, model: torch.nn.Module, steps: int):
+        super().__init__()
+        self.model, self.left = model, steps
+
+    def forward(self, x):
+        if self.training and self.left > 0:
+            self.left -= 1
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.model(x).float()
+        return self.model(x)
+
+
 def run_plain(w, *, epochs: int, seed: int, loader: bool = False, target: float | None = None,
-              fused: bool | None = None) -> dict:
+              fused: bool | None = None, bf16_start: int = 0) -> dict:
     torch.manual_seed(seed)
     model = w.model()
+    model = Bf16First(model, bf16_start) if bf16_start else model
     t0, at = time.perf_counter(), [None]
 
     def on_epoch(_, acc):
@@ -156,12 +176,14 @@ def to_target(names, *, epochs: int, seeds: list[int]) -> dict:
             row = {"seed": seed, "target": target,
                    "plain": run_plain(w, epochs=epochs, seed=seed, target=target),
                    "plain_fused": run_plain(w, epochs=epochs, seed=seed, target=target, fused=True),
+                   "plain_bf16_start": run_plain(w, epochs=epochs, seed=seed, target=target, bf16_start=PERTURB_STEPS),
                    "fit": run_fit(w, epochs=epochs, seed=seed, target=target),
                    "auto": run_fit(w, epochs=epochs, seed=seed, recipe="auto", target=target, given=False),
                    "auto_given": run_fit(w, epochs=epochs, seed=seed, recipe="auto", target=target)}
             per_seed.append(row)
             print(f"{name} seed {seed}: target {target:.3f}; " + ", ".join(
-                f"{k} {_s(row[k]['to_target_s'])}" for k in ("plain", "plain_fused", "fit", "auto", "auto_given")),
+                f"{k} {_s(row[k]['to_target_s'])}" for k in ("plain", "plain_fused", "plain_bf16_start", "fit", "auto",
+                                                                 "auto_given")),
                 flush=True)
         out[name] = {"epochs": epochs, "seeds": per_seed}
     return out
@@ -176,7 +198,7 @@ def summary(result: dict) -> dict:
     out = {}
     for name, w in result.items():
         rows = {}
-        for k in ("plain_fused", "fit", "auto", "auto_given"):
+        for k in ("plain_fused", "plain_bf16_start", "fit", "auto", "auto_given"):
             speed = [s["plain"]["to_target_s"] / s[k]["to_target_s"] if s[k]["to_target_s"] else 0.0
                      for s in w["seeds"] if k in s]
             rows[k] = {"speed_vs_plain": [round(v, 3) for v in speed], "min": round(min(speed), 3),
