@@ -322,3 +322,22 @@ def test_float64_data_from_numpy_gets_a_note_that_names_the_dtype_and_the_fix():
     assert "float64" in note and "dtype=torch.float32" in note
     res = torchspeed.fit(nn.Linear(4, 3), DataLoader(TensorDataset(x.float(), y), batch_size=8), epochs=1, **FAST)
     assert res.steps == 2
+
+
+def test_binary_and_multi_label_losses_count_accuracy_per_element_and_regression_still_gets_none():
+    logits = torch.tensor([[2.0, -1.0], [-0.5, 0.3]])
+    target = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    correct, counted = count_correct(logits, target, "logits")
+    assert int(correct) == 3 and counted == 4  # (-0.5 > 0) is wrong for a target of 1
+    assert int(count_correct(torch.sigmoid(logits), target, "probs")[0]) == 3
+    assert count_correct(logits, target) is None  # no binary loss named: float targets are regression
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, generator=g)
+    y = (x[:, :1] > 0).float()  # a binary target, (B, 1), as BCEWithLogitsLoss takes it
+    res = torchspeed.fit(nn.Linear(6, 1), DataLoader(TensorDataset(x, y), batch_size=16), epochs=8,
+                         val_loader=DataLoader(TensorDataset(x, y), batch_size=32), loss_fn=nn.BCEWithLogitsLoss(),
+                         optimizer="adamw", lr=0.1, **FAST)
+    assert res.final["val_acc"] is not None and res.final["val_acc"] > 0.85 and res.final["train_acc"] is not None
+    reg = torchspeed.fit(nn.Linear(6, 1), DataLoader(TensorDataset(x, y), batch_size=16), epochs=1,
+                         val_loader=DataLoader(TensorDataset(x, y), batch_size=32), loss_fn=nn.MSELoss(), **FAST)
+    assert reg.final["val_acc"] is None

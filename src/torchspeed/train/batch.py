@@ -26,9 +26,9 @@ model forms it covers, each trained in tests/train/test_model_zoo.py):
 - **Metrics by task** (T13: counted on the device). Accuracy is counted only when the logits
   and target look like classification: integer targets and logits with one more (class)
   dimension, last (per token for sequences) or second (per pixel for masks); targets equal
-  to -100 are padding and do not count. A model's own logits feed the metrics too. A
-  regression model gets its loss alone, so `best_metric="auto"` picks `val_loss`.
-
+  to -100 are padding and do not count. With `loss_fn=nn.BCEWithLogitsLoss()` (or `BCELoss`), the
+  accuracy is per element, the output thresholded (binary and multi-label). A model's own logits
+  feed the metrics too. A regression model gets its loss alone (`best_metric="auto"`: `val_loss`).
 How the contract read a model (the call, where the loss came from) is recorded once as the
 `Decision` `decisions["batch_contract"]` (pass `decisions=` to `forward_loss`).
 
@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torchspeed.train.compile import CompileController, CompileDecision
@@ -260,14 +261,21 @@ def model_loss(output) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return o.loss, o.logits
 
 
-def count_correct(logits: torch.Tensor | None, target) -> tuple[torch.Tensor, torch.Tensor | int] | None:
+def count_correct(logits: torch.Tensor | None, target, binary: str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | int] | None:
     """(correct, counted) when this looks like classification, else None: `correct` a device tensor, `counted`
     the batch size (an int) for one target per sample, else a device tensor (tokens or pixels, padding left out).
 
     Classification: integer targets, logits with one extra class dimension: last (`(B, C)` for
     `(B,)`, `(B, T, V)` for `(B, T)`: every token counts) or second (`(N, C, H, W)` for `(N, H, W)`:
-    every pixel counts). Targets equal to -100 are padding and do not count.
+    every pixel counts). Targets equal to -100 are padding and do not count. `binary` (the loss is
+    `BCEWithLogitsLoss`: "logits", or `BCELoss`: "probs"): float 0/1 targets of the output's shape, one decision
+    per element at 0 (logits) or 0.5 (probabilities), the target read at 0.5 (soft labels too).
     """
+    if binary and isinstance(logits, torch.Tensor) and isinstance(target, torch.Tensor) and \
+            logits.shape == target.shape:
+        pred = logits.detach() > (0.0 if binary == "logits" else 0.5)
+        return (pred == (target > 0.5)).sum(), target.numel()
     if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor) or \
             target.is_floating_point() or target.is_complex() or logits.dim() != target.dim() + 1:
         return None
@@ -292,9 +300,16 @@ class StepOutput:
     n: int  # samples in the batch
     parts: dict[str, torch.Tensor] | None = field(default=None)  # the named losses a model summed (detection)
     own_loss: bool = False  # the model computed the loss (loss_fn and label smoothing play no part)
+    binary: str | None = None  # "logits" / "probs": loss_fn is BCEWithLogitsLoss / BCELoss (accuracy per element)
 
     def correct(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return count_correct(self.logits, self.target)
+        return count_correct(self.logits, self.target, self.binary)
+
+
+def _binary(loss_fn: Callable | None) -> str | None:  # how a binary loss reads the output (StepOutput.binary)
+    if isinstance(loss_fn, nn.BCEWithLogitsLoss) or loss_fn is F.binary_cross_entropy_with_logits:
+        return "logits"
+    return "probs" if isinstance(loss_fn, nn.BCELoss) or loss_fn is F.binary_cross_entropy else None
 
 
 def _from_step_fn(model: Callable, batch, step_fn: Callable) -> tuple[StepOutput, str]:
@@ -394,7 +409,8 @@ def forward_loss(model: Callable, batch, *, loss_fn: Callable | None = None, ste
             how += " (the logits at t against labels[t + 1]: the model shifts its labels)"
     if decisions is not None and "batch_contract" not in decisions:
         _record(decisions, _call_text(inputs, param), how, lists=list_inputs(inputs), parts=o.parts)
-    return StepOutput(loss, logits, scored, batch_size(batch), o.parts, own_loss=o.loss is not None)
+    return StepOutput(loss, logits, scored, batch_size(batch), o.parts, own_loss=o.loss is not None,
+                      binary=None if o.loss is not None else _binary(loss_fn))
 
 
 def shifts_labels(model: Callable) -> bool:
