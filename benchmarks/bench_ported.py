@@ -2,7 +2,7 @@
 slower than the script's own loop, and `fit(recipe="auto")` reaches the script's final metric sooner.
 
 The held-out question of the plan: a user brings a training script that torchspeed has never seen, with its own
-model, data, optimizer and ~15-line loop. Four such scripts, each a different kind of model, none of them in the
+model, data, optimizer and ~15-line loop. Five such scripts, each a different kind of model, none of them in the
 bench suite (`torchspeed.bench.suite`) or among the never-slower workloads (`torchspeed.bench.small`):
 
 - `lenet_digits`: a LeNet-style 2D CNN (two conv + pool stages, two linear layers) on scikit-learn's 8x8
@@ -12,14 +12,19 @@ bench suite (`torchspeed.bench.suite`) or among the never-slower workloads (`tor
 - `mlp_regression`: an 8-64-64-1 MLP on 10,000 rows of a smooth nonlinear function of 8 features plus noise,
   MSE, Adam at 1e-3, batch 64, 20 epochs; the metric is the held-out MSE;
 - `gru_waves`: a GRU (64 wide) classifying noisy 2-channel waves of length 30 by frequency (3 classes), Adam at
-  3e-3, batch 64, 8 epochs.
+  3e-3, batch 64, 8 epochs;
+- `mnist_example`: the shape of PyTorch's own MNIST example (two 3x3 convs, max-pool, dropout, a 9216-128-10
+  head, log-softmax and NLL loss, Adadelta at 1.0 with `StepLR(step_size=1, gamma=0.7)` stepped per epoch), on
+  scikit-learn's digits upsampled to 28x28, batch 64, 4 epochs. Its port passes the scheduler as
+  `schedule=lambda opt: StepLR(opt, 1, 0.7)`.
 
 Each script's loop is what such a script holds: a `DataLoader(TensorDataset, shuffle=True)`, the optimizer the
 script builds, forward, loss, backward, step, and an evaluation on the held-out set after each epoch. Rows:
 
 - `script`: that loop;
 - `fit`: `fit(model, the same loader, optimizer=<the script's optimizer object>, epochs=<same>, val_loader=...,
-  loss_fn=<the script's loss where it is not cross-entropy>)`: the port a user writes first, cold (an empty
+  loss_fn=<the script's loss where it is not cross-entropy>, schedule=<the function that builds the script's
+  scheduler, where it has one>)`: the port a user writes first, cold (an empty
   decision cache: the switch trial is measured on the run's first steps, counted);
 - `auto`: `fit(recipe="auto")` with no optimizer or LR given, cold.
 
@@ -81,6 +86,7 @@ class Script:
     epochs: int
     loss_fn: Callable | None = None  # None: cross-entropy (the script's and fit's default)
     metric: str = "val_acc"          # or "val_loss" (lower is better)
+    schedule: Callable | None = None  # the script's LR scheduler, built on its optimizer, stepped per epoch
 
     @property
     def lower(self) -> bool:
@@ -165,8 +171,33 @@ def _gru() -> Script:
                   lambda m: torch.optim.Adam(m.parameters(), lr=3e-3), 64, 8)
 
 
+class MnistNet(nn.Module):
+    """The model of PyTorch's MNIST example, as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 32, 3, 1), nn.Conv2d(32, 64, 3, 1)
+        self.dropout1, self.dropout2 = nn.Dropout(0.25), nn.Dropout(0.5)
+        self.fc1, self.fc2 = nn.Linear(9216, 128), nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = self.dropout2(F.relu(self.fc1(torch.flatten(self.dropout1(x), 1))))
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+def _mnist() -> Script:
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x = F.interpolate(torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0, size=28, mode="bilinear")
+    x, y = (x - 0.1307) / 0.3081, torch.tensor(d.target)
+    return Script("mnist_example", x[:1400], y[:1400], x[1400:], y[1400:], MnistNet,
+                  lambda m: torch.optim.Adadelta(m.parameters(), lr=1.0), 64, 4, loss_fn=F.nll_loss,
+                  schedule=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7))
+
+
 SCRIPTS: dict[str, Callable[[], Script]] = {"lenet_digits": _lenet, "lstm_lm": _lstm, "mlp_regression": _regression,
-                                            "gru_waves": _gru}
+                                            "gru_waves": _gru, "mnist_example": _mnist}
 
 
 @torch.no_grad()
@@ -190,6 +221,7 @@ def run_script(s: Script, seed: int, target: float | None = None) -> dict:
     model = s.model()
     train, val = s.loaders(seed)
     opt = s.optimizer(model)
+    sched = s.schedule(opt) if s.schedule else None
     t0, at, steps, history = time.perf_counter(), None, 0, []
     for _ in range(s.epochs):
         model.train()
@@ -199,6 +231,8 @@ def run_script(s: Script, seed: int, target: float | None = None) -> dict:
             loss.backward()
             opt.step()
             steps += 1
+        if sched is not None:
+            sched.step()
         history.append(_evaluate(s, model, val))
         if target is not None and s.reached(history[-1], target):
             at = time.perf_counter() - t0
@@ -226,7 +260,7 @@ def run_fit(s: Script, seed: int, *, auto: bool = False, target: float | None = 
         torch.manual_seed(seed)
         model = s.model()
         train, val = s.loaders(seed)
-        kw = {"recipe": "auto"} if auto else {"optimizer": s.optimizer(model)}
+        kw = {"recipe": "auto"} if auto else {"optimizer": s.optimizer(model), "schedule": s.schedule or "constant"}
         t0 = time.perf_counter()
         stop = _StopAt(s, target, t0)
         res = torchspeed.fit(model, train, epochs=s.epochs, val_loader=val, loss_fn=s.loss_fn, progress=False,
