@@ -250,6 +250,9 @@ def test_a_target_the_default_loss_cannot_take_is_named_with_both_shapes_and_the
     column = DataLoader(TensorDataset(torch.randn(8, 12), torch.randn(8, 1)), batch_size=4)  # shapes fit: loss 0
     with pytest.raises(ValueError, match=r"logits with one class \(shape \(4, 1\)\).*nn.MSELoss\(\).*BCEWithLogits"):
         torchspeed.fit(nn.Sequential(nn.Linear(12, 1)), column, epochs=1, progress=False, trial=False, compile=False)
+    labels = DataLoader(TensorDataset(torch.randn(8, 12), torch.arange(8) % 2), batch_size=4)  # binary, one logit
+    with pytest.raises(ValueError, match=r"logits with one class.*BCEWithLogitsLoss"):  # torch: "Target 1 is out of
+        torchspeed.fit(nn.Sequential(nn.Linear(12, 1)), labels, epochs=1, progress=False, trial=False, compile=False)
     ok = torchspeed.fit(nn.Sequential(nn.Linear(12, 3)), DataLoader(TensorDataset(  # shapes that fit: untouched
         torch.randn(8, 12), torch.softmax(torch.randn(8, 3), 1)), batch_size=4), epochs=1, progress=False)
     assert ok.steps == 2

@@ -28,19 +28,19 @@ class SequenceCrossEntropy(nn.CrossEntropyLoss):
         if input.dim() >= 3 and target.dim() == input.dim() - 1 and input.shape[:-1] == target.shape \
                 and not target.is_floating_point():
             return super().forward(input.reshape(-1, input.shape[-1]), target.reshape(-1))
+        if input.dim() >= 2 and input.shape[1] == 1:  # softmax over one class: the loss is 0, nothing would train
+            raise ValueError(_shape_mismatch(input, target) or (
+                f"the default cross-entropy got logits with one class (shape {tuple(input.shape)}): its loss is 0 "
+                "whatever the weights. For regression pass loss_fn=nn.MSELoss(); for a binary target, "
+                "loss_fn=nn.BCEWithLogitsLoss() (float 0/1 targets of the logits' shape); or give the model one "
+                "output per class"))
         try:
-            loss = super().forward(input, target)
+            return super().forward(input, target)
         except (RuntimeError, ValueError) as e:  # torch's words name neither shape: say which and the fix
             why = _shape_mismatch(input, target)
             if why is None:
                 raise
             raise ValueError(why) from e
-        if input.dim() >= 2 and input.shape[1] == 1:  # softmax over one class: the loss is 0, nothing would train
-            raise ValueError(f"the default cross-entropy got logits with one class (shape {tuple(input.shape)}): "
-                             "its loss is 0 whatever the weights. For regression pass loss_fn=nn.MSELoss(); for a "
-                             "binary target, loss_fn=nn.BCEWithLogitsLoss() (float 0/1 targets); or give the model "
-                             "one output per class")
-        return loss
 
 
 def _shape_mismatch(logits: torch.Tensor, target: torch.Tensor) -> str | None:
