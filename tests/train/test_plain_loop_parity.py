@@ -126,6 +126,51 @@ def test_loaders_that_are_not_plain_tensors_are_left_as_they_are():
     assert sliced_loader(listed, torch.device("cpu")) is listed
 
 
+class Pairs(torch.utils.data.Dataset):
+    """The Dataset a script writes for data it holds: `__getitem__` only indexes its arrays."""
+
+    def __init__(self, x, y):
+        self.features, self.labels = x, y
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, idx):
+        x = self.features[idx]
+        return x, self.labels[idx]
+
+
+class Flipped(Pairs):
+    def __getitem__(self, idx):  # a random transform: must stay per sample
+        x = self.features[idx]
+        return (-x if torch.rand(()) < 0.5 else x), self.labels[idx]
+
+
+class Scaled(Pairs):
+    def __getitem__(self, idx):  # a computed sample
+        return self.features[idx] / 255, self.labels[idx]
+
+
+def test_your_own_dataset_that_only_indexes_its_tensors_is_sliced_and_one_that_computes_is_not(monkeypatch):
+    x, y = _data(50)
+    mk = lambda ds: DataLoader(ds, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3))  # noqa: E731
+    for data in (Pairs(x, y), Pairs(x.double().numpy(), y.int().numpy())):  # tensors, or numpy arrays
+        got = sliced_loader(mk(data), torch.device("cpu"))
+        assert isinstance(got, SlicedLoader)
+        reads = []
+        with monkeypatch.context() as m:  # a spy on per-sample reads, set after the source was read
+            m.setattr(Pairs, "__getitem__", lambda self, i: reads.append(i))
+            batches = list(got)
+        assert reads == []  # no per-sample read: one index per tensor a batch
+        for (gx, gy), (rx, ry) in zip(batches, mk(data), strict=True):  # the DataLoader's order, dtypes and values
+            assert torch.equal(gx, rx) and torch.equal(gy, ry) and gx.dtype == rx.dtype and gy.dtype == ry.dtype
+    for other in (Flipped(x, y), Scaled(x, y)):
+        assert sliced_loader(mk(other), torch.device("cpu")).__class__ is DataLoader
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 2))
+    res = torchspeed.fit(model, mk(Pairs(x, y)), epochs=1, progress=False, trial=False)
+    assert "Pairs.__getitem__ only indexes its tensors" in res.decisions["batching"].reason
+
+
 def test_tensors_move_to_the_accelerator_only_when_they_fit_its_share():
     assert keep_on_device(1 << 20, 16 << 20)
     assert not keep_on_device(8 << 20, 16 << 20)

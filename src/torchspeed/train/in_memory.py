@@ -15,8 +15,12 @@ of one, as `random_split` makes) that way:
   memory (then a batch is an index on the device: no host copy per step); else they stay on the
   host and the trainer's prefetcher copies each batch.
 
-Anything else (a custom collate_fn or batch sampler, a dataset that is not tensors, an
-IterableDataset, a stateful loader) is returned as it is. `Trainer.fit` applies it to the
+A Dataset of your own is sliced too when its `__getitem__` is nothing but indexing its own tensors
+(`return self.x[i], self.y[i]`, optionally through local names; numpy arrays count, read as
+tensors): `plain_fields` reads that from the method's source (never by calling it, so a random
+transform, a side effect or a computed sample always keeps the per-sample path) and checks the
+first sample against the slices. Anything else (a custom collate_fn or batch sampler, a dataset that
+computes or transforms its samples, an IterableDataset, a stateful loader) is returned as it is. `Trainer.fit` applies it to the
 training and validation loaders (`InMemory`) and records `decisions["batching"]`.
 
 Example:
@@ -26,15 +30,20 @@ Example:
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import (BatchSampler, DataLoader, RandomSampler, SequentialSampler, Subset, TensorDataset,
                               default_collate)
 
 from torchspeed.train.decision import Decision
 
-__all__ = ["SlicedLoader", "sliced_loader", "in_memory_tensors", "keep_on_device", "InMemory", "DEVICE_SHARE"]
+__all__ = ["SlicedLoader", "sliced_loader", "in_memory_tensors", "plain_fields", "keep_on_device", "InMemory",
+           "DEVICE_SHARE"]
 
 DEVICE_SHARE = 0.25  # tensors that take at most this share of the accelerator's free memory move there once
 
@@ -46,9 +55,67 @@ def in_memory_tensors(dataset) -> tuple[tuple[torch.Tensor, ...], torch.Tensor |
         sub = torch.as_tensor(dataset.indices, dtype=torch.long)
         index = sub if index is None else sub[index]
         dataset = dataset.dataset
-    if type(dataset) is not TensorDataset or not dataset.tensors:
+    if type(dataset) is TensorDataset and dataset.tensors:
+        return tuple(dataset.tensors), index
+    fields = plain_fields(dataset)
+    return None if fields is None else (tuple(fields.values()), index)
+
+
+def _indexed_attr(node: ast.expr, self_name: str, idx_name: str) -> str | None:
+    """`A` when `node` is `self.A[idx]`, else None."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name) and node.slice.id == idx_name \
+            and isinstance(node.value, ast.Attribute) and isinstance(node.value.value, ast.Name) \
+            and node.value.value.id == self_name:
+        return node.value.attr
+    return None
+
+
+def _returned_attrs(fn: ast.FunctionDef) -> list[str] | None:
+    """The attributes `return self.a[i], self.b[i]` reads (through `x = self.a[i]` names too); None for any other
+    body."""
+    args = fn.args
+    if fn.decorator_list or len(args.args) != 2 or args.vararg or args.kwarg or args.kwonlyargs:
         return None
-    return tuple(dataset.tensors), index
+    self_name, idx_name = args.args[0].arg, args.args[1].arg
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    bound: dict[str, str] = {}
+    for st in body[:-1]:
+        attr = _indexed_attr(st.value, self_name, idx_name) if isinstance(st, ast.Assign) else None
+        if attr is None or len(st.targets) != 1 or not isinstance(st.targets[0], ast.Name):
+            return None
+        bound[st.targets[0].id] = attr
+    last = body[-1] if body else None
+    if not isinstance(last, ast.Return) or not isinstance(last.value, (ast.Tuple, ast.List)) or not last.value.elts:
+        return None
+    names = [bound.get(e.id) if isinstance(e, ast.Name) else _indexed_attr(e, self_name, idx_name)
+             for e in last.value.elts]
+    return None if None in names else names
+
+
+def plain_fields(dataset) -> dict[str, torch.Tensor] | None:
+    """{attribute: tensor} a map-style Dataset's `__getitem__` returns, in order, when the method is nothing but
+    `return self.a[i], self.b[i]` over tensors (or numpy arrays) of the dataset's length, and its first sample is
+    those slices; None for any other dataset."""
+    try:
+        fn = ast.parse(textwrap.dedent(inspect.getsource(type(dataset).__getitem__))).body[0]
+        n = len(dataset)
+    except (OSError, TypeError, SyntaxError, IndexError, AttributeError):  # no source, no len(): not ours to read
+        return None
+    names = _returned_attrs(fn) if isinstance(fn, ast.FunctionDef) and n > 0 else None
+    own = getattr(dataset, "__dict__", {})
+    if names is None or any(a not in own for a in names):
+        return None
+    fields = {a: torch.from_numpy(own[a]) if isinstance(own[a], np.ndarray) else own[a] for a in names}
+    if any(not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n for t in fields.values()):
+        return None
+    try:
+        first = dataset[0]
+        same = len(first) == len(fields) and all(
+            torch.equal(torch.as_tensor(v), t[0]) and torch.as_tensor(v).dtype == t.dtype
+            for v, t in zip(first, fields.values()))
+    except Exception:  # noqa: BLE001 - a sample this check cannot compare: the per-sample path
+        return None
+    return fields if same else None
 
 
 def keep_on_device(nbytes: int, free_bytes: int | None, *, share: float = DEVICE_SHARE) -> bool:
@@ -161,7 +228,9 @@ class InMemory:
         served = sliced_loader(loader, self.device)
         if served is not loader and "batching" not in decisions:  # (a second fit of one trainer: decided)
             where = "on the device" if served.tensors[0].device.type != "cpu" else "in host memory"
-            decisions["batching"] = Decision("index slices", f"the DataLoader holds tensors {where} (TensorDataset): "
+            kind = "TensorDataset" if isinstance(served.dataset, (TensorDataset, Subset)) else \
+                f"{type(served.dataset).__name__}.__getitem__ only indexes its tensors"
+            decisions["batching"] = Decision("index slices", f"the DataLoader holds tensors {where} ({kind}): "
                                              "each batch is one index per tensor, in the loader's order, not a "
                                              "collate of per-sample reads")
         return served
