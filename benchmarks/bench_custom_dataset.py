@@ -48,7 +48,8 @@ def script(w, epochs: int) -> float:
     torch.manual_seed(0)
     model = w.model()
     opt = torch.optim.Adam(model.parameters(), lr=w.lr)
-    loader = DataLoader(Waves(w.x, w.y), batch_size=w.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(Waves(w.x, w.y), batch_size=w.batch_size, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
     t0 = time.perf_counter()
     for _ in range(epochs):
         model.train()

@@ -118,7 +118,8 @@ def _lenet() -> Script:
 class CharLSTM(nn.Module):
     def __init__(self, vocab: int):
         super().__init__()
-        self.emb, self.rnn, self.out = nn.Embedding(vocab, 64), nn.LSTM(64, 128, batch_first=True), nn.Linear(128, vocab)
+        self.emb, self.rnn = nn.Embedding(vocab, 64), nn.LSTM(64, 128, batch_first=True)
+        self.out = nn.Linear(128, vocab)
 
     def forward(self, x):
         return self.out(self.rnn(self.emb(x))[0])
@@ -145,7 +146,8 @@ def _regression() -> Script:
     w = torch.randn(8, generator=g)
     y = (torch.sin(x @ w) + 0.5 * x[:, 0] * x[:, 1] + 0.3 * x[:, 2] ** 2 + 0.1 * torch.randn(12000, generator=g))
     y = ((y - y.mean()) / y.std()).unsqueeze(1)
-    model = lambda: nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))  # noqa: E731
+    model = lambda: nn.Sequential(  # noqa: E731
+        nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     return Script("mlp_regression", x[:10000], y[:10000], x[10000:], y[10000:], model,
                   lambda m: torch.optim.Adam(m.parameters(), lr=1e-3), 64, 20, loss_fn=nn.MSELoss(), metric="val_loss")
 

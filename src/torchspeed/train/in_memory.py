@@ -20,7 +20,8 @@ A Dataset of your own is sliced too when its `__getitem__` is nothing but indexi
 tensors): `plain_fields` reads that from the method's source (never by calling it, so a random
 transform, a side effect or a computed sample always keeps the per-sample path) and checks the
 first sample against the slices. Anything else (a custom collate_fn or batch sampler, a dataset that
-computes or transforms its samples, an IterableDataset, a stateful loader) is returned as it is. `Trainer.fit` applies it to the
+computes or transforms its samples, an IterableDataset, a stateful loader) is returned as it is.
+`Trainer.fit` applies it to the
 training and validation loaders (`InMemory`) and records `decisions["batching"]`.
 
 Example:

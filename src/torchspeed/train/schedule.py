@@ -156,10 +156,11 @@ def _own_scheduler(factory, optimizer: torch.optim.Optimizer, interval: str):
     if interval not in INTERVALS:
         raise ValueError(f"schedule_interval must be one of {INTERVALS}, got {interval!r}")
     sched = factory(optimizer)
-    if not (hasattr(sched, "step") and hasattr(sched, "state_dict")) or getattr(sched, "optimizer", None) is not optimizer:
+    scheduler = hasattr(sched, "step") and hasattr(sched, "state_dict")
+    if not scheduler or getattr(sched, "optimizer", None) is not optimizer:
         raise TypeError("schedule=<a function> must build an LR scheduler on the optimizer it is given, e.g. "
-                        "schedule=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7); it returned "
-                        f"{type(sched).__name__}" + (" bound to another optimizer" if hasattr(sched, "step") else ""))
+                        "schedule=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7); it "
+                        f"returned {type(sched).__name__}" + (" bound to another optimizer" if scheduler else ""))
     if interval == "step":
         if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
             raise ValueError("ReduceLROnPlateau steps on an epoch's metric: use schedule_interval='epoch'")

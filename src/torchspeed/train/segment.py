@@ -44,8 +44,9 @@ def extend_schedule(optimizer: torch.optim.Optimizer, settings: list[dict], conf
         g.update(s)
     sched = create_scheduler(config.schedule, optimizer, total_steps=total - done, warmup_steps=config.warmup_steps,
                              min_lr=config.min_lr, interval=config.schedule_interval)
-    return sched, Decision(f"{done} -> {total} steps", f"a finished run extended: a new {schedule_label(config.schedule)}"
-                                                       f" schedule segment over the {total - done} added steps")
+    return sched, Decision(f"{done} -> {total} steps", f"a finished run extended: a new "
+                                                       f"{schedule_label(config.schedule)} schedule segment over the "
+                                                       f"{total - done} added steps")
 
 
 def schedule_for_call(trainer, span: tuple[int | None, int]) -> None:
