@@ -14,7 +14,7 @@ from torchspeed.doctor._capture import Captured
 from torchspeed.doctor._compile_log import parse_record
 from torchspeed.doctor._model_checks import examine_model
 from torchspeed.doctor._probe import Probe
-from torchspeed.doctor._summary import summarize
+from torchspeed.doctor._summary import _in_memory, summarize
 
 from test_rules import CLEAN, CPU_ENV, _obs, _set
 
@@ -91,6 +91,28 @@ def test_in_memory_data_is_told_to_index_whole_batches_never_to_add_workers():
     f = RULES["data-bound"].check(o)
     assert "index whole batches" in f.fix and "num_workers" not in f.fix
     assert RULES["dataloader-workers"].check(o) is None
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class _Noisy(_Rows):
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn_like(self.x[i]), self.y[i]
+
+
+def test_a_dataset_of_your_own_that_only_indexes_its_tensors_counts_as_in_memory():
+    x, y = torch.randn(12, 3), torch.arange(12)
+    assert _in_memory(_Rows(x, y)) and _in_memory(TensorDataset(x, y))
+    assert not _in_memory(_Noisy(x, y))  # it computes its samples: workers may help it, slicing would change it
 
 
 def _workers_verdict(direction, candidate, current, speedup):

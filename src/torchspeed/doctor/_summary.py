@@ -20,6 +20,7 @@ import statistics
 import torch
 
 from torchspeed.doctor._contention import quartiles
+from torchspeed.train.in_memory import in_memory_tensors
 
 __all__ = ["summarize", "robust_steps"]
 
@@ -113,9 +114,6 @@ def summarize(probe, obs: dict) -> None:
 
 
 def _in_memory(ds) -> bool:
-    """A TensorDataset (or a Subset of one): every sample is a row of tensors already in memory."""
-    from torch.utils.data import Subset, TensorDataset
-
-    while isinstance(ds, Subset):
-        ds = ds.dataset
-    return isinstance(ds, TensorDataset)
+    """Every sample is a row of tensors already in memory: a TensorDataset, a Subset of one, or a Dataset whose
+    `__getitem__` only indexes its tensors (`train.in_memory.in_memory_tensors`, what `fit` slices)."""
+    return in_memory_tensors(ds) is not None

@@ -124,7 +124,8 @@ def loader_summary(obs: Observation) -> LoaderInfo | None:
 
 def in_memory_fix() -> str:
     """The fix for a TensorDataset fed through a DataLoader: index whole batches, no per-sample work."""
-    return ("the data is already in memory (TensorDataset): index whole batches instead of one sample at a "
+    return ("the data is already in memory (a TensorDataset, or a Dataset whose __getitem__ only indexes its "
+            "tensors): index whole batches instead of one sample at a "
             "time, `perm = torch.randperm(len(X)); for i in range(0, len(X), B): idx = perm[i:i+B]; x, y = X[idx], "
             "Y[idx]` (no per-sample __getitem__, no collate); workers would only add inter-process copies (T10, T06)")
 
