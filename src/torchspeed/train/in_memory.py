@@ -229,8 +229,11 @@ class InMemory:
         served = sliced_loader(loader, self.device)
         if served is not loader and "batching" not in decisions:  # (a second fit of one trainer: decided)
             where = "on the device" if served.tensors[0].device.type != "cpu" else "in host memory"
-            kind = "TensorDataset" if isinstance(served.dataset, (TensorDataset, Subset)) else \
-                f"{type(served.dataset).__name__}.__getitem__ only indexes its tensors"
+            base = served.dataset
+            while isinstance(base, Subset):
+                base = base.dataset
+            kind = "TensorDataset" if type(base) is TensorDataset else \
+                f"{type(base).__name__}.__getitem__ only indexes its tensors"
             decisions["batching"] = Decision("index slices", f"the DataLoader holds tensors {where} ({kind}): "
                                              "each batch is one index per tensor, in the loader's order, not a "
                                              "collate of per-sample reads")

@@ -148,7 +148,9 @@ class EpochScheduler:
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str):  # (not called for `inner` itself: a copy or unpickling never recurses)
+        if name == "inner":
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
