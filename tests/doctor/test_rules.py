@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from torchspeed.doctor import RULES, rule_ids, run_rules
+from torchspeed.doctor._summary import training_loop
 from torchspeed.doctor.registry import severity_for_gain
 
 RULE_IDS = rule_ids()
@@ -201,6 +202,18 @@ def test_no_amp_follows_what_the_machine_runs_fast():
     assert f.basis == "estimated" and "estimated, not measured" in f.evidence
     f = RULES["no-amp"].check(_obs(no_amp, _cuda))
     assert f.severity == "low" and "torch.autocast('cuda'" in f.fix
+
+
+def test_no_amp_names_the_frameworks_setting_when_its_loop_trains_the_model():
+    bf16_cpu = _set("env", {**CPU_ENV, "bf16_supported": True})
+    f = RULES["no-amp"].check(_obs(TRIGGERS["no-amp"][0], bf16_cpu, _set("loop", "lightning")))
+    assert f.fix.startswith('precision="bf16-mixed" in L.Trainer') and "torch.autocast('cpu'" in f.fix
+    assert f.patch is None  # --fix does not edit a forward the framework runs
+    f = RULES["no-amp"].check(_obs(TRIGGERS["no-amp"][0], _cuda, _set("loop", "transformers")))
+    assert f.fix.startswith("TrainingArguments(..., bf16=True)")
+    assert training_loop({"torch", "lightning", "lightning.pytorch"}) == "lightning"
+    assert training_loop({"torch", "transformers", "transformers.trainer"}) == "transformers"
+    assert training_loop({"torch", "transformers"}) is None  # a model from transformers in a loop of your own
 
 
 def _verified(fix, speedup, iqr, within_noise=False):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import resource
 import statistics
+import sys
 
 import torch
 
@@ -47,7 +48,17 @@ def _top(counter: dict, n: int = 3) -> list[str]:
     return [f"{k} ({v}x)" for k, v in sorted(counter.items(), key=lambda kv: -kv[1])[:n]]
 
 
+def training_loop(modules: set[str]) -> str | None:
+    """The framework whose loop the script trains with, from the modules it imported: Lightning (its Trainer or
+    Fabric) or Hugging Face's `Trainer` (`transformers.trainer` is imported only when it is used); None: a loop
+    of the script's own."""
+    if modules & {"lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric"}:
+        return "lightning"
+    return "transformers" if "transformers.trainer" in modules else None
+
+
 def summarize(probe, obs: dict) -> None:
+    obs["loop"] = training_loop(set(sys.modules))
     recs = probe.records
     measured = recs[probe.warmup:] if len(recs) > probe.warmup else (recs[1:] or recs)
     use, left_out = robust_steps(measured)

@@ -353,6 +353,7 @@ class EnvFixResult(_FixRun, total=False):
 
 class Observation(TypedDict, total=False):
     script: str
+    loop: str | None  # the framework whose loop trains the model: "lightning" | "transformers" (its setting is the fix)
     argv: list[str]
     job: int
     status: str

@@ -2,7 +2,8 @@
 
 The estimate uses what this machine runs fast (`torchspeed env`): bf16/fp16 on CUDA Tensor
 Cores and on CPUs with AVX512-BF16/AMX; on other CPUs bf16 is emulated and slower, so the
-advice there is to stay in fp32. `--verify` measures it on the script's model.
+advice there is to stay in fp32. `--verify` measures it on the script's model. A script that trains through
+Lightning or Hugging Face's `Trainer` (`obs["loop"]`) is told that framework's precision setting first.
 """
 
 from __future__ import annotations
@@ -10,6 +11,13 @@ from __future__ import annotations
 from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda, verified
+
+
+FRAMEWORK_FIX = {  # (bf16, fp16) in the setting of the framework whose loop trains the model
+    "lightning": ('precision="bf16-mixed" in L.Trainer(...) or L.Fabric(...)',
+                  'precision="16-mixed" in L.Trainer(...) or L.Fabric(...)'),
+    "transformers": ("TrainingArguments(..., bf16=True)", "TrainingArguments(..., fp16=True)"),
+}
 
 
 def precision_speedup(obs: Observation) -> float:
@@ -46,6 +54,10 @@ def check(obs: Observation):
                + "; a forward already inside torch.cuda.amp.autocast(enabled=flag) or torch.amp.autocast('cuda', ...) "
                f"does nothing on {dev}: point it at torch.autocast(device_type={dev!r}, dtype={dtype}, enabled=True) "
                "(--fix does); torchspeed.resolve_precision('auto') picks the dtype (T21)")
-    # --fix writes bf16 autocast only: fp16 also needs a GradScaler around backward and step
-    patch = None if slower or dtype == "torch.float16" else "autocast"
+    loop = obs.get("loop")
+    if not slower and loop in FRAMEWORK_FIX:  # the framework's own setting: it puts forward and loss under autocast
+        fix = FRAMEWORK_FIX[loop][dtype == "torch.float16"] + "; in a loop of your own: " + fix
+    # --fix writes bf16 autocast only: fp16 also needs a GradScaler around backward and step; a framework's loop
+    # takes its precision setting, not an edit of the script's forward
+    patch = None if slower or dtype == "torch.float16" or loop in FRAMEWORK_FIX else "autocast"
     return finding("no-amp", evidence=evidence, fix=fix, est_gain=est, obs=obs, verify_fix="autocast", patch=patch)
