@@ -24,12 +24,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import torchspeed
 from torchspeed.bench.runner import provenance
-from torchspeed.bench.small import evaluate_plain, make_small
+from torchspeed.bench.small import make_small, plain_loop
 from torchspeed.train.rounds import ratio_summary
 
 
@@ -45,21 +44,13 @@ class Waves(Dataset):
 
 
 def script(w, epochs: int) -> float:
+    """The script's loop (`plain_loop`: Adam at the workload's LR, an evaluation after each epoch) over its
+    DataLoader of `Waves`."""
     torch.manual_seed(0)
     model = w.model()
-    opt = torch.optim.Adam(model.parameters(), lr=w.lr)
     loader = DataLoader(Waves(w.x, w.y), batch_size=w.batch_size, shuffle=True,
                         generator=torch.Generator().manual_seed(0))
-    t0 = time.perf_counter()
-    for _ in range(epochs):
-        model.train()
-        for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        evaluate_plain(model, w.vx, w.vy)
-    return time.perf_counter() - t0
+    return plain_loop(model, w, epochs=epochs, loader=loader)["seconds"]
 
 
 def fit(w, epochs: int) -> tuple[float, dict]:

@@ -63,6 +63,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
 from torchspeed.bench.runner import provenance
+from torchspeed.bench.small import shuffled_epochs
 from torchspeed.bench.text import stdlib_text
 from torchspeed.train.callbacks import Callback
 from torchspeed.train.rounds import ratio_summary
@@ -218,28 +219,28 @@ def _evaluate(s: Script, model: nn.Module, val: DataLoader) -> float:
 
 
 def run_script(s: Script, seed: int, target: float | None = None) -> dict:
-    """The script's own loop; stops at the first epoch at `target` when given."""
+    """The script's own loop (`shuffled_epochs` over its DataLoader, its scheduler stepped after each epoch); stops
+    at the first epoch at `target` when given."""
     torch.manual_seed(seed)
     model = s.model()
     train, val = s.loaders(seed)
     opt = s.optimizer(model)
     sched = s.schedule(opt) if s.schedule else None
-    t0, at, steps, history = time.perf_counter(), None, 0, []
-    for _ in range(s.epochs):
-        model.train()
-        for x, y in train:
-            loss = s.loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            steps += 1
+    t0, at = time.perf_counter(), None
+
+    def on_epoch(_, value: float) -> bool:
+        nonlocal at
         if sched is not None:
             sched.step()
-        history.append(_evaluate(s, model, val))
-        if target is not None and s.reached(history[-1], target):
+        if target is not None and s.reached(value, target):
             at = time.perf_counter() - t0
-            break
-    return {"seconds": time.perf_counter() - t0, "steps": steps, "metric": history[-1],
+            return True
+        return False
+
+    out = shuffled_epochs(model, opt, s.x, s.y, loss_fn=s.loss, batch_size=s.batch_size, epochs=s.epochs, seed=seed,
+                          evaluate=lambda m: _evaluate(s, m, val), on_epoch=on_epoch, loader=train)
+    history = out["history"]
+    return {"seconds": time.perf_counter() - t0, "steps": out["steps"], "metric": history[-1],
             "history": [round(h, 4) for h in history], "to_target_s": at}
 
 
