@@ -153,7 +153,6 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "data/bench.py": (4, STARTUP),
     "data/decode.py": (1, CYCLE + ": decode <-> synthetic"),
     "doctor/_child.py": (1, REWORK),
-    "doctor/_datasets.py": (2, REWORK),
     "doctor/_envfix.py": (3, EXTRA + " (libcst, for the patches it re-runs)"),
     "doctor/_fit_plan.py": (3, REWORK),
     "doctor/_job.py": (7, REWORK),
@@ -169,7 +168,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 147
+LAZY_TOTAL = 145
 
 
 def lazy_imports(source: str) -> list[int]:
@@ -279,7 +278,8 @@ def test_doctor_layers():
     graph = _module_graph()
     doctor = {m: {d for d in deps if d.startswith("torchspeed.doctor")} for m, deps in graph.items()
               if m.startswith("torchspeed.doctor")}
-    assert doctor["torchspeed.doctor._probe"] <= {"torchspeed.doctor._tree"}
+    assert doctor["torchspeed.doctor._probe"] <= {"torchspeed.doctor._tree", "torchspeed.doctor._sites"}
+    assert doctor["torchspeed.doctor._sites"] == set()  # where a call comes from: instrumentation's own helpers
     # the schema the rules annotate with: TypedDicts, importing nothing of the doctor (and of torchspeed only env,
     # whose EnvInfo fields `Environment` is read from), so a rule that imports it loads no analysis code
     schema = "torchspeed.doctor.observation"

@@ -22,7 +22,8 @@ from torchspeed.plan import make_plan
 from torchspeed.plan.stages import run_event
 from torchspeed.train.distributed import is_rank_zero
 from torchspeed.train.config import TrainConfig
-from torchspeed.train.trainer import FitResult, Trainer
+from torchspeed.train.result import FitResult
+from torchspeed.train.trainer import Trainer
 
 __all__ = ["fit"]
 

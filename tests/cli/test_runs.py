@@ -13,7 +13,7 @@ from torchspeed.data import make_jpeg_folder
 from torchspeed.data.pipeline import build_loaders
 from torchspeed.model.spec import simple_cnn
 from torchspeed.train.checkpoint import save_checkpoint
-from torchspeed.train.trainer import FitResult
+from torchspeed.train.result import FitResult
 
 FAST = ["--model", "simple_cnn", "--size", "32", "--batch-size", "16", "--lr", "0.05", "--workers", "0",
         "--compile", "off", "--precision", "fp32", "--no-progress"]

@@ -239,7 +239,7 @@ def test_tensor_copies_in_a_datasets_items_are_reported():
 def test_the_probe_counts_torch_tensor_on_numpy_scalars_and_float64_arrays():
     import numpy as np
 
-    from torchspeed.doctor._probe import count_tensor_copies, new_copy_counts
+    from torchspeed.doctor._sites import count_tensor_copies, new_copy_counts
 
     c = new_copy_counts()
     tensor = count_tensor_copies(c, torch.tensor)

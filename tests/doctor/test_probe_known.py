@@ -168,3 +168,11 @@ def test_a_preempted_step_does_not_move_the_kernel_shares():
     assert matmul == pytest.approx(2000 / 2120)
     # without step marks every event is one step
     assert step_op_times([_event("aten::mm", 0, 5)]) == [{"aten::mm": 5}]
+
+
+def test_a_loop_that_updates_its_weights_by_hand_has_its_steps_counted_at_each_backward():
+    r = _run("by_hand.py")  # stopped after warmup + steps: without a torch optimizer it used to run to its end
+    obs = r.observation
+    assert obs["step_boundary"] == "backward" and obs["steps_observed"] == STEPS + WARMUP
+    assert obs["syncs"]["calls_per_step"] == pytest.approx(2.0, abs=0.5)  # the two .item() reads a step
+    assert obs["breakdown"]["compute_ms"] > 0  # the forward and backward fall inside the counted steps

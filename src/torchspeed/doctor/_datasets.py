@@ -10,6 +10,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from torchspeed.doctor._sites import count_tensor_copies, new_copy_counts
+
 __all__ = ["probe_datasets"]
 
 
@@ -22,7 +24,6 @@ class _DatasetTimers:
         self._patches = []
         self._depth = 0
         self._decode_depth = 0
-        from torchspeed.doctor._probe import new_copy_counts
         self.copies = new_copy_counts()
 
     def _patch(self, owner, name, make):
@@ -34,8 +35,6 @@ class _DatasetTimers:
         import functools
 
         import torch
-
-        from torchspeed.doctor._probe import count_tensor_copies
 
         timers = self
         self._patch(torch, "tensor", functools.partial(count_tensor_copies, self.copies))

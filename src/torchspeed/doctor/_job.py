@@ -25,7 +25,8 @@ import traceback
 import torch
 
 from torchspeed.doctor._compile_log import CompileLog
-from torchspeed.doctor._probe import Probe, StopScript, is_user_file
+from torchspeed.doctor._probe import Probe, StopScript
+from torchspeed.doctor._sites import is_user_file
 
 __all__ = ["run_job", "TimeLimit"]
 

@@ -4,7 +4,9 @@
 script inside one):
 
 - global optimizer step hooks: step boundaries; after `warmup + steps` steps a private
-  `BaseException` stops the script (a script's `except Exception` cannot swallow it);
+  `BaseException` stops the script (a script's `except Exception` cannot swallow it); a script
+  that makes no torch optimizer and updates its weights by hand (`p.data.add_(p.grad, alpha=-lr)`,
+  PyTorch's word-language-model example) has its steps bounded by `Tensor.backward` instead;
 - global module forward hooks: which module is the model, its inputs, autocast and grad
   mode at each call, evaluation with gradients enabled, modules never called;
 - `Tensor.backward`, `Optimizer.zero_grad` / `Module.zero_grad` (set_to_none), DataLoader
@@ -21,85 +23,25 @@ do not. Every patch is undone on exit, whatever way the block ends.
 from __future__ import annotations
 
 import functools
-import os
 import resource
-import sys
-import sysconfig
 import time
 from collections import defaultdict
 
 import torch
 from torch import nn
 
+from torchspeed.doctor._sites import count_tensor_copies, new_copy_counts, user_site
 from torchspeed.doctor._tree import clone_args
 
-__all__ = ["Probe", "StopScript", "is_user_file", "count_tensor_copies", "new_copy_counts"]
+__all__ = ["Probe", "StopScript"]
 
 
 class StopScript(BaseException):
     """Raised from the optimizer step hook once enough steps were seen."""
 
 
-def _lib_prefixes() -> tuple[str, ...]:
-    paths = set()
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        p = sysconfig.get_paths().get(key)
-        if p:
-            paths.add(os.path.realpath(p))
-    paths.add(os.path.dirname(os.path.realpath(torch.__file__)))
-    paths.add(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))  # torchspeed itself
-    for p in sys.path:
-        if p and ("site-packages" in p or "dist-packages" in p):
-            paths.add(os.path.realpath(p))
-    return tuple(sorted(paths))
-
-
-_LIBS = _lib_prefixes()
-
-
-@functools.lru_cache(maxsize=4096)
-def is_user_file(filename: str) -> bool:
-    if not filename or filename.startswith("<"):
-        return False
-    return not os.path.realpath(filename).startswith(_LIBS)
-
-
-def _user_site(depth: int = 2) -> str | None:
-    """'file:line' of the calling user frame, or None when the caller is library code."""
-    f = sys._getframe(depth)
-    if is_user_file(f.f_code.co_filename):
-        return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
-    return None
-
-
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def new_copy_counts() -> dict:
-    return {"count": 0, "ms": 0.0, "bytes": 0, "float64": 0, "sites": defaultdict(int)}
-
-
-def count_tensor_copies(copies: dict, orig):
-    """`torch.tensor` that counts calls from user code on numpy data (an array, a list of arrays, a numpy
-    scalar) into `copies` (`new_copy_counts()`): calls, time, bytes, float64 sources, sites."""
-    @functools.wraps(orig)
-    def tensor(data, *a, **k):
-        import numpy as np
-        first = data[0] if isinstance(data, (list, tuple)) and data else None
-        if isinstance(data, (np.ndarray, np.generic)) or isinstance(first, np.ndarray):
-            site = _user_site()
-            if site:
-                t0 = time.perf_counter()
-                out = orig(data, *a, **k)
-                copies["count"] += 1
-                copies["ms"] += (time.perf_counter() - t0) * 1e3
-                copies["bytes"] += out.numel() * out.element_size()
-                copies["float64"] += int(getattr(first if first is not None else data, "dtype", None) == np.float64)
-                copies["sites"][site] += 1
-                return out
-        return orig(data, *a, **k)
-    return tensor
 
 
 class Probe:
@@ -116,6 +58,7 @@ class Probe:
         self.records: list[dict] = []
         self.last_mark = time.perf_counter()
         self.step_opt = None  # the optimizer whose steps we count
+        self.optimizers_made = 0  # none made: each backward ends a step (a loop that updates by hand)
         self.modules: dict[int, dict] = {}  # top-level modules with parameters, by id
         self.module_objs: dict[int, nn.Module] = {}
         self.called: set[int] = set()
@@ -226,14 +169,25 @@ class Probe:
         def wrap_backward(orig):
             @functools.wraps(orig)
             def backward(self, *a, **k):
-                return probe._timed("backward", orig, self, *a, **k)
+                out = probe._timed("backward", orig, self, *a, **k)
+                if probe.optimizers_made == 0:  # no torch optimizer: the weights are updated by hand
+                    probe._end_step()
+                return out
             return backward
         self._patch(torch.Tensor, "backward", wrap_backward)
+
+        def wrap_optimizer_init(orig):
+            @functools.wraps(orig)
+            def __init__(self, *a, **k):
+                probe.optimizers_made += 1
+                return orig(self, *a, **k)
+            return __init__
+        self._patch(torch.optim.Optimizer, "__init__", wrap_optimizer_init)
 
         def wrap_zero_grad(orig):
             @functools.wraps(orig)
             def zero_grad(self, set_to_none: bool = True, *a, **k):
-                site = _user_site()
+                site = user_site()
                 t0 = time.perf_counter()
                 try:
                     return probe._timed("zero_grad", orig, self, set_to_none, *a, **k)
@@ -342,7 +296,7 @@ class Probe:
             # .cpu()/.numpy() of a CPU tensor is free: not a sync, not counted.
             if t is None or (kind in ("cpu", "numpy") and t.device.type == "cpu"):
                 return orig(*a, **k)
-            site = _user_site()
+            site = user_site()
             if site is None:
                 return orig(*a, **k)
             probe.syncs[kind] += 1
@@ -423,6 +377,10 @@ class Probe:
         if opt is not self.step_opt:
             return
         self._exit()
+        self._end_step()
+
+    def _end_step(self) -> None:
+        """One step's record (since the last), and the stop once `warmup + steps` were seen."""
         now = time.perf_counter()
         rec = {k: v * 1e3 for k, v in self.cur.items()}
         rec["step"] = (now - self.last_mark) * 1e3

@@ -63,6 +63,7 @@ def summarize(probe, obs: dict) -> None:
     measured = recs[probe.warmup:] if len(recs) > probe.warmup else (recs[1:] or recs)
     use, left_out = robust_steps(measured)
     obs["steps_observed"] = len(recs)
+    obs["step_boundary"] = "backward" if probe.step_opt is None and recs else "optimizer"  # by hand: no optimizer
     obs["steps_measured"] = len(measured)
 
     def m(key):

@@ -363,6 +363,7 @@ class Observation(TypedDict, total=False):
     steps_requested: int
     warmup: int
     steps_observed: int
+    step_boundary: str  # "optimizer": a step ends at optimizer.step; "backward": no torch optimizer, updates by hand
     steps_measured: int
     env: Environment
     notes: list[str]

@@ -122,7 +122,11 @@ def _render_run(report: DoctorReport, console) -> None:
     for n in e.get("notes", []):
         console.print(f"  [yellow]env:[/] {n}")
     n = report.observation.get("steps_observed", 0)
-    console.print("[bold]run[/]: " + _STATUS.get(report.status, report.status).format(n=n))
+    line = _STATUS.get(report.status, report.status).format(n=n)
+    if report.observation.get("step_boundary") == "backward":  # a loop that updates its weights by hand
+        line = line.replace("optimizer steps", "steps (each ends at a backward: the script makes no torch "
+                                               "optimizer and updates its weights by hand)")
+    console.print("[bold]run[/]: " + line)
     if report.traceback:
         console.print(Text(report.traceback.rstrip(), style="red"))
 

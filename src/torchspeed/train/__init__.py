@@ -24,7 +24,8 @@ from torchspeed.train.precision import Precision, make_grad_scaler, resolve_prec
 from torchspeed.train.schedule import SCHEDULES, create_scheduler, scale_lr
 from torchspeed.train.step import backward, optimizer_step
 from torchspeed.train.config import TrainConfig
-from torchspeed.train.trainer import FitResult, Trainer
+from torchspeed.train.result import FitResult
+from torchspeed.train.trainer import Trainer
 from torchspeed.train.transfer import Prefetcher, loader_kwargs, to_device
 
 __all__ = [

@@ -42,6 +42,7 @@ from torch import nn
 
 from torchspeed.env import sync
 from torchspeed.train.decision import Decision, Decisions
+from torchspeed.train.wrappers import unwrap_model
 
 __all__ = ["compile_model", "CompileTrial", "CompileDecision", "CompileController", "MIN_RUN_S", "arm_compile_trial"]
 
@@ -251,6 +252,14 @@ class CompileController:
         return self.active(*args, **kwargs)
 
     __call__ = forward  # the controller stands in for the model: `controller(x)` runs the chosen module
+
+    def __getattr__(self, name: str):
+        """Any other attribute is the user's module's: a `step_fn(model, batch)` is given this controller and may
+        call `model.init_hidden(...)`, read `model.config` or a submodule, as on its own model."""
+        model = self.__dict__.get("model")
+        if model is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(unwrap_model(model), name)
 
     @contextlib.contextmanager
     def eager(self):

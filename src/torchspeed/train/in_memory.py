@@ -10,19 +10,19 @@ of one, as `random_split` makes) that way:
   gives the indices (its shuffling, `drop_last`, a `DistributedSampler` or `ResumableSampler`
   inside), and each pass draws the one number a DataLoader iterator draws from the loader's
   generator before its first batch, so the run after it sees the same random stream;
-- the same batch type as `default_collate` (a list of tensors, one per field);
+- the same batch type as `default_collate` (a list of tensors, one per field; a dict of them for dict samples);
 - on CUDA the tensors move to the device once when they take at most `DEVICE_SHARE` of its free
   memory (then a batch is an index on the device: no host copy per step); else they stay on the
   host and the trainer's prefetcher copies each batch.
 
 A Dataset of your own is sliced too when its `__getitem__` is nothing but indexing its own tensors
-(`return self.x[i], self.y[i]`, optionally through local names; numpy arrays count, read as
-tensors): `plain_fields` reads that from the method's source (never by calling it, so a random
-transform, a side effect or a computed sample always keeps the per-sample path) and checks the
-first sample against the slices. Anything else (a custom collate_fn or batch sampler, a dataset that
-computes or transforms its samples, an IterableDataset, a stateful loader) is returned as it is.
-`Trainer.fit` applies it to the
-training and validation loaders (`InMemory`) and records `decisions["batching"]`.
+(`return self.x[i], self.y[i]` or `return {"input_ids": self.ids[i], ...}`, optionally through local
+names; numpy arrays count, read as tensors; a dict sample gives dict batches, as `default_collate` does):
+`plain_fields` reads that from the method's source (never by calling it, so a random transform, a side effect
+or a computed sample always keeps the per-sample path) and checks the first sample against the slices.
+Anything else (a custom collate_fn or batch sampler, a dataset that computes or transforms its samples, an
+IterableDataset, a stateful loader) is returned as it is. `Trainer.fit` applies it to the training and
+validation loaders (`InMemory`) and records `decisions["batching"]`.
 
 Example:
     >>> loader = sliced_loader(DataLoader(TensorDataset(x, y), batch_size=100, shuffle=True), torch.device("cpu"))
@@ -49,17 +49,20 @@ __all__ = ["SlicedLoader", "sliced_loader", "in_memory_tensors", "plain_fields",
 DEVICE_SHARE = 0.25  # tensors that take at most this share of the accelerator's free memory move there once
 
 
-def in_memory_tensors(dataset) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None:
-    """(the tensors, the index map or None) behind a TensorDataset or a (nested) Subset of one; None otherwise."""
+def in_memory_tensors(dataset) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None, tuple[str, ...] | None] | None:
+    """(the tensors, the index map or None, the sample's dict keys or None) behind a TensorDataset, a dataset
+    `plain_fields` reads, or a (nested) Subset of one; None otherwise."""
     index = None
     while isinstance(dataset, Subset):
         sub = torch.as_tensor(dataset.indices, dtype=torch.long)
         index = sub if index is None else sub[index]
         dataset = dataset.dataset
     if type(dataset) is TensorDataset and dataset.tensors:
-        return tuple(dataset.tensors), index
+        return tuple(dataset.tensors), index, None
     fields = plain_fields(dataset)
-    return None if fields is None else (tuple(fields.values()), index)
+    if fields is None:
+        return None
+    return tuple(fields.values()), index, tuple(fields) if isinstance(fields, _Keyed) else None
 
 
 def _indexed_attr(node: ast.expr, self_name: str, idx_name: str) -> str | None:
@@ -71,9 +74,9 @@ def _indexed_attr(node: ast.expr, self_name: str, idx_name: str) -> str | None:
     return None
 
 
-def _returned_attrs(fn: ast.FunctionDef) -> list[str] | None:
-    """The attributes `return self.a[i], self.b[i]` reads (through `x = self.a[i]` names too); None for any other
-    body."""
+def _returned_attrs(fn: ast.FunctionDef) -> tuple[list[str], list[str] | None] | None:
+    """(the attributes `return self.a[i], self.b[i]` reads (through `x = self.a[i]` names too), None); for
+    `return {"x": self.a[i], ...}`, (those attributes, the dict's keys); None for any other body."""
     args = fn.args
     if fn.decorator_list or len(args.args) != 2 or args.vararg or args.kwarg or args.kwonlyargs:
         return None
@@ -86,37 +89,56 @@ def _returned_attrs(fn: ast.FunctionDef) -> list[str] | None:
             return None
         bound[st.targets[0].id] = attr
     last = body[-1] if body else None
-    if not isinstance(last, ast.Return) or not isinstance(last.value, (ast.Tuple, ast.List)) or not last.value.elts:
+    value = last.value if isinstance(last, ast.Return) else None
+    if isinstance(value, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str)
+                                           for k in value.keys):
+        keys, elts = [k.value for k in value.keys], value.values
+    elif isinstance(value, (ast.Tuple, ast.List)):
+        keys, elts = None, value.elts
+    else:
         return None
-    names = [bound.get(e.id) if isinstance(e, ast.Name) else _indexed_attr(e, self_name, idx_name)
-             for e in last.value.elts]
-    return None if None in names else names
+    names = [bound.get(e.id) if isinstance(e, ast.Name) else _indexed_attr(e, self_name, idx_name) for e in elts]
+    return None if None in names or not names else (names, keys)
 
 
 def plain_fields(dataset) -> dict[str, torch.Tensor] | None:
     """{attribute: tensor} a map-style Dataset's `__getitem__` returns, in order, when the method is nothing but
     `return self.a[i], self.b[i]` over tensors (or numpy arrays) of the dataset's length, and its first sample is
-    those slices; None for any other dataset."""
+    those slices; {key: tensor} (a `_Keyed`) when it returns `{"key": self.a[i], ...}`; None for any other
+    dataset."""
     try:
         fn = ast.parse(textwrap.dedent(inspect.getsource(type(dataset).__getitem__))).body[0]
         n = len(dataset)
     except (OSError, TypeError, SyntaxError, IndexError, AttributeError):  # no source, no len(): not ours to read
         return None
-    names = _returned_attrs(fn) if isinstance(fn, ast.FunctionDef) and n > 0 else None
+    read = _returned_attrs(fn) if isinstance(fn, ast.FunctionDef) and n > 0 else None
     own = getattr(dataset, "__dict__", {})
-    if names is None or any(a not in own for a in names):
+    if read is None or any(a not in own for a in read[0]):
         return None
-    fields = {a: torch.from_numpy(own[a]) if isinstance(own[a], np.ndarray) else own[a] for a in names}
-    if any(not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n for t in fields.values()):
+    names, keys = read
+    tensors = [torch.from_numpy(own[a]) if isinstance(own[a], np.ndarray) else own[a] for a in names]
+    if any(not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n for t in tensors):
+        return None
+    fields = dict(zip(keys or names, tensors))
+    if len(fields) != len(tensors):  # one key twice: not a sample this reads back
         return None
     try:
         first = dataset[0]
-        same = len(first) == len(fields) and all(
+        if keys is not None:  # a dict sample: these keys, in this order
+            values = [first[k] for k in keys] if isinstance(first, dict) and list(first) == keys else []
+        else:
+            values = [] if isinstance(first, dict) else first
+        same = len(values) == len(tensors) and all(
             torch.equal(torch.as_tensor(v), t[0]) and torch.as_tensor(v).dtype == t.dtype
-            for v, t in zip(first, fields.values()))
+            for v, t in zip(values, tensors))
     except Exception:  # noqa: BLE001 - a sample this check cannot compare: the per-sample path
         return None
-    return fields if same else None
+    return (_Keyed(fields) if keys is not None else fields) if same else None
+
+
+class _Keyed(dict):
+    """`plain_fields` of a dataset whose samples are dicts: {key: tensor}, batched as dicts (as `default_collate`
+    batches them)."""
 
 
 def keep_on_device(nbytes: int, free_bytes: int | None, *, share: float = DEVICE_SHARE) -> bool:
@@ -155,9 +177,10 @@ class SlicedLoader:
     batch ramp read it as they read the DataLoader it replaces (`loader`).
     """
 
-    def __init__(self, loader: DataLoader, tensors: tuple[torch.Tensor, ...], index: torch.Tensor | None):
+    def __init__(self, loader: DataLoader, tensors: tuple[torch.Tensor, ...], index: torch.Tensor | None,
+                 keys: tuple[str, ...] | None = None):
         self.loader = loader
-        self.tensors, self.index = tensors, index
+        self.tensors, self.index, self.keys = tensors, index, keys  # keys: the samples are dicts, so are batches
         self.dataset, self.sampler, self.batch_sampler = loader.dataset, loader.sampler, loader.batch_sampler
         self.batch_size, self.drop_last, self.generator = loader.batch_size, loader.drop_last, loader.generator
         self.num_workers = 0
@@ -183,15 +206,15 @@ class SlicedLoader:
         return _permutation_batches(sampler if plain_random else None, len(sampler.data_source), bs.batch_size,
                                     bs.drop_last)
 
-    def _slices(self, batches: Iterator) -> Iterator[list[torch.Tensor]]:
-        device = self.tensors[0].device
+    def _slices(self, batches: Iterator) -> Iterator[list[torch.Tensor] | dict[str, torch.Tensor]]:
+        device, keys = self.tensors[0].device, self.keys
         for idx in batches:
             i = torch.as_tensor(idx, dtype=torch.long)
             if self.index is not None:
                 i = self.index[i]
             if i.device != device:
                 i = i.to(device, non_blocking=True)
-            yield [t[i] for t in self.tensors]
+            yield [t[i] for t in self.tensors] if keys is None else {k: t[i] for k, t in zip(keys, self.tensors)}
 
 
 def sliced_loader(loader: Iterable, device: torch.device, *, free_bytes: int | None = None) -> Iterable:
@@ -207,14 +230,14 @@ def sliced_loader(loader: Iterable, device: torch.device, *, free_bytes: int | N
     found = in_memory_tensors(loader.dataset)
     if found is None:
         return loader
-    tensors, index = found
+    tensors, index, keys = found
     if device.type == "cuda" and all(t.device.type == "cpu" for t in tensors):
         if free_bytes is None:
             free_bytes = torch.cuda.mem_get_info(device)[0]
         if keep_on_device(sum(t.numel() * t.element_size() for t in tensors), free_bytes):
             tensors = tuple(t.to(device) for t in tensors)
             index = index.to(device) if index is not None else None
-    return SlicedLoader(loader, tensors, index)
+    return SlicedLoader(loader, tensors, index, keys)
 
 
 class InMemory:

@@ -9,6 +9,10 @@ The order matters and is easy to get wrong in a hand-written loop:
    `scaler.step` skips the update if any gradient overflowed, and `scaler.update` adjusts
    the scale. The skip is returned as a device tensor: counting skipped steps costs no
    host sync.
+3. An optimizer whose `step` needs a closure (`torch.optim.LBFGS`: it evaluates the loss again
+   at the points of its line search) gets `closure_for(...)`: its first call returns the loss
+   and gradients already computed on this batch, each later one runs forward and backward on the
+   same batch again. Clipping applies to the first gradient.
 
 Example:
     >>> backward(loss, scaler=scaler, accum_steps=4)
@@ -20,11 +24,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+import functools
+import inspect
+from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["backward", "optimizer_step", "AccumulationWindow"]
+__all__ = ["backward", "optimizer_step", "AccumulationWindow", "needs_closure", "closure_for"]
 
 
 class AccumulationWindow:
@@ -84,10 +90,43 @@ def backward(loss: torch.Tensor, *, scaler: torch.amp.GradScaler | None = None, 
         loss.backward()
 
 
+@functools.lru_cache(maxsize=64)
+def _step_needs_closure(kind: type) -> bool:
+    try:
+        param = inspect.signature(kind.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a step with no signature to read: called as optimizers are, with none
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def needs_closure(optimizer) -> bool:
+    """Whether `optimizer.step` must be given a closure: its `closure` parameter has no default (LBFGS)."""
+    return _step_needs_closure(type(optimizer))
+
+
+def closure_for(optimizer, loss: torch.Tensor, recompute: Callable[[], torch.Tensor]) -> Callable | None:
+    """None for an optimizer that steps on the gradients it has; for one that needs a closure (LBFGS), a closure
+    whose first call returns `loss` (its gradients are in place) and each later call zeroes the gradients and
+    returns `recompute()` (forward and backward on the same batch, detached)."""
+    if not needs_closure(optimizer):
+        return None
+    first = [True]
+
+    def closure() -> torch.Tensor:
+        if first[0]:
+            first[0] = False
+            return loss
+        optimizer.zero_grad(set_to_none=True)
+        return recompute().detach()
+
+    return closure
+
+
 def optimizer_step(optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradScaler | None = None,
-                   clip_grad_norm: float | None = None,
-                   parameters: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
-    """Unscale, clip, step, update. Returns a 0-d tensor: 1 if the step was skipped, else 0."""
+                   clip_grad_norm: float | None = None, parameters: Iterable[torch.Tensor] | None = None,
+                   closure: Callable | None = None) -> torch.Tensor:
+    """Unscale, clip, step, update. Returns a 0-d tensor: 1 if the step was skipped, else 0. `closure`: for an
+    optimizer that needs one (`closure_for`)."""
     if clip_grad_norm is not None:
         params = list(parameters) if parameters is not None else [
             p for g in optimizer.param_groups for p in g["params"]]
@@ -95,11 +134,11 @@ def optimizer_step(optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradSc
             scaler.unscale_(optimizer)  # once, before clipping: clip the true gradient
         torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
     if scaler is None:
-        optimizer.step()
+        optimizer.step() if closure is None else optimizer.step(closure)
         return torch.zeros((), dtype=torch.int64)
     scale = getattr(scaler, "_scale", None)
     before = scale.clone() if isinstance(scale, torch.Tensor) else scaler.get_scale()
-    scaler.step(optimizer)
+    scaler.step(optimizer) if closure is None else scaler.step(optimizer, closure=closure)  # (torch refuses it)
     scaler.update()
     after = getattr(scaler, "_scale", None)
     if isinstance(after, torch.Tensor) and isinstance(before, torch.Tensor):

@@ -22,7 +22,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -67,25 +67,13 @@ from torchspeed.train.stateful import collect_state
 from torchspeed.train.schedule import steps_in_run
 from torchspeed.train.batch_ramp import join_ramp
 from torchspeed.train.segment import BestEpoch, group_settings, schedule_for_call
-from torchspeed.train.step import AccumulationWindow
+from torchspeed.train.result import FitResult
+from torchspeed.train.step import AccumulationWindow, closure_for
 from torchspeed.train.transfer import Prefetcher, batch_layout, to_device
 
-__all__ = ["Trainer", "FitResult"]
+__all__ = ["Trainer"]
 
 log = logging.getLogger("torchspeed")
-
-
-@dataclass
-class FitResult:
-    history: list[dict]
-    config: dict
-    decisions: Decisions
-    steps: int
-    skipped_steps: int
-
-    @property
-    def final(self) -> dict:
-        return self.history[-1] if self.history else {}
 
 
 class Trainer:
@@ -216,10 +204,7 @@ class Trainer:
         """One micro-batch: forward, backward, and an optimizer step every `grad_accum` calls."""
         cfg, win = self.config, self.window
         with win.sync(self.model):  # DDP: no gradient all-reduce on all but the last micro-batch (T19 + T31)
-            with self.precision.autocast():
-                out = forward_loss(self.compiler, batch, loss_fn=self.loss_fn, step_fn=self.step_fn,
-                                   decisions=self.decisions)  # records decisions["batch_contract"] once
-            self.precision.backward(out.loss, accum_steps=win.k)  # loss / k, scaled for fp16
+            out = self._forward_backward(batch)
         loss = out.loss.detach()
         metered = self.guard.observe(loss)
         if metered is not None:
@@ -227,8 +212,10 @@ class Trainer:
             self.meter.update(metered, n=out.n, correct=None if correct is None else correct[0],
                               counted=None if correct is None else correct[1])
         if win.advance():  # the window's last micro-batch: unscale, clip, step (skipped on NaN/inf)
+            closure = closure_for(self.optimizer, loss, lambda: self._forward_backward(batch).loss)  # LBFGS's
             self.guard.step(self.optimizer, lambda: self.precision.step(
-                self.optimizer, clip_grad_norm=cfg.clip_grad_norm, parameters=self.model.parameters()))
+                self.optimizer, clip_grad_norm=cfg.clip_grad_norm, parameters=self.model.parameters(),
+                closure=closure))
             zero_grad(self.optimizer, set_to_none=cfg.set_to_none)
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -240,6 +227,14 @@ class Trainer:
                 self.guard.check(where=f"step {self.step}, epoch {self.position.epoch + 1}",
                                  last_checkpoint=self.last_checkpoint)
         return loss
+
+    def _forward_backward(self, batch):
+        """Forward under autocast (records decisions["batch_contract"] once), backward of loss / k (fp16: scaled)."""
+        with self.precision.autocast():
+            out = forward_loss(self.compiler, batch, loss_fn=self.loss_fn, step_fn=self.step_fn,
+                               decisions=self.decisions)
+        self.precision.backward(out.loss, accum_steps=self.window.k)
+        return out
 
     def _reset_micro(self) -> None:
         """A failed step left partial gradients: drop them and restart the accumulation window."""

@@ -1,0 +1,52 @@
+"""The `model` a `step_fn(model, batch)` is given behaves as the user's own module: its methods (an LSTM language
+model's `init_hidden`), submodules and attributes are there, while calling it runs the module `fit` chose (eager or
+compiled). A hidden state carried between batches, as PyTorch's word-language-model example does, trains."""
+
+import torch
+from torch import nn
+
+import torchspeed
+from torchspeed.train.compile import CompileController
+
+
+class WordLM(nn.Module):
+    def __init__(self, vocab=30, width=16):
+        super().__init__()
+        self.encoder, self.rnn, self.decoder = nn.Embedding(vocab, width), nn.LSTM(width, width), nn.Linear(width, vocab)
+        self.width = width
+
+    def forward(self, tokens, hidden):
+        out, hidden = self.rnn(self.encoder(tokens), hidden)
+        return self.decoder(out).flatten(0, 1), hidden
+
+    def init_hidden(self, batch):
+        w = next(self.parameters())
+        return w.new_zeros(1, batch, self.width), w.new_zeros(1, batch, self.width)
+
+
+def test_the_controller_reads_through_to_the_users_module():
+    model = WordLM()
+    ctl = CompileController(model, False, device=torch.device("cpu"))
+    assert ctl.width == 16 and ctl.encoder is model.encoder and ctl.init_hidden(3)[0].shape == (1, 3, 16)
+    assert not hasattr(ctl, "no_such_attribute")
+
+
+def test_a_step_fn_that_carries_a_hidden_state_between_batches_trains():
+    torch.manual_seed(0)
+    stream = torch.arange(35 * 8 * 6).remainder(30).view(-1, 8)  # a (time, batch) token stream, periodic
+    batches = [(stream[i:i + 35], stream[i + 1:i + 36].flatten()) for i in range(0, len(stream) - 36, 35)]
+    state = {"hidden": None}
+
+    def step_fn(model, batch):
+        tokens, targets = batch
+        if state["hidden"] is None:
+            state["hidden"] = model.init_hidden(tokens.size(1))
+        logits, hidden = model(tokens, tuple(h.detach() for h in state["hidden"]))
+        state["hidden"] = hidden
+        return nn.functional.cross_entropy(logits, targets)
+
+    model = WordLM()
+    res = torchspeed.fit(model, batches, step_fn=step_fn, optimizer="adamw", lr=1e-2, epochs=6, progress=False,
+                         precision="fp32", compile=False)
+    assert res.steps == 6 * len(batches)
+    assert res.history[-1]["train_loss"] < 0.7 * res.history[0]["train_loss"]
