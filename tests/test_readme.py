@@ -5,6 +5,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 RESULTS_MD = (ROOT / "docs" / "results.md").read_text()
@@ -52,18 +54,31 @@ def test_every_doc_the_readme_points_at_exists():
         assert (ROOT / doc).exists(), doc
 
 
+def _check_suite_table(data: dict, text: str, kind: str, name: str) -> None:
+    header = text.split(f"<!-- {kind}-table: {name} -->")[1].strip().splitlines()[0]
+    assert [c.strip() for c in header.strip().strip("|").split("|")][1:] == data["rows"]
+    rows = _table(name, text, kind)
+    assert [r[0] for r in rows] == [*data["workloads"], "speed vs naive", "targets reached"]
+    for row in rows[:-2]:
+        for cell, row_name in zip(row[1:], data["rows"], strict=True):
+            secs = data["table"][row[0]][row_name]
+            assert cell == ("missed" if secs is None else f"{secs:.2f} s"), (row[0], row_name)
+    score, n = data["score"], len(data["workloads"])
+    assert rows[-2][1:] == [f"{score['geomean_vs_naive'][r]:.2f}x" for r in data["rows"]]
+    assert rows[-1][1:] == [f"{score['targets_reached'][r]}/{n}" for r in data["rows"]]
+
+
 def test_the_suite_table_is_the_suites_json():
     data = json.loads((RESULTS / "suite.json").read_text())
     prov = data["provenance"]
     assert prov["cpu"] in README and prov["cpu_flags"]["avx512_bf16"] and prov["torch"].split("+")[0] in README
-    header = README.split("<!-- readme-table: suite -->")[1].strip().splitlines()[0]
-    assert [c.strip() for c in header.strip().strip("|").split("|")][1:] == data["rows"]
-    rows = _table("suite")
-    assert [r[0] for r in rows] == [*data["workloads"], "speed vs naive", "targets reached"]
-    for row in rows[:-2]:
-        for cell, name in zip(row[1:], data["rows"], strict=True):
-            secs = data["table"][row[0]][name]
-            assert cell == ("missed" if secs is None else f"{secs:.2f} s"), (row[0], name)
-    score, n = data["score"], len(data["workloads"])
-    assert rows[-2][1:] == [f"{score['geomean_vs_naive'][r]:.2f}x" for r in data["rows"]]
-    assert rows[-1][1:] == [f"{score['targets_reached'][r]}/{n}" for r in data["rows"]]
+    _check_suite_table(data, README, "readme", "suite")
+
+
+@pytest.mark.parametrize("kind", ["cpu-amx"])
+def test_each_machines_suite_table_in_the_results_page_is_its_json(kind):
+    data = json.loads((RESULTS.parent / kind / "suite.json").read_text())
+    name = "suite_" + kind.removeprefix("cpu-").replace("-", "_")
+    _check_suite_table(data, RESULTS_MD, "results", name)
+    section = RESULTS_MD.split(f"<!-- results-table: {name} -->")[0].rsplit("\n## ", 1)[1]
+    assert data["provenance"]["commit"][:7] in section and data["provenance"]["time"][:10] in section
