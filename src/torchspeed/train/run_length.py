@@ -7,6 +7,12 @@ true count of batches as one pass. The progress bar and the compile and switch t
 micro-batches left: from the resumed (epoch, batch) to the end. `run_schedule` builds the
 schedule over a run's steps (Schedule-Free AdamW: none, its own warm-up instead).
 
+A loader without len() (a stream, an IterableDataset) has its run bounded by `max_steps`, and the
+schedule spans those steps, so the stream is read again, pass after pass, until they are taken, as
+Lightning's and Hugging Face's trainers do with `max_steps` (`RunLength.passes`). An iterator that
+can be read only once (a generator) and runs out first ends the run there, with a warning that says
+so (`ran_out`): its schedule was sized for steps it did not take.
+
 Example:
     >>> length = RunLength(epochs=5, steps_per_epoch=100, grad_accum=2)
     >>> length.schedule_span()                       # (batches per epoch, epochs) for setup_schedule
@@ -17,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from torchspeed.train.batch_ramp import BatchRamp
@@ -25,7 +32,7 @@ from torchspeed.train.decision import Decision
 from torchspeed.train.optim import is_schedule_free, set_schedule_free_warmup
 from torchspeed.train.schedule import create_scheduler, schedule_label
 
-__all__ = ["RunLength", "run_schedule"]
+__all__ = ["RunLength", "run_schedule", "ran_out"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,11 @@ class RunLength:
         """(batches per epoch, epochs) the LR schedule spans; a ramp's whole run counts as one pass."""
         return (self.ramp.batches_in(self.epochs), 1) if self.ramp else (self.steps_per_epoch, self.epochs)
 
+    def passes(self, max_steps: int | None) -> int:
+        """Passes over the loader: `epochs`; for a loader without len() bounded by `max_steps`, as many as those
+        steps take (the schedule spans them)."""
+        return self.epochs if self.steps_per_epoch is not None or not max_steps else sys.maxsize
+
     def micro_batches_left(self, total_steps: int | None, step: int) -> int | None:
         """Micro-batches from optimizer step `step` to `total_steps` (None: unknown)."""
         return None if total_steps is None else (total_steps - step) * self.grad_accum
@@ -52,6 +64,14 @@ class RunLength:
         if self.steps_per_epoch:
             return self.steps_per_epoch * (self.epochs - start_epoch) - start_batch
         return self.micro_batches_left(total_steps, step)
+
+
+def ran_out(step: int, max_steps: int | None) -> str:
+    """The warning for a loader without len() whose pass gave no batch before `max_steps` were taken."""
+    return (f"the training data ran out after {step} optimizer steps, before max_steps={max_steps}: a new pass over "
+            "the loader gave no batch (a generator or iterator is read once). The LR schedule was sized for "
+            f"{max_steps} steps; pass a loader that can be read again (a DataLoader, a list of batches), or "
+            f"max_steps={step}")
 
 
 def run_schedule(optimizer, config: TrainConfig, total: int | None) -> tuple[object | None, Decision | None]:

@@ -60,7 +60,7 @@ from torchspeed.train.precision import MixedPrecision, Precision
 from torchspeed.train.progress import TrainProgress, decisions_header
 from torchspeed.train.resume import resume_run, trainer_parts
 from torchspeed.train.rng import enable_determinism, seed_everything
-from torchspeed.train.run_length import RunLength, run_schedule
+from torchspeed.train.run_length import RunLength, ran_out, run_schedule
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
 from torchspeed.train.shard import shard_loader
 from torchspeed.train.stateful import collect_state
@@ -313,13 +313,17 @@ class Trainer:
         # on_train_start now, on_train_end("success" | "failed") when the loop ends (callbacks.py)
         with self.callbacks.running(self), TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total,
                                                          header=decisions_header(self.decisions)) as progress:
-            for epoch in range(start_epoch, epochs):
+            passes = length.passes(cfg.max_steps)  # a stream without len(): pass after pass up to max_steps
+            for epoch in range(start_epoch, passes):
                 if done or self.should_stop:
                     break
                 skip = start_batch if epoch == start_epoch else 0  # mid-epoch resume: batches already trained
                 done = self._train_epoch(train_loader, epoch, skip, progress)
+                if self._seen == 0 and steps_per_epoch is None:  # a pass with no batch: an iterator read once
+                    log.warning(ran_out(self.step, cfg.max_steps))
+                    break
                 row = self._epoch_row(epoch, val_loader, evaluate=self._eval.due(  # eval_every; the last always
-                    self.step, last=done or self.should_stop or epoch == epochs - 1))
+                    self.step, last=done or self.should_stop or epoch == passes - 1))
                 progress.epoch_done(row)
                 self.callbacks.on_evaluate(self, row)
                 self._end_epoch(row)
