@@ -81,7 +81,7 @@ def fit_plan(cap, obs: Observation, *, rounds: int = 5, caps=None, measure: Call
     if cap.model is None or cap.args is None:
         return {"error": "no model forward with a captured batch"}
     caps = caps or DeviceCaps.of(next(cap.model.parameters()).device)
-    can_fuse = fusable(cap.optimizer) and bool((obs.get("optimizer") or {}).get("fused_available"))
+    can_fuse = fusable(cap.optimizer, cap.model) and bool((obs.get("optimizer") or {}).get("fused_available"))
     grid = candidate_grid(caps=caps, has_conv=bool((obs.get("model") or {}).get("has_conv2d")),
                           fused=True if can_fuse else None)
     script = _script_switches(obs, caps, can_fuse)

@@ -87,8 +87,8 @@ def _thread_choices(loader, device: torch.device, caps: DeviceCaps) -> tuple[int
     return tuple(dict.fromkeys((caps.cores, max(1, caps.cores - workers))))
 
 
-def _current_fused(optimizer) -> bool | None:
-    return bool(optimizer.defaults.get("fused")) if fusable(optimizer) else None
+def _current_fused(optimizer, model) -> bool | None:
+    return bool(optimizer.defaults.get("fused")) if fusable(optimizer, model) else None
 
 
 def _as_decisions(sw: Switches, how: str, why: str, measured: dict | None, *, fixed: dict) -> dict[str, Decision]:
@@ -184,7 +184,7 @@ class SwitchStage:
         layout = self.t.channels_last if self.t.dist is not None else cfg.channels_last
         fused = cfg.fused_optimizer
         has_conv = has_conv2d(self.t.module)
-        cur_fused = _current_fused(self.t.optimizer)
+        cur_fused = _current_fused(self.t.optimizer, self.t.module)
         self._fixed = {"precision": None if precision == "auto" else "asked for",
                        "channels_last": None if layout == "auto" else (
                            "asked for" if has_conv or not layout else "asked for (no 2D convolutions to change)"),
@@ -364,7 +364,8 @@ class SwitchStage:
             self.t.module.to(memory_format=torch.channels_last if sw.channels_last else torch.contiguous_format)
             _state_follows_layout(self.t.optimizer)
         self.t.channels_last = sw.channels_last
-        if sw.fused is not None and fusable(self.t.optimizer) and bool(self.t.optimizer.defaults.get("fused")) != sw.fused:
+        if sw.fused is not None and fusable(self.t.optimizer, self.t.module) and \
+                bool(self.t.optimizer.defaults.get("fused")) != sw.fused:
             set_fused(self.t.optimizer, sw.fused)
             before = self.t.decisions.get("optimizer")  # the optimizer's choice (the plan's, or asked for) stands
             if before is None:
@@ -378,7 +379,7 @@ class SwitchStage:
             torch.set_num_threads(sw.threads)
 
     def current(self) -> Switches:  # in effect; saved in checkpoints: a resume runs what the run it continues ran
-        fused = bool(self.t.optimizer.defaults.get("fused")) if fusable(self.t.optimizer) else None
+        fused = _current_fused(self.t.optimizer, self.t.module)
         return Switches(self.t.precision.name, self.t.channels_last, fused, torch.get_num_threads() if self.t.dist is None
                         and self.t.device.type == "cpu" else None)
 

@@ -56,14 +56,17 @@ def schedule_free_available() -> bool:
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two groups: weights with decay, biases and 1-D (norm) parameters without.
 
-    The same groups, in the same order, as timm's `param_groups_weight_decay` (no decay first).
+    The same groups, in the same order, as timm's `param_groups_weight_decay` (no decay first). The weight of a
+    sparse embedding (`sparse=True`) is not decayed either: torch's optimizers cannot add a dense decay to a sparse
+    gradient (`add(sparse, dense) is not supported`).
     """
     if weight_decay == 0:
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    sparse = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.ndim <= 1 or name.endswith(".bias") else decay).append(p)
+            (no_decay if p.ndim <= 1 or name.endswith(".bias") or id(p) in sparse else decay).append(p)
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
 
 
@@ -80,6 +83,12 @@ def _device_of(params) -> torch.device:
         for p in g["params"]:
             return p.device
     return torch.device("cpu")
+
+
+def sparse_gradients(model: nn.Module) -> bool:
+    """Whether `model` makes sparse gradients (an `nn.Embedding` or `nn.EmbeddingBag` with `sparse=True`): torch's
+    fused SGD kernel refuses them (Adam's refuse them on every path), so such a model keeps the for-loop path."""
+    return any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse for m in model.modules())
 
 
 def create_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: float | None = 0.0,
@@ -99,6 +108,8 @@ def create_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: fl
         return info.build(model, fused=fused, **kw)
     groups = param_groups(model, weight_decay)
     cls = info.resolve()
+    if fused == "auto" and sparse_gradients(model):
+        fused = False  # the for-loop path: the one that takes sparse gradients, as a script's torch.optim.SGD does
     if info.fusable:
         return _fused_or_foreach(cls, groups, kw, fused, shards=info.fused_shards)
     return cls(groups, **kw)

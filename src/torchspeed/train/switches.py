@@ -51,6 +51,7 @@ from torch import nn
 
 from torchspeed.env import DeviceCaps
 from torchspeed.train.memory_format import has_conv2d
+from torchspeed.train.optim import sparse_gradients
 from torchspeed.train.optim_info import info_for
 from torchspeed.train.rounds import medians, turns
 
@@ -81,10 +82,12 @@ class Switches:
         return sum(getattr(self, k) != getattr(plain, k) for k in ("precision", "channels_last", "fused", "threads"))
 
 
-def fusable(optimizer: torch.optim.Optimizer | None) -> bool:
-    """True when `optimizer` has a fused kernel to switch: its row says torch has one (SGD, Adam, AdamW)."""
+def fusable(optimizer: torch.optim.Optimizer | None, model: nn.Module | None = None) -> bool:
+    """True when `optimizer` has a fused kernel to switch: its row says torch has one (SGD, Adam, AdamW), and
+    `model` (when given) makes no sparse gradients, which the fused kernels refuse (`optim.sparse_gradients`)."""
     info = info_for(optimizer)
-    return info is not None and info.fusable and "fused" in optimizer.defaults
+    return info is not None and info.fusable and "fused" in optimizer.defaults and \
+        (model is None or not sparse_gradients(model))
 
 
 def set_fused(optimizer: torch.optim.Optimizer, fused: bool) -> None:

@@ -170,7 +170,7 @@ class Trainer:
             optimizer.train()  # Schedule-Free steps only in train mode (evaluation switches and switches back)
         if "optimizer" not in self.decisions:  # else the plan chose it and its decision stands
             self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), "asked for" if not isinstance(
-                cfg.fused_optimizer, str) else "rule: fused kernel where torch has one")
+                cfg.fused_optimizer, str) else "rule: fused kernel where torch has one (not for sparse gradients)")
         if cfg.scale_lr_world_size and self.dist is not None:
             for g in optimizer.param_groups:  # before the schedule reads the lr as its peak
                 g["lr"] = scale_lr_world_size(g["lr"], world_size=self.dist.world_size)
