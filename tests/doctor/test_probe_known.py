@@ -176,3 +176,9 @@ def test_a_loop_that_updates_its_weights_by_hand_has_its_steps_counted_at_each_b
     assert obs["step_boundary"] == "backward" and obs["steps_observed"] == STEPS + WARMUP
     assert obs["syncs"]["calls_per_step"] == pytest.approx(2.0, abs=0.5)  # the two .item() reads a step
     assert obs["breakdown"]["compute_ms"] > 0  # the forward and backward fall inside the counted steps
+
+
+def test_a_script_that_spawns_its_training_processes_is_stopped_before_they_start_and_told_why():
+    r = _run("spawns.py")  # stopped (not "exited": the processes never ran)
+    assert r.observation["processes_spawned"] == 2 and r.observation["steps_observed"] == 0
+    assert any("torch.multiprocessing.spawn of train" in n and "train(0, 1)" in n for n in r.notes), r.notes

@@ -7,6 +7,8 @@ script inside one):
   `BaseException` stops the script (a script's `except Exception` cannot swallow it); a script
   that makes no torch optimizer and updates its weights by hand (`p.data.add_(p.grad, alpha=-lr)`,
   PyTorch's word-language-model example) has its steps bounded by `Tensor.backward` instead;
+- `torch.multiprocessing.start_processes` (`mp.spawn`): a script that trains in processes it starts
+  itself is stopped before they start (the probe sees one process);
 - global module forward hooks: which module is the model, its inputs, autocast and grad
   mode at each call, evaluation with gradients enabled, modules never called;
 - `Tensor.backward`, `Optimizer.zero_grad` / `Module.zero_grad` (set_to_none), DataLoader
@@ -23,6 +25,7 @@ do not. Every patch is undone on exit, whatever way the block ends.
 from __future__ import annotations
 
 import functools
+import importlib
 import resource
 import time
 from collections import defaultdict
@@ -59,6 +62,7 @@ class Probe:
         self.last_mark = time.perf_counter()
         self.step_opt = None  # the optimizer whose steps we count
         self.optimizers_made = 0  # none made: each backward ends a step (a loop that updates by hand)
+        self.spawned: tuple[int, str] | None = None  # (processes, function) the script spawned (mp.spawn)
         self.modules: dict[int, dict] = {}  # top-level modules with parameters, by id
         self.module_objs: dict[int, nn.Module] = {}
         self.called: set[int] = set()
@@ -148,8 +152,23 @@ class Probe:
         self._install_host_device_copies()
         self._install_sync_counters()
         self._patch(torch, "tensor", functools.partial(count_tensor_copies, self.copies))  # numpy copies
+        self._install_spawn()
         if torch.cuda.is_available():
             self._install_cuda_sync_warnings()
+
+    def _install_spawn(self) -> None:
+        """`torch.multiprocessing.start_processes` (what `mp.spawn` calls): the script would train in processes the
+        probe cannot see, out of its time limit; it is stopped there, before they start (the report says why)."""
+        probe = self
+
+        def wrap(orig):
+            @functools.wraps(orig)
+            def start_processes(fn, args=(), nprocs=1, *a, **k):
+                probe.spawned = (nprocs, getattr(fn, "__name__", "the function"))
+                raise StopScript()
+            return start_processes
+        self._patch(importlib.import_module("torch.multiprocessing.spawn"), "start_processes", wrap)
+        self._patch(torch.multiprocessing, "start_processes", wrap)
 
     def _install_step_and_forward_hooks(self) -> None:
         """Global optimizer step and module forward hooks: step boundaries, the model and its inputs."""

@@ -64,6 +64,14 @@ def summarize(probe, obs: dict) -> None:
     use, left_out = robust_steps(measured)
     obs["steps_observed"] = len(recs)
     obs["step_boundary"] = "backward" if probe.step_opt is None and recs else "optimizer"  # by hand: no optimizer
+    obs["processes_spawned"] = probe.spawned[0] if probe.spawned else 0
+    if probe.spawned:
+        n, fn = probe.spawned
+        obs["notes"].append(
+            f"the script starts {n} training processes itself (torch.multiprocessing.spawn of {fn}): the doctor "
+            "measures the process it runs, so it stopped the script there, before they started. To diagnose the "
+            f"training step, call {fn} in the script's own process with a world size of 1 (for {fn}(rank, "
+            f"world_size): {fn}(0, 1)), or give the script a switch that does")
     obs["steps_measured"] = len(measured)
 
     def m(key):

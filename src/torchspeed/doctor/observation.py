@@ -364,6 +364,7 @@ class Observation(TypedDict, total=False):
     warmup: int
     steps_observed: int
     step_boundary: str  # "optimizer": a step ends at optimizer.step; "backward": no torch optimizer, updates by hand
+    processes_spawned: int  # training processes the script started itself (mp.spawn): stopped before they start
     steps_measured: int
     env: Environment
     notes: list[str]
