@@ -282,3 +282,37 @@ def test_fused_optimizer_patch_on_a_gpt_script_that_fuses_only_on_cuda(tmp_path)
     assert run.status == "stopped", run.traceback
     assert run.observation["optimizer"]["fused"] is True
     assert "optimizer-kernel" not in run.rules
+
+
+WORD_LM = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    class RNNModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.decoder = nn.LSTM(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x, hidden):
+            out, hidden = self.rnn(x, hidden)
+            return self.decoder(out), hidden
+
+        def init_hidden(self, bsz):
+            w = next(self.parameters())
+            return w.new_zeros(1, bsz, 8), w.new_zeros(1, bsz, 8)
+
+    model = RNNModel()
+    hidden = model.init_hidden(2)
+    for i in range(3):
+        model.zero_grad()
+        output, hidden = model(torch.randn(5, 2, 8), tuple(h.detach() for h in hidden))
+        output.sum().backward()
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.1)
+''')
+
+
+def test_a_models_own_self_parameters_does_not_hide_the_model_from_the_autocast_patch():
+    out = apply_patch("autocast", WORD_LM, PatchContext(device="cpu"))  # it read `self` as a second model before
+    assert 'with torch.autocast("cpu", dtype=torch.bfloat16):\n        output, hidden = model(' in out
+    exec(compile(out, "word_lm_patched.py", "exec"), {})  # and the patched script runs

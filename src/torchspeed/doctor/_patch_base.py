@@ -90,14 +90,16 @@ def _set_kwargs(call, values: dict[str, str | None]):
 
 
 def model_names(source: str) -> set[str]:
-    """Names whose `.parameters()` the script passes to something (its optimizer): the model."""
+    """Names whose `.parameters()` the script passes to something (its optimizer): the model. `self` is not one:
+    a module's own method reading `self.parameters()` (an LSTM LM's `init_hidden`) names no script variable."""
     cst = _cst()
     names: set[str] = set()
 
     class Find(cst.CSTVisitor):
         def visit_Call(self, node):
             f = node.func
-            if isinstance(f, cst.Attribute) and f.attr.value == "parameters" and isinstance(f.value, cst.Name):
+            if isinstance(f, cst.Attribute) and f.attr.value == "parameters" and isinstance(f.value, cst.Name) \
+                    and f.value.value != "self":
                 names.add(f.value.value)
 
     cst.parse_module(source).visit(Find())

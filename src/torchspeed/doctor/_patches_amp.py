@@ -113,11 +113,10 @@ def _autocast(source: str, ctx: PatchContext) -> str:
     out = _retarget(source, ctx)
     try:
         return _wrap_model_calls(out, ctx)
-    except NotApplicable:
+    except NotApplicable as e:
         if out != source:
             return out  # the script's own autocast blocks now run on this device
-        raise NotApplicable("no autocast block to retarget, and no statement in a loop calls the model outside "
-                            "a `with` block") from None
+        raise NotApplicable(f"no autocast block to retarget, and {e}") from None
 
 
 @patch("fused_optimizer")
