@@ -9,6 +9,8 @@ label smoothing, T33 test-time augmentation); docs/techniques.md maps each to it
 
 from __future__ import annotations
 
+import numbers
+
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +73,15 @@ class TrainConfig:
     restore_best: bool | str = "auto"   # load the best epoch's weights at the end; "auto" = when validating
     max_nonfinite: int | None = 20      # stop after this many NaN/inf-loss steps in a row (each one is skipped)
     deterministic: bool = False         # deterministic kernels + seeded RNGs: bit-identical reruns (slower)
+
+    def __post_init__(self):
+        """The run's length, checked where it is given: a count that cannot be is a clear error, not a division
+        by zero in the plan."""
+        for name, low in (("epochs", 0), ("grad_accum", 1), ("max_steps", 1), ("log_every", 1)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low):
+                raise ValueError(f"{name} must be an int >= {low}" + (" (or None)" if name == "max_steps" else "")
+                                 + f", got {v!r}")
 
     @classmethod
     def naive(cls, **overrides) -> "TrainConfig":

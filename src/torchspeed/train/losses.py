@@ -36,11 +36,26 @@ class SequenceCrossEntropy(nn.CrossEntropyLoss):
                 "output per class"))
         try:
             return super().forward(input, target)
+        except IndexError as e:  # "Target 6 is out of bounds": name the classes the model has and the fix
+            raise IndexError(_class_range(input, target) or str(e)) from e
         except (RuntimeError, ValueError) as e:  # torch's words name neither shape: say which and the fix
             why = _shape_mismatch(input, target)
             if why is None:
                 raise
             raise ValueError(why) from e
+
+
+def _class_range(logits: torch.Tensor, target: torch.Tensor) -> str | None:
+    """Why class indices do not fit the logits' classes, with the fix; None where they do (another error)."""
+    if target.is_floating_point() or logits.dim() < 2 or target.numel() == 0:
+        return None
+    kept = target[target != IGNORE_INDEX]
+    lo, hi, n = (int(kept.min()), int(kept.max()), logits.shape[1]) if kept.numel() else (0, 0, logits.shape[1])
+    if 0 <= lo and hi < n:
+        return None
+    return (f"the default cross-entropy got class indices from {lo} to {hi}, but the model outputs {n} classes "
+            f"(logits of shape {tuple(logits.shape)}): give its last layer one output per class (at least {hi + 1}), "
+            "or map the labels to 0..classes-1 where the data is built (1-based labels: y - 1)")
 
 
 def _shape_mismatch(logits: torch.Tensor, target: torch.Tensor) -> str | None:
