@@ -62,7 +62,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """
     if weight_decay == 0:
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    sparse = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+    sparse = _sparse_weights(model)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -85,10 +85,15 @@ def _device_of(params) -> torch.device:
     return torch.device("cpu")
 
 
+def _sparse_weights(model: nn.Module) -> set[int]:
+    """The ids of the weights that get sparse gradients: those of `nn.Embedding` / `nn.EmbeddingBag(sparse=True)`."""
+    return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+
+
 def sparse_gradients(model: nn.Module) -> bool:
     """Whether `model` makes sparse gradients (an `nn.Embedding` or `nn.EmbeddingBag` with `sparse=True`): torch's
     fused SGD kernel refuses them (Adam's refuse them on every path), so such a model keeps the for-loop path."""
-    return any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse for m in model.modules())
+    return bool(_sparse_weights(model))
 
 
 def create_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: float | None = 0.0,
