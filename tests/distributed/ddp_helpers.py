@@ -157,7 +157,8 @@ def worker_epochs(rank: int, out: str) -> None:
     val = DataLoader(TensorDataset(x[:11], y[:11]), batch_size=4)  # 11: uneven shards on purpose
     trainer = Trainer(model, optimizer="sgd", lr=0.05, momentum=0.0, weight_decay=0.0, device="cpu",
                       config=plain_config(out_dir=f"{out}/out{rank}", checkpoint_dir=f"{out}/ckpt{rank}",
-                                          restore_best=False))  # the last epoch's weights, to evaluate below
+                                          restore_best=False,  # the last epoch's weights, to evaluate below
+                                          train_acc=True))  # the training accuracy too: reduced over the ranks
     result = trainer.fit(loader, epochs=2, val_loader=val)
     full_val = evaluate(trainer.module, val, device="cpu")  # this rank alone, on the whole val set
     per = len(seen) // 2

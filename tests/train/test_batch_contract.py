@@ -339,7 +339,7 @@ def test_binary_and_multi_label_losses_count_accuracy_per_element_and_regression
     y = (x[:, :1] > 0).float()  # a binary target, (B, 1), as BCEWithLogitsLoss takes it
     res = torchspeed.fit(nn.Linear(6, 1), DataLoader(TensorDataset(x, y), batch_size=16), epochs=8,
                          val_loader=DataLoader(TensorDataset(x, y), batch_size=32), loss_fn=nn.BCEWithLogitsLoss(),
-                         optimizer="adamw", lr=0.1, **FAST)
+                         optimizer="adamw", lr=0.1, train_acc=True, **FAST)
     assert res.final["val_acc"] is not None and res.final["val_acc"] > 0.85 and res.final["train_acc"] is not None
     reg = torchspeed.fit(nn.Linear(6, 1), DataLoader(TensorDataset(x, y), batch_size=16), epochs=1,
                          val_loader=DataLoader(TensorDataset(x, y), batch_size=32), loss_fn=nn.MSELoss(), **FAST)

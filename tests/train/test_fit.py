@@ -69,7 +69,9 @@ def _tiny(seed=0):
 
 
 def test_loss_read_only_every_log_every_steps(monkeypatch):
-    """The hot loop makes no per-step host sync: .item() only every log_every steps (T13)."""
+    """The hot loop makes no per-step host sync: .item() only every log_every steps (T13). On the CPU a read is not
+    a sync, and the guard and the meter read each step's loss as a float (cheaper than a kernel): the trainer here
+    reads as on an accelerator (`host_reads` False)."""
     calls = {"n": 0}
     real_item = torch.Tensor.item
 
@@ -81,12 +83,15 @@ def test_loss_read_only_every_log_every_steps(monkeypatch):
     loader = list(DataLoader(ds, batch_size=4))  # 16 steps; a list: DataLoader seeds its iterator with .item()
     t = Trainer(_tiny(), device="cpu", config=TrainConfig(precision="fp32", compile=False, progress=False,
                                                             schedule=None, log_every=8))
+    assert t.guard.host_reads and t.meter.host_reads
+    t.guard.host_reads = t.meter.host_reads = False
     it = t.batches(loader)
     monkeypatch.setattr(torch.Tensor, "item", counting_item)
     t.run_steps(it, 16)
     monkeypatch.undo()
     assert calls["n"] == 2
     naive = Trainer(_tiny(), device="cpu", config=TrainConfig.naive(progress=False, schedule=None))
+    naive.guard.host_reads = naive.meter.host_reads = False
     it = naive.batches(loader)
     monkeypatch.setattr(torch.Tensor, "item", counting_item)
     calls["n"] = 0

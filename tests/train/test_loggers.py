@@ -112,7 +112,7 @@ def test_what_is_logged_and_when():
     assert [s for s, _ in step_logs] == [5, 10, 15, 20]
     assert all(set(m) == {"loss", "lr"} and m["loss"] > 0 for _, m in step_logs)
     assert [s for s, _ in epoch_logs] == [12, 24]
-    assert epoch_logs[-1][1] == {k: float(v) for k, v in r.final.items() if k != "step"}
+    assert epoch_logs[-1][1] == {k: float(v) for k, v in r.final.items() if k != "step" and v is not None}
     assert lg.hparams[0]["config/epochs"] == 2 and lg.hparams[0]["config/log_every"] == 5
     assert lg.hparams[0]["decisions/precision"].startswith("fp32")
     assert all(isinstance(v, (bool, int, float, str)) for v in lg.hparams[0].values())

@@ -208,6 +208,30 @@ def test_a_callback_that_uses_the_step_event_gets_every_step():
     assert Count.steps == res.steps == 24
 
 
+def test_with_a_val_loader_the_train_step_counts_no_correct_predictions(monkeypatch):
+    """The per-step argmax, compare and sum are the accuracy a plain loop does not compute: with a validation loader
+    val_acc is the accuracy, and the loop leaves them out unless train_acc is asked for (metrics.train_accuracy)."""
+    from torchspeed.train.batch import StepOutput
+
+    counted = []
+    real = StepOutput.correct
+    monkeypatch.setattr(StepOutput, "correct", lambda self: counted.append(1) or real(self))
+    x, y = _data()
+    train, val = DataLoader(TensorDataset(x, y), batch_size=20), DataLoader(TensorDataset(x[:60], y[:60]), batch_size=30)
+    res = torchspeed.fit(_model(), train, epochs=1, lr=1e-2, val_loader=val, **_quiet())
+    assert res.final["train_acc"] is None and res.final["val_acc"] is not None
+    assert len(counted) == 2  # validation's two batches only
+    for kw in ({"train_acc": True}, {"best_metric": "train_acc"}, {"val_loader": None},
+               {"callbacks": [EarlyStopping("train_acc")]}):
+        counted.clear()
+        res = torchspeed.fit(_model(), train, epochs=1, lr=1e-2, **_quiet(**({"val_loader": val} | kw)))
+        assert res.final["train_acc"] is not None and len(counted) >= 12, kw  # the 12 steps counted
+    off = torchspeed.fit(_model(), train, epochs=1, lr=1e-2, train_acc=False, **_quiet())
+    assert off.final["train_acc"] is None
+    with pytest.raises(ValueError, match="train_acc must be"):
+        torchspeed.fit(_model(), train, epochs=1, lr=1e-2, train_acc="yes", **_quiet())
+
+
 # ------------------------------------------------------------------ a ported LR is the LR trained at
 
 def _doc_rule_rows():

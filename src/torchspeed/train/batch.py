@@ -39,8 +39,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -51,14 +49,13 @@ from torch import nn
 from torchspeed.train.compile import CompileController, CompileDecision
 from torchspeed.train.decision import Decision
 from torchspeed.train.losses import IGNORE_INDEX, SequenceCrossEntropy, default_loss
+from torchspeed.train.model_call import call_model, takes_target
 from torchspeed.train.wrappers import unwrap_model
 
 __all__ = ["StepOutput", "ModelOutput", "split_batch", "forward_loss", "batch_size", "count_correct",
-           "model_loss", "read_output", "call_model", "takes_target", "list_inputs", "shifts_labels", "first_samples",
-           "TARGET_KEYS", "TARGET_PARAMS", "AUX_WEIGHT"]
+           "model_loss", "read_output", "list_inputs", "shifts_labels", "first_samples", "TARGET_KEYS", "AUX_WEIGHT"]
 
 TARGET_KEYS = ("labels", "label", "target", "targets", "y")
-TARGET_PARAMS = ("targets", "target", "labels", "y")  # forward parameters that take the batch's target
 AUX_WEIGHT = 0.5  # the auxiliary head's share of a {"out", "aux"} loss (torchvision's segmentation recipe)
 
 
@@ -132,76 +129,6 @@ def list_inputs(inputs) -> bool:
     """True when an input is a list of tensors (e.g. variable-size images) rather than one batched tensor."""
     values = inputs.values() if isinstance(inputs, Mapping) else inputs
     return any(isinstance(v, (list, tuple)) and v and all(isinstance(e, torch.Tensor) for e in v) for v in values)
-
-
-Signature = tuple[bool, frozenset, tuple, frozenset]
-_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward function -> Signature
-_OUTER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the object called (a wrapper too) -> Signature
-
-
-def _signature(model: Callable) -> Signature:
-    """(takes **kwargs, parameter names, positional names, keyword-only names) of `model`'s forward, cached
-    per function (read once per model class, not every step) and per outer object (no unwrapping per step)."""
-    try:
-        return _OUTER[model]
-    except (KeyError, TypeError):
-        pass
-    sig = _inner_signature(model)
-    try:
-        _OUTER[model] = sig
-    except TypeError:
-        pass
-    return sig
-
-
-def _inner_signature(model: Callable) -> Signature:
-    inner = unwrap_model(model)  # the user's module inside the compile controller, DDP and torch.compile
-    fn = getattr(inner, "forward", inner)
-    key = getattr(fn, "__func__", fn)
-    try:
-        return _SIGNATURES[key]
-    except (KeyError, TypeError):  # TypeError: a callable that takes no weak reference (not cached)
-        pass
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        sig: Signature = (True, frozenset(), (), frozenset())
-    else:
-        positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-        sig = (any(p.kind is p.VAR_KEYWORD for p in params), frozenset(p.name for p in params), positional,
-               frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY))
-    try:
-        _SIGNATURES[key] = sig
-    except TypeError:
-        pass
-    return sig
-
-
-def _keyword_args(model: Callable, inputs: dict) -> dict:
-    """The dict entries `model`'s forward accepts (all of them if it takes **kwargs)."""
-    takes_all, names, _, _ = _signature(model)
-    return inputs if takes_all else {k: v for k, v in inputs.items() if k in names}
-
-
-def takes_target(model: Callable, n_inputs: int) -> str | None:
-    """The name of `model`'s target parameter when it is the positional one right after `n_inputs` inputs
-    (`forward(idx, targets=None)`, `forward(images, targets)`) or keyword-only; else None."""
-    _, _, positional, keyword_only = _signature(model)
-    if len(positional) > n_inputs and positional[n_inputs] in TARGET_PARAMS:
-        return positional[n_inputs]
-    return next((k for k in TARGET_PARAMS if k in keyword_only), None)
-
-
-def call_model(model: Callable, inputs: tuple | dict, target=None, target_param: str | None = None):
-    """`model(**inputs)` for a dict, else `model(*inputs)`; with `target_param`, the target passed too."""
-    if isinstance(inputs, dict):
-        return model(**_keyword_args(model, inputs))
-    if target_param is None:
-        return model(*inputs)
-    _, _, positional, _ = _signature(model)
-    if len(positional) > len(inputs) and positional[len(inputs)] == target_param:
-        return model(*inputs, target)
-    return model(*inputs, **{target_param: target})
 
 
 @dataclass
@@ -366,21 +293,29 @@ def _eval_hint(model) -> str:
             "score them with step_fn(model, batch) or your own metric, or leave val_loader out")
 
 
+_NOT_RUN = object()  # forward_loss's `out`: the model has not run on the batch yet
+
+
 def forward_loss(model: Callable, batch, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
-                 decisions: dict | None = None) -> StepOutput:
+                 decisions: dict | None = None, out=_NOT_RUN) -> StepOutput:
     """Run `model` on `batch` by the contract above; return the loss, logits and target.
 
-    `decisions`: a dict (the trainer's) that gets `"batch_contract"`, how the model was read, once."""
+    `decisions`: a dict (the trainer's) that gets `"batch_contract"`, how the model was read, once. `out`: the
+    model's output on `batch` where it has already run."""
     if step_fn is not None:
         res, why = _from_step_fn(model, batch, step_fn)
         _record(decisions, "step_fn", why)
         return res
+    if out is _NOT_RUN and loss_fn is not None and (decisions is None or "batch_contract" in decisions):
+        fast = _logits_step(model, batch, loss_fn, decisions)  # the contract is read: the common case first
+        if fast is not None:
+            return fast
     inputs, target = split_batch(batch)
     param = takes_target(model, len(inputs)) if target is not None and not isinstance(inputs, dict) else None
     if isinstance(model, CompileController) and model.undecided and list_inputs(inputs):
         _no_compile_trial(model)
     try:
-        out = call_model(model, inputs, target, param)
+        out = call_model(model, inputs, target, param) if out is _NOT_RUN else out
         o = read_output(out)
         if o.loss is not None and _extra_scalar(o, loss_fn, param):  # the user's loss_fn scores the logits
             o = ModelOutput(None, o.logits, form=o.form)
@@ -411,6 +346,22 @@ def forward_loss(model: Callable, batch, *, loss_fn: Callable | None = None, ste
         _record(decisions, _call_text(inputs, param), how, lists=list_inputs(inputs), parts=o.parts)
     return StepOutput(loss, logits, scored, batch_size(batch), o.parts, own_loss=o.loss is not None,
                       binary=None if o.loss is not None else _binary(loss_fn))
+
+
+def _logits_step(model: Callable, batch, loss_fn: Callable, decisions: dict | None) -> StepOutput | None:
+    """The common case in fewer steps, once the contract is read (what the general path computes for it): an
+    `(x, y)` batch of tensors, a model that does not take the target and returns logits. None: another batch,
+    for the general path; a model that returned another form is read by the general path from its output."""
+    if type(batch) not in (list, tuple) or len(batch) != 2:
+        return None
+    x, target = batch
+    if type(x) is not torch.Tensor or type(target) is not torch.Tensor or not x.dim() or \
+            takes_target(model, 1) is not None:
+        return None
+    out = model(x)
+    if type(out) is not torch.Tensor or not out.dim():
+        return forward_loss(model, batch, loss_fn=loss_fn, decisions=decisions, out=out)
+    return StepOutput(loss_fn(out, target), out, target, x.shape[0], binary=_binary(loss_fn))
 
 
 def shifts_labels(model: Callable) -> bool:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from torchspeed.train.callbacks import Callback
+from torchspeed.train.model_call import call_model
 
 __all__ = ["batchnorm_layers", "recalibrate_bn", "FinalBatchNormStats", "tail_steps"]
 
@@ -60,7 +61,7 @@ def recalibrate_bn(model: nn.Module, batches: Iterable, *, device: torch.device 
     each batch's statistics) and back in its previous mode after; no gradient is kept and no
     weight changes. Batches follow `torchspeed.train.batch` (tuples, dicts, or `step_fn`).
     """
-    from torchspeed.train.batch import call_model, split_batch
+    from torchspeed.train.batch import split_batch
     from torchspeed.train.transfer import to_device
 
     layers = batchnorm_layers(model)

@@ -51,6 +51,8 @@ class TrainConfig:
     eval_every: int | str | None = None  # validation: None = every epoch; N = at the first epoch end N optimizer
                                         # steps after the last one; "30s" = after 30 s of training; the last epoch
                                         # always evaluates (docs/train.md: when it pays)
+    train_acc: bool | str = "auto"      # the epoch row's train_acc: "auto" = counted only without a val_loader
+                                        # (metrics.train_accuracy: val_acc is the accuracy then); True / False
     tta: str | None = None              # T33: None | "flip"
     tta_scales: tuple[float, ...] = ()
     progress: bool = True
@@ -104,6 +106,8 @@ def check_reliability_options(cfg: TrainConfig) -> None:
     if cfg.max_nonfinite is not None and cfg.max_nonfinite < 1:
         raise ValueError(f"max_nonfinite must be >= 1 (or None to switch the check off), got {cfg.max_nonfinite}")
     parse_eval_every(cfg.eval_every)
+    if cfg.train_acc not in (True, False, "auto"):
+        raise ValueError(f"train_acc must be 'auto', True or False, got {cfg.train_acc!r}")
     if cfg.schedule_interval not in ("epoch", "step"):
         raise ValueError(f"schedule_interval must be 'epoch' or 'step' (when your own scheduler steps), "
                          f"got {cfg.schedule_interval!r}")

@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
@@ -148,20 +149,24 @@ class NonFiniteGuard:
         self.bad_run = torch.zeros((), dtype=torch.int64, device=device)  # skipped steps in a row
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # skipped steps in total
         self._host_run = 0  # "host" mode: the run of skips, known on the host (no kernel on a good step)
+        self.host_reads = device.type == "cpu"  # a tensor's value is read without a sync (the CPU): a float read
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> str:  # read a few times a step: the cheap tests first
         if self.limit is None:
             return "off"
         if self.precision_skips:
             return "scaler"
-        return "device" if supports_device_skip(self.optimizer, self.device) else "host"
+        return "host" if self.device.type != "cuda" else (
+            "device" if supports_device_skip(self.optimizer, self.device) else "host")
 
     def observe(self, loss: torch.Tensor) -> torch.Tensor | None:
         """A micro-batch's detached loss: the value to add to the metrics, or None to leave it out."""
         mode = self.mode
         if mode == "host":
-            bad = not bool(torch.isfinite(loss))  # a host read: free on CPU, one sync on CUDA (unfused)
+            # a host read: free on CPU (a float read, not a kernel), one sync on CUDA (unfused)
+            bad = not (math.isfinite(loss.item()) if self.host_reads and loss.numel() == 1 else
+                       bool(torch.isfinite(loss).all()))
             self._window_bad = self._window_bad or bad
             return None if bad else loss
         if mode == "device":
@@ -211,7 +216,10 @@ class NonFiniteGuard:
 
     def due(self, step: int, log_every: int) -> bool:
         """Whether to read the run counter now: every step where that is free, else at the log sync."""
-        return self.mode != "off" and (self.device.type != "cuda" or self.mode == "host" or step % log_every == 0)
+        mode = self.mode
+        if mode == "host":  # the run of skips is a host count: read it when there is one
+            return self._host_run > 0
+        return mode != "off" and (self.device.type != "cuda" or step % log_every == 0)
 
     def check(self, *, where: str, last_checkpoint=None) -> None:
         run = self._host_run if self.mode == "host" else int(self.bad_run)

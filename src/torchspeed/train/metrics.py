@@ -24,7 +24,7 @@ import torch
 
 from torchspeed._io import atomic_write_text, write_json
 
-__all__ = ["DeviceMeter", "write_metrics", "jsonable"]
+__all__ = ["DeviceMeter", "write_metrics", "jsonable", "train_accuracy"]
 
 
 class DeviceMeter:
@@ -32,28 +32,39 @@ class DeviceMeter:
 
     `correct` / `counted` are device tensors: for classification `counted` is the batch size
     (the default), per token for sequences (padding left out). A batch without `correct`
-    (regression, a model that returns only its loss) adds to the loss alone.
+    (regression, a model that returns only its loss) adds to the loss alone. On the CPU the sums are host
+    floats: reading a CPU tensor is not a sync, and a float add costs less than a kernel launch.
     """
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, *, accuracy: bool = True):
         self.device = torch.device(device)
+        self.host_reads = self.device.type == "cpu"  # a tensor's value is read without a sync: sums on the host
+        self.accuracy = accuracy  # False: the loop leaves the per-step correct count out (see train_accuracy)
         self.reset()
 
     def reset(self) -> None:
         self._loss = torch.zeros((), device=self.device, dtype=torch.float64)
         self._correct = torch.zeros((), device=self.device, dtype=torch.float64)
         self._counted = torch.zeros((), device=self.device, dtype=torch.float64)
+        self._loss_host = self._correct_host = 0.0  # the sums read on the host (`host_reads`)
         self._counted_host = 0.0  # counts known on the host (one target per sample): no kernel per step
         self._n = 0
         self._has_acc = False
 
     def update(self, loss: torch.Tensor, *, n: int, correct: torch.Tensor | None = None,
                counted: torch.Tensor | int | None = None) -> None:
-        # No .item() here: the adds are queued on the device like any other kernel (one per sum, in float64).
-        self._loss.add_(loss.detach(), alpha=n)
+        # No .item() on an accelerator: the adds are queued on the device like any other kernel (in float64).
+        host = self.host_reads and loss.numel() == 1
+        if host:
+            self._loss_host += loss.item() * n
+        else:
+            self._loss.add_(loss.detach(), alpha=n)
         self._n += n
         if correct is not None:
-            self._correct.add_(correct.detach())
+            if host and correct.numel() == 1:
+                self._correct_host += correct.item()
+            else:
+                self._correct.add_(correct.detach())
             if isinstance(counted, torch.Tensor):
                 self._counted.add_(counted.detach())
             else:
@@ -68,22 +79,35 @@ class DeviceMeter:
         """Read the means (one host-device sync)."""
         if self._n == 0:
             return {"loss": float("nan"), "acc": None, "samples": 0}
-        loss = self._loss.item() / self._n
+        loss = (self._loss.item() + self._loss_host) / self._n
         counted = self._counted.item() + self._counted_host if self._has_acc else 0.0
-        acc = self._correct.item() / counted if counted else None
+        acc = (self._correct.item() + self._correct_host) / counted if counted else None
         return {"loss": loss, "acc": acc, "samples": self._n}
 
     def state_dict(self) -> dict:
         """The running sums, on the CPU (for checkpoints: a resumed epoch continues its averages)."""
-        return {"loss": self._loss.cpu(), "correct": self._correct.cpu(),
+        return {"loss": self._loss.cpu() + self._loss_host, "correct": self._correct.cpu() + self._correct_host,
                 "counted": self._counted.cpu() + self._counted_host, "n": self._n, "has_acc": self._has_acc}
 
     def load_state_dict(self, state: dict) -> None:
         self._loss.copy_(state["loss"])
         self._correct.copy_(state["correct"])
         self._counted.copy_(state["counted"])
-        self._counted_host = 0.0
+        self._loss_host = self._correct_host = self._counted_host = 0.0
         self._n, self._has_acc = int(state["n"]), bool(state["has_acc"])
+
+
+def train_accuracy(setting: bool | str, *, val_loader, best_metric: str | None, callbacks) -> bool:
+    """Whether the training loop counts correct predictions each step (the epoch row's `train_acc`).
+
+    "auto": only when the run has no validation loader, or `best_metric` or a callback's `metric` reads
+    `train_acc`. With a validation loader `val_acc` is the accuracy, as fastai, timm's train script and Hugging
+    Face's Trainer report it: the per-step argmax, compare and sum (three kernels a step, a few percent of a
+    small model's step) are left out and `train_acc` is None. True / False: always / never."""
+    if setting != "auto":
+        return bool(setting)
+    wanted = best_metric == "train_acc" or any(getattr(cb, "metric", None) == "train_acc" for cb in callbacks)
+    return val_loader is None or wanted
 
 
 def jsonable(d: dict) -> dict:

@@ -33,6 +33,10 @@ import torch
 __all__ = ["backward", "optimizer_step", "AccumulationWindow", "needs_closure", "closure_for"]
 
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: the window's context when there is nothing to skip
+_NOT_SKIPPED = torch.zeros((), dtype=torch.int64)  # read-only: optimizer_step's "not skipped" (no tensor made per step)
+
+
 class AccumulationWindow:
     """The gradient-accumulation window (T19, with T31): `k` micro-batches make one optimizer step.
 
@@ -65,7 +69,7 @@ class AccumulationWindow:
 
     def sync(self, model):
         """DDP's `no_sync()` on all but the last micro-batch; nothing to do otherwise."""
-        return model.no_sync() if not self.last and hasattr(model, "no_sync") else contextlib.nullcontext()
+        return model.no_sync() if not self.last and hasattr(model, "no_sync") else _NO_CONTEXT
 
     def advance(self) -> bool:
         """Count a micro-batch; True when it closed the window (time for the optimizer step)."""
@@ -135,7 +139,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradSc
         torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
     if scaler is None:
         optimizer.step() if closure is None else optimizer.step(closure)
-        return torch.zeros((), dtype=torch.int64)
+        return _NOT_SKIPPED
     scale = getattr(scaler, "_scale", None)
     before = scale.clone() if isinstance(scale, torch.Tensor) else scaler.get_scale()
     scaler.step(optimizer) if closure is None else scaler.step(optimizer, closure=closure)  # (torch refuses it)

@@ -49,7 +49,7 @@ from torchspeed.train.in_memory import InMemory
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
 from torchspeed.train.loggers import LoggerCallback
 from torchspeed.train.memory_format import apply_channels_last
-from torchspeed.train.metrics import DeviceMeter, jsonable, write_metrics
+from torchspeed.train.metrics import DeviceMeter, jsonable, train_accuracy, write_metrics
 from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
 from torchspeed.train.decision import Decision, Decisions
 from torchspeed.train.bnstats import batchnorm_layers
@@ -208,7 +208,7 @@ class Trainer:
         loss = out.loss.detach()
         metered = self.guard.observe(loss)
         if metered is not None:
-            correct = out.correct()
+            correct = out.correct() if self.meter.accuracy else None  # train_acc: see metrics.train_accuracy
             self.meter.update(metered, n=out.n, correct=None if correct is None else correct[0],
                               counted=None if correct is None else correct[1])
         if win.advance():  # the window's last micro-batch: unscale, clip, step (skipped on NaN/inf)
@@ -310,6 +310,8 @@ class Trainer:
         self._eval = EvalClock(parse_eval_every(cfg.eval_every), step=self.step)
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
         self.best.active = cfg.restore_best is True or (cfg.restore_best == "auto" and val_loader is not None)
+        self.meter.accuracy = train_accuracy(cfg.train_acc, val_loader=val_loader, best_metric=cfg.best_metric,
+                                             callbacks=self.callbacks)
         # on_train_start now, on_train_end("success" | "failed") when the loop ends (callbacks.py)
         with self.callbacks.running(self), TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total,
                                                          header=decisions_header(self.decisions)) as progress:

@@ -51,6 +51,13 @@ def to_device(batch, device: torch.device, *, non_blocking: bool = True, channel
     return map_tensors(batch, move)
 
 
+def _all_on(batch, device: torch.device) -> bool:
+    """Whether every tensor in `batch` is on `device`."""
+    found = []
+    map_tensors(batch, lambda t: found.append(t.device == device))
+    return all(found)
+
+
 def batch_layout(batch, channels_last: bool):
     """The 4D float tensors of a device batch in the given memory layout, either way (a switch-trial candidate's,
     or the layout the trial chose); a tensor already in it is returned as is."""
@@ -87,8 +94,13 @@ class Prefetcher:
 
     def __iter__(self) -> Iterator:
         if self.mode == "passthrough":
+            # On the CPU a batch whose tensors are all there already stays as it is: `.to("cpu")` of each would
+            # return it unchanged. Read from the first batch (a loader keeps its tensors' device from batch to batch).
+            stays = None
             for batch in self.loader:
-                yield self._move(batch)
+                if stays is None:
+                    stays = self.device.type == "cpu" and _all_on(batch, self.device)
+                yield batch if stays and not self.channels_last else self._move(batch)
             return
         stream = torch.cuda.Stream(device=self.device)
         it = iter(self.loader)
