@@ -6,6 +6,7 @@ here depends on this machine's CPU, its load or the wall clock.
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
@@ -346,6 +347,30 @@ def test_the_trial_leaves_rng_and_data_order_as_without_it(tiny_cnn):
     assert torch.equal(seen[True][1], seen[False][1]) and torch.equal(seen[True][2], seen[False][2])
 
 
+def test_a_trial_that_keeps_fp32_trains_the_run_the_fp32_loop_trains():
+    """A candidate in another precision is timed apart (its forward and backward, then the RNG, BatchNorm's
+    statistics and the gradients put back) and the batch trains in fp32: a run that keeps fp32 ends with the weights,
+    running statistics and RNG of the run with no trial, to the last bit (dropout and BatchNorm included)."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(640, 8, generator=g), torch.randint(0, 4, (640,), generator=g)
+    out = {}
+    for trial in (True, False):
+        cfg = {"trial": True} if trial else {"trial": False, "precision": "fp32"}
+        t = _trainer(model(), BF16_CPU, seconds={"fp32": 1.0, "bf16": 1.3} if trial else None, **cfg)
+        torch.manual_seed(3)
+        res = t.fit(DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
+        out[trial] = (t.module.state_dict(), torch.get_rng_state(), res)
+    assert out[True][2].decisions["precision"].value == "fp32" and out[True][2].steps == out[False][2].steps == 40
+    for k, v in out[False][0].items():
+        assert torch.equal(out[True][0][k], v), k
+    assert torch.equal(out[True][1], out[False][1])
+    assert out[True][2].decisions["switch_trial"].measured["shadow_steps"] >= 4  # bf16's turns, timed apart
+
+
 def test_real_measurement_and_the_second_fit_measures_zero_steps(tiny_cnn, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
     kw = dict(epochs=1, trial=True, progress=False, compile=False, lr=0.05)
@@ -450,13 +475,13 @@ def test_decisions_are_decision_objects_and_json_ready(tiny_cnn, tmp_path):
 def test_a_candidate_that_cannot_run_is_out_of_the_race(tiny_cnn, monkeypatch):
     from torchspeed.train.trainer import Trainer
 
-    real = Trainer.train_step
+    real = Trainer._forward_backward
 
-    def step(self, batch):
+    def forward_backward(self, batch):  # an operator the model uses has no bf16 kernel: its forward fails
         if self.precision.name == "bf16":
             raise RuntimeError("bf16 is not supported by this operator")
         return real(self, batch)
-    monkeypatch.setattr(Trainer, "train_step", step)
+    monkeypatch.setattr(Trainer, "_forward_backward", forward_backward)
     t = _trainer(tiny_cnn(), BF16_CPU, seconds={"fp32": 1.0, "fp32+channels_last": 0.9, "bf16": 0.5,
                                                 "bf16+channels_last": 0.4})
     res = t.fit(_loader(n=320))

@@ -6,7 +6,9 @@ nothing is left to choose (or `trial=False`, or a deterministic run), else a `Li
 for the run's first steps. At the first step the trial cache is read (this model, input
 shape, machine, kernels and torch version measured before: 0 steps measured); on a miss the
 candidates take turns on the real model and optimizer, each step a step of the run, until the
-trial decides and the winner stays in effect. Under DDP every rank runs the same schedule and
+trial decides and the winner stays in effect. A candidate in another precision than the plain
+settings' is timed apart (`_shadow_step`): the run's numerics are the plain settings' until the
+trial decides, so a run that keeps fp32 is the plain fp32 run to the last bit. Under DDP every rank runs the same schedule and
 applies rank 0's choice (`broadcast`); the memory layout stays (the gradient buckets were laid
 out for it). The user's RNG and the loader's data order are untouched: nothing is read from
 the loader that the run does not train on.
@@ -22,9 +24,11 @@ import logging
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from torchspeed.env import DeviceCaps, detect, sync
 from torchspeed.train.backends import no_autotune
@@ -306,9 +310,10 @@ class SwitchStage:
         # cheaper optimizer step is a few percent of a whole step, under a whole step's noise
         clock = _OptimizerClock(self.t.optimizer, self.t.device) if (
             trial.stage == "optimizer kernel" and self.t.config.grad_accum == 1) else None
+        shadow = self._shadows(cand)
         t0 = time.perf_counter()
         try:
-            run_step(batch)
+            shadow_s = self._shadow_step(batch, run_step, cand) if shadow else run_step(batch)
         except Exception as e:
             if is_out_of_memory(e) or cand == trial.grid[0]:
                 raise
@@ -318,7 +323,7 @@ class SwitchStage:
             run_step(batch_layout(batch, trial.grid[0].channels_last))
         else:
             sync(self.t.device)
-            sec = time.perf_counter() - t0
+            sec = shadow_s if shadow else time.perf_counter() - t0
             alone = clock.seconds if clock is not None else None
             sec = alone if alone is not None else sec
             trial.record(self.measure_fn(cand, sec) if self.measure_fn else sec,
@@ -328,6 +333,54 @@ class SwitchStage:
                 clock.remove()
         if trial.done:
             self.finish()
+
+    def _shadows(self, cand: Switches) -> bool:
+        """Whether `cand` is timed apart from the run's numerics (`_shadow_step`): a candidate precision other than
+        the plain settings', in the first stage, on one process with no accumulation window open across steps."""
+        trial = self.live
+        return (trial.stage == "precision x layout" and cand.precision != trial.grid[0].precision
+                and self.t.config.grad_accum == 1 and self.t.dist is None)
+
+    def _shadow_step(self, batch, run_step, cand: Switches) -> float:
+        """`cand`'s step time, with the batch trained in the plain settings' precision: the candidate's forward and
+        backward on `batch` timed, then the RNG, BatchNorm's running statistics and the gradients put back as they
+        were, and the batch trained in the plain precision (the candidate's layout and kernel). So the run's numerics
+        stay the plain settings' until the trial decides: a run that keeps fp32 is the run the script's own fp32 loop
+        makes. Returns the trained step's seconds with its forward and backward swapped for the candidate's (the
+        optimizer step, the guard and the meter as every candidate pays them); the trained forward and backward (the
+        price of keeping the numerics) is added to the trial's cost."""
+        t = self.t
+        stats = [(b, b.clone()) for m in t.module.modules() if isinstance(m, _BatchNorm) for b in m.buffers()]
+        with torch.random.fork_rng(devices=[t.device] if t.device.type == "cuda" else [],
+                                   device_type=t.device.type):
+            t0 = time.perf_counter()
+            t._forward_backward(batch)
+            sync(t.device)
+            timed = time.perf_counter() - t0
+        for b, saved in stats:
+            b.copy_(saved)
+        t.optimizer.zero_grad(set_to_none=True)
+        self.apply(replace(cand, precision=self.live.grid[0].precision))
+        trained_fb, forward_backward = [0.0], t._forward_backward
+
+        def clocked(b):  # the trained step's own forward and backward, to swap for the candidate's
+            t2 = time.perf_counter()
+            out = forward_backward(b)
+            sync(t.device)
+            trained_fb[0] += time.perf_counter() - t2
+            return out
+
+        t._forward_backward = clocked  # this step only (an instance attribute over the method)
+        t1 = time.perf_counter()
+        try:
+            run_step(batch)
+            sync(t.device)
+        finally:
+            del t._forward_backward
+        whole = time.perf_counter() - t1
+        self.live.add_extra(trained_fb[0])
+        self.live.report["shadow_steps"] = self.live.report.get("shadow_steps", 0) + 1
+        return whole - trained_fb[0] + timed  # the step as the candidate's: its forward and backward, the rest as run
 
     def finish(self) -> None:
         """Decide on what the trial measured (all of it, or what a run that ended early allowed), apply, cache."""
@@ -348,7 +401,9 @@ class SwitchStage:
                 and not report.get("stopped")):  # a trial the run could not afford measured nothing to keep
             TrialCache().put(self._trial_meta["key"], report)
         self._settle(sw, "measured", _summary(report), report, Decision(
-            "measured", f"{report['steps']} of the run's own steps, each trained; measuring cost "
+            "measured", f"{report['steps']} of the run's own steps, each trained (in the plain settings' precision "
+                        f"while the trial ran: {report.get('shadow_steps', 0)} other-precision steps timed apart); "
+                        f"measuring cost "
                         f"{report['extra_s']:.2f} s over the winner{self._trial_meta['short']}", report))
         if self.t.total_steps is not None:  # the compile trial starts from the winner's eager steps
             self.t.compiler.after_switch_trial(trial.winner_times(),

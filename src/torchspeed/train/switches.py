@@ -167,7 +167,8 @@ class LiveTrial:
     the machine hits every candidate alike). Stage 2 (`fused_choice`): the winner's optimizer
     kernel against the other one; stage 3 (`thread_choices`): intra-op thread counts on the
     winner. `losses` (precision -> loss at the same weights on the same batch, measured before
-    the first step) feed the numerics guard. Every step trains: nothing is thrown away.
+    the first step) feed the numerics guard. Every step trains: nothing is thrown away (a candidate in another
+    precision is timed apart and its batch trained in the plain precision: `autoswitch.SwitchStage._shadow_step`).
     """
 
     def __init__(self, grid: list[Switches], *, fused_choice: bool = False, thread_choices: tuple[int, ...] = (),
@@ -362,6 +363,10 @@ class LiveTrial:
     def winner_times(self) -> list[float]:
         """The timed steps of the chosen settings (eager seconds per step: what a compile trial compares against)."""
         return list(self._seen.get(self.best, []))
+
+    def add_extra(self, seconds: float) -> None:
+        """Seconds the run spent measuring beyond the steps recorded (a step timed apart: autoswitch)."""
+        self._extra += seconds
 
     def extra_seconds(self) -> float:
         """What measuring cost: the trial's steps, warm-up steps included, above their stage winner's median
