@@ -38,9 +38,11 @@ def test_the_time_to_target_table_is_the_results_json():
         assert row[5] == f"{data['ratios']['auto_vs_naive']:.2f}x" and row[6] == f"{data['ratios']['auto_vs_all']:.2f}x"
 
 
-def test_the_plain_loop_table_is_the_results_json():
-    data = json.loads((RESULTS / "plain_loop.json").read_text())["workloads"]
-    rows = _table("plain_loop", RESULTS_MD, "results")
+@pytest.mark.parametrize("kind", ["cpu-avx512-bf16", "cpu-amx"])
+def test_the_plain_loop_table_is_the_results_json(kind):
+    data = json.loads((RESULTS.parent / kind / "plain_loop.json").read_text())["workloads"]
+    name = "plain_loop" if kind == RESULTS.name else "plain_loop_" + kind.removeprefix("cpu-").replace("-", "_")
+    rows = _table(name, RESULTS_MD, "results")
     assert [r[0] for r in rows] == list(data)
     for model, step, vs_plain, vs_loader in rows:
         w = data[model]
