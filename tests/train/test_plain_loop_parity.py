@@ -217,7 +217,8 @@ def test_with_a_val_loader_the_train_step_counts_no_correct_predictions(monkeypa
     real = StepOutput.correct
     monkeypatch.setattr(StepOutput, "correct", lambda self: counted.append(1) or real(self))
     x, y = _data()
-    train, val = DataLoader(TensorDataset(x, y), batch_size=20), DataLoader(TensorDataset(x[:60], y[:60]), batch_size=30)
+    train = DataLoader(TensorDataset(x, y), batch_size=20)
+    val = DataLoader(TensorDataset(x[:60], y[:60]), batch_size=30)
     res = torchspeed.fit(_model(), train, epochs=1, lr=1e-2, val_loader=val, **_quiet())
     assert res.final["train_acc"] is None and res.final["val_acc"] is not None
     assert len(counted) == 2  # validation's two batches only

@@ -350,10 +350,11 @@ def test_the_trial_leaves_rng_and_data_order_as_without_it(tiny_cnn):
 def test_a_trial_that_keeps_fp32_trains_the_run_the_fp32_loop_trains():
     """A candidate in another precision is timed apart (its forward and backward, then the RNG, BatchNorm's
     statistics and the gradients put back) and the batch trains in fp32: a run that keeps fp32 ends with the weights,
-    running statistics and RNG of the run with no trial, to the last bit (dropout and BatchNorm included)."""
+    running statistics and RNG of the run with no trial, to the last bit (dropout, BatchNorm, spectral norm)."""
     def model():
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
+        return nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(8, 32)), nn.BatchNorm1d(32), nn.ReLU(),
+                             nn.Dropout(0.2), nn.Linear(32, 4))  # buffers a forward moves: BN's, spectral norm's
 
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(640, 8, generator=g), torch.randint(0, 4, (640,), generator=g)

@@ -8,10 +8,10 @@ shape, machine, kernels and torch version measured before: 0 steps measured); on
 candidates take turns on the real model and optimizer, each step a step of the run, until the
 trial decides and the winner stays in effect. A candidate in another precision than the plain
 settings' is timed apart (`_shadow_step`): the run's numerics are the plain settings' until the
-trial decides, so a run that keeps fp32 is the plain fp32 run to the last bit. Under DDP every rank runs the same schedule and
-applies rank 0's choice (`broadcast`); the memory layout stays (the gradient buckets were laid
-out for it). The user's RNG and the loader's data order are untouched: nothing is read from
-the loader that the run does not train on.
+trial decides, so a run that keeps fp32 is the plain fp32 run to the last bit. Under DDP every
+rank runs the same schedule and applies rank 0's choice (`broadcast`); the memory layout stays
+(the gradient buckets were laid out for it). The user's RNG and the loader's data order are
+untouched: nothing is read from the loader that the run does not train on.
 
 Example:
     >>> trainer.switcher.prepare(loader, remaining_steps=400)   # fit does this; the trial runs in the first steps
@@ -28,7 +28,6 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from torchspeed.env import DeviceCaps, detect, sync
 from torchspeed.train.backends import no_autotune
@@ -343,14 +342,14 @@ class SwitchStage:
 
     def _shadow_step(self, batch, run_step, cand: Switches) -> float:
         """`cand`'s step time, with the batch trained in the plain settings' precision: the candidate's forward and
-        backward on `batch` timed, then the RNG, BatchNorm's running statistics and the gradients put back as they
-        were, and the batch trained in the plain precision (the candidate's layout and kernel). So the run's numerics
-        stay the plain settings' until the trial decides: a run that keeps fp32 is the run the script's own fp32 loop
-        makes. Returns the trained step's seconds with its forward and backward swapped for the candidate's (the
-        optimizer step, the guard and the meter as every candidate pays them); the trained forward and backward (the
-        price of keeping the numerics) is added to the trial's cost."""
+        backward on `batch` timed, then the RNG, the module's buffers (BatchNorm's running statistics) and the
+        gradients put back as they were, and the batch trained in the plain precision (the candidate's layout and
+        kernel). So the run's numerics stay the plain settings' until the trial decides: a run that keeps fp32 is
+        the run the script's own fp32 loop makes. Returns the trained step's seconds with its forward and backward
+        swapped for the candidate's (the optimizer step, the guard and the meter as every candidate pays them); the
+        trained forward and backward (the price of keeping the numerics) is added to the trial's cost."""
         t = self.t
-        stats = [(b, b.clone()) for m in t.module.modules() if isinstance(m, _BatchNorm) for b in m.buffers()]
+        stats = [(b, b.clone()) for b in t.module.buffers()]  # BatchNorm's statistics, spectral norm's vectors
         with torch.random.fork_rng(devices=[t.device] if t.device.type == "cuda" else [],
                                    device_type=t.device.type):
             t0 = time.perf_counter()

@@ -211,7 +211,8 @@ class SlicedLoader:
         same = self.index is None and device.type == "cpu"  # the permutation's slices index the tensors as they are
         for idx in batches:
             if same and type(idx) is torch.Tensor:
-                yield [t[idx] for t in self.tensors] if keys is None else {k: t[idx] for k, t in zip(keys, self.tensors)}
+                yield [t[idx] for t in self.tensors] if keys is None else {
+                    k: t[idx] for k, t in zip(keys, self.tensors)}
                 continue
             i = torch.as_tensor(idx, dtype=torch.long)
             if self.index is not None:
