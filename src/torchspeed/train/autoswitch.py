@@ -350,14 +350,16 @@ class SwitchStage:
         trained forward and backward (the price of keeping the numerics) is added to the trial's cost."""
         t = self.t
         stats = [(b, b.clone()) for b in t.module.buffers()]  # BatchNorm's statistics, spectral norm's vectors
-        with torch.random.fork_rng(devices=[t.device] if t.device.type == "cuda" else [],
-                                   device_type=t.device.type):
-            t0 = time.perf_counter()
-            t._forward_backward(batch)
-            sync(t.device)
-            timed = time.perf_counter() - t0
-        for b, saved in stats:
-            b.copy_(saved)
+        try:
+            with torch.random.fork_rng(devices=[t.device] if t.device.type == "cuda" else [],
+                                       device_type=t.device.type):
+                t0 = time.perf_counter()
+                t._forward_backward(batch)
+                sync(t.device)
+                timed = time.perf_counter() - t0
+        finally:  # a candidate that fails part-way leaves the statistics as they were too
+            for b, saved in stats:
+                b.copy_(saved)
         t.optimizer.zero_grad(set_to_none=True)
         self.apply(replace(cand, precision=self.live.grid[0].precision))
         trained_fb, forward_backward = [0.0], t._forward_backward
