@@ -152,13 +152,12 @@ class NonFiniteGuard:
         self.host_reads = device.type == "cpu"  # a tensor's value is read without a sync (the CPU): a float read
 
     @property
-    def mode(self) -> str:  # read a few times a step: the cheap tests first
+    def mode(self) -> str:
         if self.limit is None:
             return "off"
         if self.precision_skips:
             return "scaler"
-        return "host" if self.device.type != "cuda" else (
-            "device" if supports_device_skip(self.optimizer, self.device) else "host")
+        return "device" if supports_device_skip(self.optimizer, self.device) else "host"
 
     def observe(self, loss: torch.Tensor) -> torch.Tensor | None:
         """A micro-batch's detached loss: the value to add to the metrics, or None to leave it out."""

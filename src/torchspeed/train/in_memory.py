@@ -210,16 +210,15 @@ class SlicedLoader:
         device, keys = self.tensors[0].device, self.keys
         same = self.index is None and device.type == "cpu"  # the permutation's slices index the tensors as they are
         for idx in batches:
-            if same and type(idx) is torch.Tensor:
-                yield [t[idx] for t in self.tensors] if keys is None else {
-                    k: t[idx] for k, t in zip(keys, self.tensors)}
-                continue
-            i = torch.as_tensor(idx, dtype=torch.long)
-            if self.index is not None:
-                i = self.index[i]
-            if i.device != device:
-                i = i.to(device, non_blocking=True)
+            i = idx if same and type(idx) is torch.Tensor and idx.dtype is torch.long else self._on_device(idx, device)
             yield [t[i] for t in self.tensors] if keys is None else {k: t[i] for k, t in zip(keys, self.tensors)}
+
+    def _on_device(self, idx, device: torch.device) -> torch.Tensor:
+        """A batch sampler's indices as a long tensor on the tensors' device, through `index` (a Subset's)."""
+        i = torch.as_tensor(idx, dtype=torch.long)
+        if self.index is not None:
+            i = self.index[i]
+        return i if i.device == device else i.to(device, non_blocking=True)
 
 
 def sliced_loader(loader: Iterable, device: torch.device, *, free_bytes: int | None = None) -> Iterable:

@@ -36,10 +36,10 @@ class DeviceMeter:
     floats: reading a CPU tensor is not a sync, and a float add costs less than a kernel launch.
     """
 
-    def __init__(self, device: torch.device | str, *, accuracy: bool = True):
+    def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self.host_reads = self.device.type == "cpu"  # a tensor's value is read without a sync: sums on the host
-        self.accuracy = accuracy  # False: the loop leaves the per-step correct count out (see train_accuracy)
+        self.accuracy = True  # the training loop's: False leaves the per-step correct count out (train_accuracy)
         self.reset()
 
     def reset(self) -> None:
