@@ -71,6 +71,7 @@ def switches_first(ctx: RunContext) -> None:
         trainer = Trainer(model, loss_fn=ctx.loss_fn, step_fn=ctx.step_fn, optimizer=optimizer, lr=float(lr),
                           weight_decay=ctx.weight_decay, momentum=opts.get("momentum", 0.9),
                           betas=opts.get("betas", (0.9, 0.999)), device=ctx.dev, config=cfg, caps=ctx.caps)
+        trainer.switcher.keep_numerics = False  # a copy: its candidates train their own steps, none timed apart
         trainer.switcher.prepare(ctx.loader, remaining_steps=run_length(ctx.loader, ctx.cfg))  # the run's own trial key
         steps = 0
         while trainer.switcher.live is not None and steps < MAX_PROBE_STEPS:

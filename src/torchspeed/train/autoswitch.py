@@ -7,7 +7,7 @@ for the run's first steps. At the first step the trial cache is read (this model
 shape, machine, kernels and torch version measured before: 0 steps measured); on a miss the
 candidates take turns on the real model and optimizer, each step a step of the run, until the
 trial decides and the winner stays in effect. A candidate in another precision than the plain
-settings' is timed apart (`_shadow_step`): the run's numerics are the plain settings' until the
+settings' is timed apart (`shadow.ShadowTurns`): the run's numerics are the plain settings' until the
 trial decides, so a run that keeps fp32 is the plain fp32 run to the last bit. Under DDP every
 rank runs the same schedule and applies rank 0's choice (`broadcast`); the memory layout stays
 (the gradient buckets were laid out for it). The user's RNG and the loader's data order are
@@ -24,7 +24,6 @@ import logging
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -38,6 +37,7 @@ from torchspeed.train.guard import is_out_of_memory
 from torchspeed.train.memory_format import has_conv2d
 from torchspeed.train.optim import describe_optimizer
 from torchspeed.train.precision import MixedPrecision, Precision, normalize_precision
+from torchspeed.train.shadow import ShadowTurns
 from torchspeed.train.switches import (LiveTrial, Switches, batch_signature, candidate_grid, fusable, model_signature,
                                        rule_switches, set_fused, trial_steps)
 from torchspeed.train.transfer import batch_layout
@@ -168,6 +168,7 @@ class SwitchStage:
     optimizer kernel through `self.t`, and writes its decisions into the Trainer's (the plan's) `Decisions`."""
 
     measure_fn = None  # tests: (switches, measured seconds) -> the seconds to record
+    keep_numerics = True  # False: a trial on a copy of the model (plan/switches_first): every candidate trains its own
 
     def __init__(self, trainer, *, prepared: bool = False):
         self.t = trainer
@@ -175,6 +176,7 @@ class SwitchStage:
         self.prepared = prepared  # True: nothing to arm (FSDP2's sharded forward is collective: no trial)
         self._fixed: dict = {}
         self._trial_meta: dict = {}
+        self.shadow = ShadowTurns(self)  # the turns timed apart from the run's numerics, paced
 
     def prepare(self, loader: Iterable, *, remaining_steps: int | None = None) -> None:
         """Decide the switches left on "auto": the rules, or a trial on the run's first steps (`remaining_steps`
@@ -297,7 +299,13 @@ class SwitchStage:
             if self._check_cache(batch):
                 return run_step(batch_layout(batch, self.t.channels_last))
             self._trial_meta["started"] = time.perf_counter()
+            self.shadow.start()
         cand = trial.current()
+        shadow = self._shadows(cand)
+        if shadow and self.shadow.waits(None if self.t.total_steps is None else self.t.total_steps - self.t.step - 1,
+                                        trial.turns_left()):
+            self.apply(trial.grid[0])  # a step in the plain settings while the turns timed apart wait (paced)
+            return run_step(batch_layout(batch, trial.grid[0].channels_last))
         if not self._trial_meta.get("losses_taken") and cand.precision != trial.grid[0].precision:
             # the guard's losses, at the weights now, before the first other precision trains: not before the
             # trial starts, so a trial its price stops at once (or one of a single precision) never pays them
@@ -309,10 +317,9 @@ class SwitchStage:
         # cheaper optimizer step is a few percent of a whole step, under a whole step's noise
         clock = _OptimizerClock(self.t.optimizer, self.t.device) if (
             trial.stage == "optimizer kernel" and self.t.config.grad_accum == 1) else None
-        shadow = self._shadows(cand)
         t0 = time.perf_counter()
         try:
-            shadow_s = self._shadow_step(batch, run_step, cand) if shadow else run_step(batch)
+            shadow_s = self.shadow.step(batch, run_step, cand) if shadow else run_step(batch)
         except Exception as e:
             if is_out_of_memory(e) or cand == trial.grid[0]:
                 raise
@@ -324,6 +331,8 @@ class SwitchStage:
             sync(self.t.device)
             sec = shadow_s if shadow else time.perf_counter() - t0
             alone = clock.seconds if clock is not None else None
+            if not shadow and alone is None:
+                self.shadow.step_s = sec  # what a turn timed apart costs, before one has run
             sec = alone if alone is not None else sec
             trial.record(self.measure_fn(cand, sec) if self.measure_fn else sec,
                          whole_step=alone is None)
@@ -334,54 +343,11 @@ class SwitchStage:
             self.finish()
 
     def _shadows(self, cand: Switches) -> bool:
-        """Whether `cand` is timed apart from the run's numerics (`_shadow_step`): a candidate precision other than
+        """Whether `cand` is timed apart from the run's numerics (`ShadowTurns.step`): a candidate precision other than
         the plain settings', in the first stage, on one process with no accumulation window open across steps."""
         trial = self.live
-        return (trial.stage == "precision x layout" and cand.precision != trial.grid[0].precision
+        return (self.keep_numerics and trial.stage == "precision x layout" and cand.precision != trial.grid[0].precision
                 and self.t.config.grad_accum == 1 and self.t.dist is None)
-
-    def _shadow_step(self, batch, run_step, cand: Switches) -> float:
-        """`cand`'s step time, with the batch trained in the plain settings' precision: the candidate's forward and
-        backward on `batch` timed, then the RNG, the module's buffers (BatchNorm's running statistics) and the
-        gradients put back as they were, and the batch trained in the plain precision (the candidate's layout and
-        kernel). So the run's numerics stay the plain settings' until the trial decides: a run that keeps fp32 is
-        the run the script's own fp32 loop makes. Returns the trained step's seconds with its forward and backward
-        swapped for the candidate's (the optimizer step, the guard and the meter as every candidate pays them); the
-        trained forward and backward (the price of keeping the numerics) is added to the trial's cost."""
-        t = self.t
-        stats = [(b, b.clone()) for b in t.module.buffers()]  # BatchNorm's statistics, spectral norm's vectors
-        try:
-            with torch.random.fork_rng(devices=[t.device] if t.device.type == "cuda" else [],
-                                       device_type=t.device.type):
-                t0 = time.perf_counter()
-                t._forward_backward(batch)
-                sync(t.device)
-                timed = time.perf_counter() - t0
-        finally:  # a candidate that fails part-way leaves the statistics as they were too
-            for b, saved in stats:
-                b.copy_(saved)
-        t.optimizer.zero_grad(set_to_none=True)
-        self.apply(replace(cand, precision=self.live.grid[0].precision))
-        trained_fb, forward_backward = [0.0], t._forward_backward
-
-        def clocked(b):  # the trained step's own forward and backward, to swap for the candidate's
-            t2 = time.perf_counter()
-            out = forward_backward(b)
-            sync(t.device)
-            trained_fb[0] += time.perf_counter() - t2
-            return out
-
-        t._forward_backward = clocked  # this step only (an instance attribute over the method)
-        t1 = time.perf_counter()
-        try:
-            run_step(batch)
-            sync(t.device)
-        finally:
-            del t._forward_backward
-        whole = time.perf_counter() - t1
-        self.live.add_extra(trained_fb[0])
-        self.live.report["shadow_steps"] = self.live.report.get("shadow_steps", 0) + 1
-        return whole - trained_fb[0] + timed  # the step as the candidate's: its forward and backward, the rest as run
 
     def finish(self) -> None:
         """Decide on what the trial measured (all of it, or what a run that ended early allowed), apply, cache."""
@@ -389,22 +355,26 @@ class SwitchStage:
         if trial is None:
             return
         self.live = None
-        if not trial.done:
+        ended_early = not trial.done
+        if ended_early:
             trial.finish_early()
         report = dict(trial.report)
         report["extra_s"] = trial.extra_seconds()
         started = self._trial_meta.get("started")
         report["trial_s"] = (time.perf_counter() - started) if started else 0.0
+        if self.shadow.waited:
+            report["paced_steps"] = self.shadow.waited
         sw = broadcast_object(trial.best)  # every rank runs what rank 0 measured
         report["switches"] = {"precision": sw.precision, "channels_last": sw.channels_last, "fused": sw.fused,
                               "threads": sw.threads}
         if (self.measure_fn is None and is_rank_zero() and self._trial_meta.get("key") and report["steps"]
-                and not report.get("stopped")):  # a trial the run could not afford measured nothing to keep
+                and not report.get("stopped") and not ended_early):  # nothing to keep from one stopped or cut short
             TrialCache().put(self._trial_meta["key"], report)
         self._settle(sw, "measured", _summary(report), report, Decision(
             "measured", f"{report['steps']} of the run's own steps, each trained (in the plain settings' precision "
-                        f"while the trial ran: {report.get('shadow_steps', 0)} other-precision steps timed apart); "
-                        f"measuring cost "
+                        f"while the trial ran: {report.get('shadow_steps', 0)} other-precision steps timed apart"
+                        + (f", paced over {self.shadow.waited} more steps" if self.shadow.waited else "")
+                        + f"); measuring cost "
                         f"{report['extra_s']:.2f} s over the winner{self._trial_meta['short']}", report))
         if self.t.total_steps is not None:  # the compile trial starts from the winner's eager steps
             self.t.compiler.after_switch_trial(trial.winner_times(),

@@ -168,7 +168,7 @@ class LiveTrial:
     kernel against the other one; stage 3 (`thread_choices`): intra-op thread counts on the
     winner. `losses` (precision -> loss at the same weights on the same batch, measured before
     the first step) feed the numerics guard. Every step trains: nothing is thrown away (a candidate in another
-    precision is timed apart and its batch trained in the plain precision: `autoswitch.SwitchStage._shadow_step`).
+    precision is timed apart and its batch trained in the plain precision: `shadow.ShadowTurns`).
     """
 
     def __init__(self, grid: list[Switches], *, fused_choice: bool = False, thread_choices: tuple[int, ...] = (),
@@ -363,6 +363,12 @@ class LiveTrial:
     def winner_times(self) -> list[float]:
         """The timed steps of the chosen settings (eager seconds per step: what a compile trial compares against)."""
         return list(self._seen.get(self.best, []))
+
+    def turns_left(self) -> int:
+        """The turns still to run: this stage's, and at most a full schedule for each stage after it."""
+        later = sum(trial_steps(2 if name == "optimizer kernel" else len(self.thread_choices), rounds=self.rounds,
+                                steps=self.steps, warmup=self.warmup) for name in self._stages)
+        return len(self._queue) + later
 
     def add_extra(self, seconds: float) -> None:
         """Seconds the run spent measuring beyond the steps recorded (a step timed apart: autoswitch)."""
