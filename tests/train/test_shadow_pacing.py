@@ -50,9 +50,15 @@ def _trainer(clock, *, trial=True, callbacks=None):
                precision="auto" if trial else "fp32")
     t = Trainer(_model(clock), optimizer="sgd", lr=0.05, config=TrainConfig(**cfg), caps=BF16_CPU,
                 callbacks=callbacks)
-    if trial:
-        seconds = {"fp32": 1.0, "bf16": 1.3}  # fp32 wins: the run keeps the plain numerics
-        t.switcher.measure_fn = lambda s, sec: seconds[s.label().split("+")[0]]
+    if trial:  # fp32 wins (median 1.2 against 1.25): the run keeps the plain numerics; the two overlap, so every
+        seconds = {"fp32": [1.0, 1.4], "bf16": [1.3, 1.2]}  # bf16 turn is taken (none is beaten on all its steps)
+        count = {"fp32": 0, "bf16": 0}
+
+        def measure(s, sec):
+            p = s.label().split("+")[0]
+            count[p] += 1
+            return seconds[p][count[p] % 2]
+        t.switcher.measure_fn = measure
     return t
 
 

@@ -86,6 +86,7 @@ def test_bf16_cpu_where_bf16_loses_keeps_fp32(tiny_cnn):
     seconds = {"fp32+fused": 1.0, "fp32+channels_last+fused": 0.9, "bf16+fused": 1.1,
                "bf16+channels_last+fused": 1.3, "fp32+channels_last+foreach": 0.95}  # all within DROP_AT
     t = _trainer(tiny_cnn(), BF16_CPU, seconds=seconds, fused_optimizer="auto")
+    t.switcher.race = False  # constant injected seconds: every slower candidate would be beaten on round 1
     res = t.fit(_loader(n=16 * 200))  # long enough for the full trial
     d = res.decisions
     assert t.switcher.current() == Switches("fp32", True, True, t.switcher.current().threads)
@@ -107,7 +108,7 @@ def test_a_long_shot_leaves_the_trial_after_its_first_timed_step():
     grid = candidate_grid(caps=BF16_CPU, has_conv=True)  # fp32, fp32+cl, bf16, bf16+cl
     secs = {"fp32": 2.0, "fp32+channels_last": 1.3, "bf16": 2.2, "bf16+channels_last": 1.0}
     assert secs["fp32"] > DROP_AT * secs["bf16+channels_last"] > secs["fp32+channels_last"]
-    trial, taken = LiveTrial(grid, rounds=3, steps=2, warmup=1), []
+    trial, taken = LiveTrial(grid, rounds=3, steps=2, warmup=1, race=False), []  # constant seconds: no race
     while not trial.done:
         s = trial.current()
         taken.append(s.label())
@@ -116,6 +117,29 @@ def test_a_long_shot_leaves_the_trial_after_its_first_timed_step():
     assert taken.count("fp32+channels_last") == taken.count("bf16+channels_last") == 1 + 3 * 2
     assert trial.steps_run == len(taken) == 6 + 14 and trial.best == Switches("bf16", True)
     assert set(trial.report["dropped"]) == {"fp32", "bf16"}
+
+
+def test_a_candidate_beaten_on_every_timed_step_leaves_the_later_rounds():
+    """Once each candidate has two timed steps, one whose fastest is slower than every step of the fastest leaves
+    the later rounds; one whose steps overlap the fastest's stays for every round; the choice is the same."""
+    from torchspeed.train.switches import LiveTrial
+
+    grid = candidate_grid(caps=BF16_CPU, has_conv=True)  # fp32, fp32+cl, bf16, bf16+cl
+    secs = {"fp32": [1.0, 1.2], "fp32+channels_last": [0.9, 1.1], "bf16": [1.25, 1.3],
+            "bf16+channels_last": [1.15, 0.95]}
+    for race in (True, False):
+        trial, taken = LiveTrial(grid, rounds=3, steps=2, warmup=1, race=race), []
+        while not trial.done:
+            s = trial.current().label()
+            trial.record(secs[s][taken.count(s) % 2])
+            taken.append(s)
+        assert trial.best == Switches("fp32", True)  # the fastest by median either way
+        if race:  # bf16 (1.25 at best) is slower than each of fp32+cl's steps (1.1 at worst): out after round 1
+            assert taken.count("bf16") == 1 + 2 and "bf16" in trial.report["dropped"]
+            assert taken.count("fp32") == taken.count("bf16+channels_last") == 1 + 3 * 2  # overlapping: kept
+            assert set(trial.report["dropped"]) == {"bf16"}
+        else:
+            assert taken.count("bf16") == 1 + 3 * 2 and "dropped" not in trial.report
 
 
 def test_the_measuring_cost_counts_warm_up_steps_but_not_the_runs_start_up():
@@ -362,6 +386,7 @@ def test_a_trial_that_keeps_fp32_trains_the_run_the_fp32_loop_trains():
     for trial in (True, False):
         cfg = {"trial": True} if trial else {"trial": False, "precision": "fp32"}
         t = _trainer(model(), BF16_CPU, seconds={"fp32": 1.0, "bf16": 1.3} if trial else None, **cfg)
+        t.switcher.race = False  # every bf16 turn taken (constant seconds would end them after round 1)
         torch.manual_seed(3)
         res = t.fit(DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
         out[trial] = (t.module.state_dict(), torch.get_rng_state(), res)

@@ -168,6 +168,7 @@ class SwitchStage:
     optimizer kernel through `self.t`, and writes its decisions into the Trainer's (the plan's) `Decisions`."""
 
     measure_fn = None  # tests: (switches, measured seconds) -> the seconds to record
+    race = True  # tests of the schedule: False keeps every candidate for every round (LiveTrial._drop_beaten)
     keep_numerics = True  # False: a trial on a copy of the model (plan/switches_first): every candidate trains its own
 
     def __init__(self, trainer, *, prepared: bool = False):
@@ -217,6 +218,7 @@ class SwitchStage:
         # priced in seconds on a run of known length; not under DDP, where every rank must run the same schedule
         self.live = LiveTrial(grid, fused_choice=fused_choice, thread_choices=threads if len(threads) > 1 else (),
                               run_steps=remaining_steps if self.t.dist is None else None, share=PRICE_SHARE,
+                              race=self.race and self.t.dist is None,
                               **settings)
         self._trial_meta = {"grid": [s.label() for s in grid], "fused_choice": fused_choice, "threads": threads,
                             "short": short, "started": None, "cache_checked": False}

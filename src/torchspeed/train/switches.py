@@ -173,11 +173,13 @@ class LiveTrial:
 
     def __init__(self, grid: list[Switches], *, fused_choice: bool = False, thread_choices: tuple[int, ...] = (),
                  rounds: int = 3, steps: int = 2, warmup: int = 1, min_gain: float = 1.02, loss_tol: float = 0.05,
-                 losses: dict[str, float] | None = None, run_steps: int | None = None, share: float = 0.25):
+                 losses: dict[str, float] | None = None, run_steps: int | None = None, share: float = 0.25,
+                 race: bool = True):
         self.grid, self.fused_choice, self.thread_choices = grid, fused_choice, thread_choices
         self.rounds, self.steps, self.warmup = rounds, steps, warmup
         self.min_gain, self.loss_tol = min_gain, loss_tol
         self.run_steps, self.share = run_steps, share  # the trial's price in seconds: see _price
+        self.race = race  # drop a candidate every timed step of the fastest beat (_drop_beaten); off under DDP
         self.losses = dict(losses or {})
         self.report: dict = {"failed": {}, "rejected": {}, "stages": [], "rounds": rounds, "steps_per_round": steps,
                              "warmup": warmup}
@@ -211,7 +213,7 @@ class LiveTrial:
             # the plain settings' first timed step right after their warm-up: the step's cost and a switch's
             # one-off cost are known before any other candidate is tried (_price)
             self._queue.insert(self.warmup, self._queue.pop(self._queue.index((cands[0], True))))
-        self._pruned = self._part_timed = False
+        self._pruned = self._raced = self._part_timed = False
         self._warm: list[tuple[Switches, float, bool]] = []  # (candidate, seconds, the run's first step)
 
     def _drop_long_shots(self) -> None:
@@ -233,6 +235,28 @@ class LiveTrial:
             self.report.setdefault("dropped", {}).update(
                 {s.label(): f"{r:.2f}x the fastest after its first timed step: out of the later rounds"
                  for s, r in out.items()})
+
+    def _drop_beaten(self) -> None:
+        """Once every candidate has two timed steps: one whose fastest step is slower than every step of the fastest
+        candidate (by median, that the numerics guard allows) leaves the later rounds. Where the two run alike,
+        that happens by chance to 1 pair in 6 and costs nothing (within `min_gain` the choice keeps the one with
+        fewer changes); where the candidate is slower, it saves its later turns, each a slow step or, timed
+        apart, a forward and backward thrown away."""
+        if not self.race or self._raced or not all(len(v) >= 2 for v in self.times.values()) or len(self.times) < 2:
+            return
+        self._raced = True
+        rejected = self._rejections(self.grid[0]) if self.stage == "precision x layout" else {}
+        med = {c: m for c, m in medians(self.times).items() if c not in rejected}
+        if not med:
+            return
+        ref = min(med, key=med.get)
+        beaten = [c for c, v in self.times.items() if c != ref and min(v) > max(self.times[ref])
+                  and any(q == c for q, _ in self._queue)]
+        if beaten:
+            self._queue = [(c, t) for c, t in self._queue if c not in beaten]
+            self.report.setdefault("dropped", {}).update(
+                {c.label(): f"each of its timed steps slower than every one of {ref.label()}: out of the later rounds"
+                 for c in beaten})
 
     @property
     def done(self) -> bool:
@@ -258,6 +282,7 @@ class LiveTrial:
             else:
                 self._part_timed = True
             self._drop_long_shots()
+            self._drop_beaten()
             if self.stage == "precision x layout" and s == self.grid[0] and len(self.times[s]) == 1:
                 self._price()
         if not self._queue:
