@@ -1,8 +1,8 @@
-"""The switch trial's turns timed apart (train/shadow.py): paced so that at any moment of the run they have cost
-at most SHADOW_SHARE of its seconds, never so late that the trial cannot finish, the run's numerics untouched; a
-trial cut short by the run's end is not cached.
+"""The switch trial's turns timed apart (train/shadow.py): paced in steps so that at any moment of the run they have
+cost about SHADOW_SHARE of its steps, never so late that the trial cannot finish, not once a candidate measures
+faster, the run's numerics untouched; a trial cut short by the run's end is not cached.
 
-Seconds come from an injected clock that a forward pass advances by one second: nothing here reads the wall clock.
+Step times are injected (`measure_fn`): nothing here depends on the wall clock or the machine's load.
 """
 
 import pytest
@@ -20,23 +20,9 @@ from torchspeed.train.trainer import Trainer
 BF16_CPU = DeviceCaps("cpu", cpu_bf16=True, cores=2)
 
 
-class Tick(nn.Module):
-    """Advances the clock by one second per forward: a plain step, or a candidate's forward, costs 1 s."""
-
-    def __init__(self, clock):
-        super().__init__()
-        self.clock = clock
-
-    def forward(self, x):
-        if self.clock is not None:
-            self.clock.advance(1.0)
-        return x
-
-
-def _model(clock):
+def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4),
-                         Tick(clock))
+    return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
 
 
 def _loader(steps):
@@ -45,13 +31,12 @@ def _loader(steps):
     return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(2))
 
 
-def _trainer(clock, *, trial=True, callbacks=None):
+def _trainer(*, trial=True, bf16=(1.3, 1.2)):
     cfg = dict(epochs=1, progress=False, compile=False, fused_optimizer=False, trial=trial,
                precision="auto" if trial else "fp32")
-    t = Trainer(_model(clock), optimizer="sgd", lr=0.05, config=TrainConfig(**cfg), caps=BF16_CPU,
-                callbacks=callbacks)
-    if trial:  # fp32 wins (median 1.2 against 1.25): the run keeps the plain numerics; the two overlap, so every
-        seconds = {"fp32": [1.0, 1.4], "bf16": [1.3, 1.2]}  # bf16 turn is taken (none is beaten on all its steps)
+    t = Trainer(_model(), optimizer="sgd", lr=0.05, config=TrainConfig(**cfg), caps=BF16_CPU)
+    if trial:  # by default fp32 wins (median 1.2 against 1.25): the run keeps the plain numerics; the two overlap,
+        seconds = {"fp32": [1.0, 1.4], "bf16": list(bf16)}  # so every bf16 turn is taken (none beaten on all)
         count = {"fp32": 0, "bf16": 0}
 
         def measure(s, sec):
@@ -62,12 +47,12 @@ def _trainer(clock, *, trial=True, callbacks=None):
     return t
 
 
-def _spy_turns(monkeypatch, clock):
-    """Each timed-apart turn's (turn number, seconds since the trial began) as it starts."""
+def _spy_turns(monkeypatch):
+    """Each timed-apart turn's (turn number, the run's steps since the trial began) as it starts."""
     seen, real = [], ShadowTurns.step
 
     def step(self, batch, run_step, cand):
-        seen.append((len(seen) + 1, clock.now - self.started))
+        seen.append((len(seen) + 1, self.seen))
         return real(self, batch, run_step, cand)
 
     monkeypatch.setattr(ShadowTurns, "step", step)
@@ -75,17 +60,15 @@ def _spy_turns(monkeypatch, clock):
 
 
 @pytest.mark.paced
-def test_turns_timed_apart_are_paced_and_the_run_is_the_plain_runs(monkeypatch, fake_clock):
-    """Each turn (1 s of thrown-away forward) starts only once the turns so far and it are within 5% of the seconds
-    since the trial began; the steps between them train in the plain settings, so the run ends as the run with no
-    trial, bit for bit; the trial still decides within the run."""
-    for mod in ("torchspeed.train.shadow", "torchspeed.train.autoswitch"):
-        monkeypatch.setattr(f"{mod}.time", fake_clock)
-    seen = _spy_turns(monkeypatch, fake_clock)
-    paced = _trainer(fake_clock)
+def test_turns_timed_apart_are_paced_and_the_run_is_the_plain_runs(monkeypatch):
+    """The k-th turn (a forward and backward thrown away) waits until the run has trained k / SHADOW_SHARE steps
+    since the trial began; the steps between train in the plain settings, so the run ends as the run with no trial,
+    bit for bit; the trial still decides within the run."""
+    seen = _spy_turns(monkeypatch)
+    paced = _trainer()
     torch.manual_seed(3)
     res = paced.fit(_loader(300))
-    plain = _trainer(None, trial=False)
+    plain = _trainer(trial=False)
     torch.manual_seed(3)
     plain.fit(_loader(300))
 
@@ -93,38 +76,43 @@ def test_turns_timed_apart_are_paced_and_the_run_is_the_plain_runs(monkeypatch, 
     assert trial.value == "measured" and res.decisions["precision"].value == "fp32"
     assert trial.measured["shadow_steps"] == len(seen) == 7  # bf16's warm-up and 3 rounds x 2 timed turns
     assert trial.measured["paced_steps"] > 100 and "paced over" in trial.reason
-    for k, elapsed in seen:  # k turns of 1 s, each within SHADOW_SHARE of the run's seconds when it started
-        assert k * 1.0 <= shadow_mod.SHADOW_SHARE * elapsed + 1e-9, (k, elapsed)
-    assert seen[0][1] >= 1.0 / shadow_mod.SHADOW_SHARE  # the first waits too: a plain step's cost is its estimate
+    for k, steps in seen:  # the k-th at 20k steps (SHADOW_SHARE 5%), not earlier
+        assert k <= shadow_mod.SHADOW_SHARE * steps + 1e-9, (k, steps)
+    assert seen[0][1] == round(1 / shadow_mod.SHADOW_SHARE)
     for k, v in plain.module.state_dict().items():
         assert torch.equal(paced.module.state_dict()[k], v), k
 
 
 @pytest.mark.paced
-def test_a_run_too_short_to_wait_runs_its_turns_in_time_to_decide(monkeypatch, fake_clock):
+def test_a_run_too_short_to_wait_runs_its_turns_in_time_to_decide(monkeypatch):
     """A run of known length waits only while its remaining steps exceed the trial's remaining turns: a 24-step
-    run's trial finishes (every bf16 turn taken), however far behind the 5% its turns fall."""
-    for mod in ("torchspeed.train.shadow", "torchspeed.train.autoswitch"):
-        monkeypatch.setattr(f"{mod}.time", fake_clock)
-    seen = _spy_turns(monkeypatch, fake_clock)
-    res = _trainer(fake_clock).fit(_loader(24))
+    run's trial finishes (every bf16 turn taken), its last turns taken without waiting."""
+    seen = _spy_turns(monkeypatch)
+    res = _trainer().fit(_loader(24))
     trial = res.decisions["switch_trial"]
     assert trial.value == "measured" and len(seen) == trial.measured["shadow_steps"] >= 2
     first = trial.measured["stages"][0]
     assert any(k.startswith("bf16") for k in first["seconds_per_step"])  # timed: the run did not end the trial first
-    assert any(k * 1.0 > shadow_mod.SHADOW_SHARE * elapsed for k, elapsed in seen)  # late turns did not wait
+    assert any(k > shadow_mod.SHADOW_SHARE * steps for k, steps in seen)  # late turns did not wait
 
 
 @pytest.mark.paced
-def test_unpaced_turns_run_back_to_back(monkeypatch, fake_clock):
-    """The control: with pacing off (an infinite share) the same run takes its turns in its first steps."""
-    for mod in ("torchspeed.train.shadow", "torchspeed.train.autoswitch"):
-        monkeypatch.setattr(f"{mod}.time", fake_clock)
-    monkeypatch.setattr(shadow_mod, "SHADOW_SHARE", float("inf"))
-    seen = _spy_turns(monkeypatch, fake_clock)
-    res = _trainer(fake_clock).fit(_loader(300))
+def test_a_candidate_measured_faster_takes_its_turns_without_waiting(monkeypatch):
+    """Once bf16 measures faster than fp32 the run is likely to switch: its remaining turns run back to back."""
+    seen = _spy_turns(monkeypatch)
+    res = _trainer(bf16=(0.7, 0.6)).fit(_loader(300))
+    assert res.decisions["precision"].value == "bf16"
+    assert seen[0][1] == round(1 / shadow_mod.SHADOW_SHARE)  # the warm-up waits: nothing is measured yet
+    steps = [n for _, n in seen[1:]]
+    assert steps[-1] - steps[0] < 2 * len(steps)  # the rest interleaved with fp32's turns only, no waiting
+
+
+def test_unpaced_turns_run_back_to_back(monkeypatch):
+    """The control (the conftest leaves unmarked tests unpaced): the same run takes its turns in its first steps."""
+    seen = _spy_turns(monkeypatch)
+    res = _trainer().fit(_loader(300))
     assert len(seen) == 7 and "paced_steps" not in res.decisions["switch_trial"].measured
-    assert seen[-1][1] < 40  # all within the trial's first 14 turns (plus their forwards)
+    assert seen[-1][1] <= 14  # all within the trial's 14 turns
 
 
 class StopAt(Callback):
@@ -142,7 +130,7 @@ def test_a_trial_cut_short_by_the_runs_end_is_not_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
     values = []
     for stop in (3, None):  # real timings (an injected one bypasses the cache): only what is cached is asserted
-        t = Trainer(_model(None), optimizer="sgd", lr=0.05, caps=BF16_CPU,
+        t = Trainer(_model(), optimizer="sgd", lr=0.05, caps=BF16_CPU,
                     config=TrainConfig(epochs=1, progress=False, compile=False, fused_optimizer=False, trial=True),
                     callbacks=[StopAt(stop)] if stop else None)
         values.append(t.fit(_loader(300)).decisions["switch_trial"].value)

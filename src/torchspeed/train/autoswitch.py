@@ -301,11 +301,11 @@ class SwitchStage:
             if self._check_cache(batch):
                 return run_step(batch_layout(batch, self.t.channels_last))
             self._trial_meta["started"] = time.perf_counter()
-            self.shadow.start()
         cand = trial.current()
         shadow = self._shadows(cand)
-        if shadow and self.shadow.waits(None if self.t.total_steps is None else self.t.total_steps - self.t.step - 1,
-                                        trial.turns_left()):
+        left = None if self.t.total_steps is None else self.t.total_steps - self.t.step - 1
+        self.shadow.tick()
+        if shadow and self.shadow.waits(steps_left=left, turns_left=trial.turns_left(), ahead=trial.ahead_of_plain()):
             self.apply(trial.grid[0])  # a step in the plain settings while the turns timed apart wait (paced)
             return run_step(batch_layout(batch, trial.grid[0].channels_last))
         if not self._trial_meta.get("losses_taken") and cand.precision != trial.grid[0].precision:
@@ -333,8 +333,6 @@ class SwitchStage:
             sync(self.t.device)
             sec = shadow_s if shadow else time.perf_counter() - t0
             alone = clock.seconds if clock is not None else None
-            if not shadow and alone is None:
-                self.shadow.step_s = sec  # what a turn timed apart costs, before one has run
             sec = alone if alone is not None else sec
             trial.record(self.measure_fn(cand, sec) if self.measure_fn else sec,
                          whole_step=alone is None)

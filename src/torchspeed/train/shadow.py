@@ -4,11 +4,13 @@ A candidate in another precision than the plain settings' (bf16, fp16) is timed 
 forward and backward on the batch are timed, then the RNG, the module's buffers and the gradients are put back, and
 the batch trains in the plain precision. So a run whose trial keeps fp32 is the plain fp32 run to the last bit.
 
-Such a turn is pure measuring: its forward and backward are thrown away. So it is **paced**: it waits, and the run
-trains a step in the plain settings instead, while the turns timed apart so far would cost more than `SHADOW_SHARE`
-(5%, the tuning share of `plan/budget.py`) of the run's seconds since the trial began. A run stopped at any moment
-(a callback at its target accuracy, an interrupt) has paid at most about that share for them, as a run that goes to
-its end has. A run of known length never waits so long that the trial could not finish in it.
+Such a turn is pure measuring: its forward and backward are thrown away. So it is **paced**: the k-th waits, and
+the run trains steps in the plain settings meanwhile, until the run has trained k / `SHADOW_SHARE` steps since the
+trial began (5%, the tuning share of `plan/budget.py`: a turn costs about a step's forward and backward). A run
+stopped at any moment (a callback at its target accuracy, an interrupt) has paid about that share of its steps for
+them, as a run that goes to its end has. The pace is counted in steps, so the schedule does not hang on the
+machine's load. A run of known length never waits so long that the trial could not finish in it, and once a
+candidate timed apart measures faster than the plain settings its turns no longer wait.
 
 Example:
     >>> trainer.switcher.shadow.waited   # plain steps trained between the timed-apart turns
@@ -35,25 +37,24 @@ class ShadowTurns:
 
     def __init__(self, stage):
         self.stage = stage  # the SwitchStage: its trainer (`.t`), its trial (`.live`), `apply`
-        self.started: float | None = None  # the trial's first step
-        self.spent = 0.0  # seconds of forward and backward thrown away, with the put-back work
-        self.turn_s: float | None = None  # the cheapest turn's cost so far (the first holds one-off work): the next's
-        self.step_s: float | None = None  # a plain step's seconds: the estimate before any turn ran
-        self.waited = 0
+        self.seen = 0  # the run's steps since the trial began, this one included
+        self.turns = 0  # turns timed apart so far
+        self.spent = 0.0  # their seconds of forward and backward thrown away, with the put-back work
+        self.waited = 0  # steps trained in the plain settings while a turn waited
 
-    def start(self) -> None:
-        self.started = time.perf_counter()
+    def tick(self) -> None:
+        """One of the run's steps while the trial is on."""
+        self.seen += 1
 
-    def waits(self, steps_left: int | None, turns_left: int) -> bool:
-        """Whether the next timed-apart turn waits a step: the turns so far and the next (at the last one's cost)
-        would be over SHADOW_SHARE of the seconds since the trial began (the next one costs what the cheapest so far
-        did; before the first, what a plain step does). Never where the run's remaining steps
-        (`steps_left`, None: unknown) are no more than the trial's remaining turns."""
-        if not math.isfinite(SHADOW_SHARE) or self.started is None or (
-                steps_left is not None and steps_left <= turns_left):
-            return False
-        cost = self.turn_s if self.turn_s is not None else (self.step_s or 0.0)
-        if self.spent + cost <= SHADOW_SHARE * (time.perf_counter() - self.started):
+    def waits(self, *, steps_left: int | None, turns_left: int, ahead: bool) -> bool:
+        """Whether the next timed-apart turn waits this step (after `tick`). The k-th turn
+        (about a step's forward and backward) waits until the run has trained k / SHADOW_SHARE steps since the
+        trial began: counted in steps, not seconds, so the schedule, and the run's numerics with it, do not hang on
+        the machine's load. Never where the run's remaining steps (`steps_left`, None: unknown) are no more than
+        the trial's remaining turns, nor once a candidate timed apart measured faster than the plain settings
+        (`ahead`: the run is likely to switch, and each step it waits is a step at the slower settings)."""
+        if (not math.isfinite(SHADOW_SHARE) or ahead or (steps_left is not None and steps_left <= turns_left)
+                or self.turns + 1 <= SHADOW_SHARE * self.seen):
             return False
         self.waited += 1
         return True
@@ -80,9 +81,8 @@ class ShadowTurns:
                 b.copy_(saved)
         t.optimizer.zero_grad(set_to_none=True)
         self.stage.apply(replace(cand, precision=live.grid[0].precision))
-        cost = time.perf_counter() - t_in
-        self.spent += cost
-        self.turn_s = cost if self.turn_s is None else min(self.turn_s, cost)
+        self.spent += time.perf_counter() - t_in
+        self.turns += 1
         trained_fb, forward_backward = [0.0], t._forward_backward
 
         def clocked(b):  # the trained step's own forward and backward, to swap for the candidate's

@@ -389,6 +389,15 @@ class LiveTrial:
         """The timed steps of the chosen settings (eager seconds per step: what a compile trial compares against)."""
         return list(self._seen.get(self.best, []))
 
+    def ahead_of_plain(self) -> bool:
+        """In the first stage: whether a candidate in another precision measured faster (median) than the plain
+        settings."""
+        plain = self.times.get(self.grid[0]) if self.stage == "precision x layout" else None
+        if not plain:
+            return False
+        med = medians(self.times)
+        return any(m < med[self.grid[0]] for c, m in med.items() if c.precision != self.grid[0].precision)
+
     def turns_left(self) -> int:
         """The turns still to run: this stage's, and at most a full schedule for each stage after it."""
         later = sum(trial_steps(2 if name == "optimizer kernel" else len(self.thread_choices), rounds=self.rounds,
