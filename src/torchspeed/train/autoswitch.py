@@ -305,7 +305,8 @@ class SwitchStage:
         shadow = self._shadows(cand)
         left = None if self.t.total_steps is None else self.t.total_steps - self.t.step - 1
         self.shadow.tick()
-        if shadow and self.shadow.waits(steps_left=left, turns_left=trial.turns_left(), ahead=trial.ahead_of_plain()):
+        if shadow and trial.looked() and self.shadow.waits(steps_left=left, turns_left=trial.turns_left(),
+                                                           ahead=trial.ahead_of_plain()):
             self.apply(trial.grid[0])  # a step in the plain settings while the turns timed apart wait (paced)
             return run_step(batch_layout(batch, trial.grid[0].channels_last))
         if not self._trial_meta.get("losses_taken") and cand.precision != trial.grid[0].precision:

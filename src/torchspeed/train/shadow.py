@@ -4,9 +4,10 @@ A candidate in another precision than the plain settings' (bf16, fp16) is timed 
 forward and backward on the batch are timed, then the RNG, the module's buffers and the gradients are put back, and
 the batch trains in the plain precision. So a run whose trial keeps fp32 is the plain fp32 run to the last bit.
 
-Such a turn is pure measuring: its forward and backward are thrown away. So it is **paced**: the k-th waits, and
-the run trains steps in the plain settings meanwhile, until the run has trained k / `SHADOW_SHARE` steps since the
-trial began (5%, the tuning share of `plan/budget.py`: a turn costs about a step's forward and backward). A run
+Such a turn is pure measuring: its forward and backward are thrown away. So, once each candidate in another
+precision has had its warm-up and one timed turn (the first look, in the run's first steps: a precision that wins
+must be found early), the turns are **paced**: the k-th waits, and the run trains steps in the plain settings
+meanwhile, until the run has trained k / `SHADOW_SHARE` steps since the trial began (5%, the tuning share of `plan/budget.py`: a turn costs about a step's forward and backward). A run
 stopped at any moment (a callback at its target accuracy, an interrupt) has paid about that share of its steps for
 them, as a run that goes to its end has. The pace is counted in steps, so the schedule does not hang on the
 machine's load. A run of known length never waits so long that the trial could not finish in it, and once a
@@ -47,7 +48,7 @@ class ShadowTurns:
         self.seen += 1
 
     def waits(self, *, steps_left: int | None, turns_left: int, ahead: bool) -> bool:
-        """Whether the next timed-apart turn waits this step (after `tick`). The k-th turn
+        """Whether the next timed-apart turn, after the first look, waits this step (after `tick`). The k-th turn
         (about a step's forward and backward) waits until the run has trained k / SHADOW_SHARE steps since the
         trial began: counted in steps, not seconds, so the schedule, and the run's numerics with it, do not hang on
         the machine's load. Never where the run's remaining steps (`steps_left`, None: unknown) are no more than

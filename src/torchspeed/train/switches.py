@@ -389,6 +389,15 @@ class LiveTrial:
         """The timed steps of the chosen settings (eager seconds per step: what a compile trial compares against)."""
         return list(self._seen.get(self.best, []))
 
+    def looked(self) -> bool:
+        """In the first stage: whether every candidate in another precision than the plain settings' has a timed
+        step, or has left the race (the first look at what a switch of precision would buy)."""
+        if self.stage != "precision x layout":
+            return True
+        queued = {c for c, _ in self._queue}
+        return all(self.times.get(c) or c not in queued for c in self.candidates
+                   if c.precision != self.grid[0].precision)
+
     def ahead_of_plain(self) -> bool:
         """In the first stage: whether a candidate in another precision measured faster (median) than the plain
         settings."""
