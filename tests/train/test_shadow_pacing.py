@@ -62,8 +62,8 @@ def _spy_turns(monkeypatch):
 @pytest.mark.paced
 def test_turns_timed_apart_are_paced_and_the_run_is_the_plain_runs(monkeypatch):
     """After the first look, the k-th turn (a forward and backward thrown away) waits until the run has trained
-    k / SHADOW_SHARE steps since the trial began; the steps between train in the plain settings, so the run ends as the run with no trial,
-    bit for bit; the trial still decides within the run."""
+    k / SHADOW_SHARE steps since the trial began; the steps between train in the plain settings, so the run ends as
+    the run with no trial, bit for bit; the trial still decides within the run."""
     seen = _spy_turns(monkeypatch)
     paced = _trainer()
     torch.manual_seed(3)

@@ -7,9 +7,10 @@ the batch trains in the plain precision. So a run whose trial keeps fp32 is the 
 Such a turn is pure measuring: its forward and backward are thrown away. So, once each candidate in another
 precision has had its warm-up and one timed turn (the first look, in the run's first steps: a precision that wins
 must be found early), the turns are **paced**: the k-th waits, and the run trains steps in the plain settings
-meanwhile, until the run has trained k / `SHADOW_SHARE` steps since the trial began (5%, the tuning share of `plan/budget.py`: a turn costs about a step's forward and backward). A run
-stopped at any moment (a callback at its target accuracy, an interrupt) has paid about that share of its steps for
-them, as a run that goes to its end has. The pace is counted in steps, so the schedule does not hang on the
+meanwhile, until the run has trained k / `SHADOW_SHARE` steps since the trial began (5%, the tuning share of
+`plan/budget.py`: a turn costs about a step's forward and backward). A run stopped at any moment (a callback at its
+target accuracy, an interrupt) has paid, beyond the first look, about that share of its steps for them, as a run
+that goes to its end has. The pace is counted in steps, so the schedule does not hang on the
 machine's load. A run of known length never waits so long that the trial could not finish in it, and once a
 candidate timed apart measures faster than the plain settings its turns no longer wait.
 
@@ -29,7 +30,7 @@ from torchspeed.env import sync
 
 __all__ = ["SHADOW_SHARE", "ShadowTurns"]
 
-SHADOW_SHARE = 0.05  # the turns timed apart cost at most about this share of the run's seconds so far
+SHADOW_SHARE = 0.05  # after the first look, the turns timed apart take at most this share of the run's steps so far
 
 
 class ShadowTurns:
