@@ -183,6 +183,13 @@ def test_the_plans_trials_measure_at_the_precision_the_switch_trial_chose(tiny_c
             if seen["LR range test"] and trainer.step >= 2:
                 trainer.request_stop("the test saw every measurement")
 
+    from torchspeed.train.shadow import ShadowTurns
+    prepared, timed_apart = [], []  # the switch stages in the order they are armed; the stages that time turns apart
+    real_prepare, real_turn = SwitchStage.prepare, ShadowTurns.step
+    monkeypatch.setattr(SwitchStage, "prepare",
+                        lambda self, *a, **k: prepared.append(self) or real_prepare(self, *a, **k))
+    monkeypatch.setattr(ShadowTurns, "step", lambda self, *a: timed_apart.append(self.stage) or real_turn(self, *a))
+
     res = torchspeed.fit(tiny_cnn(), _loader(n=16 * 40), epochs=1000, max_steps=4000, recipe="auto",
                          fused_optimizer=False, compile=False, progress=False, malloc=False,
                          recipe_parts=("lr", "schedulefree", "batch"), callbacks=[StopAfterTheLR()])
@@ -190,6 +197,8 @@ def test_the_plans_trials_measure_at_the_precision_the_switch_trial_chose(tiny_c
     assert res.decisions["switch_plan"].value.startswith("before the plan's trials: fp32")
     assert res.decisions["precision"].value == "fp32"
     assert res.decisions["tuning"].measured["steps_off_run"] >= res.decisions["switch_plan"].measured["steps"] > 0
+    # the trial on the copy (armed first) trains its bf16 candidates' own steps: none timed apart there
+    assert len(prepared) >= 2 and prepared[0] not in timed_apart
 
 
 def test_with_nothing_measured_before_training_the_switch_trial_stays_on_the_runs_steps(tiny_cnn):
