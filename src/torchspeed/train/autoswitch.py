@@ -363,6 +363,8 @@ class SwitchStage:
         report["extra_s"] = trial.extra_seconds()
         started = self._trial_meta.get("started")
         report["trial_s"] = (time.perf_counter() - started) if started else 0.0
+        if self.shadow.turns:
+            report["shadow_steps"] = self.shadow.turns
         if self.shadow.waited:
             report["paced_steps"] = self.shadow.waited
         sw = broadcast_object(trial.best)  # every rank runs what rank 0 measured

@@ -35,13 +35,12 @@ SHADOW_SHARE = 0.05  # after the first look, the turns timed apart take at most 
 
 class ShadowTurns:
     """The timed-apart turns of one switch trial (`SwitchStage.shadow`): run one (`step`), say whether the next one
-    waits (`waits`), and what they cost (`spent` seconds, `waited` plain steps between them)."""
+    waits (`waits`), and how many ran (`turns`) and waited (`waited`: plain steps trained between them)."""
 
     def __init__(self, stage):
         self.stage = stage  # the SwitchStage: its trainer (`.t`), its trial (`.live`), `apply`
         self.seen = 0  # the run's steps since the trial began, this one included
-        self.turns = 0  # turns timed apart so far
-        self.spent = 0.0  # their seconds of forward and backward thrown away, with the put-back work
+        self.turns = 0  # turns timed apart so far (the report's `shadow_steps`)
         self.waited = 0  # steps trained in the plain settings while a turn waited
 
     def tick(self) -> None:
@@ -69,7 +68,6 @@ class ShadowTurns:
         the candidate's (the optimizer step, the guard and the meter as every candidate pays them); the trained
         forward and backward (the price of keeping the numerics) is added to the trial's cost."""
         t, live = self.stage.t, self.stage.live
-        t_in = time.perf_counter()
         stats = [(b, b.clone()) for b in t.module.buffers()]
         try:
             with torch.random.fork_rng(devices=[t.device] if t.device.type == "cuda" else [],
@@ -83,7 +81,6 @@ class ShadowTurns:
                 b.copy_(saved)
         t.optimizer.zero_grad(set_to_none=True)
         self.stage.apply(replace(cand, precision=live.grid[0].precision))
-        self.spent += time.perf_counter() - t_in
         self.turns += 1
         trained_fb, forward_backward = [0.0], t._forward_backward
 
@@ -103,5 +100,4 @@ class ShadowTurns:
             del t._forward_backward
         whole = time.perf_counter() - t1
         live.add_extra(trained_fb[0])
-        live.report["shadow_steps"] = live.report.get("shadow_steps", 0) + 1
         return whole - trained_fb[0] + timed  # the step as the candidate's: its forward and backward, the rest as run

@@ -216,6 +216,19 @@ class LiveTrial:
         self._pruned = self._raced = self._part_timed = False
         self._warm: list[tuple[Switches, float, bool]] = []  # (candidate, seconds, the run's first step)
 
+    def _fastest_allowed(self) -> tuple[Switches | None, dict[Switches, float]]:
+        """The fastest candidate by median that the numerics guard allows (None: none is), and every median."""
+        rejected = self._rejections(self.grid[0]) if self.stage == "precision x layout" else {}
+        med = medians(self.times)
+        allowed = [c for c in med if c not in rejected]
+        return (min(allowed, key=med.get) if allowed else None), med
+
+    def _leave(self, out: dict[Switches, str]) -> None:
+        """`out`'s candidates take no later turns (their timings stay in the record), each with its reason."""
+        if out:
+            self._queue = [(c, t) for c, t in self._queue if c not in out]
+            self.report.setdefault("dropped", {}).update({c.label(): why for c, why in out.items()})
+
     def _drop_long_shots(self) -> None:
         """Once every candidate has a timed step: one DROP_AT x slower than the fastest (that the numerics guard
         allows) leaves the later rounds. Each of its turns would cost the run a slow step, and no step's noise
@@ -223,18 +236,10 @@ class LiveTrial:
         if self._pruned or not all(self.times.values()):
             return
         self._pruned = True
-        rejected = self._rejections(self.grid[0]) if self.stage == "precision x layout" else {}
-        med = medians(self.times)
-        allowed = [m for s, m in med.items() if s not in rejected]
-        if not allowed:
-            return
-        fastest = min(allowed)
-        out = {s: m / fastest for s, m in med.items() if m > DROP_AT * fastest}
-        if out:
-            self._queue = [(c, t) for c, t in self._queue if c not in out]
-            self.report.setdefault("dropped", {}).update(
-                {s.label(): f"{r:.2f}x the fastest after its first timed step: out of the later rounds"
-                 for s, r in out.items()})
+        ref, med = self._fastest_allowed()
+        if ref is not None:
+            self._leave({c: f"{m / med[ref]:.2f}x the fastest after its first timed step: out of the later rounds"
+                         for c, m in med.items() if m > DROP_AT * med[ref]})
 
     def _drop_beaten(self) -> None:
         """Once every candidate has two timed steps: one whose fastest step is slower than every step of the fastest
@@ -245,18 +250,12 @@ class LiveTrial:
         if not self.race or self._raced or not all(len(v) >= 2 for v in self.times.values()) or len(self.times) < 2:
             return
         self._raced = True
-        rejected = self._rejections(self.grid[0]) if self.stage == "precision x layout" else {}
-        med = {c: m for c, m in medians(self.times).items() if c not in rejected}
-        if not med:
-            return
-        ref = min(med, key=med.get)
-        beaten = [c for c, v in self.times.items() if c != ref and min(v) > max(self.times[ref])
-                  and any(q == c for q, _ in self._queue)]
-        if beaten:
-            self._queue = [(c, t) for c, t in self._queue if c not in beaten]
-            self.report.setdefault("dropped", {}).update(
-                {c.label(): f"each of its timed steps slower than every one of {ref.label()}: out of the later rounds"
-                 for c in beaten})
+        ref, _ = self._fastest_allowed()
+        queued = {c for c, _ in self._queue}
+        if ref is not None:
+            self._leave({c: f"each of its timed steps slower than every one of {ref.label()}: out of the later rounds"
+                         for c, v in self.times.items()
+                         if c != ref and c in queued and min(v) > max(self.times[ref])})
 
     @property
     def done(self) -> bool:
