@@ -38,6 +38,7 @@ import math
 import torch
 from torch import nn
 
+from torchspeed.train.lean_step import lean_step_for
 from torchspeed.train.optim_info import OptimInfo, optimizer_available, optimizer_info, register_optimizer
 
 __all__ = ["create_optimizer", "zero_grad", "param_groups", "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR",
@@ -137,7 +138,10 @@ def _fused_or_foreach(cls: type, groups: list[dict], kwargs: dict, fused: bool |
 
 
 def zero_grad(optimizer: torch.optim.Optimizer, *, set_to_none: bool = True) -> None:
-    """Clear gradients; `set_to_none=True` (T26) frees them instead of writing zeros."""
+    """Clear gradients; `set_to_none=True` (T26) frees them instead of writing zeros (for a fused Adam/AdamW on
+    the CPU, on the lists `LeanStep` keeps: no per-step walk of the groups)."""
+    if set_to_none and (lean := lean_step_for(optimizer)) is not None and lean.clear_grads():
+        return
     optimizer.zero_grad(set_to_none=set_to_none)
 
 

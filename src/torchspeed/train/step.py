@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from torchspeed.train.lean_step import lean_step_for
+
 __all__ = ["backward", "optimizer_step", "AccumulationWindow", "needs_closure", "closure_for"]
 
 
@@ -138,7 +140,10 @@ def optimizer_step(optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradSc
             scaler.unscale_(optimizer)  # once, before clipping: clip the true gradient
         torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
     if scaler is None:
-        optimizer.step() if closure is None else optimizer.step(closure)
+        if closure is not None:
+            optimizer.step(closure)
+        elif (lean := lean_step_for(optimizer)) is None or not lean.step():  # T51: the fused kernels, no wrapper
+            optimizer.step()
         return _NOT_SKIPPED
     scale = getattr(scaler, "_scale", None)
     before = scale.clone() if isinstance(scale, torch.Tensor) else scaler.get_scale()

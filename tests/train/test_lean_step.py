@@ -1,0 +1,143 @@
+"""LeanStep: torch's fused Adam/AdamW update on kept lists, bit for bit, and every other case handed back."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchspeed
+from torchspeed.train.lean_step import lean_step_for
+from torchspeed.train.optim import zero_grad
+from torchspeed.train.step import optimizer_step
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv1d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3))
+
+
+def _batches(n=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 1, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n)]
+
+
+def _train(model, opt, batches, *, ours: bool, sched=None, between=None):
+    for i, (x, y) in enumerate(batches):
+        F.cross_entropy(model(x), y).backward()
+        if ours:
+            optimizer_step(opt)
+            zero_grad(opt)
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
+        if between is not None:
+            between(i)
+
+
+def _same(a: nn.Module, b: nn.Module, oa, ob) -> None:
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+        for k, v in oa.state[pa].items():
+            assert torch.equal(v, ob.state[pb][k]), k
+
+
+@pytest.mark.parametrize("kind,kw", [
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05)),
+    (torch.optim.Adam, dict(lr=3e-3, weight_decay=1e-3)),
+    (torch.optim.AdamW, dict(lr=1e-2, amsgrad=True, maximize=True, betas=(0.8, 0.95), eps=1e-6)),
+    (torch.optim.Adam, dict(lr=torch.tensor(2e-3))),
+])
+def test_the_lean_update_is_torchs_fused_update_bit_for_bit(kind, kw):
+    ref, mine = _model(), _model()
+    kw_ref = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in kw.items()}
+    o_ref, o_mine = kind(ref.parameters(), fused=True, **kw_ref), kind(mine.parameters(), fused=True, **kw)
+    s_ref = torch.optim.lr_scheduler.StepLR(o_ref, 3, gamma=0.5) if not torch.is_tensor(kw["lr"]) else None
+    s_mine = torch.optim.lr_scheduler.StepLR(o_mine, 3, gamma=0.5) if s_ref is not None else None
+    batches = _batches()
+    _train(ref, o_ref, batches, ours=False, sched=s_ref)
+    _train(mine, o_mine, batches, ours=True, sched=s_mine)
+    _same(ref, mine, o_ref, o_mine)
+    assert lean_step_for(o_mine).steps == len(batches) - 1  # all but the first (torch makes the state)
+
+
+def test_two_groups_and_a_state_loaded_midway_stay_torchs_update():
+    ref, mine = _model(), _model()
+
+    def groups(m):
+        return [{"params": list(m[0].parameters()), "lr": 1e-2},
+                {"params": list(m[3].parameters()), "lr": 3e-3, "weight_decay": 0.0}]
+    o_ref = torch.optim.AdamW(groups(ref), fused=True)
+    o_mine = torch.optim.AdamW(groups(mine), fused=True)
+    batches = _batches()
+    saved = {}
+
+    def reload(i, opt, key):
+        if i == 4:
+            saved[key] = copy.deepcopy(opt.state_dict())
+        if i == 7:  # a resume: the state tensors are replaced; stale lists would update orphans
+            opt.load_state_dict(saved[key])
+    _train(ref, o_ref, batches, ours=False, between=lambda i: reload(i, o_ref, "ref"))
+    _train(mine, o_mine, batches, ours=True, between=lambda i: reload(i, o_mine, "mine"))
+    _same(ref, mine, o_ref, o_mine)
+    assert lean_step_for(o_mine).steps == len(batches) - 1
+
+
+def test_every_case_it_cannot_mirror_goes_through_optimizer_step():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    lean = lean_step_for(opt)
+    batches = iter(_batches(20))
+    calls = []
+    opt.register_step_post_hook(lambda *a: calls.append(1))
+
+    def one():
+        x, y = next(batches)
+        F.cross_entropy(model(x), y).backward()
+        optimizer_step(opt)
+        zero_grad(opt)
+    one()
+    one()  # a hook: torch steps
+    assert len(calls) == 2 and lean.steps == 0
+    opt._optimizer_step_post_hooks.clear()
+    one()
+    assert lean.steps == 1 and len(calls) == 2
+    opt.found_inf = torch.zeros(())  # the guard's device skip: torch reads it
+    one()
+    del opt.found_inf
+    assert lean.steps == 1
+    for g in opt.param_groups:  # the kernel switched to foreach: not the fused kernels
+        g["fused"], g["foreach"] = False, True
+    one()
+    assert lean.steps == 1
+    for g in opt.param_groups:
+        g["fused"], g["foreach"] = True, False
+    one()
+    assert lean.steps == 2
+    model[3].bias.requires_grad_(False)  # a parameter without a gradient this step
+    one()
+    assert lean.steps == 2
+    assert lean_step_for(torch.optim.SGD(model.parameters(), lr=0.1)) is None
+
+
+def test_fit_steps_a_fused_adamw_through_the_lean_step(monkeypatch):
+    """On the CPU `fit`'s fused AdamW goes through torch's `step` for the first update only (this fails with the
+    lean step switched off: every update is torch's)."""
+    calls = []
+    real = torch.optim.AdamW.step
+
+    def counting(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+    monkeypatch.setattr(torch.optim.AdamW, "step", counting)
+    torch.manual_seed(0)
+    x, y = torch.randn(200, 6), torch.randint(0, 2, (200,))
+    res = torchspeed.fit(nn.Linear(6, 2), DataLoader(TensorDataset(x, y), batch_size=20), epochs=2,
+                         optimizer="adamw", lr=1e-2, fused_optimizer=True, precision="fp32", trial=False,
+                         progress=False)
+    assert res.steps == 20
+    assert len(calls) == 1
