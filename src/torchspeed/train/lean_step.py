@@ -1,4 +1,4 @@
-"""The fused Adam/AdamW step without `torch.optim`'s per-step Python (T51, T13).
+"""The fused Adam/AdamW/SGD step without `torch.optim`'s per-step Python (T51, T13).
 
 On a small model the optimizer's kernels take a few microseconds and `Adam.step` around them takes
 ten times that: the profiler's `record_function`, the hook loops, `_init_group` walking every parameter
@@ -9,13 +9,13 @@ and its state, the grouping by device and dtype, all rebuilt each step. Measured
 
 `LeanStep` keeps those lists (parameters, moments, step counts) and calls the same kernels torch's
 fused path calls (`torch._foreach_add_` on the step counts, then `torch._fused_adamw_` or
-`torch._fused_adam_`), with the same arguments: the update is torch's, bit for bit
+`torch._fused_adam_`; for SGD `torch._fused_sgd_` on its momentum buffers), with the same arguments: the update is torch's, bit for bit
 (tests/train/test_lean_step.py). It only ever takes the common case and hands every other step back
 to `optimizer.step()`:
 
-- exactly `torch.optim.Adam` or `AdamW` (a subclass may step otherwise), every group fused, on the CPU,
-  one dtype per group, no complex parameters, no amsgrad-less edge it cannot mirror (amsgrad,
-  maximize and weight decay are passed through), not capturable or differentiable;
+- exactly `torch.optim.Adam`, `AdamW` or `SGD` (a subclass may step otherwise), every group fused, on
+  the CPU, one dtype per group, no complex parameters (amsgrad, maximize, nesterov, dampening and
+  weight decay are passed through), not capturable or differentiable;
 - the state already made by one real `step()` (the first step always goes through torch);
 - no step hooks (the optimizer's or the global ones), no `step` replaced on the instance (an LR
   scheduler's call-tracking wrapper excepted: its flag is set as it would set it), no
@@ -42,8 +42,9 @@ from torch.optim import optimizer as _optimizer_module
 
 __all__ = ["LeanStep", "lean_step_for"]
 
-_FLAGS = ("fused", "foreach", "amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay")
-_KINDS = (torch.optim.Adam, torch.optim.AdamW)
+_FLAGS = ("fused", "foreach", "amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay",
+          "nesterov")
+_KINDS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its LeanStep
 
 
@@ -51,6 +52,39 @@ def _flags(group: dict, optimizer) -> tuple:
     """The group's kernel flags; `decoupled_weight_decay` as AdamW has it where torch's groups do not say."""
     return tuple(group.get(k, type(optimizer) is torch.optim.AdamW) if k == "decoupled_weight_decay" else group.get(k)
                  for k in _FLAGS)
+
+
+def _state_lists(kind: type, group: dict, states: list) -> tuple | None:
+    """The state tensors the kernel takes, per parameter in order; None where a state is not made yet."""
+    if kind is torch.optim.SGD:
+        if group["momentum"] == 0:
+            return ([],)
+        bufs = [s.get("momentum_buffer") if s else None for s in states]
+        return None if any(b is None for b in bufs) else (bufs,)
+    keys = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+    if any(not s or any(k not in s for k in keys) for s in states):
+        return None
+    return ([s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [], [s["step"] for s in states])
+
+
+def _adam_update(lists: tuple, grads: list) -> None:
+    """What `torch.optim.adam._fused_adam` runs for one device and dtype: the step counts, then the kernel."""
+    group, flags, params, exp_avgs, exp_avg_sqs, max_sqs, steps = lists
+    torch._foreach_add_(steps, 1)
+    kernel = torch._fused_adamw_ if flags[6] else torch._fused_adam_
+    beta1, beta2 = group["betas"]
+    kernel(params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, amsgrad=flags[2], lr=group["lr"], beta1=beta1,
+           beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], maximize=flags[3], grad_scale=None,
+           found_inf=None)
+
+
+def _sgd_update(lists: tuple, grads: list) -> None:
+    """What `torch.optim.sgd._fused_sgd` runs after its first step (the momentum buffers made)."""
+    group, flags, params, bufs = lists
+    torch._fused_sgd_(params, grads, bufs, weight_decay=group["weight_decay"], momentum=group["momentum"],
+                      lr=group["lr"], dampening=group["dampening"], nesterov=flags[7], maximize=flags[3],
+                      is_first_step=False, grad_scale=None, found_inf=None)
 
 
 def lean_step_for(optimizer) -> LeanStep | None:
@@ -64,13 +98,14 @@ def lean_step_for(optimizer) -> LeanStep | None:
 
 
 class LeanStep:
-    """The fused Adam/AdamW update on lists kept between steps (see the module docstring)."""
+    """The fused Adam/AdamW/SGD update on lists kept between steps (see the module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self._groups_ref = self._state_ref = None
         self._n_state = -1
-        self._groups: list[tuple] = []  # per group: (group, flags, params, exp_avgs, exp_avg_sqs, max_sqs, steps)
+        self._groups: list[tuple] = []  # per group: (group, flags, params, *the state's lists: `_state_lists`)
+        self._sgd = type(optimizer) is torch.optim.SGD
         self.steps = 0  # updates it made (the tests read it)
 
     def _fresh(self) -> bool:
@@ -89,7 +124,7 @@ class LeanStep:
         self._groups_ref, self._groups = None, []  # stale until the lists are whole
         for group in opt.param_groups:
             flags = _flags(group, opt)
-            fused, _, amsgrad, _, capturable, differentiable, _ = flags
+            fused, _, _, _, capturable, differentiable, _, _ = flags
             params = group["params"]
             if not fused or capturable or differentiable or not params:
                 return False
@@ -99,15 +134,12 @@ class LeanStep:
                 return False
             if torch.is_tensor(group["lr"]) and group["lr"].device.type != "cpu":
                 return False
-            if any(torch.is_tensor(b) for b in group["betas"]):
+            if any(torch.is_tensor(b) for b in group.get("betas", ())):
                 return False
-            states = [opt.state.get(p) for p in params]
-            keys = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
-            if any(not s or any(k not in s for k in keys) for s in states):
+            lists = _state_lists(type(opt), group, [opt.state.get(p) for p in params])
+            if lists is None:
                 return False  # a parameter not stepped yet: torch makes its state
-            groups.append((group, flags, params, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                           [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
-                           [s["step"] for s in states]))
+            groups.append((group, flags, params, *lists))
         self._groups, self._n_state = groups, len(opt.state)
         self._groups_ref, self._state_ref = opt.param_groups, opt.state
         return True
@@ -134,13 +166,8 @@ class LeanStep:
         if "step" in opt.__dict__:
             opt._opt_called = True  # what an LR scheduler's wrapper records (its step-order warning)
         with torch.no_grad():
-            for (group, flags, params, exp_avgs, exp_avg_sqs, max_sqs, steps), gs in zip(self._groups, grads):
-                torch._foreach_add_(steps, 1)
-                kernel = torch._fused_adamw_ if flags[6] else torch._fused_adam_
-                beta1, beta2 = group["betas"]
-                kernel(params, gs, exp_avgs, exp_avg_sqs, max_sqs, steps, amsgrad=flags[2], lr=group["lr"],
-                       beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                       maximize=flags[3], grad_scale=None, found_inf=None)
+            for g, gs in zip(self._groups, grads):
+                (_sgd_update if self._sgd else _adam_update)(g, gs)
         self.steps += 1
         return True
 
