@@ -91,6 +91,23 @@ def test_two_groups_and_a_state_loaded_midway_stay_torchs_update():
     assert lean_step_for(o_mine).steps == len(batches) - 1
 
 
+def test_a_group_or_a_parameter_added_in_place_is_stepped():
+    ref, mine = _model(), _model()
+    o_ref = torch.optim.AdamW(list(ref[0].parameters()), lr=1e-2, fused=True)
+    o_mine = torch.optim.AdamW(list(mine[0].parameters()), lr=1e-2, fused=True)
+
+    def grow(i, opt, m):
+        if i == 3:  # the same param_groups list, one group longer
+            opt.add_param_group({"params": [m[3].weight], "lr": 3e-3})
+        if i == 6:  # the same params list, one parameter longer
+            opt.param_groups[1]["params"].append(m[3].bias)
+    batches = _batches()
+    _train(ref, o_ref, batches, ours=False, between=lambda i: grow(i, o_ref, ref))
+    _train(mine, o_mine, batches, ours=True, between=lambda i: grow(i, o_mine, mine))
+    _same(ref, mine, o_ref, o_mine)
+    assert lean_step_for(o_mine).steps == len(batches) - 3  # torch makes each new parameter's state
+
+
 def test_every_case_it_cannot_mirror_goes_through_optimizer_step():
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)

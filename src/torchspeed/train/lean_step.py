@@ -23,8 +23,10 @@ to `optimizer.step()`:
 - every parameter with a gradient this step.
 
 Lists are rebuilt when the optimizer's `param_groups` or `state` is replaced (`load_state_dict`),
-when a group's parameter list or flags change (a switch between the fused and foreach kernels), or
-when the state's size changes. `optimizer_step` and `zero_grad` (`torchspeed.train.step`,
+when a group is added (`add_param_group`), when a group's parameter list is replaced or grows or its
+flags change (a switch between the fused and foreach kernels), or when the state's size changes. One
+case is not seen: a moment tensor swapped by hand inside `optimizer.state[p]` (torch re-reads the
+state each step; set the optimizer's state through `load_state_dict`). `optimizer_step` and `zero_grad` (`torchspeed.train.step`,
 `torchspeed.train.optim`) use it for every optimizer they are given; nothing to switch on.
 
 Example:
@@ -104,6 +106,7 @@ class LeanStep:
         self.optimizer = optimizer
         self._groups_ref = self._state_ref = None
         self._n_state = -1
+        self._sizes: list[int] = []
         self._groups: list[tuple] = []  # per group: (group, flags, params, *the state's lists: `_state_lists`)
         self._sgd = type(optimizer) is torch.optim.SGD
         self.steps = 0  # updates it made (the tests read it)
@@ -111,10 +114,10 @@ class LeanStep:
     def _fresh(self) -> bool:
         opt = self.optimizer
         if opt.param_groups is not self._groups_ref or opt.state is not self._state_ref or \
-                len(opt.state) != self._n_state:
-            return False
-        for group, flags, params, *_ in self._groups:
-            if group["params"] is not params or _flags(group, opt) != flags:
+                len(opt.state) != self._n_state or len(opt.param_groups) != len(self._groups):
+            return False  # replaced (load_state_dict), or a group added in place (add_param_group)
+        for (group, flags, params, *_), n in zip(self._groups, self._sizes):
+            if group["params"] is not params or len(params) != n or _flags(group, opt) != flags:
                 return False
         return True
 
@@ -141,6 +144,7 @@ class LeanStep:
                 return False  # a parameter not stepped yet: torch makes its state
             groups.append((group, flags, params, *lists))
         self._groups, self._n_state = groups, len(opt.state)
+        self._sizes = [len(g[2]) for g in groups]  # a parameter appended to a group's list makes them stale
         self._groups_ref, self._state_ref = opt.param_groups, opt.state
         return True
 
