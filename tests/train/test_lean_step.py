@@ -142,6 +142,10 @@ def test_every_case_it_cannot_mirror_goes_through_optimizer_step():
     model[3].bias.requires_grad_(False)  # a parameter without a gradient this step
     one()
     assert lean.steps == 2
+    cleared = []
+    opt.zero_grad = lambda set_to_none=True: cleared.append(set_to_none)  # replaced on the instance: it runs
+    zero_grad(opt)
+    assert cleared == [True]
     assert lean_step_for(torch.optim.RMSprop(model.parameters(), lr=0.1)) is None
 
 

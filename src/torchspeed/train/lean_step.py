@@ -177,8 +177,8 @@ class LeanStep:
 
     def clear_grads(self) -> bool:
         """`zero_grad(set_to_none=True)` for the parameters it holds; False where `zero_grad` must run instead."""
-        if not self._groups or not self._fresh():
-            return False
+        if not self._groups or "zero_grad" in self.optimizer.__dict__ or not self._fresh():
+            return False  # nothing kept yet, or a zero_grad replaced on the instance: it runs
         for g in self._groups:
             for p in g[2]:
                 p.grad = None

@@ -138,8 +138,8 @@ def _fused_or_foreach(cls: type, groups: list[dict], kwargs: dict, fused: bool |
 
 
 def zero_grad(optimizer: torch.optim.Optimizer, *, set_to_none: bool = True) -> None:
-    """Clear gradients; `set_to_none=True` (T26) frees them instead of writing zeros (for a fused Adam/AdamW on
-    the CPU, on the lists `LeanStep` keeps: no per-step walk of the groups)."""
+    """Clear gradients; `set_to_none=True` (T26) frees them instead of writing zeros (for a fused Adam/AdamW/SGD
+    on the CPU, on the lists `LeanStep` keeps: no per-step walk of the groups)."""
     if set_to_none and (lean := lean_step_for(optimizer)) is not None and lean.clear_grads():
         return
     optimizer.zero_grad(set_to_none=set_to_none)
