@@ -9,14 +9,14 @@ and its state, the grouping by device and dtype, all rebuilt each step. Measured
 
 `LeanStep` keeps those lists (parameters, moments, step counts) and calls the same kernels torch's
 fused path calls (`torch._foreach_add_` on the step counts, then `torch._fused_adamw_` or
-`torch._fused_adam_`; for SGD `torch._fused_sgd_` on its momentum buffers), with the same arguments: the update is torch's, bit for bit
-(tests/train/test_lean_step.py). It only ever takes the common case and hands every other step back
-to `optimizer.step()`:
+`torch._fused_adam_`; for SGD `torch._fused_sgd_` on its momentum buffers), with the same arguments:
+the update is torch's, bit for bit (tests/train/test_lean_step.py). It only ever takes the common
+case and hands every other step back to `optimizer.step()`:
 
 - exactly `torch.optim.Adam`, `AdamW` or `SGD` (a subclass may step otherwise), every group fused, on
   the CPU, one dtype per group, no complex parameters (amsgrad, maximize, nesterov, dampening and
   weight decay are passed through), not capturable or differentiable;
-- the state already made by one real `step()` (the first step always goes through torch);
+- the state already made by one real `step()` (the first step always goes through torch; plain SGD has none);
 - no step hooks (the optimizer's or the global ones), no `step` replaced on the instance (an LR
   scheduler's call-tracking wrapper excepted: its flag is set as it would set it), no
   `grad_scale`/`found_inf` set on the optimizer (GradScaler, the guard's device skip);
@@ -26,8 +26,9 @@ Lists are rebuilt when the optimizer's `param_groups` or `state` is replaced (`l
 when a group is added (`add_param_group`), when a group's parameter list is replaced or grows or its
 flags change (a switch between the fused and foreach kernels), or when the state's size changes. One
 case is not seen: a moment tensor swapped by hand inside `optimizer.state[p]` (torch re-reads the
-state each step; set the optimizer's state through `load_state_dict`). `optimizer_step` and `zero_grad` (`torchspeed.train.step`,
-`torchspeed.train.optim`) use it for every optimizer they are given; nothing to switch on.
+state each step; set the optimizer's state through `load_state_dict`). `optimizer_step` and
+`zero_grad` (`torchspeed.train.step`, `torchspeed.train.optim`) use it for every optimizer they are
+given; nothing to switch on.
 
 Example:
     >>> lean = lean_step_for(opt)
