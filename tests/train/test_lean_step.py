@@ -149,6 +149,23 @@ def test_every_case_it_cannot_mirror_goes_through_optimizer_step():
     assert lean_step_for(torch.optim.RMSprop(model.parameters(), lr=0.1)) is None
 
 
+class _Sub(torch.Tensor):
+    """A tensor subclass (as FSDP2's DTensor shards are): torch's own step groups and dispatches it."""
+
+
+def test_a_tensor_subclass_parameter_goes_through_torchs_step():
+    ref, mine = _model(), _model()
+    for m in (ref, mine):
+        m[3].weight = nn.Parameter(m[3].weight.detach().as_subclass(_Sub))
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    o_mine = torch.optim.AdamW(mine.parameters(), lr=1e-2, fused=True)
+    batches = _batches(5)
+    _train(ref, o_ref, batches, ours=False)
+    _train(mine, o_mine, batches, ours=True)
+    _same(ref, mine, o_ref, o_mine)
+    assert lean_step_for(o_mine).steps == 0
+
+
 def test_fit_steps_a_fused_adamw_through_the_lean_step(monkeypatch):
     """On the CPU `fit`'s fused AdamW goes through torch's `step` for the first update only (this fails with the
     lean step switched off: every update is torch's)."""

@@ -14,7 +14,7 @@ the update is torch's, bit for bit (tests/train/test_lean_step.py). It only ever
 case and hands every other step back to `optimizer.step()`:
 
 - exactly `torch.optim.Adam`, `AdamW` or `SGD` (a subclass may step otherwise), every group fused, on
-  the CPU, one dtype per group, no complex parameters (amsgrad, maximize, nesterov, dampening and
+  the CPU, one dtype per group, plain tensors (no DTensor shard or other subclass), no complex parameters (amsgrad, maximize, nesterov, dampening and
   weight decay are passed through), not capturable or differentiable;
 - the state already made by one real `step()` (the first step always goes through torch; plain SGD has none);
 - no step hooks (the optimizer's or the global ones), no `step` replaced on the instance (an LR
@@ -134,8 +134,8 @@ class LeanStep:
                 return False
             p0 = params[0]
             if p0.device.type != "cpu" or any(p.dtype != p0.dtype or p.device != p0.device or torch.is_complex(p)
-                                              for p in params):
-                return False
+                                              or type(p.data) is not torch.Tensor for p in params):
+                return False  # a DTensor shard (FSDP2) or another subclass: torch groups and dispatches it
             if torch.is_tensor(group["lr"]) and group["lr"].device.type != "cpu":
                 return False
             if any(torch.is_tensor(b) for b in group.get("betas", ())):
