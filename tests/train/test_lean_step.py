@@ -1,6 +1,8 @@
 """LeanStep: torch's fused Adam/AdamW update on kept lists, bit for bit, and every other case handed back."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -106,6 +108,17 @@ def test_a_group_or_a_parameter_added_in_place_is_stepped():
     _train(mine, o_mine, batches, ours=True, between=lambda i: grow(i, o_mine, mine))
     _same(ref, mine, o_ref, o_mine)
     assert lean_step_for(o_mine).steps == len(batches) - 3  # torch makes each new parameter's state
+
+
+def test_the_kept_lists_do_not_keep_the_optimizer_alive():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    _train(model, opt, _batches(3), ours=True)
+    assert lean_step_for(opt).steps == 2
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert gone() is None  # a run's optimizer and its state are freed when the run lets go of them
 
 
 def test_every_case_it_cannot_mirror_goes_through_optimizer_step():

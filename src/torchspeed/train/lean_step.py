@@ -104,13 +104,17 @@ class LeanStep:
     """The fused Adam/AdamW/SGD update on lists kept between steps (see the module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
+        self._optimizer = weakref.ref(optimizer)  # weak: `_LEAN`'s value must not keep its key (the optimizer) alive
         self._groups_ref = self._state_ref = None
         self._n_state = -1
         self._sizes: list[int] = []
         self._groups: list[tuple] = []  # per group: (group, flags, params, *the state's lists: `_state_lists`)
         self._sgd = type(optimizer) is torch.optim.SGD
         self.steps = 0  # updates it made (the tests read it)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer()
 
     def _fresh(self) -> bool:
         opt = self.optimizer
