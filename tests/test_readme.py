@@ -27,18 +27,20 @@ def test_the_readme_is_short_and_names_the_machine_its_tables_come_from():
     assert README.count("-table: ") == 1, "the README has one table of figures: the suite's"
 
 
-def test_the_time_to_target_table_is_the_results_json():
-    rows = _table("time_to_target", RESULTS_MD, "results")
+@pytest.mark.parametrize("kind", ["cpu-avx512-bf16", "cpu-avx2"])
+def test_the_time_to_target_table_is_the_results_json(kind):
+    name = "time_to_target" if kind == RESULTS.name else "time_to_target_" + kind.removeprefix("cpu-").replace("-", "_")
+    rows = _table(name, RESULTS_MD, "results")
     assert [r[0] for r in rows] == ["0.97", "0.90"]
     for row in rows:
-        data = json.loads((RESULTS / f"time_to_target_0{row[0][2:]}_fit.json").read_text())
+        data = json.loads((RESULTS.parent / kind / f"time_to_target_0{row[0][2:]}_fit.json").read_text())
         for cell, name in zip(row[1:5], ("naive", "all", "auto", "schedulefree")):
             c = data["configs"][name]
             assert cell == f"{c['budget_steps']} steps, {c['median_total_s']:.2f} s", (row[0], name)
         assert row[5] == f"{data['ratios']['auto_vs_naive']:.2f}x" and row[6] == f"{data['ratios']['auto_vs_all']:.2f}x"
 
 
-@pytest.mark.parametrize("kind", ["cpu-avx512-bf16", "cpu-amx"])
+@pytest.mark.parametrize("kind", ["cpu-avx512-bf16", "cpu-amx", "cpu-avx2"])
 def test_the_plain_loop_table_is_the_results_json(kind):
     data = json.loads((RESULTS.parent / kind / "plain_loop.json").read_text())["workloads"]
     name = "plain_loop" if kind == RESULTS.name else "plain_loop_" + kind.removeprefix("cpu-").replace("-", "_")
@@ -77,7 +79,7 @@ def test_the_suite_table_is_the_suites_json():
     _check_suite_table(data, README, "readme", "suite")
 
 
-@pytest.mark.parametrize("kind", ["cpu-amx"])
+@pytest.mark.parametrize("kind", ["cpu-amx", "cpu-avx2"])
 def test_each_machines_suite_table_in_the_results_page_is_its_json(kind):
     data = json.loads((RESULTS.parent / kind / "suite.json").read_text())
     name = "suite_" + kind.removeprefix("cpu-").replace("-", "_")
