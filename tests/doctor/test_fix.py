@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from torchspeed.cli.main import main
 from torchspeed.doctor import diagnose
@@ -312,7 +313,27 @@ WORD_LM = textwrap.dedent('''
 ''')
 
 
-def test_a_models_own_self_parameters_does_not_hide_the_model_from_the_autocast_patch():
+class _RecordedAutocast:
+    """Stands in for `torch.autocast` while a patched script runs: records each entry and runs the body in fp32, so
+    the test does not depend on the CPU's bf16 kernels (oneDNN has no bf16 LSTM where the CPU lacks native bf16)."""
+
+    entered: list = []
+
+    def __init__(self, device_type, dtype=None, **kwargs):
+        self.args = (device_type, dtype)
+
+    def __enter__(self):
+        type(self).entered.append(self.args)
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_models_own_self_parameters_does_not_hide_the_model_from_the_autocast_patch(monkeypatch):
     out = apply_patch("autocast", WORD_LM, PatchContext(device="cpu"))  # it read `self` as a second model before
     assert 'with torch.autocast("cpu", dtype=torch.bfloat16):\n        output, hidden = model(' in out
-    exec(compile(out, "word_lm_patched.py", "exec"), {})  # and the patched script runs
+    monkeypatch.setattr(_RecordedAutocast, "entered", [])
+    monkeypatch.setattr(torch, "autocast", _RecordedAutocast)
+    exec(compile(out, "word_lm_patched.py", "exec"), {})  # the patched script runs, its model calls under autocast
+    assert _RecordedAutocast.entered == [("cpu", torch.bfloat16)] * 3
