@@ -14,8 +14,9 @@ the update is torch's, bit for bit (tests/train/test_lean_step.py). It only ever
 case and hands every other step back to `optimizer.step()`:
 
 - exactly `torch.optim.Adam`, `AdamW` or `SGD` (a subclass may step otherwise), every group fused, on
-  the CPU, one dtype per group, plain tensors (no DTensor shard or other subclass), no complex parameters (amsgrad, maximize, nesterov, dampening and
-  weight decay are passed through), not capturable or differentiable;
+  the CPU, one dtype per group, plain tensors (no DTensor shard or other subclass), no complex
+  parameters (amsgrad, maximize, nesterov, dampening and weight decay are passed through), not
+  capturable or differentiable;
 - the state already made by one real `step()` (the first step always goes through torch; plain SGD has none);
 - no step hooks (the optimizer's or the global ones), no `step` replaced on the instance (an LR
   scheduler's call-tracking wrapper excepted: its flag is set as it would set it), no
