@@ -34,9 +34,9 @@ def test_the_time_to_target_table_is_the_results_json(kind):
     assert [r[0] for r in rows] == ["0.97", "0.90"]
     for row in rows:
         data = json.loads((RESULTS.parent / kind / f"time_to_target_0{row[0][2:]}_fit.json").read_text())
-        for cell, name in zip(row[1:5], ("naive", "all", "auto", "schedulefree")):
-            c = data["configs"][name]
-            assert cell == f"{c['budget_steps']} steps, {c['median_total_s']:.2f} s", (row[0], name)
+        for cell, config in zip(row[1:5], ("naive", "all", "auto", "schedulefree")):
+            c = data["configs"][config]
+            assert cell == f"{c['budget_steps']} steps, {c['median_total_s']:.2f} s", (row[0], config)
         assert row[5] == f"{data['ratios']['auto_vs_naive']:.2f}x" and row[6] == f"{data['ratios']['auto_vs_all']:.2f}x"
 
 
