@@ -14,6 +14,7 @@ from torchspeed.train.autoswitch import SwitchStage
 from torchspeed.env import DeviceCaps
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.precision import resolve_precision
+from torchspeed.train.rounds import share_faster
 from torchspeed.train.switches import Switches, candidate_grid, choose, numerics_ok
 
 AVX2 = DeviceCaps("cpu", cpu_bf16=False, cores=2)
@@ -56,6 +57,16 @@ def test_choose_takes_the_fastest_but_not_a_change_within_noise():
     pick, why = choose(t, plain=plain)
     assert pick == plain and "not worth a change" in why
     assert choose(t, plain=plain, rejected={plain: "x"})[0] == Switches("fp32", True)
+
+
+def test_a_change_must_win_most_pairings_of_its_timed_steps_not_only_the_median():
+    """A median 5% faster whose steps lose to a third of the plain settings' (the faster in 67% of the pairings)
+    keeps the plain settings; the same median from steps that beat 5 of the plain's 6 is taken."""
+    plain, cl = Switches("fp32", False), Switches("fp32", True)
+    pick, why = choose({plain: [0.9, 1.05, 1.05, 0.9, 1.05, 1.05], cl: [1.0] * 6}, plain=plain)
+    assert pick == plain and "1.05x" in why and "67% of the pairings" in why and "not sure enough" in why
+    assert choose({plain: [0.99, 1.05, 1.05, 1.05, 1.05, 1.05], cl: [1.0] * 6}, plain=plain)[0] == cl
+    assert share_faster([1.0], [1.0]) == 0.5 and share_faster([0.9, 1.1], [1.0]) == 0.5
 
 
 def test_numerics_guard():
@@ -397,6 +408,44 @@ def test_a_trial_that_keeps_fp32_trains_the_run_the_fp32_loop_trains():
     assert out[True][2].decisions["switch_trial"].measured["shadow_steps"] >= 4  # bf16's turns, timed apart
 
 
+def test_a_trial_that_keeps_the_plain_layout_trains_the_run_the_plain_loop_trains(tiny_cnn):
+    """channels_last rounds otherwise too (its convolutions sum in another order): its turns are timed apart like
+    another precision's, so a conv net whose trial keeps the plain layout ends with the weights and BatchNorm
+    statistics of the run with no trial, to the last bit, and the trial says so."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(1600, 3, 8, 8, generator=g), torch.randint(0, 4, (1600,), generator=g)  # 100 steps: a full trial
+    out = {}
+    for trial in (True, False):
+        cfg = {"trial": True} if trial else {"trial": False, "channels_last": False}
+        t = _trainer(tiny_cnn(), AVX2, seconds={"fp32": 1.0, "fp32+channels_last": 1.3} if trial else None, **cfg)
+        t.switcher.race = False  # every channels_last turn taken (constant seconds would end them after round 1)
+        torch.manual_seed(3)
+        res = t.fit(DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
+        out[trial] = (t.module.state_dict(), res)
+    d = out[True][1].decisions
+    assert d["channels_last"].value is False and out[True][1].steps == out[False][1].steps == 100
+    assert d["switch_trial"].measured["shadow_steps"] == 7  # channels_last's warm-up and 3 rounds x 2 turns
+    assert "in the plain settings' precision and layout" in d["switch_trial"].reason
+    for k, v in out[False][0].items():
+        assert torch.equal(out[True][0][k], v), k
+
+
+def test_a_short_run_takes_no_more_turns_timed_apart_than_its_share(tiny_cnn, monkeypatch):
+    """Each turn timed apart is a forward and backward thrown away: a run of known length takes, beyond the first
+    look (the warm-up and one timed turn), at most SHADOW_SHARE of its steps of them, and decides on those."""
+    monkeypatch.setattr("torchspeed.train.shadow.SHADOW_SHARE", 0.05)
+    t = _trainer(tiny_cnn(), AVX2, seconds={"fp32": 1.0, "fp32+channels_last": 0.7})
+    t.switcher.race = False
+    res = t.fit(_loader(n=16 * 60))  # 60 steps: 3 turns (5%)
+    trial = res.decisions["switch_trial"]
+    assert trial.measured["shadow_steps"] == 3 and t.calls.count("fp32+channels_last+foreach") == 3
+    assert "afford 3 turns timed apart" in trial.measured["dropped"]["fp32+channels_last+foreach"]
+    assert res.decisions["channels_last"].value is True  # decided on its 2 timed turns: 0.7 against 1.0
+    long = _trainer(tiny_cnn(), AVX2, seconds={"fp32": 1.0, "fp32+channels_last": 0.7})
+    long.switcher.race = False
+    assert long.fit(_loader(n=16 * 200)).decisions["switch_trial"].measured["shadow_steps"] == 7  # 5% of 200: all
+
+
 def test_real_measurement_and_the_second_fit_measures_zero_steps(tiny_cnn, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
     kw = dict(epochs=1, trial=True, progress=False, compile=False, lr=0.05)
@@ -608,9 +657,10 @@ def test_the_optimizer_kernel_stage_times_the_optimizer_step_alone(tiny_cnn, mon
     """On a fake clock: every training forward costs 100 ms, the fused step 2 ms and the foreach step 6 ms. The
     kernel stage records the optimizer step's own seconds (its hooks); the layout stage and the times the compile
     trial reads stay whole steps."""
-    from torchspeed.train import autoswitch
+    from torchspeed.train import autoswitch, shadow
 
     monkeypatch.setattr(autoswitch, "time", fake_clock)
+    monkeypatch.setattr(shadow, "time", fake_clock)  # channels_last's turns are timed apart there
     t = _trainer(tiny_cnn(), AVX2, fused_optimizer="auto")
     t.module[0].register_forward_pre_hook(lambda m, a: fake_clock.advance(0.1) if torch.is_grad_enabled() else None)
     t.optimizer.register_step_post_hook(

@@ -6,9 +6,9 @@ nothing is left to choose (or `trial=False`, or a deterministic run), else a `Li
 for the run's first steps. At the first step the trial cache is read (this model, input
 shape, machine, kernels and torch version measured before: 0 steps measured); on a miss the
 candidates take turns on the real model and optimizer, each step a step of the run, until the
-trial decides and the winner stays in effect. A candidate in another precision than the plain
-settings' is timed apart (`shadow.ShadowTurns`): the run's numerics are the plain settings' until the
-trial decides, so a run that keeps fp32 is the plain fp32 run to the last bit. Under DDP every
+trial decides and the winner stays in effect. A candidate in another precision or memory layout than the
+plain settings' is timed apart (`shadow.ShadowTurns`): the run's numerics are the plain settings' until the
+trial decides, so a run that keeps the plain settings is the plain run to the last bit. Under DDP every
 rank runs the same schedule and applies rank 0's choice (`broadcast`); the memory layout stays
 (the gradient buckets were laid out for it). The user's RNG and the loader's data order are
 untouched: nothing is read from the loader that the run does not train on.
@@ -303,6 +303,13 @@ class SwitchStage:
             self._trial_meta["started"] = time.perf_counter()
         cand = trial.current()
         shadow = self._shadows(cand)
+        if shadow and trial.looked() and self.shadow.spent(self.t.total_steps):
+            trial.leave_apart(f"the run's {self.t.total_steps} steps afford {self.shadow.turns} turns timed apart")
+            if trial.done:
+                self.finish()
+                return run_step(batch_layout(batch, self.t.channels_last))
+            cand = trial.current()
+            shadow = self._shadows(cand)
         left = None if self.t.total_steps is None else self.t.total_steps - self.t.step - 1
         self.shadow.tick()
         if shadow and trial.looked() and self.shadow.waits(steps_left=left, turns_left=trial.turns_left(),
@@ -344,10 +351,11 @@ class SwitchStage:
             self.finish()
 
     def _shadows(self, cand: Switches) -> bool:
-        """Whether `cand` is timed apart from the run's numerics (`ShadowTurns.step`): a candidate precision other than
-        the plain settings', in the first stage, on one process with no accumulation window open across steps."""
+        """Whether `cand` is timed apart from the run's numerics (`ShadowTurns.step`): a candidate whose precision or
+        memory layout is not the plain settings' (`Switches.rounds_apart`), in the first stage, on one process with no
+        accumulation window open across steps."""
         trial = self.live
-        return (self.keep_numerics and trial.stage == "precision x layout" and cand.precision != trial.grid[0].precision
+        return (self.keep_numerics and trial.stage == "precision x layout" and cand.rounds_apart(trial.grid[0])
                 and self.t.config.grad_accum == 1 and self.t.dist is None)
 
     def finish(self) -> None:
@@ -375,7 +383,7 @@ class SwitchStage:
             TrialCache().put(self._trial_meta["key"], report)
         self._settle(sw, "measured", _summary(report), report, Decision(
             "measured", f"{report['steps']} of the run's own steps, each trained (in the plain settings' precision "
-                        f"while the trial ran: {report.get('shadow_steps', 0)} other-precision steps timed apart"
+                        f"and layout while the trial ran: {report.get('shadow_steps', 0)} steps in another timed apart"
                         + (f", paced over {self.shadow.waited} more steps" if self.shadow.waited else "")
                         + f"); measuring cost "
                         f"{report['extra_s']:.2f} s over the winner{self._trial_meta['short']}", report))

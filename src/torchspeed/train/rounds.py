@@ -80,6 +80,13 @@ def medians(times: Mapping[K, Sequence[float]]) -> dict[K, float]:
     return {k: statistics.median(v) for k, v in times.items() if len(v)}
 
 
+def share_faster(times: Sequence[float], reference: Sequence[float]) -> float:
+    """Of every pairing of one of `times` with one of `reference` (seconds), the share in which it is the faster
+    (ties count half): 0.5 where the two are the same distribution, 1.0 where every step beat every reference step."""
+    pairs = [(a < b) + 0.5 * (a == b) for a in times for b in reference]
+    return sum(pairs) / len(pairs) if pairs else 0.5
+
+
 def paired_ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
     """`num[i] / den[i]` for every round both ran. With seconds, (reference, candidate) gives the candidate's
     speed-up per round; with rates, (candidate, reference)."""

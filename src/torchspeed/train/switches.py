@@ -24,8 +24,9 @@ rules give 2x on a CIFAR ResNet-20. So `fit` measures instead:
    in the shortest trial: a setting's first step in a process carries one-off work (oneDNN
    primitives, cuDNN plans) that, timed, picks the setting the process happened to run before.
 3. **Choice** (`choose`, pure): the fastest candidate, except that a candidate with fewer
-   changes from the plain loop wins when it is within `min_gain` (2%) of the fastest: noise
-   does not buy a change. A half precision whose loss, at the same weights on the same
+   changes from the plain loop wins when it is within `min_gain` (2%) of the fastest, and a
+   change must be the faster in `SURE` (75%) of the pairings of its timed steps with the plain
+   settings': noise does not buy a change. A half precision whose loss, at the same weights on the same
    batch, differs from fp32's by more than `loss_tol` is not taken (the numerics guard).
 4. **Cache**: the result is cached per (model, input shape, machine, kernels, torch version) in
    `TrialCache`, so the next run measures nothing, unless the cached trial measured less than
@@ -42,7 +43,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import asdict, dataclass, replace
 
@@ -53,12 +53,10 @@ from torchspeed.env import DeviceCaps
 from torchspeed.train.memory_format import has_conv2d
 from torchspeed.train.optim import sparse_gradients
 from torchspeed.train.optim_info import info_for
-from torchspeed.train.rounds import medians, turns
+from torchspeed.train.rounds import medians, share_faster, turns
 
 __all__ = ["Switches", "candidate_grid", "rule_switches", "choose", "numerics_ok", "LiveTrial", "fusable",
            "set_fused", "trial_steps", "model_signature", "batch_signature"]
-
-log = logging.getLogger("torchspeed")
 
 @dataclass(frozen=True)
 class Switches:
@@ -81,6 +79,10 @@ class Switches:
         """How many switches differ from `plain` (ties go to fewer changes)."""
         return sum(getattr(self, k) != getattr(plain, k) for k in ("precision", "channels_last", "fused", "threads"))
 
+    def rounds_apart(self, plain: "Switches") -> bool:
+        """Whether these settings round otherwise than `plain`'s (precision, layout): a trial times them apart."""
+        return self.precision != plain.precision or self.channels_last != plain.channels_last
+
 
 def fusable(optimizer: torch.optim.Optimizer | None, model: nn.Module | None = None) -> bool:
     """True when `optimizer` has a fused kernel to switch: its row says torch has one (SGD, Adam, AdamW), and
@@ -99,15 +101,11 @@ def set_fused(optimizer: torch.optim.Optimizer, fused: bool) -> None:
 
 
 def _precisions(setting: str, caps: DeviceCaps) -> list[str]:
-    if setting != "auto":
-        return [setting]
-    return ["fp32"] + ([caps.half] if caps.half else [])
+    return [setting] if setting != "auto" else ["fp32"] + ([caps.half] if caps.half else [])
 
 
 def _layouts(setting, has_conv: bool) -> list[bool]:
-    if setting != "auto":
-        return [bool(setting)]
-    return [False, True] if has_conv else [False]
+    return [bool(setting)] if setting != "auto" else [False, True] if has_conv else [False]
 
 
 def candidate_grid(*, caps: DeviceCaps, has_conv: bool, precision: str = "auto",
@@ -134,23 +132,29 @@ def numerics_ok(reference_loss: float, loss: float, *, tol: float) -> bool:
 def choose(times: dict[Switches, list[float]], *, plain: Switches, min_gain: float = 1.02,
            rejected: dict[Switches, str] | None = None, ref: str = "the plain settings") -> tuple[Switches, str]:
     """The fastest candidate (median seconds per step), or one with fewer changes from `plain` (called `ref` in
-    the reason) within `min_gain` of it."""
+    the reason) within `min_gain` of it. A change must also be sure: faster in SURE of the pairings of its timed
+    steps with the plain settings' (`rounds.share_faster`), or the median's lead is one slow step's doing."""
     rejected = rejected or {}
     med = medians({s: t for s, t in times.items() if s not in rejected})
     if not med:
         return plain, f"no candidate could be measured: kept {ref}"
-    best = min(med, key=med.get)
-    near = [s for s in med if med[s] <= med[best] * min_gain]
-    pick = min(near, key=lambda s: (s.changes(plain), med[s]))
+    fastest, base = min(med, key=med.get), times.get(plain) if plain in med else None
+    unsure = {s: v for s in med if base and s != plain and (v := share_faster(times[s], base)) < SURE}
+    sure = {s: m for s, m in med.items() if s not in unsure}
+    best = min(sure, key=sure.get)
+    pick = min([s for s in sure if sure[s] <= sure[best] * min_gain], key=lambda s: (s.changes(plain), med[s]))
     if pick == plain:
-        why = f"{ref} measured fastest" if best == plain else (
+        why = f"{ref} measured fastest" if fastest == plain else (
+            f"{fastest.label()} measured {med[plain] / med[fastest]:.2f}x {ref} but was the faster in only "
+            f"{unsure[fastest]:.0%} of the pairings of its timed steps with theirs (< {SURE:.0%}): not sure enough "
+            "for a change") if fastest in unsure else (
             f"{best.label()} was only {med[plain] / med[best]:.2f}x {ref} (< {min_gain}x): not worth a change")
     else:
-        base = med.get(plain)
-        why = f"{base / med[pick]:.2f}x {ref} ({plain.label()})" if base else "fastest measured"
+        why = f"{med[plain] / med[pick]:.2f}x {ref} ({plain.label()})" if plain in med else "fastest measured"
     return pick, why
 
 
+SURE = 0.75  # a change is taken when it was the faster in this share of its timed steps' pairings with the plain's
 DROP_AT = 1.5  # a candidate this many times slower than the fastest after one timed step is out of the later rounds
 
 
@@ -389,22 +393,27 @@ class LiveTrial:
         return list(self._seen.get(self.best, []))
 
     def looked(self) -> bool:
-        """In the first stage: whether every candidate in another precision than the plain settings' has a timed
-        step, or has left the race (the first look at what a switch of precision would buy)."""
+        """In the first stage: whether every candidate in another precision or layout than the plain settings' has a
+        timed step, or has left the race (the first look at what a switch of them would buy)."""
         if self.stage != "precision x layout":
             return True
         queued = {c for c, _ in self._queue}
-        return all(self.times.get(c) or c not in queued for c in self.candidates
-                   if c.precision != self.grid[0].precision)
+        return all(self.times.get(c) or c not in queued for c in self.candidates if c.rounds_apart(self.grid[0]))
 
     def ahead_of_plain(self) -> bool:
-        """In the first stage: whether a candidate in another precision measured faster (median) than the plain
-        settings."""
+        """In the first stage: whether a candidate in another precision or layout measured faster (median) than the
+        plain settings."""
         plain = self.times.get(self.grid[0]) if self.stage == "precision x layout" else None
         if not plain:
             return False
         med = medians(self.times)
-        return any(m < med[self.grid[0]] for c, m in med.items() if c.precision != self.grid[0].precision)
+        return any(m < med[self.grid[0]] for c, m in med.items() if c.rounds_apart(self.grid[0]))
+
+    def leave_apart(self, why: str) -> None:
+        """The candidates timed apart take no more turns (`why`); the stage decides on what they measured."""
+        self._leave({c: why for c, _ in self._queue if c.rounds_apart(self.grid[0])})
+        if not self._queue:
+            self._end_stage()
 
     def turns_left(self) -> int:
         """The turns still to run: this stage's, and at most a full schedule for each stage after it."""
