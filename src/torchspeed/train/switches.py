@@ -58,6 +58,7 @@ from torchspeed.train.rounds import medians, share_faster, turns
 __all__ = ["Switches", "candidate_grid", "rule_switches", "choose", "numerics_ok", "LiveTrial", "fusable",
            "set_fused", "trial_steps", "model_signature", "batch_signature"]
 
+
 @dataclass(frozen=True)
 class Switches:
     """One combination of the measured switches. `fused`/`threads` None: left as they are."""
