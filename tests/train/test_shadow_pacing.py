@@ -1,6 +1,6 @@
 """The switch trial's turns timed apart (train/shadow.py): paced in steps so that at any moment of the run they have
 cost about SHADOW_SHARE of its steps, never so late that the trial cannot finish, not once a candidate measures
-faster, the run's numerics untouched; a trial cut short by the run's end is not cached.
+faster (then its turns train), the run's numerics untouched; a trial cut short by the run's end is not cached.
 
 Step times are injected (`measure_fn`): nothing here depends on the wall clock or the machine's load.
 """
@@ -97,13 +97,15 @@ def test_a_run_too_short_to_wait_runs_its_turns_in_time_to_decide(monkeypatch):
 
 
 @pytest.mark.paced
-def test_a_candidate_measured_faster_takes_its_turns_without_waiting(monkeypatch):
-    """Once bf16 measures faster than fp32 (its first look) the run is likely to switch: no turn waits."""
+def test_a_candidate_measured_faster_trains_its_turns_without_waiting(monkeypatch):
+    """Once bf16 measures faster than fp32 (its first look) the run is likely to switch, and its numerics with it:
+    its later turns train (none thrown away) and none waits."""
     seen = _spy_turns(monkeypatch)
     res = _trainer(bf16=(0.7, 0.6)).fit(_loader(300))
+    trial = res.decisions["switch_trial"].measured
     assert res.decisions["precision"].value == "bf16"
-    steps = [n for _, n in seen]
-    assert len(steps) == 7 and steps[-1] <= 14  # every turn within the trial's 14: none waited
+    assert len(seen) == trial["shadow_steps"] == 2  # the first look: bf16's warm-up and first timed turn
+    assert trial["steps"] <= 14 and "paced_steps" not in trial  # every turn within the trial's first 14 steps
 
 
 def test_unpaced_turns_run_back_to_back(monkeypatch):

@@ -312,8 +312,7 @@ class SwitchStage:
             shadow = self._shadows(cand)
         left = None if self.t.total_steps is None else self.t.total_steps - self.t.step - 1
         self.shadow.tick()
-        if shadow and trial.looked() and self.shadow.waits(steps_left=left, turns_left=trial.turns_left(),
-                                                           ahead=trial.ahead_of_plain()):
+        if shadow and trial.looked() and self.shadow.waits(steps_left=left, turns_left=trial.turns_left()):
             self.apply(trial.grid[0])  # a step in the plain settings while the turns timed apart wait (paced)
             return run_step(batch_layout(batch, trial.grid[0].channels_last))
         if not self._trial_meta.get("losses_taken") and cand.precision != trial.grid[0].precision:
@@ -353,10 +352,11 @@ class SwitchStage:
     def _shadows(self, cand: Switches) -> bool:
         """Whether `cand` is timed apart from the run's numerics (`ShadowTurns.step`): a candidate whose precision or
         memory layout is not the plain settings' (`Switches.rounds_apart`), in the first stage, on one process with no
-        accumulation window open across steps."""
+        accumulation window open across steps, while no such candidate measures faster than the plain settings (once
+        one does, the run is likely to switch: its turns train, none thrown away)."""
         trial = self.live
         return (self.keep_numerics and trial.stage == "precision x layout" and cand.rounds_apart(trial.grid[0])
-                and self.t.config.grad_accum == 1 and self.t.dist is None)
+                and self.t.config.grad_accum == 1 and self.t.dist is None and not trial.ahead_of_plain())
 
     def finish(self) -> None:
         """Decide on what the trial measured (all of it, or what a run that ended early allowed), apply, cache."""
