@@ -446,6 +446,20 @@ def test_a_short_run_takes_no_more_turns_timed_apart_than_its_share(tiny_cnn, mo
     assert long.fit(_loader(n=16 * 200)).decisions["switch_trial"].measured["shadow_steps"] == 7  # 5% of 200: all
 
 
+def test_a_layout_trains_its_turns_only_once_it_leads_by_ahead(tiny_cnn):
+    """A channels_last 5% faster is timed apart on every turn (a lead that small may be one step's noise, and a run
+    that ends up keeping the plain layout must keep its numerics); one 30% faster (AHEAD: 10%) trains its turns
+    after the first look (the run is likely to switch)."""
+    shadowed = {}
+    for cl in (0.95, 0.7):
+        t = _trainer(tiny_cnn(), AVX2, seconds={"fp32": 1.0, "fp32+channels_last": cl})
+        t.switcher.race = False
+        res = t.fit(_loader(n=16 * 200))
+        assert res.decisions["channels_last"].value is True
+        shadowed[cl] = res.decisions["switch_trial"].measured["shadow_steps"]
+    assert shadowed == {0.95: 7, 0.7: 2}
+
+
 def test_real_measurement_and_the_second_fit_measures_zero_steps(tiny_cnn, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
     kw = dict(epochs=1, trial=True, progress=False, compile=False, lr=0.05)

@@ -17,8 +17,8 @@ target accuracy, an interrupt) has paid, beyond the first look, about that share
 that goes to its end has. A run of known length takes no more of them than that share of its steps (`spent`): the
 trial decides on what the turns so far measured. The pace is counted in steps, so the schedule does not hang on the
 machine's load. A run of known length never waits so long that the trial could not finish in it. Once a
-candidate timed apart measures faster than the plain settings (`LiveTrial.ahead_of_plain`), the run is likely to
-switch, and its numerics with it: from then on every turn trains (`SwitchStage._shadows`), none is thrown away, and
+candidate timed apart measures 10% faster than the plain settings (`LiveTrial.ahead_of_plain`: a lead one step's
+noise rarely makes), the run is likely to switch, and its numerics with it: from then on every turn trains (`SwitchStage._shadows`), none is thrown away, and
 none waits (on a 22-step run of the digits ResNet-20, channels_last's 7 turns timed apart were 0.15 s of 0.4).
 
 Example:

@@ -155,6 +155,7 @@ def choose(times: dict[Switches, list[float]], *, plain: Switches, min_gain: flo
     return pick, why
 
 
+AHEAD = 1.1  # a candidate timed apart this much faster than the plain settings is likely to win: its turns train
 SURE = 0.75  # a change is taken when it was the faster in this share of its timed steps' pairings with the plain's
 DROP_AT = 1.5  # a candidate this many times slower than the fastest after one timed step is out of the later rounds
 
@@ -402,13 +403,12 @@ class LiveTrial:
         return all(self.times.get(c) or c not in queued for c in self.candidates if c.rounds_apart(self.grid[0]))
 
     def ahead_of_plain(self) -> bool:
-        """In the first stage: whether a candidate in another precision or layout measured faster (median) than the
-        plain settings."""
-        plain = self.times.get(self.grid[0]) if self.stage == "precision x layout" else None
-        if not plain:
+        """In the first stage: whether a candidate in another precision or layout measured AHEAD x faster (median)
+        than the plain settings: a lead one step's noise rarely makes."""
+        if self.stage != "precision x layout" or not self.times.get(self.grid[0]):
             return False
         med = medians(self.times)
-        return any(m < med[self.grid[0]] for c, m in med.items() if c.rounds_apart(self.grid[0]))
+        return any(m * AHEAD <= med[self.grid[0]] for c, m in med.items() if c.rounds_apart(self.grid[0]))
 
     def leave_apart(self, why: str) -> None:
         """The candidates timed apart take no more turns (`why`); the stage decides on what they measured."""
