@@ -153,6 +153,24 @@ def test_a_candidate_beaten_on_every_timed_step_leaves_the_later_rounds():
             assert taken.count("bf16") == 1 + 3 * 2 and "dropped" not in trial.report
 
 
+def test_the_plain_settings_leave_the_race_only_to_a_candidate_ahead_by_ahead():
+    """Two timed steps each, every one of the plain settings' slower than every one of channels_last's: at a 2%
+    lead (noise can do that, and their leaving decides a change) the plain settings take every round, and their
+    later steps keep them; at a 30% lead (AHEAD: 10%) they leave after round 1."""
+    from torchspeed.train.switches import LiveTrial
+
+    grid = candidate_grid(caps=AVX2, has_conv=True)  # fp32, fp32+channels_last
+    for cl, rounds_plain in ((0.98, 1 + 3 * 2), (0.7, 1 + 2)):
+        trial, taken = LiveTrial(grid, rounds=3, steps=2, warmup=1), []
+        while not trial.done:
+            s = trial.current().label()
+            n = taken.count(s)
+            taken.append(s)
+            trial.record({"fp32": [1.0, 1.0, 1.0, 0.97, 0.97, 0.97, 0.97], "fp32+channels_last": [cl] * 7}[s][n])
+        assert taken.count("fp32") == rounds_plain, cl
+        assert trial.best == (Switches("fp32", False) if cl == 0.98 else Switches("fp32", True))
+
+
 def test_the_measuring_cost_counts_warm_up_steps_but_not_the_runs_start_up():
     """extra_seconds: every trial step above the winner's median, the warm-up steps (a switch of settings and its
     first step's one-off work) included; the run's first step only up to its candidate's own median, since

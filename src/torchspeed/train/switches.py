@@ -252,16 +252,16 @@ class LiveTrial:
         candidate (by median, that the numerics guard allows) leaves the later rounds. Where the two run alike,
         that happens by chance to 1 pair in 6 and costs nothing (within `min_gain` the choice keeps the one with
         fewer changes); where the candidate is slower, it saves its later turns, each a slow step or, timed
-        apart, a forward and backward thrown away."""
+        apart, a forward and backward thrown away. The plain settings leave only to one AHEAD of them."""
         if not self.race or self._raced or not all(len(v) >= 2 for v in self.times.values()) or len(self.times) < 2:
             return
         self._raced = True
-        ref, _ = self._fastest_allowed()
+        ref, med = self._fastest_allowed()
         queued = {c for c, _ in self._queue}
         if ref is not None:
             self._leave({c: f"each of its timed steps slower than every one of {ref.label()}: out of the later rounds"
-                         for c, v in self.times.items()
-                         if c != ref and c in queued and min(v) > max(self.times[ref])})
+                         for c, v in self.times.items() if c != ref and c in queued and min(v) > max(self.times[ref])
+                         and (c != self.candidates[0] or med[ref] * AHEAD <= med[c])})
 
     @property
     def done(self) -> bool:
