@@ -206,6 +206,20 @@ def test_the_long_shot_cut_is_measured_from_a_candidate_the_numerics_guard_allow
     assert trial.best == Switches("fp32", False) and "bf16" in trial.report["rejected"]
 
 
+def test_a_candidate_the_numerics_guard_refuses_never_leads():
+    """bf16 measures 2.5x faster but moves the loss 26%: it never counts as ahead, so its turns stay timed apart
+    (a refused precision must not train the run's steps); allowed, the same times lead after its first look."""
+    from torchspeed.train.switches import LiveTrial
+
+    grid = candidate_grid(caps=BF16_CPU, has_conv=False)  # fp32, bf16
+    for bf16_loss, leads in ((2.9, False), (2.31, True)):
+        trial, ahead = LiveTrial(grid, rounds=3, steps=1, warmup=1, losses={"fp32": 2.3, "bf16": bf16_loss}), []
+        while not trial.done:
+            trial.record({"fp32": 1.0, "bf16": 0.4}[trial.current().label()])
+            ahead.append(trial.ahead_of_plain())
+        assert any(ahead) is leads
+
+
 def test_a_half_precision_that_moves_the_loss_is_not_taken(tiny_cnn, monkeypatch):
     from torchspeed.train.trainer import Trainer
 

@@ -18,9 +18,10 @@ that goes to its end has. A run of known length takes no more of them than that 
 trial decides on what the turns so far measured. The pace is counted in steps, so the schedule does not hang on the
 machine's load. A run of known length never waits so long that the trial could not finish in it. Once a
 candidate timed apart measures 10% faster than the plain settings (`LiveTrial.ahead_of_plain`: a lead one step's
-noise rarely makes), the run is likely to switch, and its numerics with it: from then on every turn trains (`SwitchStage._shadows`), none is thrown away, and
-none waits (by hand, on 22-step runs of the suite's digits CNN: 0.39 s with the trial's first look at channels_last
-timed apart, against 0.35 s with channels_last asked for; with all 7 of its turns timed apart, about 0.1 s more).
+noise rarely makes; a candidate the numerics guard refuses never leads), the run is likely to switch, and its
+numerics with it: from then on every turn trains (`SwitchStage._shadows`), none is thrown away, and none waits
+(by hand, on 22-step runs of the suite's digits CNN: 0.39 s with the trial's first look at channels_last timed
+apart, against 0.35 s with channels_last asked for; with all 7 of its turns timed apart, about 0.1 s more).
 
 Example:
     >>> trainer.switcher.shadow.waited   # plain steps trained between the timed-apart turns

@@ -403,12 +403,12 @@ class LiveTrial:
         return all(self.times.get(c) or c not in queued for c in self.candidates if c.rounds_apart(self.grid[0]))
 
     def ahead_of_plain(self) -> bool:
-        """In the first stage: whether a candidate in another precision or layout measured AHEAD x faster (median)
-        than the plain settings: a lead one step's noise rarely makes."""
-        if self.stage != "precision x layout" or not self.times.get(self.grid[0]):
+        """In the first stage: whether a candidate in another precision or layout that the numerics guard allows
+        measured AHEAD x faster (median) than the plain settings: a lead one step's noise rarely makes."""
+        if self.stage != "precision x layout" or not self.times.get(plain := self.grid[0]):
             return False
-        med = medians(self.times)
-        return any(m * AHEAD <= med[self.grid[0]] for c, m in med.items() if c.rounds_apart(self.grid[0]))
+        med, out = medians(self.times), self._rejections(plain)
+        return any(m * AHEAD <= med[plain] for c, m in med.items() if c.rounds_apart(plain) and c not in out)
 
     def leave_apart(self, why: str) -> None:
         """The candidates timed apart take no more turns (`why`); the stage decides on what they measured."""
