@@ -208,7 +208,8 @@ def test_the_long_shot_cut_is_measured_from_a_candidate_the_numerics_guard_allow
 
 def test_a_candidate_the_numerics_guard_refuses_never_leads():
     """bf16 measures 2.5x faster but moves the loss 26%: it never counts as ahead, so its turns stay timed apart
-    (a refused precision must not train the run's steps); allowed, the same times lead after its first look."""
+    (a refused precision must not train the run's steps); allowed, the same times lead after its first look. Where
+    channels_last leads, the run's other turns train, but not a refused precision's."""
     from torchspeed.train.switches import LiveTrial
 
     grid = candidate_grid(caps=BF16_CPU, has_conv=False)  # fp32, bf16
@@ -218,6 +219,13 @@ def test_a_candidate_the_numerics_guard_refuses_never_leads():
             trial.record({"fp32": 1.0, "bf16": 0.4}[trial.current().label()])
             ahead.append(trial.ahead_of_plain())
         assert any(ahead) is leads
+    grid = candidate_grid(caps=BF16_CPU, has_conv=True)  # channels_last leads: its turns train, a refused bf16's not
+    trial = LiveTrial(grid, rounds=3, steps=1, warmup=1, losses={"fp32": 2.3, "bf16": 2.9})
+    while not all(trial.times.values()):
+        trial.record({"fp32": 1.0, "fp32+channels_last": 0.7, "bf16": 0.5, "bf16+channels_last": 0.4}[
+            trial.current().label()])
+    assert trial.ahead_of_plain() and trial.ahead_of_plain(Switches("fp32", True))
+    assert not trial.ahead_of_plain(Switches("bf16", False)) and not trial.ahead_of_plain(Switches("bf16", True))
 
 
 def test_a_half_precision_that_moves_the_loss_is_not_taken(tiny_cnn, monkeypatch):

@@ -353,10 +353,11 @@ class SwitchStage:
         """Whether `cand` is timed apart from the run's numerics (`ShadowTurns.step`): a candidate whose precision or
         memory layout is not the plain settings' (`Switches.rounds_apart`), in the first stage, on one process with no
         accumulation window open across steps, while no such candidate measures AHEAD (10%) faster than the plain
-        settings (once one does, the run is likely to switch: its turns train, none thrown away)."""
+        settings (once one does, the run is likely to switch: its turns train, none thrown away), or while `cand`
+        is one the numerics guard refuses."""
         trial = self.live
         return (self.keep_numerics and trial.stage == "precision x layout" and cand.rounds_apart(trial.grid[0])
-                and self.t.config.grad_accum == 1 and self.t.dist is None and not trial.ahead_of_plain())
+                and self.t.config.grad_accum == 1 and self.t.dist is None and not trial.ahead_of_plain(cand))
 
     def finish(self) -> None:
         """Decide on what the trial measured (all of it, or what a run that ended early allowed), apply, cache."""

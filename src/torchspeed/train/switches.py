@@ -402,13 +402,14 @@ class LiveTrial:
         queued = {c for c, _ in self._queue}
         return all(self.times.get(c) or c not in queued for c in self.candidates if c.rounds_apart(self.grid[0]))
 
-    def ahead_of_plain(self) -> bool:
-        """In the first stage: whether a candidate in another precision or layout that the numerics guard allows
-        measured AHEAD x faster (median) than the plain settings: a lead one step's noise rarely makes."""
+    def ahead_of_plain(self, cand: Switches | None = None) -> bool:
+        """First stage: whether a candidate in another precision or layout that the numerics guard allows measured
+        AHEAD x faster (median) than the plain settings (a lead noise rarely makes), `cand` not one it refuses."""
         if self.stage != "precision x layout" or not self.times.get(plain := self.grid[0]):
             return False
         med, out = medians(self.times), self._rejections(plain)
-        return any(m * AHEAD <= med[plain] for c, m in med.items() if c.rounds_apart(plain) and c not in out)
+        return cand not in out and any(m * AHEAD <= med[plain] for c, m in med.items() if c.rounds_apart(plain)
+                                       and c not in out)
 
     def leave_apart(self, why: str) -> None:
         """The candidates timed apart take no more turns (`why`); the stage decides on what they measured."""
@@ -427,8 +428,7 @@ class LiveTrial:
         self._extra += seconds
 
     def extra_seconds(self) -> float:
-        """What measuring cost: the trial's steps, warm-up steps included, above their stage winner's median
-        (every step trained)."""
+        """What measuring cost: the trial's steps (warm-ups too) above their stage winner's median (each trained)."""
         return self._extra
 
 
