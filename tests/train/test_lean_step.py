@@ -1,4 +1,5 @@
-"""LeanStep: torch's fused Adam/AdamW update on kept lists, bit for bit, and every other case handed back."""
+"""LeanStep: torch's Adam/AdamW/SGD update on kept lists (fused, foreach or the default for-loop), bit for bit, and
+every other case handed back."""
 
 import copy
 import gc
@@ -69,6 +70,45 @@ def test_the_lean_update_is_torchs_fused_update_bit_for_bit(kind, kw):
     _same(ref, mine, o_ref, o_mine)
     stateless = kind is torch.optim.SGD and not kw.get("momentum")  # plain SGD has no state to make first
     assert lean_step_for(o_mine).steps == len(batches) - (0 if stateless else 1)  # torch makes the state
+
+
+@pytest.mark.parametrize("kernel", [{}, dict(foreach=False), dict(foreach=True)])
+@pytest.mark.parametrize("kind,kw", [
+    (torch.optim.Adam, dict(lr=1e-2)),
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05)),
+    (torch.optim.Adam, dict(lr=3e-3, weight_decay=1e-3, betas=(0.8, 0.95), eps=1e-6)),
+    (torch.optim.AdamW, dict(lr=1e-2, amsgrad=True, maximize=True)),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)),
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, maximize=True)),
+    (torch.optim.SGD, dict(lr=0.1)),
+])
+def test_the_lean_update_is_torchs_default_for_loop_update_bit_for_bit(kind, kw, kernel):
+    """A script's `torch.optim.Adam(params, lr)` steps with the for-loop on the CPU; the lean step runs torch's
+    foreach ops on kept lists, and must give the for-loop's numbers exactly (a ported run keeps its results)."""
+    ref, mine = _model(), _model()
+    o_ref = kind(ref.parameters(), foreach=False, **kw)  # the for-loop, whatever `kernel` the lean one was built with
+    o_mine = kind(mine.parameters(), **kernel, **kw)
+    s_ref, s_mine = (torch.optim.lr_scheduler.StepLR(o, 3, gamma=0.5) for o in (o_ref, o_mine))
+    batches = _batches()
+    _train(ref, o_ref, batches, ours=False, sched=s_ref)
+    _train(mine, o_mine, batches, ours=True, sched=s_mine)
+    _same(ref, mine, o_ref, o_mine)
+    stateless = kind is torch.optim.SGD and not kw.get("momentum")
+    assert lean_step_for(o_mine).steps == len(batches) - (0 if stateless else 1)
+
+
+def test_the_lean_default_step_leaves_the_gradients_as_backward_wrote_them():
+    """torch's foreach SGD adds nesterov's momentum into `p.grad` in place; the for-loop (a script's default) does
+    not, and neither does the lean step: a callback reading the gradients after the step sees backward's."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    for x, y in _batches(3):
+        F.cross_entropy(model(x), y).backward()
+        before = [p.grad.clone() for p in model.parameters()]
+        optimizer_step(opt)
+        assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))
+        zero_grad(opt)
+    assert lean_step_for(opt).steps == 2
 
 
 def test_two_groups_and_a_state_loaded_midway_stay_torchs_update():
@@ -144,17 +184,23 @@ def test_every_case_it_cannot_mirror_goes_through_optimizer_step():
     one()
     del opt.found_inf
     assert lean.steps == 1
-    for g in opt.param_groups:  # the kernel switched to foreach: not the fused kernels
+    for g in opt.param_groups:  # the kernel switched to foreach: the lists are rebuilt for torch's foreach ops
         g["fused"], g["foreach"] = False, True
     one()
-    assert lean.steps == 1
+    assert lean.steps == 2
     for g in opt.param_groups:
         g["fused"], g["foreach"] = True, False
     one()
-    assert lean.steps == 2
+    assert lean.steps == 3
+    for g in opt.param_groups:  # a tensor LR off the fused path: torch's foreach path refuses it, its for-loop runs
+        g["fused"], g["foreach"], g["lr"] = None, False, torch.tensor(1e-2)
+    one()
+    assert lean.steps == 3
+    for g in opt.param_groups:
+        g["fused"], g["lr"] = True, 1e-2
     model[3].bias.requires_grad_(False)  # a parameter without a gradient this step
     one()
-    assert lean.steps == 2
+    assert lean.steps == 3
     cleared = []
     opt.zero_grad = lambda set_to_none=True: cleared.append(set_to_none)  # replaced on the instance: it runs
     zero_grad(opt)

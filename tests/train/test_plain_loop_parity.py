@@ -417,3 +417,74 @@ def test_a_ported_loop_with_the_same_numerics_keeps_its_results_epoch_by_epoch()
                          val_loader=DataLoader(TensorDataset(w.vx, w.vy), batch_size=500), fused_optimizer=False,
                          restore_best=False, **_quiet())
     assert [r["val_acc"] for r in res.history] == pytest.approx(plain, abs=1.5 / 400)
+
+
+# ------------------------------------------------------------------ a ported run is the loop's run, bit for bit
+
+def _script_and_fit(name: str, *, epochs: int = 2, **fit_kw):
+    """The small workload's own loop (torch.optim.Adam at its LR, the for-loop kernel a script gets on the CPU) and
+    `fit` given the same optimizer and LR over a DataLoader with the same generator; both models after `epochs`."""
+    from torchspeed.bench.small import shuffled_epochs
+
+    w = make_small(name, n_train=400, n_val=100)
+    torch.manual_seed(0)
+    script = w.model()
+    opt = torch.optim.Adam(script.parameters(), lr=w.lr)
+    shuffled_epochs(script, opt, w.x, w.y, loss_fn=torch.nn.functional.cross_entropy, batch_size=w.batch_size,
+                    epochs=epochs, seed=0, evaluate=lambda m: 0.0)
+    torch.manual_seed(0)
+    model = w.model()
+    loader = DataLoader(TensorDataset(w.x, w.y), batch_size=w.batch_size, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
+    res = torchspeed.fit(model, loader, epochs=epochs, optimizer="adamw", lr=w.lr, weight_decay=0.0,
+                         progress=False, precision="fp32", **fit_kw)
+    return script, model, res
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_fit_given_the_loops_optimizer_and_lr_trains_the_loops_weights_bit_for_bit(name):
+    """No kernel, trial or loop machinery of `fit` moves a ported run's numbers (fp32 fixed: the precision is the
+    one switch allowed to change them, and it depends on this CPU). Fails with the fused kernel on such a run
+    (it rounds otherwise), or with any change to the batches, their order or the update."""
+    script, model, res = _script_and_fit(name)
+    assert res.decisions["fused_optimizer"].value is False
+    assert "your loop's" in res.decisions["fused_optimizer"].reason
+    assert res.decisions["optimizer"].value == "AdamW (for-loop)"
+    for (k, a), b in zip(script.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_the_ported_runs_update_goes_through_the_lean_step(monkeypatch):
+    """torch's for-loop Adam runs its `step` once (the state made), then the lean step's foreach ops: the same bits
+    (above) at about 0.6x the step's time. Fails with the lean step off (every update is torch's)."""
+    calls = []
+    real = torch.optim.AdamW.step
+
+    def counting(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+    monkeypatch.setattr(torch.optim.AdamW, "step", counting)
+    _, _, res = _script_and_fit("mlp")
+    assert res.steps == 8 and len(calls) == 1
+    calls.clear()
+    _, _, naive = _script_and_fit("mlp", lean_step=False)  # the bench's naive loop: torch's own step every time
+    assert naive.steps == 8 and len(calls) == 8
+
+
+def test_the_kernel_rule_keeps_the_fused_kernel_where_the_run_did_not_give_its_lr():
+    """The kernel rule is for a run given its LR with no recipe; fit's own default LR (one-cycle), an explicit
+    fused_optimizer=True, and the recipe's runs keep the fused kernel."""
+    from torchspeed.plan.planner import make_plan
+    from torchspeed.train.config import TrainConfig
+
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=20, shuffle=True)
+    assert torchspeed.fit(_model(), loader, epochs=1, optimizer="adamw", **_quiet()).decisions[
+        "optimizer"].value == "AdamW (fused)"
+    assert torchspeed.fit(_model(), loader, epochs=1, optimizer="adamw", lr=1e-2, fused_optimizer=True,
+                          **_quiet()).decisions["optimizer"].value == "AdamW (fused)"
+    given = make_plan(_model(), loader, TrainConfig(epochs=1, progress=False), optimizer="adamw", lr=1e-2)
+    assert given.config.fused_optimizer == "default"
+    recipe = make_plan(_model(), loader, TrainConfig(epochs=1, progress=False, fused_optimizer="auto"),
+                       optimizer="adamw", lr=1e-2, recipe="auto", recipe_parts=())
+    assert recipe.config.fused_optimizer == "auto"

@@ -6,7 +6,8 @@ habit: resolve every "auto" once, then only read):
 
 1. `distributed`: torchrun's process group first, so rank 0 measures for every rank;
 2. `capabilities`: what this device runs natively (`env.DeviceCaps`);
-3. `schedule`: the schedule rule (`train.schedule.default_schedule`) and the prior LR;
+3. `schedule`: the schedule rule (`train.schedule.default_schedule`) and the prior LR; a run given its own LR and
+   no recipe keeps torch's own optimizer kernel (`fused_optimizer="default"`: the loop's numbers, bit for bit);
 4. `tuners`: batch size, LR and loader settings when asked (`batch_size=`, `lr="auto"`, `loader=`:
    `tune.auto.tune_for_fit`), the loader rebuilt once;
 5. `run_length`: the run's steps, which the budget and the recipe read;
@@ -154,7 +155,11 @@ def _rules(ctx: RunContext) -> None:
 
 
 def _schedule(ctx: RunContext) -> None:
+    """The schedule rule and the prior LR; and the kernel rule: a run given its own LR (a ported loop) and no recipe
+    steps with torch's own kernel (`fused_optimizer="default"`), so its numbers are the loop's, bit for bit."""
     ctx.own_lr = lr_given(ctx.lr, ctx.optimizer)
+    if ctx.own_lr and not ctx.recipe and ctx.cfg.fused_optimizer == "auto":
+        ctx.cfg = replace(ctx.cfg, fused_optimizer="default")  # the decisions say why (optim.KERNEL_RULE_DEFAULT)
     if not ctx.schedule_given:
         dec = ctx.decisions["schedule"] = default_schedule(lr=ctx.lr, optimizer=ctx.optimizer, recipe=ctx.recipe)
         ctx.cfg = replace(ctx.cfg, schedule=dec.value)
@@ -256,7 +261,8 @@ BUILT_IN = (
           what="cudnn.benchmark and TF32 (CUDA), threads and malloc (CPU), in effect from here"),
     Stage("rules", "before", _rules, needs=("capabilities",), fallback=False,
           what="the rules' precision and layout, until the switch trial measures"),
-    Stage("schedule", "before", _schedule, fallback=False, what="the schedule rule and the prior LR"),
+    Stage("schedule", "before", _schedule, fallback=False, what="the schedule rule, the prior LR, and torch's own "
+          "optimizer kernel for a run given its LR"),
     Stage("switches", "before", switches_first, needs=("capabilities", "schedule"), cost="the trial's steps, off the "
           "run", what="precision x layout (x kernel) measured first when a later stage measures: it measures at "
           "what the run trains with", when=wants_switches_first),

@@ -32,7 +32,9 @@ class TrainConfig:
     compile_min_run_s: float = MIN_RUN_S  # compile="auto" leaves runs with less eager time than this eager
     cudnn_benchmark: bool | str = "auto"  # T22: "auto" = on for CUDA (fixed shapes)
     set_to_none: bool = True            # T26
-    fused_optimizer: bool | str = "auto"  # fused/foreach kernels (T18)
+    fused_optimizer: bool | str = "auto"  # T18: True/False; "auto": the fused kernel where torch has one, except
+                                        # on a run given its own LR (the plan's kernel rule: "default", torch's own)
+    lean_step: bool = True              # T51: Adam/AdamW/SGD updated on kept lists, no per-step wrapper (same bits)
     trial: bool | str = "auto"          # measure precision x channels_last x fused x threads on the run's own first
                                         # steps (switches.py, autoswitch.py): "auto"/True = measure; False = rules
     malloc: bool = True                 # CPU: glibc malloc's training settings in-process (backends.tune_malloc)
@@ -89,8 +91,8 @@ class TrainConfig:
     def naive(cls, **overrides) -> "TrainConfig":
         """The loop the seeds call "before": fp32, NCHW, memset zero_grad, .item() every step, no compile."""
         base = dict(precision="fp32", channels_last=False, compile=False, cudnn_benchmark=False,
-                    set_to_none=False, fused_optimizer=False, prefetch=False, log_every=1, trial=False,
-                    malloc=False)
+                    set_to_none=False, fused_optimizer=False, lean_step=False, prefetch=False, log_every=1,
+                    trial=False, malloc=False)
         base.update(overrides)
         return cls(**base)
 
