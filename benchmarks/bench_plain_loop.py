@@ -217,7 +217,10 @@ def summary(result: dict) -> dict:
                      for s in w["seeds"] if k in s]
             rows[k] = {"speed_vs_plain": [round(v, 3) for v in speed], "min": round(min(speed), 3),
                        "median": round(statistics.median(speed), 3),
-                       "reached": sum(s[k]["to_target_s"] is not None for s in w["seeds"])}
+                       "reached": sum(s[k]["to_target_s"] is not None for s in w["seeds"]),
+                       # the plain loop's run exactly: crossed at its step with its accuracy (its numerics kept)
+                       "same_run_as_plain": sum(s[k]["steps"] == s["plain"]["steps"] and
+                                                s[k]["val_acc"] == s["plain"]["val_acc"] for s in w["seeds"])}
         out[name] = rows
     return out
 
