@@ -159,7 +159,7 @@ def _schedule(ctx: RunContext) -> None:
     steps with torch's own kernel (`fused_optimizer="default"`), so its numbers are the loop's, bit for bit."""
     ctx.own_lr = lr_given(ctx.lr, ctx.optimizer)
     if ctx.own_lr and not ctx.recipe and ctx.cfg.fused_optimizer == "auto":
-        ctx.cfg = replace(ctx.cfg, fused_optimizer="default")  # the decisions say why (optim.KERNEL_RULE_DEFAULT)
+        ctx.cfg = replace(ctx.cfg, fused_optimizer="default")  # the decisions say why (optim_info.kernel_reason)
     if not ctx.schedule_given:
         dec = ctx.decisions["schedule"] = default_schedule(lr=ctx.lr, optimizer=ctx.optimizer, recipe=ctx.recipe)
         ctx.cfg = replace(ctx.cfg, schedule=dec.value)

@@ -35,7 +35,8 @@ from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.distributed import broadcast_object, is_rank_zero
 from torchspeed.train.guard import is_out_of_memory
 from torchspeed.train.memory_format import has_conv2d
-from torchspeed.train.optim import KERNEL_RULE_DEFAULT, describe_optimizer
+from torchspeed.train.optim import describe_optimizer
+from torchspeed.train.optim_info import kernel_reason
 from torchspeed.train.precision import MixedPrecision, Precision, normalize_precision
 from torchspeed.train.shadow import ShadowTurns
 from torchspeed.train.switches import (LiveTrial, Switches, batch_signature, candidate_grid, fusable, model_signature,
@@ -194,7 +195,7 @@ class SwitchStage:
         self._fixed = {"precision": None if precision == "auto" else "asked for",
                        "channels_last": None if layout == "auto" else (
                            "asked for" if has_conv or not layout else "asked for (no 2D convolutions to change)"),
-                       "fused": None if fused == "auto" else KERNEL_RULE_DEFAULT if fused == "default" else "asked for"}
+                       "fused": None if fused == "auto" else kernel_reason(fused)}
         grid = candidate_grid(caps=self.t.caps, has_conv=has_conv, precision=precision, channels_last=layout,
                               fused=cur_fused)
         fused_choice = fused == "auto" and cur_fused is not None

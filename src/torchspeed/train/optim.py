@@ -20,9 +20,7 @@
 - `fused="auto"` asks torch for its fused kernel (one kernel for all parameters) where the
   optimizer and device have one (SGD/Adam/AdamW on CPU and CUDA), else the foreach
   (multi-tensor) path. Fused SGD measured about +8% step throughput on a 2-core CPU.
-  `fused="default"` is torch's own choice, what `torch.optim.AdamW(params, lr=...)` in a script gets (the
-  for-loop on the CPU, foreach on CUDA): the kernel of a run given its own LR (`KERNEL_RULE_DEFAULT`), whose
-  numbers must stay the script's; on the CPU `lean_step` runs it at about 0.6x torch's step time, bit for bit.
+  `fused="default"`: torch's own choice, a script's `AdamW(params, lr=...)` (a run given its LR: `kernel_reason`).
 - Weight decay defaults per optimizer (the rows; used when `weight_decay=None`): SGD and LARS 5e-4,
   AdamW 0.05, LAMB 0.02, torch's Adam family 0.
 - `zero_grad(optimizer)` sets gradients to None (T26): no memset kernel per parameter, and
@@ -41,17 +39,16 @@ import math
 import torch
 from torch import nn
 
-from torchspeed.train.lean_step import lean_step_for
+from torchspeed.train.lean_step import lean_step_for, step_with_torch  # step_with_torch: the Trainer's naive loop
 from torchspeed.train.optim_info import OptimInfo, optimizer_available, optimizer_info, register_optimizer
 
-__all__ = ["create_optimizer", "zero_grad", "KERNEL_RULE_DEFAULT", "param_groups", "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR",
+__all__ = ["create_optimizer", "zero_grad", "param_groups", "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR",
            "typical_fan_in", "schedule_free_lr", "has_attention", "weight_layers",
            "schedule_free_available", "set_schedule_free_warmup", "SCHEDULE_FREE_BN_BATCHES",
            "SCHEDULE_FREE_BN_SAMPLES", "hidden_matrices", "matrix_share", "mostly_matrices"]
 
 MUON_MOMENTUM = 0.95  # torch's and Keller Jordan's default
-KERNEL_RULE_DEFAULT = ("rule: you set the LR, so the update is your loop's: torch's own kernel, bit for bit (the fused "
-                       "kernel rounds otherwise, which moves a run's accuracy per seed); fused_optimizer=True takes it")
+
 
 
 def schedule_free_available() -> bool:
@@ -158,6 +155,8 @@ def describe_optimizer(opt: torch.optim.Optimizer) -> str:
         return opt.describe()
     d = opt.defaults
     kind = "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
+    if d.get("fused") is None and d.get("foreach") is None and _device_of(opt.param_groups).type not in ("cpu", "meta"):
+        kind = "torch's default: foreach"  # torch picks the foreach path on an accelerator when neither is set
     return f"{type(opt).__name__} ({kind})"
 
 

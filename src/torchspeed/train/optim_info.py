@@ -4,7 +4,8 @@ timm's `OptimInfo` habit: an `OptimInfo` row holds what `torchspeed.train.optim.
 (the class, or a factory over the model) and what the rules ask of it: the weight-decay default
 (`default_weight_decay`), how its LR follows the batch (`lr_rule`: "linear" for SGD and LARS, "sqrt" for the Adam
 family, T17), whether torch has a fused kernel for it (the fused switch, T18), whether it takes momentum or betas,
-whether it needs no LR schedule (Schedule-Free), its own default LR and the extra it needs. `OPTIMIZERS` (the
+whether it needs no LR schedule (Schedule-Free), its own default LR and the extra it needs; `kernel_reason` says
+why a built optimizer has its kernel (fused, or torch's own on a run given its LR). `OPTIMIZERS` (the
 names) and `WEIGHT_DECAY` (name -> default) are live views of the registry.
 
 The rows of torchspeed's optimizers are registered at the end of `torchspeed.train.optim` (importing
@@ -29,7 +30,7 @@ import torch
 from torchspeed._extras import require
 
 __all__ = ["OptimInfo", "OPTIM_INFO", "LR_RULES", "register_optimizer", "optimizer_info", "default_lr", "info_for",
-           "optimizer_available", "OPTIMIZERS", "WEIGHT_DECAY", "default_weight_decay"]
+           "kernel_reason", "optimizer_available", "OPTIMIZERS", "WEIGHT_DECAY", "default_weight_decay"]
 
 LR_RULES = ("linear", "sqrt")
 
@@ -165,3 +166,11 @@ def default_weight_decay(name: str) -> float:
     """The weight decay `create_optimizer(name, weight_decay=None)` uses (its row's; 0 for an unknown name)."""
     info = OPTIM_INFO.get(name.lower())
     return info.weight_decay if info else 0.0
+
+
+def kernel_reason(fused: bool | str) -> str:
+    """Why the optimizer has its kernel, for `fused_optimizer=fused` (the plan sets "default" on a run given its LR)."""
+    if fused == "default":
+        return ("rule: you set the LR, so the update is your loop's: torch's own kernel, bit for bit (the fused kernel "
+                "rounds otherwise, which moves a run's accuracy per seed); fused_optimizer=True takes it")
+    return "rule: fused kernel where torch has one (not for sparse gradients)" if fused == "auto" else "asked for"

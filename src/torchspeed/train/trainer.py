@@ -53,10 +53,9 @@ from torchspeed.train.metrics import DeviceMeter, jsonable, train_accuracy, writ
 from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
 from torchspeed.train.decision import Decision, Decisions
 from torchspeed.train.bnstats import batchnorm_layers
-from torchspeed.train.optim_info import default_lr
-from torchspeed.train.lean_step import step_with_torch
-from torchspeed.train.optim import (KERNEL_RULE_DEFAULT, SCHEDULE_FREE_BN_BATCHES, averaged_weights, create_optimizer,
-                                    describe_optimizer, is_schedule_free, zero_grad)
+from torchspeed.train.optim_info import default_lr, kernel_reason
+from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, averaged_weights, create_optimizer, describe_optimizer,
+                                    is_schedule_free, step_with_torch, zero_grad)
 from torchspeed.train.precision import MixedPrecision, Precision
 from torchspeed.train.progress import TrainProgress, decisions_header
 from torchspeed.train.resume import resume_run, trainer_parts
@@ -118,8 +117,7 @@ class Trainer:
         if "precision" not in self.decisions:  # the rules' precision and layout: fit's plan decided them ("rules")
             self.decisions.update(rule_choice(self.model, caps=self.caps, precision=cfg.precision,
                                               channels_last=cfg.channels_last)[1])  # `prepare` measures "auto" ones
-        rules = self.decisions
-        prior = Switches(rules["precision"].value, bool(rules["channels_last"].value))
+        prior = Switches((rules := self.decisions)["precision"].value, bool(rules["channels_last"].value))
         self.channels_last = prior.channels_last
         if self.channels_last:
             apply_channels_last(self.model)
@@ -172,9 +170,7 @@ class Trainer:
         if not cfg.lean_step:
             step_with_torch(optimizer)  # the naive loop's cost: torch's own step and zero_grad
         if "optimizer" not in self.decisions:  # else the plan chose it and its decision stands
-            self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), "asked for" if not isinstance(
-                cfg.fused_optimizer, str) else KERNEL_RULE_DEFAULT if cfg.fused_optimizer == "default" else
-                "rule: fused kernel where torch has one (not for sparse gradients)")
+            self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), kernel_reason(cfg.fused_optimizer))
         if cfg.scale_lr_world_size and self.dist is not None:
             for g in optimizer.param_groups:  # before the schedule reads the lr as its peak
                 g["lr"] = scale_lr_world_size(g["lr"], world_size=self.dist.world_size)
