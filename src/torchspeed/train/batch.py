@@ -92,6 +92,8 @@ def batch_size(batch) -> int:
     images), else the first dimension of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
+    if type(batch) in (list, tuple) and batch and all(type(v) is torch.Tensor for v in batch) and batch[0].dim():
+        return batch[0].shape[0]  # (x, y) tensors, the common case: no sample lists to look for
     values = list(batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ())
     for v in values:
         if _is_sample_list(v):

@@ -180,13 +180,14 @@ class LeanStep:
     def optimizer(self) -> torch.optim.Optimizer:
         return self._optimizer()
 
-    def _fresh(self) -> bool:
+    def _fresh(self, *, flags: bool = True) -> bool:
+        """The kept lists are the optimizer's as it is now (`flags=False`: its parameters, all clearing reads)."""
         opt = self.optimizer
         if opt.param_groups is not self._groups_ref or opt.state is not self._state_ref or \
                 len(opt.state) != self._n_state or len(opt.param_groups) != len(self._groups):
             return False  # replaced (load_state_dict), or a group added in place (add_param_group)
-        for (group, flags, params, *_), n in zip(self._groups, self._sizes):
-            if group["params"] is not params or len(params) != n or _flags(group, opt) != flags:
+        for (group, kept, params, *_), n in zip(self._groups, self._sizes):
+            if group["params"] is not params or len(params) != n or (flags and _flags(group, opt) != kept):
                 return False
         return True
 
@@ -251,7 +252,7 @@ class LeanStep:
 
     def clear_grads(self) -> bool:
         """`zero_grad(set_to_none=True)` for the parameters it holds; False where `zero_grad` must run instead."""
-        if not self._groups or "zero_grad" in self.optimizer.__dict__ or not self._fresh():
+        if not self._groups or "zero_grad" in self.optimizer.__dict__ or not self._fresh(flags=False):
             return False  # nothing kept yet, or a zero_grad replaced on the instance: it runs
         for g in self._groups:
             for p in g[2]:
