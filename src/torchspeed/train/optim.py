@@ -50,7 +50,6 @@ __all__ = ["create_optimizer", "zero_grad", "param_groups", "describe_optimizer"
 MUON_MOMENTUM = 0.95  # torch's and Keller Jordan's default
 
 
-
 def schedule_free_available() -> bool:
     """Whether the `schedulefree` package (the extra `torchspeed[schedulefree]`) is installed."""
     return optimizer_available("schedulefree")
