@@ -219,8 +219,7 @@ class SwitchStage:
         # priced in seconds on a run of known length; not under DDP, where every rank must run the same schedule
         self.live = LiveTrial(grid, fused_choice=fused_choice, thread_choices=threads if len(threads) > 1 else (),
                               run_steps=remaining_steps if self.t.dist is None else None, share=PRICE_SHARE,
-                              race=self.race and self.t.dist is None,
-                              **settings)
+                              race=self.race and self.t.dist is None, min_gain=cfg.min_gain, **settings)
         self._trial_meta = {"grid": [s.label() for s in grid], "fused_choice": fused_choice, "threads": threads,
                             "short": short, "started": None, "cache_checked": False}
         self.t.decisions.refine("switch_trial", Decision("pending", "measured on the run's first steps" + short))
@@ -245,7 +244,7 @@ class SwitchStage:
                                "device": info.device_name if self.t.device.type != "cpu" else "cpu",
                                "torch": torch.__version__, "grid": m["grid"], "fused_choice": m["fused_choice"],
                                "threads": m["threads"], "loss": getattr(self.t.loss_fn, "__class__", type(None)).__name__,
-                               "kernels": kernel_isa(), "method": TRIAL_METHOD})
+                               "kernels": kernel_isa(), "method": TRIAL_METHOD, "min_gain": self.t.config.min_gain})
 
     def _check_cache(self, batch) -> bool:
         """At the first step: a trial measured before on this model, input and machine settles it (0 steps)."""

@@ -37,6 +37,8 @@ class TrainConfig:
     lean_step: bool = True              # T51: Adam/AdamW/SGD updated on kept lists, no per-step wrapper (same bits)
     trial: bool | str = "auto"          # measure precision x channels_last x fused x threads on the run's own first
                                         # steps (switches.py, autoswitch.py): "auto"/True = measure; False = rules
+    min_gain: float = 1.02              # the trial takes a change only this much faster a step (the plan: 1.1 on a
+                                        # run given its LR, whose numbers a change of layout or precision moves)
     malloc: bool = True                 # CPU: glibc malloc's training settings in-process (backends.tune_malloc)
     prefetch: bool = True               # T07/T12: side-stream copies on CUDA
     grad_accum: int = 1                 # T19
