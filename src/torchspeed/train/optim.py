@@ -39,7 +39,7 @@ import math
 import torch
 from torch import nn
 
-from torchspeed.train.lean_step import lean_step_for, step_with_torch  # step_with_torch: the Trainer's naive loop
+from torchspeed.train.lean_step import lean_step_for
 from torchspeed.train.optim_info import OptimInfo, optimizer_available, optimizer_info, register_optimizer
 
 __all__ = ["create_optimizer", "zero_grad", "param_groups", "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR",

@@ -54,8 +54,9 @@ from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
 from torchspeed.train.decision import Decision, Decisions
 from torchspeed.train.bnstats import batchnorm_layers
 from torchspeed.train.optim_info import default_lr, kernel_reason
+from torchspeed.train.lean_step import step_with_torch
 from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, averaged_weights, create_optimizer, describe_optimizer,
-                                    is_schedule_free, step_with_torch, zero_grad)
+                                    is_schedule_free, zero_grad)
 from torchspeed.train.precision import MixedPrecision, Precision
 from torchspeed.train.progress import TrainProgress, decisions_header
 from torchspeed.train.resume import resume_run, trainer_parts
@@ -214,8 +215,7 @@ class Trainer:
         if win.advance():  # the window's last micro-batch: unscale, clip, step (skipped on NaN/inf)
             closure = closure_for(self.optimizer, loss, lambda: self._forward_backward(batch).loss)  # LBFGS's
             self.guard.step(self.optimizer, lambda: self.precision.step(
-                self.optimizer, clip_grad_norm=cfg.clip_grad_norm, parameters=self.model.parameters(),
-                closure=closure))
+                self.optimizer, clip_grad_norm=cfg.clip_grad_norm, parameters=self.model.parameters(), closure=closure))
             zero_grad(self.optimizer, set_to_none=cfg.set_to_none)
             if self.scheduler is not None:
                 self.scheduler.step()
