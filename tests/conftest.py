@@ -80,3 +80,16 @@ def _unpriced_switch_trials(request, monkeypatch):
         monkeypatch.setattr("torchspeed.train.autoswitch.PRICE_SHARE", math.inf)
     if request.node.get_closest_marker("paced") is None:  # its turns timed apart are paced in real seconds too
         monkeypatch.setattr("torchspeed.train.shadow.SHADOW_SHARE", math.inf)
+
+
+@pytest.fixture
+def adamw_step_calls(monkeypatch):
+    """A list that gets one entry per call of `torch.optim.AdamW.step` (torch's own step, not the lean one)."""
+    calls = []
+    real = torch.optim.AdamW.step
+
+    def counting(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+    monkeypatch.setattr(torch.optim.AdamW, "step", counting)
+    return calls

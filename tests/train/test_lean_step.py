@@ -225,16 +225,10 @@ def test_a_tensor_subclass_parameter_goes_through_torchs_step():
     assert lean_step_for(o_mine).steps == 0
 
 
-def test_fit_steps_a_fused_adamw_through_the_lean_step(monkeypatch):
+def test_fit_steps_a_fused_adamw_through_the_lean_step(adamw_step_calls):
     """On the CPU `fit`'s fused AdamW goes through torch's `step` for the first update only (this fails with the
     lean step switched off: every update is torch's)."""
-    calls = []
-    real = torch.optim.AdamW.step
-
-    def counting(self, *a, **k):
-        calls.append(1)
-        return real(self, *a, **k)
-    monkeypatch.setattr(torch.optim.AdamW, "step", counting)
+    calls = adamw_step_calls
     torch.manual_seed(0)
     x, y = torch.randn(200, 6), torch.randint(0, 2, (200,))
     res = torchspeed.fit(nn.Linear(6, 2), DataLoader(TensorDataset(x, y), batch_size=20), epochs=2,

@@ -454,16 +454,10 @@ def test_fit_given_the_loops_optimizer_and_lr_trains_the_loops_weights_bit_for_b
         assert torch.equal(a, b), k
 
 
-def test_the_ported_runs_update_goes_through_the_lean_step(monkeypatch):
+def test_the_ported_runs_update_goes_through_the_lean_step(adamw_step_calls):
     """torch's for-loop Adam runs its `step` once (the state made), then the lean step's foreach ops: the same bits
     (above) at about 0.6x the step's time. Fails with the lean step off (every update is torch's)."""
-    calls = []
-    real = torch.optim.AdamW.step
-
-    def counting(self, *a, **k):
-        calls.append(1)
-        return real(self, *a, **k)
-    monkeypatch.setattr(torch.optim.AdamW, "step", counting)
+    calls = adamw_step_calls
     _, _, res = _script_and_fit("mlp")
     assert res.steps == 8 and len(calls) == 1
     calls.clear()
