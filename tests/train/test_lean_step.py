@@ -236,3 +236,90 @@ def test_fit_steps_a_fused_adamw_through_the_lean_step(adamw_step_calls):
                          progress=False)
     assert res.steps == 20
     assert len(calls) == 1
+
+
+# ------------------------------------------------------------------ the moments in flat buffers (flat_state)
+from torchspeed.train import flat_state  # noqa: E402
+
+
+def _shares_one_buffer(opt, key):
+    tensors = [opt.state[p][key] for g in opt.param_groups for p in g["params"]]
+    return len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+
+
+@pytest.mark.parametrize("kind,kw,key", [
+    (torch.optim.Adam, dict(lr=1e-2), "exp_avg"),
+    (torch.optim.Adam, dict(lr=3e-3, weight_decay=1e-3, maximize=True), "exp_avg_sq"),
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05, betas=(0.8, 0.95), eps=1e-6), "exp_avg"),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4), "momentum_buffer"),
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, maximize=True), "momentum_buffer"),
+])
+def test_flat_moments_give_the_for_loops_numbers_bit_for_bit(kind, kw, key):
+    """A group of small tensors keeps its moments in one buffer and runs each kernel once over it; the numbers are
+    the for-loop's exactly (this CPU's kernels agree at every position; where they do not, the flat path is off)."""
+    if not flat_state.kernels_agree():
+        pytest.skip("this CPU's elementwise kernels differ between a tensor's body and its tail: no flat buffers")
+    ref, mine = _model(), _model()
+    o_ref, o_mine = kind(ref.parameters(), foreach=False, **kw), kind(mine.parameters(), **kw)
+    batches = _batches()
+    _train(ref, o_ref, batches, ours=False)
+    _train(mine, o_mine, batches, ours=True)
+    _same(ref, mine, o_ref, o_mine)
+    lean = lean_step_for(o_mine)
+    assert lean.flat_steps == lean.steps == len(batches) - 1
+    assert _shares_one_buffer(o_mine, key) and not _shares_one_buffer(o_ref, key)
+    assert all(o_mine.state[p][key].shape == p.shape for p in mine.parameters())  # the state reads as torch's
+
+
+def test_flat_moments_are_off_where_the_kernels_disagree_or_the_tensors_are_large(monkeypatch):
+    """The rule: flat only where this CPU's kernels agree by position and the tensors are small on average."""
+    def run(**patch):
+        for k, v in patch.items():
+            monkeypatch.setattr(flat_state, k, v)
+        model = _model()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        _train(model, opt, _batches(4), ours=True)
+        return lean_step_for(opt), opt
+    lean, opt = run(kernels_agree=lambda: False)
+    assert lean.steps == 3 and lean.flat_steps == 0 and not _shares_one_buffer(opt, "exp_avg")
+    lean, opt = run(kernels_agree=lambda: True, MEAN_NUMEL=8)  # the model's tensors: 26 numbers on average
+    assert lean.steps == 3 and lean.flat_steps == 0
+    lean, opt = run(kernels_agree=lambda: True, MEAN_NUMEL=32)
+    assert lean.steps == 3 and lean.flat_steps == 3 and _shares_one_buffer(opt, "exp_avg")
+
+
+def test_the_kernel_check_finds_an_op_that_differs_in_a_tensors_tail():
+    """`kernels_agree`'s check, on an op that gives other numbers in pieces too short for a vector body."""
+    g = torch.Generator().manual_seed(0)
+    assert flat_state._agree(lambda a, b, c: a.mul_(0.999).addcmul_(b, b, value=0.001), g)
+    assert not flat_state._agree(lambda a, b, c: a.add_(1.0 if a.numel() > 64 else 1.0 + 1e-3), g)
+
+
+def test_flat_moments_follow_a_state_loaded_midway_and_a_step_torch_took(monkeypatch):
+    """A resume replaces the state: new buffers hold the loaded numbers. A step torch took for the parameters that
+    had gradients leaves the counts unequal: that group steps per tensor. The numbers stay the for-loop's."""
+    exact = flat_state.kernels_agree()
+    monkeypatch.setattr(flat_state, "kernels_agree", lambda: True)  # the path under test on any CPU ...
+    ref, mine = _model(), _model()
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    o_mine = torch.optim.AdamW(mine.parameters(), lr=1e-2)
+    saved = {}
+
+    def between(i, opt, key, model):
+        if i == 3:
+            saved[key] = copy.deepcopy(opt.state_dict())
+        if i == 6:
+            opt.load_state_dict(saved[key])
+        if i == 8:  # one step with a frozen bias: torch steps the others, their counts move ahead
+            model[3].bias.requires_grad_(False)
+        if i == 9:
+            model[3].bias.requires_grad_(True)
+    batches = _batches(14)
+    _train(ref, o_ref, batches, ours=False, between=lambda i: between(i, o_ref, "ref", ref))
+    _train(mine, o_mine, batches, ours=True, between=lambda i: between(i, o_mine, "mine", mine))
+    lean = lean_step_for(o_mine)
+    assert lean.steps == len(batches) - 2 and 0 < lean.flat_steps < lean.steps
+    if exact:  # ... and the numbers checked where this CPU gives them exactly
+        _same(ref, mine, o_ref, o_mine)
+    counts = {o_mine.state[p]["step"].item() for p in mine.parameters()}
+    assert counts == {o_ref.state[p]["step"].item() for p in ref.parameters()} and len(counts) == 2

@@ -16,7 +16,7 @@ the same arguments, so the update is torch's, bit for bit (tests/train/test_lean
   the foreach one: the ops of torch's foreach path (`_multi_tensor_adam`, `_multi_tensor_sgd`: the
   `torch._foreach_*` lerp, mul, addcmul, sqrt, div, add and addcdiv), which on the CPU run the for-loop's
   per-tensor kernels in the for-loop's order: the same numbers as `torch.optim.Adam(params, lr)` in a
-  script, in less time (200 updates timed alone on a 2-core AVX2 EPYC: 627 -> 304 us a step on the 1D CNN,
+  script (a group of many small tensors with its moments in one buffer each: `flat_state`), in less time (200 updates timed alone on a 2-core AVX2 EPYC: 627 -> 304 us a step on the 1D CNN,
   990 -> 676 on a 20-512-512-5 MLP, 2,257 -> 924 on a 2-layer transformer; the fused kernel is cheaper
   still, but rounds otherwise: why `fit` keeps it off a ported run, `plan.planner`'s kernel rule).
 
@@ -53,6 +53,8 @@ import weakref
 
 import torch
 from torch.optim import optimizer as _optimizer_module
+
+from torchspeed.train.flat_state import FlatMoments, flat_applies
 
 __all__ = ["LeanStep", "lean_step_for", "step_with_torch"]
 
@@ -138,6 +140,26 @@ def _sgd_foreach(lists: tuple, grads: list) -> None:
     torch._foreach_add_(params, grads, alpha=-lr)
 
 
+def _adam_flat(lists: tuple, grads: list) -> bool:
+    """`_adam_foreach` with the moments in flat buffers (`flat_state`); per tensor (False) where the step counts
+    differ (a step torch took for the parameters that had gradients)."""
+    *kept, flat = lists
+    group, flags, params, steps = kept[0], kept[1], kept[2], kept[6]
+    first = steps[0].item()
+    if any(s.item() != first for s in steps):
+        _adam_foreach(tuple(kept), grads)
+        return False
+    flat.adam(group, params, steps, grads, maximize=flags[3], decoupled=flags[6])
+    return True
+
+
+def _sgd_flat(lists: tuple, grads: list) -> bool:
+    """`_sgd_foreach` with the momentum buffers in one flat buffer (`flat_state`)."""
+    group, flags, params, _, flat = lists
+    flat.sgd(group, params, grads, maximize=flags[3], nesterov=flags[7])
+    return True
+
+
 def _sgd_update(lists: tuple, grads: list) -> None:
     """What `torch.optim.sgd._fused_sgd` runs after its first step (the momentum buffers made)."""
     group, flags, params, bufs = lists
@@ -173,8 +195,10 @@ class LeanStep:
         self._sizes: list[int] = []
         self._groups: list[tuple] = []  # per group: (group, flags, params, *the state's lists: `_state_lists`)
         self._updates: list = []  # per group: the update it runs (fused kernels, or torch's foreach ops)
+        self._flats: list[FlatMoments] = []  # the groups' flat moments (kept across rebuilds while the state holds them)
         self._sgd = type(optimizer) is torch.optim.SGD
         self.steps = 0  # updates it made (the tests read it)
+        self.flat_steps = 0  # of those, the updates with every group's moments in flat buffers
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -194,7 +218,7 @@ class LeanStep:
 
     def _build(self) -> bool:
         """Make the lists from the optimizer as it is; False where the lean step does not apply."""
-        opt, groups, updates = self.optimizer, [], []
+        opt, groups, updates, flats = self.optimizer, [], [], []
         self._groups_ref, self._groups = None, []  # stale until the lists are whole
         for group in opt.param_groups:
             flags = _flags(group, opt)
@@ -217,12 +241,25 @@ class LeanStep:
                 return False  # a parameter not stepped yet: torch makes its state
             update = (_sgd_update if self._sgd else _adam_update) if fused else (
                 _sgd_foreach if self._sgd else _adam_foreach)
+            if not fused and (group["momentum"] != 0 if self._sgd else not flags[2]) and flat_applies(params):
+                flat = self._flat_for(params)
+                flats.append(flat)
+                lists = (*_state_lists(type(opt), group, [opt.state[p] for p in params]), flat)  # the views
+                update = _sgd_flat if self._sgd else _adam_flat
             groups.append((group, flags, params, *lists))
             updates.append(update)
-        self._groups, self._updates, self._n_state = groups, updates, len(opt.state)
+        self._groups, self._updates, self._n_state, self._flats = groups, updates, len(opt.state), flats
         self._sizes = [len(g[2]) for g in groups]  # a parameter appended to a group's list makes them stale
         self._groups_ref, self._state_ref = opt.param_groups, opt.state
         return True
+
+    def _flat_for(self, params: list) -> FlatMoments:
+        """The group's flat moments: the ones made before while the state still holds their views, else new ones."""
+        opt = self.optimizer
+        for flat in self._flats:
+            if flat.holds(opt, params):
+                return flat
+        return FlatMoments(opt, params, ("momentum_buffer",) if self._sgd else ("exp_avg", "exp_avg_sq"))
 
     def _plain(self) -> bool:
         """No hook, no replaced `step`, no scaler flags: what the lean step leaves out is empty."""
@@ -246,9 +283,9 @@ class LeanStep:
         if "step" in opt.__dict__:
             opt._opt_called = True  # what an LR scheduler's wrapper records (its step-order warning)
         with torch.no_grad():
-            for update, g, gs in zip(self._updates, self._groups, grads):
-                update(g, gs)
+            flat = [update(g, gs) for update, g, gs in zip(self._updates, self._groups, grads)]  # True: a flat update
         self.steps += 1
+        self.flat_steps += all(f is True for f in flat)
         return True
 
     def clear_grads(self) -> bool:
