@@ -15,6 +15,8 @@ transformer; steps of 1-5 ms on 2 cores), each trained by the script's own ~15-l
 - `auto_given` (with `--tta`): `fit(recipe="auto", optimizer="adamw", lr=<the script's>)`, cold;
 - `plain_fused` (with `--tta`): the script's loop with Adam's fused kernel: the same update, rounded
   differently (what rounding alone moves);
+- `plain_again` (with `--tta`): the script's loop a second time, as a row of its own: the noise floor (an A/A
+  reading: what a row that does exactly plain's work reads against plain on this host);
 - `plain_bf16_start` (with `--tta`): the script's loop with its first `PERTURB_STEPS` training forwards under
   bf16 autocast, and nothing else changed: the numerics a switch trial's candidate steps give a run's first
   steps. The control for reading `fit` per seed: the target is the script's own final accuracy, so a run
@@ -27,7 +29,9 @@ Two readings per workload:
    above 1.0 against plain_loader.
 2. **Time to the plain loop's accuracy** (`--tta`): per seed, the plain loop's final validation
    accuracy less `TOLERANCE` (0.005: 5 of the 1,000 held-out samples) is the target; each row's seconds until its first evaluation at the target,
-   evaluations counted. Goal: fit no slower than plain on every seed; auto 1.5x sooner.
+   evaluations counted. Goal: fit no slower than plain on every seed; auto 1.5x sooner. With `--repeats R` each
+   row runs R times a seed, interleaved; per seed the summary gives the median run's ratio and the median over
+   rounds of the ratio within a round (`paired_speed_vs_plain`), and `plain_again` the same for plain's own work.
 
 Run:
     python benchmarks/bench_plain_loop.py                     # whole runs, 3 workloads x 3 rounds
@@ -57,6 +61,7 @@ from torchspeed.train.callbacks import Callback
 from torchspeed.train.rounds import ratio_summary
 
 
+ROWS = ("plain_again", "plain_fused", "plain_bf16_start", "fit", "auto", "auto_given")  # --tta's rows beside plain
 PERTURB_STEPS = 5  # plain_bf16_start: training forwards under bf16 autocast at the start (a trial runs about as many)
 TOLERANCE = 0.005  # the target: the plain loop's final accuracy less 5 of the 1,000 held-out samples (its noise)
 
@@ -174,7 +179,7 @@ def _median_run(runs: list[dict]) -> dict:
     return ranked[(len(ranked) - 1) // 2] | {"to_target_runs": [r["to_target_s"] for r in runs]}
 
 
-def to_target(names, *, epochs: int, seeds: list[int], repeats: int = 1) -> dict:
+def to_target(names, *, epochs: int, seeds: list[int], repeats: int = 1, keep: tuple = ROWS) -> dict:
     out = {}
     for name in names:
         w = make_small(name)
@@ -183,12 +188,14 @@ def to_target(names, *, epochs: int, seeds: list[int], repeats: int = 1) -> dict
         for seed in seeds:
             target = run_plain(w, epochs=epochs, seed=seed)["val_acc"] - TOLERANCE
             rows = {"plain": lambda: run_plain(w, epochs=epochs, seed=seed, target=target),
+                    "plain_again": lambda: run_plain(w, epochs=epochs, seed=seed, target=target),
                     "plain_fused": lambda: run_plain(w, epochs=epochs, seed=seed, target=target, fused=True),
                     "plain_bf16_start": lambda: run_plain(w, epochs=epochs, seed=seed, target=target,
                                                           bf16_start=PERTURB_STEPS),
                     "fit": lambda: run_fit(w, epochs=epochs, seed=seed, target=target),
                     "auto": lambda: run_fit(w, epochs=epochs, seed=seed, recipe="auto", target=target, given=False),
                     "auto_given": lambda: run_fit(w, epochs=epochs, seed=seed, recipe="auto", target=target)}
+            rows = {k: v for k, v in rows.items() if k == "plain" or k in keep}
             runs: dict[str, list] = {k: [] for k in rows}
             for r in range(repeats):  # interleaved rounds: a slow phase of the machine hits every row alike
                 for k in (list(rows) if r % 2 == 0 else list(rows)[::-1]):
@@ -196,8 +203,7 @@ def to_target(names, *, epochs: int, seeds: list[int], repeats: int = 1) -> dict
             row = {"seed": seed, "target": target} | {k: _median_run(v) for k, v in runs.items()}
             per_seed.append(row)
             print(f"{name} seed {seed}: target {target:.3f}; " + ", ".join(
-                f"{k} {_s(row[k]['to_target_s'])}" for k in ("plain", "plain_fused", "plain_bf16_start", "fit", "auto",
-                                                                 "auto_given")),
+                f"{k} {_s(row[k]['to_target_s'])}" for k in rows),
                 flush=True)
         out[name] = {"epochs": epochs, "seeds": per_seed}
     return out
@@ -207,16 +213,26 @@ def _s(seconds: float | None) -> str:
     return "missed" if seconds is None else f"{seconds:.2f} s"
 
 
+def _paired(plain: list, row: list) -> float:
+    """The median over rounds of plain's seconds over the row's in the same round (a missed target counts as 0)."""
+    return statistics.median(a / b if a and b else 0.0 for a, b in zip(plain, row))
+
+
 def summary(result: dict) -> dict:
     """Per workload and row: the seeds' seconds to the target (None: missed), and the speed against plain."""
     out = {}
     for name, w in result.items():
         rows = {}
-        for k in ("plain_fused", "plain_bf16_start", "fit", "auto", "auto_given"):
+        for k in ROWS:
+            if not any(k in s for s in w["seeds"]):
+                continue
             speed = [s["plain"]["to_target_s"] / s[k]["to_target_s"] if s[k]["to_target_s"] else 0.0
                      for s in w["seeds"] if k in s]
+            paired = [_paired(s["plain"]["to_target_runs"], s[k]["to_target_runs"]) for s in w["seeds"] if k in s]
             rows[k] = {"speed_vs_plain": [round(v, 3) for v in speed], "min": round(min(speed), 3),
                        "median": round(statistics.median(speed), 3),
+                       # per seed, the median over repeats of plain's seconds / the row's in the same round
+                       "paired_speed_vs_plain": [round(v, 3) for v in paired], "paired_min": round(min(paired), 3),
                        "reached": sum(s[k]["to_target_s"] is not None for s in w["seeds"]),
                        # the plain loop's run exactly: crossed at its step with its accuracy (its numerics kept)
                        "same_run_as_plain": sum(s[k]["steps"] == s["plain"]["steps"] and
@@ -233,6 +249,7 @@ def main() -> None:
     ap.add_argument("--tta", action="store_true", help="time to the plain loop's accuracy instead of whole runs")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--repeats", type=int, default=1, help="--tta: runs per row and seed, interleaved; the median")
+    ap.add_argument("--rows", default=",".join(ROWS), help="--tta: the rows beside plain (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     names = args.workloads.split(",")
@@ -240,7 +257,7 @@ def main() -> None:
         result = {"kind": "time_to_plain_accuracy",
                   "repeats": args.repeats,
                   "workloads": to_target(names, epochs=args.epochs, seeds=[int(s) for s in args.seeds.split(",")],
-                                         repeats=args.repeats)}
+                                         repeats=args.repeats, keep=tuple(args.rows.split(",")))}
         result["summary"] = summary(result["workloads"])
         print(json.dumps(result["summary"], indent=1))
     else:
