@@ -62,9 +62,13 @@ def kernels_agree() -> bool:
         return all(_agree(op, g) for op in _OPS)
 
 
-def flat_applies(params: list) -> bool:
-    """The group is one a flat buffer pays for and keeps exact on (the module docstring's rule)."""
+def flat_applies(params: list, moments: tuple = ()) -> bool:
+    """The group is one a flat buffer pays for and keeps exact on (the module docstring's rule); `moments`, the
+    state's tensor lists, must be dense float32 tensors of their parameters' shapes (a sparse embedding's SGD
+    momentum is not)."""
     if len(params) < 2 or any(p.dtype != torch.float32 or not p.is_contiguous() for p in params):
+        return False
+    if any(t.is_sparse or t.dtype != p.dtype or t.shape != p.shape for ts in moments for t, p in zip(ts, params)):
         return False
     return sum(p.numel() for p in params) <= MEAN_NUMEL * len(params) and kernels_agree()
 

@@ -16,8 +16,9 @@ the same arguments, so the update is torch's, bit for bit (tests/train/test_lean
   the foreach one: the ops of torch's foreach path (`_multi_tensor_adam`, `_multi_tensor_sgd`: the
   `torch._foreach_*` lerp, mul, addcmul, sqrt, div, add and addcdiv), which on the CPU run the for-loop's
   per-tensor kernels in the for-loop's order: the same numbers as `torch.optim.Adam(params, lr)` in a
-  script (a group of many small tensors with its moments in one buffer each: `flat_state`), in less time (200 updates timed alone on a 2-core AVX2 EPYC: 627 -> 304 us a step on the 1D CNN,
-  990 -> 676 on a 20-512-512-5 MLP, 2,257 -> 924 on a 2-layer transformer; the fused kernel is cheaper
+  script, in less time (200 updates timed alone on a 2-core AVX2 EPYC: 627 -> 304 us a step on the 1D CNN,
+  990 -> 676 on a 20-512-512-5 MLP, 2,257 -> 924 on a 2-layer transformer; a group of many small tensors
+  further keeps its moments in one buffer each, `flat_state`: 100-150 us on the CNN; the fused kernel is cheaper
   still, but rounds otherwise: why `fit` keeps it off a ported run, `plan.planner`'s kernel rule).
 
 It only ever takes the common case and hands every other step back to `optimizer.step()`:
@@ -195,7 +196,7 @@ class LeanStep:
         self._sizes: list[int] = []
         self._groups: list[tuple] = []  # per group: (group, flags, params, *the state's lists: `_state_lists`)
         self._updates: list = []  # per group: the update it runs (fused kernels, or torch's foreach ops)
-        self._flats: list[FlatMoments] = []  # the groups' flat moments (kept across rebuilds while the state holds them)
+        self._flats: list[FlatMoments] = []  # the groups' flat moments, kept across rebuilds while the state holds them
         self._sgd = type(optimizer) is torch.optim.SGD
         self.steps = 0  # updates it made (the tests read it)
         self.flat_steps = 0  # of those, the updates with every group's moments in flat buffers
@@ -241,7 +242,8 @@ class LeanStep:
                 return False  # a parameter not stepped yet: torch makes its state
             update = (_sgd_update if self._sgd else _adam_update) if fused else (
                 _sgd_foreach if self._sgd else _adam_foreach)
-            if not fused and (group["momentum"] != 0 if self._sgd else not flags[2]) and flat_applies(params):
+            moments = lists[:1] if self._sgd else lists[:2]  # SGD's momentum buffers; Adam's exp_avg, exp_avg_sq
+            if not fused and (group["momentum"] != 0 if self._sgd else not flags[2]) and flat_applies(params, moments):
                 flat = self._flat_for(params)
                 flats.append(flat)
                 lists = (*_state_lists(type(opt), group, [opt.state[p] for p in params]), flat)  # the views
