@@ -282,9 +282,11 @@ def test_flat_moments_are_off_where_the_kernels_disagree_or_the_tensors_are_larg
         return lean_step_for(opt), opt
     lean, opt = run(kernels_agree=lambda: False)
     assert lean.steps == 3 and lean.flat_steps == 0 and not _shares_one_buffer(opt, "exp_avg")
-    lean, opt = run(kernels_agree=lambda: True, MEAN_NUMEL=8)  # the model's tensors: 26 numbers on average
+    lean, opt = run(kernels_agree=lambda: True, MEAN_NUMEL=8)  # the model's tensors: 29 numbers on average
     assert lean.steps == 3 and lean.flat_steps == 0
-    lean, opt = run(kernels_agree=lambda: True, MEAN_NUMEL=32)
+    lean, opt = run(kernels_agree=lambda: True, MEAN_NUMEL=32, MAX_NUMEL=114)  # 4 tensors, 115 numbers in all
+    assert lean.steps == 3 and lean.flat_steps == 0
+    lean, opt = run(kernels_agree=lambda: True, MEAN_NUMEL=32, MAX_NUMEL=115)
     assert lean.steps == 3 and lean.flat_steps == 3 and _shares_one_buffer(opt, "exp_avg")
 
 

@@ -16,7 +16,7 @@ once a process, on the kernels the update runs; where they do not agree the grou
 
 Taken only where it pays and is plain: a group of at least two contiguous float32 tensors on the CPU of at
 most `MEAN_NUMEL` numbers on average (above that the copy of the gradients costs more than the launches it
-saves), Adam/AdamW without amsgrad, SGD with momentum (plain SGD has no moments), every step count equal.
+saves) and `MAX_NUMEL` in all (the memory of the two extra buffers), Adam/AdamW without amsgrad, SGD with momentum (plain SGD has no moments), every step count equal.
 
 Example:
     >>> flat = FlatMoments(opt, group["params"], ("exp_avg", "exp_avg_sq"))
@@ -30,9 +30,10 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["FlatMoments", "MEAN_NUMEL", "flat_applies", "kernels_agree"]
+__all__ = ["FlatMoments", "MAX_NUMEL", "MEAN_NUMEL", "flat_applies", "kernels_agree"]
 
 MEAN_NUMEL = 32_768  # numbers per tensor, on average, above which the gradients' copy costs what the launches save
+MAX_NUMEL = 1 << 24  # a group's numbers at most: its two extra buffers (gradients, Adam's denominator) stay <= 128 MiB
 
 _N, _PIECE = 263, 7  # the check's length, and a piece shorter than any vector body (a scalar tail only)
 _OPS: tuple[Callable, ...] = (  # the update's kernels over the buffers, with scalars as the update passes them
@@ -70,7 +71,8 @@ def flat_applies(params: list, moments: tuple = ()) -> bool:
         return False
     if any(t.is_sparse or t.dtype != p.dtype or t.shape != p.shape for ts in moments for t, p in zip(ts, params)):
         return False
-    return sum(p.numel() for p in params) <= MEAN_NUMEL * len(params) and kernels_agree()
+    n = sum(p.numel() for p in params)
+    return n <= MEAN_NUMEL * len(params) and n <= MAX_NUMEL and kernels_agree()
 
 
 class FlatMoments:
