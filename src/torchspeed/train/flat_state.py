@@ -16,7 +16,8 @@ once a process, on the kernels the update runs; where they do not agree the grou
 
 Taken only where it pays and is plain: a group of at least two contiguous float32 tensors on the CPU of at
 most `MEAN_NUMEL` numbers on average (above that the copy of the gradients costs more than the launches it
-saves) and `MAX_NUMEL` in all (the memory of the two extra buffers), Adam/AdamW without amsgrad, SGD with momentum (plain SGD has no moments), every step count equal.
+saves) and `MAX_NUMEL` in all (the memory of the two extra buffers), Adam/AdamW without amsgrad, SGD with
+momentum (plain SGD has no moments), every step count equal.
 
 Example:
     >>> flat = FlatMoments(opt, group["params"], ("exp_avg", "exp_avg_sq"))
