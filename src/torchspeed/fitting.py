@@ -75,6 +75,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     if unknown:
         raise TypeError(f"fit() got unknown option(s) {sorted(unknown)}; "
                         f"valid: {sorted(TrainConfig.__dataclass_fields__)}")
+    _check_trainable(model, optimizer)
     schedule_given = "schedule" in config or given_cfg is not None  # else the plan's rule decides
     cfg = replace(cfg, epochs=epochs, **config)
     plan = make_plan(model, train_loader, cfg, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
@@ -95,6 +96,17 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     run_event(ctx, "after")  # the plan's after-training stages (flip TTA)
     result.decisions = trainer.decisions.copy()  # with what the stages in the run and after it decided
     return result
+
+
+def _check_trainable(model: nn.Module, optimizer) -> None:
+    """A clear error before any work when nothing would train (a frozen model, an optimizer over frozen tensors)."""
+    own = isinstance(optimizer, torch.optim.Optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]] if own else list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        where = "the optimizer you passed holds" if own else "the model has"
+        raise ValueError(f"nothing to train: {where} {len(params)} parameter tensors and none requires grad. "
+                         "Unfreeze the layers to train (p.requires_grad_(True)), or build the optimizer over "
+                         "the parameters that train")
 
 
 def _print_plan(plan) -> None:

@@ -200,3 +200,44 @@ def test_train_command_bad_data(capsys, tmp_path, case, expected):
     code, err = _cli(capsys, "train", "--data", data, *extra)
     last = err.strip().splitlines()[-1]
     assert code == 2 and expected in last and last.startswith("torchspeed train: error:"), err
+
+
+# ---------------------------------------------------------------------- fit's own arguments
+def _fit_data(n=64):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16)
+
+
+@pytest.mark.parametrize("frozen", ["model", "optimizer"])
+def test_nothing_to_train_is_named_before_any_work(frozen):
+    model = nn.Linear(8, 2)
+    model.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if frozen == "optimizer" else "sgd"
+    with pytest.raises(ValueError, match="nothing to train.*none requires grad"):
+        torchspeed.fit(model, _fit_data(), optimizer=opt, progress=False)
+
+
+def test_resume_true_means_the_newest_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    torchspeed.fit(nn.Linear(8, 2), _fit_data(), epochs=1, checkpoint_dir=str(tmp_path), progress=False)
+    r = torchspeed.fit(nn.Linear(8, 2), _fit_data(), epochs=2, checkpoint_dir=str(tmp_path), resume=True,
+                       progress=False)
+    assert "resumed_from" in r.decisions and r.steps == 8  # 4 steps from the checkpoint, 4 trained
+    with pytest.raises(ValueError, match=r"resume='auto' \(or True\) needs checkpoint_dir"):
+        torchspeed.fit(nn.Linear(8, 2), _fit_data(), resume=True, progress=False)
+    with pytest.raises(TypeError, match="resume must be None, True/'auto'"):
+        torchspeed.fit(nn.Linear(8, 2), _fit_data(), checkpoint_dir=str(tmp_path), resume=3, progress=False)
+    assert torchspeed.fit(nn.Linear(8, 2), _fit_data(), checkpoint_dir=str(tmp_path / "new"), resume=False,
+                          progress=False).steps == 4  # False: a fresh run
+
+
+def test_skipped_steps_are_reported_at_the_end(caplog):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    x[16:32] = float("nan")  # the second of four batches (no shuffle)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16)
+    with caplog.at_level("WARNING", logger="torchspeed"):
+        r = torchspeed.fit(nn.Linear(8, 2), loader, epochs=1, progress=False)
+    assert r.skipped_steps == 1
+    assert "1 of 4 optimizer steps had a NaN/inf loss and were skipped" in caplog.text

@@ -10,6 +10,7 @@ label smoothing, T33 test-time augmentation); docs/techniques.md maps each to it
 from __future__ import annotations
 
 import numbers
+import os
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,7 +76,8 @@ class TrainConfig:
     checkpoint_every: int | None = None  # optimizer steps between checkpoints (None: at each epoch end only)
     keep_last: int = 3                  # step checkpoints kept (best.pt is kept besides)
     best_metric: str | None = "auto"    # best.pt by this epoch metric: "auto" = val_acc, else val_loss/train_loss
-    resume: str | None = None           # None | "auto" (newest good checkpoint in checkpoint_dir) | a .pt path
+    resume: str | bool | None = None    # None | "auto" (newest good checkpoint in checkpoint_dir; True says the
+                                        # same) | a .pt path or checkpoint folder
     restore_best: bool | str = "auto"   # load the best epoch's weights at the end; "auto" = when validating
     max_nonfinite: int | None = 20      # stop after this many NaN/inf-loss steps in a row (each one is skipped)
     deterministic: bool = False         # deterministic kernels + seeded RNGs: bit-identical reruns (slower)
@@ -88,6 +90,11 @@ class TrainConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low):
                 raise ValueError(f"{name} must be an int >= {low}" + (" (or None)" if name == "max_steps" else "")
                                  + f", got {v!r}")
+        if isinstance(self.resume, bool):  # resume=True, as other trainers spell it: the newest good checkpoint
+            self.resume = "auto" if self.resume else None
+        elif self.resume is not None and not isinstance(self.resume, (str, os.PathLike)):
+            raise TypeError(f"resume must be None, True/'auto' (the newest good checkpoint in checkpoint_dir) or a "
+                            f"checkpoint's path, got {type(self.resume).__name__} {self.resume!r}")
 
     @classmethod
     def naive(cls, **overrides) -> "TrainConfig":
@@ -118,7 +125,8 @@ def check_reliability_options(cfg: TrainConfig) -> None:
     if cfg.parallel not in ("auto", "ddp", "fsdp2"):
         raise ValueError(f"parallel must be 'auto', 'ddp' or 'fsdp2', got {cfg.parallel!r}")
     if cfg.resume == "auto" and not cfg.checkpoint_dir:
-        raise ValueError("resume='auto' needs checkpoint_dir: the folder to look for checkpoints in")
+        raise ValueError("resume='auto' (or True) needs checkpoint_dir: the folder the run writes its checkpoints "
+                         "to and looks for them in")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
         raise FileNotFoundError(f"resume={cfg.resume!r}: no such checkpoint file or folder; pass an existing "
                                 ".pt file, a checkpoint folder, or resume='auto' with checkpoint_dir")

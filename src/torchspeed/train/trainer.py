@@ -332,9 +332,14 @@ class Trainer:
         self.switcher.finish()  # a run shorter than its trial decides on what it measured
         self.compiler.finish()
         self._eval.record(self.decisions, cfg.eval_every, steps=self.step)  # evaluation's share, if any
+        skipped = int(self.skipped.item())
+        if skipped and is_rank_zero():  # the guard skipped steps: say so once, at the end, with the count
+            log.warning(f"{skipped} of {self.step} optimizer steps had a NaN/inf loss and were skipped"
+                        + (" (every one: the weights did not change)" if skipped >= self.step else "")
+                        + "; check the inputs and labels for NaN/inf, or try a lower LR or clip_grad_norm=1.0")
         self.best.restore(self.module, self._history, self.decisions)  # restore_best: the best epoch's weights
         return FitResult(history=self._history, config=asdict(cfg), decisions=self.decisions.copy(), steps=self.step,
-                         skipped_steps=int(self.skipped.item()))
+                         skipped_steps=skipped)
 
     def _train_epoch(self, train_loader: Iterable, epoch: int, skip: int, progress: TrainProgress) -> bool:
         """One pass over the loader (or until max_steps); returns True when max_steps was reached."""
