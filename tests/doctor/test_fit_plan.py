@@ -45,7 +45,7 @@ def _measure(by_label):
 def test_plan_is_fits_choice_measured_against_the_script():
     m = _measure({"fp32+channels_last+fused": [1.1] * 3, "bf16+fused": [1.5] * 3,
                   "bf16+channels_last+fused": [1.6, 1.62, 1.58]})
-    p = fit_plan(_cap(), copy.deepcopy(PLAN_OBS), rounds=3, caps=BF16, measure=m)
+    p = fit_plan(_cap(), copy.deepcopy(PLAN_OBS), rounds=3, caps=BF16, measure=m, ported=False)
     assert p["grid"] == ["fp32+fused", "fp32+channels_last+fused", "bf16+fused", "bf16+channels_last+fused"]
     assert p["script"] == "fp32+foreach" and p["chosen"] == "bf16+channels_last+fused"
     assert p["speedup"] == 1.6 and not p["within_noise"]
@@ -57,14 +57,33 @@ def test_plan_is_fits_choice_measured_against_the_script():
 
 def test_plan_prefers_fewer_changes_within_two_percent_and_can_keep_the_script():
     m = _measure({"fp32+channels_last+fused": [1.1] * 3, "bf16+fused": [1.5] * 3, "bf16+channels_last+fused": [1.52] * 3})
-    p = fit_plan(_cap(), copy.deepcopy(PLAN_OBS), rounds=3, caps=BF16, measure=m)
+    p = fit_plan(_cap(), copy.deepcopy(PLAN_OBS), rounds=3, caps=BF16, measure=m, ported=False)
     assert p["chosen"] == "bf16+fused" and p["fixes"] == ["autocast", "fused_optimizer"]
     # nothing beats the script: the plan keeps it, with no fix to report
     slow = {k: [0.8] * 3 for k in ("fp32+channels_last+fused", "bf16+fused", "bf16+channels_last+fused")}
     obs = copy.deepcopy(PLAN_OBS)
     obs["verify"]["fused_optimizer"]["ratios"] = [0.9] * 3
-    p = fit_plan(_cap(), obs, rounds=3, caps=BF16, measure=_measure(slow))
+    p = fit_plan(_cap(), obs, rounds=3, caps=BF16, measure=_measure(slow), ported=False)
     assert p["chosen"] == "fp32+foreach" and p["fixes"] == [] and p["speedup"] == 1.0
+
+
+def test_the_plan_of_a_port_keeps_the_scripts_kernel_and_takes_a_change_only_ten_percent_faster():
+    # the script has its own optimizer and LR: ported as-is, fit steps torch's own kernel (no fused candidate)
+    # and its switch trial takes a precision or layout only 1.1x faster a step (plan.planner.PORTED_MIN_GAIN)
+    m = _measure({"fp32+channels_last": [1.06] * 3, "bf16": [1.08] * 3, "bf16+channels_last": [1.05] * 3})
+    p = fit_plan(_cap(), copy.deepcopy(PLAN_OBS), rounds=3, caps=BF16, measure=m)
+    assert p["run"] == "ported" and p["grid"] == ["fp32", "fp32+channels_last", "bf16", "bf16+channels_last"]
+    assert p["script"] == "fp32" and p["chosen"] == "fp32" and p["fixes"] == []  # 1.08x < 1.1x: kept
+    assert p["why"].startswith("ported with the script's own optimizer and LR: fit keeps its optimizer kernel")
+    m = _measure({"fp32+channels_last": [1.06] * 3, "bf16": [1.3] * 3, "bf16+channels_last": [1.05] * 3})
+    p = fit_plan(_cap(), copy.deepcopy(PLAN_OBS), rounds=3, caps=BF16, measure=m)
+    assert p["chosen"] == "bf16" and p["fixes"] == ["autocast"]
+    assert undeclared_keys({"fit_plan": p}) == []
+    # the same measurements on a run that leaves the LR to fit: 2% buys the change
+    m = _measure({"fp32+fused": [1.0] * 3, "fp32+channels_last+fused": [1.0] * 3, "bf16+fused": [1.08] * 3,
+                  "bf16+channels_last+fused": [1.0] * 3})
+    assert fit_plan(_cap(), copy.deepcopy(PLAN_OBS), rounds=3, caps=BF16, measure=m,
+                    ported=False)["chosen"] == "bf16+fused"
 
 
 def _script_obs(plan=None):

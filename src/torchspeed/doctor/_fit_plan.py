@@ -1,8 +1,13 @@
 """The gap to `fit`, explained under `--verify` (T18, T21, T23, T51): what fit's plan would choose for this script.
 
 `fit` measures its switches on the user's model (`torchspeed.train.switches`): precision x
-channels_last (`candidate_grid`), with the optimizer's fused kernel, and takes the fastest, or the
-one with fewer changes within 2% of it (`choose`). The doctor holds the script's model, optimizer
+channels_last (`candidate_grid`), and takes the fastest, or the one with fewer changes within its
+`min_gain` of it (`choose`). A script has its own optimizer and LR, so the plan shown by default is the
+one a port gets (`ported=True`, `fit(model, loader, optimizer=..., lr=...)`): fit keeps the script's
+optimizer kernel (its numbers, bit for bit) and takes a change of precision or layout only
+`PORTED_MIN_GAIN` (10%) faster a step (`plan.planner._schedule`). `ported=False` is the plan of a run
+that leaves the LR to fit (`recipe="auto"`): the optimizer's fused kernel joins the grid, and 2% buys
+a change. The doctor holds the script's model, optimizer
 and a batch, so it runs the same grid with `--verify`'s trainer (`verify._Trainer`: a copy of the
 model and optimizer, one step on the captured batch), each candidate interleaved with the script's
 own settings (`verify._interleave`). A candidate that differs from the script in one switch reuses
@@ -26,12 +31,15 @@ from collections.abc import Callable
 
 from torchspeed.doctor.observation import (AllocatorStage, BeyondGrid, CompileStage, FitPlan, Observation, ThreadStage,
                                           VerifyResult)
+from torchspeed.plan.planner import PORTED_MIN_GAIN
 from torchspeed.train.rounds import ratio_summary
 from torchspeed.train.switches import Switches, candidate_grid, choose
 
 __all__ = ["fit_plan", "PLAN_FIXES", "plan_fixes", "beyond_grid", "MIN_GAIN"]
 
-MIN_GAIN = 1.02  # fit's `choose`: a change must gain at least this
+MIN_GAIN = 1.02  # fit's `choose` on a run that leaves the LR to fit: a change must gain at least this
+PORTED_WHY = "ported with the script's own optimizer and LR: fit keeps its optimizer kernel, a change must buy " \
+    f"{PORTED_MIN_GAIN:.1f}x a step"
 PLAN_FIXES = {"precision": "autocast", "channels_last": "channels_last", "fused": "fused_optimizer"}
 
 
@@ -71,8 +79,10 @@ def _reused(cand: Switches, script: Switches, verify: dict[str, VerifyResult]) -
     return None
 
 
-def fit_plan(cap, obs: Observation, *, rounds: int = 5, caps=None, measure: Callable | None = None) -> FitPlan:
-    """fit's choice for this script's model and its measured ratio against the script's own settings.
+def fit_plan(cap, obs: Observation, *, rounds: int = 5, caps=None, measure: Callable | None = None,
+             ported: bool = True) -> FitPlan:
+    """fit's choice for this script's model and its measured ratio against the script's own settings: the plan of
+    the script ported with its own optimizer and LR (`ported`), or of a run that leaves the LR to fit.
 
     `caps` (`torchspeed.env.DeviceCaps`) and `measure(candidate, script) -> per-round ratios` are injectable."""
     from torchspeed.env import DeviceCaps
@@ -81,7 +91,8 @@ def fit_plan(cap, obs: Observation, *, rounds: int = 5, caps=None, measure: Call
     if cap.model is None or cap.args is None:
         return {"error": "no model forward with a captured batch"}
     caps = caps or DeviceCaps.of(next(cap.model.parameters()).device)
-    can_fuse = fusable(cap.optimizer, cap.model) and bool((obs.get("optimizer") or {}).get("fused_available"))
+    can_fuse = not ported and fusable(cap.optimizer, cap.model) and \
+        bool((obs.get("optimizer") or {}).get("fused_available"))  # a port keeps the script's kernel
     grid = candidate_grid(caps=caps, has_conv=bool((obs.get("model") or {}).get("has_conv2d")),
                           fused=True if can_fuse else None)
     script = _script_switches(obs, caps, can_fuse)
@@ -98,8 +109,10 @@ def fit_plan(cap, obs: Observation, *, rounds: int = 5, caps=None, measure: Call
     n = max((len(r) for r in ratios.values()), default=1)
     times = {s: [1.0 / r for r in rs] for s, rs in ratios.items() if rs}
     times[script] = [1.0] * n  # the script's own settings: the reference every ratio is taken against
-    chosen, why = choose(times, plain=grid[0] if grid[0] in times else script)
-    return {"grid": [s.label() for s in grid], "script": script.label(), "chosen": chosen.label(), "why": why,
+    chosen, why = choose(times, plain=grid[0] if grid[0] in times else script,
+                         min_gain=PORTED_MIN_GAIN if ported else MIN_GAIN)
+    return {"run": "ported" if ported else "lr_left_to_fit", "grid": [s.label() for s in grid],
+            "script": script.label(), "chosen": chosen.label(), "why": (f"{PORTED_WHY}; " if ported else "") + why,
             **ratio_summary(ratios.get(chosen, [1.0] * n)),
             "candidates": {s.label(): round(statistics.median(r), 4) for s, r in ratios.items() if r},
             "fixes": plan_fixes(chosen, script), "errors": errors}

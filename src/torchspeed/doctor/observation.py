@@ -329,6 +329,8 @@ class BeyondGrid(TypedDict, total=False):
 class FitPlan(_RoundRatios, total=False):
     """fit's choice of switches for the script's model under `--verify`, measured against the script (`_fit_plan`)."""
     error: str                   # no plan: no model forward with a captured batch
+    run: str                     # "ported" (the script's optimizer and LR given: its kernel kept, the 10% rule)
+                                 # or "lr_left_to_fit" (the fused kernel in the grid, the 2% rule)
     grid: list[str]              # the candidates' labels, "bf16+channels_last+fused", ...
     script: str                  # the script's own switches
     chosen: str
