@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["FlatMoments", "MAX_NUMEL", "MEAN_NUMEL", "flat_applies", "kernels_agree"]
+__all__ = ["FlatMoments", "MAX_NUMEL", "MEAN_NUMEL", "flat_applies", "kernels_agree", "schedule_free_kernels_agree"]
 
 MEAN_NUMEL = 32_768  # numbers per tensor, on average, above which the gradients' copy costs what the launches save
 MAX_NUMEL = 1 << 24  # a group's numbers at most: its two extra buffers (gradients, Adam's denominator) stay <= 128 MiB
@@ -44,6 +44,12 @@ _OPS: tuple[Callable, ...] = (  # the update's kernels over the buffers, with sc
     lambda a, b, c: torch.sqrt(c, out=torch.empty_like(c)).div_(0.31).add_(1e-8),
     lambda a, b, c: a.mul_(0.9).add_(b, alpha=0.9),
     lambda a, b, c: a.neg_(),
+)
+_SF_OPS: tuple[Callable, ...] = (  # Schedule-Free AdamW's (lean_schedulefree): its denominator, the normalized step
+    lambda a, b, c: a.mul_(0.999).addcmul_(b, b, value=0.001),
+    lambda a, b, c: torch.div(c, 0.37).sqrt_().add_(1e-8),
+    lambda a, b, c: a.div_(c),
+    lambda a, b, c: a.sub_(b, alpha=0.01),
 )
 
 
@@ -64,26 +70,36 @@ def kernels_agree() -> bool:
         return all(_agree(op, g) for op in _OPS)
 
 
-def flat_applies(params: list, moments: tuple = ()) -> bool:
+@functools.cache
+def schedule_free_kernels_agree() -> bool:
+    """`kernels_agree` for the kernels of Schedule-Free AdamW's update that run over the buffers."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        return all(_agree(op, g) for op in _SF_OPS)
+
+
+def flat_applies(params: list, moments: tuple = (), agree: Callable[[], bool] | None = None) -> bool:
     """The group is one a flat buffer pays for and keeps exact on (the module docstring's rule); `moments`, the
     state's tensor lists, must be dense float32 tensors of their parameters' shapes (a sparse embedding's SGD
-    momentum is not)."""
+    momentum is not); `agree`, the check of the update's kernels (`kernels_agree`, Adam's and SGD's)."""
     if len(params) < 2 or any(p.dtype != torch.float32 or not p.is_contiguous() for p in params):
         return False
     if any(t.is_sparse or t.dtype != p.dtype or t.shape != p.shape for ts in moments for t, p in zip(ts, params)):
         return False
     n = sum(p.numel() for p in params)
-    return n <= MEAN_NUMEL * len(params) and n <= MAX_NUMEL and kernels_agree()
+    return n <= MEAN_NUMEL * len(params) and n <= MAX_NUMEL and (agree or kernels_agree)()
 
 
 class FlatMoments:
     """A group's state tensors under `keys` made views of one buffer each, plus a gradient buffer (and Adam's
     denominator's)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: list, keys: tuple[str, ...]):
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list, keys: tuple[str, ...],
+                 extra: tuple[str, ...] | None = None):
         n = sum(p.numel() for p in params)
         self.params, self.keys = list(params), keys
-        extra = ("grad", "scratch") if "exp_avg" in keys else ("grad",)  # Adam's denominator has a buffer of its own
+        if extra is None:  # Adam's denominator has a buffer of its own
+            extra = ("grad", "scratch") if "exp_avg" in keys else ("grad",)
         self.buffers = {k: torch.empty(n, dtype=params[0].dtype) for k in keys + extra}
         self.views: dict[str, list] = {k: [] for k in self.buffers}
         offset = 0

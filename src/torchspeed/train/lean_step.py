@@ -56,6 +56,7 @@ import torch
 from torch.optim import optimizer as _optimizer_module
 
 from torchspeed.train.flat_state import FlatMoments, flat_applies
+from torchspeed.train.lean_schedulefree import LeanScheduleFree, is_adamw_schedule_free
 
 __all__ = ["LeanStep", "lean_step_for", "step_with_torch"]
 
@@ -169,20 +170,22 @@ def _sgd_update(lists: tuple, grads: list) -> None:
                       is_first_step=False, grad_scale=None, found_inf=None)
 
 
-def lean_step_for(optimizer) -> LeanStep | None:
-    """The optimizer's `LeanStep` (made once), or None for an optimizer it never applies to."""
-    if type(optimizer) not in _KINDS:
+def lean_step_for(optimizer) -> LeanStep | LeanScheduleFree | None:
+    """The optimizer's `LeanStep` (Schedule-Free AdamW's: `lean_schedulefree.LeanScheduleFree`), made once, or None
+    for an optimizer it never applies to."""
+    schedule_free = type(optimizer) not in _KINDS and is_adamw_schedule_free(optimizer)
+    if type(optimizer) not in _KINDS and not schedule_free:
         return None
     lean = _LEAN.get(optimizer)
     if lean is None:
-        lean = _LEAN[optimizer] = LeanStep(optimizer)
+        lean = _LEAN[optimizer] = LeanScheduleFree(optimizer) if schedule_free else LeanStep(optimizer)
     return None if lean is _TORCH else lean
 
 
 def step_with_torch(optimizer) -> None:
     """Leave `optimizer` to its own `step()` and `zero_grad()` from now on (a loop that must cost what a plain
     loop costs: the bench's naive row, `TrainConfig(lean_step=False)`)."""
-    if type(optimizer) in _KINDS:
+    if type(optimizer) in _KINDS or is_adamw_schedule_free(optimizer):
         _LEAN[optimizer] = _TORCH
 
 

@@ -1,0 +1,162 @@
+"""LeanScheduleFree: Schedule-Free AdamW's update on kept lists, its moments in flat buffers, bit for bit the
+package's, and every case it does not mirror handed back to the package's `step()`."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchspeed
+from torchspeed.train import flat_state, lean_schedulefree
+from torchspeed.train.lean_schedulefree import LeanScheduleFree
+from torchspeed.train.lean_step import lean_step_for, step_with_torch
+from torchspeed.train.optim import zero_grad
+from torchspeed.train.step import optimizer_step
+
+schedulefree = pytest.importorskip("schedulefree")
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv1d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3))
+
+
+def _batches(n=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 1, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n)]
+
+
+def _train(model, opt, batches, *, ours: bool, between=None):
+    opt.train()
+    for i, (x, y) in enumerate(batches):
+        F.cross_entropy(model(x), y).backward()
+        if ours:
+            optimizer_step(opt)
+            zero_grad(opt)
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if between is not None:
+            between(i)
+
+
+def _same(a, b, oa, ob):
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+        for k in ("z", "exp_avg_sq"):
+            assert torch.equal(oa.state[pa][k], ob.state[pb][k]), k
+    for ga, gb in zip(oa.param_groups, ob.param_groups):
+        assert {k: v for k, v in ga.items() if k not in ("params", "foreach")} == \
+            {k: v for k, v in gb.items() if k not in ("params", "foreach")}
+
+
+def _evaluate_at(i, opt):
+    if i in (3, 7):  # an evaluation: the averaged weights in, then the training weights back
+        opt.eval()
+        opt.train()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(lr=0.01),
+    dict(lr=0.04, weight_decay=0.05, warmup_steps=4, betas=(0.8, 0.99), eps=1e-6),
+    dict(lr=0.02, warmup_steps=20, r=1.0, weight_lr_power=1.0),
+])
+@pytest.mark.parametrize("foreach", [True, False])
+def test_the_lean_update_is_the_packages_bit_for_bit(kw, foreach):
+    """Parameters, z, exp_avg_sq and the group's bookkeeping equal the package's own step after every step (its
+    foreach path and its for-loop give the same numbers on the CPU), evaluations in between."""
+    ref, mine = _model(), _model()
+    o_ref = schedulefree.AdamWScheduleFree(ref.parameters(), foreach=foreach, **kw)
+    o_mine = schedulefree.AdamWScheduleFree(mine.parameters(), **kw)
+    batches = _batches()
+    _train(ref, o_ref, batches, ours=False, between=lambda i: _evaluate_at(i, o_ref))
+    _train(mine, o_mine, batches, ours=True, between=lambda i: _evaluate_at(i, o_mine))
+    lean = lean_step_for(o_mine)
+    assert isinstance(lean, LeanScheduleFree) and lean.steps == len(batches) - 1  # the first: the package's
+    _same(ref, mine, o_ref, o_mine)
+    if flat_state.schedule_free_kernels_agree():
+        assert lean.flat_steps == lean.steps
+        ptrs = {o_mine.state[p]["z"].untyped_storage().data_ptr() for p in mine.parameters()}
+        assert len(ptrs) == 1 and all(o_mine.state[p]["z"].shape == p.shape for p in mine.parameters())
+
+
+def test_kept_lists_without_flat_buffers_are_the_packages_too(monkeypatch):
+    monkeypatch.setattr(lean_schedulefree, "schedule_free_kernels_agree", lambda: False)
+    ref, mine = _model(), _model()
+    o_ref = schedulefree.AdamWScheduleFree(ref.parameters(), lr=0.02, weight_decay=0.01)
+    o_mine = schedulefree.AdamWScheduleFree(mine.parameters(), lr=0.02, weight_decay=0.01)
+    _train(ref, o_ref, _batches(), ours=False)
+    _train(mine, o_mine, _batches(), ours=True)
+    lean = lean_step_for(o_mine)
+    assert lean.steps == 11 and lean.flat_steps == 0
+    _same(ref, mine, o_ref, o_mine)
+
+
+def test_a_state_loaded_midway_and_a_frozen_step_stay_the_packages(monkeypatch):
+    """A resume replaces the state (new buffers hold the loaded numbers); a step with a frozen bias goes through
+    the package (it steps only the parameters with gradients)."""
+    exact = flat_state.schedule_free_kernels_agree()
+    monkeypatch.setattr(lean_schedulefree, "schedule_free_kernels_agree", lambda: True)  # the path, on any CPU
+    ref, mine = _model(), _model()
+    o_ref = schedulefree.AdamWScheduleFree(ref.parameters(), lr=0.02)
+    o_mine = schedulefree.AdamWScheduleFree(mine.parameters(), lr=0.02)
+    saved = {}
+
+    def between(i, opt, key, model):
+        if i == 3:
+            saved[key] = copy.deepcopy(opt.state_dict())
+        if i == 6:
+            opt.load_state_dict(saved[key])
+        if i == 8:
+            model[3].bias.requires_grad_(False)
+        if i == 9:
+            model[3].bias.requires_grad_(True)
+    batches = _batches(14)
+    _train(ref, o_ref, batches, ours=False, between=lambda i: between(i, o_ref, "ref", ref))
+    _train(mine, o_mine, batches, ours=True, between=lambda i: between(i, o_mine, "mine", mine))
+    lean = lean_step_for(o_mine)
+    assert lean.steps == len(batches) - 2 and lean.flat_steps == lean.steps  # all but the first and the frozen one
+    if exact:
+        _same(ref, mine, o_ref, o_mine)
+
+
+def test_every_case_it_does_not_mirror_goes_through_the_packages_step(monkeypatch):
+    model = _model()
+    opt = schedulefree.AdamWScheduleFree(model.parameters(), lr=0.01)
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append(1))
+    _train(model, opt, _batches(3), ours=True)
+    assert len(calls) == 3 and lean_step_for(opt).steps == 0  # a hook: the package steps
+
+    class Mine(schedulefree.AdamWScheduleFree):
+        pass
+    assert lean_step_for(Mine(_model().parameters(), lr=0.01)) is None  # a subclass may step otherwise
+
+    monkeypatch.setattr(lean_schedulefree, "_replicated", lambda: False)  # a release whose step is not replicated
+    model = _model()
+    opt = schedulefree.AdamWScheduleFree(model.parameters(), lr=0.01)
+    _train(model, opt, _batches(3), ours=True)
+    assert lean_step_for(opt).steps == 0
+
+    opt = schedulefree.AdamWScheduleFree(_model().parameters(), lr=0.01)
+    step_with_torch(opt)  # the bench's naive loop
+    assert lean_step_for(opt) is None
+
+
+def test_fit_trains_schedule_free_through_the_lean_step(monkeypatch):
+    """`fit(optimizer="schedulefree")` steps the package's optimizer for its first update only (this fails with the
+    lean step switched off)."""
+    calls = []
+    original = schedulefree.AdamWScheduleFree.step
+    monkeypatch.setattr(schedulefree.AdamWScheduleFree, "step",
+                        lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    torch.manual_seed(0)
+    x, y = torch.randn(200, 6), torch.randint(0, 2, (200,))
+    res = torchspeed.fit(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2)),
+                         DataLoader(TensorDataset(x, y), batch_size=20), epochs=2, optimizer="schedulefree",
+                         lr=1e-2, precision="fp32", trial=False, progress=False,
+                         val_loader=DataLoader(TensorDataset(x, y), batch_size=100))
+    assert res.steps == 20 and len(calls) == 1
