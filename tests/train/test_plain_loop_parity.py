@@ -14,7 +14,7 @@ from torchspeed.bench.small import SMALL, evaluate_plain, make_small, plain_loop
 from torchspeed.train import callbacks as cb_mod
 from torchspeed.train.callbacks import Callback, EarlyStopping
 from torchspeed.train.config import parse_eval_every
-from torchspeed.train.evaluate import EvalClock
+from torchspeed.train.evaluate import EvalClock, evaluate
 from torchspeed.train.in_memory import SlicedLoader, keep_on_device, sliced_loader
 from torchspeed.train.schedule import default_schedule
 
@@ -313,6 +313,54 @@ def test_eval_every_n_steps_evaluates_at_the_first_epoch_end_past_n_and_at_the_e
     assert all(r.get("val_skipped") for r in res.history if r["epoch"] not in evaluated)
     assert res.decisions["evaluation"].measured["count"] == 2
     assert res.decisions["restored_best"].value.startswith(("epoch 3", "epoch 5"))
+
+
+def test_eval_every_under_an_epoch_evaluates_inside_the_epoch_every_n_steps(tmp_path):
+    """eval_every=5 on 12-step epochs: steps 5 and 10 inside epoch 1, its end (12), then 17, 22, 24 (the end); the
+    weights trained on between validations are the run's (a validation changes nothing), the callbacks and the
+    loggers see each one, and the best may be a step inside an epoch."""
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=20)  # 12 steps an epoch
+    val = DataLoader(TensorDataset(x[:40], y[:40]), batch_size=20)
+    seen = []
+
+    class Spy(Callback):
+        def on_evaluate(self, trainer, metrics):
+            seen.append((metrics["step"], bool(metrics.get("mid_epoch")), trainer.model.training))
+
+    model = _model()
+    res = torchspeed.fit(model, loader, epochs=2, lr=1e-2, val_loader=val, eval_every=5, callbacks=[Spy()],
+                         checkpoint_dir=str(tmp_path), **_quiet())
+    assert [(e["step"], e["mid_epoch"]) for e in res.evaluations] == [
+        (5, True), (10, True), (12, False), (17, True), (22, True), (24, False)]
+    assert seen == [(5, True, True), (10, True, True), (12, False, True), (17, True, True), (22, True, True),
+                    (24, False, True)]  # the model back in training mode after each validation
+    assert [r["epoch"] for r in res.history] == [1, 2] and all("val_acc" in r for r in res.history)
+    assert res.decisions["evaluation"].measured["count"] == 6
+    ref = torchspeed.fit(_model(), DataLoader(TensorDataset(x, y), batch_size=20), epochs=2, lr=1e-2,
+                         val_loader=val, **_quiet())  # every epoch: the same training, two validations
+    assert [r["train_loss"] for r in ref.history] == [r["train_loss"] for r in res.history]
+    assert ref.evaluations == []
+    # restore_best: the weights of the first validation with the best accuracy, inside an epoch or at its end
+    first_best = max(res.evaluations, key=lambda e: e["val_acc"])  # max keeps the first of equals
+    assert ("inside the epoch" in res.decisions["restored_best"].value) == first_best["mid_epoch"]
+    assert evaluate(model, val)["val_acc"] == first_best["val_acc"]
+
+
+def test_a_stop_asked_inside_an_epoch_ends_there_without_a_second_validation():
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=20)
+    val = DataLoader(TensorDataset(x[:40], y[:40]), batch_size=20)
+
+    class StopAtFirst(Callback):
+        def on_evaluate(self, trainer, metrics):
+            trainer.request_stop("first validation")
+
+    res = torchspeed.fit(_model(), loader, epochs=3, lr=1e-2, val_loader=val, eval_every=4,
+                         callbacks=[StopAtFirst()], **_quiet())
+    assert res.steps == 4 and [e["step"] for e in res.evaluations] == [4]
+    assert res.decisions["evaluation"].measured["count"] == 1  # the epoch's row reuses the validation at step 4
+    assert res.final["val_acc"] == res.evaluations[0]["val_acc"] and res.final["val_at_step"] == 4
 
 
 def test_eval_every_is_checked():

@@ -5,12 +5,13 @@ Events (each receives the `Trainer`):
 - `on_train_start(trainer)`: after a resume has restored every state, before the first step;
 - `on_step_end(trainer)`: after each optimizer step (not each accumulation micro-batch);
 - `on_evaluate(trainer, metrics)`: after each epoch's row is complete (train metrics, and
-  `val_*` when there is a `val_loader`), before it is checkpointed;
+  `val_*` when there is a `val_loader`), before it is checkpointed; with `eval_every=N` under an
+  epoch, also after each validation inside the epoch (`mid_epoch` True: the epoch, step, lr and `val_*`);
 - `on_save(trainer, path)`: after a checkpoint file was written (rank 0);
 - `on_train_end(trainer, status)`: once, with "success", or "failed" when an exception ends the run.
 
 A callback stops training with `trainer.request_stop("why")`: the run ends after the current
-step (from `on_step_end`) or epoch (from `on_evaluate`), and `FitResult.decisions["stopped"]`
+step (from `on_step_end`, or `on_evaluate` inside an epoch) or epoch (from `on_evaluate`), and `FitResult.decisions["stopped"]`
 says why. Under DDP a callback must decide the same on every rank (the epoch metrics are
 already reduced over ranks, so EarlyStopping does). A callback that keeps state returns it from
 `state_dict()` (tensors and plain values: checkpoints load with `weights_only=True`); it is saved
@@ -168,7 +169,8 @@ class CallbackList:
 
 
 class EarlyStopping(Callback):
-    """Stop when epoch metric `metric` has not improved by more than `min_delta` for `patience` epochs.
+    """Stop when epoch metric `metric` has not improved by more than `min_delta` for `patience` epochs (evaluations,
+    with `eval_every=N` under an epoch: each validation inside an epoch and at its end counts).
 
     `mode` "min" (losses), "max" (accuracies), or "auto" ("max" when the name has "acc").
     The metric is read from each epoch's row (`val_loss`, `val_acc`, `train_loss`, ...); a
@@ -202,8 +204,8 @@ class EarlyStopping(Callback):
 
     def on_evaluate(self, trainer, metrics: dict) -> None:
         value = metrics.get(self.metric)
-        if value is None and metrics.get("val_skipped"):  # eval_every left this epoch's validation out
-            return
+        if value is None and (metrics.get("val_skipped") or metrics.get("mid_epoch")):
+            return  # eval_every left this epoch's validation out, or a validation inside the epoch has no train_*
         if value is None:
             have = ", ".join(k for k, v in metrics.items() if isinstance(v, (int, float)))
             raise ValueError(f"EarlyStopping: no epoch metric {self.metric!r} (this run has: {have}); "
@@ -216,8 +218,11 @@ class EarlyStopping(Callback):
         if self.wait >= self.patience:
             self.stopped_epoch = int(metrics["epoch"])
             best = "none finite" if self.best is None else f"best {self.best:.4g} at epoch {self.best_epoch}"
-            trainer.request_stop(f"early stopping at epoch {self.stopped_epoch}: {self.metric} did not improve "
-                                 f"for {self.patience} epoch(s) ({best})")
+            inside = f" (step {metrics['step']})" if metrics.get("mid_epoch") else ""
+            mid = getattr(getattr(trainer, "_eval", None), "mid", None)  # eval_every under an epoch
+            counted = "epoch(s)" if mid is None else "evaluation(s)"
+            trainer.request_stop(f"early stopping at epoch {self.stopped_epoch}{inside}: {self.metric} did not "
+                                 f"improve for {self.patience} {counted} ({best})")
 
     def state_dict(self) -> dict:
         return {"best": self.best, "best_epoch": self.best_epoch, "wait": self.wait,

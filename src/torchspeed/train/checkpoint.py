@@ -280,7 +280,8 @@ def update_best(best: dict | None, row: dict, metric: str | None, *, step: int) 
         old = best["value"]
         if (value <= old) if higher else (value >= old):
             return best, False
-    return {"metric": metric, "value": float(value), "epoch": row["epoch"], "step": step}, True
+    return {"metric": metric, "value": float(value), "epoch": row["epoch"], "step": step,
+            **({"mid_epoch": True} if row.get("mid_epoch") else {})}, True
 
 
 def _sha256(f, *, limit: int | None = None) -> bytes:

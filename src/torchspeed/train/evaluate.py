@@ -6,7 +6,8 @@ and less work than `no_grad`. TTA averages the softmax over views of each image:
 (multi-scale). Both cost one extra forward per view.
 
 `EvalClock` prices validation inside a run: when it is due (every epoch, or `eval_every` N steps or
-S seconds of training, and always at the end), the seconds it took, and its share of the run. A run
+S seconds of training, and always at the end; N steps under an epoch evaluate inside the epoch every N steps,
+and at each epoch end), the seconds it took, and its share of the run. A run
 whose evaluations took more than `EVAL_SHARE_WARN` (5%) of its time, and a second or more in all, says
 so, with the `eval_every` that would bring them to about 2%.
 
@@ -47,20 +48,32 @@ class EvalClock:
     """When validation is due, and what it cost: `every` is `parse_eval_every`'s ("steps", N) / ("seconds", S),
     or None for every epoch. `clock` is injectable (tests)."""
 
-    def __init__(self, every: tuple[str, float] | None, *, step: int = 0, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, every: tuple[str, float] | None, *, step: int = 0, clock: Callable[[], float] = time.perf_counter,
+                 steps_per_epoch: int | None = None):
         self.every, self.clock = every, clock
         self.t0 = self.mark_t = clock()
         self.mark_step = step
         self.count, self.seconds = 0, 0.0
+        kind, n = every or ("epoch", 0.0)
+        # eval_every=N steps under an epoch: every N optimizer steps inside the epoch, and at each epoch end
+        self.mid = int(n) if kind == "steps" and steps_per_epoch and n < steps_per_epoch else None
 
     def due(self, step: int, *, last: bool = False) -> bool:
         """Whether the epoch that ended at optimizer step `step` evaluates (`last`: the run's final epoch always)."""
         kind, n = self.every or ("epoch", 0.0)
-        due = (last or kind == "epoch" or (kind == "steps" and step - self.mark_step >= n)
+        due = (last or kind == "epoch" or self.mid is not None or (kind == "steps" and step - self.mark_step >= n)
                or (kind == "seconds" and self.clock() - self.mark_t >= n))  # training seconds since the last one
         if due:
             self.mark_step = step
         return due
+
+    def due_mid(self, step: int) -> bool:
+        """Whether optimizer step `step`, inside an epoch, evaluates (eval_every=N under an epoch: N steps since the
+        last evaluation); one int compare a step."""
+        if self.mid is not None and step - self.mark_step >= self.mid:
+            self.mark_step = step
+            return True
+        return False
 
     @contextlib.contextmanager
     def timing(self):

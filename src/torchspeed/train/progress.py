@@ -109,6 +109,15 @@ class TrainProgress:
         parts.append(f"{row['samples_per_s']:,.1f} samples/s")
         self._p.console.print("  ".join(parts))
 
+    def evaluated(self, row: dict) -> None:
+        """A validation inside an epoch (eval_every=N under an epoch): one line."""
+        if self._p is None:
+            return
+        self._flush()
+        parts = [f"epoch {row['epoch']}, step {row['step']}"]
+        parts += [f"{k} {row[k]:.4f}" for k in ("val_acc", "val_loss") if row.get(k) is not None][:1]
+        self._p.console.print("  ".join(parts))
+
     def __exit__(self, *exc):
         if self._p is not None:
             self._flush()

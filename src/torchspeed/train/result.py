@@ -7,7 +7,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torchspeed.train.decision import Decisions
 
@@ -21,6 +21,8 @@ class FitResult:
     decisions: Decisions
     steps: int
     skipped_steps: int
+    evaluations: list[dict] = field(default_factory=list)  # eval_every=N under an epoch: every validation's row, inside
+    # the epochs (`mid_epoch` True) and at their ends, in order (empty otherwise: the epoch rows hold them)
 
     @property
     def final(self) -> dict:

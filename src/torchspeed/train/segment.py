@@ -98,6 +98,7 @@ class BestEpoch:
             return
         module.load_state_dict(weights)
         last = history[-1]["epoch"] if history else None
-        decisions.refine("restored_best", Decision(f"epoch {best['epoch']} of {last}", f"{best['metric']} "
+        inside = f" (step {best['step']}, inside the epoch)" if best.get("mid_epoch") else ""  # eval_every
+        decisions.refine("restored_best", Decision(f"epoch {best['epoch']} of {last}{inside}", f"{best['metric']} "
                                                    f"{best['value']:.4g}" + (", the last epoch" if best["epoch"] ==
-                                                                              last else "")))
+                                                                              last and not inside else "")))

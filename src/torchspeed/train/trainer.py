@@ -152,6 +152,8 @@ class Trainer:
         self.switcher = SwitchStage(self, prepared=self.sharded)  # the switch trial: step_batch steps it
         self._setup_checkpoints(on_checkpoint)
         self._steps_per_epoch, self._ramp, self._history = None, None, []  # set by fit
+        self._evaluations: list[dict] = []  # every validation's row, inside epochs (eval_every) and at their ends
+        self._val_loader, self._last_eval, self._epoch_eval_s = None, None, 0.0
         # Every callback and logger behind one object: the loop calls each event in one line.
         self.callbacks = CallbackList([*(callbacks or ()), *([LoggerCallback(loggers)] if loggers else [])])
         self.should_stop = False  # set by request_stop (a callback): the run ends after this step or epoch
@@ -307,7 +309,9 @@ class Trainer:
         for arm in self.first_steps:  # the switch trial (or the rules), then the compile trial: short runs stay eager
             arm(self, train_loader, length.micro_batches_left(self.total_steps, self.step))
         total = length.batches_left(start_epoch, start_batch, total_steps=self.total_steps, step=self.step)
-        self._eval = EvalClock(parse_eval_every(cfg.eval_every), step=self.step)
+        self._eval = EvalClock(parse_eval_every(cfg.eval_every), step=self.step,
+                               steps_per_epoch=steps_per_epoch if val_loader is not None else None)
+        self._val_loader = val_loader
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
         self.best.active = cfg.restore_best is True or (cfg.restore_best == "auto" and val_loader is not None)
         self.meter.accuracy = train_accuracy(cfg.train_acc, val_loader=val_loader, best_metric=cfg.best_metric,
@@ -339,7 +343,7 @@ class Trainer:
                         + "; check the inputs and labels for NaN/inf, or try a lower LR or clip_grad_norm=1.0")
         self.best.restore(self.module, self._history, self.decisions)  # restore_best: the best epoch's weights
         return FitResult(history=self._history, config=asdict(cfg), decisions=self.decisions.copy(), steps=self.step,
-                         skipped_steps=skipped)
+                         skipped_steps=skipped, evaluations=self._evaluations)
 
     def _train_epoch(self, train_loader: Iterable, epoch: int, skip: int, progress: TrainProgress) -> bool:
         """One pass over the loader (or until max_steps); returns True when max_steps was reached."""
@@ -353,7 +357,8 @@ class Trainer:
             self.optimizer.train()
         if not skip:
             self.meter.reset()  # else: the sums restored from the checkpoint
-        self._t0, self._seen = time.perf_counter(), 0
+        self._t0, self._seen, self._epoch_eval_s = time.perf_counter(), 0, 0.0
+        mid = self._eval.mid is not None
         for batch in self.batches(self.position.epoch_iter(train_loader, skip)):
             self.step_batch(batch)
             if cfg.noise_scale_every and self.window.at_boundary and self.step % cfg.noise_scale_every == 0:
@@ -365,6 +370,9 @@ class Trainer:
             n = batch_size(batch)
             self._seen += n
             progress.advance(n, loss=self._last_loss, epoch=epoch)
+            if (mid and self.window.at_boundary and self.position.batch != self._steps_per_epoch
+                    and not self._stopped() and self._eval.due_mid(self.step)):  # the epoch end evaluates itself
+                self._evaluate_mid(epoch, progress)
             if (cfg.checkpoint_every and self.window.at_boundary and self.step % cfg.checkpoint_every == 0
                     and self.position.batch != self._steps_per_epoch):  # the epoch end saves its own
                 self.save_checkpoint()
@@ -372,10 +380,28 @@ class Trainer:
                 return True
         return False
 
+    def _evaluate_mid(self, epoch: int, progress: TrainProgress) -> None:
+        """eval_every=N under an epoch: validation after this optimizer step, inside the epoch. Its row (`mid_epoch`)
+        goes to the callbacks (EarlyStopping, loggers), the best weights (restore_best, best.pt) and
+        `FitResult.evaluations`; the epoch rows stay one an epoch."""
+        t = time.perf_counter()
+        with self._eval.timing():
+            metrics = {k: v for k, v in self.evaluate(self._val_loader).items() if k != "samples"}
+        self._epoch_eval_s += time.perf_counter() - t  # the epoch's samples/s counts its training alone
+        row = {"epoch": epoch + 1, "step": self.step, "mid_epoch": True,
+               "lr": self.optimizer.param_groups[0]["lr"], **metrics}
+        self._last_eval = row
+        self._evaluations.append(row)
+        progress.evaluated(row)
+        self.callbacks.on_evaluate(self, row)
+        improved = self.best.update(row, self.step, self.callbacks.eval_module(self.module))
+        if improved and self.checkpoints is not None and self.window.at_boundary:
+            self.save_checkpoint(best=True)  # a step checkpoint (an exact resume point) and best.pt
+
     def _epoch_row(self, epoch: int, val_loader: Iterable | None, *, evaluate: bool = True) -> dict:
         """The epoch's metrics; `evaluate` False: eval_every leaves this epoch's validation out."""
         sync(self.device)
-        elapsed = time.perf_counter() - self._t0
+        elapsed = time.perf_counter() - self._t0 - self._epoch_eval_s
         m, seen = self.meter.compute(), self._seen
         if self.dist is not None:  # every rank reports global numbers (one all-reduce)
             m = reduce_metrics({"loss": m["loss"], "acc": m["acc"]}, weight=m["samples"])
@@ -385,9 +411,17 @@ class Trainer:
                "lr": self.optimizer.param_groups[0]["lr"], "skipped_steps": int(self.skipped.item())}
         if self.config.noise_scale_every:
             row["noise_scale"] = self.noise.value  # B_simple: about the critical batch size (T17)
-        if val_loader is not None and evaluate:
+        last = self._last_eval
+        if val_loader is not None and evaluate and last is not None and last["step"] == self.step:
+            row.update({k: v for k, v in last.items() if k.startswith("val_")})  # evaluated at this step already
+            row["val_at_step"] = self.step  # (a stop asked for inside the epoch): not evaluated twice
+        elif val_loader is not None and evaluate:
             with self._eval.timing():
                 row.update({k: v for k, v in self.evaluate(val_loader).items() if k != "samples"})
+            self._last_eval = None
+            if self._eval.mid is not None:
+                self._evaluations.append({"epoch": epoch + 1, "step": self.step, "mid_epoch": False,
+                                          **{k: v for k, v in row.items() if k.startswith("val_")}})
         elif val_loader is not None:
             row["val_skipped"] = True  # eval_every: no validation this epoch (EarlyStopping and best.pt wait)
         return row
