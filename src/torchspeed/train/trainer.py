@@ -42,8 +42,7 @@ from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_s
                                           maybe_init_distributed, reduce_metrics, scale_lr_world_size,
                                           unwrap_data_parallel)
 from torchspeed.train.dcp import ShardedCheckpoints, notify_checkpoint
-from torchspeed.train.evaluate import EvalClock, evaluate
-from torchspeed.train.eval_view import eval_weights
+from torchspeed.train.evaluate import EvalClock
 from torchspeed.train.fsdp import check_optimizer, single_process_group, wrap_parallel
 from torchspeed.train.in_memory import InMemory
 from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
@@ -71,6 +70,7 @@ from torchspeed.train.segment import BestEpoch, group_settings, schedule_for_cal
 from torchspeed.train.result import FitResult
 from torchspeed.train.step import AccumulationWindow, closure_for
 from torchspeed.train.transfer import Prefetcher, batch_layout, to_device
+from torchspeed.train.validation import epoch_validation, validate, validate_inside_epoch
 
 __all__ = ["Trainer"]
 
@@ -372,31 +372,13 @@ class Trainer:
             progress.advance(n, loss=self._last_loss, epoch=epoch)
             if (mid and self.window.at_boundary and self.position.batch != self._steps_per_epoch
                     and not self._stopped() and self._eval.due_mid(self.step)):  # the epoch end evaluates itself
-                self._evaluate_mid(epoch, progress)
+                validate_inside_epoch(self, epoch, progress)
             if (cfg.checkpoint_every and self.window.at_boundary and self.step % cfg.checkpoint_every == 0
                     and self.position.batch != self._steps_per_epoch):  # the epoch end saves its own
                 self.save_checkpoint()
             if (cfg.max_steps and self.step >= cfg.max_steps) or self.should_stop:
                 return True
         return False
-
-    def _evaluate_mid(self, epoch: int, progress: TrainProgress) -> None:
-        """eval_every=N under an epoch: validation after this optimizer step, inside the epoch. Its row (`mid_epoch`)
-        goes to the callbacks (EarlyStopping, loggers), the best weights (restore_best, best.pt) and
-        `FitResult.evaluations`; the epoch rows stay one an epoch."""
-        t = time.perf_counter()
-        with self._eval.timing():
-            metrics = {k: v for k, v in self.evaluate(self._val_loader).items() if k != "samples"}
-        self._epoch_eval_s += time.perf_counter() - t  # the epoch's samples/s counts its training alone
-        row = {"epoch": epoch + 1, "step": self.step, "mid_epoch": True,
-               "lr": self.optimizer.param_groups[0]["lr"], **metrics}
-        self._last_eval = row
-        self._evaluations.append(row)
-        progress.evaluated(row)
-        self.callbacks.on_evaluate(self, row)
-        improved = self.best.update(row, self.step, self.callbacks.eval_module(self.module))
-        if improved and self.checkpoints is not None and self.window.at_boundary:
-            self.save_checkpoint(best=True)  # a step checkpoint (an exact resume point) and best.pt
 
     def _epoch_row(self, epoch: int, val_loader: Iterable | None, *, evaluate: bool = True) -> dict:
         """The epoch's metrics; `evaluate` False: eval_every leaves this epoch's validation out."""
@@ -411,19 +393,7 @@ class Trainer:
                "lr": self.optimizer.param_groups[0]["lr"], "skipped_steps": int(self.skipped.item())}
         if self.config.noise_scale_every:
             row["noise_scale"] = self.noise.value  # B_simple: about the critical batch size (T17)
-        last = self._last_eval
-        if val_loader is not None and evaluate and last is not None and last["step"] == self.step:
-            row.update({k: v for k, v in last.items() if k.startswith("val_")})  # evaluated at this step already
-            row["val_at_step"] = self.step  # (a stop asked for inside the epoch): not evaluated twice
-        elif val_loader is not None and evaluate:
-            with self._eval.timing():
-                row.update({k: v for k, v in self.evaluate(val_loader).items() if k != "samples"})
-            self._last_eval = None
-            if self._eval.mid is not None:
-                self._evaluations.append({"epoch": epoch + 1, "step": self.step, "mid_epoch": False,
-                                          **{k: v for k, v in row.items() if k.startswith("val_")}})
-        elif val_loader is not None:
-            row["val_skipped"] = True  # eval_every: no validation this epoch (EarlyStopping and best.pt wait)
+        epoch_validation(self, row, epoch, val_loader, due=evaluate)
         return row
 
     def _end_epoch(self, row: dict) -> None:
@@ -474,16 +444,5 @@ class Trainer:
         return self.last_checkpoint
 
     def evaluate(self, loader: Iterable) -> dict:
-        # The plain module: a DDP forward would issue collectives that uneven shards could leave waiting.
-        if self.dist is not None and not self.sharded:  # FSDP2: every rank runs the whole set (collective forward)
-            loader = shard_loader(loader, for_eval=True)
-        loader = self.in_memory.eval(loader)  # T10/T11: in-memory tensors sliced, once per loader
-        with eval_weights(self) as module:  # the EMA's, or Schedule-Free's averaged weights with their BN statistics
-            out = evaluate(module, loader, device=self.device, precision=self.precision, loss_fn=self.loss_fn,
-                           step_fn=self.step_fn, channels_last=self.channels_last, tta=self.config.tta,
-                           tta_scales=self.config.tta_scales)
-        if self.dist is not None and not self.sharded:
-            n = out["samples"]
-            out = {**reduce_metrics({k: v for k, v in out.items() if k != "samples"}, weight=n),
-                   "samples": int(all_reduce_sum([n])[0])}
-        return out
+        """`loader`'s validation metrics for the model as it is judged (the EMA's or averaged weights)."""
+        return validate(self, loader)
