@@ -75,3 +75,17 @@ def test_no_batches_is_a_clear_error_naming_the_caller():
         find_lr(torch.nn.Linear(1, 3), [], num_steps=10, progress=False)
     with pytest.raises(ValueError, match="pass a positive batch_size"):
         take_batches(_data(), 2)
+
+
+def test_tensors_in_memory_are_read_as_the_loaders_own_batches_without_a_per_sample_read(monkeypatch):
+    """The plan's probes and the tuners read a DataLoader over tensors as index slices, as the run does: the
+    batches the DataLoader gives, in its order, and no `__getitem__` per sample."""
+    expected = [b for b in DataLoader(_data(), batch_size=8, shuffle=True,
+                                      generator=torch.Generator().manual_seed(4))][:3]
+    calls = []
+    real = TensorDataset.__getitem__
+    monkeypatch.setattr(TensorDataset, "__getitem__", lambda self, i: calls.append(i) or real(self, i))
+    got = take_batches(DataLoader(_data(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(4)), 3)
+    assert calls == []
+    assert all(isinstance(b, list) and torch.equal(b[0], e[0]) and torch.equal(b[1], e[1])
+               for b, e in zip(got, expected))

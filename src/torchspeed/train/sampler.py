@@ -38,6 +38,7 @@ from collections.abc import Iterable, Iterator, Sized
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
+from torchspeed.train.in_memory import sliced_loader
 from torchspeed.train.rng import capture_rng_state, restore_rng_state
 
 __all__ = ["ResumableSampler", "DataPosition", "is_stateful_loader", "loader_length", "set_epoch", "rebuild_loader", "take_batches", "iter_batches", "keep_rng"]
@@ -253,15 +254,17 @@ def iter_batches(data, *, batch_size: int | None = None, seed: int = 0, cycle: b
     the last short batch dropped when there is more than one); a DataLoader or any iterable is read as it
     gives its batches. `cycle`: start over at its end (it is shorter than the batches wanted). Every RNG is
     left as it was: the global ones are put back around each read (a shuffling loader draws its order from
-    them), the loader's own generators when the reader is closed or dropped. A pass that gives no batch is
-    a ValueError naming `what`."""
+    them), the loader's own generators when the reader is closed or dropped. A DataLoader over tensors in
+    memory is read as index slices (`in_memory.sliced_loader`: the same batches in the same order, no
+    per-sample collate), as the run reads it. A pass that gives no batch is a ValueError naming `what`."""
     loader = _as_loader(data, batch_size, seed, what)
     gens = _loader_generators(loader)
     saved = [g.get_state() for g in gens]
+    served = sliced_loader(loader, torch.device("cpu"))  # tensors in memory: the same batches as index slices
     try:
         while True:
             empty = True
-            it = _kept(lambda: iter(loader))
+            it = _kept(lambda: iter(served))
             while (batch := _kept(lambda: next(it, _END))) is not _END:
                 empty = False
                 yield batch
