@@ -48,8 +48,8 @@ class EvalClock:
     """When validation is due, and what it cost: `every` is `parse_eval_every`'s ("steps", N) / ("seconds", S),
     or None for every epoch. `clock` is injectable (tests)."""
 
-    def __init__(self, every: tuple[str, float] | None, *, step: int = 0, clock: Callable[[], float] = time.perf_counter,
-                 steps_per_epoch: int | None = None):
+    def __init__(self, every: tuple[str, float] | None, *, step: int = 0,
+                 clock: Callable[[], float] = time.perf_counter, steps_per_epoch: int | None = None):
         self.every, self.clock = every, clock
         self.t0 = self.mark_t = clock()
         self.mark_step = step
