@@ -12,9 +12,8 @@ Events (each receives the `Trainer`):
 
 A callback stops training with `trainer.request_stop("why")`: the run ends after the current
 step (from `on_step_end`, or `on_evaluate` inside an epoch) or epoch (from `on_evaluate`), and
-`FitResult.decisions["stopped"]`
-says why. Under DDP a callback must decide the same on every rank (the epoch metrics are
-already reduced over ranks, so EarlyStopping does). A callback that keeps state returns it from
+`FitResult.decisions["stopped"]` says why. Under DDP a callback must decide the same on every rank
+(the epoch metrics are already reduced over ranks, so EarlyStopping does). A callback that keeps state returns it from
 `state_dict()` (tensors and plain values: checkpoints load with `weights_only=True`); it is saved
 in every checkpoint and given back to `load_state_dict` on resume, so a resumed run is exact.
 
