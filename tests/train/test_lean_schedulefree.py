@@ -5,7 +5,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -13,34 +12,15 @@ import torchspeed
 from torchspeed.train import flat_state, lean_schedulefree
 from torchspeed.train.lean_schedulefree import LeanScheduleFree
 from torchspeed.train.lean_step import lean_step_for, step_with_torch
-from torchspeed.train.optim import zero_grad
-from torchspeed.train.step import optimizer_step
+
+from test_lean_step import _batches, _model, _train as lean_train
 
 schedulefree = pytest.importorskip("schedulefree")
 
 
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv1d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3))
-
-
-def _batches(n=12, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(16, 1, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n)]
-
-
 def _train(model, opt, batches, *, ours: bool, between=None):
-    opt.train()
-    for i, (x, y) in enumerate(batches):
-        F.cross_entropy(model(x), y).backward()
-        if ours:
-            optimizer_step(opt)
-            zero_grad(opt)
-        else:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        if between is not None:
-            between(i)
+    opt.train()  # Schedule-Free's training weights
+    lean_train(model, opt, batches, ours=ours, between=between)
 
 
 def _same(a, b, oa, ob):
