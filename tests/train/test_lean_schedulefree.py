@@ -1,8 +1,6 @@
 """LeanScheduleFree: Schedule-Free AdamW's update on kept lists, its moments in flat buffers, bit for bit the
 package's, and every case it does not mirror handed back to the package's `step()`."""
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -13,7 +11,7 @@ from torchspeed.train import flat_state, lean_schedulefree
 from torchspeed.train.lean_schedulefree import LeanScheduleFree
 from torchspeed.train.lean_step import lean_step_for, step_with_torch
 
-from test_lean_step import _batches, _model, _train as lean_train
+from test_lean_step import _batches, _model, _resume_and_freeze, _train as lean_train
 
 schedulefree = pytest.importorskip("schedulefree")
 
@@ -83,20 +81,9 @@ def test_a_state_loaded_midway_and_a_frozen_step_stay_the_packages(monkeypatch):
     ref, mine = _model(), _model()
     o_ref = schedulefree.AdamWScheduleFree(ref.parameters(), lr=0.02)
     o_mine = schedulefree.AdamWScheduleFree(mine.parameters(), lr=0.02)
-    saved = {}
-
-    def between(i, opt, key, model):
-        if i == 3:
-            saved[key] = copy.deepcopy(opt.state_dict())
-        if i == 6:
-            opt.load_state_dict(saved[key])
-        if i == 8:
-            model[3].bias.requires_grad_(False)
-        if i == 9:
-            model[3].bias.requires_grad_(True)
     batches = _batches(14)
-    _train(ref, o_ref, batches, ours=False, between=lambda i: between(i, o_ref, "ref", ref))
-    _train(mine, o_mine, batches, ours=True, between=lambda i: between(i, o_mine, "mine", mine))
+    _train(ref, o_ref, batches, ours=False, between=_resume_and_freeze(o_ref, ref))
+    _train(mine, o_mine, batches, ours=True, between=_resume_and_freeze(o_mine, mine))
     lean = lean_step_for(o_mine)
     assert lean.steps == len(batches) - 2 and lean.flat_steps == lean.steps  # all but the first and the frozen one
     if exact:

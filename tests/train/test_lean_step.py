@@ -297,6 +297,23 @@ def test_the_kernel_check_finds_an_op_that_differs_in_a_tensors_tail():
     assert not flat_state._agree(lambda a, b, c: a.add_(1.0 if a.numel() > 64 else 1.0 + 1e-3), g)
 
 
+def _resume_and_freeze(opt, model):
+    """`_train`'s `between`: the optimizer's state saved after step 3 and loaded back after step 6 (a resume), and
+    step 9 taken with the last layer's bias frozen (torch steps only the others)."""
+    saved = {}
+
+    def between(i):
+        if i == 3:
+            saved["state"] = copy.deepcopy(opt.state_dict())
+        if i == 6:
+            opt.load_state_dict(saved["state"])
+        if i == 8:
+            model[3].bias.requires_grad_(False)
+        if i == 9:
+            model[3].bias.requires_grad_(True)
+    return between
+
+
 def test_flat_moments_follow_a_state_loaded_midway_and_a_step_torch_took(monkeypatch):
     """A resume replaces the state: new buffers hold the loaded numbers. A step torch took for the parameters that
     had gradients leaves the counts unequal: that group steps per tensor. The numbers stay the for-loop's."""
@@ -305,20 +322,9 @@ def test_flat_moments_follow_a_state_loaded_midway_and_a_step_torch_took(monkeyp
     ref, mine = _model(), _model()
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     o_mine = torch.optim.AdamW(mine.parameters(), lr=1e-2)
-    saved = {}
-
-    def between(i, opt, key, model):
-        if i == 3:
-            saved[key] = copy.deepcopy(opt.state_dict())
-        if i == 6:
-            opt.load_state_dict(saved[key])
-        if i == 8:  # one step with a frozen bias: torch steps the others, their counts move ahead
-            model[3].bias.requires_grad_(False)
-        if i == 9:
-            model[3].bias.requires_grad_(True)
     batches = _batches(14)
-    _train(ref, o_ref, batches, ours=False, between=lambda i: between(i, o_ref, "ref", ref))
-    _train(mine, o_mine, batches, ours=True, between=lambda i: between(i, o_mine, "mine", mine))
+    _train(ref, o_ref, batches, ours=False, between=_resume_and_freeze(o_ref, ref))
+    _train(mine, o_mine, batches, ours=True, between=_resume_and_freeze(o_mine, mine))
     lean = lean_step_for(o_mine)
     assert lean.steps == len(batches) - 2 and 0 < lean.flat_steps < lean.steps
     if exact:  # ... and the numbers checked where this CPU gives them exactly

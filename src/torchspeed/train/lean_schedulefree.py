@@ -35,7 +35,7 @@ from torch.optim import optimizer as _optimizer_module
 
 from torchspeed.train.flat_state import FlatMoments, flat_applies, schedule_free_kernels_agree
 
-__all__ = ["LeanScheduleFree", "is_adamw_schedule_free", "REPLICATED"]
+__all__ = ["LeanScheduleFree", "is_adamw_schedule_free", "no_step_wrappers", "REPLICATED"]
 
 REPLICATED = ("1.4",)  # the schedulefree releases (major.minor) whose AdamWScheduleFree.step this replicates
 _KEYS = ("z", "exp_avg_sq")
@@ -55,8 +55,9 @@ def _replicated() -> bool:
     return ".".join(version.split(".")[:2]) in REPLICATED
 
 
-def _plain(opt) -> bool:
-    """No hook, no replaced `step`: nothing the lean step would leave out."""
+def no_step_wrappers(opt) -> bool:
+    """No step hook (the optimizer's or the global ones) and no `step` replaced on the instance (an LR scheduler's
+    call-tracking wrapper excepted): nothing a lean step (this one, `lean_step.LeanStep`) would leave out."""
     if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or \
             _optimizer_module._global_optimizer_pre_hooks or _optimizer_module._global_optimizer_post_hooks:
         return False
@@ -121,7 +122,7 @@ class LeanScheduleFree:
     def step(self) -> bool:
         """Update as `optimizer.step()` would; False (nothing done) where it must run instead."""
         opt = self.optimizer
-        if not self.replicated or not _plain(opt) or not opt.param_groups[0]["train_mode"]:
+        if not self.replicated or not no_step_wrappers(opt) or not opt.param_groups[0]["train_mode"]:
             return False  # out of train mode the package raises its own error
         if not self._fresh() and not self._build():
             return False

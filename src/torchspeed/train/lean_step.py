@@ -53,10 +53,9 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.optim import optimizer as _optimizer_module
 
 from torchspeed.train.flat_state import FlatMoments, flat_applies
-from torchspeed.train.lean_schedulefree import LeanScheduleFree, is_adamw_schedule_free
+from torchspeed.train.lean_schedulefree import LeanScheduleFree, is_adamw_schedule_free, no_step_wrappers
 
 __all__ = ["LeanStep", "lean_step_for", "step_with_torch"]
 
@@ -173,12 +172,12 @@ def _sgd_update(lists: tuple, grads: list) -> None:
 def lean_step_for(optimizer) -> LeanStep | LeanScheduleFree | None:
     """The optimizer's `LeanStep` (Schedule-Free AdamW's: `lean_schedulefree.LeanScheduleFree`), made once, or None
     for an optimizer it never applies to."""
-    schedule_free = type(optimizer) not in _KINDS and is_adamw_schedule_free(optimizer)
-    if type(optimizer) not in _KINDS and not schedule_free:
+    torch_kind = type(optimizer) in _KINDS
+    if not torch_kind and not is_adamw_schedule_free(optimizer):
         return None
     lean = _LEAN.get(optimizer)
     if lean is None:
-        lean = _LEAN[optimizer] = LeanScheduleFree(optimizer) if schedule_free else LeanStep(optimizer)
+        lean = _LEAN[optimizer] = LeanStep(optimizer) if torch_kind else LeanScheduleFree(optimizer)
     return None if lean is _TORCH else lean
 
 
@@ -269,13 +268,8 @@ class LeanStep:
     def _plain(self) -> bool:
         """No hook, no replaced `step`, no scaler flags: what the lean step leaves out is empty."""
         opt = self.optimizer
-        if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or \
-                _optimizer_module._global_optimizer_pre_hooks or _optimizer_module._global_optimizer_post_hooks:
-            return False
-        own = opt.__dict__.get("step")
-        if own is not None and not getattr(own, "_wrapped_by_lr_sched", False):
-            return False
-        return getattr(opt, "grad_scale", None) is None and getattr(opt, "found_inf", None) is None
+        return no_step_wrappers(opt) and getattr(opt, "grad_scale", None) is None and \
+            getattr(opt, "found_inf", None) is None
 
     def step(self) -> bool:
         """Update the parameters as `optimizer.step()` would; False (nothing done) where it must run instead."""

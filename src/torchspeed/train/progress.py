@@ -101,11 +101,7 @@ class TrainProgress:
         if self._p is None:
             return
         self._flush()
-        parts = [f"epoch {row['epoch']}", f"train_loss {row['train_loss']:.4f}"]
-        if row.get("val_acc") is not None:
-            parts.append(f"val_acc {row['val_acc']:.4f}")
-        elif row.get("val_loss") is not None:
-            parts.append(f"val_loss {row['val_loss']:.4f}")
+        parts = [f"epoch {row['epoch']}", f"train_loss {row['train_loss']:.4f}", *_validation(row)]
         parts.append(f"{row['samples_per_s']:,.1f} samples/s")
         self._p.console.print("  ".join(parts))
 
@@ -114,11 +110,14 @@ class TrainProgress:
         if self._p is None:
             return
         self._flush()
-        parts = [f"epoch {row['epoch']}, step {row['step']}"]
-        parts += [f"{k} {row[k]:.4f}" for k in ("val_acc", "val_loss") if row.get(k) is not None][:1]
-        self._p.console.print("  ".join(parts))
+        self._p.console.print("  ".join([f"epoch {row['epoch']}, step {row['step']}", *_validation(row)]))
 
     def __exit__(self, *exc):
         if self._p is not None:
             self._flush()
             self._p.__exit__(*exc)
+
+
+def _validation(row: dict) -> list[str]:
+    """The row's validation figure for its line: val_acc, else val_loss, else none."""
+    return [f"{k} {row[k]:.4f}" for k in ("val_acc", "val_loss") if row.get(k) is not None][:1]
