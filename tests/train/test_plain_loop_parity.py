@@ -435,6 +435,60 @@ def test_eval_every_seconds_counts_training_time_since_the_last_evaluation():
     assert not ev.due(30) and ev.due(30, last=True)
 
 
+
+def test_eval_every_seconds_evaluates_inside_an_epoch_longer_than_that():
+    """"5s": inside an epoch once 5 s of training passed since the last validation and since the epoch began; an
+    epoch shorter than 5 s evaluates at its end only, as before."""
+    clock = Clock()
+    ev = EvalClock(("seconds", 5.0), clock=clock)
+    assert ev.inside and not EvalClock(None, clock=clock).inside and not EvalClock(("steps", 50.0)).inside
+    assert ev.start_epoch()
+    clock.now = 4.0
+    assert not ev.due_mid(40)
+    clock.now = 5.0
+    assert ev.due_mid(50)
+    with ev.timing():
+        clock.now = 7.0  # the validation's own seconds are not training
+    clock.now = 11.0
+    assert not ev.due_mid(90)  # 4 s of training since it
+    clock.now = 12.5
+    assert ev.due_mid(100) and not ev.due_mid(101)
+    with ev.timing():
+        pass
+    clock.now = 14.0
+    assert not ev.due(120)  # the epoch ends 1.5 s after the last validation: not due at its end
+    clock.now = 20.0
+    assert ev.start_epoch() and not ev.due_mid(130)  # a new epoch: 5 s since it began, not since the last one
+    clock.now = 25.0
+    assert ev.due_mid(140)
+
+
+def test_fit_with_eval_every_seconds_validates_inside_a_long_epoch(monkeypatch):
+    """One 12-step epoch and a clock that moves 1 s a read: "3.5s" validates inside the epoch (the callbacks and
+    FitResult.evaluations see each one) and at the run's end."""
+    import functools
+
+    import torchspeed.train.trainer as trainer_mod
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(trainer_mod, "EvalClock", functools.partial(EvalClock, clock=lambda: float(next(ticks))))
+    x, y = _data()
+    val = DataLoader(TensorDataset(x[:40], y[:40]), batch_size=20)
+    seen = []
+
+    class Spy(Callback):
+        def on_evaluate(self, trainer, metrics):
+            seen.append((metrics["step"], bool(metrics.get("mid_epoch"))))
+
+    res = torchspeed.fit(_model(), DataLoader(TensorDataset(x, y), batch_size=20), epochs=1, lr=1e-2,
+                         val_loader=val, eval_every="3.5s", callbacks=[Spy()], **_quiet())
+    mids = [e["step"] for e in res.evaluations if e["mid_epoch"]]
+    assert len(mids) >= 2 and all(0 < s < 12 for s in mids) and mids == sorted(set(mids))
+    assert res.evaluations[-1] == {"epoch": 1, "step": 12, "mid_epoch": False,
+                                   **{k: v for k, v in res.final.items() if k.startswith("val_")}}
+    assert seen == [(e["step"], e["mid_epoch"]) for e in res.evaluations]
+    assert res.decisions["evaluation"].measured["count"] == len(res.evaluations)
+
 # ------------------------------------------------------------------ the small workloads learn
 
 @pytest.mark.parametrize("name", SMALL)

@@ -55,8 +55,9 @@ class TrainConfig:
     max_steps: int | None = None        # stop after this many optimizer steps in total
     eval_every: int | str | None = None  # validation: None = every epoch; N = at the first epoch end N optimizer
                                         # steps after the last one (N under an epoch: every N steps inside the epoch
-                                        # too, and each epoch end); "30s" = after 30 s of training; the last epoch
-                                        # always evaluates (docs/train.md: when it pays)
+                                        # too, and each epoch end); "30s" = after 30 s of training (inside an
+                                        # epoch longer than that too); the last epoch always evaluates
+                                        # (docs/train.md: when it pays)
     train_acc: bool | str = "auto"      # the epoch row's train_acc: "auto" = counted only without a val_loader
                                         # (metrics.train_accuracy: val_acc is the accuracy then); True / False
     tta: str | None = None              # T33: None | "flip"

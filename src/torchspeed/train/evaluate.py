@@ -7,7 +7,8 @@ and less work than `no_grad`. TTA averages the softmax over views of each image:
 
 `EvalClock` prices validation inside a run: when it is due (every epoch, or `eval_every` N steps or
 S seconds of training, and always at the end; N steps under an epoch evaluate inside the epoch every N steps,
-and at each epoch end), the seconds it took, and its share of the run. A run
+and at each epoch end; S seconds evaluate inside an epoch that runs longer than S, every S seconds of
+training), the seconds it took, and its share of the run. A run
 whose evaluations took more than `EVAL_SHARE_WARN` (5%) of its time, and a second or more in all, says
 so, with the `eval_every` that would bring them to about 2%.
 
@@ -57,6 +58,20 @@ class EvalClock:
         kind, n = every or ("epoch", 0.0)
         # eval_every=N steps under an epoch: every N optimizer steps inside the epoch, and at each epoch end
         self.mid = int(n) if kind == "steps" and steps_per_epoch and n < steps_per_epoch else None
+        # eval_every="S" seconds: inside an epoch once S seconds of training passed since the last validation and
+        # since the epoch began (an epoch shorter than S evaluates at its end, as before)
+        self.mid_s = float(n) if kind == "seconds" else None
+        self.epoch_t = self.t0
+
+    @property
+    def inside(self) -> bool:
+        """Whether validations can fall inside an epoch (eval_every N steps under an epoch, or S seconds)."""
+        return self.mid is not None or self.mid_s is not None
+
+    def start_epoch(self) -> bool:
+        """An epoch begins (its clock starts); returns `inside`."""
+        self.epoch_t = self.clock()
+        return self.inside
 
     def due(self, step: int, *, last: bool = False) -> bool:
         """Whether the epoch that ended at optimizer step `step` evaluates (`last`: the run's final epoch always)."""
@@ -68,12 +83,20 @@ class EvalClock:
         return due
 
     def due_mid(self, step: int) -> bool:
-        """Whether optimizer step `step`, inside an epoch, evaluates (eval_every=N under an epoch: N steps since the
-        last evaluation); one int compare a step."""
-        if self.mid is not None and step - self.mark_step >= self.mid:
+        """Whether optimizer step `step`, inside an epoch, evaluates: N steps since the last validation (one int
+        compare a step), or S seconds of training since it and since the epoch began (one clock read a step)."""
+        if self.mid is not None:
+            due = step - self.mark_step >= self.mid
+        elif self.mid_s is not None:
+            now = self.clock()
+            due = now - max(self.mark_t, self.epoch_t) >= self.mid_s
+            if due:
+                self.mark_t = now  # and again when the validation ends (`timing`)
+        else:
+            return False
+        if due:
             self.mark_step = step
-            return True
-        return False
+        return due
 
     @contextlib.contextmanager
     def timing(self):

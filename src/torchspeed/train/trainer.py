@@ -358,7 +358,7 @@ class Trainer:
         if not skip:
             self.meter.reset()  # else: the sums restored from the checkpoint
         self._t0, self._seen, self._epoch_eval_s = time.perf_counter(), 0, 0.0
-        mid = self._eval.mid is not None
+        mid = self._eval.start_epoch()  # whether validations can fall inside the epoch
         for batch in self.batches(self.position.epoch_iter(train_loader, skip)):
             self.step_batch(batch)
             if cfg.noise_scale_every and self.window.at_boundary and self.step % cfg.noise_scale_every == 0:

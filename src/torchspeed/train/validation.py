@@ -1,4 +1,5 @@
-"""The run's validations (T28, T10/T11): at epoch ends, and inside epochs with `eval_every=N` under an epoch.
+"""The run's validations (T28, T10/T11): at epoch ends, and inside epochs with `eval_every=N` under an epoch
+(or `"S"` seconds in an epoch longer than S).
 
 `validate` is `Trainer.evaluate`: the validation set (sharded under DDP, sliced where it is in memory) through
 the weights the model is judged by (`eval_view.eval_weights`: the EMA's, Schedule-Free's averaged), reduced
@@ -73,7 +74,7 @@ def epoch_validation(trainer, row: dict, epoch: int, val_loader: Iterable | None
         with trainer._eval.timing():
             row.update({k: v for k, v in trainer.evaluate(val_loader).items() if k != "samples"})
         trainer._last_eval = None
-        if trainer._eval.mid is not None:
+        if trainer._eval.inside:
             trainer._evaluations.append({"epoch": epoch + 1, "step": trainer.step, "mid_epoch": False, **_val(row)})
     else:
         row["val_skipped"] = True  # eval_every: no validation this epoch (EarlyStopping and best.pt wait)
