@@ -241,3 +241,22 @@ def test_skipped_steps_are_reported_at_the_end(caplog):
         r = torchspeed.fit(nn.Linear(8, 2), loader, epochs=1, progress=False)
     assert r.skipped_steps == 1
     assert "1 of 4 optimizer steps had a NaN/inf loss and were skipped" in caplog.text
+
+
+class _LogitsAndStat(nn.Module):
+    """Returns (logits, a 0-dim statistic of the input): the contract reads the 0-dim tensor as the model's loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.f(x), x.mean()
+
+
+def test_a_loss_that_does_not_require_grad_is_named_with_the_fix():
+    with pytest.raises(ValueError, match=r"a tuple of 2 holding a 0-dim loss.*does not require grad.*loss_fn="):
+        torchspeed.fit(_LogitsAndStat(), _fit_data(), epochs=1, progress=False)
+    r = torchspeed.fit(_LogitsAndStat(), _fit_data(), epochs=1, loss_fn=nn.CrossEntropyLoss(), progress=False)
+    assert r.steps == 4  # the fix it names trains: loss_fn scores the logits
+    assert r.decisions["batch_contract"].reason.startswith("loss_fn(logits, target); the output's 0-dim tensor is not")

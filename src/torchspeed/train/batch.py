@@ -345,9 +345,26 @@ def forward_loss(model: Callable, batch, *, loss_fn: Callable | None = None, ste
             logits, scored = logits[:, :-1], target[:, 1:]  # the logits at t predict labels[t + 1]
             how += " (the logits at t against labels[t + 1]: the model shifts its labels)"
     if decisions is not None and "batch_contract" not in decisions:
+        _check_own_loss(model, o, loss)
         _record(decisions, _call_text(inputs, param), how, lists=list_inputs(inputs), parts=o.parts)
     return StepOutput(loss, logits, scored, batch_size(batch), o.parts, own_loss=o.loss is not None,
                       binary=None if o.loss is not None else _binary(loss_fn))
+
+
+def _check_own_loss(model: Callable, o: ModelOutput, loss: torch.Tensor) -> None:
+    """A loss read from the model's output that autograd cannot train on (a metric, a detached value) is named with
+    the fix on the first step, not left to backward's "does not require grad"."""
+    if o.loss is None or loss.requires_grad or not torch.is_grad_enabled():
+        return
+    params = getattr(model, "parameters", None)
+    if params is None or not any(p.requires_grad for p in params()):
+        return  # nothing to train: fit says so before any step
+    fix = "pass loss_fn=torch.nn.CrossEntropyLoss() (or your loss) to score its logits, the 0-dim tensor then not " \
+        "added; " if o.logits is not None and o.form.startswith("a tuple") else ""
+    raise ValueError(f"the model returned {o.form}, read as its loss, but that loss does not require grad (it was "
+                     "computed without the weights, or detached), so training cannot follow it: "
+                     f"{fix}return a loss computed from the weights; or pass step_fn(model, batch) that returns the "
+                     "loss")
 
 
 def _logits_step(model: Callable, batch, loss_fn: Callable, decisions: dict | None) -> StepOutput | None:
