@@ -260,3 +260,35 @@ def test_a_loss_that_does_not_require_grad_is_named_with_the_fix():
     r = torchspeed.fit(_LogitsAndStat(), _fit_data(), epochs=1, loss_fn=nn.CrossEntropyLoss(), progress=False)
     assert r.steps == 4  # the fix it names trains: loss_fn scores the logits
     assert r.decisions["batch_contract"].reason.startswith("loss_fn(logits, target); the output's 0-dim tensor is not")
+
+
+def test_integer_class_indices_of_any_dtype_train_as_int64_ones():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = (x[:, 0] > 0).long()
+    runs = {}
+    for dtype in (torch.int64, torch.int32, torch.int16, torch.bool):
+        torch.manual_seed(0)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y.to(dtype)), batch_size=16)
+        runs[dtype] = [r["train_loss"] for r in torchspeed.fit(nn.Linear(8, 2), loader, epochs=2, lr=0.1,
+                                                                  progress=False, trial=False).history]
+    assert runs[torch.int32] == runs[torch.int16] == runs[torch.bool] == runs[torch.int64]
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def test_a_last_batch_of_one_that_batchnorm_cannot_train_on_is_left_out_and_said(caplog):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(65, 8, generator=g)  # 4 batches of 16 and one of 1
+    data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+    loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True)
+    with caplog.at_level("WARNING", logger="torchspeed"):
+        r = torchspeed.fit(_bn_model(), loader, epochs=2, lr=0.1, progress=False, val_loader=loader)
+    assert r.steps == 8 and caplog.text.count("last batch holds 1 sample") == 1  # said once, the run went on
+    assert "drop_last=True" in caplog.text
+    with pytest.raises(ValueError, match="more than 1 value per channel") as e:  # every batch holds one: the fix
+        torchspeed.fit(_bn_model(), torch.utils.data.DataLoader(data, batch_size=1), epochs=1, progress=False)
+    assert any("use a batch size over 1" in n for n in e.value.__notes__)

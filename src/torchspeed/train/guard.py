@@ -25,6 +25,10 @@ memory") inside a step becomes `TrainingOutOfMemoryError`, whose message names t
 size, the memory numbers and the fixes: a smaller batch, the same batch through gradient
 accumulation (T19), activation checkpointing (T29), half precision (T21).
 
+**A last batch of one sample** that BatchNorm cannot train on ("Expected more than 1 value per channel": a
+dataset one more than a multiple of the batch size, without `drop_last`) is left out of the epoch, said once,
+where a plain loop would die at the end of its first epoch (`step_failed`).
+
 Example:
     >>> try:
     ...     trainer.step_batch(batch)
@@ -33,12 +37,15 @@ Example:
     ...         raise out_of_memory_error(e, batch_size=len(batch[1]), device=trainer.device) from e
     ...     raise
 
+(the trainer's `step_batch` hands its errors to `step_failed`, which does that and the rest)
+
 `NonFiniteGuard` is the state machine the trainer runs: `observe` each micro-batch's loss,
 `step` in place of the optimizer step, `check` where the loop may read the device.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -47,7 +54,9 @@ import torch
 
 from torchspeed.env import host_memory
 
-__all__ = ["NonFiniteLossError", "TrainingOutOfMemoryError", "is_out_of_memory", "out_of_memory_error",
+log = logging.getLogger("torchspeed")
+
+__all__ = ["NonFiniteLossError", "TrainingOutOfMemoryError", "step_failed", "is_out_of_memory", "out_of_memory_error",
            "memory_report", "supports_device_skip", "NonFiniteGuard"]
 
 
@@ -107,6 +116,31 @@ def out_of_memory_error(e: BaseException, *, batch_size: int | None, device: tor
     return TrainingOutOfMemoryError(
         f"out of memory training {what} on {device} (grad_accum={grad_accum}): {memory_report(device)}. "
         f"Try {'; or '.join(fixes)}. Checkpoints already written are untouched. [{type(e).__name__}: {first}]")
+
+
+def step_failed(trainer, e: BaseException, batch_size: int | None) -> None:
+    """A training step raised `e`: return to skip the batch, else raise what says why. Out of memory becomes
+    `TrainingOutOfMemoryError` (what the failed step holds freed first, so the caller can save or retry). An
+    epoch's remainder batch of one sample that BatchNorm cannot train on (a dataset one more than a multiple of
+    the batch size) is left out, said once: the run goes on; a run whose every batch holds one sample stops with
+    the fix (drop_last=True, another batch size)."""
+    if is_out_of_memory(e) and not isinstance(e, TrainingOutOfMemoryError):
+        trainer._reset_micro()
+        if trainer.device.type == "cuda":
+            torch.cuda.empty_cache()
+        raise out_of_memory_error(e, batch_size=batch_size or None, device=trainer.device,
+                                  grad_accum=trainer.config.grad_accum, precision=trainer.precision.name) from e
+    if not (isinstance(e, ValueError) and "more than 1 value per channel" in str(e) and batch_size == 1):
+        raise e
+    if trainer._seen == 0:  # the epoch's first batch holds one sample: every batch may
+        e.add_note("torchspeed: this batch holds 1 sample and BatchNorm cannot train on one: use a batch size over "
+                   "1 (and drop_last=True on the DataLoader where the dataset's length leaves 1 over)")
+        raise e
+    trainer._reset_micro()
+    if not getattr(trainer, "_left_out_one", False):
+        trainer._left_out_one = True
+        log.warning("torchspeed: an epoch's last batch holds 1 sample and BatchNorm cannot train on one: it is left "
+                    "out (pass drop_last=True to the DataLoader to leave it out yourself, or another batch size)")
 
 
 def supports_device_skip(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:

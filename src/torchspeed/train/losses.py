@@ -21,10 +21,16 @@ __all__ = ["SequenceCrossEntropy", "default_loss", "IGNORE_INDEX"]
 IGNORE_INDEX = -100  # the usual "no target here" token (padding), as in F.cross_entropy
 
 
+_INDEX_DTYPES = (torch.int32, torch.int16, torch.int8, torch.bool)
+
+
 class SequenceCrossEntropy(nn.CrossEntropyLoss):
-    """Cross-entropy that also takes sequence logits (B, T, V) with targets (B, T), flattened."""
+    """Cross-entropy that also takes sequence logits (B, T, V) with targets (B, T), flattened, and class indices of
+    any integer dtype (int32 from numpy, say)."""
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if target.dtype in _INDEX_DTYPES:  # int32 (numpy's on some platforms), int16, int8, bool class indices
+            target = target.long()  # what torch's cross-entropy takes (it refuses the others)
         if input.dim() >= 3 and target.dim() == input.dim() - 1 and input.shape[:-1] == target.shape \
                 and not target.is_floating_point():
             return super().forward(input.reshape(-1, input.shape[-1]), target.reshape(-1))

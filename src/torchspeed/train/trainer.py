@@ -45,7 +45,7 @@ from torchspeed.train.dcp import ShardedCheckpoints, notify_checkpoint
 from torchspeed.train.evaluate import EvalClock
 from torchspeed.train.fsdp import check_optimizer, single_process_group, wrap_parallel
 from torchspeed.train.in_memory import InMemory
-from torchspeed.train.guard import NonFiniteGuard, TrainingOutOfMemoryError, is_out_of_memory, out_of_memory_error
+from torchspeed.train.guard import NonFiniteGuard, is_out_of_memory, step_failed
 from torchspeed.train.loggers import LoggerCallback
 from torchspeed.train.memory_format import apply_channels_last
 from torchspeed.train.metrics import DeviceMeter, jsonable, train_accuracy, write_metrics
@@ -251,15 +251,8 @@ class Trainer:
                 self.switcher.step(batch, self.train_step)
             else:
                 self.compiler.run(self.train_step, batch, on_fallback=self._reset_micro, is_fatal=is_out_of_memory)
-        except Exception as e:
-            if isinstance(e, TrainingOutOfMemoryError) or not is_out_of_memory(e):
-                raise
-            # Free what the failed step holds before reporting, so the caller can save or retry.
-            self._reset_micro()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            raise out_of_memory_error(e, batch_size=batch_size(batch) or None, device=self.device,
-                                      grad_accum=self.config.grad_accum, precision=self.precision.name) from e
+        except Exception as e:  # out of memory: what to try; BatchNorm on an epoch's 1-sample last batch: left out
+            return step_failed(self, e, batch_size(batch))  # raises, or returns having skipped the batch
         if self._recent is not None:  # Schedule-Free with BatchNorm: statistics for the averaged weights
             self._recent.append(batch)
 
