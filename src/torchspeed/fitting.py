@@ -73,7 +73,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     cfg = given_cfg or TrainConfig()
     unknown = set(config) - set(TrainConfig.__dataclass_fields__)
     if unknown:
-        raise TypeError(f"fit() got unknown option(s) {sorted(unknown)}; "
+        raise TypeError(f"fit() got unknown option(s) {sorted(unknown)}{_suggest(unknown)}; "
                         f"valid: {sorted(TrainConfig.__dataclass_fields__)}")
     _check_trainable(model, optimizer)
     schedule_given = "schedule" in config or given_cfg is not None  # else the plan's rule decides
@@ -96,6 +96,31 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     run_event(ctx, "after")  # the plan's after-training stages (flip TTA)
     result.decisions = trainer.decisions.copy()  # with what the stages in the run and after it decided
     return result
+
+
+# Other trainers' names for fit's options (Lightning, the Hugging Face Trainer, timm's train script)
+_ALIASES = {"scheduler": "schedule", "lr_scheduler": "schedule", "max_epochs": "epochs", "num_epochs": "epochs",
+            "num_train_epochs": "epochs", "gradient_accumulation_steps": "grad_accum",
+            "accumulate_grad_batches": "grad_accum", "gradient_clip_val": "clip_grad_norm",
+            "max_grad_norm": "clip_grad_norm", "clip_grad": "clip_grad_norm", "logging_steps": "log_every",
+            "eval_steps": "eval_every", "val_check_interval": "eval_every", "default_root_dir": "checkpoint_dir",
+            "output_dir": "out_dir", "save_steps": "checkpoint_every", "warmup": "warmup_steps",
+            "amp": "precision", "mixed_precision": "precision", "bf16": "precision", "fp16": "precision",
+            "smoothing": "label_smoothing", "model_ema": "callbacks=[EMA()]", "ema": "callbacks=[EMA()]"}
+
+
+def _suggest(unknown: set[str]) -> str:
+    """ " (did you mean ...?)" for the unknown options with a known or close name."""
+    import difflib
+
+    names = list(TrainConfig.__dataclass_fields__) + ["epochs", "optimizer", "lr", "weight_decay", "val_loader",
+                                                       "callbacks", "loggers", "loss_fn", "step_fn", "batch_size"]
+    hints = []
+    for u in sorted(unknown):
+        close = _ALIASES.get(u) or next(iter(difflib.get_close_matches(u, names, n=1, cutoff=0.75)), None)
+        if close is not None:
+            hints.append(f"{u} -> {close}")
+    return f" (did you mean: {', '.join(hints)}?)" if hints else ""
 
 
 def _check_trainable(model: nn.Module, optimizer) -> None:

@@ -292,3 +292,17 @@ def test_a_last_batch_of_one_that_batchnorm_cannot_train_on_is_left_out_and_said
     with pytest.raises(ValueError, match="more than 1 value per channel") as e:  # every batch holds one: the fix
         torchspeed.fit(_bn_model(), torch.utils.data.DataLoader(data, batch_size=1), epochs=1, progress=False)
     assert any("use a batch size over 1" in n for n in e.value.__notes__)
+
+
+def test_an_unknown_option_names_fits_own_for_other_trainers_names_and_typos():
+    from torchspeed.fitting import _ALIASES
+    from torchspeed.train.config import TrainConfig
+
+    for given, ours in (("scheduler", "schedule"), ("max_epochs", "epochs"), ("precison", "precision"),
+                        ("gradient_accumulation_steps", "grad_accum")):
+        with pytest.raises(TypeError, match=rf"unknown option\(s\) \['{given}'\] \(did you mean: {given} -> {ours}\?\)"):
+            torchspeed.fit(nn.Linear(8, 2), _fit_data(), progress=False, **{given: 1})
+    with pytest.raises(TypeError, match=r"\['zzz'\]; valid:"):  # nothing close: no guess
+        torchspeed.fit(nn.Linear(8, 2), _fit_data(), progress=False, zzz=1)
+    options = set(TrainConfig.__dataclass_fields__) | {"epochs"}
+    assert all(v in options or v.startswith("callbacks=") for v in _ALIASES.values())
