@@ -784,3 +784,17 @@ def test_a_measured_kernel_keeps_why_the_optimizer_was_chosen(tiny_cnn):
     t.switcher.apply(Switches("fp32", False, fused=True))  # the trial's candidates take turns: said once
     t.switcher.apply(Switches("fp32", False, fused=False))
     assert t.decisions["optimizer"].reason == "cached: measured by an earlier run; its kernel measured"
+
+
+def test_a_one_sample_last_batch_inside_the_trial_fails_no_candidate():
+    """BatchNorm refusing an epoch's 1-sample last batch is the batch's fault: the batch is left out (guard.step_failed)
+    and the candidate that was on keeps its place in the race."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    t = _trainer(model, BF16_CPU, seconds=STEADY, epochs=3)
+    res = t.fit(_loader(n=16 * 3 + 1), epochs=3)  # 3 batches of 16 and one of 1 an epoch; the trial spans epoch 1
+    trial = res.decisions["switch_trial"]
+    assert res.steps == 9 and trial.measured["steps"] > 4  # the trial was on at the 1-sample batch (the 4th)
+    assert trial.measured["failed"] == {}
+    assert set(t.calls) == {"fp32+foreach", "fp32+channels_last+foreach", "bf16+foreach", "bf16+channels_last+foreach"}

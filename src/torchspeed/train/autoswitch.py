@@ -30,10 +30,10 @@ from torch import nn
 
 from torchspeed.env import DeviceCaps, detect, sync
 from torchspeed.train.backends import no_autotune
-from torchspeed.train.batch import first_samples, forward_loss
+from torchspeed.train.batch import batch_size, first_samples, forward_loss
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.distributed import broadcast_object, is_rank_zero
-from torchspeed.train.guard import is_out_of_memory
+from torchspeed.train.guard import is_out_of_memory, one_sample_batchnorm
 from torchspeed.train.memory_format import has_conv2d
 from torchspeed.train.optim import describe_optimizer
 from torchspeed.train.optim_info import kernel_reason
@@ -330,8 +330,8 @@ class SwitchStage:
         try:
             shadow_s = self.shadow.step(batch, run_step, cand) if shadow else run_step(batch)
         except Exception as e:
-            if is_out_of_memory(e) or cand == trial.grid[0]:
-                raise
+            if is_out_of_memory(e) or cand == trial.grid[0] or one_sample_batchnorm(e, batch_size(batch)):
+                raise  # not the candidate's fault: the step's caller says why (guard.step_failed)
             trial.fail(e)
             self.t._reset_micro()
             self.apply(trial.grid[0])

@@ -56,7 +56,7 @@ from torchspeed.env import host_memory
 
 log = logging.getLogger("torchspeed")
 
-__all__ = ["NonFiniteLossError", "TrainingOutOfMemoryError", "step_failed", "is_out_of_memory", "out_of_memory_error",
+__all__ = ["NonFiniteLossError", "TrainingOutOfMemoryError", "step_failed", "one_sample_batchnorm", "is_out_of_memory", "out_of_memory_error",
            "memory_report", "supports_device_skip", "NonFiniteGuard"]
 
 
@@ -118,6 +118,11 @@ def out_of_memory_error(e: BaseException, *, batch_size: int | None, device: tor
         f"Try {'; or '.join(fixes)}. Checkpoints already written are untouched. [{type(e).__name__}: {first}]")
 
 
+def one_sample_batchnorm(e: BaseException, batch_size: int | None) -> bool:
+    """`e` is BatchNorm refusing a batch of one sample in training: the batch's fault, not the step's settings."""
+    return isinstance(e, ValueError) and batch_size == 1 and "more than 1 value per channel" in str(e)
+
+
 def step_failed(trainer, e: BaseException, batch_size: int | None) -> None:
     """A training step raised `e`: return to skip the batch, else raise what says why. Out of memory becomes
     `TrainingOutOfMemoryError` (what the failed step holds freed first, so the caller can save or retry). An
@@ -130,7 +135,7 @@ def step_failed(trainer, e: BaseException, batch_size: int | None) -> None:
             torch.cuda.empty_cache()
         raise out_of_memory_error(e, batch_size=batch_size or None, device=trainer.device,
                                   grad_accum=trainer.config.grad_accum, precision=trainer.precision.name) from e
-    if not (isinstance(e, ValueError) and "more than 1 value per channel" in str(e) and batch_size == 1):
+    if not one_sample_batchnorm(e, batch_size):
         raise e
     if trainer._seen == 0:  # the epoch's first batch holds one sample: every batch may
         e.add_note("torchspeed: this batch holds 1 sample and BatchNorm cannot train on one: use a batch size over "
