@@ -315,6 +315,10 @@ class Probe:
             # .cpu()/.numpy() of a CPU tensor is free: not a sync, not counted.
             if t is None or (kind in ("cpu", "numpy") and t.device.type == "cpu"):
                 return orig(*a, **k)
+            if t.device.type == "cpu" and any(c == "data" for c, _ in probe._stack):
+                # inside a DataLoader's fetch (a Dataset's `torch.rand(1).item()` for an augmentation): host
+                # tensors, in the loader's workers on an accelerator machine, where they never wait for it
+                return orig(*a, **k)
             site = user_site()
             if site is None:
                 return orig(*a, **k)

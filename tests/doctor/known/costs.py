@@ -23,13 +23,15 @@ def get_args():
     p.add_argument("--forward-ms", type=float, default=0.0, help="sleep per forward")
     p.add_argument("--optim-ms", type=float, default=0.0, help="sleep per optimizer step")
     p.add_argument("--items", type=int, default=0, help=".item() calls per step")
+    p.add_argument("--dataset-items", type=int, default=0,
+                   help=".item() calls per sample in __getitem__ (a random augmentation's draw: host reads, no sync)")
     p.add_argument("--fault-mib", type=int, default=0, help="fresh MiB written per step")
     return p.parse_args()
 
 
 class Slept(Dataset):
-    def __init__(self, ms):
-        self.ms = ms
+    def __init__(self, ms, items=0):
+        self.ms, self.items = ms, items
 
     def __len__(self):
         return 100_000
@@ -37,6 +39,8 @@ class Slept(Dataset):
     def __getitem__(self, i):
         if self.ms:
             time.sleep(self.ms / 1e3)
+        for _ in range(self.items):
+            torch.rand(1).item()
         return i
 
 
@@ -89,7 +93,7 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     if a.optim_ms:  # runs inside the optimizer's step, after the probe's global pre-hook
         opt.register_step_pre_hook(lambda *_: time.sleep(a.optim_ms / 1e3))
-    for _ in DataLoader(Slept(a.data_ms), batch_size=a.batch):
+    for _ in DataLoader(Slept(a.data_ms, a.dataset_items), batch_size=a.batch):
         opt.zero_grad()
         loss = model(x).square().mean()
         loss.backward()
