@@ -248,3 +248,15 @@ def test_the_probe_counts_torch_tensor_on_numpy_scalars_and_float64_arrays():
     tensor([np.zeros(2, np.float32)] * 2)    # list of arrays
     tensor([1.0, 2.0])                       # plain Python data: not a numpy copy
     assert c["count"] == 3 and c["float64"] == 1 and sum(c["sites"].values()) == 3
+
+
+def test_the_batch_of_a_sequence_first_model_is_the_inputs_second_dimension():
+    from torchspeed.doctor._model_checks import _batch_dim
+
+    tokens = torch.zeros(35, 20, dtype=torch.long)  # (T, B), as the word-language-model example feeds its LSTM
+    seq_first = nn.Sequential(nn.Embedding(10, 8), nn.LSTM(8, 8))
+    assert _batch_dim(seq_first, tokens) == 1
+    assert _batch_dim(nn.Sequential(nn.Embedding(10, 8), nn.LSTM(8, 8, batch_first=True)), tokens) == 0
+    assert _batch_dim(nn.Linear(4, 2), torch.zeros(16, 4)) == 0  # nothing sequence-first: the first dimension
+    mixed = nn.ModuleList([nn.LSTM(8, 8), nn.TransformerEncoderLayer(8, 2, batch_first=True)])
+    assert _batch_dim(mixed, tokens) == 0  # layers that disagree: the usual first dimension

@@ -249,7 +249,7 @@ def examine_model(cap: Captured, obs: dict) -> None:
     x = first_tensor(list(cap.args) + list(cap.kwargs.values()))
     if x is not None:
         info["input"] = _input_stats(x)
-        info["batch_size"] = int(x.shape[0]) if x.dim() > 0 else None
+        info["batch_size"] = int(x.shape[_batch_dim(inner, x)]) if x.dim() > 0 else None
     try:
         order, times, shapes, copy_ = _rerun(cap, inner, info)
     except Exception as e:  # a model that cannot rerun on its captured input: skip these checks
@@ -258,3 +258,10 @@ def examine_model(cap: Captured, obs: dict) -> None:
         return
     info["odd_sizes"] = _odd_sizes(order, copy_)
     info["design"] = _design(order, times, shapes)
+
+
+def _batch_dim(model, x) -> int:
+    """The input's batch dimension: 1 for a sequence-first model (its RNNs, attention and transformer layers all
+    `batch_first=False`, as in PyTorch's word-language-model example: inputs (T, B)), else 0."""
+    flags = [m.batch_first for m in model.modules() if isinstance(getattr(m, "batch_first", None), bool)]
+    return 1 if flags and not any(flags) and x.dim() >= 2 else 0
