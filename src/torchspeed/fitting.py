@@ -112,9 +112,9 @@ _ALIASES = {"scheduler": "schedule", "lr_scheduler": "schedule", "max_epochs": "
 def _suggest(unknown: set[str]) -> str:
     """ " (did you mean ...?)" for the unknown options with a known or close name."""
     import difflib
+    import inspect
 
-    names = list(TrainConfig.__dataclass_fields__) + ["epochs", "optimizer", "lr", "weight_decay", "val_loader",
-                                                       "callbacks", "loggers", "loss_fn", "step_fn", "batch_size"]
+    names = list(TrainConfig.__dataclass_fields__) + [p for p in inspect.signature(fit).parameters if p != "config"]
     hints = []
     for u in sorted(unknown):
         close = _ALIASES.get(u) or next(iter(difflib.get_close_matches(u, names, n=1, cutoff=0.75)), None)

@@ -300,7 +300,8 @@ def test_an_unknown_option_names_fits_own_for_other_trainers_names_and_typos():
 
     for given, ours in (("scheduler", "schedule"), ("max_epochs", "epochs"), ("precison", "precision"),
                         ("gradient_accumulation_steps", "grad_accum")):
-        with pytest.raises(TypeError, match=rf"unknown option\(s\) \['{given}'\] \(did you mean: {given} -> {ours}\?\)"):
+        hint = rf"unknown option\(s\) \['{given}'\] \(did you mean: {given} -> {ours}\?\)"
+        with pytest.raises(TypeError, match=hint):
             torchspeed.fit(nn.Linear(8, 2), _fit_data(), progress=False, **{given: 1})
     with pytest.raises(TypeError, match=r"\['zzz'\]; valid:"):  # nothing close: no guess
         torchspeed.fit(nn.Linear(8, 2), _fit_data(), progress=False, zzz=1)

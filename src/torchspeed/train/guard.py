@@ -56,8 +56,8 @@ from torchspeed.env import host_memory
 
 log = logging.getLogger("torchspeed")
 
-__all__ = ["NonFiniteLossError", "TrainingOutOfMemoryError", "step_failed", "one_sample_batchnorm", "is_out_of_memory", "out_of_memory_error",
-           "memory_report", "supports_device_skip", "NonFiniteGuard"]
+__all__ = ["NonFiniteLossError", "TrainingOutOfMemoryError", "step_failed", "one_sample_batchnorm", "is_out_of_memory",
+           "out_of_memory_error", "memory_report", "supports_device_skip", "NonFiniteGuard"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -142,7 +142,7 @@ def step_failed(trainer, e: BaseException, batch_size: int | None) -> None:
                    "1 (and drop_last=True on the DataLoader where the dataset's length leaves 1 over)")
         raise e
     trainer._reset_micro()
-    if not getattr(trainer, "_left_out_one", False):
+    if not trainer._left_out_one:
         trainer._left_out_one = True
         log.warning("torchspeed: an epoch's last batch holds 1 sample and BatchNorm cannot train on one: it is left "
                     "out (pass drop_last=True to the DataLoader to leave it out yourself, or another batch size)")

@@ -154,6 +154,7 @@ class Trainer:
         self._steps_per_epoch, self._ramp, self._history = None, None, []  # set by fit
         self._evaluations: list[dict] = []  # every validation's row, inside epochs (eval_every) and at their ends
         self._val_loader, self._last_eval, self._epoch_eval_s = None, None, 0.0
+        self._left_out_one = False  # guard.step_failed left out a 1-sample batch BatchNorm refused (said once)
         # Every callback and logger behind one object: the loop calls each event in one line.
         self.callbacks = CallbackList([*(callbacks or ()), *([LoggerCallback(loggers)] if loggers else [])])
         self.should_stop = False  # set by request_stop (a callback): the run ends after this step or epoch
