@@ -65,12 +65,24 @@ def test_a_schedule_function_that_does_not_build_a_scheduler_on_its_optimizer_is
     with pytest.raises(TypeError, match="lambda opt.*bound to another optimizer"):
         torchspeed.fit(nn.Linear(8, 3), _data(), epochs=1, optimizer="sgd", lr=0.1,
                        schedule=lambda opt: torch.optim.lr_scheduler.StepLR(other, 1), **FAST)
-    with pytest.raises(TypeError, match=r"a StepLR object: pass the function that builds it.*lambda opt: StepLR"):
-        model = nn.Linear(8, 3)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        torchspeed.fit(model, _data(), epochs=1, optimizer=opt, schedule=torch.optim.lr_scheduler.StepLR(opt, 1), **FAST)
+    model = nn.Linear(8, 3)
+    mine = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"a StepLR object built on another optimizer.*optimizer=.*lambda opt: StepLR"):
+        torchspeed.fit(model, _data(), epochs=1, optimizer="sgd", lr=0.1,  # fit builds its own from the name
+                       schedule=torch.optim.lr_scheduler.StepLR(mine, 1), **FAST)
     with pytest.raises(ValueError, match="schedule_interval must be 'epoch' or 'step'"):
         torchspeed.fit(nn.Linear(8, 3), _data(), epochs=1, schedule_interval="batch", **FAST)
+
+
+def test_a_scheduler_object_built_on_the_optimizer_passed_is_taken_as_a_ported_script_built_it():
+    """`optimizer=opt, schedule=StepLR(opt, ...)`: the script's two objects, stepped after each epoch."""
+    model = nn.Linear(8, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.4)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    res = torchspeed.fit(model, _data(), epochs=3, optimizer=opt, schedule=sched, **FAST)
+    assert [round(r["lr"], 4) for r in res.history] == [0.4, 0.2, 0.1]
+    assert sched.last_epoch == 3 and opt.param_groups[0]["lr"] == pytest.approx(0.05)  # the object itself stepped
+    assert "StepLR" in res.decisions["schedule"].value and "after each epoch" in res.decisions["schedule"].reason
 
 
 def test_your_schedulers_state_is_checkpointed_and_a_resumed_run_goes_on_from_it(tmp_path):

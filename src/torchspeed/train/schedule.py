@@ -20,8 +20,10 @@ Every scheduler here is stepped once per optimizer step (not per epoch).
 
 - **Your own scheduler**: `schedule=` may be a function of the optimizer that builds any torch LR
   scheduler (`lambda opt: StepLR(opt, step_size=1, gamma=0.7)`), as the script being ported built
-  it. A function, not a scheduler object: `fit` may build the optimizer anew (the fused kernel, a
-  switch trial's candidates), and a scheduler is bound to the optimizer it was made on. It is stepped
+  it. A scheduler object is taken too when it was built on the optimizer object passed to `fit`
+  (`optimizer=opt, schedule=StepLR(opt, ...)`: `BuiltScheduler`); with an optimizer named by a
+  string, or a recipe part that replaces the optimizer (Schedule-Free), only a function can be built
+  on the optimizer that trains, and a bound object gets an error that says so. It is stepped
   after each epoch (`schedule_interval="epoch"`, as torch's examples and Lightning do by default;
   `EpochScheduler`), or after each optimizer step (`"step"`); `ReduceLROnPlateau` steps on the
   epoch's validation loss (its accuracy with `mode="max"`). Its state is checkpointed and resumed.
@@ -40,7 +42,7 @@ from torchspeed.train.decision import Decision
 from torchspeed.train.optim_info import OPTIM_INFO, default_lr
 
 __all__ = ["SCHEDULES", "lr_given", "default_schedule", "create_scheduler", "scale_lr", "EpochScheduler",
-           "schedule_label", "INTERVALS",
+           "schedule_label", "INTERVALS", "BuiltScheduler", "as_schedule",
            "warmup_cosine_factor", "steps_in_run", "lr_rule", "batch_lr_factor", "scale_lr_for_batch", "rescale_lr"]
 
 SCHEDULES = ("onecycle", "cyclic", "cosine", "constant")
@@ -154,6 +156,33 @@ class EpochScheduler:
         return getattr(self.inner, name)
 
 
+def _is_scheduler(obj) -> bool:
+    return hasattr(obj, "step") and hasattr(obj, "state_dict") and hasattr(obj, "optimizer")
+
+
+class BuiltScheduler:
+    """A scheduler object passed as `schedule=` (`StepLR(opt, ...)`), as the function of the optimizer that every
+    other own schedule is: it hands the scheduler over when asked for the optimizer it was built on, and refuses,
+    naming the fix, for any other (an optimizer fit built from a name, or one a recipe part replaced)."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.__qualname__ = type(scheduler).__name__
+
+    def __call__(self, optimizer: torch.optim.Optimizer):
+        if self.scheduler.optimizer is not optimizer:
+            name = type(self.scheduler).__name__
+            raise TypeError(f"schedule= got a {name} object built on another optimizer than the one this run trains "
+                            f"(a {type(optimizer).__name__}): pass the optimizer it was built on as optimizer=, or "
+                            f"the function that builds the scheduler, schedule=lambda opt: {name}(opt, ...)")
+        return self.scheduler
+
+
+def as_schedule(schedule):
+    """`schedule=` as the run keeps it: a scheduler object becomes a `BuiltScheduler`; anything else as given."""
+    return BuiltScheduler(schedule) if _is_scheduler(schedule) and not callable(schedule) else schedule
+
+
 def _own_scheduler(factory, optimizer: torch.optim.Optimizer, interval: str):
     if interval not in INTERVALS:
         raise ValueError(f"schedule_interval must be one of {INTERVALS}, got {interval!r}")
@@ -184,10 +213,8 @@ def create_scheduler(name, optimizer: torch.optim.Optimizer, *, total_steps: int
     scheduler); `name` a function of the optimizer: your own scheduler, stepped per `interval` (see above)."""
     if callable(name):
         return _own_scheduler(name, optimizer, interval)
-    if hasattr(name, "step") and hasattr(name, "state_dict"):
-        raise TypeError(f"schedule= got a {type(name).__name__} object: pass the function that builds it, e.g. "
-                        f"schedule=lambda opt: {type(name).__name__}(opt, ...), so that it is built on the optimizer "
-                        "fit trains with (fit may build the optimizer anew)")
+    if _is_scheduler(name):
+        return _own_scheduler(BuiltScheduler(name), optimizer, interval)
     if name == "constant" and warmup_steps:
         warm = int(warmup_steps)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))

@@ -64,7 +64,7 @@ from torchspeed.train.run_length import RunLength, ran_out, run_schedule
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
 from torchspeed.train.shard import shard_loader
 from torchspeed.train.stateful import collect_state
-from torchspeed.train.schedule import steps_in_run
+from torchspeed.train.schedule import as_schedule, steps_in_run
 from torchspeed.train.batch_ramp import join_ramp
 from torchspeed.train.segment import BestEpoch, group_settings, schedule_for_call
 from torchspeed.train.result import FitResult
@@ -103,6 +103,7 @@ class Trainer:
         elif cfg.seed is not None:
             torch.manual_seed(cfg.seed)
         check_reliability_options(cfg)
+        cfg.schedule = as_schedule(cfg.schedule)  # a scheduler object: as the function that hands it over
         # T31: under torchrun, a process group from the environment and this rank's device (cuda:LOCAL_RANK).
         self.dist: DistInfo | None = maybe_init_distributed(cfg.distributed, device=device)
         if self.dist is None and cfg.parallel == "fsdp2":  # FSDP2 and DCP need a group, even of one process
