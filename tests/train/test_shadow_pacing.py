@@ -136,3 +136,46 @@ def test_a_trial_cut_short_by_the_runs_end_is_not_cached(tmp_path, monkeypatch):
                     callbacks=[StopAt(stop)] if stop else None)
         values.append(t.fit(_loader(300)).decisions["switch_trial"].value)
     assert values == ["measured", "measured"]  # the second run measured: nothing was cached by the first
+
+
+class _Computed(torch.utils.data.Dataset):
+    """Samples computed per index (not sliced: the loader keeps its worker, so the trial has thread counts to try)."""
+
+    def __len__(self):
+        return 16 * 40
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(8, generator=g), int(torch.randint(0, 4, (), generator=g))
+
+
+def test_thread_count_turns_are_timed_apart_and_every_trained_step_runs_at_the_runs_threads():
+    """With a loader's worker the trial tries fewer intra-op threads (the cores the worker leaves); another count
+    sums a matmul otherwise, so its turns are timed apart: each trained step, theirs too, runs at the run's own
+    count, and the run that keeps it ends as the run with no trial, bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def run(trial):
+            cfg = TrainConfig(epochs=1, progress=False, compile=False, fused_optimizer=False, trial=trial,
+                              precision="fp32", channels_last=False)
+            t = Trainer(_model(), optimizer="sgd", lr=0.05, config=cfg, caps=BF16_CPU)
+            t.switcher.measure_fn = lambda s, sec: 1.0 if s.threads in (None, 2) else 1.3  # 2 threads win
+            at = []  # the intra-op threads of each optimizer step (a hook: the step goes through torch's own)
+            t.optimizer.register_step_pre_hook(lambda opt, args, kwargs: at.append(torch.get_num_threads()))
+            torch.manual_seed(3)
+            loader = DataLoader(_Computed(), batch_size=16, shuffle=True, num_workers=1,
+                                generator=torch.Generator().manual_seed(2))
+            return t, t.fit(loader), at
+
+        tried, res, threads_at_steps = run(True)
+        plain, _, _ = run(False)
+    finally:
+        torch.set_num_threads(before)
+    trial = res.decisions["switch_trial"]
+    stages = [s["stage"] for s in trial.measured["stages"]]
+    assert trial.value == "measured" and "threads" in stages
+    assert threads_at_steps and set(threads_at_steps) == {2}, threads_at_steps  # never a step at 1 thread
+    assert trial.measured["shadow_steps"] >= 2  # 1 thread's turns: timed apart
+    for k, v in plain.module.state_dict().items():
+        assert torch.equal(tried.module.state_dict()[k], v), k

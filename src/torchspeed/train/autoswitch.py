@@ -7,7 +7,7 @@ for the run's first steps. At the first step the trial cache is read (this model
 shape, machine, kernels and torch version measured before: 0 steps measured); on a miss the
 candidates take turns on the real model and optimizer, each step a step of the run, until the
 trial decides and the winner stays in effect. A candidate in another precision or memory layout than the
-plain settings' is timed apart (`shadow.ShadowTurns`): the run's numerics are the plain settings' until the
+plain settings', or in the threads stage another thread count than the run's, is timed apart (`shadow.ShadowTurns`): the run's numerics are the plain settings' until the
 trial decides, so a run that keeps the plain settings is the plain run to the last bit. Under DDP every
 rank runs the same schedule and applies rank 0's choice (`broadcast`); the memory layout stays
 (the gradient buckets were laid out for it). The user's RNG and the loader's data order are
@@ -179,6 +179,7 @@ class SwitchStage:
         self._fixed: dict = {}
         self._trial_meta: dict = {}
         self.shadow = ShadowTurns(self)  # the turns timed apart from the run's numerics, paced
+        self.plain_threads = torch.get_num_threads()  # the intra-op threads the run trains at while the trial runs
 
     def prepare(self, loader: Iterable, *, remaining_steps: int | None = None) -> None:
         """Decide the switches left on "auto": the rules, or a trial on the run's first steps (`remaining_steps`
@@ -200,6 +201,7 @@ class SwitchStage:
                               fused=cur_fused)
         fused_choice = fused == "auto" and cur_fused is not None
         threads = _thread_choices(loader, self.t.device, self.t.caps)
+        self.plain_threads = torch.get_num_threads()
         prior = rule_switches(caps=self.t.caps, has_conv=has_conv, precision=precision, channels_last=layout,
                               fused=cur_fused)
         rule_why = (f"{prior.precision} is the half precision this {self.t.caps.device_type.upper()} runs natively"
@@ -304,7 +306,8 @@ class SwitchStage:
         cand = trial.current()
         shadow = self._shadows(cand)
         if shadow and trial.looked() and self.shadow.spent(self.t.total_steps):
-            trial.leave_apart(f"the run's {self.t.total_steps} steps afford {self.shadow.turns} turns timed apart")
+            trial.leave_apart(f"the run's {self.t.total_steps} steps afford {self.shadow.turns} turns timed apart",
+                              apart=self._shadows)
             if trial.done:
                 self.finish()
                 return run_step(batch_layout(batch, self.t.channels_last))
@@ -350,14 +353,23 @@ class SwitchStage:
             self.finish()
 
     def _shadows(self, cand: Switches) -> bool:
-        """Whether `cand` is timed apart from the run's numerics (`ShadowTurns.step`): a candidate whose precision or
-        memory layout is not the plain settings' (`Switches.rounds_apart`), in the first stage, on one process with no
-        accumulation window open across steps, while no such candidate measures AHEAD (10%) faster than the plain
-        settings (once one does, the run is likely to switch: its turns train, none thrown away), or while `cand`
-        is one the numerics guard refuses."""
+        """Whether `cand` is timed apart from the run's numerics (`ShadowTurns.step`), on one process with no
+        accumulation window open across steps:
+
+        - in the first stage, a candidate whose precision or memory layout is not the plain settings'
+          (`Switches.rounds_apart`), while no such candidate measures AHEAD (10%) faster than the plain settings
+          (once one does, the run is likely to switch: its turns train, none thrown away), or while `cand` is one
+          the numerics guard refuses;
+        - in the threads stage, a thread count not the run's (a matmul's or convolution's sums split otherwise over
+          another count of threads: the last bits differ), while the run still trains in the plain settings."""
         trial = self.live
-        return (self.keep_numerics and trial.stage == "precision x layout" and cand.rounds_apart(trial.grid[0])
-                and self.t.config.grad_accum == 1 and self.t.dist is None and not trial.ahead_of_plain(cand))
+        if not (self.keep_numerics and self.t.config.grad_accum == 1 and self.t.dist is None):
+            return False
+        if trial.stage == "precision x layout":
+            return cand.rounds_apart(trial.grid[0]) and not trial.ahead_of_plain(cand)
+        plain = trial.grid[0]
+        return (trial.stage == "threads" and cand.threads is not None and cand.threads != self.plain_threads
+                and not trial.best.rounds_apart(plain) and trial.best.fused == plain.fused)
 
     def finish(self) -> None:
         """Decide on what the trial measured (all of it, or what a run that ended early allowed), apply, cache."""

@@ -1,6 +1,7 @@
 """Switch-trial turns timed apart from the run's numerics, and paced over the run (T21; the trial: autoswitch.py).
 
-A candidate in another precision (bf16, fp16) or memory layout (channels_last) than the plain settings' is timed
+A candidate in another precision (bf16, fp16) or memory layout (channels_last) than the plain settings', or in the
+threads stage another intra-op thread count than the run's (the sums of a matmul split otherwise), is timed
 apart (`ShadowTurns.step`): its forward and backward on the batch are timed, then the RNG, the module's buffers and
 the gradients are put back, and the batch trains in the plain precision and layout. So a run whose trial keeps the
 plain settings is the plain run to the last bit. A layout rounds otherwise too (oneDNN's and cuDNN's channels_last
@@ -98,7 +99,8 @@ class ShadowTurns:
                 b.copy_(saved)
         t.optimizer.zero_grad(set_to_none=True)
         plain = live.grid[0]
-        self.stage.apply(replace(cand, precision=plain.precision, channels_last=plain.channels_last))
+        self.stage.apply(replace(cand, precision=plain.precision, channels_last=plain.channels_last,
+                                 threads=None if cand.threads is None else self.stage.plain_threads))
         batch = batch_layout(batch, plain.channels_last)
         self.turns += 1
         trained_fb, forward_backward = [0.0], t._forward_backward

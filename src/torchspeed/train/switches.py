@@ -411,9 +411,11 @@ class LiveTrial:
         return cand not in out and any(m * AHEAD <= med[plain] for c, m in med.items() if c.rounds_apart(plain)
                                        and c not in out)
 
-    def leave_apart(self, why: str) -> None:
-        """The candidates timed apart take no more turns (`why`); the stage decides on what they measured."""
-        self._leave({c: why for c, _ in self._queue if c.rounds_apart(self.grid[0])})
+    def leave_apart(self, why: str, apart=None) -> None:
+        """The candidates timed apart (`apart(candidate)`; default: those in another precision or layout than the plain
+        settings') take no more turns (`why`); the stage decides on what they measured."""
+        apart = apart or (lambda c: c.rounds_apart(self.grid[0]))
+        self._leave({c: why for c, _ in self._queue if apart(c)})
         if not self._queue:
             self._end_stage()
 
