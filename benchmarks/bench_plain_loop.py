@@ -33,8 +33,15 @@ Two readings per workload:
    row runs R times a seed, interleaved; per seed the summary gives the median run's ratio and the median over
    rounds of the ratio within a round (`paired_speed_vs_plain`), and `plain_again` the same for plain's own work.
 
+`--isolated`: every run in a process of its own (spawned in the same interleaved order), as a user runs a script
+and as `fit` runs in theirs: nothing one row sets in its process (`fit`'s glibc malloc thresholds, torch's lazy
+imports and kernels, the trial cache in memory) reaches another row's, and no row is warmed up. Each run's
+`seconds` are still from the model's build to its end, and `process_s` beside them is the whole process (the
+interpreter, `import torch`, `import torchspeed`, the data), as a user's `time python train.py` reads it.
+
 Run:
     python benchmarks/bench_plain_loop.py                     # whole runs, 3 workloads x 3 rounds
+    python benchmarks/bench_plain_loop.py --isolated --rounds 5  # each run in a fresh process
     python benchmarks/bench_plain_loop.py --tta --seeds 0,1,2 # time to the plain loop's accuracy
     python benchmarks/bench_plain_loop.py --tta --seeds 0,1,2,3,4 --repeats 3  # each row and seed 3 times, the median
 Writes benchmarks/results/cpu/plain_loop.json (and plain_loop_tta.json) with commit, versions, device; `--out` names
@@ -138,27 +145,70 @@ def run_plain(w, *, epochs: int, seed: int, loader: bool = False, target: float 
 
     out = plain_loop(model, w, epochs=epochs, seed=seed, on_epoch=on_epoch,
                      loader=loaders(w, seed)[0] if loader else None, fused=fused)  # loader: over a DataLoader
+    out["seconds"] = time.perf_counter() - t0  # from the model's build, as fit's: the optimizer's first build too
     if target is not None:
         out["to_target_s"] = at[0]
     return out
 
 
-def whole_runs(names, *, epochs: int, rounds: int) -> dict:
+# row -> (the function, its options): what a row runs, in this process or in one of its own (`--isolated`)
+ROW_SPECS = {"plain": ("plain", {}), "plain_again": ("plain", {}), "plain_loader": ("plain", {"loader": True}),
+             "plain_fused": ("plain", {"fused": True}), "plain_bf16_start": ("plain", {"bf16_start": PERTURB_STEPS}),
+             "fit": ("fit", {}), "auto": ("fit", {"recipe": "auto", "given": False}),
+             "auto_given": ("fit", {"recipe": "auto"})}
+
+
+def _run_row(row: str, name: str, *, epochs: int, seed: int, target: float | None = None,
+             isolated: bool = False) -> dict:
+    """One run of `row` on workload `name`: here, or (`isolated`) in a fresh Python process, whose whole wall time
+    is `process_s`."""
+    if isolated:
+        import subprocess
+        import sys
+        spec = dict(row=row, name=name, epochs=epochs, seed=seed, target=target)
+        t0 = time.perf_counter()
+        done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                              timeout=900, env=os.environ | {"PYTHONHASHSEED": "0"})
+        process_s = time.perf_counter() - t0
+        if done.returncode != 0:
+            raise RuntimeError(f"{row} on {name} (seed {seed}) failed in its process:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1]) | {"process_s": process_s}
+    fn, kw = ROW_SPECS[row]
+    w = _workload(name)
+    if fn == "plain":
+        return run_plain(w, epochs=epochs, seed=seed, target=target, **kw)
+    return run_fit(w, epochs=epochs, seed=seed, target=target, **kw)
+
+
+_WORKLOADS: dict = {}
+
+
+def _workload(name: str):
+    if name not in _WORKLOADS:
+        _WORKLOADS[name] = make_small(name)
+    return _WORKLOADS[name]
+
+
+def whole_runs(names, *, epochs: int, rounds: int, isolated: bool = False) -> dict:
     out = {}
     for name in names:
-        w = make_small(name)
-        rows = {"plain": lambda: run_plain(w, epochs=epochs, seed=0),
-                "plain_loader": lambda: run_plain(w, epochs=epochs, seed=0, loader=True),
-                "fit": lambda: run_fit(w, epochs=epochs, seed=0)}
-        for fn in rows.values():  # warm-up: first-call set-up (torch's lazy imports, kernels), untimed
-            fn()
+        rows = {k: (lambda k=k: _run_row(k, name, epochs=epochs, seed=0, isolated=isolated))
+                for k in ("plain", "plain_loader", "fit")}
+        if not isolated:  # warm-up: first-call set-up (torch's lazy imports, kernels), untimed
+            for fn in rows.values():
+                fn()
         samples: dict[str, list] = {k: [] for k in rows}
         for r in range(rounds):
             for k in (list(rows) if r % 2 == 0 else list(rows)[::-1]):
                 samples[k].append(rows[k]())
         secs = {k: [s["seconds"] for s in v] for k, v in samples.items()}
         ratio = lambda a, b: ratio_summary([x / y for x, y in zip(secs[a], secs[b])])  # noqa: E731
-        out[name] = {"epochs": epochs, "steps": samples["plain"][0]["steps"],
+        extra = {}
+        if isolated:
+            procs = {k: [s["process_s"] for s in v] for k, v in samples.items()}
+            extra = {"process_s": procs, "fit_process_speed_vs_plain": ratio_summary(
+                [x / y for x, y in zip(procs["plain"], procs["fit"])])}
+        out[name] = extra | {"epochs": epochs, "steps": samples["plain"][0]["steps"],
                      "step_ms_plain": 1000 * statistics.median(secs["plain"]) / samples["plain"][0]["steps"],
                      "seconds": secs, "median_s": {k: statistics.median(v) for k, v in secs.items()},
                      "fit_speed_vs_plain": ratio("plain", "fit"), "fit_speed_vs_plain_loader": ratio("plain_loader", "fit"),
@@ -176,26 +226,24 @@ def _median_run(runs: list[dict]) -> dict:
     seconds to the target (a missed target counts as the slowest), with every run's seconds beside it."""
     key = lambda r: r["to_target_s"] if r["to_target_s"] is not None else float("inf")  # noqa: E731
     ranked = sorted(runs, key=key)
-    return ranked[(len(ranked) - 1) // 2] | {"to_target_runs": [r["to_target_s"] for r in runs]}
+    out = ranked[(len(ranked) - 1) // 2] | {"to_target_runs": [r["to_target_s"] for r in runs]}
+    if all("process_s" in r for r in runs):  # --isolated: each process's whole seconds (it ends at the target)
+        out["process_runs"] = [r["process_s"] if r["to_target_s"] is not None else None for r in runs]
+    return out
 
 
-def to_target(names, *, epochs: int, seeds: list[int], repeats: int = 1, keep: tuple = ROWS) -> dict:
+def to_target(names, *, epochs: int, seeds: list[int], repeats: int = 1, keep: tuple = ROWS,
+              isolated: bool = False) -> dict:
     out = {}
     for name in names:
-        w = make_small(name)
-        run_plain(w, epochs=1, seed=0), run_fit(w, epochs=1, seed=0)  # warm-up
+        if not isolated:  # warm-up
+            _run_row("plain", name, epochs=1, seed=0), _run_row("fit", name, epochs=1, seed=0)
         per_seed = []
         for seed in seeds:
-            target = run_plain(w, epochs=epochs, seed=seed)["val_acc"] - TOLERANCE
-            rows = {"plain": lambda: run_plain(w, epochs=epochs, seed=seed, target=target),
-                    "plain_again": lambda: run_plain(w, epochs=epochs, seed=seed, target=target),
-                    "plain_fused": lambda: run_plain(w, epochs=epochs, seed=seed, target=target, fused=True),
-                    "plain_bf16_start": lambda: run_plain(w, epochs=epochs, seed=seed, target=target,
-                                                          bf16_start=PERTURB_STEPS),
-                    "fit": lambda: run_fit(w, epochs=epochs, seed=seed, target=target),
-                    "auto": lambda: run_fit(w, epochs=epochs, seed=seed, recipe="auto", target=target, given=False),
-                    "auto_given": lambda: run_fit(w, epochs=epochs, seed=seed, recipe="auto", target=target)}
-            rows = {k: v for k, v in rows.items() if k == "plain" or k in keep}
+            target = _run_row("plain", name, epochs=epochs, seed=seed, isolated=isolated)["val_acc"] - TOLERANCE
+            rows = {k: (lambda k=k, seed=seed, target=target: _run_row(k, name, epochs=epochs, seed=seed,
+                                                                       target=target, isolated=isolated))
+                    for k in ("plain",) + ROWS if k == "plain" or k in keep}
             runs: dict[str, list] = {k: [] for k in rows}
             for r in range(repeats):  # interleaved rounds: a slow phase of the machine hits every row alike
                 for k in (list(rows) if r % 2 == 0 else list(rows)[::-1]):
@@ -229,14 +277,18 @@ def summary(result: dict) -> dict:
             speed = [s["plain"]["to_target_s"] / s[k]["to_target_s"] if s[k]["to_target_s"] else 0.0
                      for s in w["seeds"] if k in s]
             paired = [_paired(s["plain"]["to_target_runs"], s[k]["to_target_runs"]) for s in w["seeds"] if k in s]
-            rows[k] = {"speed_vs_plain": [round(v, 3) for v in speed], "min": round(min(speed), 3),
-                       "median": round(statistics.median(speed), 3),
-                       # per seed, the median over repeats of plain's seconds / the row's in the same round
-                       "paired_speed_vs_plain": [round(v, 3) for v in paired], "paired_min": round(min(paired), 3),
-                       "reached": sum(s[k]["to_target_s"] is not None for s in w["seeds"]),
-                       # the plain loop's run exactly: crossed at its step with its accuracy (its numerics kept)
-                       "same_run_as_plain": sum(s[k]["steps"] == s["plain"]["steps"] and
-                                                s[k]["val_acc"] == s["plain"]["val_acc"] for s in w["seeds"])}
+            row = {"speed_vs_plain": [round(v, 3) for v in speed], "min": round(min(speed), 3),
+                   "median": round(statistics.median(speed), 3),
+                   # per seed, the median over repeats of plain's seconds / the row's in the same round
+                   "paired_speed_vs_plain": [round(v, 3) for v in paired], "paired_min": round(min(paired), 3),
+                   "reached": sum(s[k]["to_target_s"] is not None for s in w["seeds"]),
+                   # the plain loop's run exactly: crossed at its step with its accuracy (its numerics kept)
+                   "same_run_as_plain": sum(s[k]["steps"] == s["plain"]["steps"] and
+                                            s[k]["val_acc"] == s["plain"]["val_acc"] for s in w["seeds"])}
+            if all("process_runs" in s[k] for s in w["seeds"] if k in s):  # --isolated: whole processes, paired
+                proc = [_paired(s["plain"]["process_runs"], s[k]["process_runs"]) for s in w["seeds"] if k in s]
+                row |= {"process_speed_vs_plain": [round(v, 3) for v in proc], "process_min": round(min(proc), 3)}
+            rows[k] = row
         out[name] = rows
     return out
 
@@ -251,17 +303,27 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="--tta: runs per row and seed, interleaved; the median")
     ap.add_argument("--rows", default=",".join(ROWS), help="--tta: the rows beside plain (default: all)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--isolated", action="store_true", help="every run in a fresh process of its own, no warm-up")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one isolated run: its spec as JSON
     args = ap.parse_args()
+    if args.child:
+        spec = json.loads(args.child)
+        res = _run_row(spec["row"], spec["name"], epochs=spec["epochs"], seed=spec["seed"], target=spec["target"])
+        print(json.dumps(res, default=str))
+        return
     names = args.workloads.split(",")
     if args.tta:
         result = {"kind": "time_to_plain_accuracy",
                   "repeats": args.repeats,
+                  "isolated": args.isolated,
                   "workloads": to_target(names, epochs=args.epochs, seeds=[int(s) for s in args.seeds.split(",")],
-                                         repeats=args.repeats, keep=tuple(args.rows.split(",")))}
+                                         repeats=args.repeats, keep=tuple(args.rows.split(",")),
+                                         isolated=args.isolated)}
         result["summary"] = summary(result["workloads"])
         print(json.dumps(result["summary"], indent=1))
     else:
-        result = {"kind": "whole_run", "workloads": whole_runs(names, epochs=args.epochs, rounds=args.rounds)}
+        result = {"kind": "whole_run", "isolated": args.isolated,
+                  "workloads": whole_runs(names, epochs=args.epochs, rounds=args.rounds, isolated=args.isolated)}
     result["provenance"] = provenance()
     path = Path(args.out or f"benchmarks/results/cpu/plain_loop{'_tta' if args.tta else ''}.json")
     path.parent.mkdir(parents=True, exist_ok=True)

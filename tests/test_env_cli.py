@@ -40,3 +40,24 @@ def test_bench_bad_input_is_a_clear_error(argv, needle, capsys):
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "COMMAND" in capsys.readouterr().out
+
+
+def test_tcmalloc_is_found_by_file_name_on_ld_library_path_without_starting_a_process(tmp_path, monkeypatch):
+    """find_tcmalloc reads folders (no ldconfig or gcc process: fit's first call pays for detect): a library on
+    LD_LIBRARY_PATH is found, the minimal one first; an empty folder finds none of its own."""
+    import subprocess
+
+    from torchspeed import env
+
+    (tmp_path / "libtcmalloc.so.4").touch()
+    (tmp_path / "libtcmalloc_minimal.so.4").touch()
+    monkeypatch.setattr(env, "TCMALLOC_DIRS", ())
+    monkeypatch.setattr(env.sys, "prefix", str(tmp_path / "none"))
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))
+
+    def no_process(*a, **k):
+        raise AssertionError("find_tcmalloc started a process")
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    assert env.find_tcmalloc() == str(tmp_path / "libtcmalloc_minimal.so.4")
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path / "empty"))
+    assert env.find_tcmalloc() is None
