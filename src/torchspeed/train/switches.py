@@ -9,10 +9,10 @@ rules give 2x on a CIFAR ResNet-20. So `fit` measures instead:
    settings left on "auto"): precision (fp32, and the half precision the hardware runs
    natively: emulated bf16 is 20-50x slower and is never tried) x channels_last (only for
    models with 2D convolutions), with the optimizer's fused kernel. Then, on the winner, the
-   fused kernel against foreach (SGD/Adam/AdamW), and on a CPU whose DataLoader has worker
-   processes, the intra-op thread count (all usable cores, or the cores the workers leave).
-   Switches interact (bf16 with channels_last can lose where each alone wins), so the first
-   stage is a grid, not one switch at a time; the later stages are pruned to the winner.
+   fused kernel against foreach (SGD/Adam/AdamW), and on a CPU whose DataLoader has worker processes,
+   the intra-op thread count (all usable cores, or the cores the workers leave). Switches interact
+   (bf16 with channels_last can lose where each alone wins), so the first stage is a grid, not one
+   switch at a time; the later stages are pruned to the winner.
 2. **Measurement** (`LiveTrial`): the run's own first steps, on the real model and optimizer.
    Each candidate is put into effect (autocast dtype, memory layout of the weights, the
    optimizer state and the inputs, optimizer kernel, threads) and trains real steps: `warmup`
@@ -32,8 +32,7 @@ rules give 2x on a CIFAR ResNet-20. So `fit` measures instead:
    `TrialCache`, so the next run measures nothing, unless the cached trial measured less than
    this run affords (a short run's choice is measured again by a longer run, once).
 
-torch.compile is measured on real training steps after this trial, on top of its winner
-(`compile.py`).
+torch.compile is measured on real training steps after this trial, on top of its winner (`compile.py`).
 
 Example:
     >>> trial = LiveTrial(candidate_grid(caps=DeviceCaps.of("cpu"), has_conv=True))
@@ -412,10 +411,9 @@ class LiveTrial:
                                        and c not in out)
 
     def leave_apart(self, why: str, apart=None) -> None:
-        """The candidates timed apart (`apart(candidate)`; default: those in another precision or layout than the plain
-        settings') take no more turns (`why`); the stage decides on what they measured."""
-        apart = apart or (lambda c: c.rounds_apart(self.grid[0]))
-        self._leave({c: why for c, _ in self._queue if apart(c)})
+        """The candidates timed apart (`apart(c)`, default: in another precision or layout than the plain settings')
+        take no more turns (`why`); the stage decides on what they measured."""
+        self._leave({c: why for c, _ in self._queue if (apart(c) if apart else c.rounds_apart(self.grid[0]))})
         if not self._queue:
             self._end_stage()
 
