@@ -111,6 +111,31 @@ def test_the_lean_default_step_leaves_the_gradients_as_backward_wrote_them():
     assert lean_step_for(opt).steps == 2
 
 
+def test_the_lists_are_made_in_the_first_step_so_the_second_carries_no_one_off_work(monkeypatch):
+    """torch's first step makes the state; the lean lists (and the flat moments' copy) are made right after it, in
+    that step, not in the second, which a switch trial times as the plain settings' first timed step."""
+    from torchspeed.train.lean_step import LeanStep
+
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    built = []
+    real = LeanStep._build
+    monkeypatch.setattr(LeanStep, "_build", lambda self: (built.append(len(opt.state)), real(self))[1])
+    (x, y), *rest = _batches(3)
+    F.cross_entropy(model(x), y).backward()
+    optimizer_step(opt)  # no state yet (a build that finds none), torch's step makes it, then the lists
+    n = len(list(model.parameters()))
+    assert built == [0, n] and lean_step_for(opt).steps == 0
+    zero_grad(opt)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # (load_state_dict keeps the moment tensors)
+    _train(model, opt, rest, ours=True)
+    _train(ref, ref_opt, rest, ours=False)
+    assert built == [0, n] and lean_step_for(opt).steps == 2  # the later steps lean, on the lists made then
+    _same(model, ref, opt, ref_opt)
+
+
 def test_two_groups_and_a_state_loaded_midway_stay_torchs_update():
     ref, mine = _model(), _model()
 

@@ -69,6 +69,18 @@ def test_a_change_must_win_most_pairings_of_its_timed_steps_not_only_the_median(
     assert share_faster([1.0], [1.0]) == 0.5 and share_faster([0.9, 1.1], [1.0]) == 0.5
 
 
+def test_another_precision_must_buy_ten_percent_a_layout_the_usual_two():
+    """bf16 sure but 5% faster keeps fp32 (it moves the run's results; a layout 5% faster is taken as before);
+    bf16 20% faster is taken. Breaks if the precision threshold goes."""
+    plain, bf16, cl = Switches("fp32", False), Switches("bf16", False), Switches("fp32", True)
+    pick, why = choose({plain: [1.0] * 6, bf16: [0.95] * 6}, plain=plain)
+    assert pick == plain and "1.05x" in why and "another precision" in why
+    assert choose({plain: [1.0] * 6, cl: [0.95] * 6}, plain=plain)[0] == cl
+    assert choose({plain: [1.0] * 6, bf16: [0.8] * 6}, plain=plain)[0] == bf16
+    # a 5%-faster bf16 out, a 3%-faster layout still in: the layout, not the precision
+    assert choose({plain: [1.0] * 6, bf16: [0.95] * 6, cl: [0.97] * 6}, plain=plain)[0] == cl
+
+
 def test_numerics_guard():
     assert numerics_ok(2.30, 2.31, tol=0.05)
     assert not numerics_ok(2.30, 3.0, tol=0.05)

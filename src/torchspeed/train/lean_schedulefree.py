@@ -119,6 +119,11 @@ class LeanScheduleFree:
         self._groups_ref, self._state_ref = opt.param_groups, opt.state
         return True
 
+    def prepare(self) -> None:
+        """The lists right after the package's first step made the state (`LeanStep.prepare`)."""
+        if self.replicated and no_step_wrappers(self.optimizer) and not self._fresh():
+            self._build()
+
     def step(self) -> bool:
         """Update as `optimizer.step()` would; False (nothing done) where it must run instead."""
         opt = self.optimizer

@@ -271,6 +271,12 @@ class LeanStep:
         return no_step_wrappers(opt) and getattr(opt, "grad_scale", None) is None and \
             getattr(opt, "found_inf", None) is None
 
+    def prepare(self) -> None:
+        """Make the lists now (right after torch's first step made the state), so that their one-off cost (the
+        lists, the flat moments' copy) falls in that step and not in the next one, which a switch trial times."""
+        if self._plain() and not self._fresh():
+            self._build()
+
     def step(self) -> bool:
         """Update the parameters as `optimizer.step()` would; False (nothing done) where it must run instead."""
         if not self._plain() or (not self._fresh() and not self._build()):

@@ -144,6 +144,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradSc
             optimizer.step(closure)
         elif (lean := lean_step_for(optimizer)) is None or not lean.step():  # T51: the fused kernels, no wrapper
             optimizer.step()
+            if lean is not None:
+                lean.prepare()  # the first step made the state: the lists now, their one-off cost in this step
         return _NOT_SKIPPED
     scale = getattr(scaler, "_scale", None)
     before = scale.clone() if isinstance(scale, torch.Tensor) else scaler.get_scale()
