@@ -127,8 +127,8 @@ def choose(times: dict[Switches, list[float]], *, plain: Switches, min_gain: flo
            rejected: dict[Switches, str] | None = None, ref: str = "the plain settings") -> tuple[Switches, str]:
     """The fastest candidate (median seconds per step), or one with fewer changes from `plain` (called `ref` in
     the reason) within `min_gain` of it. A change must also be sure: faster in SURE of the pairings of its timed
-    steps with the plain settings' (`rounds.share_faster`); another precision, PRECISION_GAIN faster (it moves the
-    results: a 1D CNN on a Zen 5 EPYC ran bf16 at 1.03x fp32, and ended 0.6% under the script on 2 seeds of 5)."""
+    steps with the plain settings' (`rounds.share_faster`); another precision, PRECISION_GAIN faster on any run
+    (it moves the results; docs/train.md, "Choice"), a few percent do not buy it."""
     rejected = rejected or {}
     med = medians({s: t for s, t in times.items() if s not in rejected})
     if not med:
