@@ -14,13 +14,12 @@ Example:
 
 from __future__ import annotations
 
-import sys
 import functools
-import glob
 import importlib
 import importlib.util
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 

@@ -136,6 +136,20 @@ def test_the_lists_are_made_in_the_first_step_so_the_second_carries_no_one_off_w
     _same(model, ref, opt, ref_opt)
 
 
+def test_where_the_lists_cannot_be_made_the_first_step_tries_once_more_and_no_later_step_does(monkeypatch):
+    """A tensor LR on torch's default kernel (its foreach path refuses it): every step is torch's; `prepare` adds one
+    try after the first step, not one a step on the hot path."""
+    from torchspeed.train.lean_step import LeanStep
+
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(2e-3))
+    tries = []
+    real = LeanStep._build
+    monkeypatch.setattr(LeanStep, "_build", lambda self: (tries.append(1), real(self))[1])
+    _train(model, opt, _batches(4), ours=True)
+    assert lean_step_for(opt).steps == 0 and len(tries) == 4 + 1  # each step's own try, and prepare's one
+
+
 def test_two_groups_and_a_state_loaded_midway_stay_torchs_update():
     ref, mine = _model(), _model()
 

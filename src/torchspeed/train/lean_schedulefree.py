@@ -74,6 +74,7 @@ class LeanScheduleFree:
         self._groups: list[tuple] = []  # per group: (group, params, n, z list, exp_avg_sq list, FlatMoments | None)
         self._flats: list[FlatMoments] = []
         self.replicated = _replicated()
+        self._prepared = False  # `prepare` ran (it runs once)
         self.steps = 0  # updates it made (the tests read them)
         self.flat_steps = 0  # of those, the updates with every group's moments in flat buffers
 
@@ -120,9 +121,11 @@ class LeanScheduleFree:
         return True
 
     def prepare(self) -> None:
-        """The lists right after the package's first step made the state (`LeanStep.prepare`)."""
-        if self.replicated and no_step_wrappers(self.optimizer) and not self._fresh():
-            self._build()
+        """The lists right after the package's first step made the state, once (`LeanStep.prepare`)."""
+        if not self._prepared:
+            self._prepared = True
+            if self.replicated and no_step_wrappers(self.optimizer) and not self._fresh():
+                self._build()
 
     def step(self) -> bool:
         """Update as `optimizer.step()` would; False (nothing done) where it must run instead."""

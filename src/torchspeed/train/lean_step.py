@@ -200,6 +200,7 @@ class LeanStep:
         self._updates: list = []  # per group: the update it runs (fused kernels, or torch's foreach ops)
         self._flats: list[FlatMoments] = []  # the groups' flat moments, kept across rebuilds while the state holds them
         self._sgd = type(optimizer) is torch.optim.SGD
+        self._prepared = False  # `prepare` ran (it runs once)
         self.steps = 0  # updates it made (the tests read it)
         self.flat_steps = 0  # of those, the updates with every group's moments in flat buffers
 
@@ -273,9 +274,12 @@ class LeanStep:
 
     def prepare(self) -> None:
         """Make the lists now (right after torch's first step made the state), so that their one-off cost (the
-        lists, the flat moments' copy) falls in that step and not in the next one, which a switch trial times."""
-        if self._plain() and not self._fresh():
-            self._build()
+        lists, the flat moments' copy) falls in that step and not in the next one, which a switch trial times.
+        Once: where the lists cannot be made (a case torch must step), later steps do not try twice a step."""
+        if not self._prepared:
+            self._prepared = True
+            if self._plain() and not self._fresh():
+                self._build()
 
     def step(self) -> bool:
         """Update the parameters as `optimizer.step()` would; False (nothing done) where it must run instead."""
