@@ -118,14 +118,20 @@ def make_small(name: str, *, seed: int = 0, n_train: int = N_TRAIN, n_val: int =
         model: Callable[[], nn.Module] = Conv1dNet
         lr = 1e-2
     elif name == "mlp":
+        # The teacher at torch's own Linear init scale (uniform within 1/sqrt(fan_in)): a function the MLP learns
+        # over its epochs, its held-out accuracy climbing from about 0.6 to 0.9 over 10 epochs at Adam 1e-4. (Its
+        # weights drawn N(0, 1) saturated the tanh: the accuracy sat at 0.64-0.67 from the first epoch on, so a time
+        # to the loop's final accuracy read only that noise.)
         teacher = nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Linear(32, 5))
         with torch.no_grad():
-            for p in teacher.parameters():
-                p.copy_(torch.randn(p.shape, generator=g))
+            for layer in (teacher[0], teacher[2]):
+                bound = 1 / math.sqrt(layer.in_features)
+                for p in (layer.weight, layer.bias):
+                    p.uniform_(-bound, bound, generator=g)
         x, y = _tabular(n, g, teacher)
         model = lambda: nn.Sequential(nn.Linear(20, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),  # noqa: E731
                                       nn.Linear(512, 5))
-        lr = 3e-3
+        lr = 1e-4
     elif name == "transformer":
         x, y = _markers(n, g)
         model = TinyTransformer
