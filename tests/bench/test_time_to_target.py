@@ -228,7 +228,7 @@ def test_bench_cli_refuses_out_of_range_tta_options(argv, message, capsys):
 
 def test_the_weights_a_run_is_judged_by_are_prepared_on_its_clock(monkeypatch, fake_clock):
     """Schedule-Free's averaged weights need their BatchNorm statistics recalibrated before they are usable: that
-    counts in the run's seconds (once), evaluation does not."""
+    counts in the run's seconds (once, at the end of `fit`, which returns holding them), evaluation does not."""
     pytest.importorskip("schedulefree")
     from dataclasses import asdict, replace
 
@@ -253,10 +253,11 @@ def test_the_weights_a_run_is_judged_by_are_prepared_on_its_clock(monkeypatch, f
             "num_workers": 0, "config": "schedulefree", "budget": 4,
             "train": asdict(replace(cfg.train, schedule="onecycle", trial=False))}
     run = worker.train_budget(spec)
-    assert len(calls) == 2  # once on the clock, once more inside evaluation
+    assert len(calls) == 1  # once, on the clock, by fit; the evaluation after it uses those statistics
     assert 100.0 <= run.train_s < 200.0
-    ph = run.phases  # where the seconds went: the recalibration is the judged weights' part, the steps are not
-    assert ph["steps"] == 4 and 100.0 <= ph["judged_weights_s"] < 200.0 and ph["next_3_steps_s"] < 100.0
+    ph = run.phases  # where the seconds went: the recalibration is the end of fit's, the steps' are not
+    assert ph["steps"] == 4 and 100.0 <= ph["after_steps_s"] < 200.0 and ph["next_3_steps_s"] < 100.0
+    assert ph["judged_weights_s"] < 100.0  # fit handed them over ready
     assert set(ph) == {"before_steps_s", "first_step_s", "next_3_steps_s", "rest_steps_s", "steps", "after_steps_s",
                        "judged_weights_s"}
 

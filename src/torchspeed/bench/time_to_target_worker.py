@@ -157,8 +157,9 @@ def _recipe_on(decisions: dict) -> list[str]:
 def _judged_weights(trainer, decisions: dict) -> float:
     """Seconds to the weights the run is judged by, on the clock, where nothing prepared them yet: the weights
     evaluation looks through (Schedule-Free's average with its BatchNorm statistics recalibrated on the last
-    training batches: work no model of such a run is usable without). A TTA check that measured has already
-    looked through them. Evaluation itself then repeats it off the clock, to the same statistics."""
+    training batches: work no model of such a run is usable without). `fit` ends holding them (`settle_averaged`,
+    on fit's own clock), so this is a check that costs nothing; a TTA check that measured has looked through them
+    too. Evaluation then uses them as they are."""
     tta = decisions.get("tta")
     if tta is not None and getattr(tta, "measured", None) is not None:
         return 0.0

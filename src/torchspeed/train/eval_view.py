@@ -1,7 +1,9 @@
 """The weights a trained model is judged by (T40, T14's Schedule-Free alternative): the EMA's when an EMA callback is
 on, a Schedule-Free optimizer's averaged weights, with BatchNorm statistics recomputed for them, otherwise the
 training weights. `Trainer.evaluate` and the recipe's after-training TTA check both look through `eval_weights`,
-so the check scores the model that is evaluated and saved.
+so the check scores the model that is evaluated and saved. `settle_averaged` leaves a Schedule-Free run's model
+holding those averaged weights at the end of `fit` (the best epoch's, with `restore_best`): the model you get back
+is the one that was evaluated and saved, not the optimizer's training iterate.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from torch import nn
 
 from torchspeed.train.batch import batch_size
 from torchspeed.train.bnstats import recalibrate_bn
-from torchspeed.train.optim import SCHEDULE_FREE_BN_SAMPLES, averaged_weights
+from torchspeed.train.optim import SCHEDULE_FREE_BN_SAMPLES, averaged_weights, is_schedule_free
 
-__all__ = ["eval_weights", "newest_samples", "recalibrate_averaged"]
+__all__ = ["eval_weights", "newest_samples", "recalibrate_averaged", "settle_averaged"]
 
 
 def newest_samples(batches, samples: int) -> list:
@@ -44,9 +46,23 @@ def recalibrate_averaged(module: nn.Module, recent, precision, *, device, step_f
 def eval_weights(trainer) -> Iterator[nn.Module]:
     """Inside the block: the module to evaluate (see the module docstring); the training weights again after."""
     module = trainer.callbacks.eval_module(trainer.module)  # the EMA weights when an EMA callback is on
-    with averaged_weights(trainer.optimizer):  # Schedule-Free: its averaged weights (and their BN statistics)
+    with averaged_weights(trainer.optimizer) as switched:  # Schedule-Free: its averaged weights, their BN statistics
         recent = getattr(trainer, "_recent", None)
-        if recent:
+        if recent and switched:  # else the end of a fit (`settle_averaged`) recalibrated them, and nothing trained
             recalibrate_averaged(module, recent, trainer.precision, device=trainer.device, step_fn=trainer.step_fn,
                                  channels_last=trainer.channels_last)
         yield module
+
+
+def settle_averaged(trainer) -> None:
+    """The end of a fit: a Schedule-Free optimizer switched to its averaged weights for good (`optimizer.eval()`),
+    BatchNorm statistics recomputed for them as an evaluation does. The model then holds what was evaluated and
+    saved; a later fit's first epoch switches back (`optimizer.train()`), and a checkpoint saves these weights."""
+    opt = trainer.optimizer
+    if not is_schedule_free(opt) or not opt.param_groups[0].get("train_mode", False):
+        return
+    opt.eval()
+    recent = getattr(trainer, "_recent", None)
+    if recent:
+        recalibrate_averaged(trainer.module, recent, trainer.precision, device=trainer.device,
+                             step_fn=trainer.step_fn, channels_last=trainer.channels_last)

@@ -331,13 +331,14 @@ def set_schedule_free_warmup(optimizer, total_steps: int | None, warmup_steps: i
 @contextlib.contextmanager
 def averaged_weights(optimizer):
     """Inside the block a Schedule-Free optimizer's model holds its averaged weights (what is evaluated and saved);
-    training weights again after. Any other optimizer: nothing happens."""
+    training weights again after. Any other optimizer, or one already in eval mode (the end of a fit): nothing
+    happens. Yields whether it switched."""
     if not is_schedule_free(optimizer) or not optimizer.param_groups[0].get("train_mode", False):
-        yield
+        yield False
         return
     optimizer.eval()
     try:
-        yield
+        yield True
     finally:
         optimizer.train()
 

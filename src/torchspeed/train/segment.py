@@ -9,7 +9,8 @@
 - `BestEpoch`: the best epoch's record (by the checkpoint metric) and, with `restore_best`,
   its weights: a CPU copy taken when an epoch improves on every rank (no rank reads a
   best.pt that rank 0 may be writing), or best.pt for a best epoch from before a resume;
-  loaded into the model at the end of `fit`. Cost: one copy of the weights per improvement.
+  loaded into the model at the end of `fit`. Cost: one copy of the weights per improvement. With Schedule-Free the
+  copy is of its averaged weights (`view`), the ones evaluated and saved in best.pt.
 
 Example:
     >>> defaults = group_settings(opt)                     # before the first schedule is built
@@ -18,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,8 +77,9 @@ class BestEpoch:
     """The best epoch so far (`record`, by the checkpoint metric) and, for `restore_best`, its weights: a CPU
     copy taken when it improves; best.pt is read back only for a best epoch from before a resume."""
 
-    def __init__(self, metric: str | None, best_path: Path | None):
+    def __init__(self, metric: str | None, best_path: Path | None, view: Callable | None = None):
         self.metric, self.best_path = metric, best_path
+        self.view = view or contextlib.nullcontext  # the weights as evaluated (Schedule-Free: its averaged ones)
         self.record: dict | None = None
         self.weights: dict | None = None
         self.active = False  # restore at the end of this fit (restore_best)
@@ -84,7 +88,8 @@ class BestEpoch:
         """Record the epoch `row` if it is the best so far; True when it is (best.pt is then due)."""
         self.record, improved = update_best(self.record, row, self.metric, step=step)
         if improved and self.active:  # in memory on every rank: no rank reads a best.pt another is writing
-            self.weights = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+            with self.view():  # the weights just evaluated, not Schedule-Free's training iterate
+                self.weights = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
         return improved
 
     def restore(self, module: nn.Module, history: list[dict], decisions: dict) -> None:

@@ -51,6 +51,7 @@ from torchspeed.train.memory_format import apply_channels_last
 from torchspeed.train.metrics import DeviceMeter, jsonable, train_accuracy, write_metrics
 from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
 from torchspeed.train.decision import Decision, Decisions
+from torchspeed.train.eval_view import settle_averaged
 from torchspeed.train.bnstats import batchnorm_layers
 from torchspeed.train.optim_info import default_lr, kernel_reason
 from torchspeed.train.lean_step import step_with_torch
@@ -191,7 +192,8 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.resumed_from: Path | None = None
         self.position = DataPosition(keep_rng=self.checkpoints is not None)
-        self.best = BestEpoch(cfg.best_metric, self.checkpoints.best_path if self.checkpoints else None)
+        self.best = BestEpoch(cfg.best_metric, self.checkpoints.best_path if self.checkpoints else None,
+                              view=lambda: averaged_weights(self.optimizer))  # Schedule-Free: the weights evaluated
 
     last_loss = property(lambda self: self._last_loss, doc="The loss read at the last step divisible by log_every "
                                                               "(NaN before): no new device sync.")
@@ -336,6 +338,7 @@ class Trainer:
             log.warning(f"{skipped} of {self.step} optimizer steps had a NaN/inf loss and were skipped"
                         + (" (every one: the weights did not change)" if skipped >= self.step else "")
                         + "; check the inputs and labels for NaN/inf, or try a lower LR or clip_grad_norm=1.0")
+        settle_averaged(self)  # Schedule-Free: the model keeps the averaged weights it was evaluated and saved with
         self.best.restore(self.module, self._history, self.decisions)  # restore_best: the best epoch's weights
         return FitResult(history=self._history, config=asdict(cfg), decisions=self.decisions.copy(), steps=self.step,
                          skipped_steps=skipped, evaluations=self._evaluations)
