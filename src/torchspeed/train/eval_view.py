@@ -15,7 +15,7 @@ from torch import nn
 
 from torchspeed.train.batch import batch_size
 from torchspeed.train.bnstats import recalibrate_bn
-from torchspeed.train.optim import SCHEDULE_FREE_BN_SAMPLES, averaged_weights, is_schedule_free
+from torchspeed.train.optim import SCHEDULE_FREE_BN_SAMPLES, averaged_weights, trains_iterate
 
 __all__ = ["eval_weights", "newest_samples", "recalibrate_averaged", "settle_averaged"]
 
@@ -47,22 +47,24 @@ def eval_weights(trainer) -> Iterator[nn.Module]:
     """Inside the block: the module to evaluate (see the module docstring); the training weights again after."""
     module = trainer.callbacks.eval_module(trainer.module)  # the EMA weights when an EMA callback is on
     with averaged_weights(trainer.optimizer) as switched:  # Schedule-Free: its averaged weights, their BN statistics
-        recent = getattr(trainer, "_recent", None)
-        if recent and switched:  # else the end of a fit (`settle_averaged`) recalibrated them, and nothing trained
-            recalibrate_averaged(module, recent, trainer.precision, device=trainer.device, step_fn=trainer.step_fn,
-                                 channels_last=trainer.channels_last)
+        if switched:  # else the end of a fit (`settle_averaged`) recalibrated them, and nothing trained since
+            _recalibrate(trainer, module)
         yield module
+
+
+def _recalibrate(trainer, module: nn.Module) -> None:
+    """BatchNorm statistics for the averaged weights `module` holds, on the trainer's newest training batches (kept
+    only for a Schedule-Free run of a model with BatchNorm)."""
+    recent = getattr(trainer, "_recent", None)
+    if recent:
+        recalibrate_averaged(module, recent, trainer.precision, device=trainer.device, step_fn=trainer.step_fn,
+                             channels_last=trainer.channels_last)
 
 
 def settle_averaged(trainer) -> None:
     """The end of a fit: a Schedule-Free optimizer switched to its averaged weights for good (`optimizer.eval()`),
     BatchNorm statistics recomputed for them as an evaluation does. The model then holds what was evaluated and
     saved; a later fit's first epoch switches back (`optimizer.train()`), and a checkpoint saves these weights."""
-    opt = trainer.optimizer
-    if not is_schedule_free(opt) or not opt.param_groups[0].get("train_mode", False):
-        return
-    opt.eval()
-    recent = getattr(trainer, "_recent", None)
-    if recent:
-        recalibrate_averaged(trainer.module, recent, trainer.precision, device=trainer.device,
-                             step_fn=trainer.step_fn, channels_last=trainer.channels_last)
+    if trains_iterate(trainer.optimizer):
+        trainer.optimizer.eval()
+        _recalibrate(trainer, trainer.module)

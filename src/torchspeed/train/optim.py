@@ -44,7 +44,7 @@ from torchspeed.train.optim_info import OptimInfo, optimizer_available, optimize
 
 __all__ = ["create_optimizer", "zero_grad", "param_groups", "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR",
            "typical_fan_in", "schedule_free_lr", "has_attention", "weight_layers",
-           "schedule_free_available", "set_schedule_free_warmup", "SCHEDULE_FREE_BN_BATCHES",
+           "schedule_free_available", "set_schedule_free_warmup", "trains_iterate", "SCHEDULE_FREE_BN_BATCHES",
            "SCHEDULE_FREE_BN_SAMPLES", "hidden_matrices", "matrix_share", "mostly_matrices"]
 
 MUON_MOMENTUM = 0.95  # torch's and Keller Jordan's default
@@ -314,6 +314,11 @@ def is_schedule_free(optimizer) -> bool:
     return callable(getattr(optimizer, "eval", None)) and "train_mode" in getattr(optimizer, "defaults", {})
 
 
+def trains_iterate(optimizer) -> bool:
+    """A Schedule-Free optimizer in train mode: the model holds its training iterate, not its averaged weights."""
+    return is_schedule_free(optimizer) and optimizer.param_groups[0].get("train_mode", False)
+
+
 SCHEDULE_FREE_BN_BATCHES = 8  # the last training batches BatchNorm is recalibrated on for the averaged weights...
 SCHEDULE_FREE_BN_SAMPLES = 256  # ...the newest of them that hold this many samples (a per-channel mean and variance
 # over 256 samples x every spatial position is settled; at batch 64 that is 4 forward passes, not 8)
@@ -333,7 +338,7 @@ def averaged_weights(optimizer):
     """Inside the block a Schedule-Free optimizer's model holds its averaged weights (what is evaluated and saved);
     training weights again after. Any other optimizer, or one already in eval mode (the end of a fit): nothing
     happens. Yields whether it switched."""
-    if not is_schedule_free(optimizer) or not optimizer.param_groups[0].get("train_mode", False):
+    if not trains_iterate(optimizer):
         yield False
         return
     optimizer.eval()
