@@ -309,8 +309,7 @@ def _muon_adamw(model: nn.Module, *, lr: float, weight_decay: float, betas, fuse
 
 
 def is_schedule_free(optimizer) -> bool:
-    """A Schedule-Free optimizer (the `schedulefree` package): it needs `.train()` / `.eval()` around training and
-    evaluation, and no LR schedule."""
+    """A Schedule-Free optimizer (`schedulefree`): .train()/.eval() around training and evaluation, no schedule."""
     return callable(getattr(optimizer, "eval", None)) and "train_mode" in getattr(optimizer, "defaults", {})
 
 
@@ -320,8 +319,7 @@ def trains_iterate(optimizer) -> bool:
 
 
 SCHEDULE_FREE_BN_BATCHES = 8  # the last training batches BatchNorm is recalibrated on for the averaged weights...
-SCHEDULE_FREE_BN_SAMPLES = 256  # ...the newest of them that hold this many samples (a per-channel mean and variance
-# over 256 samples x every spatial position is settled; at batch 64 that is 4 forward passes, not 8)
+SCHEDULE_FREE_BN_SAMPLES = 256  # ...the newest holding this many (settles each channel's statistics; 4 batches of 64)
 
 
 def set_schedule_free_warmup(optimizer, total_steps: int | None, warmup_steps: int | None = None) -> int:
@@ -335,9 +333,8 @@ def set_schedule_free_warmup(optimizer, total_steps: int | None, warmup_steps: i
 
 @contextlib.contextmanager
 def averaged_weights(optimizer):
-    """Inside the block a Schedule-Free optimizer's model holds its averaged weights (what is evaluated and saved);
-    training weights again after. Any other optimizer, or one already in eval mode (the end of a fit): nothing
-    happens. Yields whether it switched."""
+    """Inside the block a Schedule-Free optimizer's model holds its averaged weights (evaluated and saved), after it the
+    training iterate. Another optimizer, or one in eval mode already (a fit's end): nothing. Yields if it switched."""
     if not trains_iterate(optimizer):
         yield False
         return
