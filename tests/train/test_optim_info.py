@@ -108,15 +108,19 @@ def test_typical_fan_in_is_the_median_by_weight_count_embeddings_excepted():
 
 
 def test_schedule_free_lr_scales_up_for_narrow_models_by_class_transformers_at_most_4x():
-    """muP's 1 / fan-in, from 2048 and at most 16x for a model without attention or LayerNorm (less for one deeper than
-    5 weight layers); from 512 and at most 4x for one with either (a transformer: twice that lost accuracy,
-    docs/recipe.md)."""
+    """(512 / fan-in) ** 2, at most 16x, for a model without attention or LayerNorm (less for one deeper than 5 weight
+    layers): a 512-wide MLP keeps the default (4x overfit it, docs/recipe.md); 512 / fan-in, at most 4x, for one
+    with either (a transformer: twice that lost accuracy)."""
     from torchspeed.train.optim import SCHEDULE_FREE_LR, has_attention, schedule_free_lr, weight_layers
 
     wide = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 10))
     assert schedule_free_lr(wide)[0] == SCHEDULE_FREE_LR and "default" in schedule_free_lr(wide)[1]
     mid = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))
-    assert not has_attention(mid) and schedule_free_lr(mid)[0] == pytest.approx(4 * SCHEDULE_FREE_LR)
+    assert not has_attention(mid) and schedule_free_lr(mid)[0] == SCHEDULE_FREE_LR
+    half = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))  # (512 / 256) ** 2
+    assert schedule_free_lr(half)[0] == pytest.approx(4 * SCHEDULE_FREE_LR) and "^2" in schedule_free_lr(half)[1]
+    quarter = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128))  # (512 / 128) ** 2: the most
+    assert schedule_free_lr(quarter)[0] == pytest.approx(16 * SCHEDULE_FREE_LR)
     narrow = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 2))
     lr, why = schedule_free_lr(narrow)
     assert lr == pytest.approx(16 * SCHEDULE_FREE_LR) and "fan-in is 32" in why and "no attention" in why

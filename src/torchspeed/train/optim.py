@@ -373,19 +373,18 @@ SCHEDULE_FREE_LR = optimizer_info("schedulefree").default_lr  # Schedule-Free Ad
 
 
 # Schedule-Free AdamW's default LR was tuned on AlgoPerf's workloads (ResNet-50, ViT, Conformer, the WMT transformer,
-# U-Net, DLRM, GNN), whose weight matrices mostly take 512 inputs or more. Adam's best LR for a hidden matrix goes as
-# 1 / its fan-in (muP, Yang et al. 2022), so a narrower model's prior is scaled up. Two classes, measured
-# (benchmarks/bench_sf_lr.py, docs/recipe.md):
-# - attention or LayerNorm/RMSNorm (a transformer): default x 512 / fan-in, at most 4x. Twice that lost accuracy on a
-#   64-wide ViT, and 4x that diverged;
-# - neither (MLPs, CNNs, RNNs): default x 2048 / fan-in, at most 16x, times sqrt(SF_REF_DEPTH / depth) where the
-#   model has more weight layers than SF_REF_DEPTH (Adam's LR for a deep residual stack goes as 1 / sqrt(depth):
-#   depth-muP, Yang et al. 2023). On eight such models of 3-5 weight layers (fan-in 64 to 512) the transformer
-#   rule's LR took up to 3.5x the seconds to the target, or missed it (3 of 8); ResNet-20 (22 weight layers) was
-#   slower at 4x and missed at 8x, where the width rule alone gives it 3.6x.
+# U-Net, DLRM, GNN), whose weight matrices mostly take 512 inputs or more: a model as wide keeps it. Adam's best LR
+# for a hidden matrix grows as its fan-in shrinks (muP: 1 / fan-in, Yang et al. 2022), so a narrower model's prior is
+# scaled up by (512 / fan-in) ** power. Two classes, measured (benchmarks/bench_sf_lr.py, docs/recipe.md):
+# - attention or LayerNorm/RMSNorm (a transformer): power 1, at most 4x. Twice that lost accuracy on a 64-wide ViT,
+#   and 4x that diverged;
+# - neither (MLPs, CNNs, RNNs): power 2, at most 16x (reached at fan-in 128), times sqrt(SF_REF_DEPTH / depth) where
+#   the model has more weight layers than SF_REF_DEPTH (Adam's LR for a deep residual stack goes as 1 / sqrt(depth):
+#   depth-muP, Yang et al. 2023). Models of fan-in 64-100 were fastest at 16x; a 512-wide MLP overfit at 4x (2048 /
+#   fan-in, the rule before), peaking under its plain loop's accuracy on 2 seeds of 5, where 1x reached it on all.
 SF_REF_FAN_IN = 512
 SF_MAX_SCALE = 4.0
-SF_REF_FAN_IN_PLAIN = 2048
+SF_PLAIN_POWER = 2.0
 SF_MAX_SCALE_PLAIN = 16.0
 SF_REF_DEPTH = 5  # the deepest of the models the plain rule was measured on (weight layers)
 _ATTENTION_WORDS = ("attention", "attn", "layernorm", "rmsnorm", "transformer")
@@ -428,23 +427,22 @@ def weight_layers(model: nn.Module) -> int:
 
 
 def schedule_free_lr(model: nn.Module) -> tuple[float, str]:
-    """Schedule-Free AdamW's LR for `model` when nothing measured one, and why: its default, scaled by a reference
-    fan-in / the model's typical fan-in, at least 1x; the reference and the most by the model's class (a transformer:
-    SF_REF_FAN_IN, at most SF_MAX_SCALE x; else SF_REF_FAN_IN_PLAIN, at most SF_MAX_SCALE_PLAIN x, and times
-    sqrt(SF_REF_DEPTH / depth) for a model deeper than SF_REF_DEPTH weight layers)."""
+    """Schedule-Free AdamW's LR for `model` when nothing measured one, and why: its default x (SF_REF_FAN_IN / the
+    typical fan-in) ** power, at least 1x; a transformer: power 1, at most SF_MAX_SCALE x; else SF_PLAIN_POWER, at
+    most SF_MAX_SCALE_PLAIN x, times sqrt(SF_REF_DEPTH / depth) for a model deeper than SF_REF_DEPTH weight layers."""
     fan = typical_fan_in(model)
     attention = has_attention(model)
-    ref, most = (SF_REF_FAN_IN, SF_MAX_SCALE) if attention else (SF_REF_FAN_IN_PLAIN, SF_MAX_SCALE_PLAIN)
+    power, most = (1.0, SF_MAX_SCALE) if attention else (SF_PLAIN_POWER, SF_MAX_SCALE_PLAIN)
     depth = weight_layers(model)
     deep = not attention and depth > SF_REF_DEPTH
-    scale = 1.0 if fan is None else min(most, ref / max(fan, 1)) * (math.sqrt(SF_REF_DEPTH / depth) if deep else 1.0)
-    scale = max(1.0, scale)
+    scale = 1.0 if fan is None else min(most, (SF_REF_FAN_IN / max(fan, 1)) ** power)
+    scale = max(1.0, scale * (math.sqrt(SF_REF_DEPTH / depth) if deep else 1.0))
     if scale == 1.0:
         return SCHEDULE_FREE_LR, (f"Schedule-Free AdamW's default LR (the weights' typical fan-in {fan} is as wide as "
                                   f"those it was tuned on)" if fan is not None else "Schedule-Free AdamW's default LR")
     kind = ("attention or LayerNorm: x 512 / fan-in, at most 4x" if attention else
-            "no attention or LayerNorm: x 2048 / fan-in, at most 16x" +
+            "no attention or LayerNorm: x (512 / fan-in)^2, at most 16x" +
             (f", x sqrt({SF_REF_DEPTH} / {depth}) for its {depth} weight layers (depth-muP)" if deep else ""))
     return SCHEDULE_FREE_LR * scale, (
         f"Schedule-Free AdamW's default {SCHEDULE_FREE_LR:g} x {scale:.2g}: the weights' typical fan-in is {fan}, "
-        f"and Adam's best LR goes as 1 / fan-in (muP); {kind} (measured, docs/recipe.md)")
+        f"and Adam's best LR grows as fan-in shrinks (muP); {kind} (measured, docs/recipe.md)")
