@@ -91,3 +91,22 @@ def test_a_second_fit_trains_the_training_iterate_again():
     assert t.optimizer.param_groups[0]["train_mode"] is False
     assert _val_loss(model, val) == pytest.approx(res.history[-1]["val_loss"], rel=1e-5, abs=1e-6)
     assert res.history[-1]["val_loss"] < first  # it trained on from where it was
+
+
+def test_the_end_of_fit_recalibrates_only_when_a_step_came_after_the_last_evaluation(monkeypatch):
+    """An evaluation at the run's last step left the averaged weights' BatchNorm statistics in place: the end of
+    `fit` does not recompute them (before, every run with BatchNorm paid one more pass at the end). A run with no
+    evaluation at its last step recalibrates once, at the end."""
+    import torchspeed.train.eval_view as eval_view
+
+    calls = []
+    real = eval_view.recalibrate_bn
+    monkeypatch.setattr(eval_view, "recalibrate_bn", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = _model(bn=True)
+    train, val = _loaders()
+    res = _trainer(model, restore_best=False).fit(train, epochs=3, val_loader=val)
+    assert len(calls) == 3  # one per evaluation, none at the end
+    assert _val_loss(model, val) == pytest.approx(res.history[-1]["val_loss"], rel=1e-5, abs=1e-6)
+    calls.clear()
+    _trainer(_model(bn=True), restore_best=False).fit(train, epochs=2)
+    assert len(calls) == 1  # no evaluation: the end of fit

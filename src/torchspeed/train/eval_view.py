@@ -59,6 +59,8 @@ def _recalibrate(trainer, module: nn.Module) -> None:
     if recent:
         recalibrate_averaged(module, recent, trainer.precision, device=trainer.device, step_fn=trainer.step_fn,
                              channels_last=trainer.channels_last)
+        if module is trainer.module:  # (not an EMA's copy) its statistics hold for the averaged weights until a step
+            trainer._bn_for_step = trainer.step
 
 
 def settle_averaged(trainer) -> None:
@@ -67,4 +69,5 @@ def settle_averaged(trainer) -> None:
     saved; a later fit's first epoch switches back (`optimizer.train()`), and a checkpoint saves these weights."""
     if trains_iterate(trainer.optimizer):
         trainer.optimizer.eval()
-        _recalibrate(trainer, trainer.module)
+        if getattr(trainer, "_bn_for_step", None) != trainer.step:  # else an evaluation at this step recalibrated them
+            _recalibrate(trainer, trainer.module)
