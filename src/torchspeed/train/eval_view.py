@@ -3,7 +3,8 @@ on, a Schedule-Free optimizer's averaged weights, with BatchNorm statistics reco
 training weights. `Trainer.evaluate` and the recipe's after-training TTA check both look through `eval_weights`,
 so the check scores the model that is evaluated and saved. `settle_averaged` leaves a Schedule-Free run's model
 holding those averaged weights at the end of `fit` (the best epoch's, with `restore_best`): the model you get back
-is the one that was evaluated and saved, not the optimizer's training iterate.
+is the one that was evaluated and saved, not the optimizer's training iterate. Their BatchNorm statistics are
+recomputed there only when a step came after the last evaluation (which computed them).
 """
 
 from __future__ import annotations
