@@ -17,6 +17,7 @@ Per model: seconds and steps to the target at each LR (`null`: missed in the bud
 
 Run:
     python benchmarks/bench_sf_lr.py --out benchmarks/results/cpu-avx512-bf16/sf_lr.json
+    python benchmarks/bench_sf_lr.py --models cnn1d,char_lm,gru2 --grid 16,24,32 --out ...  # above the 16x cap
 """
 
 from __future__ import annotations
@@ -157,9 +158,9 @@ def _median(runs: list[dict]) -> float | None:
     return statistics.median(r["to_target_s"] for r in runs)
 
 
-def measure(name: str, model: nn.Module, run) -> dict:
+def measure(name: str, model: nn.Module, run, grid=GRID) -> dict:
     rule_lr, why = schedule_free_lr(model)
-    lrs = sorted({round(SCHEDULE_FREE_LR * k, 6) for k in GRID} | {round(rule_lr, 6)})
+    lrs = sorted({round(SCHEDULE_FREE_LR * k, 6) for k in grid} | {round(rule_lr, 6)})
     run(lrs[0], SEEDS[0])  # warm-up: first-call set-up, untimed
     per_lr = {}
     for lr in lrs:
@@ -182,19 +183,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=None, help="comma-separated subset (suite workloads and held-out models)")
     ap.add_argument("--out", default="benchmarks/results/cpu/sf_lr.json")
+    ap.add_argument("--grid", default=",".join(map(str, GRID)), help="the LRs, as multiples of the default 0.0025")
     args = ap.parse_args()
+    grid = tuple(float(k) for k in args.grid.split(","))
     logging.getLogger("torchspeed").setLevel(logging.ERROR)
     wanted = set(args.models.split(",")) if args.models else None
     t0 = time.perf_counter()
-    result: dict = {"kind": "schedule_free_prior_lr", "grid": [SCHEDULE_FREE_LR * k for k in GRID], "seeds": SEEDS,
+    result: dict = {"kind": "schedule_free_prior_lr", "grid": [SCHEDULE_FREE_LR * k for k in grid], "seeds": SEEDS,
                     "models": {}}
     for w in suite.suite_workloads():
         if wanted is None or w.name in wanted:
             data = suite.load_data(w)
-            result["models"][w.name] = measure(w.name, w.model(), lambda lr, s, w=w, d=data: suite_run_at(w, d, lr, s))
+            result["models"][w.name] = measure(w.name, w.model(), lambda lr, s, w=w, d=data: suite_run_at(w, d, lr, s),
+                                               grid)
     for name, (build, *_rest) in HELD_OUT.items():
         if wanted is None or name in wanted:
-            result["models"][name] = measure(name, build(), lambda lr, s, n=name: held_out_run(n, lr, s))
+            result["models"][name] = measure(name, build(), lambda lr, s, n=name: held_out_run(n, lr, s), grid)
     result["seconds"] = time.perf_counter() - t0
     result["provenance"] = provenance()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
