@@ -381,7 +381,7 @@ SCHEDULE_FREE_LR = optimizer_info("schedulefree").default_lr  # Schedule-Free Ad
 # - neither (MLPs, CNNs, RNNs): power 2, at most 16x (reached at fan-in 128), times sqrt(SF_REF_DEPTH / depth) where
 #   the model has more weight layers than SF_REF_DEPTH (Adam's LR for a deep residual stack goes as 1 / sqrt(depth):
 #   depth-muP, Yang et al. 2023). Models of fan-in 64-100 were fastest at 16x; a 512-wide MLP overfit at 4x (2048 /
-#   fan-in, the rule before), peaking under its plain loop's accuracy on 2 seeds of 5, where 1x reached it on all.
+#   fan-in, the rule before), peaking under its plain loop's accuracy on 2-3 seeds of 5, where 1x reached it on all.
 SF_REF_FAN_IN = 512
 SF_MAX_SCALE = 4.0
 SF_PLAIN_POWER = 2.0
