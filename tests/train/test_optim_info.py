@@ -143,6 +143,10 @@ def test_schedule_free_lr_scales_up_for_narrow_models_by_class_transformers_at_m
     assert weight_layers(deep) == 20 and weight_layers(narrow) == 3
     lr, why = schedule_free_lr(deep)
     assert lr == pytest.approx(8 * SCHEDULE_FREE_LR) and "20 weight layers" in why
-    wide_deep = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(80)))  # 2x x sqrt(5 / 80) = 0.5x: at least 1x
-    assert schedule_free_lr(wide_deep)[0] == SCHEDULE_FREE_LR
+    wide_deep = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(80)))  # wider than 512: 1x, and depth no less
+    lr, why = schedule_free_lr(wide_deep)
+    assert lr == SCHEDULE_FREE_LR and "as wide as those it was tuned on" in why
+    narrow_deep = nn.Sequential(*(nn.Linear(256, 256) for _ in range(80)))  # 4x x sqrt(5 / 80) = 1x: depth's doing
+    lr, why = schedule_free_lr(narrow_deep)
+    assert lr == SCHEDULE_FREE_LR and "80 weight layers take back the 4x" in why and "as wide" not in why
     assert schedule_free_lr(nn.Sequential(nn.BatchNorm1d(4)))[0] == SCHEDULE_FREE_LR

@@ -435,11 +435,13 @@ def schedule_free_lr(model: nn.Module) -> tuple[float, str]:
     power, most = (1.0, SF_MAX_SCALE) if attention else (SF_PLAIN_POWER, SF_MAX_SCALE_PLAIN)
     depth = weight_layers(model)
     deep = not attention and depth > SF_REF_DEPTH
-    scale = 1.0 if fan is None else min(most, (SF_REF_FAN_IN / max(fan, 1)) ** power)
-    scale = max(1.0, scale * (math.sqrt(SF_REF_DEPTH / depth) if deep else 1.0))
-    if scale == 1.0:
-        return SCHEDULE_FREE_LR, (f"Schedule-Free AdamW's default LR (the weights' typical fan-in {fan} is as wide as "
-                                  f"those it was tuned on)" if fan is not None else "Schedule-Free AdamW's default LR")
+    wide = 1.0 if fan is None else max(1.0, min(most, (SF_REF_FAN_IN / max(fan, 1)) ** power))
+    scale = max(1.0, wide * (math.sqrt(SF_REF_DEPTH / depth) if deep else 1.0))
+    if scale == 1.0:  # as wide as the models it was tuned on, or so deep that depth takes back what width gave
+        why = (f"its {depth} weight layers take back the {wide:.2g}x its fan-in {fan} gives (depth-muP)" if wide > 1
+               else f"the weights' typical fan-in {fan} is as wide as those it was tuned on")
+        return SCHEDULE_FREE_LR, (f"Schedule-Free AdamW's default LR ({why})" if fan is not None
+                                  else "Schedule-Free AdamW's default LR")
     kind = ("attention or LayerNorm: x 512 / fan-in, at most 4x" if attention else
             "no attention or LayerNorm: x (512 / fan-in)^2, at most 16x" +
             (f", x sqrt({SF_REF_DEPTH} / {depth}) for its {depth} weight layers (depth-muP)" if deep else ""))
