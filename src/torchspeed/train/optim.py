@@ -23,8 +23,7 @@
   `fused="default"`: torch's own choice, a script's `AdamW(params, lr=...)` (a run given its LR: `kernel_reason`).
 - Weight decay defaults per optimizer (the rows; used when `weight_decay=None`): SGD and LARS 5e-4,
   AdamW 0.05, LAMB 0.02, torch's Adam family 0.
-- `zero_grad(optimizer)` sets gradients to None (T26): no memset kernel per parameter, and
-  backward writes the gradient instead of adding into zeros.
+- `zero_grad(optimizer)` sets gradients to None (T26): no memset kernel per parameter, backward writes them.
 
 Example:
     >>> opt = create_optimizer("sgd", model, lr=0.1, momentum=0.9, weight_decay=5e-4)
@@ -39,6 +38,7 @@ import math
 import torch
 from torch import nn
 
+from torchspeed.train.dynamo_deferred import torch_zero_grad
 from torchspeed.train.lean_step import lean_step_for
 from torchspeed.train.optim_info import OptimInfo, optimizer_available, optimizer_info, register_optimizer
 
@@ -145,7 +145,7 @@ def zero_grad(optimizer: torch.optim.Optimizer, *, set_to_none: bool = True) -> 
     on the CPU, on the lists `LeanStep` keeps: no per-step walk of the groups)."""
     if set_to_none and (lean := lean_step_for(optimizer)) is not None and lean.clear_grads():
         return
-    optimizer.zero_grad(set_to_none=set_to_none)
+    torch_zero_grad(optimizer, set_to_none=set_to_none)  # its first call without importing torch._dynamo
 
 
 def describe_optimizer(opt: torch.optim.Optimizer) -> str:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from torchspeed.train.dynamo_deferred import torch_step
 from torchspeed.train.lean_step import lean_step_for
 
 __all__ = ["backward", "optimizer_step", "AccumulationWindow", "needs_closure", "closure_for"]
@@ -143,7 +144,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradSc
         if closure is not None:
             optimizer.step(closure)
         elif (lean := lean_step_for(optimizer)) is None or not lean.step():  # T51: the fused kernels, no wrapper
-            optimizer.step()
+            torch_step(optimizer, lean)  # torch's step (its first without importing torch._dynamo)
             if lean is not None:
                 lean.prepare()  # the first step made the state: the lists now, their one-off cost in this step
         return _NOT_SKIPPED

@@ -54,6 +54,7 @@ from torchspeed.train.decision import Decision, Decisions
 from torchspeed.train.eval_view import settle_averaged
 from torchspeed.train.bnstats import batchnorm_layers
 from torchspeed.train.optim_info import default_lr, kernel_reason
+from torchspeed.train.dynamo_deferred import deferred_dynamo
 from torchspeed.train.lean_step import step_with_torch
 from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, averaged_weights, create_optimizer, describe_optimizer,
                                     is_schedule_free, zero_grad)
@@ -170,7 +171,8 @@ class Trainer:
         cfg = self.config
         check_optimizer(optimizer, sharded=self.sharded)
         if isinstance(optimizer, str):
-            optimizer = create_optimizer(optimizer, self.model, fused=cfg.fused_optimizer, **hyper)
+            with deferred_dynamo():  # its first optimizer would import torch._dynamo (train/dynamo_deferred.py)
+                optimizer = create_optimizer(optimizer, self.model, fused=cfg.fused_optimizer, **hyper)
         if is_schedule_free(optimizer):
             optimizer.train()  # Schedule-Free steps only in train mode (evaluation switches and switches back)
         if not cfg.lean_step:

@@ -1,0 +1,124 @@
+"""`fit` makes and steps its optimizer without importing torch._dynamo (train/dynamo_deferred.py), and the
+updates are torch's own, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from torchspeed.train import dynamo_deferred
+from torchspeed.train.dynamo_deferred import deferred_dynamo, torch_step, torch_zero_grad
+from torchspeed.train.lean_step import lean_step_for
+
+
+def test_fit_in_a_fresh_process_never_imports_torch_dynamo_and_trains_as_torchs_adamw():
+    """A fresh interpreter: `fit` with the script's AdamW and LR leaves torch._dynamo unimported, and its weights
+    equal a plain loop's with `torch.optim.AdamW` (which imports it) to the last bit."""
+    code = textwrap.dedent("""
+        import sys, torch
+        from torch import nn
+        from torch.utils.data import DataLoader, TensorDataset
+        import torchspeed
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(256, 8, generator=g), torch.randint(0, 3, (256,), generator=g)
+        def model():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        m = model()
+        torchspeed.fit(m, DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False), epochs=2,
+                       optimizer="adamw", lr=1e-2, weight_decay=0.0, progress=False,
+                       precision="fp32", compile=False)  # on every CPU: no trial of bf16 (which rounds otherwise)
+        assert "torch._dynamo" not in sys.modules, "fit imported torch._dynamo"
+        ref = model()
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+        for _ in range(2):
+            for i in range(0, 256, 32):
+                opt.zero_grad()
+                nn.functional.cross_entropy(ref(x[i:i + 32]), y[i:i + 32]).backward()
+                opt.step()
+        assert "torch._dynamo" in sys.modules  # torch's own optimizer does import it
+        assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.Adam(p, lr=1e-2),
+                                  lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, amsgrad=True),
+                                  lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+                                  lambda p: torch.optim.SGD(p, lr=0.1)])
+def test_the_step_without_the_import_is_torchs_step_bit_for_bit(monkeypatch, make):
+    """`torch_step` as it runs where torch._dynamo is not imported (injected) against `optimizer.step()`, over
+    three steps from a fresh state; and it leaves the state torch's next step expects."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+    b = copy.deepcopy(a)
+    opt_a, opt_b = make(a.parameters()), make(b.parameters())
+    monkeypatch.setattr(dynamo_deferred, "dynamo_imported", lambda: False)
+    calls = []
+    raw = type(opt_a).step
+
+    @functools.wraps(raw)  # a wrapper as torch's own are (`__wrapped__`): what runs around the step
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return raw(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(opt_a), "step", spy)
+    x = torch.randn(16, 6)
+    for _ in range(3):
+        for m, opt, lean_path in ((a, opt_a, True), (b, opt_b, False)):
+            m(x).square().mean().backward()
+            if lean_path:
+                torch_step(opt, lean_step_for(opt))
+            else:
+                opt.step()
+            opt.zero_grad()
+    assert len(calls) == 3  # only b's steps went through the class's step
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert all(torch.equal(opt_a.state[p][k], opt_b.state[q][k]) for k in opt_b.state[q])
+
+
+def test_a_step_with_something_around_it_goes_through_torch(monkeypatch):
+    """A step hook (what the lean path leaves out) or a subclass: `optimizer.step()` itself runs."""
+    monkeypatch.setattr(dynamo_deferred, "dynamo_imported", lambda: False)
+    m = nn.Linear(3, 1)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    seen = []
+    opt.register_step_post_hook(lambda *_: seen.append(1))
+    m(torch.randn(4, 3)).sum().backward()
+    torch_step(opt, lean_step_for(opt))
+    assert seen == [1]
+
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    opt2 = MyAdam(m.parameters(), lr=1e-2)
+    stepped = []
+    monkeypatch.setattr(MyAdam, "step", lambda self, *a, **k: stepped.append(1))
+    torch_step(opt2, lean_step_for(opt2))
+    assert stepped == [1]
+
+
+def test_deferred_dynamo_leaves_torchs_methods_as_they_were(monkeypatch):
+    """Inside: the four dynamo-disabled methods call themselves (no import); outside: torch's cache as before."""
+    monkeypatch.setattr(dynamo_deferred, "dynamo_imported", lambda: False)
+    raws = [torch.optim.Optimizer.__dict__[n].__wrapped__ for n in dynamo_deferred._METHODS]
+    before = [r.__dict__.get("__dynamo_disable") for r in raws]
+    with deferred_dynamo():
+        for r, was in zip(raws, before):
+            assert r.__dict__.get("__dynamo_disable") is (was if was is not None else r)
+        m = nn.Linear(2, 2)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(torch.ones(1, 2)).sum().backward()
+        torch_zero_grad(opt)
+        assert m.weight.grad is None and opt.state_dict()["param_groups"][0]["lr"] == 0.1
+    assert [r.__dict__.get("__dynamo_disable") for r in raws] == before
