@@ -56,8 +56,8 @@ def test_each_patch_keeps_comments_and_writes_the_change():
     out = apply_patch("set_to_none", src, ctx)
     assert "        opt.zero_grad()  # zeros every gradient\n" in out
     out = apply_patch("batched_index", src, ctx)
-    assert ("loader = DataLoader((_ds := TensorDataset(X, Y)), batch_size=None, sampler=torch.utils.data."
-            "BatchSampler(torch.utils.data.RandomSampler(_ds), 64, drop_last=False))") in out
+    assert ("loader = (lambda _ds: DataLoader(_ds, batch_size=None, sampler=torch.utils.data."
+            "BatchSampler(torch.utils.data.RandomSampler(_ds), 64, drop_last=False)))(TensorDataset(X, Y))") in out
     out = apply_patch("autocast", src, ctx)
     assert ('        with torch.autocast("cpu", dtype=torch.bfloat16):\n'
             "            loss = nn.functional.cross_entropy(model(xb), yb)\n") in out
@@ -337,3 +337,40 @@ def test_a_models_own_self_parameters_does_not_hide_the_model_from_the_autocast_
     monkeypatch.setattr(torch, "autocast", _RecordedAutocast)
     exec(compile(out, "word_lm_patched.py", "exec"), {})  # the patched script runs, its model calls under autocast
     assert _RecordedAutocast.entered == [("cpu", torch.bfloat16)] * 3
+
+
+def test_batched_index_keeps_the_loaders_batches_and_refuses_a_loader_that_batches_its_own_way():
+    """The patched loader gives the original's batches in the original's order (the same generator, a `shuffle`
+    read from a variable, the workers kept); a sampler, collate_fn, positional shuffle or **kwargs: not patched."""
+    src = textwrap.dedent('''
+        from torch.utils.data import DataLoader, TensorDataset
+        X = __import__("torch").arange(40.0).reshape(20, 2)
+        ds = TensorDataset(X, X[:, 0])
+        shuf = True
+        loader = DataLoader(ds, batch_size=6, shuffle=shuf, drop_last=True,
+                            generator=__import__("torch").Generator().manual_seed(3))
+        inline = [b for b in (x for x in DataLoader(TensorDataset(X), batch_size=8) if len(x[0]) == 8)]
+    ''')
+    out = fix_mod.with_torch_imported(apply_patch("batched_index", src, PatchContext()), src)
+    assert "import torch\n" in out and "_ds :=" not in out  # no walrus: a comprehension's iterable refuses one
+    before, after = {}, {}
+    exec(compile(src, "orig.py", "exec"), before)
+    exec(compile(out, "patched.py", "exec"), after)
+    first = [[t.tolist() for t in b] for b in before["loader"]]
+    assert first == [[t.tolist() for t in b] for b in after["loader"]] and len(first) == 3
+    assert [[t.tolist() for t in b] for b in before["inline"]] == [[t.tolist() for t in b] for b in after["inline"]]
+    for own in ("DataLoader(ds, 16, True)", "DataLoader(ds, batch_size=4, sampler=s)",
+                "DataLoader(ds, batch_size=4, collate_fn=f)", "DataLoader(ds, **kw)"):
+        with pytest.raises(NotApplicable, match="batches its own way"):
+            apply_patch("batched_index", f"ds = TensorDataset(X, X)\nloader = {own}\n", PatchContext())
+
+
+def test_a_patch_that_would_not_compile_is_skipped_with_its_reason(monkeypatch):
+    """`--fix` skips a patch whose result is not valid Python (and says why) instead of failing the report."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(fix_mod, "apply_patch", lambda name, source, ctx: source + "\nx := 1\n")
+    f = SimpleNamespace(rule="data-bound", patch="batched_index", patch_args=None, also=())
+    report = SimpleNamespace(script="train.py", observation={}, findings=[f])
+    candidates, skipped = plan_patches(report, "print(1)\n")
+    assert candidates == [] and skipped[0]["patch"] == "batched_index" and "would not compile" in skipped[0]["reason"]

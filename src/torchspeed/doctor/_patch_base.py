@@ -201,3 +201,28 @@ def _transform_calls(source: str, want: Callable, change: Callable) -> str:
     return out.code
 
 
+
+
+def _binds_torch(st) -> bool:
+    """A top-level `import torch` (or `import torch.nn`, which binds `torch` too)."""
+    cst = _cst()
+    return isinstance(st, cst.SimpleStatementLine) and any(
+        isinstance(s, cst.Import) and not isinstance(s.names, cst.ImportStar) and any(
+            (a.asname is None and cst.Module([]).code_for_node(a.name).split(".")[0] == "torch") or
+            (a.asname is not None and cst.Module([]).code_for_node(a.name) == "torch" and
+             cst.Module([]).code_for_node(a.asname.name) == "torch") for a in s.names) for s in st.body)
+
+
+def with_torch_imported(patched: str, original: str) -> str:
+    """`patched` with an `import torch` after the imports where a patch wrote `torch.` into a script that never
+    binds the name (`from torch import nn` only, say); else `patched` as it is."""
+    if patched == original or "torch." not in patched:
+        return patched
+    cst = _cst()
+    mod = cst.parse_module(patched)
+    if any(_binds_torch(st) for st in mod.body):
+        return patched
+    try:
+        return _after_imports(patched, ["import torch"])
+    except NotApplicable:
+        return "import torch\n" + patched

@@ -17,7 +17,8 @@ whose `.parameters()` the script passes to its optimizer; a script that builds i
     set_to_none     zero_grad(set_to_none=False) -> zero_grad()
     workers         DataLoader(num_workers=N, persistent_workers=N > 0), pin_memory on CUDA
     threads         torch.set_num_threads(N) (the script's own call, else one after the imports)
-    batched_index   DataLoader over a TensorDataset indexes whole batches (BatchSampler, batch_size=None)
+    batched_index   DataLoader over a TensorDataset indexes whole batches (BatchSampler, batch_size=None): the same
+                    order from the same generator; a loader with its own sampler or collate_fn is left
     cudnn           torch.backends.cudnn.benchmark = True after the imports (CUDA)
     debug_off       set_detect_anomaly(True) / use_deterministic_algorithms(True) -> False
 """
@@ -101,11 +102,18 @@ def _channels_last(source: str, ctx: PatchContext) -> str:
     return _transform_calls(out, lambda c: isinstance(c.func, cst.Name) and c.func.value == name, change)
 
 
+_LOADER_CARRIED = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "timeout", "worker_init_fn",
+                   "multiprocessing_context", "pin_memory_device", "in_order")  # kept as they are
+_LOADER_OWN = ("batch_size", "shuffle", "drop_last", "generator")  # rewritten into the BatchSampler
+
+
 @patch("batched_index")
 def _batched_index(source: str, ctx: PatchContext) -> str:
+    """Only a loader whose batching is the DataLoader's default (no sampler, batch_sampler or collate_fn, at most
+    dataset and batch size by position): the same order from the same generator, the same batches, indexed at once."""
     cst = _cst()
     code = cst.Module([]).code_for_node
-    datasets = set()
+    datasets, refused = set(), []
 
     class FindDatasets(cst.CSTVisitor):
         def visit_Assign(self, node):
@@ -118,20 +126,43 @@ def _batched_index(source: str, ctx: PatchContext) -> str:
         if _last_name(c.func) != "DataLoader" or not c.args or c.args[0].keyword is not None:
             return False
         ds = c.args[0].value
-        return (isinstance(ds, cst.Call) and _last_name(ds.func) == "TensorDataset") or \
-            (isinstance(ds, cst.Name) and ds.value in datasets)
+        if not ((isinstance(ds, cst.Call) and _last_name(ds.func) == "TensorDataset") or
+                (isinstance(ds, cst.Name) and ds.value in datasets)):
+            return False
+        other = [f"{a.star}{code(a.value)}" if a.star else a.keyword.value if a.keyword is not None else
+                 f"argument {i + 1} by position"
+                 for i, a in enumerate(c.args[1:], 1) if a.star or (a.keyword is None and i > 1) or
+                 (a.keyword is not None and a.keyword.value not in _LOADER_CARRIED + _LOADER_OWN)]
+        refused.extend(other)
+        return not other
 
     def change(c):
         kw = {a.keyword.value: code(a.value) for a in c.args if a.keyword is not None}
-        ds = c.args[0].value
-        first, ref = (f"(_ds := {code(ds)})", "_ds") if isinstance(ds, cst.Call) else (ds.value, ds.value)
+        ds, bound = c.args[0].value, {}  # expressions evaluated once, bound by a lambda (a walrus is not allowed
+        ref = ds.value if isinstance(ds, cst.Name) else "_ds"  # in a comprehension's iterable)
+        if ref == "_ds":
+            bound["_ds"] = code(ds)
+        if "generator" in kw and not isinstance(next(a.value for a in c.args if a.keyword and a.keyword.value ==
+                                                      "generator"), cst.Name):
+            bound["_gen"], kw["generator"] = kw["generator"], "_gen"  # one generator: the sampler's and the seed's
         bs = kw.get("batch_size") or (code(c.args[1].value) if len(c.args) > 1 and c.args[1].keyword is None else "1")
-        sampler = "RandomSampler" if kw.get("shuffle", "False") != "False" else "SequentialSampler"
-        keep = "".join(f", {k}={v}" for k, v in kw.items() if k in ("num_workers", "pin_memory", "persistent_workers"))
-        new = (f"f({first}, batch_size=None, sampler=torch.utils.data.BatchSampler("
-               f"torch.utils.data.{sampler}({ref}), {bs}, drop_last={kw.get('drop_last', 'False')}){keep})")
-        return c.with_changes(args=cst.parse_expression(new).args)  # a TensorDataset indexes whole batches at once
-    return _transform_calls(source, want, change)
+        gen = f", generator={kw['generator']}" if "generator" in kw else ""
+        rand, seq = f"torch.utils.data.RandomSampler({ref}{gen})", f"torch.utils.data.SequentialSampler({ref})"
+        shuffle = kw.get("shuffle", "False")
+        sampler = seq if shuffle == "False" else rand if shuffle == "True" else f"({rand} if {shuffle} else {seq})"
+        keep = "".join(f", {k}={v}" for k, v in kw.items() if k in _LOADER_CARRIED + ("generator",))  # base seed
+        call = (f"{code(c.func)}({ref}, batch_size=None, sampler=torch.utils.data.BatchSampler("
+                f"{sampler}, {bs}, drop_last={kw.get('drop_last', 'False')}){keep})")
+        if bound:
+            call = f"(lambda {', '.join(bound)}: {call})({', '.join(bound.values())})"
+        return cst.parse_expression(call)
+    try:
+        return _transform_calls(source, want, change)  # a TensorDataset indexes whole batches at once
+    except NotApplicable:
+        if refused:
+            raise NotApplicable(f"the DataLoader batches its own way ({', '.join(sorted(set(refused)))}): "
+                                "indexing whole batches would drop it") from None
+        raise
 
 
 @patch("debug_off")

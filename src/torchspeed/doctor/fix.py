@@ -24,7 +24,7 @@ import statistics
 from collections.abc import Sequence
 
 from torchspeed.doctor import _patches  # noqa: F401  (registers every patch)
-from torchspeed.doctor._patch_base import NotApplicable, PatchContext, apply_patch, libcst_missing
+from torchspeed.doctor._patch_base import NotApplicable, PatchContext, apply_patch, libcst_missing, with_torch_imported
 from torchspeed.doctor.diagnose import DoctorJob, diagnose_many, measure_variants
 from torchspeed.doctor.report import DoctorReport
 
@@ -53,10 +53,14 @@ def plan_patches(report: DoctorReport, source: str) -> tuple[list[dict], list[di
         ctx = PatchContext(device=device, workers=int(args.get("workers", 0)), threads=int(args.get("threads", 1)),
                            pin_memory=bool(args.get("pin_memory", False)))
         try:
-            patched = apply_patch(f.patch, source, ctx)
+            patched = with_torch_imported(apply_patch(f.patch, source, ctx), source)
             compile(patched, report.script, "exec")
         except NotApplicable as e:
             skipped.append({"rule": f.rule, "patch": f.patch, "reason": str(e)})
+            continue
+        except SyntaxError as e:  # a patch this script's form does not take: skipped, the rest go on
+            skipped.append({"rule": f.rule, "patch": f.patch, "reason": f"the patched script would not compile "
+                            f"({e.msg}, line {e.lineno}): left for a change by hand"})
             continue
         candidates.append({"rule": f.rule, "patch": f.patch, "ctx": ctx, "source": patched,
                            "diff": unified_diff(source, patched, report.script)})
