@@ -69,3 +69,43 @@ def test_fit_slices_a_dict_dataset_and_trains_on_its_batches():
     assert res.decisions["batching"].value == "index slices"
     assert "Tokens.__getitem__ only indexes its tensors" in res.decisions["batching"].reason
     assert res.steps == 16 and res.final["val_loss"] is not None
+
+
+class Texts(Dataset):
+    """numpy fields, one of them strings (a Hugging Face dataset's raw text beside its ids), or reversed."""
+
+    def __init__(self, reverse=False, n=32):
+        import numpy as np
+        g = np.random.default_rng(0)
+        ids = g.integers(1, 20, (n, 6))
+        self.ids = ids[::-1] if reverse else ids  # a negative stride: torch cannot view it
+        self.labels = (self.ids[:, 0] > 10).astype(np.int64)
+        self.text = np.array([f"s{i}" for i in range(n)])
+
+    def __len__(self):
+        return len(self.labels)
+
+
+class IdsAndText(Texts):
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i], "text": self.text[i]}
+
+
+class Reversed(Texts):
+    def __init__(self):
+        super().__init__(reverse=True)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def test_numpy_fields_torch_cannot_view_keep_the_per_sample_path():
+    """A field of strings or with a negative stride: not sliced (no error), the DataLoader's own batches."""
+    import numpy as np
+
+    for ds in (IdsAndText(), Reversed()):
+        loader = DataLoader(ds, batch_size=8)  # the default collate makes a list of the strings
+        assert sliced_loader(loader, torch.device("cpu")) is loader and len(next(iter(loader))["labels"]) == 8
+    ok = Reversed()
+    ok.ids = np.ascontiguousarray(ok.ids)  # the same data, viewable: sliced
+    assert isinstance(sliced_loader(DataLoader(ok, batch_size=8), torch.device("cpu")), SlicedLoader)

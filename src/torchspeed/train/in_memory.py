@@ -116,7 +116,10 @@ def plain_fields(dataset) -> dict[str, torch.Tensor] | None:
     if read is None or any(a not in own for a in read[0]):
         return None
     names, keys = read
-    tensors = [torch.from_numpy(own[a]) if isinstance(own[a], np.ndarray) else own[a] for a in names]
+    try:  # strings, objects, negative strides: numpy arrays torch cannot view, served per sample as before
+        tensors = [torch.from_numpy(own[a]) if isinstance(own[a], np.ndarray) else own[a] for a in names]
+    except (TypeError, ValueError, RuntimeError):
+        return None
     if any(not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n for t in tensors):
         return None
     fields = dict(zip(keys or names, tensors))
