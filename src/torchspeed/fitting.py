@@ -76,6 +76,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
         raise TypeError(f"fit() got unknown option(s) {sorted(unknown)}{_suggest(unknown)}; "
                         f"valid: {sorted(TrainConfig.__dataclass_fields__)}")
     _check_trainable(model, optimizer)
+    _materialize_lazy(model, train_loader, loss_fn=loss_fn, step_fn=step_fn)
     schedule_given = "schedule" in config or given_cfg is not None  # else the plan's rule decides
     cfg = replace(cfg, epochs=epochs, **config)
     plan = make_plan(model, train_loader, cfg, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
@@ -132,6 +133,32 @@ def _check_trainable(model: nn.Module, optimizer) -> None:
         raise ValueError(f"nothing to train: {where} {len(params)} parameter tensors and none requires grad. "
                          "Unfreeze the layers to train (p.requires_grad_(True)), or build the optimizer over "
                          "the parameters that train")
+
+
+def _materialize_lazy(model: nn.Module, train_loader, *, loss_fn=None, step_fn=None) -> None:
+    """A model with lazy layers (`nn.LazyLinear`, ...) gets its shapes from one forward of the first training batch,
+    in eval mode and without gradients (no BatchNorm statistics or dropout draws), as a script's first step would:
+    everything that reads the weights' shapes (the trial cache, the LR rules) then reads the real ones."""
+    from torch.nn.parameter import is_lazy
+
+    from torchspeed.train.batch import forward_loss
+    from torchspeed.train.transfer import to_device
+
+    if not any(is_lazy(t) for t in (*model.parameters(), *model.buffers())):
+        return
+    if iter(train_loader) is train_loader:
+        raise ValueError("the model has lazy layers (e.g. nn.LazyLinear) and the training data is a one-shot "
+                         "iterator, which fit cannot read a batch of twice: run the model once on a batch before "
+                         "fit (`model(x)`), or pass a DataLoader")
+    device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
+    batch = to_device(next(iter(train_loader)), device, non_blocking=False)
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            forward_loss(model, batch, loss_fn=loss_fn, step_fn=step_fn)
+    finally:
+        model.train(was)
 
 
 def _print_plan(plan) -> None:
