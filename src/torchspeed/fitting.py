@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
@@ -77,6 +78,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
                         f"valid: {sorted(TrainConfig.__dataclass_fields__)}")
     _check_trainable(model, optimizer)
     _materialize_lazy(model, train_loader, loss_fn=loss_fn, step_fn=step_fn)
+    _check_val_loader(val_loader)
     schedule_given = "schedule" in config or given_cfg is not None  # else the plan's rule decides
     cfg = replace(cfg, epochs=epochs, **config)
     plan = make_plan(model, train_loader, cfg, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
@@ -133,6 +135,18 @@ def _check_trainable(model: nn.Module, optimizer) -> None:
         raise ValueError(f"nothing to train: {where} {len(params)} parameter tensors and none requires grad. "
                          "Unfreeze the layers to train (p.requires_grad_(True)), or build the optimizer over "
                          "the parameters that train")
+
+
+def _check_val_loader(val_loader) -> None:
+    """An empty validation set is an error before any work; one read only once (a generator) a warning."""
+    if val_loader is None:
+        return
+    if hasattr(val_loader, "__len__") and len(val_loader) == 0:
+        raise ValueError("val_loader has no batches: pass a validation set with samples, or val_loader=None")
+    if iter(val_loader) is val_loader:
+        logging.getLogger("torchspeed").warning(
+            "val_loader is a one-shot iterator: only the first evaluation sees its batches (later ones get "
+            "val_loss NaN); pass a DataLoader or a list of batches")
 
 
 def _materialize_lazy(model: nn.Module, train_loader, *, loss_fn=None, step_fn=None) -> None:

@@ -12,6 +12,7 @@ step (a stop asked for inside the epoch), or `val_skipped` where `eval_every` le
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -21,6 +22,8 @@ from torchspeed.train.evaluate import evaluate
 from torchspeed.train.shard import shard_loader
 
 __all__ = ["validate", "validate_inside_epoch", "epoch_validation"]
+
+log = logging.getLogger("torchspeed")
 
 
 def validate(trainer, loader: Iterable) -> dict:
@@ -38,6 +41,9 @@ def validate(trainer, loader: Iterable) -> dict:
         n = out["samples"]
         out = {**reduce_metrics({k: v for k, v in out.items() if k != "samples"}, weight=n),
                "samples": int(all_reduce_sum([n])[0])}
+    if out.get("samples") == 0:
+        log.warning(f"the validation loader gave no batches at step {trainer.step}: val_loss is NaN and val_acc None"
+                    " (an iterator or generator is read once: pass a DataLoader or a list of batches)")
     return out
 
 
