@@ -146,6 +146,11 @@ def test_a_short_cold_run_takes_schedule_free_as_its_prior_and_trains_with_it(ti
     assert used and is_schedule_free(used[0]) and used[0].param_groups[0]["lr"] == sf_lr
     assert res.decisions["schedule"].value is None and res.decisions["tuning"].measured["steps_off_run"] == 0
     assert res.history[-1]["val_acc"] > 0.25  # it learns (the averaged weights, BatchNorm recalibrated for them)
+    from dataclasses import replace
+    plan = make_plan(tiny_cnn(), _loader(), replace(TrainConfig(), epochs=1, precision="fp32", **FAST),
+                     recipe="auto", schedule_given=False)  # what fit prints before the run: the schedule it runs
+    line = next(s for s in plan.summary().splitlines() if s.strip().startswith("schedule:"))
+    assert "no LR schedule" in line and "one-cycle" not in line
     model = tiny_cnn()
     sgd = torchspeed.fit(model, _loader(), epochs=1, recipe="auto", lr=0.05,
                          optimizer=torch.optim.SGD(model.parameters(), lr=0.05), **FAST)  # an object is the user's: kept

@@ -59,7 +59,7 @@ from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, Decisions, TrialCache
 from torchspeed.train.distributed import maybe_init_distributed
 from torchspeed.train.sampler import rebuild_loader
-from torchspeed.train.optim_info import default_lr
+from torchspeed.train.optim_info import OPTIM_INFO, default_lr
 from torchspeed.train.schedule import default_schedule, lr_given
 from torchspeed.train.switches import AHEAD
 from torchspeed.tune.auto import tune_for_fit
@@ -226,6 +226,10 @@ def _apply_recipe(ctx: RunContext, rec: Recipe) -> None:
     ctx.cfg = replace(ctx.cfg, **changes)
     if rec.optimizer and isinstance(ctx.optimizer, str):
         ctx.optimizer = rec.optimizer
+        if getattr(OPTIM_INFO.get(str(rec.optimizer).lower()), "schedule_free", False) and \
+                "schedule" in ctx.decisions:  # the plan says what the run does
+            ctx.decisions.refine("schedule", Decision(None, "Schedule-Free AdamW: no LR schedule (its averaging "
+                                                            "takes the schedule's place; the run sets its warm-up)"))
     if rec.batch_size and rec.batch_size != getattr(ctx.loader, "batch_size", None):
         ctx.loader = rebuild_loader(ctx.loader, batch_size=rec.batch_size)
         ctx.run_steps = run_length(ctx.loader, ctx.cfg)
