@@ -170,7 +170,7 @@ def _materialize_lazy(model: nn.Module, train_loader, *, loss_fn=None, step_fn=N
     model.eval()
     try:
         with torch.no_grad():
-            forward_loss(model, batch, loss_fn=loss_fn, step_fn=step_fn)
+            forward_loss(model, batch, loss_fn=loss_fn, step_fn=step_fn, decisions={})  # {}: errors get notes
     finally:
         model.train(was)
 

@@ -281,6 +281,13 @@ def _float64(v) -> bool:
     return any(_float64(e) for e in values)
 
 
+def _integer_inputs(v) -> bool:
+    if isinstance(v, torch.Tensor):
+        return not (v.is_floating_point() or v.is_complex() or v.dtype is torch.bool)
+    values = list(v.values()) if isinstance(v, Mapping) else v if isinstance(v, (list, tuple)) else ()
+    return any(_integer_inputs(e) for e in values)
+
+
 def _extra_scalar(o: ModelOutput, loss_fn: Callable | None, param: str | None) -> bool:
     """A tuple's 0-dim tensor is the model's loss only when the model was handed the target or no loss_fn was
     given: else (`(logits, aux_loss)` with loss_fn=) loss_fn scores the logits and the scalar is not added."""
@@ -336,6 +343,11 @@ def forward_loss(model: Callable, batch, *, loss_fn: Callable | None = None, ste
                 e.add_note("The batch holds float64 tensors (numpy's default, which torch.from_numpy keeps) and the "
                            "model's weights are float32: make the data float32 where it is built (torch.as_tensor(x, "
                            "dtype=torch.float32), or .float() on the TensorDataset's tensors), or cast in step_fn.")
+            elif any(w in str(e) for w in ("same dtype", "should be the same", "expected scalar type")) and \
+                    _integer_inputs(inputs):
+                e.add_note("The model's inputs are integer tensors (uint8 images, int64 ids) and its weights are "
+                           "float: convert them where the data is built (x.float() / 255 for images) or in a "
+                           "transform; an integer input is right only for a model that starts with an nn.Embedding.")
         raise
     logits, scored = o.logits, target
     if o.loss is not None and logits is not None:
