@@ -153,7 +153,13 @@ def shard_model(model: nn.Module, *, blocks: list[nn.Module], precision: str = "
 
 
 def check_optimizer(optimizer, *, sharded: bool) -> None:
-    """FSDP2 replaces the parameters by shards, so the optimizer must be built afterwards, by name."""
+    """`optimizer=` is a name or an optimizer built over the model (a class is a TypeError saying so); FSDP2
+    replaces the parameters by shards, so there the optimizer must be built afterwards, by name."""
+    if isinstance(optimizer, type):
+        name = optimizer.__name__
+        where = "torch.optim." if optimizer.__module__.startswith("torch.optim") else ""
+        raise TypeError(f"optimizer= takes a name like 'adamw' or an instance like {where}{name}(model.parameters(), "
+                        f"lr=...); got the class {name}")
     if sharded and not isinstance(optimizer, str):
         raise ValueError("parallel='fsdp2' replaces the model's parameters by shards: pass the optimizer by "
                          "name (optimizer='adamw') so that it is built over the shards")

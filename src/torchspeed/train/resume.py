@@ -2,23 +2,25 @@
 
 The trainer registers its parts in `Trainer.stateful` (`trainer_parts`): the weights, the
 optimizer, the LR schedule, the GradScaler ("scaler"), the run's progress ("run": step,
-history, best epoch, a callback's stop), the NaN guard's counts, the running metric sums,
-the callbacks, the data position and the RNG states. A checkpoint nests each part's state
-under its name (stateful.py), and a resume restores them in one loop.
+history, best epoch, a callback's stop, the optimizer's class name), the NaN guard's counts,
+the running metric sums, the callbacks, the data position and the RNG states. A checkpoint
+nests each part's state under its name (stateful.py), and a resume restores them in one loop.
 
 The policy around the loop, here:
 
 - `find_state`: what `resume` points at ("auto": the newest good checkpoint; a folder; a
   file), for single-file and sharded (DCP, dcp.py) checkpoints alike.
 - `check_resumable`: the checkpoint is a training state this run can continue exactly (same
-  batches per epoch, same schedule length) or extend (a finished run given more steps: T14's
-  schedule gets a new segment, segment.py); otherwise `ResumeMismatchError` says what changed
-  and what to do. A checkpoint of the older flat layout is read through `nested_layout`.
+  batches per epoch, same schedule length, same optimizer class: the "run" part records its
+  name, and a checkpoint from before that is not compared) or extend (a finished run given
+  more steps: T14's schedule gets a new segment, segment.py); otherwise `ResumeMismatchError`
+  says what changed and what to do. A checkpoint of the older flat layout is read through `nested_layout`.
 - `is_extension`: a finished run given more steps.
 
 Example:
     >>> found = find_state("auto", manager, sharded=False, world_size=1, steps_per_epoch=100)
-    >>> state = check_resumable(found, steps_per_epoch=100, total_steps=1000, has_scheduler=True)
+    >>> state = check_resumable(found, steps_per_epoch=100, total_steps=1000, has_scheduler=True,
+    ...                         optimizer="AdamW")
     >>> restore_state(trainer.stateful, state, source=found.path)
 """
 
@@ -33,6 +35,7 @@ from torchspeed.train.checkpoint import (FLAT_FORMAT, FORMAT, CheckpointError, C
 from torchspeed.train.dcp import ShardedCheckpoints
 from torchspeed.train.decision import Decision
 from torchspeed.train.metrics import jsonable
+from torchspeed.train.optim_info import OPTIM_INFO
 from torchspeed.train.rng import capture_rng_state, restore_rng_state
 from torchspeed.train.segment import extend_schedule
 from torchspeed.train.stateful import Part, attribute, check_parts, restore_state
@@ -60,6 +63,7 @@ def trainer_parts(trainer) -> dict:
 def _run_state(trainer) -> dict:
     stopped = trainer.decisions.get("stopped")
     return {"step": trainer.step, "total_steps": trainer.total_steps, "steps_per_epoch": trainer._steps_per_epoch,
+            "optimizer_class": type(trainer.optimizer).__name__,  # compared at resume (check_resumable)
             "history": jsonable({"h": trainer._history})["h"], "best": trainer.best.record,
             "stopped": dict(stopped) if stopped else None}
 
@@ -85,7 +89,8 @@ def resume_run(trainer, steps_per_epoch: int | None) -> tuple[int, int]:
         return 0, 0
     own = callable(trainer.config.schedule)  # your scheduler spans no step count: it goes on from its state
     state = check_resumable(found, steps_per_epoch=steps_per_epoch, total_steps=trainer.total_steps,
-                            has_scheduler=trainer.scheduler is not None and not own)
+                            has_scheduler=trainer.scheduler is not None and not own,
+                            optimizer=type(trainer.optimizer).__name__)
     extend = is_extension(state, trainer.total_steps) and not own
     skip = (("model", "optimizer") if trainer.sharded else ()) + (("scheduler",) if extend else ())
     check_parts(trainer.stateful, state, source=found.path, skip=skip, optional=_OPTIONAL)
@@ -141,8 +146,9 @@ def find_state(resume: str | os.PathLike, store, *, sharded: bool, world_size: i
 
 
 def check_resumable(found: FoundCheckpoint, *, steps_per_epoch: int | None, total_steps: int | None,
-                    has_scheduler: bool) -> dict:
-    """The training state in `found` (parts nested), after checking that this run can continue it exactly."""
+                    has_scheduler: bool, optimizer: str | None = None) -> dict:
+    """The training state in `found` (parts nested), after checking that this run can continue it exactly.
+    `optimizer`: this run's optimizer class name, compared with the one the checkpoint records (if any)."""
     state = nested_layout(found.state)
     fmt = state.get("format")
     if isinstance(fmt, str) and fmt.startswith("torchspeed-checkpoint/") and fmt != FORMAT:
@@ -157,6 +163,7 @@ def check_resumable(found: FoundCheckpoint, *, steps_per_epoch: int | None, tota
         raise ResumeMismatchError(
             f"{found.path} was written with {run['steps_per_epoch']} batches per epoch, but this loader has "
             f"{steps_per_epoch}: resume with the same data and batch size, or use a new checkpoint_dir")
+    _check_optimizer_class(found, run.get("optimizer_class"), optimizer)
     if is_extension(state, total_steps):  # a finished run given more steps: a new schedule segment
         if total_steps is not None and total_steps <= run["step"]:
             raise ResumeMismatchError(
@@ -170,6 +177,21 @@ def check_resumable(found: FoundCheckpoint, *, steps_per_epoch: int | None, tota
             "and max_steps, or start a new run from its weights with load_checkpoint(path, model=model) "
             "(torchspeed train: --init-from PATH)")
     return state
+
+
+def _check_optimizer_class(found: FoundCheckpoint, saved: str | None, current: str | None) -> None:
+    """A checkpoint's optimizer state continues only in an optimizer of the same class (AdamW's moments are
+    not SGD's momentum); a checkpoint that does not record its class (older ones) is not compared."""
+    if not saved or not current or saved == current:
+        return
+    names = [n for n, info in OPTIM_INFO.items()
+             if (info.cls if isinstance(info.cls, str) else info.cls.__name__).rpartition(":")[2] == saved]
+    same = f"optimizer={names[0]!r} or an instance of {saved}" if names else f"an instance of {saved}"
+    raise ResumeMismatchError(
+        f"{found.path} was written by a run with the optimizer {saved}, and this run's optimizer is {current}: "
+        f"{saved}'s state cannot continue in {current}. Pass the same optimizer to resume ({same}), or start a new "
+        "run (a new checkpoint_dir, leaving resume unset) from its weights with load_checkpoint(path, model=model) "
+        "(torchspeed train: --init-from PATH)")
 
 
 def is_extension(state: dict, total_steps: int | None) -> bool:

@@ -5,7 +5,10 @@ where it was when the checkpoint was written: torch's CPU generator (dropout, sh
 augmentation), each CUDA device's generator, numpy's and Python's global generators.
 `capture_rng_state()` reads all four into a dict that `torch.load(..., weights_only=True)`
 accepts (numpy's key array is stored as a tensor, not a pickled ndarray);
-`restore_rng_state()` puts them back.
+`restore_rng_state()` puts them back. A DataLoader or sampler with a `generator` of its own
+draws its order from that one instead: `generator_states()` reads such generators (by name,
+as uint8 tensors) and `set_generator_states()` puts them back (sampler.py's `DataPosition`
+keeps them in the checkpoint's data position).
 
 `enable_determinism()` is the "same inputs, same bits" switch: deterministic kernels
 (`torch.use_deterministic_algorithms(True)`), no cuDNN autotuning (T22 off: its choice of
@@ -25,13 +28,18 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
-__all__ = ["capture_rng_state", "restore_rng_state", "seed_everything", "enable_determinism"]
+__all__ = ["capture_rng_state", "restore_rng_state", "generator_states", "set_generator_states", "seed_everything",
+           "enable_determinism"]
+
+log = logging.getLogger("torchspeed")
 
 
 def capture_rng_state() -> dict:
@@ -59,6 +67,25 @@ def restore_rng_state(state: dict) -> None:
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
+
+
+def generator_states(generators: Mapping[str, torch.Generator]) -> dict[str, torch.Tensor]:
+    """{name: state} of each generator, as uint8 CPU tensors (a `weights_only` load reads them)."""
+    return {name: g.get_state().clone() for name, g in generators.items()}
+
+
+def set_generator_states(generators: Mapping[str, torch.Generator], states: Mapping | None) -> None:
+    """Put back states from `generator_states` by name; a generator without a saved state is left as it is,
+    and one whose saved state does not fit (another kind of generator) is left with a warning."""
+    for name, g in generators.items():
+        state = (states or {}).get(name)
+        if state is None:
+            continue
+        try:
+            g.set_state(state.cpu())
+        except RuntimeError as e:
+            log.warning("resume: the saved state of the %s's generator does not fit it (%s); it continues from "
+                        "its own state, so the data order is not the interrupted run's", name, e)
 
 
 def seed_everything(seed: int) -> None:

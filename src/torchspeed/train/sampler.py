@@ -10,10 +10,13 @@ throwing away the batches it already trained on.
 Cost: none per step (one `randperm` per epoch). `Trainer.fit(resume=...)` calls
 `set_epoch` and `start_at` itself; with any other loader it replays the epoch's order from
 the saved generator state and skips the batches already seen, reading them (slower, still
-exact for loaders whose randomness comes from torch's generator and `num_workers=0`).
+exact for loaders whose randomness comes from torch's generators and `num_workers=0`).
 
-`DataPosition` is where a run stands in its data (epoch, batch, the generator state the
-epoch's order was drawn from, and a `StatefulDataLoader`'s own state when the loader has
+`DataPosition` is where a run stands in its data (epoch, batch, the generator states the
+epoch's order was drawn from: the global ones and the loader's own `generator`, its sampler's
+and its batch sampler's sampler's, e.g. `DataLoader(shuffle=True, generator=g)` or
+`RandomSampler(ds, generator=g)`; those own generators' states when the checkpoint was written,
+for a resume at an epoch's start; and a `StatefulDataLoader`'s own state when the loader has
 one: torchdata's loader resumes from its `state_dict()` without replaying anything, and
 streaming/IterableDataset loaders that support it resume exactly too).
 
@@ -39,7 +42,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from torchspeed.train.in_memory import sliced_loader
-from torchspeed.train.rng import capture_rng_state, restore_rng_state
+from torchspeed.train.rng import capture_rng_state, generator_states, restore_rng_state, set_generator_states
 
 __all__ = ["ResumableSampler", "DataPosition", "is_stateful_loader", "loader_length", "set_epoch", "rebuild_loader", "take_batches", "iter_batches", "keep_rng"]
 
@@ -122,8 +125,10 @@ class DataPosition:
 
     `epoch_iter(loader, skip)` returns the iterator for the current epoch positioned after
     `skip` batches: a StatefulDataLoader loads its saved state; a `ResumableSampler` starts
-    there; any other loader replays the epoch's order from the saved generator state and
-    reads and drops the batches already trained on.
+    there; any other loader replays the epoch's order from the saved generator states (the
+    global ones and the loader's own) and reads and drops the batches already trained on. A
+    resume at an epoch's start (`skip` 0) first puts the loader's own generators back as they
+    were when the checkpoint was written, so the epoch draws the order the interrupted run would have.
     """
 
     def __init__(self, *, keep_rng: bool):
@@ -131,24 +136,34 @@ class DataPosition:
         self.epoch = 0
         self.batch = 0              # micro-batches consumed in this epoch
         self.epoch_rng: dict | None = None
+        self.epoch_loader_rng: dict | None = None  # the loader's own generators at the epoch's start
+        self.loader_rng: dict | None = None        # ... as a checkpoint left them (used by the next epoch_iter)
         self.loader_state: dict | None = None  # a stateful loader's state after `batch` batches
         self._states: dict[int, dict] = {}
         self._stateful = None
+        self._gens: dict[str, torch.Generator] = {}
 
     def epoch_iter(self, loader: Iterable, skip: int) -> Iterator:
         self._stateful = loader if is_stateful_loader(loader) else None
         self._states = {}
+        self._gens = _named_generators(loader)
+        saved, self.loader_rng = self.loader_rng, None  # a resume's: applied once, by its first epoch
+        if not skip:  # a resume at an epoch's start: the loader's generators as the checkpoint left them
+            set_generator_states(self._gens, saved)
         if self._stateful is not None:
             if skip and self.loader_state is not None:
                 self._stateful.load_state_dict(self.loader_state)
             return self._tap(iter(self._stateful), skip)
         if not skip:
-            # The loader's order (DataLoader(shuffle=True)) is drawn from the global generator now: keep its state.
+            # The loader's order (DataLoader(shuffle=True)) is drawn now, from the global generator or the
+            # loader's own: keep their states.
             self.epoch_rng = capture_rng_state() if self.keep_rng else None
+            self.epoch_loader_rng = generator_states(self._gens) if self.keep_rng else None
             return iter(loader)
         at_checkpoint = capture_rng_state()
         if self.epoch_rng is not None:
             restore_rng_state(self.epoch_rng)  # replay the epoch's order exactly as it was drawn
+        set_generator_states(self._gens, self.epoch_loader_rng)  # the replay leaves them where the run had them
         sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
         batch_size = getattr(loader, "batch_size", None)
         if isinstance(sampler, ResumableSampler) and batch_size:
@@ -159,7 +174,7 @@ class DataPosition:
             for _ in range(skip):  # any other loader: read and drop the batches already trained on
                 if next(it, None) is None:
                     break
-        restore_rng_state(at_checkpoint)  # the generators continue from where the checkpoint left them
+        restore_rng_state(at_checkpoint)  # the global generators continue from where the checkpoint left them
         return it
 
     def _tap(self, it: Iterator, start: int) -> Iterator:
@@ -180,11 +195,14 @@ class DataPosition:
     def state_dict(self) -> dict:
         loader_state = self._states.get(self.batch) if self._stateful is not None and self.batch else None
         return {"epoch": self.epoch, "batch_in_epoch": self.batch, "epoch_rng": self.epoch_rng,
-                "loader_state": loader_state}
+                "epoch_loader_rng": self.epoch_loader_rng, "loader_state": loader_state,
+                "loader_rng": generator_states(self._gens) if self.keep_rng and not self.batch else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.batch = int(state["epoch"]), int(state["batch_in_epoch"])
         self.epoch_rng = state.get("epoch_rng")
+        self.epoch_loader_rng = state.get("epoch_loader_rng")  # None in a checkpoint from before they were kept
+        self.loader_rng = state.get("loader_rng")
         self.loader_state = state.get("loader_state")
 
 
@@ -211,13 +229,20 @@ def set_epoch(loader, epoch: int) -> None:
             sampler.set_epoch(epoch)
 
 
-def _loader_generators(loader) -> list[torch.Generator]:
-    found = []
-    for obj in (loader, getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+def _named_generators(loader) -> dict[str, torch.Generator]:
+    """The loader's own generators by role (the loader's, its sampler's, its batch sampler's sampler's), each once."""
+    found: dict[str, torch.Generator] = {}
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for name, obj in (("loader", loader), ("sampler", getattr(loader, "sampler", None)),
+                      ("batch_sampler.sampler", getattr(batch_sampler, "sampler", None))):
         g = getattr(obj, "generator", None)
-        if isinstance(g, torch.Generator) and all(g is not h for h in found):
-            found.append(g)
+        if isinstance(g, torch.Generator) and all(g is not h for h in found.values()):
+            found[name] = g
     return found
+
+
+def _loader_generators(loader) -> list[torch.Generator]:
+    return list(_named_generators(loader).values())
 
 
 @contextlib.contextmanager
