@@ -3,7 +3,10 @@
 The order matters and is easy to get wrong in a hand-written loop:
 
 1. `backward(loss, scaler=..., accum_steps=k)` divides the loss by k (so k micro-batches add
-   up to the gradient of one batch k times larger, T19) and scales it for fp16.
+   up to the gradient of one batch k times larger, T19) and scales it for fp16. A window the
+   epoch's end cuts short (10 batches, k=4: windows of 4, 4 and 2) divides by the micro-batches
+   it holds and steps at the epoch's end, as Accelerate and Lightning do: an epoch takes
+   ceil(batches / k) optimizer steps, the count the LR schedule is sized for (`AccumulationWindow`).
 2. `optimizer_step(...)` unscales the gradients once (`scaler.unscale_`), *then* clips
    their norm (T20; clipping scaled gradients would clip at the wrong threshold), then
    `scaler.step` skips the update if any gradient overflowed, and `scaler.update` adjusts
@@ -15,8 +18,8 @@ The order matters and is easy to get wrong in a hand-written loop:
    same batch again. Clipping applies to the first gradient.
 
 Example:
-    >>> backward(loss, scaler=scaler, accum_steps=4)
-    >>> if (i + 1) % 4 == 0:
+    >>> backward(loss, scaler=scaler, accum_steps=4)   # the epoch's last window: the micro-batches it holds
+    >>> if (i + 1) % 4 == 0 or i + 1 == len(loader):
     ...     skipped += optimizer_step(opt, scaler=scaler, clip_grad_norm=1.0, parameters=model.parameters())
     ...     opt.zero_grad(set_to_none=True)
 """
@@ -44,13 +47,20 @@ class AccumulationWindow:
     """The gradient-accumulation window (T19, with T31): `k` micro-batches make one optimizer step.
 
     On every micro-batch but the last, DDP's gradient all-reduce is skipped (`sync(model)` is its
-    `no_sync()`); the loss is divided by `k` in `backward`; `advance()` says when the last one
+    `no_sync()`); the loss is divided by the window's `size` in `backward`; `advance()` says when the last one
     has run, so the caller steps the optimizer. nanoGPT's loop in one object.
+
+    `left`: the micro-batches left before the epoch ends, counting the next one (None: no end known, a stream
+    without len(), or one not to close at: a BatchRamp's epochs but its last); the trainer sets it before each
+    micro-batch of an epoch. A window the end cuts short holds only those (`size` < k): its last micro-batch
+    all-reduces, its losses are divided by its own size (the mean over the micro-batches it holds), and it closes
+    there, so no window reaches over an epoch's end.
 
     Example:
         >>> win = AccumulationWindow(4)
+        >>> win.left = len(loader) - i              # optional: the epoch's end closes a partial window
         >>> with win.sync(ddp_model):
-        ...     backward(loss, accum_steps=win.k)
+        ...     backward(loss, accum_steps=win.size)
         >>> if win.advance():
         ...     optimizer_step(opt)
     """
@@ -59,11 +69,19 @@ class AccumulationWindow:
         if k < 1:
             raise ValueError(f"grad_accum must be >= 1, got {k}")
         self.k, self.micro = k, 0
+        self.left: int | None = None
+
+    @property
+    def size(self) -> int:
+        """The micro-batches the open window holds when it closes: k, or fewer where the epoch ends first."""
+        if self.left is None or self.left < 1:  # (a loader that gives more batches than its len(): k)
+            return self.k
+        return min(self.k, self.micro + self.left)
 
     @property
     def last(self) -> bool:
         """The next micro-batch closes the window (its backward all-reduces; then the step)."""
-        return self.micro + 1 == self.k
+        return self.micro + 1 >= self.size
 
     @property
     def at_boundary(self) -> bool:
@@ -76,14 +94,16 @@ class AccumulationWindow:
 
     def advance(self) -> bool:
         """Count a micro-batch; True when it closed the window (time for the optimizer step)."""
-        self.micro += 1
-        if self.micro == self.k:
-            self.micro = 0
+        size, self.micro = self.size, self.micro + 1
+        if self.micro >= size:
+            self.micro, self.left = 0, None  # the next window's end is the caller's to say again
             return True
+        if self.left is not None:
+            self.left -= 1
         return False
 
     def reset(self) -> None:
-        """Drop a partial window (after a failed step)."""
+        """Drop a partial window (after a failed step); `left` stays (the failed micro-batch was not counted)."""
         self.micro = 0
 
 

@@ -210,7 +210,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the hot path
     def train_step(self, batch) -> torch.Tensor:
-        """One micro-batch: forward, backward, and an optimizer step every `grad_accum` calls."""
+        """One micro-batch: forward, backward, and an optimizer step every `grad_accum` calls and at the epoch's end."""
         cfg, win = self.config, self.window
         with win.sync(self.model):  # DDP: no gradient all-reduce on all but the last micro-batch (T19 + T31)
             out = self._forward_backward(batch)
@@ -241,7 +241,7 @@ class Trainer:
         with self.precision.autocast():
             out = forward_loss(self.compiler, batch, loss_fn=self.loss_fn, step_fn=self.step_fn,
                                decisions=self.decisions)
-        self.precision.backward(out.loss, accum_steps=self.window.k)
+        self.precision.backward(out.loss, accum_steps=self.window.size)  # a partial window: its own size
         return out
 
     def _reset_micro(self) -> None:
@@ -323,7 +323,7 @@ class Trainer:
                 if done or self.should_stop:
                     break
                 skip = start_batch if epoch == start_epoch else 0  # mid-epoch resume: batches already trained
-                done = self._train_epoch(train_loader, epoch, skip, progress)
+                done = self._train_epoch(train_loader, epoch, skip, progress, ramp is None or epoch == passes - 1)
                 if self._seen == 0 and steps_per_epoch is None:  # a pass with no batch: an iterator read once
                     log.warning(ran_out(self.step, cfg.max_steps))
                     break
@@ -345,8 +345,9 @@ class Trainer:
         return FitResult(history=self._history, config=asdict(cfg), decisions=self.decisions.copy(), steps=self.step,
                          skipped_steps=skipped, evaluations=self._evaluations)
 
-    def _train_epoch(self, train_loader: Iterable, epoch: int, skip: int, progress: TrainProgress) -> bool:
-        """One pass over the loader (or until max_steps); returns True when max_steps was reached."""
+    def _train_epoch(self, train_loader: Iterable, epoch: int, skip: int, progress: TrainProgress, closes: bool) -> bool:
+        """One pass over the loader (or until max_steps); returns True when max_steps was reached. `closes`: the
+        epoch's end closes the accumulation window (T19; a ramp's schedule counts its run as one pass: its last)."""
         cfg = self.config
         self.position.start_epoch(epoch, skip)
         set_epoch(train_loader, epoch)
@@ -359,7 +360,9 @@ class Trainer:
             self.meter.reset()  # else: the sums restored from the checkpoint
         self._t0, self._seen, self._epoch_eval_s = time.perf_counter(), 0, 0.0
         mid = self._eval.start_epoch()  # whether validations can fall inside the epoch
+        ends = self._steps_per_epoch if closes else None  # None (no len(), a ramp's epoch but its last): it carries over
         for batch in self.batches(self.position.epoch_iter(train_loader, skip)):
+            self.window.left = ends and ends - self.position.batch  # the last window steps at the end, partial or not
             self.step_batch(batch)
             if cfg.noise_scale_every and self.window.at_boundary and self.step % cfg.noise_scale_every == 0:
                 observe_batch(self.module, batch, self.noise, loss_fn=self.loss_fn, step_fn=self.step_fn,
@@ -404,8 +407,7 @@ class Trainer:
         scored = not row.get("val_skipped")  # an epoch eval_every did not validate is never the best
         if self.checkpoints is not None and self.window.at_boundary:
             pos = self.position
-            if pos.batch == self._steps_per_epoch or (self._steps_per_epoch is None and not self._stopped()
-                                                      and not self.should_stop):
+            if pos.batch == self._steps_per_epoch or not (self._steps_per_epoch or self._stopped() or self.should_stop):
                 pos.start_epoch(pos.epoch + 1, 0)  # the position is the next epoch's start
             self.save_checkpoint(best=scored and self.best.update(row, self.step,
                                                                   self.callbacks.eval_module(self.module)))
