@@ -18,13 +18,16 @@ from dataclasses import replace
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from torchspeed.plan import make_plan
 from torchspeed.plan.stages import run_event
 from torchspeed.train.distributed import is_rank_zero
+from torchspeed.train.batch import forward_loss
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.result import FitResult
 from torchspeed.train.trainer import Trainer
+from torchspeed.train.transfer import to_device
 
 __all__ = ["fit"]
 
@@ -153,11 +156,6 @@ def _materialize_lazy(model: nn.Module, train_loader, *, loss_fn=None, step_fn=N
     """A model with lazy layers (`nn.LazyLinear`, ...) gets its shapes from one forward of the first training batch,
     in eval mode and without gradients (no BatchNorm statistics or dropout draws), as a script's first step would:
     everything that reads the weights' shapes (the trial cache, the LR rules) then reads the real ones."""
-    from torch.nn.parameter import is_lazy
-
-    from torchspeed.train.batch import forward_loss
-    from torchspeed.train.transfer import to_device
-
     if not any(is_lazy(t) for t in (*model.parameters(), *model.buffers())):
         return
     if iter(train_loader) is train_loader:
