@@ -260,3 +260,107 @@ def test_the_batch_of_a_sequence_first_model_is_the_inputs_second_dimension():
     assert _batch_dim(nn.Linear(4, 2), torch.zeros(16, 4)) == 0  # nothing sequence-first: the first dimension
     mixed = nn.ModuleList([nn.LSTM(8, 8), nn.TransformerEncoderLayer(8, 2, batch_first=True)])
     assert _batch_dim(mixed, tokens) == 0  # layers that disagree: the usual first dimension
+
+
+def _render(obs) -> str:
+    from rich.console import Console
+
+    from torchspeed.doctor import render_report, report_from_observation
+
+    console = Console(record=True, width=300)
+    render_report(report_from_observation({**obs, "script": "train.py"}), console)
+    return console.export_text()
+
+
+def test_a_run_that_ended_within_the_warm_up_says_its_step_time_is_rough():
+    steady = {"data": 0.2, "forward": 4.0, "backward": 4.8, "optim": 1.0, "step": 10.0}
+    p = Probe(steps=30, warmup=5)
+    p.records = [dict(steady) for _ in range(4)]  # the script raised at its 4th step, warm-up 5
+    obs = copy.deepcopy(CLEAN)
+    summarize(p, obs)
+    assert obs["breakdown"]["within_warmup"] and obs["breakdown"]["steps"] == 3
+    text = _render(obs)
+    assert "trimmed mean of 3 steps, all within warm-up: rough" in text and "after warm-up" not in text
+    p.records = [dict(steady) for _ in range(8)]
+    summarize(p, obs)
+    assert not obs["breakdown"]["within_warmup"]
+    assert "trimmed mean of 3 steps after warm-up" in _render(obs)
+
+
+def test_a_copy_made_once_while_loading_is_no_per_step_cost():
+    import numpy as np
+
+    from torchspeed.doctor._probe import StopScript
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    probe = Probe(steps=3, warmup=2)
+    with pytest.raises(StopScript), probe:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # made under the probe: its steps end the steps
+        x = torch.tensor(np.zeros((8, 4), np.float32))  # TensorDataset(torch.tensor(Xtr), ...) before training
+        for _ in range(10):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    obs = copy.deepcopy(CLEAN)
+    summarize(probe, obs)
+    c = obs["tensor_copies"]
+    assert c["count"] == 1 and c["per_step"] == 0.0 and c["ms_per_step"] == 0.0
+    assert RULES["tensor-copy"].check(obs) is None
+    # a copy in every step is a per-step cost
+    probe = Probe(steps=3, warmup=2)
+    with pytest.raises(StopScript), probe:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(10):
+            x = torch.tensor(np.zeros((8, 4), np.float32))
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    summarize(probe, obs)
+    assert obs["tensor_copies"]["count"] == 5 and obs["tensor_copies"]["per_step"] == 1.0
+    assert RULES["tensor-copy"].check(obs) is not None
+    # fewer than one a step (an evaluation every few steps) is no per-step cost either
+    few = _set("tensor_copies", {"count": 4, "per_step": 0.5, "ms_per_step": 0.001, "mib": 0.1, "sites": ["t.py:3"]})
+    assert RULES["tensor-copy"].check(_obs(few)) is None
+
+
+def test_a_run_with_no_step_gets_only_the_rules_that_do_not_rest_on_the_step():
+    from torchspeed.doctor._summary import no_steps_note
+
+    obs = _obs(_set("model.autocast", False), _set("debug.anomaly_detection", True), _set("steps_observed", 0))
+    assert {f.rule for f in run_rules(obs)} == {"debug-mode-on"}  # no-amp would read a 0 ms breakdown
+    obs["steps_observed"] = 30
+    assert {"no-amp", "debug-mode-on"} <= {f.rule for f in run_rules(obs)}
+    p = Probe(steps=30, warmup=5)
+    p.optimizers_made = 1
+    obs = copy.deepcopy(CLEAN)
+    summarize(p, obs)
+    assert obs["steps_observed"] == 0 and obs["optimizers_made"] == 1
+    assert obs["notes"] == [no_steps_note(1)] and "step() was never called" in obs["notes"][0]
+    assert "made no torch optimizer and called no backward()" in no_steps_note(0)
+
+
+def test_the_doctors_own_profiling_prints_no_kineto_lines_into_the_scripts_output():
+    import os
+    import subprocess
+    import sys
+
+    from torchspeed.doctor._kernels import KINETO_ENV, quiet_kineto
+
+    environ = {}
+    with quiet_kineto(environ):
+        assert environ == {KINETO_ENV: "6"}
+    assert environ == {}  # put back: the script's environment is its own
+    environ = {KINETO_ENV: "1"}
+    with quiet_kineto(environ):
+        assert environ == {KINETO_ENV: "1"}  # the user's own level stands
+    # kineto reads the level once, when a process first profiles: a fresh process, as the script's is
+    code = ("import torch\nfrom torch import nn\nfrom torchspeed.doctor._capture import Captured\n"
+            "from torchspeed.doctor._kernels import profile_kernels\n"
+            "obs = {'notes': []}\n"
+            "profile_kernels(Captured(model=nn.Linear(4, 2), args=(torch.randn(3, 4),)), obs)\n"
+            "print('shares', 'kernels' in obs, obs['notes'])\n")
+    env = {k: v for k, v in os.environ.items() if k != KINETO_ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "shares True []" in out.stdout, (out.stdout, out.stderr)
+    assert "SyncActivityProfilerHandler" not in out.stdout + out.stderr and "profiler_start" not in out.stderr

@@ -64,7 +64,8 @@ def test_plan_prefers_fewer_changes_within_two_percent_and_can_keep_the_script()
     obs = copy.deepcopy(PLAN_OBS)
     obs["verify"]["fused_optimizer"]["ratios"] = [0.9] * 3
     p = fit_plan(_cap(), obs, rounds=3, caps=BF16, measure=_measure(slow), ported=False)
-    assert p["chosen"] == "fp32+foreach" and p["fixes"] == [] and p["speedup"] == 1.0
+    assert p["chosen"] == "fp32+foreach" and p["fixes"] == []
+    assert "speedup" not in p and "ratios" not in p  # the script is the reference: no ratio of it was measured
 
 
 def test_the_plan_of_a_port_keeps_the_scripts_kernel_and_takes_a_change_only_ten_percent_faster():
@@ -175,3 +176,34 @@ def test_report_names_what_the_plan_leaves_out():
     text = console.export_text()
     assert "the plan's figure leaves out: fit's thread stage (not measured); torch.compile (fit measures it on top " \
         "of the plan; not measured here); fit's in-process malloc thresholds (not measured here)" in text
+
+
+def test_a_plan_with_nothing_to_measure_claims_no_measured_ratio():
+    # a CPU without native bf16 and a model without convolutions: the ported grid is the script's own fp32
+    plain_cpu = DeviceCaps(device_type="cpu", cpu_bf16=False, cores=2)
+    obs = {"model": {"has_conv2d": False, "autocast": False}, "optimizer": {"class": "LBFGS", "fused_available": False}}
+    p = fit_plan(_cap(), obs, rounds=3, caps=plain_cpu, measure=_measure({}))
+    assert p["grid"] == ["fp32"] and p["chosen"] == p["script"] == "fp32" and p["candidates"] == {}
+    assert "speedup" not in p and "ratios" not in p and "within_noise" not in p  # no made-up [1.0]
+    console = Console(record=True, width=300)
+    render_report(report_from_observation({**_script_obs(p), "script": "train.py"}), console)
+    text = console.export_text()
+    assert "fit's plan for this model: fp32" in text and "measured 1.00x" not in text
+    assert "fit's grid here holds only the script's own settings: nothing measured); the script's own fp32, kept" \
+        in text and "measured fastest" not in text
+
+
+def test_a_plan_whose_rounds_disagree_wildly_is_inconclusive_not_a_speed_up():
+    # one round 66x (its baseline ran while the machine was busy), one 1.2x: fit's choice, on its medians
+    m = _measure({"fp32+channels_last": [1.0, 1.0], "bf16": [66.58, 1.2], "bf16+channels_last": [0.9, 0.9]})
+    p = fit_plan(_cap(), copy.deepcopy(PLAN_OBS), rounds=2, caps=BF16, measure=m)
+    assert p["chosen"] == "bf16" and p["speedup"] == 33.89 and p["inconclusive"] and not p["within_noise"]
+    assert undeclared_keys({"fit_plan": p}) == []
+    o = _script_obs(p)
+    console = Console(record=True, width=300)
+    render_report(report_from_observation({**o, "script": "train.py"}), console)
+    text = console.export_text()
+    assert "measured 33.89x" not in text and "inconclusive: the 2 interleaved rounds disagree (ratios 66.58, 1.20x)" \
+        in text
+    f = next(g for f in run_rules(o) for g in (f, *f.also) if g.rule == "no-amp")
+    assert "33.89" not in f.evidence and "its interleaved rounds disagree: inconclusive" in f.evidence

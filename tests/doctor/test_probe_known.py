@@ -185,3 +185,13 @@ def test_a_script_that_spawns_its_training_processes_is_stopped_before_they_star
     r = _run("spawns.py")  # stopped (not "exited": the processes never ran)
     assert r.observation["processes_spawned"] == 2 and r.observation["steps_observed"] == 0
     assert any("torch.multiprocessing.spawn of train" in n and "train(0, 1)" in n for n in r.notes), r.notes
+
+
+def test_an_optimizer_that_is_never_stepped_leaves_nothing_to_measure_and_says_so():
+    r = diagnose(str(KNOWN / "never_steps.py"), steps=STEPS, warmup=WARMUP, isolate=False)
+    obs = r.observation
+    assert r.status == "finished" and obs["steps_observed"] == 0 and obs["optimizers_made"] == 1
+    assert any("an optimizer was made but step() was never called: no training step, nothing to measure" in n
+               for n in r.notes), r.notes
+    assert all(not RULES[f.rule].per_step for f in r.findings), [f.rule for f in r.findings]
+    assert r.finding("no-amp") is None  # its "0% of the step is compute" read an empty breakdown

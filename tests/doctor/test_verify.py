@@ -40,7 +40,9 @@ def test_verify_reports_measured_speedups_for_autocast_channels_last_workers(ver
         assert v["iqr"][0] <= v["speedup"] <= v["iqr"][1]
     # fit's plan for the captured model, measured against the script's settings (values: test_fit_plan)
     plan = r.observation["fit_plan"]
-    assert "error" not in plan and plan["chosen"] in plan["grid"] + [plan["script"]] and len(plan["ratios"]) == 3
+    assert "error" not in plan and plan["chosen"] in plan["grid"] + [plan["script"]]
+    # a plan that keeps the script's settings has no ratio of its own: the script is the reference
+    assert len(plan["ratios"]) == 3 if plan["chosen"] != plan["script"] else "ratios" not in plan
     rule_of = {"autocast": "no-amp", "channels_last": "channels-last", "workers": "dataloader-workers"}
     for fix, rule in rule_of.items():
         f = _finding(r, rule)
@@ -158,3 +160,42 @@ def test_the_fused_optimizer_candidate_keeps_the_scripts_hyper_parameters():
     assert "error" not in res and res["rule"] == "optimizer-kernel" and res["speedup"] > 0
     obs["optimizer"]["fused"] = True  # a script that already passes fused=True: nothing to measure
     assert "fused_optimizer" not in applicable_fixes(cap, obs)
+
+
+def _lbfgs_captured():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    return Captured(model=model, optimizer=torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=4),
+                    args=(torch.randn(16, 6),), loss_module=nn.MSELoss(), target=torch.randn(16, 1))
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_stepped_with_one():
+    # LBFGS.step(closure) re-evaluates the loss on the captured batch; a step without one raised TypeError
+    cap = _lbfgs_captured()
+    t = _Trainer(cap)
+    assert type(t.opt) is torch.optim.LBFGS and t.opt.param_groups[0]["max_iter"] == 4
+    before = [p.detach().clone() for p in t.model.parameters()]
+    t.step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, t.model.parameters()))  # the copy was trained
+    assert verify_mod.time_model_alone(cap, reps=2) is not None
+    res = verify_fixes(cap, {"model": {"autocast": False}, "notes": []}, fixes=("autocast",), rounds=2)
+    assert "error" not in res["autocast"], res["autocast"]
+    assert res["autocast"]["speedup"] > 0 and len(res["autocast"]["ratios"]) == 2
+
+
+def test_rounds_that_disagree_wildly_are_inconclusive(monkeypatch, fake_clock):
+    clock = fake_clock
+    monkeypatch.setattr(verify_mod, "time", clock)
+    # 2 rounds of 20 steps: one candidate round 66x faster (a busy machine slowed its baseline), one 4% slower
+    base_ms = iter([1.0] * 3 + [66.58] * 20 + [1.0] * 20)  # warm-up 2 calls + the budget probe, then the rounds
+    cand_ms = iter([1.0] * 2 + [1.0] * 20 + [1.0 / 0.96] * 20)
+
+    def base():
+        clock.advance(next(base_ms) * 1e-3)
+
+    def cand():
+        clock.advance(next(cand_ms) * 1e-3)
+
+    v = _interleave(base, cand, torch.device("cpu"), rounds=2)
+    assert v["steps_per_round"] == 20 and v["ratios"] == [66.58, 0.96]
+    assert v["inconclusive"] and v["within_noise"]  # one round faster, one slower: no speed-up either way

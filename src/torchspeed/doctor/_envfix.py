@@ -6,7 +6,8 @@ OpenMP threads spinning on cores the workers need (T45). They are read when a pr
 doctor measures each by re-running a few of the script's steps in a fresh child process with the
 variable set, interleaved with the original in a fresh process of its own (round 1: original, each
 environment; round 2: again), through the same runner as `--fix` (`diagnose.measure_variants`). The
-speed-up is the median of the per-round ratios, its interval their middle half; the rules read them
+speed-up is the median of the per-round ratios, its interval their middle half (`_rounds.round_summary`:
+re-runs that disagree by more than 2x are inconclusive, and no rule counts them); the rules read them
 from `obs["env_fixes"]` and the registry ranks the finding on that measurement (`registry.settle`).
 
 A fix applies only where its rule's trigger holds (page-fault churn with glibc's default thresholds;
@@ -32,9 +33,9 @@ import os
 import statistics
 from collections.abc import Callable, Mapping
 
+from torchspeed.doctor._rounds import round_summary
 from torchspeed.doctor.observation import EnvFixResult, Observation
 from torchspeed.env import GLIBC_MALLOC_ENV
-from torchspeed.train.rounds import ratio_summary
 
 __all__ = ["ENV_FIXES", "env_candidates", "patch_candidates", "measure_env_fixes", "summarize", "run_env_rounds"]
 
@@ -92,7 +93,7 @@ def summarize(name: str, env: dict, m: dict, *, steps: int) -> EnvFixResult:
         entry["error"] = m.get("error") or "no round could be measured"
         return entry
     base, cand = m.get("baseline_ms") or [], m.get("ms") or []
-    entry.update({**ratio_summary(ratios), "rounds": len(ratios),
+    entry.update({**round_summary(ratios), "rounds": len(ratios),
                   "baseline_ms": round(statistics.median(base), 3) if base else None,
                   "candidate_ms": round(statistics.median(cand), 3) if cand else None})
     return entry

@@ -12,8 +12,10 @@ and a batch, so it runs the same grid with `--verify`'s trainer (`verify._Traine
 model and optimizer, one step on the captured batch), each candidate interleaved with the script's
 own settings (`verify._interleave`). A candidate that differs from the script in one switch reuses
 `--verify`'s measurement of that fix. The result, `obs["fit_plan"]`, names the plan, why, and its
-measured per-step ratio against the script as it runs; each switch it changes maps to the fix
-whose rule reports it (`PLAN_FIXES`), and that finding names the plan.
+measured per-step ratio against the script as it runs (`_rounds.round_summary`: marked inconclusive
+where the rounds disagree wildly); a plan that keeps the script's own settings has no such ratio (the
+script is the reference, nothing was measured against it), only each candidate's. Each switch the plan
+changes maps to the fix whose rule reports it (`PLAN_FIXES`), and that finding names the plan.
 
 fit does more than the grid, and the plan's figure does not cover it (`beyond_grid`, read from what
 the doctor measured elsewhere, nothing run again): fit's thread stage (on a CPU with DataLoader
@@ -29,10 +31,10 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
+from torchspeed.doctor._rounds import round_summary
 from torchspeed.doctor.observation import (AllocatorStage, BeyondGrid, CompileStage, FitPlan, Observation, ThreadStage,
                                           VerifyResult)
 from torchspeed.plan.planner import PORTED_MIN_GAIN
-from torchspeed.train.rounds import ratio_summary
 from torchspeed.train.switches import Switches, candidate_grid, choose
 
 __all__ = ["fit_plan", "PLAN_FIXES", "plan_fixes", "beyond_grid", "MIN_GAIN"]
@@ -111,10 +113,14 @@ def fit_plan(cap, obs: Observation, *, rounds: int = 5, caps=None, measure: Call
     times[script] = [1.0] * n  # the script's own settings: the reference every ratio is taken against
     chosen, why = choose(times, plain=grid[0] if grid[0] in times else script,
                          min_gain=PORTED_MIN_GAIN if ported else MIN_GAIN)
+    if not ratios:  # choose's "measured fastest" would be about nothing: say why nothing was measured
+        why = ("every other candidate failed" if errors else "fit's grid here holds only the script's own settings"
+               ) + ": nothing measured"
+    # the plan keeps the script's settings: it is the reference itself, no ratio of it was measured
+    measured = round_summary(ratios[chosen]) if chosen != script and ratios.get(chosen) else {}
     return {"run": "ported" if ported else "lr_left_to_fit", "grid": [s.label() for s in grid],
             "script": script.label(), "chosen": chosen.label(), "why": (f"{PORTED_WHY}; " if ported else "") + why,
-            **ratio_summary(ratios.get(chosen, [1.0] * n)),
-            "candidates": {s.label(): round(statistics.median(r), 4) for s, r in ratios.items() if r},
+            **measured, "candidates": {s.label(): round(statistics.median(r), 4) for s, r in ratios.items() if r},
             "fixes": plan_fixes(chosen, script), "errors": errors}
 
 

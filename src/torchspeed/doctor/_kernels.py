@@ -8,6 +8,9 @@ normalisations: what `torch.compile` fuses into fewer passes over memory), and t
 starts from a tensor of ones at the model's output, so no stand-in loss adds kernels of its own. The shares are of the aten self time, so Python and autograd
 overhead do not dilute them.
 
+The profiler runs with kineto's log switched off (`quiet_kineto`), so its start and stop lines do not land in
+the script's output, whose last lines the report shows.
+
 Each operator's time is its smallest over the profiled steps, not the sum: the profiler times wall
 clock, so when the rest of the machine preempts a step (a scheduler tick of 4 ms), the lost time lands
 on whichever operator was running, and on a loaded machine one such tick in a 2.5 ms step of an MLP
@@ -17,7 +20,9 @@ time, and the same operator is rarely hit in every step.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import re
 from bisect import bisect_right
 from collections import defaultdict
@@ -27,9 +32,10 @@ import torch
 from torchspeed.doctor._capture import Captured
 from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
 
-__all__ = ["profile_kernels", "kernel_kind", "step_op_times", "fastest_op_times"]
+__all__ = ["profile_kernels", "kernel_kind", "step_op_times", "fastest_op_times", "quiet_kineto"]
 
 _STEP = "torchspeed::kernel_step"  # the profiler range around each profiled step
+KINETO_ENV, KINETO_QUIET = "KINETO_LOG_LEVEL", "6"  # above every level kineto logs at (USDT prints at 5)
 
 _MATMUL = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|matmul|_?convolution|mkldnn_convolution|"
                      r"convolution_backward|_?mkldnn_.*linear.*|_scaled_dot_product.*|_efficient_attention.*|"
@@ -78,6 +84,22 @@ def fastest_op_times(per_step: list[dict[str, float]]) -> dict[str, float]:
     return {n: min(ops[n] for ops in per_step if n in ops) for n in names}
 
 
+@contextlib.contextmanager
+def quiet_kineto(environ=None):
+    """KINETO_LOG_LEVEL=6 (nothing) while the doctor's profiler starts, unless the user set it: kineto reads it when
+    it first starts, in this process, and would otherwise print its log lines (`USDT:... profiler_start`) into the
+    script's output, where the report shows the last lines the script printed."""
+    environ = os.environ if environ is None else environ
+    if KINETO_ENV in environ:
+        yield
+        return
+    environ[KINETO_ENV] = KINETO_QUIET
+    try:
+        yield
+    finally:
+        environ.pop(KINETO_ENV, None)
+
+
 def profile_kernels(cap: Captured, obs: dict, *, steps: int = 3, warmup: int = 2) -> None:
     """Record `obs["kernels"]`: the matmul/conv and element-wise shares of forward + backward time."""
     if cap.model is None or cap.args is None:
@@ -98,7 +120,7 @@ def profile_kernels(cap: Captured, obs: dict, *, steps: int = 3, warmup: int = 2
         for _ in range(warmup):
             step()
         from torch.profiler import ProfilerActivity, profile, record_function
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with quiet_kineto(), profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 with record_function(_STEP):
                     step()

@@ -17,7 +17,9 @@ script inside one):
   `torch.tensor(ndarray)` (a copy where `torch.from_numpy` shares memory).
 
 Time is attributed exclusively (a sync inside a forward counts as sync, not compute). Each
-step record also holds the minor page faults of the step (the allocator rule reads them). At
+step record also holds the minor page faults of the step (the allocator rule reads them) and its
+`torch.tensor(ndarray)` copies (count and ms: the summary reads the measured steps' own, so a copy
+made once while loading, before the first step, falls in the first step, never measured). At
 the first measured step the probe notes which optimizer parameters have a gradient and which
 do not. Every patch is undone on exit, whatever way the block ends.
 """
@@ -75,6 +77,7 @@ class Probe:
         self.sync_sites: dict[str, int] = defaultdict(int)
         self.sync_in_steps = 0
         self.copies = new_copy_counts()
+        self._copies_seen = (0, 0.0)  # the copy count and ms at the last step's end
         self.zero_grads = {"calls": 0, "set_to_none_false": 0, "ms": 0.0, "sites": defaultdict(int)}
         self.unused_at_step: list[str] | None = None
         self.unused_ids: set[int] = set()
@@ -409,6 +412,9 @@ class Probe:
         rec["step"] = (now - self.last_mark) * 1e3
         faults = _minor_faults()
         rec["minflt"], self._faults = faults - self._faults, faults
+        c = self.copies  # this step's torch.tensor(ndarray) copies (load-time ones: the first, unmeasured step)
+        rec["tensor_copies"], rec["tensor_copy_ms"] = c["count"] - self._copies_seen[0], c["ms"] - self._copies_seen[1]
+        self._copies_seen = (c["count"], c["ms"])
         self.records.append(rec)
         self.cur = defaultdict(float)
         self.last_mark = now

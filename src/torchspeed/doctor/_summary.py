@@ -7,7 +7,11 @@ window they would dominate a mean and flip a verdict (a loop that waits for data
 would read as data-bound). So the breakdown is a trimmed mean: steps slower than
 `median + max(3 x 1.4826 x MAD, 0.5 x median)` are left out (at most a tenth of the steps, at least one
 when there are five or more), and the shares are read from the steps kept, so they still add up to the
-step. The steps left out are counted in the report. Next to these, `fractions_median` holds the median
+step. The steps left out are counted in the report. A run that ended within the warm-up has only
+warm-up steps: all but the first are measured, and the breakdown says so (`within_warmup`), so the
+report calls its figure rough; a run with no step at all (an optimizer made but never stepped) gets a
+note that there is nothing to measure (`no_steps_note`), and the registry runs no rule that rests on
+the step. Next to these, `fractions_median` holds the median
 step's own shares: a verdict such as data-bound reads the smaller of the two, so a wait that only a
 few steps pay cannot carry it.
 """
@@ -23,7 +27,7 @@ import torch
 from torchspeed.doctor._contention import quartiles
 from torchspeed.train.in_memory import in_memory_tensors
 
-__all__ = ["summarize", "robust_steps"]
+__all__ = ["summarize", "robust_steps", "no_steps_note"]
 
 
 def robust_steps(records: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -57,6 +61,15 @@ def training_loop(modules: set[str]) -> str | None:
     return "transformers" if "transformers.trainer" in modules else None
 
 
+def no_steps_note(optimizers_made: int) -> str:
+    """Why a run recorded no step: an optimizer made but never stepped, or no optimizer and no backward."""
+    what = (f"{'an optimizer was' if optimizers_made == 1 else f'{optimizers_made} optimizers were'} made but "
+            "step() was never called" if optimizers_made else "the script made no torch optimizer and called no "
+            "backward()")
+    return (f"{what}: no training step, nothing to measure (no step-time breakdown, no findings that rest on "
+            "the step's time)")
+
+
 def summarize(probe, obs: dict) -> None:
     obs["loop"] = training_loop(set(sys.modules))
     recs = probe.records
@@ -73,6 +86,9 @@ def summarize(probe, obs: dict) -> None:
             f"training step, call {fn} in the script's own process with a world size of 1 (for {fn}(rank, "
             f"world_size): {fn}(0, 1)), or give the script a switch that does")
     obs["steps_measured"] = len(measured)
+    obs["optimizers_made"] = probe.optimizers_made
+    if not recs and not probe.spawned:
+        obs["notes"].append(no_steps_note(probe.optimizers_made))
 
     def m(key):
         return round(_mean([r.get(key, 0.0) for r in use]), 4)
@@ -98,7 +114,7 @@ def summarize(probe, obs: dict) -> None:
         # the median step's shares: a wait that only a few steps pay (start-up) does not move these
         "fractions_median": {k: round(statistics.median([r.get(k, 0.0) / r["step"] for r in use if r["step"] > 0]), 4)
                              if use else 0.0 for k in ("data", "copy", "sync")},
-        "steps": len(use), "outlier_steps": len(left_out),
+        "steps": len(use), "within_warmup": bool(recs) and len(recs) <= probe.warmup, "outlier_steps": len(left_out),
         "outlier_step_ms": [round(r["step"], 3) for r in left_out],
         "minor_faults_per_step": round(statistics.median([r.get("minflt", 0) for r in use]), 1) if use else 0.0,
     }
@@ -107,9 +123,11 @@ def summarize(probe, obs: dict) -> None:
                     "calls_per_step": round(sum(probe.syncs.values()) / n_steps, 3), "ms_per_step": round(sync, 4),
                     "sites": _top(probe.sync_sites), "cuda_sync_warnings": probe.cuda_sync_warnings}
     c = probe.copies
-    obs["tensor_copies"] = {"count": c["count"], "per_step": round(c["count"] / n_steps, 3),
-                            "ms_per_step": round(c["ms"] / n_steps, 4), "mib": round(c["bytes"] / 2**20, 3),
-                            "float64": c["float64"], "sites": _top(c["sites"])}
+    n_measured = max(1, len(measured))  # the measured steps' own copies: one made while loading is in none of them
+    obs["tensor_copies"] = {"count": c["count"],
+                            "per_step": round(sum(r.get("tensor_copies", 0) for r in measured) / n_measured, 3),
+                            "ms_per_step": round(sum(r.get("tensor_copy_ms", 0.0) for r in measured) / n_measured, 4),
+                            "mib": round(c["bytes"] / 2**20, 3), "float64": c["float64"], "sites": _top(c["sites"])}
     z = probe.zero_grads
     obs["zero_grad"] = {"calls": z["calls"], "set_to_none_false": z["set_to_none_false"],
                         "ms_per_call": round(z["ms"] / z["calls"], 4) if z["calls"] else 0.0, "sites": _top(z["sites"])}

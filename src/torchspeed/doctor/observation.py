@@ -75,6 +75,7 @@ class Breakdown(TypedDict, total=False):
     fractions: Fractions
     fractions_median: FractionsMedian
     steps: int                   # steps the means are over
+    within_warmup: bool          # the run ended within the warm-up: those steps are all there is (a rough figure)
     outlier_steps: int           # measured steps left out as start-up outliers
     outlier_step_ms: list[float]
     minor_faults_per_step: float  # median page faults (minor) per step
@@ -92,8 +93,8 @@ class Syncs(TypedDict, total=False):
 
 class TensorCopies(TypedDict, total=False):
     """`torch.tensor(ndarray)` from user code in the loop (T11)."""
-    count: int
-    per_step: float
+    count: int                   # in the whole run, load time included
+    per_step: float              # per measured step (after warm-up): a copy made once while loading is not in it
     ms_per_step: float
     mib: float
     float64: int                 # calls whose source array was float64
@@ -265,7 +266,8 @@ class _RoundRatios(TypedDict, total=False):
     speedup: float               # median of the per-round ratios
     ratios: list[float]
     iqr: list[float]             # the middle half of the ratios
-    within_noise: bool           # the middle half holds 1.0
+    within_noise: bool           # the middle half holds 1.0 (with fewer than 3 rounds: any round on each side)
+    inconclusive: bool           # the rounds disagree by more than 2x (`_rounds`): no claim is made on them
 
 
 class _FixRun(_RoundRatios, total=False):
@@ -366,6 +368,7 @@ class Observation(TypedDict, total=False):
     warmup: int
     steps_observed: int
     step_boundary: str  # "optimizer": a step ends at optimizer.step; "backward": no torch optimizer, updates by hand
+    optimizers_made: int  # torch optimizers the script constructed (one made but never stepped: no step to measure)
     processes_spawned: int  # training processes the script started itself (mp.spawn): stopped before they start
     steps_measured: int
     env: Environment

@@ -12,7 +12,9 @@ Severity is decided here, in one place (`settle`), from what the finding's gain 
 - measured: the fix itself was timed on the user's script (`--verify`, `--fix`, an environment
   re-run), interleaved with the original. The threshold applies to the measured interval (the middle
   half of the per-round ratios), not to one reading: high when its low end is >= 1.25x, medium when
-  >= 1.05x, low otherwise (an interval that holds 1.0 is noise, low);
+  >= 1.05x, low otherwise (an interval that holds 1.0 is noise, low). Rounds that disagree by more
+  than `WILD_SPREAD` (`is_inconclusive`; `_rounds` marks --verify's and the re-runs' measurements
+  with it) are no measurement: the finding stays what it was without them;
 - timed: the time the fix removes was timed directly on the script (the data wait, the memset of
   zero_grad, the copies of torch.tensor): high/medium by the same thresholds, on the low end of the
   finding's interval when the rule gives one (the compute cpu-oversubscribed loses: quartiles of the
@@ -21,7 +23,8 @@ Severity is decided here, in one place (`settle`), from what the finding's gain 
   speed-up): at most low, and the evidence says "estimated, not measured".
 
 A rule's own severity is a ceiling (a host sync is cheap on a CPU whatever it measures).
-Rules may declare a `cause`: findings with the same cause (no-amp and cpu-bf16-math both point at
+A rule that reads nothing of the recorded steps says so (`per_step=False`); on a run that recorded no
+step only those run. Rules may declare a `cause`: findings with the same cause (no-amp and cpu-bf16-math both point at
 fp32 matmuls) are folded into the best-ranked one, which names the others (`Finding.also`).
 """
 
@@ -39,9 +42,12 @@ from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.report import ESTIMATED, Finding, gain_text
 
 __all__ = ["Rule", "RULES", "RuleError", "register", "load_rules", "rule_ids", "fix_rules", "run_rules", "severity_for_gain",
-           "settle", "merge_causes", "apply_fix_measurements", "with_fix", "HIGH_GAIN", "MEDIUM_GAIN"]
+           "settle", "merge_causes", "apply_fix_measurements", "with_fix", "HIGH_GAIN", "MEDIUM_GAIN", "WILD_SPREAD",
+           "MIN_ROUNDS", "spread", "is_inconclusive"]
 
 HIGH_GAIN, MEDIUM_GAIN = 1.25, 1.05
+WILD_SPREAD = 2.0  # interleaved rounds that disagree by more than this (`spread`) prove nothing: inconclusive
+MIN_ROUNDS = 3     # fewer rounds: every round counts in the spread; more: the median outvotes one bad round
 _SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2}
 _BASIS_ORDER = {"measured": 0, "timed": 1, "estimated": 2}
 _ID = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
@@ -61,17 +67,20 @@ class Rule:
     fix: str | None  # the fix --verify measures and --fix writes for this rule (shared names allowed)
     module: str
     cause: str | None = None  # rules with the same cause report one finding between them
+    per_step: bool = True  # rests on the recorded steps: not run on a run that recorded none
 
 
 RULES: dict[str, Rule] = {}
 
 
 def register(rule_id: str, *, priority: int, techniques: tuple[str, ...], summary: str, fix: str | None = None,
-             cause: str | None = None):
+             cause: str | None = None, per_step: bool = True):
     """Decorator: add a check function to `RULES` under a stable kebab-case ID.
 
     `priority` (unique) orders rules of equal severity and gain in the report; lower first. The
     registered check returns its finding settled (`settle`): the rule's severity is only a ceiling.
+    `per_step=False`: the rule reads nothing of the recorded steps (a debug switch, the model's layers), so it
+    runs also where the script recorded no step (`run_rules`).
     """
     if not _ID.match(rule_id):
         raise RuleError(f"rule id {rule_id!r} is not kebab-case (e.g. 'data-bound')")
@@ -83,7 +92,8 @@ def register(rule_id: str, *, priority: int, techniques: tuple[str, ...], summar
         clash = next((r for r in RULES.values() if r.priority == priority and r.id != rule_id), None)
         if clash is not None:
             raise RuleError(f"rules {clash.id!r} and {rule_id!r} both have priority {priority}: pick another")
-        RULES[rule_id] = Rule(rule_id, priority, tuple(techniques), summary, _settled(fn), fix, fn.__module__, cause)
+        RULES[rule_id] = Rule(rule_id, priority, tuple(techniques), summary, _settled(fn), fix, fn.__module__, cause,
+                              per_step)
         return fn
     return deco
 
@@ -130,6 +140,20 @@ def severity_for_gain(gain: float | None) -> str:
     if gain >= MEDIUM_GAIN:
         return "medium"
     return "low"
+
+
+def spread(ratios) -> float:
+    """How far interleaved rounds disagree: their largest ratio over their smallest; with `MIN_ROUNDS` or more,
+    once the highest and the lowest are set aside (the median outvotes one bad round either way)."""
+    kept = sorted(ratios)
+    if len(kept) >= MIN_ROUNDS:
+        kept = kept[1:-1]
+    return kept[-1] / kept[0] if kept[0] > 0 else float("inf")
+
+
+def is_inconclusive(ratios) -> bool:
+    """The rounds disagree by more than `WILD_SPREAD` times: no measurement to rank a finding on."""
+    return bool(ratios) and spread(ratios) > WILD_SPREAD
 
 
 def _lower(a: str, b: str) -> str:
@@ -195,8 +219,12 @@ def _rank(found: list[Finding]) -> list[Finding]:
 
 
 def run_rules(obs: Observation) -> list[Finding]:
-    """Every registered rule on one observation, settled, one per cause, ranked: severity, gain, priority."""
-    return _rank([f for rid in rule_ids() if (f := RULES[rid].check(obs)) is not None])
+    """Every registered rule on one observation, settled, one per cause, ranked: severity, gain, priority. A run
+    that recorded no step (an optimizer never stepped: `steps_observed` 0) gets only the rules that do not rest
+    on the step (`per_step=False`): the others would read an empty breakdown as a step of 0 ms."""
+    no_steps = obs.get("steps_observed") == 0
+    return _rank([f for rid in rule_ids() if not (no_steps and RULES[rid].per_step)
+                  and (f := RULES[rid].check(obs)) is not None])
 
 
 def _quartiles(ratios: list[float]) -> tuple[float, float]:
@@ -208,7 +236,8 @@ def _quartiles(ratios: list[float]) -> tuple[float, float]:
 
 def apply_fix_measurements(findings, fix: dict) -> list[Finding]:
     """Findings re-ranked with what `--fix` measured on the script itself (each patch against the original)."""
-    measured = {p["patch"]: p for p in fix.get("patches", []) if p.get("speedup") is not None and p.get("ratios")}
+    measured = {p["patch"]: p for p in fix.get("patches", []) if p.get("speedup") is not None and p.get("ratios")
+                and not is_inconclusive(p["ratios"])}  # runs that disagree wildly prove nothing (`_rounds`)
     out = []
     for f in (g for f in findings for g in (replace(f, also=()), *f.also)):
         p = measured.get(f.patch)

@@ -29,6 +29,14 @@ def gain_text(f: Finding) -> str:
         return "no estimate"
     return f"est. {f.est_gain:.2f}x" + (f", {ESTIMATED}" if f.basis == "estimated" else " from timed work")
 
+
+def inconclusive_text(v: dict, again: str = "measure again with more --rounds") -> str:
+    """A measurement whose rounds disagree wildly (`_rounds`), in words: no speed-up is claimed from it."""
+    ratios = ", ".join(f"{r:.2f}" for r in v.get("ratios") or [])
+    return (f"inconclusive: the {len(v.get('ratios') or [])} interleaved rounds disagree (ratios {ratios}x); "
+            f"no speed-up claimed, {again}")
+
+
 @dataclass(frozen=True)
 class Finding:
     """One problem: its rule ID, how bad it is here, the measured evidence, the fix, the gain."""
@@ -140,7 +148,8 @@ def _render_breakdown(report: DoctorReport, console) -> None:
         return
     out = b.get("outlier_steps", 0)
     left = f", {out} start-up outlier(s) left out: {b.get('outlier_step_ms')} ms" if out else ""
-    t = Table(title=f"step time: {b['step_ms']:.2f} ms (trimmed mean of {b['steps']} steps after warm-up{left})")
+    when = ", all within warm-up: rough" if b.get("within_warmup") else " after warm-up"
+    t = Table(title=f"step time: {b['step_ms']:.2f} ms (trimmed mean of {b['steps']} steps{when}{left})")
     for col in ("data wait", "copy", "compute", "sync", "other"):
         t.add_column(col, justify="right")
     keys = ("data_wait", "copy", "compute", "sync", "other")
@@ -203,9 +212,12 @@ def _render_verify(report: DoctorReport, console) -> None:
         note = "slower here: not recommended on this machine" if s < 0.97 else ""
         if v.get("within_noise"):
             note = f"within noise (middle half of rounds {v['iqr'][0]:.2f}-{v['iqr'][1]:.2f}x)"
+        if v.get("inconclusive"):
+            note = inconclusive_text(v)
         if "compile_s" in v:
             note = (note + f" compile took {v['compile_s']} s").strip()
-        t.add_row(v["fix"], f"{v['baseline_ms']:.2f}", f"{v['candidate_ms']:.2f}", f"{s:.2f}x", note)
+        t.add_row(v["fix"], f"{v['baseline_ms']:.2f}", f"{v['candidate_ms']:.2f}",
+                  "inconclusive" if v.get("inconclusive") else f"{s:.2f}x", note)
     console.print(t)
 
 
@@ -214,9 +226,19 @@ def _render_fit_plan(report: DoctorReport, console) -> None:
     plan = report.observation.get("fit_plan") or {}
     if not plan.get("chosen"):
         return
-    console.print(f"[bold]fit's plan[/] for this model: {plan['chosen']} ({plan['why']}); measured "
-                  f"{plan['speedup']:.2f}x per step against the script's own {plan['script']}"
-                  + (" (within noise)" if plan.get("within_noise") else ""), highlight=False)
+    head = f"[bold]fit's plan[/] for this model: {plan['chosen']} ({plan['why']}); "
+    if plan.get("speedup") is None:  # the plan keeps the script's settings: nothing measured against them
+        cands = ", ".join(f"{k} {r:.2f}x" for k, r in (plan.get("candidates") or {}).items())
+        head += f"the script's own {plan['script']}, kept" + (
+            f": no candidate gained enough to change it ({cands})" if cands else "")
+    elif plan.get("inconclusive"):
+        head += f"against the script's own {plan['script']}: " + inconclusive_text(plan)
+    else:
+        head += (f"measured {plan['speedup']:.2f}x per step against the script's own {plan['script']}"
+                 + (" (within noise)" if plan.get("within_noise") else ""))
+    console.print(head, highlight=False)
+    for label, err in (plan.get("errors") or {}).items():
+        console.print(f"  {label} could not run: {err}", highlight=False)
     rest = plan.get("beyond_grid") or {}
     if rest.get("not_covered"):
         console.print("  the plan's figure leaves out: " + "; ".join(rest["not_covered"]), highlight=False)
@@ -239,8 +261,10 @@ def _render_env_fixes(report: DoctorReport, console) -> None:
             t.add_row(env, "-", "-", "-", e["error"])
             continue
         note = f"within noise ({e['iqr'][0]:.2f}-{e['iqr'][1]:.2f}x)" if e.get("within_noise") else ""
+        if e.get("inconclusive"):
+            note = inconclusive_text(e, "run the doctor again on a quieter machine")
         ms = [f"{v:.2f}" if v else "-" for v in (e.get("baseline_ms"), e.get("candidate_ms"))]
-        t.add_row(env, *ms, f"{e['speedup']:.2f}x", note)
+        t.add_row(env, *ms, "inconclusive" if e.get("inconclusive") else f"{e['speedup']:.2f}x", note)
     console.print(t)
 
 

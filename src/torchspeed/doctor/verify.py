@@ -6,7 +6,10 @@ script's DataLoader. For each fix torchspeed can apply by itself it builds a bas
 candidate (fresh copies of the model and optimizer, same weights), runs a training step on
 the captured batch, and times them interleaved (round 1: baseline, candidate; round 2: ...)
 after an untimed warm-up. The speed-up is the median of the per-round ratios, so a noisy
-machine slows both sides alike.
+machine slows both sides alike; rounds that disagree by more than 2x are marked inconclusive
+(`_rounds.round_summary`), and no finding claims them. An optimizer whose step needs a closure
+(`torch.optim.LBFGS`) is given one that runs forward and backward on the captured batch again
+(`torchspeed.train.step.closure_for`, as the library's own trainer does).
 
 Fixes: `autocast` (T21: bf16, fp16 on pre-Ampere CUDA), `channels_last` (T23), `workers`
 (T06, T45: the worker count `torchspeed.tune.tune_loader` chooses, fewer or more than the
@@ -31,6 +34,7 @@ import time
 import torch
 from torch import nn
 
+from torchspeed.doctor._rounds import round_summary
 from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
 from torchspeed.doctor.observation import CpuContention, Observation, VerifyResult
 from torchspeed.env import detect
@@ -38,7 +42,7 @@ from torchspeed.model.conv_bias import remove_conv_bias
 from torchspeed.env import sync
 from torchspeed.train.sampler import rebuild_loader
 from torchspeed.train.precision import half_precision
-from torchspeed.train.rounds import ratio_summary
+from torchspeed.train.step import closure_for
 from torchspeed.train.memory_format import apply_channels_last, to_channels_last
 
 __all__ = ["IMPLEMENTED", "verify_fixes", "applicable_fixes", "time_model_alone", "measure_contention"]
@@ -97,8 +101,8 @@ class _Trainer:
             self.ctx = _bf16_math
         self.model.train()
 
-    def step(self) -> None:
-        self.opt.zero_grad(set_to_none=self.set_to_none)
+    def forward_backward(self) -> torch.Tensor:
+        """Forward (under the candidate's context), loss and backward on the captured batch; the loss."""
         with self.ctx():
             out = call_model(self.model, self.args, self.kwargs)
             if self.loss_module is not None and self.target is not None:
@@ -106,7 +110,14 @@ class _Trainer:
             else:
                 loss = generic_loss(out)
         loss.backward()
-        self.opt.step()
+        return loss
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=self.set_to_none)
+        loss = self.forward_backward()
+        # LBFGS's step needs a closure: its line search evaluates the loss again on the same batch
+        closure = closure_for(self.opt, loss.detach(), self.forward_backward)
+        self.opt.step() if closure is None else self.opt.step(closure)
 
 
 @contextlib.contextmanager
@@ -176,7 +187,7 @@ def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25) -> V
         c_ms.append(times[1])
         ratios.append(times[0] / times[1])
     return {"baseline_ms": round(statistics.median(b_ms), 4), "candidate_ms": round(statistics.median(c_ms), 4),
-            **ratio_summary(ratios),  # within_noise: the middle half of the ratios straddles 1.0
+            **round_summary(ratios),  # within_noise: the ratios straddle 1.0; inconclusive: they disagree wildly
             "rounds": rounds, "steps_per_round": k}
 
 

@@ -39,8 +39,17 @@ def saving_gain(step: float, saved_ms: float) -> float:
 
 
 def verified(obs: Observation, fix: str) -> VerifyResult | None:
+    """--verify's measurement of `fix`; None when it did not run, failed, or its rounds disagree wildly
+    (`inconclusive`, `_rounds`): a rule then treats the fix as not measured."""
     v = obs.get("verify", {}).get(fix)
-    return v if v and "speedup" in v else None
+    return v if v and "speedup" in v and not v.get("inconclusive") else None
+
+
+def inconclusive_text(v: VerifyResult | EnvFixResult, what: str) -> str:
+    """Evidence for a measurement of the fix whose rounds disagree wildly: named, not counted."""
+    ratios = ", ".join(f"{r:.2f}" for r in v.get("ratios") or [])
+    return (f"; {what} disagree (ratios {ratios}x): inconclusive, not counted as a measurement "
+            "(measure again with more rounds)")
 
 
 def measured_text(v: VerifyResult) -> str:
@@ -56,7 +65,7 @@ def measured_text(v: VerifyResult) -> str:
 def env_measured(obs: Observation, fix: str) -> EnvFixResult | None:
     """The environment re-run's measurement of `fix` (`_envfix`: the script re-run with the variable set)."""
     v = (obs.get("env_fixes") or {}).get(fix)
-    return v if v and v.get("speedup") is not None else None
+    return v if v and v.get("speedup") is not None and not v.get("inconclusive") else None
 
 
 def env_label(env: dict[str, str]) -> str:
@@ -83,6 +92,9 @@ def plan_text(obs: Observation, fix: str | None) -> str:
     if not in_plan(obs, fix):
         return ""
     p = obs["fit_plan"]
+    if p.get("inconclusive") or p.get("speedup") is None:
+        return (f"; fit's plan for this model chooses it ({p['chosen']} against the script's {p['script']}; its "
+                "interleaved rounds disagree: inconclusive)")
     return (f"; fit's plan for this model chooses it ({p['chosen']} against the script's {p['script']}: measured "
             f"{p['speedup']:.2f}x per step, median of {len(p['ratios'])} interleaved rounds)")
 
@@ -97,6 +109,11 @@ def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: 
     for an unmeasured finding. `patch` names the source patch `--fix` writes (`torchspeed.doctor._patches`)."""
     measured, interval = None, None
     v = verified(obs, verify_fix) if verify_fix else None
+    for name, results, what in ((verify_fix, obs.get("verify"), "--verify's interleaved rounds"),
+                                (env_fix, obs.get("env_fixes"), "the interleaved re-runs of the script")):
+        wild = (results or {}).get(name) if name else None
+        if wild and wild.get("inconclusive"):
+            evidence += inconclusive_text(wild, what)
     if v is None and env_fix and (v := env_measured(obs, env_fix)) is not None:
         evidence += env_text(v)
     elif v is not None:

@@ -16,7 +16,7 @@ def _fmt(events: list[CompileEvent], n: int = 3) -> str:
 
 
 @register("compile-graph-breaks", priority=87, techniques=("T25",),
-          summary="torch.compile graph breaks and recompiles in the script")
+          summary="torch.compile graph breaks and recompiles in the script", per_step=False)
 def check(obs: Observation):
     c = obs.get("compile") or {}
     breaks, recompiles = c.get("graph_breaks") or [], c.get("recompiles") or []

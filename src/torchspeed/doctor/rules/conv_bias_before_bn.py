@@ -9,7 +9,8 @@ from torchspeed.doctor.rules._common import finding
 EST = 1.02  # one broadcast add and one optimizer update per conv; --verify measures it
 
 
-@register("conv-bias-before-bn", priority=120, techniques=("T27",), summary="Conv(bias=True) directly followed by BatchNorm", fix="conv_bias")
+@register("conv-bias-before-bn", priority=120, techniques=("T27",), summary="Conv(bias=True) directly followed by BatchNorm", fix="conv_bias",
+          per_step=False)
 def check(obs: Observation):
     pairs = obs.get("model", {}).get("conv_bias_before_bn") or []
     if not pairs:

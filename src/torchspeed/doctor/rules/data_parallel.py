@@ -7,7 +7,8 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, on_cuda
 
 
-@register("data-parallel", priority=130, techniques=("T31",), summary="nn.DataParallel instead of DistributedDataParallel")
+@register("data-parallel", priority=130, techniques=("T31",), summary="nn.DataParallel instead of DistributedDataParallel",
+          per_step=False)
 def check(obs: Observation):
     if not obs.get("model", {}).get("data_parallel"):
         return None

@@ -20,7 +20,8 @@ FIX = {"anomaly_detection": "remove torch.autograd.set_detect_anomaly(True) / de
        "deterministic": "torch.use_deterministic_algorithms(False) unless bitwise reproducibility is required"}
 
 
-@register("debug-mode-on", priority=5, techniques=("T02",), summary="debugging switches left on in a training run")
+@register("debug-mode-on", priority=5, techniques=("T02",), summary="debugging switches left on in a training run",
+          per_step=False)
 def check(obs: Observation):
     d = obs.get("debug") or {}
     on = [k for k in ("anomaly_detection", "profiler", "deterministic") if d.get(k)]

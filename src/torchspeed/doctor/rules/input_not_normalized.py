@@ -7,7 +7,8 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding
 
 
-@register("input-not-normalized", priority=180, techniques=("T30",), summary="model inputs are not normalized")
+@register("input-not-normalized", priority=180, techniques=("T30",), summary="model inputs are not normalized",
+          per_step=False)
 def check(obs: Observation):
     x = obs.get("model", {}).get("input")
     if not x:

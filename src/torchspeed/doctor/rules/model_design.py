@@ -10,7 +10,8 @@ TIME_SHARE = 0.10   # of the forward time
 INEFFICIENCY = 1.5  # time share / FLOPs share: how much worse per FLOP than the rest of the model
 
 
-@register("model-design", priority=170, techniques=("T36",), summary="memory-bound grouped/depthwise convolutions")
+@register("model-design", priority=170, techniques=("T36",), summary="memory-bound grouped/depthwise convolutions",
+          per_step=False)
 def check(obs: Observation):
     d = obs.get("model", {}).get("design") or {}
     if not d.get("grouped_convs"):

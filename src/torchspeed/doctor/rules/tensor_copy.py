@@ -1,8 +1,9 @@
 """`tensor-copy`: `torch.tensor(ndarray)` copies data that `torch.from_numpy` would share (T11).
 
-Counted in the training loop by the probe, and per `dataset[i]` by the dataset timing (`_datasets`),
-which also sees the copies a Dataset makes inside DataLoader workers. A per-sample float64 array is
-copied and usually converted again: storing the array as float32 once removes both.
+Counted in the training loop by the probe (per measured step: a copy made once while loading the data, before
+the first step, or fewer than one a step is no per-step cost, and no finding), and per `dataset[i]` by the
+dataset timing (`_datasets`), which also sees the copies a Dataset makes inside DataLoader workers. A
+per-sample float64 array is copied and usually converted again: storing the array as float32 once removes both.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, saving_gain, step_ms
 
+PER_STEP = 1.0  # copies per measured step below this (a one-off at load time: none) are no per-step cost
 FIX = "torch.from_numpy(a) or torch.as_tensor(a) shares the array's memory instead of copying it (T11)"
 FLOAT64 = ("; the arrays are float64: convert the whole array once at load (a = a.astype(np.float32)), then "
            "torch.from_numpy(a[i]) per sample")
@@ -36,7 +38,7 @@ def _from_datasets(obs: Observation):
 def check(obs: Observation):
     c = obs.get("tensor_copies", {})
     step = step_ms(obs)
-    if c.get("count"):
+    if c.get("count") and c.get("per_step", 0.0) >= PER_STEP:
         share = c["ms_per_step"] / step if step else 0.0
         sites = ", ".join(c.get("sites", [])) or "user code"
         evidence = (f"torch.tensor(ndarray) at {sites}: {c['per_step']:.1f} copies per step, {c['mib']:.2f} MiB in "

@@ -9,7 +9,8 @@ from torchspeed.doctor.rules._common import finding
 MEDIUM_FRACTION = 0.2
 
 
-@register("unused-parameters", priority=150, techniques=("T37",), summary="parameters that never receive a gradient")
+@register("unused-parameters", priority=150, techniques=("T37",), summary="parameters that never receive a gradient",
+          per_step=False)
 def check(obs: Observation):
     m = obs.get("model", {})
     unused = m.get("unused_params") or []
