@@ -162,3 +162,13 @@ def test_an_optimizer_class_is_a_type_error_naming_the_fix():
     with pytest.raises(TypeError, match=msg):
         torchspeed.fit(_model(), _loader(), **dict(_FIT, optimizer=torch.optim.AdamW, epochs=1))
     check_optimizer("adamw", sharded=True)  # a name is fine everywhere
+
+
+def test_resuming_with_the_same_optimizer_grouped_otherwise_is_a_clear_error(tmp_path):
+    """optimizer='adamw' (weight decay split off the biases: two groups) resumed with torch.optim.AdamW over all the
+    parameters (one group): a ResumeMismatchError naming the part and the fix, not torch's bare ValueError."""
+    torchspeed.fit(_model(), _loader(), checkpoint_dir=str(tmp_path), **dict(_FIT, epochs=1, weight_decay=0.05))
+    m = _model()
+    with pytest.raises(ResumeMismatchError, match=r"'optimizer' state does not fit.*parameter groups.*load_checkpoint"):
+        torchspeed.fit(m, _loader(), checkpoint_dir=str(tmp_path), resume="auto",
+                       **dict(_FIT, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-3)))

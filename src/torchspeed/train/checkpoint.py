@@ -75,7 +75,7 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class ResumeMismatchError(CheckpointError, ValueError):
-    """The checkpoint belongs to a run with other data, batch size or schedule length."""
+    """The checkpoint belongs to a run with other data, batch size, schedule length or optimizer."""
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
