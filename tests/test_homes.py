@@ -296,7 +296,6 @@ STEP_HOME = "train/step.py"
 STEPS_ELSEWHERE = {  # loops that are plain PyTorch on purpose
     "bench/hand.py": "the hand-written ceiling: plain PyTorch, no torchspeed code in the step",
     "bench/peers.py": "the peers' loops (plain PyTorch, Lightning Fabric) as their users write them",
-    "doctor/verify.py": "replays the user's plain step to verify a fix",
     "bench/small.py": "a small model's own ~15-line loop (`shuffled_epochs`, the suite's too): the baseline `fit` "
                       "is measured against",
 }
