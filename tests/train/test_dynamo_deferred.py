@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import subprocess
 import sys
 import textwrap
@@ -48,6 +49,34 @@ def test_fit_in_a_fresh_process_never_imports_torch_dynamo_and_trains_as_torchs_
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_the_switch_trials_turns_timed_apart_do_not_import_torch_dynamo_either(tmp_path):
+    """A fresh interpreter on a CPU with native bf16 (injected): the trial times bf16 apart (`ShadowTurns.step`,
+    which puts the gradients back after the candidate's forward and backward) under `recipe="auto"`'s
+    Schedule-Free AdamW, and `torch._dynamo` stays unimported (its `zero_grad` there imported it: 1 s a run)."""
+    code = textwrap.dedent("""
+        import sys, torch
+        from torch import nn
+        from torch.utils.data import DataLoader, TensorDataset
+        import torchspeed
+        from torchspeed.train import shadow
+        turns = []
+        step = shadow.ShadowTurns.step
+        shadow.ShadowTurns.step = lambda self, *a: turns.append(1) or step(self, *a)
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(512, 8, generator=g), torch.randint(0, 3, (512,), generator=g)
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        torchspeed.fit(m, DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True), epochs=2,
+                       optimizer="adamw", recipe="auto", progress=False, compile=False)
+        assert turns, "no turn was timed apart: the test does not reach ShadowTurns.step"
+        assert "torch._dynamo" not in sys.modules, "fit imported torch._dynamo"
+        print("ok")
+    """)
+    env = {**os.environ, "TORCHSPEED_CPU_PROFILE": "avx512_bf16", "TORCHSPEED_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 

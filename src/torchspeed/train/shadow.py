@@ -37,6 +37,7 @@ from dataclasses import replace
 import torch
 
 from torchspeed.env import sync
+from torchspeed.train.dynamo_deferred import torch_zero_grad
 from torchspeed.train.transfer import batch_layout
 
 __all__ = ["SHADOW_SHARE", "ShadowTurns"]
@@ -97,7 +98,7 @@ class ShadowTurns:
         finally:  # a candidate that fails part-way leaves the statistics as they were too
             for b, saved in stats:
                 b.copy_(saved)
-        t.optimizer.zero_grad(set_to_none=True)
+        torch_zero_grad(t.optimizer)  # no torch._dynamo import for it (dynamo_deferred)
         plain = live.grid[0]
         self.stage.apply(replace(cand, precision=plain.precision, channels_last=plain.channels_last,
                                  threads=None if cand.threads is None else self.stage.plain_threads))
