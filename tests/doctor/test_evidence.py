@@ -14,7 +14,7 @@ from torchspeed.doctor._capture import Captured
 from torchspeed.doctor._compile_log import parse_record
 from torchspeed.doctor._model_checks import examine_model
 from torchspeed.doctor._probe import Probe
-from torchspeed.doctor._summary import _in_memory, summarize
+from torchspeed.doctor._summary import _in_memory, own_batching, summarize
 
 from test_rules import CLEAN, CPU_ENV, _obs, _set
 
@@ -91,6 +91,25 @@ def test_in_memory_data_is_told_to_index_whole_batches_never_to_add_workers():
     f = RULES["data-bound"].check(o)
     assert "index whole batches" in f.fix and "num_workers" not in f.fix
     assert RULES["dataloader-workers"].check(o) is None
+
+
+def test_in_memory_data_batched_its_own_way_gets_the_advice_but_no_patch_that_would_drop_it():
+    ds = TensorDataset(torch.randn(8, 3), torch.arange(8))
+    assert own_batching(DataLoader(ds, batch_size=4, shuffle=True)) == []
+    whole = DataLoader(ds, batch_size=None, sampler=torch.utils.data.BatchSampler(
+        torch.utils.data.RandomSampler(ds), 4, drop_last=False))  # what batched_index writes
+    assert own_batching(whole) == []
+    assert own_batching(DataLoader(ds, batch_size=4, collate_fn=lambda b: b)) == ["collate_fn"]
+    assert own_batching(DataLoader(ds, batch_size=4, sampler=torch.utils.data.WeightedRandomSampler(
+        [1.0] * 8, 8))) == ["sampler"]
+    base = _obs(_set("breakdown.fractions.data_wait", 0.6), _set("breakdown.data_wait_ms", 6.0),
+                _set("loaders", [{**CLEAN["loaders"][0], "num_workers": 0, "dataset": "TensorDataset",
+                                  "in_memory": True, "own_batching": []}]))
+    assert RULES["data-bound"].check(base).patch == "batched_index"
+    own = copy.deepcopy(base)
+    own["loaders"][0]["own_batching"] = ["collate_fn"]
+    f = RULES["data-bound"].check(own)
+    assert f.patch is None and "index whole batches" in f.fix and "(collate_fn)" in f.fix
 
 
 class _Rows(torch.utils.data.Dataset):

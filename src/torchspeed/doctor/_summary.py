@@ -23,6 +23,8 @@ import statistics
 import sys
 
 import torch
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+from torch.utils.data._utils.collate import default_collate, default_convert
 
 from torchspeed.doctor._contention import quartiles
 from torchspeed.train.in_memory import in_memory_tensors
@@ -141,7 +143,7 @@ def summarize(probe, obs: dict) -> None:
             "persistent_workers": bool(getattr(loader, "persistent_workers", False)),
             "dataset": type(ds).__name__, "wait_ms_total": round(probe.loader_wait.get(lid, 0.0) * 1e3, 3),
             "map_style": hasattr(ds, "__getitem__") and hasattr(ds, "__len__"),
-            "in_memory": _in_memory(ds),
+            "in_memory": _in_memory(ds), "own_batching": own_batching(loader),
         })
     obs["loaders"].sort(key=lambda d: -d["wait_ms_total"])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -149,6 +151,22 @@ def summarize(probe, obs: dict) -> None:
     if torch.cuda.is_available():
         obs["memory"]["cuda_max_allocated_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
         obs["memory"]["cuda_total_mib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**20, 1)
+
+
+def own_batching(loader) -> list[str]:
+    """The parts of a DataLoader that batch its own way (a collate_fn, a sampler or batch sampler of its own):
+    indexing whole batches (`--fix`'s batched_index) would drop them, so the in-memory finding offers no patch."""
+    own = []
+    whole = getattr(loader, "batch_size", 1) is None and type(getattr(loader, "sampler", None)) is BatchSampler
+    if getattr(loader, "collate_fn", default_collate) not in (default_collate, default_convert):
+        own.append("collate_fn")
+    bs = getattr(loader, "batch_sampler", None)
+    if bs is not None and type(bs) is not BatchSampler:
+        own.append("batch_sampler")
+    sampler = getattr(loader, "sampler", None)
+    if sampler is not None and not whole and type(sampler) not in (RandomSampler, SequentialSampler):
+        own.append("sampler")
+    return own
 
 
 def _in_memory(ds) -> bool:

@@ -132,6 +132,7 @@ class LoaderInfo(TypedDict, total=False):
     wait_ms_total: float
     map_style: bool
     in_memory: bool              # a TensorDataset: rows of tensors already in memory
+    own_batching: list[str]      # "collate_fn", "sampler", "batch_sampler": the loader's own (no batched_index patch)
 
 
 class DatasetCopies(TypedDict, total=False):

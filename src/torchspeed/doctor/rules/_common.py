@@ -139,12 +139,17 @@ def loader_summary(obs: Observation) -> LoaderInfo | None:
     return loaders[0] if loaders else None
 
 
-def in_memory_fix() -> str:
-    """The fix for a TensorDataset fed through a DataLoader: index whole batches, no per-sample work."""
-    return ("the data is already in memory (a TensorDataset, or a Dataset whose __getitem__ only indexes its "
+def in_memory_fix(own: list[str] | tuple[str, ...] = ()) -> str:
+    """The fix for a TensorDataset fed through a DataLoader: index whole batches, no per-sample work. `own`: the
+    loader's own batching parts (`_summary.own_batching`), which the slicing must keep by hand."""
+    text = ("the data is already in memory (a TensorDataset, or a Dataset whose __getitem__ only indexes its "
             "tensors): index whole batches instead of one sample at a "
             "time, `perm = torch.randperm(len(X)); for i in range(0, len(X), B): idx = perm[i:i+B]; x, y = X[idx], "
             "Y[idx]` (no per-sample __getitem__, no collate); workers would only add inter-process copies (T10, T06)")
+    if own:
+        text += (f"; this DataLoader batches its own way ({', '.join(own)}), so `--fix` does not rewrite it: draw "
+                 "the indices as its sampler does and do its collate's work on each sliced batch")
+    return text
 
 
 def workers_verdict(obs: Observation) -> VerifyResult | None:

@@ -49,9 +49,9 @@ def check(obs: Observation):
         break
     v = workers_verdict(obs)
     if ld.get("in_memory"):
-        fix = in_memory_fix()
-        return finding("data-bound", evidence=evidence, fix=fix, est_gain=overlap_gain(obs), obs=obs,
-                       basis="timed", patch="batched_index")
+        own = ld.get("own_batching") or []
+        return finding("data-bound", evidence=evidence, fix=in_memory_fix(own), est_gain=overlap_gain(obs), obs=obs,
+                       basis="timed", patch=None if own else "batched_index")
     patch_args = None
     if v and v.get("direction") == "fewer" and v["speedup"] > 1.0:
         patch_args = {"workers": int(v["candidate"].split("=")[1].split(",")[0])}
