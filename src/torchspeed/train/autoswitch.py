@@ -8,7 +8,8 @@ shape, machine, kernels and torch version measured before: 0 steps measured); on
 candidates take turns on the real model and optimizer, each step a step of the run, until the
 trial decides and the winner stays in effect. A candidate in another precision or memory layout than the
 plain settings', or in the threads stage another thread count than the run's, is timed apart (`shadow.ShadowTurns`): the run's numerics are the plain settings' until the
-trial decides, so a run that keeps the plain settings is the plain run to the last bit. Under DDP every
+trial decides, so a run that keeps the plain settings is the plain run to the last bit (unless a candidate led
+them by 10% on the way: its later turns train, `_shadows`). Under DDP every
 rank runs the same schedule and applies rank 0's choice (`broadcast`); the memory layout stays
 (the gradient buckets were laid out for it). The user's RNG and the loader's data order are
 untouched: nothing is read from the loader that the run does not train on.
