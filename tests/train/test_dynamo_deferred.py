@@ -80,6 +80,31 @@ def test_the_switch_trials_turns_timed_apart_do_not_import_torch_dynamo_either(t
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
+def test_the_kernel_trial_and_the_checkpoints_of_a_default_fit_do_not_import_torch_dynamo(tmp_path):
+    """A fresh interpreter: `fit` with nothing said (SGD, its kernel measured by the trial's optimizer-kernel
+    stage, which times the step without step hooks) and a checkpoint each epoch (the optimizer's state_dict)
+    leaves `torch._dynamo` unimported; before, each of the two imported it."""
+    code = textwrap.dedent(f"""
+        import sys, torch
+        from torch import nn
+        from torch.utils.data import DataLoader, TensorDataset
+        import torchspeed
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(512, 8, generator=g), torch.randint(0, 3, (512,), generator=g)
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        r = torchspeed.fit(m, DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True), epochs=2,
+                           progress=False, compile=False, checkpoint_dir={str(tmp_path / "ckpt")!r})
+        stages = [s["stage"] for s in (r.decisions["switch_trial"].measured or {{}}).get("stages", [])]
+        assert "optimizer kernel" in stages, stages
+        assert "torch._dynamo" not in sys.modules, "fit imported torch._dynamo"
+        print("ok")
+    """)
+    env = {**os.environ, "TORCHSPEED_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("make", [lambda p: torch.optim.Adam(p, lr=1e-2),
                                   lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, amsgrad=True),
                                   lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),

@@ -40,6 +40,7 @@ from torchspeed.train.optim import describe_optimizer
 from torchspeed.train.optim_info import kernel_reason
 from torchspeed.train.precision import MixedPrecision, Precision, normalize_precision
 from torchspeed.train.shadow import ShadowTurns
+from torchspeed.train.step import STEP_CLOCK
 from torchspeed.train.switches import (LiveTrial, Switches, batch_signature, candidate_grid, fusable, model_signature,
                                        rule_switches, set_fused, trial_steps)
 from torchspeed.train.transfer import batch_layout
@@ -54,7 +55,7 @@ LIVE_SHARE = 0.25  # a short run spends at most about this share of its steps tr
 PRICE_SHARE = 0.25  # ... and a trial whose settings would cost more than this share of the run's seconds is not run
 # How the trial measures and chooses, in the cache key: a trial cached by an earlier method (which, say, timed the
 # optimizer kernels on whole steps) is measured again, not read. Bump it with any change to the schedule or the choice.
-TRIAL_METHOD = 3
+TRIAL_METHOD = 4  # 4: the optimizer-kernel stage times the lean step where the run takes it (no step hooks)
 GUARD_SAMPLES = 8  # the numerics guard compares the precisions' losses on the first batch's first 8 samples
 
 
@@ -126,25 +127,24 @@ def _summary(report: dict) -> str:
 
 
 class _OptimizerClock:
-    """Seconds spent inside `optimizer.step()` while attached (its own pre- and post-step hooks; synced on a GPU).
-    None when no step ran (a micro-batch inside an accumulation window)."""
+    """Seconds spent in the optimizer's step while attached (`step.optimizer_step` times it: the lean step or
+    torch's, as the run will step; synced on a GPU). None when no step ran (a micro-batch inside an accumulation
+    window). Not step hooks: with them the lean step stands aside and torch's step imports torch._dynamo."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device):
-        self.device, self.seconds, self._t0 = device, None, 0.0
-        self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+        self.device, self.seconds, self._t0, self._optimizer = device, None, 0.0, optimizer
+        optimizer.__dict__[STEP_CLOCK] = self
 
-    def _pre(self, *_):
+    def start(self) -> None:
         sync(self.device)
         self._t0 = time.perf_counter()
 
-    def _post(self, *_):
+    def stop(self) -> None:
         sync(self.device)
         self.seconds = (self.seconds or 0.0) + time.perf_counter() - self._t0
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._optimizer.__dict__.pop(STEP_CLOCK, None)
 
 
 def _state_follows_layout(optimizer: torch.optim.Optimizer) -> None:

@@ -15,6 +15,9 @@ While `torch._dynamo` is not imported nothing can be compiling, so dynamo's `dis
   not differentiable: `LeanStep`'s conditions), called as `_use_grad_for_differentiable` calls it (grad off)
   without its graph breaks. The update is torch's, bit for bit (tests/train/test_dynamo_deferred.py).
 
+Their users: the Trainer's optimizer build, `step.optimizer_step`, `zero_grad` (the run's, and the switch trial's
+turns timed apart), the checkpoints' `stateful.collect_state`/`restore_state`; the trial's optimizer-kernel stage
+times the step through `step.STEP_CLOCK`, not step hooks (with hooks the step would be torch's, and import it).
 Where `torch._dynamo` is already imported (a script that compiled, or made an optimizer first) both are
 torch's own calls. `torch.compile` and `compile="auto"` import it when they run, as before.
 """

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from torchspeed.train.checkpoint import CheckpointError, ResumeMismatchError
+from torchspeed.train.dynamo_deferred import deferred_dynamo
 
 __all__ = ["Stateful", "Part", "attribute", "collect_state", "check_parts", "restore_state", "RESERVED", "MissingPartError"]
 
@@ -83,7 +84,8 @@ def collect_state(parts: Mapping[str, Stateful], *, skip: Iterable[str] = ()) ->
         raise ValueError(f"stateful part name(s) {bad} are reserved for the checkpoint's own keys "
                          f"({sorted(RESERVED)}): register the part under another name")
     skip = set(skip)
-    return {name: None if name in skip else part.state_dict() for name, part in parts.items()}
+    with deferred_dynamo():  # an optimizer's state_dict without importing torch._dynamo (1-2 s) where none is
+        return {name: None if name in skip else part.state_dict() for name, part in parts.items()}
 
 
 def check_parts(parts: Mapping[str, Stateful], state: Mapping, *, source: object, skip: Iterable[str] = (),
@@ -115,7 +117,8 @@ def restore_state(parts: Mapping[str, Stateful], state: Mapping, *, source: obje
     order = sorted((n for n in parts if n in state and n not in skip), key=lambda n: n == _LAST)
     for name in order:
         try:
-            parts[name].load_state_dict(state[name])
+            with deferred_dynamo():  # the optimizer's load_state_dict too (collect_state)
+                parts[name].load_state_dict(state[name])
         except CheckpointError:
             raise
         except (ValueError, KeyError) as e:  # torch's bare "different number of parameter groups", a missing key

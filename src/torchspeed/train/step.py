@@ -41,6 +41,8 @@ __all__ = ["backward", "optimizer_step", "AccumulationWindow", "needs_closure", 
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: the window's context when there is nothing to skip
 _NOT_SKIPPED = torch.zeros((), dtype=torch.int64)  # read-only: optimizer_step's "not skipped" (no tensor made per step)
+STEP_CLOCK = "_torchspeed_step_clock"  # an optimizer attribute: an object whose start()/stop() time its steps (the
+# switch trial's optimizer-kernel stage); step hooks would take the lean step and torch._dynamo's deferral away
 
 
 class AccumulationWindow:
@@ -160,6 +162,9 @@ def optimizer_step(optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradSc
         if scaler is not None:
             scaler.unscale_(optimizer)  # once, before clipping: clip the true gradient
         torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+    clock = optimizer.__dict__.get(STEP_CLOCK)
+    if clock is not None:
+        clock.start()
     if scaler is None:
         if closure is not None:
             optimizer.step(closure)
@@ -167,10 +172,14 @@ def optimizer_step(optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradSc
             torch_step(optimizer, lean)  # torch's step (its first without importing torch._dynamo)
             if lean is not None:
                 lean.prepare()  # the first step made the state: the lists now, their one-off cost in this step
+        if clock is not None:
+            clock.stop()
         return _NOT_SKIPPED
     scale = getattr(scaler, "_scale", None)
     before = scale.clone() if isinstance(scale, torch.Tensor) else scaler.get_scale()
     scaler.step(optimizer) if closure is None else scaler.step(optimizer, closure=closure)  # (torch refuses it)
+    if clock is not None:
+        clock.stop()
     scaler.update()
     after = getattr(scaler, "_scale", None)
     if isinstance(after, torch.Tensor) and isinstance(before, torch.Tensor):
