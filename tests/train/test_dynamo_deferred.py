@@ -64,7 +64,7 @@ def test_the_switch_trials_turns_timed_apart_do_not_import_torch_dynamo_either(t
         from torchspeed.train import shadow
         turns = []
         step = shadow.ShadowTurns.step
-        shadow.ShadowTurns.step = lambda self, *a: turns.append(1) or step(self, *a)
+        shadow.ShadowTurns.step = lambda self, *a, **k: turns.append(1) or step(self, *a, **k)
         g = torch.Generator().manual_seed(0)
         x, y = torch.randn(512, 8, generator=g), torch.randint(0, 3, (512,), generator=g)
         torch.manual_seed(0)

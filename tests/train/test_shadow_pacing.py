@@ -51,9 +51,9 @@ def _spy_turns(monkeypatch):
     """Each timed-apart turn's (turn number, the run's steps since the trial began) as it starts."""
     seen, real = [], ShadowTurns.step
 
-    def step(self, batch, run_step, cand):
+    def step(self, batch, run_step, cand, **kw):
         seen.append((len(seen) + 1, self.seen))
-        return real(self, batch, run_step, cand)
+        return real(self, batch, run_step, cand, **kw)
 
     monkeypatch.setattr(ShadowTurns, "step", step)
     return seen
@@ -179,3 +179,59 @@ def test_thread_count_turns_are_timed_apart_and_every_trained_step_runs_at_the_r
     assert trial.measured["shadow_steps"] >= 2  # 1 thread's turns: timed apart
     for k, v in plain.module.state_dict().items():
         assert torch.equal(tried.module.state_dict()[k], v), k
+
+
+class _Clock:
+    """A fake `time` for shadow.py: it moves only when a forward and backward runs, by the seconds queued."""
+
+    def __init__(self):
+        self.now, self.queue = 0.0, []
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_a_timed_turn_times_the_candidates_second_pass_not_its_first_after_the_switch(monkeypatch):
+    """A timed turn timed apart runs the candidate's forward and backward twice (the first pass after the run's own
+    step is not its steady one: a layout's reorders, a precision's first casts) and returns the second's seconds;
+    the first goes to the trial's cost. A warm-up turn runs it once. The run stays the plain run, bit for bit."""
+    clock = _Clock()
+    monkeypatch.setattr(shadow_mod, "time", clock)
+    real_fb = Trainer._forward_backward
+    passes = []
+
+    def fb(self, batch):
+        if clock.queue:
+            clock.now += clock.queue.pop(0)
+        passes.append(self.precision.name)
+        return real_fb(self, batch)
+
+    monkeypatch.setattr(Trainer, "_forward_backward", fb)
+    real_step, out = ShadowTurns.step, []
+
+    def step(self, batch, run_step, cand, *, settle=False):
+        # seconds per pass: the settling one (slow), the timed one, the trained one in the plain settings
+        clock.queue = [9.0, 1.0, 2.0] if settle else [5.0, 2.0]
+        before, extra = len(passes), self.stage.live.extra_seconds()
+        sec = real_step(self, batch, run_step, cand, settle=settle)
+        out.append((settle, sec, passes[before:], self.stage.live.extra_seconds() - extra))
+        return sec
+
+    monkeypatch.setattr(ShadowTurns, "step", step)
+    t = _trainer()
+    t.switcher.measure_fn = None  # the turns' own seconds, from the fake clock
+    torch.manual_seed(3)
+    t.fit(_loader(40))
+    plain = _trainer(trial=False)
+    torch.manual_seed(3)
+    plain.fit(_loader(40))
+    warm = [o for o in out if not o[0]]
+    timed = [o for o in out if o[0]]
+    assert warm and timed
+    for _, sec, ran, extra in warm:
+        assert ran == ["bf16", "fp32"] and sec == pytest.approx(5.0) and extra == pytest.approx(2.0)
+    for _, sec, ran, extra in timed:
+        assert ran == ["bf16", "bf16", "fp32"]  # settled, timed, trained
+        assert sec == pytest.approx(1.0) and extra == pytest.approx(9.0 + 2.0)
+    for k, v in plain.module.state_dict().items():
+        assert torch.equal(t.module.state_dict()[k], v), k

@@ -55,7 +55,7 @@ LIVE_SHARE = 0.25  # a short run spends at most about this share of its steps tr
 PRICE_SHARE = 0.25  # ... and a trial whose settings would cost more than this share of the run's seconds is not run
 # How the trial measures and chooses, in the cache key: a trial cached by an earlier method (which, say, timed the
 # optimizer kernels on whole steps) is measured again, not read. Bump it with any change to the schedule or the choice.
-TRIAL_METHOD = 4  # 4: the optimizer-kernel stage times the lean step where the run takes it (no step hooks)
+TRIAL_METHOD = 5  # 4: the kernel stage times the lean step (no step hooks); 5: a timed-apart turn is settled first
 GUARD_SAMPLES = 8  # the numerics guard compares the precisions' losses on the first batch's first 8 samples
 
 
@@ -332,7 +332,7 @@ class SwitchStage:
             trial.stage == "optimizer kernel" and self.t.config.grad_accum == 1) else None
         t0 = time.perf_counter()
         try:
-            shadow_s = self.shadow.step(batch, run_step, cand) if shadow else run_step(batch)
+            shadow_s = self.shadow.step(batch, run_step, cand, settle=trial.timed_now()) if shadow else run_step(batch)
         except Exception as e:
             if is_out_of_memory(e) or cand == trial.grid[0] or one_sample_batchnorm(e, batch_size(batch)):
                 raise  # not the candidate's fault: the step's caller says why (guard.step_failed)

@@ -267,6 +267,8 @@ class LiveTrial:
     def current(self) -> Switches:
         return self._queue[0][0]
 
+    def timed_now(self) -> bool: return self._queue[0][1]  # whether the current turn is timed (not a warm-up)
+
     def record(self, seconds: float, *, whole_step: bool = True) -> None:
         """The seconds the current candidate's step took (warm-up steps are not timed); `whole_step` False: the
         seconds of the part the stage's candidates differ in (the optimizer's step), not a step's."""
