@@ -92,19 +92,19 @@ class ShadowTurns:
         its steady step; a run that switches pays that once)."""
         t, live = self.stage.t, self.stage.live
         stats = [(b, b.clone()) for b in t.module.buffers()]
+
+        def candidate_pass() -> float:  # the candidate's forward and backward on the batch, its seconds
+            t0 = time.perf_counter()
+            t._forward_backward(batch)
+            sync(t.device)
+            return time.perf_counter() - t0
         try:
             with torch.random.fork_rng(devices=[t.device] if t.device.type == "cuda" else [],
                                        device_type=t.device.type):
                 if settle:
-                    t0 = time.perf_counter()
-                    t._forward_backward(batch)
-                    sync(t.device)
-                    live.add_extra(time.perf_counter() - t0)
+                    live.add_extra(candidate_pass())
                     torch_zero_grad(t.optimizer)
-                t0 = time.perf_counter()
-                t._forward_backward(batch)
-                sync(t.device)
-                timed = time.perf_counter() - t0
+                timed = candidate_pass()
         finally:  # a candidate that fails part-way leaves the statistics as they were too
             for b, saved in stats:
                 b.copy_(saved)

@@ -115,15 +115,15 @@ def restore_state(parts: Mapping[str, Stateful], state: Mapping, *, source: obje
     if extra:
         log.warning("resume: %s holds state for part(s) %s that this run does not register; left out", source, extra)
     order = sorted((n for n in parts if n in state and n not in skip), key=lambda n: n == _LAST)
-    for name in order:
-        try:
-            with deferred_dynamo():  # the optimizer's load_state_dict too (collect_state)
+    with deferred_dynamo():  # the optimizer's load_state_dict too (collect_state)
+        for name in order:
+            try:
                 parts[name].load_state_dict(state[name])
-        except CheckpointError:
-            raise
-        except (ValueError, KeyError) as e:  # torch's bare "different number of parameter groups", a missing key
-            raise ResumeMismatchError(
-                f"{source}: its {name!r} state does not fit this run's ({type(e).__name__}: {e}). It was written by a "
-                f"run set up otherwise (the optimizer's parameter groups, say: optimizer='adamw' splits off the "
-                "biases and norms, torch.optim.AdamW(model.parameters()) does not). Resume with the run's own "
-                "settings, or start a new checkpoint_dir from its weights (load_checkpoint)") from e
+            except CheckpointError:
+                raise
+            except (ValueError, KeyError) as e:  # torch's bare "different number of parameter groups", a missing key
+                raise ResumeMismatchError(
+                    f"{source}: its {name!r} state does not fit this run's ({type(e).__name__}: {e}). It was written "
+                    f"by a run set up otherwise (the optimizer's parameter groups, say: optimizer='adamw' splits off "
+                    "the biases and norms, torch.optim.AdamW(model.parameters()) does not). Resume with the run's own "
+                    "settings, or start a new checkpoint_dir from its weights (load_checkpoint)") from e
