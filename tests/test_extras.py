@@ -21,7 +21,8 @@ from torchspeed._extras import EXTRAS, MissingExtraError, require
 ROOT = Path(__file__).resolve().parents[1]
 # Every optional package (and the big ones they pull in): none may be needed by the core.
 BLOCKED = ("torchvision", "PIL", "simplejpeg", "cv2", "skimage", "scipy", "matplotlib", "sklearn", "timm",
-           "tensorboard", "lightning", "lightning_fabric", "pytorch_lightning", "kornia", "torchdata")
+           "tensorboard", "lightning", "lightning_fabric", "pytorch_lightning", "kornia", "torchdata", "torch_pruning",
+           "einops")
 
 # Hides the packages as if they were not installed: the path finder answers None for them, so
 # `import` raises ModuleNotFoundError and `importlib.util.find_spec` returns None (torch._dynamo
@@ -138,6 +139,7 @@ def test_each_feature_names_its_extra(monkeypatch):
 
     from torchspeed.bench.workloads import create_model, digits
     from torchspeed.data.decode import _opencv
+    from torchspeed.model.prune import prune_channels
     from torchspeed.train.optim import create_optimizer
 
     real = importlib.import_module
@@ -148,7 +150,8 @@ def test_each_feature_names_its_extra(monkeypatch):
         return real(name, *a, **k)
     monkeypatch.setattr(importlib, "import_module", fake_import)
     cases = [(lambda: digits(), "bench"), (lambda: create_model("resnet18"), "bench"),
-             (lambda: _opencv(b"", 0, 0), "data"), (lambda: create_optimizer("lamb", nn.Linear(2, 2), lr=0.1), "timm")]
+             (lambda: _opencv(b"", 0, 0), "data"), (lambda: create_optimizer("lamb", nn.Linear(2, 2), lr=0.1), "timm"),
+             (lambda: prune_channels(nn.Linear(2, 2), None, ratio=0.5), "slim")]
     for call, extra in cases:
         with pytest.raises(MissingExtraError, match=re.escape(f"pip install 'torchspeed[{extra}]'")):
             call()
@@ -161,7 +164,8 @@ def test_extras_table_matches_pyproject():
     assert core == {"torch", "numpy", "rich"}
     pip_names = {"torchvision": "torchvision", "PIL": "pillow", "simplejpeg": "simplejpeg",
                  "cv2": "opencv-python-headless", "skimage": "scikit-image", "matplotlib": "matplotlib",
-                 "sklearn": "scikit-learn", "timm": "timm", "tensorboard": "tensorboard", "schedulefree": "schedulefree"}
+                 "sklearn": "scikit-learn", "timm": "timm", "tensorboard": "tensorboard", "schedulefree": "schedulefree",
+                 "torch_pruning": "torch-pruning", "einops": "einops"}
     for module, extra in EXTRAS.items():
         assert any(d.startswith(pip_names[module]) for d in extras[extra]), (module, extra)
     assert set(extras) >= {"data", "plot", "bench", "timm", "all", "dev"}

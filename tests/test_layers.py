@@ -14,7 +14,7 @@ ROOT = pathlib.Path(torchspeed.__file__).parent
 DOCS = ROOT.parent.parent / "docs" / "architecture.md"
 
 FLOOR = ("_io", "_extras", "env")
-BELOW_CLI = (*FLOOR, "train", "tune", "data", "model", "plan", "fitting", "inference")
+BELOW_CLI = (*FLOOR, "train", "tune", "data", "model", "plan", "distill", "fitting", "slimming", "inference")
 LAYERS = {  # bottom to top: a package (or top-level module) -> what it may import besides itself
     "_io": (), "_extras": (), "env": (),
     "train": FLOOR,
@@ -22,7 +22,9 @@ LAYERS = {  # bottom to top: a package (or top-level module) -> what it may impo
     "data": (*FLOOR, "train"),
     "model": (*FLOOR, "train"),
     "plan": (*FLOOR, "train", "tune"),
-    "fitting": (*FLOOR, "train", "plan"),
+    "distill": (*FLOOR, "train"),
+    "fitting": (*FLOOR, "train", "plan", "distill"),
+    "slimming": (*FLOOR, "train", "model", "fitting"),
     "inference": (*FLOOR, "train", "data", "model"),
     "bench": BELOW_CLI,
     "doctor": BELOW_CLI,
@@ -34,7 +36,9 @@ PURPOSE = {
     "_io": "atomic file writes", "_extras": "optional imports", "env": "what this machine can accelerate",
     "train": "the loop, one module per technique", "tune": "the tuners, measured with train's step",
     "data": "image decoding, caching, loaders", "model": "model surgery and models by name",
-    "plan": "the one planner and the recipe", "fitting": "`torchspeed.fit`", "inference": "load_model, predict",
+    "plan": "the one planner and the recipe", "distill": "distillation's loss and teacher cache",
+    "fitting": "`torchspeed.fit`", "slimming": "`torchspeed.slim`, pruning measured",
+    "inference": "load_model, predict",
     "bench": "the bench rows", "doctor": "the doctor", "cli": "one file per subcommand",
     "torchspeed": "the package face (`import torchspeed`)", "__main__": "`python -m torchspeed`",
 }

@@ -4,14 +4,16 @@ The public API: `fit` / `Trainer` (the fast loop), each technique as a plain fun
 (`apply_channels_last`, `resolve_precision`, `create_optimizer`, `create_scheduler`,
 `scale_lr`, `Prefetcher`, `evaluate`, ...), model surgery (`remove_conv_bias`,
 `pad_to_multiple`, `freeze_batchnorm`, `apply_activation_checkpointing`), the doctor
-(`diagnose`), fast image data (`FastImageFolder`, `PackedDataset`, `CachedDataset`,
-`DeviceAugment`; see `torchspeed.data`), and `detect` (what this machine can accelerate).
+(`diagnose`), structured pruning measured by time (`slim`, `finetune`), fast image data
+(`FastImageFolder`, `PackedDataset`, `CachedDataset`, `DeviceAugment`; see `torchspeed.data`), and
+`detect` (what this machine can accelerate).
 """
 
 from torchspeed.env import EnvInfo, detect
 from torchspeed.train import *  # noqa: F403
 from torchspeed.train import __all__ as _train_all
 from torchspeed.fitting import fit
+from torchspeed.slimming import SlimReport, SlimResult, finetune, slim
 from torchspeed.inference import LoadedModel, Prediction, load_model, predict
 from torchspeed.train.dcp import export_checkpoint
 
@@ -26,7 +28,7 @@ from torchspeed.data import (CachedDataset, DeviceAugment, DeviceLoader, FastIma
 
 __version__ = "0.1.0"
 __all__ = ["EnvInfo", "detect", "__version__", "fit", "export_checkpoint", "load_model", "predict", "LoadedModel",
-           "Prediction", *_train_all,
+           "Prediction", *_train_all, "slim", "finetune", "SlimResult", "SlimReport",
            "find_batch_size", "find_lr", "tune_loader", "BatchSizeResult", "LRFinderResult", "LoaderSettings",
            "remove_conv_bias", "find_conv_bn_pairs", "ConvBNPair", "pad_to_multiple", "PaddingResult",
            "freeze_batchnorm", "apply_activation_checkpointing", "CheckpointWrapper",

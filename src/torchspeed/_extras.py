@@ -10,6 +10,8 @@ other package belongs to a feature and to the extra that installs it (pyproject.
 | `bench` | scikit-learn, torchvision, matplotlib | `torchspeed bench` (the digits workload, the torchvision ResNets, the PNG) |
 | `timm` | timm | the LAMB/LARS optimizers, timm model names |
 | `tensorboard` | tensorboard | `torchspeed.train.loggers.TensorBoardLogger` |
+| `slim` | torch-pruning | `torchspeed.slim` (structured pruning) |
+| `einops` | einops | the doctor's einops finding's measured fix; models built with `einops.layers` |
 | `all` | all of the above | |
 
 Example:
@@ -27,8 +29,9 @@ __all__ = ["require", "MissingExtraError", "EXTRAS"]
 # The extra that installs each optional top-level module (kept in step with pyproject.toml by a test).
 EXTRAS = {"torchvision": "data", "PIL": "data", "simplejpeg": "data", "cv2": "data", "skimage": "data",
           "matplotlib": "plot", "sklearn": "bench", "timm": "timm", "tensorboard": "tensorboard",
-          "schedulefree": "schedulefree"}
-_PACKAGES = {"PIL": "Pillow", "cv2": "OpenCV", "skimage": "scikit-image", "sklearn": "scikit-learn"}
+          "schedulefree": "schedulefree", "torch_pruning": "slim", "einops": "einops"}
+_PACKAGES = {"PIL": "Pillow", "cv2": "OpenCV", "skimage": "scikit-image", "sklearn": "scikit-learn",
+             "torch_pruning": "torch-pruning"}
 
 
 class MissingExtraError(ImportError):
