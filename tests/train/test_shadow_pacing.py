@@ -209,11 +209,11 @@ def test_a_timed_turn_times_the_candidates_second_pass_not_its_first_after_the_s
     monkeypatch.setattr(Trainer, "_forward_backward", fb)
     real_step, out = ShadowTurns.step, []
 
-    def step(self, batch, run_step, cand, *, settle=False):
+    def step(self, batch, run_step, cand, *, settle=False, **kw):
         # seconds per pass: the settling one (slow), the timed one, the trained one in the plain settings
         clock.queue = [9.0, 1.0, 2.0] if settle else [5.0, 2.0]
         before, extra = len(passes), self.stage.live.extra_seconds()
-        sec = real_step(self, batch, run_step, cand, settle=settle)
+        sec = real_step(self, batch, run_step, cand, settle=settle, **kw)
         out.append((settle, sec, passes[before:], self.stage.live.extra_seconds() - extra))
         return sec
 

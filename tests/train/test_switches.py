@@ -744,10 +744,11 @@ def test_the_optimizer_kernel_stage_times_the_optimizer_step_alone(tiny_cnn, mon
     """On a fake clock: every training forward costs 100 ms, the fused step 2 ms and the foreach step 6 ms. The
     kernel stage records the optimizer step's own seconds (its hooks); the layout stage and the times the compile
     trial reads stay whole steps."""
-    from torchspeed.train import autoswitch, shadow
+    from torchspeed.train import autoswitch, shadow, step
 
     monkeypatch.setattr(autoswitch, "time", fake_clock)
     monkeypatch.setattr(shadow, "time", fake_clock)  # channels_last's turns are timed apart there
+    monkeypatch.setattr(step, "time", fake_clock)  # the optimizer step's clock (step.OptimizerClock)
     t = _trainer(tiny_cnn(), AVX2, fused_optimizer="auto")
     t.module[0].register_forward_pre_hook(lambda m, a: fake_clock.advance(0.1) if torch.is_grad_enabled() else None)
     t.optimizer.register_step_post_hook(

@@ -62,6 +62,7 @@ from torchspeed.train.sampler import rebuild_loader
 from torchspeed.train.optim_info import OPTIM_INFO, default_lr
 from torchspeed.train.schedule import default_schedule, lr_given
 from torchspeed.train.switches import AHEAD
+from torchspeed.train.user_state import UserState
 from torchspeed.tune.auto import tune_for_fit
 
 __all__ = ["Plan", "make_plan", "BUILT_IN"]
@@ -115,7 +116,11 @@ def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
                      optimizer_options=optimizer_options, loss_fn=loss_fn, step_fn=step_fn, device=device,
                      batch_size=batch_size, loader_mode=loader, recipe=recipe, recipe_parts=recipe_parts,
                      schedule_given=schedule_given, cache=cache, callbacks=list(callbacks or ()))
-    run_event(ctx, "before")
+    state = UserState(model, step_fn).snapshot()  # the tuners and trials run the user's model and step_fn
+    try:
+        run_event(ctx, "before")
+    finally:  # what they left in its state (a step_fn's carried hidden state, a forward's attributes) put back
+        state.restore()
     if any(s.wanted(ctx) for s in stages("after_switches")):  # else no callback: nothing runs per step
         ctx.callbacks.append(RunStages(ctx))
     plan = Plan(loader=ctx.loader, optimizer=ctx.optimizer, lr=float(ctx.lr), config=ctx.cfg, callbacks=ctx.callbacks,

@@ -35,15 +35,16 @@ from torchspeed.train.batch import batch_size, first_samples, forward_loss
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.distributed import broadcast_object, is_rank_zero
 from torchspeed.train.guard import is_out_of_memory, one_sample_batchnorm
-from torchspeed.train.memory_format import has_conv2d
+from torchspeed.train.memory_format import has_conv2d, state_follows_layout
 from torchspeed.train.optim import describe_optimizer
 from torchspeed.train.optim_info import kernel_reason
 from torchspeed.train.precision import MixedPrecision, Precision, normalize_precision
 from torchspeed.train.shadow import ShadowTurns
-from torchspeed.train.step import STEP_CLOCK
+from torchspeed.train.step import OptimizerClock
 from torchspeed.train.switches import (LiveTrial, Switches, batch_signature, candidate_grid, fusable, model_signature,
                                        rule_switches, set_fused, trial_steps)
 from torchspeed.train.transfer import batch_layout
+from torchspeed.train.trial_safety import TrialSafety
 
 __all__ = ["rule_choice", "trial_settings", "TRIAL_SETTINGS", "LIVE_SHARE", "PRICE_SHARE", "SwitchStage",
            "kernel_isa", "arm_switch_trial"]
@@ -126,41 +127,6 @@ def _summary(report: dict) -> str:
     return "; ".join(f"{s['stage']}: {s['chosen']}, {s['why']}" for s in report.get("stages", []))
 
 
-class _OptimizerClock:
-    """Seconds spent in the optimizer's step while attached (`step.optimizer_step` times it: the lean step or
-    torch's, as the run will step; synced on a GPU). None when no step ran (a micro-batch inside an accumulation
-    window). Not step hooks: with them the lean step stands aside and torch's step imports torch._dynamo."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device):
-        self.device, self.seconds, self._t0, self._optimizer = device, None, 0.0, optimizer
-        optimizer.__dict__[STEP_CLOCK] = self
-
-    def start(self) -> None:
-        sync(self.device)
-        self._t0 = time.perf_counter()
-
-    def stop(self) -> None:
-        sync(self.device)
-        self.seconds = (self.seconds or 0.0) + time.perf_counter() - self._t0
-
-    def remove(self) -> None:
-        self._optimizer.__dict__.pop(STEP_CLOCK, None)
-
-
-def _state_follows_layout(optimizer: torch.optim.Optimizer) -> None:
-    """Optimizer state (momentum, Adam moments) in the memory layout of its parameter, after a layout change."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            st = optimizer.state.get(p)
-            if not st or p.dim() != 4:
-                continue
-            fmt = torch.channels_last if (p.is_contiguous(memory_format=torch.channels_last)
-                                          and not p.is_contiguous()) else torch.contiguous_format
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.shape == p.shape:
-                    st[k] = v.contiguous(memory_format=fmt)
-
-
 class SwitchStage:
     """The switch trial of one Trainer (`trainer.switcher`): arm it (`prepare`), run each of the run's first steps
     with its candidate in effect (`step`, which the Trainer calls while `live`), put the winner into effect and
@@ -180,6 +146,8 @@ class SwitchStage:
         self._fixed: dict = {}
         self._trial_meta: dict = {}
         self.shadow = ShadowTurns(self)  # the turns timed apart from the run's numerics, paced
+        self.safety = TrialSafety(self)  # the user's state put back, cast back; a failed step trained again
+        self._plain: Switches | None = None  # what the run trains in when the trial keeps the plain settings
         self.plain_threads = torch.get_num_threads()  # the intra-op threads the run trains at while the trial runs
 
     def prepare(self, loader: Iterable, *, remaining_steps: int | None = None) -> None:
@@ -220,6 +188,7 @@ class SwitchStage:
         n_later = (2 if fused_choice else 0) + (len(threads) if len(threads) > 1 else 0)
         settings, short = trial_settings(len(grid), n_later, remaining_steps)
         # priced in seconds on a run of known length; not under DDP, where every rank must run the same schedule
+        self._plain = grid[0]
         self.live = LiveTrial(grid, fused_choice=fused_choice, thread_choices=threads if len(threads) > 1 else (),
                               run_steps=remaining_steps if self.t.dist is None else None, share=PRICE_SHARE,
                               race=self.race and self.t.dist is None, min_gain=cfg.min_gain, **settings)
@@ -277,7 +246,7 @@ class SwitchStage:
         if len(precisions) < 2:
             return {}
         batch = first_samples(batch, GUARD_SAMPLES)
-        was, out = self.t.module.training, {}
+        was, out, state = self.t.module.training, {}, self.safety.snapshot()
         self.t.module.eval()
         try:
             with torch.no_grad(), no_autotune():  # GUARD_SAMPLES samples: a shape the run never trains at
@@ -290,6 +259,7 @@ class SwitchStage:
                         continue
         finally:
             self.t.module.train(was)
+            self.safety.restore(state)  # what the losses' step_fn wrote (a carried hidden state): as it was
         return out
 
     def step(self, batch, run_step) -> None:
@@ -328,19 +298,22 @@ class SwitchStage:
         batch = batch_layout(batch, cand.channels_last)
         # the optimizer-kernel stage times the optimizer's step alone: the kernels differ there only, and a 3x
         # cheaper optimizer step is a few percent of a whole step, under a whole step's noise
-        clock = _OptimizerClock(self.t.optimizer, self.t.device) if (
+        clock = OptimizerClock(self.t.optimizer, self.t.device) if (
             trial.stage == "optimizer kernel" and self.t.config.grad_accum == 1) else None
+        before = self.safety.snapshot()  # the user's state as this step finds it (trial_safety)
+        self.safety.before_turn(cand, trial.grid[0], apart=shadow)
         t0 = time.perf_counter()
         try:
-            shadow_s = self.shadow.step(batch, run_step, cand, settle=trial.timed_now()) if shadow else run_step(batch)
+            shadow_s = self.shadow.step(batch, run_step, cand, settle=trial.timed_now(), state=before) if shadow \
+                else run_step(batch)
         except Exception as e:
-            if is_out_of_memory(e) or cand == trial.grid[0] or one_sample_batchnorm(e, batch_size(batch)):
-                raise  # not the candidate's fault: the step's caller says why (guard.step_failed)
-            trial.fail(e)
-            self.t._reset_micro()
-            self.apply(trial.grid[0])
-            run_step(batch_layout(batch, trial.grid[0].channels_last))
+            if is_out_of_memory(e) or one_sample_batchnorm(e, batch_size(batch)) or (
+                    cand == trial.grid[0] and not self.safety.recent()):
+                raise  # not a candidate's doing: the step's caller says why (guard.step_failed)
+            if not self.safety.recover(e, batch, run_step, before=before, failed=cand):
+                raise (self.safety.plain_error or e) from None  # no settings train it: the plain loop's error
         else:
+            self.safety.after_turn(cand, trial.grid[0])
             sync(self.t.device)
             sec = shadow_s if shadow else time.perf_counter() - t0
             alone = clock.seconds if clock is not None else None
@@ -350,8 +323,32 @@ class SwitchStage:
         finally:
             if clock is not None:
                 clock.remove()
-        if trial.done:
+        if trial.done and self.live is trial:
             self.finish()
+
+    @property
+    def plain(self) -> Switches:
+        """The plain settings: the trial's first candidate, what the run trains in where the trial keeps them."""
+        return self.live.grid[0] if self.live is not None else (self._plain or self.current())
+
+    @staticmethod
+    def batch_in(batch, sw: Switches):
+        return batch_layout(batch, sw.channels_last)
+
+    def recover(self, error: BaseException, batch, run_step) -> bool:
+        """A step after the trial failed (`Trainer.step_batch`): right after a candidate's turn, trained again in
+        settings that work (`TrialSafety.recover`); False: the user's error, raised by the caller."""
+        if is_out_of_memory(error) or self.live is not None or not self.safety.recent():
+            return False
+        return self.safety.recover(error, batch, run_step, before=None, failed=self.current())
+
+    def end_with(self, sw: Switches, why: str) -> None:
+        """The trial ends now in `sw` (the plain settings fail after a candidate's turn; `sw` ran)."""
+        trial, self.live = self.live, None
+        report = dict(trial.report) if trial is not None else {}
+        report["switches"] = {"precision": sw.precision, "channels_last": sw.channels_last, "fused": sw.fused,
+                              "threads": sw.threads}
+        self._settle(sw, "fallback", why, report, Decision("fallback", why, report))
 
     def _shadows(self, cand: Switches) -> bool:
         """Whether `cand` is timed apart from the run's numerics (`ShadowTurns.step`), on one process with no
@@ -410,10 +407,11 @@ class SwitchStage:
         optimizer kernel, threads."""
         if sw.precision != self.t.precision.name:
             self.t.precision = MixedPrecision(Precision(sw.precision, self.t.device.type, "measured"))
+            self.safety.precision_changed(sw.precision)
             self.t.guard.precision_skips = self.t.precision.scaler is not None  # fp16's scaler skips bad steps itself
         if sw.channels_last != self.t.channels_last:
             self.t.module.to(memory_format=torch.channels_last if sw.channels_last else torch.contiguous_format)
-            _state_follows_layout(self.t.optimizer)
+            state_follows_layout(self.t.optimizer)
         self.t.channels_last = sw.channels_last
         if sw.fused is not None and fusable(self.t.optimizer, self.t.module) and \
                 bool(self.t.optimizer.defaults.get("fused")) != sw.fused:

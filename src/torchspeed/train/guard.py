@@ -53,6 +53,7 @@ from collections.abc import Callable
 import torch
 
 from torchspeed.env import host_memory
+from torchspeed.train.batch import batch_size as batch_len
 
 log = logging.getLogger("torchspeed")
 
@@ -123,12 +124,17 @@ def one_sample_batchnorm(e: BaseException, batch_size: int | None) -> bool:
     return isinstance(e, ValueError) and batch_size == 1 and "more than 1 value per channel" in str(e)
 
 
-def step_failed(trainer, e: BaseException, batch_size: int | None) -> None:
-    """A training step raised `e`: return to skip the batch, else raise what says why. Out of memory becomes
+def step_failed(trainer, e: BaseException, batch) -> None:
+    """A training step on `batch` raised `e`: return having trained it again (right after a switch-trial
+    candidate's turn, in settings that work: `SwitchStage.recover`) or skipped it, else raise what says why.
+    Out of memory becomes
     `TrainingOutOfMemoryError` (what the failed step holds freed first, so the caller can save or retry). An
     epoch's remainder batch of one sample that BatchNorm cannot train on (a dataset one more than a multiple of
     the batch size) is left out, said once: the run goes on; a run whose every batch holds one sample stops with
     the fix (drop_last=True, another batch size)."""
+    if trainer.switcher.recover(e, batch, trainer.train_step):
+        return
+    batch_size = batch_len(batch)
     if is_out_of_memory(e) and not isinstance(e, TrainingOutOfMemoryError):
         trainer._reset_micro()
         if trainer.device.type == "cuda":

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["has_conv2d", "apply_channels_last", "to_channels_last", "is_channels_last"]
+__all__ = ["has_conv2d", "apply_channels_last", "to_channels_last", "is_channels_last", "state_follows_layout"]
 
 
 def has_conv2d(model: nn.Module) -> bool:
@@ -40,3 +40,16 @@ def to_channels_last(x):
 def is_channels_last(x: torch.Tensor) -> bool:
     return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
 
+
+def state_follows_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Optimizer state (momentum, Adam moments) in the memory layout of its parameter, after a layout change."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p)
+            if not st or p.dim() != 4:
+                continue
+            fmt = torch.channels_last if (p.is_contiguous(memory_format=torch.channels_last)
+                                          and not p.is_contiguous()) else torch.contiguous_format
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                    st[k] = v.contiguous(memory_format=fmt)

@@ -79,7 +79,7 @@ class ShadowTurns:
         66 steps of 0.1 s, 7 turns were 0.6 s: 8% of the run); a run of unknown length is paced instead (`waits`)."""
         return run_steps is not None and self.turns >= SHADOW_SHARE * run_steps
 
-    def step(self, batch, run_step, cand, *, settle: bool = False) -> float:
+    def step(self, batch, run_step, cand, *, settle: bool = False, state=None) -> float:
         """`cand`'s step time, with the batch trained in the plain settings' precision and layout: the candidate's
         forward and backward on `batch` (in the candidate's layout) timed, then the RNG, the module's buffers
         (BatchNorm's running statistics, spectral norm's vectors) and the gradients put back as they were, and the
@@ -89,7 +89,9 @@ class ShadowTurns:
         the trial's cost. `settle` (a timed turn): one untimed forward and backward first, its seconds added to the
         trial's cost, so the timed one is the candidate's steady step: the first pass after the run's own step, in
         another layout or precision, is not (mobilenet_v3_small, channels_last on a Zen 5 CPU: 83 ms, then 28 ms,
-        its steady step; a run that switches pays that once)."""
+        its steady step; a run that switches pays that once). `state`: the user's state as the step found it
+        (`user_state.Snapshot`: a `step_fn`'s carried hidden state, a forward's attributes), put back after the
+        candidate's passes too."""
         t, live = self.stage.t, self.stage.live
         stats = [(b, b.clone()) for b in t.module.buffers()]
 
@@ -105,9 +107,11 @@ class ShadowTurns:
                     live.add_extra(candidate_pass())
                     torch_zero_grad(t.optimizer)
                 timed = candidate_pass()
-        finally:  # a candidate that fails part-way leaves the statistics as they were too
+        finally:  # a candidate that fails part-way leaves the statistics (and the user's state) as they were too
             for b, saved in stats:
                 b.copy_(saved)
+            if state is not None:
+                self.stage.safety.restore(state)
         torch_zero_grad(t.optimizer)  # no torch._dynamo import for it (dynamo_deferred)
         plain = live.grid[0]
         self.stage.apply(replace(cand, precision=plain.precision, channels_last=plain.channels_last,

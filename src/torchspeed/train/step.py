@@ -29,14 +29,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import time
 from collections.abc import Callable, Iterable
 
 import torch
 
+from torchspeed.env import sync
 from torchspeed.train.dynamo_deferred import torch_step
 from torchspeed.train.lean_step import lean_step_for
 
-__all__ = ["backward", "optimizer_step", "AccumulationWindow", "needs_closure", "closure_for"]
+__all__ = ["backward", "optimizer_step", "AccumulationWindow", "needs_closure", "closure_for", "OptimizerClock"]
 
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: the window's context when there is nothing to skip
@@ -185,3 +187,24 @@ def optimizer_step(optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradSc
     if isinstance(after, torch.Tensor) and isinstance(before, torch.Tensor):
         return (after < before).to(torch.int64)  # the scale backs off exactly when the step was skipped
     return torch.tensor(int(scaler.get_scale() < before))
+
+
+class OptimizerClock:
+    """Seconds spent in the optimizer's step while attached (`step.optimizer_step` times it: the lean step or
+    torch's, as the run will step; synced on a GPU). None when no step ran (a micro-batch inside an accumulation
+    window). Not step hooks: with them the lean step stands aside and torch's step imports torch._dynamo."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device):
+        self.device, self.seconds, self._t0, self._optimizer = device, None, 0.0, optimizer
+        optimizer.__dict__[STEP_CLOCK] = self
+
+    def start(self) -> None:
+        sync(self.device)
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        sync(self.device)
+        self.seconds = (self.seconds or 0.0) + time.perf_counter() - self._t0
+
+    def remove(self) -> None:
+        self._optimizer.__dict__.pop(STEP_CLOCK, None)

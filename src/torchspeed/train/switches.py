@@ -319,9 +319,9 @@ class LiveTrial:
                                   f"{self.run_steps}-step run's ~{run_s:.2f} s at the plain settings' pace")
         self._queue, self._stages = [], []
 
-    def fail(self, error: BaseException) -> None:
-        """The current candidate cannot run (a precision this model cannot take): out of the race, said why."""
-        s = self.current()
+    def fail(self, error: BaseException, cand: Switches | None = None) -> None:
+        """`cand` (the current candidate) cannot run (a precision this model cannot take): out of the race, why."""
+        s = cand if cand is not None else self.current()
         self.report["failed"][s.label()] = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
         self.times.pop(s, None)
         self._queue = [(c, t) for c, t in self._queue if c != s]

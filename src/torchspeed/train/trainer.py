@@ -257,8 +257,8 @@ class Trainer:
                 self.switcher.step(batch, self.train_step)
             else:
                 self.compiler.run(self.train_step, batch, on_fallback=self._reset_micro, is_fatal=is_out_of_memory)
-        except Exception as e:  # out of memory: what to try; BatchNorm on an epoch's 1-sample last batch: left out
-            return step_failed(self, e, batch_size(batch))  # raises, or returns having skipped the batch
+        except Exception as e:  # out of memory: what to try; BatchNorm on an epoch's 1-sample last batch: left out;
+            return step_failed(self, e, batch)  # right after a trial candidate's turn: trained again; else raises
         if self._recent is not None:  # Schedule-Free with BatchNorm: statistics for the averaged weights
             self._recent.append(batch)
 

@@ -1,0 +1,278 @@
+"""The user's own state that a step can change besides the model's parameters, buffers and gradients, put back
+or cast back around what only measures (T21: the switch trial; T18: its candidates in another precision).
+
+A switch-trial turn timed apart (shadow.py) runs a candidate's forward and backward, then the plain step on the
+same batch. The RNG, the module's buffers and the gradients it puts back itself. What a user's code keeps between
+steps it could not see: PyTorch's word-language-model example ported to `fit` carries its LSTM's hidden state in the
+`step_fn`'s own state, so a bf16 turn left a bf16 hidden state there, the fp32 step after it handed that to the
+fp32 LSTM, and oneDNN refused ("could not create a primitive descriptor for the LSTM forward propagation
+primitive"): the run died in its first steps. Even where the dtypes agree, the plain step read the hidden state the
+candidate's pass had advanced, not its own: not the plain run's numbers.
+
+`UserState(module, step_fn).snapshot()` walks what such code can reach and keep, from these roots:
+
+- the attributes a forward writes on the model's own modules (classes not torch's: a carried hidden state, a
+  KV cache, a step counter, a list of past outputs);
+- the `step_fn`: its closure, the globals its code names, the object it is bound to (a method, a callable
+  object), a `functools.partial`'s arguments;
+- and what those reach: dicts, lists, tuples, plain objects, other modules (a GAN's discriminator: its
+  parameters, buffers and gradients) and optimizers (their moments and step counts).
+
+`Snapshot.restore()` puts back every reference, container and tensor that changed (a tensor by its version
+counter: only what was written is copied back). `Snapshot.cast_back()` is for a turn that trained in a half
+precision (its numbers stay): the floating tensors it left in the user's state in bf16/fp16, where the state held
+another dtype (or nothing), are cast back to that dtype (or the model's), so the plain step after it runs.
+
+What it cannot see: state held outside these roots (a cache in another module's globals, a C extension's
+object, a NumPy array written in place) or tensors past `CLONE_BYTES` (their writes are detected, not undone:
+`Snapshot.unrestored`). The trial does not rely on this alone: a step that fails after a candidate's turn drops
+that candidate and trains the batch in settings that work (autoswitch.py, docs/models.md).
+
+Example:
+    >>> snap = UserState(model, step_fn).snapshot()
+    >>> step_fn(model, batch)            # a pass that only measures
+    >>> snap.restore()                   # the step_fn's hidden state, the model's attributes: as they were
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import types
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["UserState", "Snapshot", "CLONE_BYTES"]
+
+CLONE_BYTES = 256 << 20  # tensors past this many bytes in all are watched (their version), not copied
+MAX_DEPTH = 6  # how deep the walk follows containers and objects from its roots
+MAX_OBJECTS = 20000  # and how many it visits at most
+_HALF = (torch.bfloat16, torch.float16)
+_TORCH_ATTRS = frozenset(vars(nn.Module()))  # a module's own bookkeeping (parameters, buffers, hooks, training)
+_LEAVES = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, range, slice)
+_NOT_STATE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type,
+              types.CodeType, functools.partial, torch.utils.data.DataLoader, torch.utils.data.Dataset)
+
+
+def _torch_class(obj) -> bool:
+    return type(obj).__module__.split(".")[0] == "torch"
+
+
+class Snapshot:
+    """What a `UserState` walk saw: containers' contents, cells, named globals, tensors (copied) and gradients."""
+
+    def __init__(self, model_dtype: torch.dtype):
+        self.model_dtype = model_dtype
+        self.dicts: list[tuple[dict, dict]] = []  # a dict (or an object's __dict__) and its items then
+        self.names: list[tuple[dict, str, object]] = []  # a step_fn's globals: (globals, name, value or _MISSING)
+        self.lists: list[tuple[list, list]] = []
+        self.cells: list[tuple[object, object]] = []
+        self.tensors: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []  # (tensor, version, copy or None)
+        self.grads: list[tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor | None]] = []
+        self.unrestored: list[str] = []  # what restore() found written and could not put back
+
+    def restore(self) -> None:
+        """Everything the walk saw, as it was: references first, then the tensors written in place."""
+        for d, saved in self.dicts:
+            if d.keys() != saved.keys() or any(d[k] is not v for k, v in saved.items()):
+                d.clear()
+                d.update(saved)
+        for g, name, value in self.names:
+            if value is _MISSING:
+                g.pop(name, None)
+            elif g.get(name, _MISSING) is not value:
+                g[name] = value
+        for lst, saved in self.lists:
+            if len(lst) != len(saved) or any(a is not b for a, b in zip(lst, saved)):
+                lst[:] = saved
+        for cell, value in self.cells:
+            if cell.cell_contents is not value:
+                cell.cell_contents = value
+        with torch.no_grad():
+            for t, version, copy in self.tensors:
+                if _version(t) == version:
+                    continue
+                if copy is None or copy.shape != t.shape:
+                    self.unrestored.append(f"a {t.dtype} tensor of shape {tuple(t.shape)} written in place")
+                else:
+                    t.copy_(copy)
+            for p, grad, version, copy in self.grads:
+                if p.grad is not grad:
+                    p.grad = grad
+                if grad is not None and copy is not None and _version(grad) != version:
+                    grad.copy_(copy)
+
+    def cast_back(self) -> int:
+        """A turn that trained in a half precision: each floating tensor it put into the user's state in bf16/fp16,
+        where the state held another dtype (or nothing), goes back to that dtype (the model's where none). Only what
+        changed since the snapshot is looked at. Returns how many tensors were cast."""
+        count = [0]
+
+        def back(value, then):
+            if value is then:
+                return value
+            if isinstance(value, torch.Tensor):
+                want = then.dtype if isinstance(then, torch.Tensor) and then.is_floating_point() else self.model_dtype
+                if value.dtype in _HALF and want != value.dtype:
+                    count[0] += 1
+                    return value.detach().to(want)
+                return value
+            if isinstance(value, tuple):
+                olds = then if isinstance(then, tuple) and len(then) == len(value) else (None,) * len(value)
+                items = [back(v, o) for v, o in zip(value, olds)]
+                return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+            if isinstance(value, list):
+                olds = then if isinstance(then, list) and len(then) == len(value) else [None] * len(value)
+                value[:] = [back(v, o) for v, o in zip(value, olds)]
+            elif isinstance(value, dict):
+                for k in list(value):
+                    value[k] = back(value[k], then.get(k) if isinstance(then, dict) else None)
+            return value
+
+        for d, saved in self.dicts:
+            for k in list(d):
+                d[k] = back(d[k], saved.get(k))
+        for lst, saved in self.lists:
+            lst[:] = [back(v, saved[i] if i < len(saved) else None) for i, v in enumerate(lst)]
+        for g, name, value in self.names:
+            if name in g:
+                g[name] = back(g[name], None if value is _MISSING else value)
+        for cell, value in self.cells:
+            cell.cell_contents = back(cell.cell_contents, value)
+        return count[0]
+
+
+_MISSING = object()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return None
+
+
+class UserState:
+    """The roots of the user's own state for one run: the model's modules and the `step_fn` (see the module
+    docstring). `known`: objects the caller restores itself (the run's optimizer), not walked."""
+
+    def __init__(self, module: nn.Module, step_fn: Callable | None = None, *, known: tuple = ()):
+        self.module, self.step_fn = module, step_fn
+        self._skip = {id(module), *map(id, known)}
+        self._owned = {id(t) for t in (*module.parameters(), *module.buffers())}
+        floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
+        self.model_dtype = floats[0] if floats else torch.float32
+
+    def snapshot(self) -> Snapshot:
+        snap = Snapshot(self.model_dtype)
+        walk = _Walk(snap, skip=set(self._skip), owned=self._owned)
+        for m in self.module.modules():  # the model's own modules: what a forward writes on self
+            walk.module_attributes(m, depth=1)
+        fn, hops = self.step_fn, 0
+        while fn is not None and hops < 4:  # a partial of a method of ...: each layer's roots
+            fn, hops = walk.function(fn), hops + 1
+        return snap
+
+
+class _Walk:
+    """One walk over the user's state, recording into a Snapshot (each object once, bounded)."""
+
+    def __init__(self, snap: Snapshot, *, skip: set, owned: set):
+        self.snap, self.seen, self.owned, self.cloned = snap, skip, owned, 0
+
+    def function(self, fn):
+        """A step_fn's roots; returns the function it wraps (a partial's, a method's), if any."""
+        if isinstance(fn, functools.partial):
+            for v in (*fn.args, *fn.keywords.values()):
+                self.value(v, 1)
+            return fn.func
+        if isinstance(fn, types.MethodType):
+            self.value(fn.__self__, 1)
+            return fn.__func__
+        if not isinstance(fn, types.FunctionType):  # a callable object: its attributes, then its __call__
+            self.value(fn, 0)
+            call = getattr(type(fn), "__call__", None)
+            return call if isinstance(call, types.FunctionType) else None
+        for cell in fn.__closure__ or ():
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell (a name assigned later)
+                continue
+            self.snap.cells.append((cell, contents))
+            self.value(contents, 1)
+        g = fn.__globals__
+        for name in _names(fn.__code__):
+            value = g.get(name, _MISSING)
+            if value is _MISSING and name in _BUILTINS or isinstance(value, _NOT_STATE):
+                continue
+            self.snap.names.append((g, name, value))  # a global the step writes (`global hidden`) included
+            self.value(value, 1)
+        return None
+
+    def module_attributes(self, m: nn.Module, depth: int) -> None:
+        """What a forward may write on a module of the user's own class (torch's own keep no state there)."""
+        if not _torch_class(m):
+            self.dict_items(vars(m), {k: v for k, v in vars(m).items() if k not in _TORCH_ATTRS}, depth)
+
+    def dict_items(self, d: dict, items: dict, depth: int) -> None:
+        self.snap.dicts.append((d, dict(d)))
+        for v in items.values():
+            self.value(v, depth + 1)
+
+    def value(self, v, depth: int) -> None:
+        if depth > MAX_DEPTH or v is _MISSING or isinstance(v, _LEAVES) or id(v) in self.seen \
+                or len(self.seen) > MAX_OBJECTS:
+            return
+        self.seen.add(id(v))
+        if isinstance(v, torch.Tensor):
+            self.tensor(v)
+        elif isinstance(v, _NOT_STATE):
+            return
+        elif isinstance(v, dict):
+            self.dict_items(v, v, depth)
+        elif isinstance(v, list):
+            self.snap.lists.append((v, list(v)))
+            for x in v:
+                self.value(x, depth + 1)
+        elif isinstance(v, (tuple, set, frozenset)):
+            for x in v:
+                self.value(x, depth + 1)
+        elif isinstance(v, torch.optim.Optimizer):  # another model's optimizer: its moments, its step counts
+            self.value(v.state, depth + 1)
+            self.value(v.param_groups, depth + 1)
+        elif isinstance(v, nn.Module):  # another model the step trains (a GAN's discriminator)
+            for t in (*v.parameters(), *v.buffers()):
+                self.value(t, depth + 1)
+            for m in v.modules():
+                self.module_attributes(m, depth + 1)
+        elif hasattr(v, "__dict__") and not _torch_class(v):  # a plain object: its attributes
+            self.dict_items(vars(v), vars(v), depth)
+
+    def tensor(self, t: torch.Tensor) -> None:
+        version = _version(t)
+        if id(t) in self.owned or version is None:
+            return
+        nbytes = t.numel() * t.element_size() if t.layout == torch.strided else CLONE_BYTES + 1
+        copy = None
+        if self.cloned + nbytes <= CLONE_BYTES:
+            self.cloned += nbytes
+            copy = t.detach().clone()
+        self.snap.tensors.append((t, version, copy))
+        if t.requires_grad and t.is_leaf:  # a parameter of another model: its gradient too
+            grad = t.grad
+            self.snap.grads.append((t, grad, _version(grad) if grad is not None else 0,
+                                    None if grad is None else grad.detach().clone()))
+
+
+_BUILTINS = frozenset(dir(builtins))
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global names a function's code (and the functions defined in it) reads or writes."""
+    out = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            out |= _names(c)
+    return out

@@ -1,0 +1,264 @@
+"""The switch trial never ends a run and leaves the user's state as the plain step would (train/user_state.py,
+train/trial_safety.py): PyTorch's word-language-model example ported to `fit` (an LSTM whose hidden state the
+`step_fn` carries between batches) trains to the end on a CPU with native bf16, with the plain loop's weights where
+the trial keeps fp32; so do a decoder that keeps a KV cache on `self` and a module with a Python-side step counter;
+a candidate that raises in its turn, or whose following plain step raises, leaves a run that finishes, with a
+note; a failure the plain loop raises too is the user's, with the user's message.
+
+The CPU's bf16 is injected (TORCHSPEED_CPU_PROFILE) and the trial's step times too (`measure_fn`: fp32 measures
+faster, so the trial keeps the plain settings): nothing here depends on this CPU, its kernels or the clock.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import torchspeed
+from torchspeed.train.autoswitch import SwitchStage
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture
+def bf16_cpu(monkeypatch, tmp_path):
+    """A CPU with native bf16 (so the trial has a bf16 candidate), fp32 measured faster, an empty trial cache."""
+    monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx512_bf16")
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(SwitchStage, "measure_fn", staticmethod(lambda s, sec: 1.0 if s.precision == "fp32" else 1.3))
+
+
+class WordLM(nn.Module):
+    """pytorch/examples word_language_model's RNNModel("LSTM"), small: log_softmax out, hidden in and out."""
+
+    def __init__(self, vocab=40, width=24, layers=2):
+        super().__init__()
+        self.drop, self.encoder = nn.Dropout(0.2), nn.Embedding(vocab, width)
+        self.rnn, self.decoder = nn.LSTM(width, width, layers, dropout=0.2), nn.Linear(width, vocab)
+        self.vocab, self.width, self.layers = vocab, width, layers
+
+    def forward(self, tokens, hidden):
+        out, hidden = self.rnn(self.drop(self.encoder(tokens)), hidden)
+        return nn.functional.log_softmax(self.decoder(self.drop(out)).view(-1, self.vocab), dim=1), hidden
+
+    def init_hidden(self, batch):
+        w = next(self.parameters())
+        return w.new_zeros(self.layers, batch, self.width), w.new_zeros(self.layers, batch, self.width)
+
+
+def _text_batches(n=10, bptt=12, batch=6, vocab=40):
+    g = torch.Generator().manual_seed(3)
+    stream = torch.randint(0, vocab, (bptt * n + 1, batch), generator=g)
+    return [(stream[i:i + bptt], stream[i + 1:i + 1 + bptt].reshape(-1)) for i in range(0, bptt * n, bptt)]
+
+
+def _carried_step_fn():
+    state = {"hidden": None}
+    crit = nn.NLLLoss()
+
+    def step_fn(model, batch):
+        tokens, targets = batch
+        if state["hidden"] is None:
+            state["hidden"] = model.init_hidden(tokens.size(1))
+        out, hidden = model(tokens, tuple(h.detach() for h in state["hidden"]))
+        state["hidden"] = hidden
+        return crit(out, targets)
+    return step_fn, state
+
+
+def _plain_loop(model, batches, step_fn, lr, clip=None):
+    """The script's own loop: SGD, clipping, the same batches in order."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    model.train()
+    for b in batches:
+        loss = step_fn(model, b)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def _same_weights(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def _ported(model, batches, step_fn, lr, **kw):
+    """`fit` as docs/models.md ports such a loop: the script's optimizer, LR and clipping; the trial live."""
+    return torchspeed.fit(model, batches, step_fn=step_fn, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                          epochs=1, progress=False, compile=False, schedule=None, **kw)
+
+
+def test_a_carried_hidden_lstm_trains_to_the_end_on_a_bf16_cpu_with_the_plain_loops_weights(bf16_cpu):
+    batches = _text_batches()
+    torch.manual_seed(0)
+    ref = _plain_loop(WordLM(), batches, _carried_step_fn()[0], lr=5.0, clip=0.25)
+    torch.manual_seed(0)
+    model = WordLM()
+    step_fn, state = _carried_step_fn()
+    res = _ported(model, batches, step_fn, lr=5.0, clip_grad_norm=0.25)
+    report = res.decisions["switch_trial"].measured
+    assert res.steps == len(batches) and res.decisions["precision"].value == "fp32"
+    assert report["shadow_steps"] >= 1  # the bf16 candidate really took turns timed apart on this run
+    assert _same_weights(model, ref)  # the plain loop's numbers, to the last bit
+    assert all(h.dtype == torch.float32 for h in state["hidden"])
+
+
+class HiddenOnSelf(WordLM):
+    """The same model keeping its hidden state on `self` between calls (no step_fn): a forward that writes state."""
+
+    def forward(self, tokens):
+        if getattr(self, "hidden", None) is None:
+            self.hidden = self.init_hidden(tokens.size(1))
+        out, hidden = super().forward(tokens, tuple(h.detach() for h in self.hidden))
+        self.hidden = hidden
+        return out
+
+
+class KVCacheDecoder(nn.Module):
+    """A decoder that keeps the keys and values of earlier segments on `self` (a memory, Transformer-XL style):
+    each call attends over the cache and appends its own, the oldest dropped."""
+
+    def __init__(self, vocab=40, width=16, keep=2):
+        super().__init__()
+        self.emb, self.qkv, self.out = nn.Embedding(vocab, width), nn.Linear(width, 3 * width), nn.Linear(width, vocab)
+        self.keep, self.cache = keep, []
+
+    def forward(self, tokens):
+        x = self.emb(tokens)  # (batch, time, width)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        keys = torch.cat([c[0] for c in self.cache] + [k], dim=1)
+        values = torch.cat([c[1] for c in self.cache] + [v], dim=1)
+        att = torch.softmax(q @ keys.transpose(1, 2) / keys.size(-1) ** 0.5, dim=-1)
+        self.cache = (self.cache + [(k.detach(), v.detach())])[-self.keep:]
+        return self.out(att @ values).flatten(0, 1)
+
+
+class Counted(nn.Module):
+    """A module with a Python-side step counter that its forward reads (a schedule inside the model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.calls = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 40)), 0
+
+    def forward(self, tokens):
+        self.calls += 1
+        return self.body(tokens.float().flatten(1)) * (1.0 + 0.1 * (self.calls % 3))
+
+
+def _seq_batches(make):
+    """Time-major batches for the LSTM; batch-major for the decoder; one target a sequence for the counter model."""
+    out = []
+    for x, y in _text_batches():  # x: (time, batch); y: (time * batch,)
+        if make is HiddenOnSelf:
+            out.append((x, y))
+        elif make is KVCacheDecoder:
+            out.append((x.t().contiguous(), y.view(x.shape).t().reshape(-1)))
+        else:
+            out.append((x.t().contiguous(), y.view(x.shape)[0]))
+    return out
+
+
+@pytest.mark.parametrize("make", [HiddenOnSelf, KVCacheDecoder, Counted], ids=["hidden-on-self", "kv-cache",
+                                                                               "step-counter"])
+def test_a_model_that_keeps_state_between_calls_trains_with_the_plain_loops_weights(bf16_cpu, make):
+    batches = _seq_batches(make)
+    loss = nn.NLLLoss() if make is HiddenOnSelf else nn.CrossEntropyLoss()
+
+    def step_fn(model, batch):
+        return loss(model(batch[0]), batch[1])
+    torch.manual_seed(0)
+    ref = _plain_loop(make(), batches, step_fn, lr=0.5)
+    torch.manual_seed(0)
+    model = make()
+    res = torchspeed.fit(model, batches, loss_fn=loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), epochs=1,
+                         progress=False, compile=False, schedule=None)
+    assert res.steps == len(batches) and res.decisions["precision"].value == "fp32"
+    assert res.decisions["switch_trial"].measured["shadow_steps"] >= 1
+    assert _same_weights(model, ref)
+    if make is Counted:
+        assert model.calls == ref.calls == len(batches)  # the measuring passes' counts were put back
+
+
+def test_a_candidate_that_raises_in_its_turn_after_writing_the_state_leaves_a_run_that_finishes(bf16_cpu):
+    """The step_fn stores its bf16 hidden state, then an op with no bf16 kernel raises: the state is put back as
+    the step found it, the candidate dropped with its error in the trial's report, the batch trained in fp32."""
+    batches = _text_batches()
+    inner, state = _carried_step_fn()
+
+    def step_fn(model, batch):
+        loss = inner(model, batch)
+        if state["hidden"][0].dtype == torch.bfloat16:
+            raise NotImplementedError("'my_op' has no BFloat16 kernel")
+        return loss
+    torch.manual_seed(0)
+    ref = _plain_loop(WordLM(), batches, _carried_step_fn()[0], lr=5.0)
+    torch.manual_seed(0)
+    model = WordLM()
+    res = _ported(model, batches, step_fn, lr=5.0)
+    assert res.steps == len(batches) and res.decisions["precision"].value == "fp32"
+    assert "no BFloat16 kernel" in res.decisions["switch_trial"].measured["failed"]["bf16+foreach"]
+    assert _same_weights(model, ref)
+
+
+_LEFT = {"half": False}  # state the trial cannot see: a global of this module, read by the model's forward
+
+
+class Fussy(nn.Module):
+    """Runs in bf16, and in fp32 until a bf16 pass has run: then an fp32 pass raises (state left where no walk
+    reaches it, as a C extension's object would be)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 40))
+
+    def forward(self, tokens):
+        if torch.is_autocast_enabled("cpu"):
+            _LEFT["half"] = True
+        elif _LEFT["half"]:
+            raise RuntimeError("a buffer left in bf16 by an earlier pass")
+        return self.body(tokens.float().flatten(1))
+
+
+def test_a_candidate_whose_following_plain_step_raises_leaves_a_run_that_finishes_in_settings_that_work(bf16_cpu):
+    _LEFT["half"] = False
+    batches = [(x.t().contiguous(), y.view(12, -1)[0]) for x, y in _text_batches()]
+    _plain_loop(Fussy(), batches, lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), lr=0.1)  # it trains
+    model = Fussy()
+    res = torchspeed.fit(model, batches, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), epochs=1,
+                         progress=False, compile=False, schedule=None)
+    _LEFT["half"] = False
+    assert res.steps == len(batches)
+    assert res.decisions["switch_trial"].value == "fallback" and res.decisions["precision"].value == "bf16"
+    assert "bf16" in res.decisions["switch_recovered"].reason and "RuntimeError" in res.decisions[
+        "switch_recovered"].reason
+
+
+def test_a_failure_the_plain_loop_raises_too_keeps_the_users_message(bf16_cpu):
+    """A batch the user's code cannot take fails in every setting: raised with the user's own message, not
+    swallowed by the trial's recovery and not blamed on a candidate."""
+    batches = _text_batches()
+    inner, _ = _carried_step_fn()
+    seen = []
+
+    def step_fn(model, batch):
+        seen.append(1)
+        if len(seen) >= 4:
+            raise ValueError("batch 4: targets out of range for this vocabulary")
+        return inner(model, batch)
+    model = WordLM()
+    with pytest.raises(ValueError, match="batch 4: targets out of range") as info:
+        _ported(model, batches, step_fn, lr=5.0)
+    assert "torchspeed" not in str(info.value)
+
+
+def test_recipe_auto_runs_a_carried_hidden_lstm_whose_plan_trials_ran_its_step_fn(bf16_cpu):
+    """recipe="auto" measures before the run (the switch trial on a copy, the recipe's trials) through the user's
+    step_fn: what those left in its state (a hidden state of the copy's, in bf16) is put back before the run."""
+    batches = _text_batches(n=30)
+    model = WordLM()
+    step_fn, state = _carried_step_fn()
+    res = torchspeed.fit(model, batches, step_fn=step_fn, recipe="auto", epochs=4, progress=False, compile=False)
+    assert res.steps == 4 * len(batches) and all(torch.isfinite(torch.tensor(r["train_loss"])) for r in res.history)
+    assert state["hidden"][0].dtype == (torch.bfloat16 if res.decisions["precision"].value == "bf16" else
+                                        torch.float32)

@@ -1,0 +1,96 @@
+"""What `UserState` puts back and casts back (train/user_state.py): a step_fn's closure (a dict, a nonlocal), the
+globals it writes, a callable object's attributes, a forward's attributes on the model, another model's weights,
+gradients and optimizer state (a GAN's discriminator), tensors written in place; and a trained half-precision
+turn's bf16 tensors cast back to the dtype the state held."""
+
+import torch
+from torch import nn
+
+from torchspeed.train.user_state import UserState
+
+CARRIED = None  # a global a step_fn writes (`global CARRIED`)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.seen, self.calls = nn.Linear(4, 4), [], 0
+
+    def forward(self, x):
+        self.calls += 1
+        self.seen.append(x.detach())
+        self.last = x.detach()
+        return self.lin(x)
+
+
+def test_restore_puts_back_the_closure_globals_module_attributes_and_tensors_written_in_place():
+    model, memory, box = Net(), torch.zeros(3), {"hidden": torch.ones(2)}
+    counter = 0
+
+    def step_fn(m, batch):
+        global CARRIED
+        nonlocal counter
+        counter += 1
+        box["hidden"] = box["hidden"].to(torch.bfloat16) * 2
+        memory.add_(1.0)  # in place
+        CARRIED = m(batch).sum()
+        return CARRIED
+
+    snap = UserState(model, step_fn).snapshot()
+    hidden = box["hidden"]
+    step_fn(model, torch.randn(2, 4))
+    assert counter == 1 and model.calls == 1 and box["hidden"] is not hidden and memory[0] == 1.0
+    snap.restore()
+    assert counter == 0 and model.calls == 0 and model.seen == [] and not hasattr(model, "last")
+    assert box["hidden"] is hidden and torch.equal(memory, torch.zeros(3)) and "CARRIED" not in globals() or \
+        CARRIED is None
+
+
+def test_restore_puts_back_another_models_weights_gradients_and_optimizer_state():
+    gen, disc = nn.Linear(4, 4), nn.Linear(4, 1)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in disc.parameters()]
+
+    def step_fn(g, batch):  # a GAN's discriminator step inside the generator's step
+        d_loss = disc(g(batch).detach()).mean()
+        d_loss.backward()
+        opt_d.step()
+        return disc(g(batch)).mean()
+
+    snap = UserState(gen, step_fn).snapshot()
+    step_fn(gen, torch.randn(3, 4))
+    assert not torch.equal(next(disc.parameters()), before[0]) and opt_d.state
+    snap.restore()
+    assert all(torch.equal(p, q) for p, q in zip(disc.parameters(), before))
+    assert all(p.grad is None for p in disc.parameters()) and not opt_d.state
+
+
+class Stepper:
+    """A callable step_fn object that carries its hidden state on self."""
+
+    def __init__(self):
+        self.hidden = None
+
+    def __call__(self, model, batch):
+        out = model(batch)
+        self.hidden = out.detach()
+        return out.sum()
+
+
+def test_cast_back_returns_a_trained_half_turns_state_to_the_dtype_it_held():
+    model, stepper = Net(), Stepper()
+    state = {"h": (torch.zeros(2), torch.zeros(2)), "keep": torch.zeros(2, dtype=torch.bfloat16)}
+
+    def step_fn(m, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = stepper(m, batch)
+            state["h"] = tuple(h.to(torch.bfloat16) + 1 for h in state["h"])
+        return loss
+
+    snap = UserState(model, step_fn).snapshot()
+    step_fn(model, torch.randn(2, 4))
+    assert stepper.hidden.dtype == torch.bfloat16 and state["h"][0].dtype == torch.bfloat16
+    assert snap.cast_back() == 3  # the two in the closure's dict, and the callable object's it reaches
+    assert state["h"][0].dtype == torch.float32 and torch.equal(state["h"][0], torch.ones(2))
+    assert stepper.hidden.dtype == torch.float32
+    assert state["keep"].dtype == torch.bfloat16  # bf16 before the turn: the user's own, left alone
