@@ -12,6 +12,7 @@ The public API: `fit` / `Trainer` (the fast loop), each technique as a plain fun
 from torchspeed.env import EnvInfo, detect
 from torchspeed.train import *  # noqa: F403
 from torchspeed.train import __all__ as _train_all
+from torchspeed.distill import Teacher, kd_loss
 from torchspeed.fitting import fit
 from torchspeed.slimming import SlimReport, SlimResult, finetune, slim
 from torchspeed.inference import LoadedModel, Prediction, load_model, predict
@@ -28,7 +29,7 @@ from torchspeed.data import (CachedDataset, DeviceAugment, DeviceLoader, FastIma
 
 __version__ = "0.1.0"
 __all__ = ["EnvInfo", "detect", "__version__", "fit", "export_checkpoint", "load_model", "predict", "LoadedModel",
-           "Prediction", *_train_all, "slim", "finetune", "SlimResult", "SlimReport",
+           "Prediction", *_train_all, "slim", "finetune", "SlimResult", "SlimReport", "Teacher", "kd_loss",
            "find_batch_size", "find_lr", "tune_loader", "BatchSizeResult", "LRFinderResult", "LoaderSettings",
            "remove_conv_bias", "find_conv_bn_pairs", "ConvBNPair", "pad_to_multiple", "PaddingResult",
            "freeze_batchnorm", "apply_activation_checkpointing", "CheckpointWrapper",

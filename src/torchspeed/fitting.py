@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from torchspeed.distill import Teacher, prepare_distillation
 from torchspeed.plan import make_plan
 from torchspeed.plan.stages import run_event
 from torchspeed.train.distributed import is_rank_zero
@@ -38,7 +39,8 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
         epochs: int = 1, val_loader: Iterable | None = None, device: torch.device | str | None = None,
         batch_size: int | str | None = None, loader: str | None = None, callbacks: Iterable | None = None,
         loggers: Iterable | None = None, mesh=None, on_checkpoint: Callable[[str, int], object] | None = None,
-        recipe: str | None = None, recipe_parts: Sequence[str] | None = None, **config) -> FitResult:
+        recipe: str | None = None, recipe_parts: Sequence[str] | None = None, teacher: nn.Module | Teacher | None = None,
+        **config) -> FitResult:
     """Train `model` on `train_loader` with every technique that pays on this machine.
 
     Batches may be `(inputs..., target)` tuples, dicts (Hugging Face style), or anything
@@ -69,6 +71,8 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     batch size with the least predicted time to a target, flip TTA after training;
     `torchspeed.plan.recipe`, docs/recipe.md). It replaces `lr` (and `lr="auto"`);
     `recipe_parts` limits it to some parts (e.g. `("bn_stats", "label_smoothing")`).
+    `teacher=` (a model, or `Teacher(model, temperature=, alpha=, topk=, cache=)`) distils it into `model`
+    (`torchspeed.distill`: the KD loss, the teacher's top-k logits cached when measured to pay; docs/slim.md).
 
     Example:
         >>> result = fit(model, loader, epochs=3, val_loader=val, precision="auto", compile="auto")
@@ -80,6 +84,10 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
         raise TypeError(f"fit() got unknown option(s) {sorted(unknown)}{_suggest(unknown)}; "
                         f"valid: {sorted(TrainConfig.__dataclass_fields__)}")
     _check_trainable(model, optimizer)
+    kd = None if teacher is None else prepare_distillation(
+        teacher, model, train_loader, loss_fn=loss_fn, step_fn=step_fn, epochs=epochs, device=device,
+        max_steps=config.get("max_steps", cfg.max_steps), precision=config.get("precision", cfg.precision))
+    train_loader, step_fn = (kd.loader, kd.step_fn) if kd else (train_loader, step_fn)  # cached logits inside
     _materialize_lazy(model, train_loader, loss_fn=loss_fn, step_fn=step_fn)
     _check_val_loader(val_loader)
     schedule_given = "schedule" in config or given_cfg is not None  # else the plan's rule decides
@@ -101,6 +109,8 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     ctx.trainer, ctx.result, ctx.val_loader = trainer, result, val_loader
     run_event(ctx, "after")  # the plan's after-training stages (flip TTA)
     result.decisions = trainer.decisions.copy()  # with what the stages in the run and after it decided
+    if kd is not None:
+        result.decisions["distill"] = kd.decision
     return result
 
 
