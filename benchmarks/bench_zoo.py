@@ -1,0 +1,192 @@
+"""Claim: every model people train runs under `fit` as it runs in its own loop: `fit` as ported never ends in an
+error where the plain loop trains, keeps the loop's K-step loss where its switch trial keeps the plain settings,
+and is no slower; `fit(recipe="auto")` reaches the loop's K-step loss no slower.
+
+The zoo (all randomly initialised, nothing downloaded): every torchvision classification model at a small input
+and detection and segmentation models (benchmarks/zoo_torchvision.py), one small timm model per family
+(zoo_timm.py), Hugging Face architectures from small configs fed dict batches (zoo_hf.py), and the hand-written
+forms people train (zoo_hand.py: carried-hidden LSTM/GRU step_fns, Transformer LMs, nn.Transformer seq2seq,
+sparse embeddings, float64, Python-side state, a KV cache on self, a GAN, tuple/dict/dataclass outputs).
+
+Each model runs in its own process (benchmarks/zoo_run.py): the plain loop, `fit` as ported (the loop's
+optimizer object and LR) and `fit(recipe="auto")`, K steps each, same batches and seeds, the switch trial live
+(an empty decision cache each run; precision and trial left on "auto"), on the host CPU and under each emulated
+CPU profile (TORCHSPEED_CPU_PROFILE). `vs_plain` is the plain loop's whole-run seconds over the run's.
+
+Run:
+    python benchmarks/bench_zoo.py --profiles host avx2            # the whole zoo: zoo.json, zoo_avx2.json
+    python benchmarks/bench_zoo.py --sample 12 --steps 12          # a quick sampled subset
+    python benchmarks/bench_zoo.py --report-only                   # docs/zoo.md from the JSON files
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import zoo_report  # noqa: E402
+from zoo_run import SOURCES, WAYS, registry  # noqa: E402
+
+DEFAULT_OUT = HERE / "results" / "cpu-avx512-bf16"
+PROFILES = ("host", "avx2", "avx512", "avx512_bf16", "amx")
+
+
+def select(names_by_source: dict[str, list[str]], models: list[str] | None, sample: int | None,
+           seed: int = 0) -> list[str]:
+    """The models to run: those named in `models` (or containing one of its other words), then `sample` of them, spread over the
+    sources in turn (each source's own order shuffled with `seed`)."""
+    every = {n for names in names_by_source.values() for n in names}
+    parts = [m for m in models or () if m not in every]  # a model's own name matches it alone; other words: substrings
+
+    def wanted(n: str) -> bool:
+        return not models or n in models or any(m in n for m in parts)
+    pools = {s: [n for n in names if wanted(n)] for s, names in names_by_source.items()}
+    if sample is None:
+        return [n for names in pools.values() for n in names]
+    rng = random.Random(seed)
+    for names in pools.values():
+        rng.shuffle(names)
+    picked: list[str] = []
+    while len(picked) < sample and any(pools.values()):
+        for names in pools.values():
+            if names and len(picked) < sample:
+                picked.append(names.pop(0))
+    return picked
+
+
+def run_child(name: str, steps: int, ways: list[str], profile: str, timeout: float, rounds: int = 1) -> dict:
+    """One model in a fresh process; a way still running at the timeout (or a crash) is recorded as its error."""
+    env = dict(os.environ)
+    env.pop("TORCHSPEED_CPU_PROFILE", None)
+    if profile != "host":
+        env["TORCHSPEED_CPU_PROFILE"] = profile
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    cmd = [sys.executable, str(HERE / "zoo_run.py"), name, "--steps", str(steps), "--rounds", str(rounds),
+           "--ways", *ways]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=_scratch())
+        out, why = p.stdout, (None if p.returncode == 0 else _tail(p.stderr) or f"exit code {p.returncode}")
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        why = f"Timeout: the model's process ran over {timeout:.0f} s"
+    result = None
+    partial: dict = {}
+    for line in out.splitlines():
+        if line.startswith("ZOO_RESULT "):
+            result = json.loads(line[len("ZOO_RESULT "):])
+        elif line.startswith("ZOO_WAY "):
+            way, _, row = line[len("ZOO_WAY "):].partition(" ")
+            partial[way] = json.loads(row)
+    if result is None:
+        result = {"source": registry_source(name), "runs": partial}
+        for way in ways:
+            if way not in result["runs"]:
+                result["runs"][way] = {"finished": False, "error": why or "no result", "where": []}
+                break
+    result["process_s"] = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def _tail(text: str) -> str:
+    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
+    return lines[-1][:400] if lines else ""
+
+
+def _scratch() -> str:
+    import tempfile
+    return tempfile.mkdtemp(prefix="zoo-run-")
+
+
+_SOURCE_OF: dict[str, str] = {}
+
+
+def registry_source(name: str) -> str:
+    return _SOURCE_OF.get(name, "?")
+
+
+def out_path(out_dir: Path, stem: str, profile: str) -> Path:
+    return out_dir / (f"{stem}.json" if profile == "host" else f"{stem}_{profile}.json")
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def sweep(names: list[str], args, profile: str, command: str) -> dict:
+    """Run `names` under `profile`, writing the JSON after every model (a stopped sweep keeps what it ran)."""
+    path = out_path(Path(args.out_dir), args.name, profile)
+    data = load(path) if args.resume else {}
+    models, plain_fails = data.get("models", {}), data.get("plain_fails", {})
+    meta = zoo_report.provenance(profile, args.steps, command)
+    for i, name in enumerate(names, 1):
+        if args.resume and (name in models or name in plain_fails) and not _failed(models.get(name)):
+            continue
+        row = run_child(name, args.steps, args.ways, profile, args.timeout, args.rounds)
+        plain = row["runs"].get("plain", {})
+        models.pop(name, None)
+        plain_fails.pop(name, None)
+        if plain.get("finished"):
+            models[name] = row
+        else:
+            plain_fails[name] = {"source": row.get("source"), "reason": plain.get("error"), "where": plain.get("where")}
+        print(zoo_report.line(i, len(names), profile, name, row), flush=True)
+        data = dict(meta, models=models, plain_fails=plain_fails, summary=zoo_report.summarize(models, plain_fails))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1, default=str))
+    return data
+
+
+def _failed(row: dict | None) -> bool:
+    return bool(row) and any(not r.get("finished") for r in row["runs"].values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES)
+    ap.add_argument("--models", nargs="+", help="run only the models whose name contains one of these")
+    ap.add_argument("--sample", type=int, help="a quick subset of N models, spread over the sources")
+    ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
+    ap.add_argument("--steps", type=int, default=20, help="K: steps in each run")
+    ap.add_argument("--rounds", type=int, default=1, help="time each run this many times, its fastest counts")
+    ap.add_argument("--profiles", nargs="+", default=["host"], choices=PROFILES)
+    ap.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
+    ap.add_argument("--out-dir", default=str(DEFAULT_OUT))
+    ap.add_argument("--name", default="zoo", help="file stem: <out-dir>/<name>.json, <name>_<profile>.json")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds for one model's process")
+    ap.add_argument("--resume", action="store_true", help="keep the models already in the JSON; rerun failed ones")
+    ap.add_argument("--docs", default=str(HERE.parent / "docs" / "zoo.md"), help="the table to write ('' for none)")
+    ap.add_argument("--report-only", action="store_true", help="write the docs table from the JSON files, run nothing")
+    ap.add_argument("--list", action="store_true", help="print the selected models and stop")
+    args = ap.parse_args()
+    command = "python benchmarks/bench_zoo.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    reg = registry(tuple(args.sources))
+    by_source: dict[str, list[str]] = {}
+    for n, c in reg.items():
+        by_source.setdefault(c.source, []).append(n)
+        _SOURCE_OF[n] = c.source
+    names = select(by_source, args.models, args.sample, args.seed)
+    if args.list:
+        print("\n".join(names), f"\n{len(names)} models", sep="")
+        return
+    paths = [out_path(Path(args.out_dir), args.name, p) for p in args.profiles]
+    if not args.report_only:
+        for profile in args.profiles:
+            data = sweep(names, args, profile, command)
+            print(zoo_report.summary_text(profile, data["summary"]), flush=True)
+    if args.docs:
+        zoo_report.write_docs(paths, Path(args.docs))
+        print(f"wrote {args.docs}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The zoo's case type and the plain loop's losses, as a script's own loop writes them.
+
+A `Case` is one model as a user trains it: how it is built (randomly initialised, nothing downloaded),
+one batch drawn from a generator, the optimizer the script makes, and either a `step_fn` (a factory: each
+run gets a fresh one, its closure state included) or the loss the plain loop computes from the model's output.
+`fit` is handed the same model, batches and optimizer; the plain loop's loss is the batch contract of
+docs/models.md written out by hand (cross-entropy on logits, the model's own loss, detection's sum, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Batch = Any
+
+
+@dataclass
+class Case:
+    name: str
+    source: str  # torchvision | torchvision-detection | torchvision-segmentation | timm | transformers | hand
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator], Batch]
+    plain: Callable[[nn.Module, Batch], torch.Tensor] | None = None  # the plain loop's loss (no step_fn)
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] = None  # type: ignore[assignment]
+    step_fn: Callable[[], Callable[[nn.Module, Batch], torch.Tensor]] | None = None  # a fresh step_fn per run
+    probe: Callable[[nn.Module, Batch], torch.Tensor] | None = None  # the K-step loss, when `plain` cannot say it
+    fit_kwargs: dict = field(default_factory=dict)  # what the port passes besides the optimizer (loss_fn, clip)
+    note: str = ""
+
+    def __post_init__(self):
+        if self.optimizer is None:
+            self.optimizer = sgd(0.01)
+        if self.plain is None and self.step_fn is None:
+            raise ValueError(f"{self.name}: a case needs `plain` or `step_fn`")
+
+    def loss_fn(self):
+        return self.fit_kwargs.get("loss_fn")
+
+
+def sgd(lr: float, **kw) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    return lambda m: torch.optim.SGD(m.parameters(), lr=lr, **kw)
+
+
+def adamw(lr: float, **kw) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    return lambda m: torch.optim.AdamW(m.parameters(), lr=lr, **kw)
+
+
+def adam(lr: float, **kw) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    return lambda m: torch.optim.Adam(m.parameters(), lr=lr, **kw)
+
+
+# ---------------------------------------------------------------- the plain loop's losses
+
+def ce_logits(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy as a loop writes it: (B, C) logits, or (B, T, V) / (N, C, H, W) with their targets."""
+    if out.dim() == 3 and y.dim() == 2:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(out, y)
+
+
+def xy_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """`(x, y)` -> `cross_entropy(model(x), y)`."""
+    x, y = batch
+    return ce_logits(model(x), y)
+
+
+def xxy_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """`(x1, x2, y)` -> `cross_entropy(model(x1, x2), y)`."""
+    *xs, y = batch
+    return ce_logits(model(*xs), y)
+
+
+def xy_with(loss_fn: nn.Module) -> Callable[[nn.Module, Batch], torch.Tensor]:
+    """`(x..., y)` -> `loss_fn(model(x...), y)` (a regression's MSE, say)."""
+    def plain(model, batch):
+        *xs, y = batch
+        return loss_fn(model(*xs), y)
+    return plain
+
+
+def own_loss(out: Any) -> torch.Tensor:
+    """The model's own loss: `out.loss`, `out["loss"]`, or the 0-dim tensor in a tuple."""
+    if isinstance(out, dict):
+        return out["loss"]
+    if isinstance(out, (tuple, list)):
+        return next(t for t in out if torch.is_tensor(t) and t.dim() == 0)
+    if dataclasses.is_dataclass(out) or hasattr(out, "loss"):
+        return out.loss
+    raise TypeError(f"no loss in {type(out).__name__}")
+
+
+def xy_own(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """`(x, y)` -> `model(x, y)`'s own loss (a GPT's `forward(idx, targets)`)."""
+    x, y = batch
+    return own_loss(model(x, y))
+
+
+def dict_own(model: nn.Module, batch: dict) -> torch.Tensor:
+    """A Hugging Face dict batch -> `model(**batch).loss`."""
+    return own_loss(model(**batch))
+
+
+def detection(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """`(images, targets)` -> the sum of torchvision's detection losses."""
+    images, targets = batch
+    return sum(model(list(images), list(targets)).values())
+
+
+def segmentation(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """torchvision's segmentation recipe: loss on "out" + 0.5 x loss on "aux"."""
+    x, y = batch
+    out = model(x)
+    loss = F.cross_entropy(out["out"], y)
+    if "aux" in out:
+        loss = loss + 0.5 * F.cross_entropy(out["aux"], y)
+    return loss
+
+
+# ---------------------------------------------------------------- batches
+
+def images(n: int, size: int | tuple[int, int], classes: int = 10, channels: int = 3):
+    """A batch maker of `(x, y)` image classification batches."""
+    h, w = (size, size) if isinstance(size, int) else size
+
+    def make(g: torch.Generator):
+        return torch.randn(n, channels, h, w, generator=g), torch.randint(0, classes, (n,), generator=g)
+    return make
+
+
+def masks(n: int, size: int, classes: int = 5):
+    def make(g: torch.Generator):
+        return torch.randn(n, 3, size, size, generator=g), torch.randint(0, classes, (n, size, size), generator=g)
+    return make
+
+
+def boxes(n: int, size: int, classes: int = 5, with_masks: bool = False, keypoints: int = 0):
+    """`(list of images, list of target dicts)`, 2 boxes an image."""
+    def make(g: torch.Generator):
+        ims, tgts = [], []
+        for _ in range(n):
+            ims.append(torch.rand(3, size, size, generator=g))
+            xy = torch.rand(2, 2, generator=g) * size * 0.5
+            wh = 8 + torch.rand(2, 2, generator=g) * size * 0.4
+            b = torch.cat([xy, (xy + wh).clamp(max=size - 1)], 1)
+            t = {"boxes": b, "labels": torch.randint(1, classes, (2,), generator=g)}
+            if with_masks:
+                m = torch.zeros(2, size, size, dtype=torch.uint8)
+                for i, (x0, y0, x1, y1) in enumerate(b.int().tolist()):
+                    m[i, y0:y1, x0:x1] = 1
+                t["masks"] = m
+            if keypoints:
+                kp = torch.cat([xy.unsqueeze(1) + torch.rand(2, keypoints, 2, generator=g) * wh.unsqueeze(1),
+                                torch.ones(2, keypoints, 1)], 2)
+                t["keypoints"] = kp
+            tgts.append(t)
+        return ims, tgts
+    return make
+
+
+def tokens(n: int, t: int, vocab: int, *, keys: tuple[str, ...] = ("input_ids", "labels"), shift: bool = False):
+    """Hugging Face dict batches: input ids, their mask, and labels (the ids again: the model shifts them)."""
+    def make(g: torch.Generator):
+        ids = torch.randint(0, vocab, (n, t + (1 if shift else 0)), generator=g)
+        out = {"input_ids": ids[:, :t] if shift else ids}
+        if "attention_mask" in keys:
+            out["attention_mask"] = torch.ones(n, t, dtype=torch.long)
+        if "labels" in keys:
+            out["labels"] = ids[:, 1:] if shift else ids.clone()
+        return out
+    return make
+
+
+def lm_pairs(n: int, t: int, vocab: int):
+    """`(x, y)` token batches, y = x shifted by one (a script's language model)."""
+    def make(g: torch.Generator):
+        ids = torch.randint(0, vocab, (n, t + 1), generator=g)
+        return ids[:, :-1], ids[:, 1:]
+    return make

@@ -1,0 +1,222 @@
+"""The zoo's numbers: provenance, the summary a sweep's JSON carries, one progress line a model, docs/zoo.md."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+FIT_FLOOR = 0.97  # fit as ported at this share of the plain loop's speed or more counts as "not slower"
+
+
+def provenance(profile: str, steps: int, command: str) -> dict:
+    from torchspeed.bench.runner import provenance as base
+
+    meta = base()
+    versions = {"torch": meta.pop("torch"), "torchvision": meta.pop("torchvision"), "python": meta.pop("python")}
+    for mod in ("timm", "transformers"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except ImportError:
+            versions[mod] = None
+    return {"commit": meta.pop("commit"), "versions": versions, "device": meta.pop("device"), "cpu": meta.pop("cpu"),
+            "profile": profile, "K": steps, "command": command, "host": meta}
+
+
+def _geomean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def _share(k: int, n: int) -> float | None:
+    return round(k / n, 3) if n else None
+
+
+def reaches(run: dict, plain: dict) -> bool:
+    """auto reached the plain loop's K-step loss no slower: its K-step loss at most the loop's, in no more time."""
+    return bool(run.get("finished")) and run["loss"] <= plain["loss"] and run["vs_plain"] >= 1.0
+
+
+def way_summary(models: dict, way: str) -> dict:
+    rows = {n: m["runs"][way] for n, m in models.items() if way in m["runs"]}
+    done = {n: r for n, r in rows.items() if r.get("finished")}
+    ratios = [r["vs_plain"] for r in done.values()]
+    kept = {n: r for n, r in done.items() if r.get("kept_plain")}
+    out = {"runs": len(rows), "errors": len(rows) - len(done),
+           "error_models": sorted(n for n in rows if n not in done),
+           "geomean_vs_plain": _geomean(ratios),
+           "share_at_least_0.97": _share(sum(x >= FIT_FLOOR for x in ratios), len(rows)),
+           "share_at_least_1.0": _share(sum(x >= 1.0 for x in ratios), len(rows)),
+           "kept_plain": len(kept),
+           "kept_plain_loss_equal": sum(bool(r.get("loss_equal")) for r in kept.values()),
+           "kept_plain_loss_differs": sorted(n for n, r in kept.items() if not r.get("loss_equal")),
+           "slower_than_0.97": sorted(n for n, r in done.items() if r["vs_plain"] < FIT_FLOOR)}
+    if way == "auto":
+        hit = [n for n, r in done.items() if reaches(r, models[n]["runs"]["plain"])]
+        out["share_reaches_plain_loss_no_slower"] = _share(len(hit), len(rows))
+        out["share_loss_no_worse"] = _share(sum(r["loss"] <= models[n]["runs"]["plain"]["loss"]
+                                                for n, r in done.items()), len(rows))
+    return out
+
+
+def summarize(models: dict, plain_fails: dict) -> dict:
+    """The sweep's counts: errors where the plain loop trains, fit's speed shares and geometric mean, auto's reach."""
+    out = {"models": len(models) + len(plain_fails), "plain_trains": len(models), "plain_fails": len(plain_fails),
+           "fit": way_summary(models, "fit"), "auto": way_summary(models, "auto"), "by_source": {}}
+    for src in sorted({m["source"] for m in models.values()}):
+        sub = {n: m for n, m in models.items() if m["source"] == src}
+        f, a = way_summary(sub, "fit"), way_summary(sub, "auto")
+        out["by_source"][src] = {"models": len(sub), "fit_errors": f["errors"], "auto_errors": a["errors"],
+                                 "fit_geomean": f["geomean_vs_plain"], "fit_share_0.97": f["share_at_least_0.97"],
+                                 "auto_reaches": a.get("share_reaches_plain_loss_no_slower")}
+    return out
+
+
+def _cell(run: dict | None, plain: dict | None = None) -> str:
+    if run is None:
+        return "-"
+    if not run.get("finished"):
+        return "**error**"
+    cell = f"{run['vs_plain']:.2f}x"
+    if plain is not None and "loss" in run:
+        cell += " =" if run.get("loss_equal") else (" <" if run["loss"] < plain["loss"] else " >")
+    return cell
+
+
+def _setting(run: dict | None) -> str:
+    s = (run or {}).get("settings") or {}
+    if not s:
+        return ""
+    parts = [str(s.get("precision", ""))]
+    if s.get("channels_last"):
+        parts.append("CL")
+    if s.get("compile"):
+        parts.append("compiled")
+    return "+".join(p for p in parts if p)
+
+
+def line(i: int, n: int, profile: str, name: str, row: dict) -> str:
+    runs = row["runs"]
+    plain = runs.get("plain", {})
+    head = f"[{i}/{n}] {profile} {name}:"
+    if not plain.get("finished"):
+        return f"{head} plain loop fails: {plain.get('error')}"
+    parts = [f"plain {plain['seconds']:.2f}s loss {plain['loss']:.4g}"]
+    for way in ("fit", "auto"):
+        r = runs.get(way)
+        if r is None:
+            continue
+        parts.append(f"{way} {r['vs_plain']:.2f}x {_setting(r)} loss {r['loss']:.4g}" if r.get("finished")
+                     else f"{way} ERROR {r.get('error')}")
+    return f"{head} " + "; ".join(parts) + f" ({row.get('process_s', 0):.0f}s)"
+
+
+def summary_text(profile: str, s: dict) -> str:
+    f, a = s["fit"], s["auto"]
+    g = f["geomean_vs_plain"]
+    return (f"{profile}: {s['plain_trains']} models the plain loop trains ({s['plain_fails']} it cannot); "
+            f"fit errors {f['errors']}, auto errors {a['errors']}; fit >= 0.97x plain on {f['share_at_least_0.97']}, "
+            f"geomean {g if g is None else round(g, 3)}; kept plain settings {f['kept_plain']}, loss equal on "
+            f"{f['kept_plain_loss_equal']}; auto reaches plain's loss no slower on "
+            f"{a.get('share_reaches_plain_loss_no_slower')}")
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.0%}" if isinstance(x, float) and x <= 1.0 and not isinstance(x, bool) else str(x)
+
+
+def _summary_table(datas: list[dict]) -> list[str]:
+    rows = ["| profile | K | models (plain trains / cannot) | fit errors | auto errors | fit >= 0.97x plain | "
+            "fit geomean | fit kept plain settings: loss equal | auto reaches plain's loss no slower |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for d in datas:
+        s = d["summary"]
+        f, a = s["fit"], s["auto"]
+        g = f["geomean_vs_plain"]
+        rows.append(f"| {d['profile']} | {d['K']} | {s['models']} ({s['plain_trains']} / {s['plain_fails']}) | "
+                    f"{f['errors']} | {a['errors']} | {_fmt(f['share_at_least_0.97'])} | "
+                    f"{'-' if g is None else f'{g:.3f}x'} | {f['kept_plain_loss_equal']} of {f['kept_plain']} | "
+                    f"{_fmt(a.get('share_reaches_plain_loss_no_slower'))} |")
+    return rows
+
+
+def _errors(datas: list[dict]) -> list[str]:
+    rows = ["| profile | model | run | error |", "|---|---|---|---|"]
+    for d in datas:
+        for name, m in sorted(d["models"].items()):
+            for way in ("fit", "auto"):
+                r = m["runs"].get(way)
+                if r is not None and not r.get("finished"):
+                    rows.append(f"| {d['profile']} | {name} | {way} | `{str(r.get('error'))[:160]}` |")
+    return rows if len(rows) > 2 else ["None."]
+
+
+def _plain_fails(datas: list[dict]) -> list[str]:
+    rows = ["| profile | model | reason |", "|---|---|---|"]
+    for d in datas:
+        for name, f in sorted(d.get("plain_fails", {}).items()):
+            rows.append(f"| {d['profile']} | {name} | `{str(f.get('reason'))[:160]}` |")
+    return rows if len(rows) > 2 else ["None."]
+
+
+def _per_model(datas: list[dict]) -> list[str]:
+    first = datas[0]
+    head = "| model | source | plain s | fit settings | " + " | ".join(
+        f"fit {d['profile']} | auto {d['profile']}" for d in datas) + " |"
+    rows = [head, "|" + "---|" * (4 + 2 * len(datas))]
+    for name in sorted(first["models"]):
+        m = first["models"][name]
+        cells = []
+        for d in datas:
+            md = d["models"].get(name)
+            plain = md["runs"]["plain"] if md else None
+            cells += [_cell(md["runs"].get("fit") if md else None, plain),
+                      _cell(md["runs"].get("auto") if md else None, plain)]
+        rows.append(f"| {name} | {m['source']} | {m['runs']['plain']['seconds']:.2f} | "
+                    f"{_setting(m['runs'].get('fit'))} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def write_docs(paths: list[Path], doc: Path) -> None:
+    datas = [json.loads(p.read_text()) for p in paths if p.exists()]
+    if not datas:
+        return
+    d0 = datas[0]
+    v = d0["versions"]
+    text = [
+        "# The model zoo: every model under `fit`, three ways",
+        "",
+        "<!-- generated by benchmarks/bench_zoo.py (zoo_report.write_docs) from its JSON: do not edit by hand -->",
+        "",
+        "`benchmarks/bench_zoo.py` trains each model of the zoo for K steps three ways, each model in its own "
+        "process: the plain loop (forward, loss, backward, `optimizer.step()`, `zero_grad()`), `fit` as ported "
+        "(the loop's own optimizer object and LR) and `fit(recipe=\"auto\")`, on the same batches from the same "
+        "seeds, the switch trial live (an empty decision cache each run). Every model is randomly initialised; "
+        "nothing is downloaded. The sources: every torchvision classification model at a small input and "
+        "detection and segmentation models (`benchmarks/zoo_torchvision.py`), one small timm model per family "
+        "(`zoo_timm.py`), Hugging Face architectures from small configs fed dict batches (`zoo_hf.py`), and the "
+        "hand-written forms people train (`zoo_hand.py`).",
+        "",
+        "- **vs plain**: the plain loop's whole-run seconds over the run's (above 1: faster than the loop). "
+        "Timed once a run, after a 2-step warm-up of each way on a throwaway model, on shared cores: single "
+        "ratios are noisy; the counts of errors and of equal losses are not.",
+        "- **loss**: the loss on the first batch after the K steps (train mode, no grad, seeded), computed by the "
+        "plain loop's own loss function for every way. `=` equal to the plain loop's to the last bit, `<` lower, "
+        "`>` higher.",
+        "- **auto reaches plain's loss no slower**: its K-step loss at most the loop's, and its run no slower.",
+        "",
+        f"Produced by `{d0['command']}` at commit `{str(d0['commit'])[:7]}` on {d0['cpu']} "
+        f"(torch {v['torch']}, torchvision {v['torchvision']}, timm {v.get('timm')}, transformers "
+        f"{v.get('transformers')}); JSON: " + ", ".join(f"`{p.as_posix().split('benchmarks/', 1)[-1]}`"
+                                                         for p in paths if p.exists()) + " under `benchmarks/`.",
+        "",
+        "## Summary", "", *_summary_table(datas), "",
+        "## Runs that ended in an error where the plain loop trains", "", *_errors(datas), "",
+        "## Models the plain loop cannot train here", "", *_plain_fails(datas), "",
+        "## Every model", "",
+        "fit settings: what `fit` as ported chose on the first profile (precision, `CL` channels_last).", "",
+        *_per_model(datas), "",
+    ]
+    doc.write_text("\n".join(text))

@@ -1,0 +1,257 @@
+"""One zoo model, three ways, in this process: the plain loop, `fit` as ported, `fit(recipe="auto")`.
+
+Each way builds the model afresh from the same seed, takes the same K batches (one list, drawn once from a
+seeded generator) through a fresh DataLoader, and draws its dropout and noise from the same seed; `fit` gets a
+fresh, empty decision cache (TORCHSPEED_CACHE_DIR) each run, so its switch trial runs live, on the run's own
+steps. Before any timed run, a throwaway model takes 2 plain steps and a 2-step `fit`: the process's one-time
+costs (oneDNN's kernels for these shapes, torchspeed's lazy imports) are paid by none of the timed runs.
+
+The K-step loss is the same for every way: the loss on the first batch after the run (train mode, no grad,
+seeded), computed by the plain loop's own loss (or the case's probe). Run as a script, it prints one line
+`ZOO_RESULT <json>` for `bench_zoo.py`:
+
+    python benchmarks/zoo_run.py hf/gpt2 --steps 20 --ways plain fit auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zoo_cases import Case  # noqa: E402
+
+WAYS = ("plain", "fit", "auto")
+BUILD_SEED, RUN_SEED, PROBE_SEED, DATA_SEED = 0, 1, 2, 1234
+SOURCES = ("torchvision", "timm", "transformers", "hand")  # the registry's modules, by the source they hold
+
+
+def registry(sources: tuple[str, ...] = SOURCES) -> dict[str, Case]:
+    """Every case by name (building nothing: the builders run only when a case runs)."""
+    out: list[Case] = []
+    if "torchvision" in sources:
+        import zoo_torchvision
+        out += zoo_torchvision.cases()
+    if "timm" in sources:
+        import zoo_timm
+        out += zoo_timm.cases()
+    if "transformers" in sources:
+        import zoo_hf
+        out += zoo_hf.cases()
+    if "hand" in sources:
+        import zoo_hand
+        out += zoo_hand.cases()
+    return {c.name: c for c in out}
+
+
+class Listed(Dataset):
+    """The run's batches, served as they are (`DataLoader(..., batch_size=None)`)."""
+
+    def __init__(self, batches: list):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+
+def batches_for(case: Case, k: int) -> list:
+    g = torch.Generator().manual_seed(DATA_SEED)
+    return [case.batch(g) for _ in range(k)]
+
+
+def loader(batches: list) -> DataLoader:
+    return DataLoader(Listed(batches), batch_size=None)
+
+
+def fresh(case: Case) -> torch.nn.Module:
+    torch.manual_seed(BUILD_SEED)
+    model = case.build()
+    model.train()
+    return model
+
+
+def plain_loop(case: Case, batches: list) -> tuple[float, torch.nn.Module, float]:
+    """The script's own loop: forward, loss, backward, (clip,) step, zero_grad. Seconds, model, mean loss."""
+    model = fresh(case)
+    opt = case.optimizer(model)
+    step = case.step_fn() if case.step_fn else None
+    clip = case.fit_kwargs.get("clip_grad_norm")
+    losses = []
+    torch.manual_seed(RUN_SEED)
+    t0 = time.perf_counter()
+    for batch in loader(batches):
+        loss = step(model, batch) if step else case.plain(model, batch)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    sec = time.perf_counter() - t0
+    return sec, model, float(torch.stack(losses).float().mean())
+
+
+def fit_run(case: Case, batches: list, auto: bool) -> tuple[float, torch.nn.Module, object]:
+    """`fit` as ported (the loop's optimizer object) or `fit(recipe="auto")`, timed as a whole call."""
+    import torchspeed
+
+    model = fresh(case)
+    kw = dict(case.fit_kwargs, max_steps=len(batches), progress=False)
+    if case.step_fn:
+        kw["step_fn"] = case.step_fn()
+    if auto:
+        kw["recipe"] = "auto"
+    else:
+        kw["optimizer"] = case.optimizer(model)
+    before = os.environ.get("TORCHSPEED_CACHE_DIR")
+    os.environ["TORCHSPEED_CACHE_DIR"] = tempfile.mkdtemp(prefix="zoo-cache-")
+    try:
+        torch.manual_seed(RUN_SEED)
+        t0 = time.perf_counter()
+        res = torchspeed.fit(model, loader(batches), **kw)
+        return time.perf_counter() - t0, model, res
+    finally:
+        if before is None:
+            os.environ.pop("TORCHSPEED_CACHE_DIR", None)
+        else:
+            os.environ["TORCHSPEED_CACHE_DIR"] = before
+
+
+def probe(case: Case, model: torch.nn.Module, batch) -> float:
+    """The K-step loss: the first batch's loss after the run, the same function for every way."""
+    model.train()
+    torch.manual_seed(PROBE_SEED)
+    with torch.no_grad():
+        if case.probe:
+            loss = case.probe(model, batch)
+        elif case.step_fn:
+            loss = case.step_fn()(model, batch)
+        else:
+            loss = case.plain(model, batch)
+    return float(loss)
+
+
+def settings(res) -> dict:
+    """The decisions' values (what the run chose), JSON-ready; the trial's reason in words, cut short."""
+    out = {}
+    for k, d in res.decisions.items():
+        v = d.get("value") if isinstance(d, dict) else d
+        out[k] = v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+    trial = res.decisions.get("switch_trial")
+    if isinstance(trial, dict):
+        out["switch_trial_reason"] = str(trial.get("reason", ""))[:300]
+    return out
+
+
+def kept_plain(s: dict) -> bool:
+    """The trial kept the plain settings: fp32 (or the model's own dtype), NCHW, eager, the loop's kernel."""
+    prec = str(s.get("precision", "fp32")).lower()
+    return (prec in ("fp32", "float32", "fp64", "float64", "none", "model")
+            and not s.get("channels_last") and not s.get("compile")
+            and s.get("fused_optimizer") in (None, False, "default", "False"))
+
+
+def error_of(e: BaseException) -> dict:
+    msg = (str(e).strip().splitlines() or [""])[0][:400]
+    frames = traceback.extract_tb(e.__traceback__)[-4:]
+    where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames]
+    return {"finished": False, "error": f"{type(e).__name__}: {msg}", "where": where}
+
+
+def warm_up(case: Case, batches: list) -> None:
+    """Pay the process's one-time costs on a throwaway model: 2 plain steps and a 2-step fit."""
+    plain_loop(case, batches[:2])
+    try:
+        fit_run(case, batches[:2], auto=False)
+    except Exception:  # noqa: BLE001  (the timed fit run records its own error)
+        pass
+
+
+def _plain_row(case: Case, batches: list) -> dict:
+    sec, model, train_loss = plain_loop(case, batches)
+    return {"finished": True, "error": None, "seconds": sec, "vs_plain": 1.0, "loss": probe(case, model, batches[0]),
+            "train_loss": train_loss, "params": sum(p.numel() for p in model.parameters())}
+
+
+def _fit_row(case: Case, batches: list, way: str, plain: dict) -> dict:
+    try:
+        sec, model, res = fit_run(case, batches, auto=(way == "auto"))
+        s = settings(res)
+        row = {"finished": True, "error": None, "seconds": sec, "vs_plain": plain["seconds"] / sec,
+               "loss": probe(case, model, batches[0]),
+               "train_loss": (res.final or {}).get("train_loss"), "steps": res.steps, "kept_plain": kept_plain(s),
+               "settings": s}
+        row["loss_equal"] = row["loss"] == plain["loss"]
+        return row
+    except Exception as e:  # noqa: BLE001
+        return error_of(e)
+
+
+def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True, emit=None, rounds: int = 1) -> dict:
+    """{"source", "runs": {way: {...}}} for one model; fit and auto run only where the plain loop trains.
+    With `rounds` > 1 the ways run again in turn, and each way's seconds are its fastest round's (the rows
+    otherwise the first round's). `emit(way, row)` is called as each way's first round ends (the parent keeps
+    what ended if the process dies later)."""
+    emit = emit or (lambda way, row: None)
+    batches = batches_for(case, k)
+    out = {"source": case.source, "note": case.note, "runs": {}, "load": [round(os.getloadavg()[0], 2)]}
+    try:
+        if warm:
+            warm_up(case, batches)
+        plain = _plain_row(case, batches)
+    except Exception as e:  # noqa: BLE001
+        out["runs"]["plain"] = error_of(e)
+        return out
+    runs = out["runs"]
+    runs["plain"] = plain
+    emit("plain", plain)
+    others = [w for w in ways if w != "plain"]
+    for r in range(rounds):
+        if r:
+            plain.setdefault("round_seconds", [plain["seconds"]]).append(plain_loop(case, batches)[0])
+        for way in others:
+            if r == 0:
+                runs[way] = _fit_row(case, batches, way, plain)
+                emit(way, runs[way])
+            elif runs[way].get("finished"):
+                runs[way].setdefault("round_seconds", [runs[way]["seconds"]]).append(fit_run(case, batches, way == "auto")[0])
+    for way in runs:
+        if runs[way].get("finished"):
+            runs[way]["seconds"] = min(runs[way].get("round_seconds", [runs[way]["seconds"]]))
+    for way in others:
+        if runs[way].get("finished"):
+            runs[way]["vs_plain"] = plain["seconds"] / runs[way]["seconds"]
+    out["load"].append(round(os.getloadavg()[0], 2))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="one zoo model, three ways (bench_zoo.py runs this per model)")
+    ap.add_argument("name")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
+    ap.add_argument("--rounds", type=int, default=1, help="time each way this many times (its fastest counts)")
+    ap.add_argument("--no-warmup", action="store_true")
+    args = ap.parse_args()
+    source = {"torchvision": "torchvision", "timm": "timm", "hf": "transformers", "hand": "hand"}
+    prefix = args.name.split("/")[0] if "/" in args.name else "torchvision"
+    case = registry((source.get(prefix, "torchvision"),))[args.name]
+    result = run_case(case, args.steps, tuple(args.ways), warm=not args.no_warmup, rounds=args.rounds,
+                      emit=lambda way, row: print(f"ZOO_WAY {way} " + json.dumps(row, default=str), flush=True))
+    print("ZOO_RESULT " + json.dumps(result, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The model zoo sweep (benchmarks/bench_zoo.py): the harness on tiny hand-written models (fast), and a sampled
+subset of the zoo under `fit` on the host CPU and an emulated AVX2 one (slow): no run of `fit` or
+`fit(recipe="auto")` ends in an error where the plain loop trains, and where the switch trial kept the plain
+settings, fit's K-step loss is the plain loop's. Nothing here asserts a time."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_zoo  # noqa: E402
+import zoo_report  # noqa: E402
+import zoo_run  # noqa: E402
+from zoo_cases import Case, sgd, xy_logits, xy_own  # noqa: E402
+
+
+class OwnLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x, targets=None):
+        logits = self.fc(x)
+        return {"logits": logits, "loss": nn.functional.cross_entropy(logits, targets)}
+
+
+def _vec(g):
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _gru_step():
+    state = {}
+
+    def step_fn(model, batch):
+        x, y = batch
+        out, h = model.rnn(x, state.get("h"))
+        state["h"] = h.detach()
+        return nn.functional.cross_entropy(model.head(out[:, -1]), y)
+    return step_fn
+
+
+class TinyGRU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.GRU(6, 8, batch_first=True), nn.Linear(8, 3)
+
+
+TINY = [
+    Case("mlp", "hand", lambda: nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)), _vec, xy_logits, sgd(0.1)),
+    Case("own_loss", "hand", OwnLoss, _vec, xy_own, sgd(0.1)),
+    Case("gru_carried", "hand", TinyGRU, lambda g: (torch.randn(8, 5, 6, generator=g), torch.randint(0, 3, (8,), generator=g)),
+         step_fn=_gru_step, optimizer=sgd(0.1)),
+]
+
+
+@pytest.mark.parametrize("case", TINY, ids=lambda c: c.name)
+def test_each_way_gets_a_row_of_the_documented_shape(case, monkeypatch):
+    monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx2")  # no half-precision candidate: the trial keeps fp32
+    out = zoo_run.run_case(case, 4, ("plain", "fit"), warm=False)
+    plain, fit = out["runs"]["plain"], out["runs"]["fit"]
+    assert out["source"] == "hand" and plain["finished"] and plain["vs_plain"] == 1.0
+    assert set(fit) >= {"finished", "error", "vs_plain", "loss", "settings", "kept_plain", "loss_equal"}, fit
+    assert fit["finished"] and fit["error"] is None and fit["vs_plain"] > 0
+    assert fit["settings"]["precision"] == "fp32" and fit["kept_plain"]
+    assert fit["loss_equal"], (fit["loss"], plain["loss"])  # the harness's probe is the same for every way
+
+
+def test_the_plain_loop_and_its_probe_are_deterministic():
+    case = TINY[2]
+    batches = zoo_run.batches_for(case, 3)
+    (_, m1, l1), (_, m2, l2) = zoo_run.plain_loop(case, batches), zoo_run.plain_loop(case, batches)
+    assert l1 == l2 and zoo_run.probe(case, m1, batches[0]) == zoo_run.probe(case, m2, batches[0])
+
+
+def test_a_failing_run_is_recorded_not_raised(monkeypatch):
+    def boom(*a, **k):
+        raise ValueError("could not create a primitive\nsecond line")
+    monkeypatch.setattr(zoo_run, "fit_run", boom)
+    out = zoo_run.run_case(TINY[0], 2, warm=False)
+    for way in ("fit", "auto"):
+        assert out["runs"][way]["finished"] is False
+        assert out["runs"][way]["error"] == "ValueError: could not create a primitive"
+
+
+def test_a_model_the_plain_loop_cannot_train_runs_no_other_way():
+    bad = Case("bad", "hand", lambda: nn.Linear(5, 3), _vec, xy_logits)  # 6 features into Linear(5)
+    out = zoo_run.run_case(bad, 2, warm=False)
+    assert list(out["runs"]) == ["plain"] and out["runs"]["plain"]["error"].startswith("RuntimeError")
+
+
+def _row(vs_fit, vs_auto, loss_fit=1.0, loss_auto=0.9, kept=True, source="hand"):
+    plain = {"finished": True, "seconds": 1.0, "vs_plain": 1.0, "loss": 1.0}
+    fit = {"finished": True, "vs_plain": vs_fit, "loss": loss_fit, "kept_plain": kept, "loss_equal": loss_fit == 1.0,
+           "settings": {"precision": "fp32"}}
+    auto = ({"finished": False, "error": "RuntimeError: x"} if vs_auto is None
+            else {"finished": True, "vs_plain": vs_auto, "loss": loss_auto, "settings": {"precision": "bf16"}})
+    return {"source": source, "runs": {"plain": plain, "fit": fit, "auto": auto}}
+
+
+def test_the_summary_counts_as_the_issue_defines(tmp_path):
+    models = {"a": _row(1.0, 1.2), "b": _row(0.5, 0.8), "c": _row(2.0, None, loss_fit=1.1, source="timm"),
+              "d": _row(1.0, 1.1, loss_auto=1.5)}
+    s = zoo_report.summarize(models, {"e": {"reason": "RuntimeError: too small"}})
+    assert s["models"] == 5 and s["plain_trains"] == 4 and s["plain_fails"] == 1
+    assert s["fit"]["errors"] == 0 and s["auto"]["errors"] == 1 and s["auto"]["error_models"] == ["c"]
+    assert s["fit"]["share_at_least_0.97"] == 0.75 and abs(s["fit"]["geomean_vs_plain"] - 1.0) < 1e-9
+    assert s["fit"]["kept_plain"] == 4 and s["fit"]["kept_plain_loss_differs"] == ["c"]
+    assert s["auto"]["share_reaches_plain_loss_no_slower"] == 0.25  # a only: b slower, c failed, d worse loss
+    data = dict(profile="host", K=4, command="python benchmarks/bench_zoo.py --x", commit="abc1234", cpu="a CPU",
+                versions={"torch": "t", "torchvision": "v"}, models=models, plain_fails={"e": {"reason": "too small"}},
+                summary=s)
+    path = tmp_path / "zoo.json"
+    path.write_text(json.dumps(data))
+    zoo_report.write_docs([path], tmp_path / "zoo.md")
+    doc = (tmp_path / "zoo.md").read_text()
+    assert "python benchmarks/bench_zoo.py --x" in doc and "| host | 4 | 5 (4 / 1) | 0 | 1 | 75% |" in doc
+    assert "| c | auto | `RuntimeError: x` |" in doc and "| host | e |" in doc
+
+
+def test_a_sample_spreads_over_the_sources_and_is_repeatable():
+    pools = {"torchvision": [f"tv{i}" for i in range(9)], "timm": [f"timm/{i}" for i in range(9)],
+             "hand": ["hand/a", "hand/b"]}
+    s = bench_zoo.select(pools, None, 6, seed=3)
+    assert s == bench_zoo.select(pools, None, 6, seed=3) and len(s) == 6
+    assert {n.split("/")[0] if "/" in n else "tv" for n in s} == {"tv", "timm", "hand"}
+    assert bench_zoo.select(pools, ["hand/"], None) == ["hand/a", "hand/b"]
+
+
+def test_the_registry_covers_the_issues_zoo():
+    reg = zoo_run.registry()
+    by = {}
+    for c in reg.values():
+        by.setdefault(c.source, []).append(c.name)
+    import torchvision
+    assert set(torchvision.models.list_models(module=torchvision.models)) <= set(by["torchvision"])
+    assert len(by["torchvision-detection"]) >= 3 and len(by["torchvision-segmentation"]) >= 3
+    assert len(by["timm"]) >= 40 and len(by["transformers"]) >= 15 and len(reg) >= 150
+
+
+def test_a_model_runs_in_its_own_process(tmp_path):
+    row = bench_zoo.run_child("hand/mlp_regression", 3, ["plain", "fit"], "avx2", timeout=300)
+    assert row["runs"]["plain"]["finished"] and row["runs"]["fit"]["finished"], row
+    assert row["runs"]["fit"]["loss_equal"], row
+
+
+# The slow sweep: a sample of the zoo's forms, each model in its own process, the trial live.
+SAMPLE = ["resnet18", "mobilenet_v3_small", "fasterrcnn_mobilenet_v3_large_320_fpn", "lraspp_mobilenet_v3_large",
+          "timm/resnet10t", "timm/vit_tiny_patch16_224", "hf/gpt2", "hf/t5", "hand/lstm_lm_carried",
+          "hand/kv_cache_decoder", "hand/step_counter", "hand/gan"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_sampled_zoo_trains_under_fit_as_under_its_own_loop(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_zoo.py"), "--models", *SAMPLE, "--steps", "12",
+           "--profiles", "host", "avx2", "--out-dir", str(tmp_path), "--docs", "", "--timeout", "240"]
+    subprocess.run(cmd, check=True, timeout=880)
+    problems = []
+    for path in (tmp_path / "zoo.json", tmp_path / "zoo_avx2.json"):
+        data = json.loads(path.read_text())
+        for name, m in data["models"].items():
+            for way in ("fit", "auto"):
+                r = m["runs"][way]
+                if not r["finished"]:
+                    problems.append(f"{data['profile']} {name} {way}: {r['error']}")
+                elif way == "fit" and r["kept_plain"] and not r["loss_equal"]:
+                    problems.append(f"{data['profile']} {name}: fit kept the plain settings, loss {r['loss']} "
+                                    f"!= plain {m['runs']['plain']['loss']}")
+    assert problems == []
