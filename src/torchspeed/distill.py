@@ -181,6 +181,7 @@ def _time(call: Callable[[], object], device) -> float:
 def _decide_cache(teacher: Teacher, loader: DataLoader, tensors, n_inputs: int, steps: int, device, precision
                   ) -> Decision:
     """Cache when one pass over the data costs less than the teacher's forward on every step of the run."""
+    t0 = time.perf_counter()
     first = [t.to(device) for t in next(iter(loader))[:n_inputs]]
     chunk = [t[:CACHE_CHUNK].to(device) for t in tensors[:n_inputs]]
 
@@ -194,7 +195,8 @@ def _decide_cache(teacher: Teacher, loader: DataLoader, tensors, n_inputs: int, 
     per_step = batch_s * steps
     once = chunk_s * math.ceil(tensors[0].shape[0] / CACHE_CHUNK)
     measured = {"teacher_batch_s": round(batch_s, 6), "steps": steps, "per_step_total_s": round(per_step, 3),
-                "cache_chunk_s": round(chunk_s, 6), "cache_total_s": round(once, 3)}
+                "cache_chunk_s": round(chunk_s, 6), "cache_total_s": round(once, 3),
+                "decide_s": round(time.perf_counter() - t0, 3)}  # this measurement's own cost, in fit's seconds
     if once < per_step:
         return Decision(True, f"one teacher pass over the data ({once:.2f} s) costs less than its forward on "
                               f"each of {steps} steps ({per_step:.2f} s)", measured)

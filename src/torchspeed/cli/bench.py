@@ -9,6 +9,7 @@ import importlib.util
 
 import os
 
+from torchspeed._io import write_json
 from torchspeed.cli.main import CLIError
 
 
@@ -19,6 +20,10 @@ SUITE_ONLY = ("workloads", "rows", "time_limit")
 def register(sub) -> None:
     p = sub.add_parser("bench", help="time to target on the workload suite (default), or the throughput bench "
                                      "(--full, or its options) on one workload")
+    p.add_argument("--slim", action="store_true",
+                   help="smaller models (not part of make bench): prune 50%% + fine-tune against the full model, a "
+                        "distilled quarter-width student against one from scratch, on ResNet-20 and the digits CNN "
+                        "(--quick: 4 epochs; --seeds N; --json, default slim.json)")
     p.add_argument("--full", action="store_true",
                    help="the throughput bench instead of the suite: each technique on its own and all together "
                         "(ResNet-18 by default), then time to target where the data has one (make bench-full)")
@@ -79,6 +84,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    if getattr(args, "slim", False):
+        return run_slim_cli(args)
     given = [d for d, default in getattr(args, "classic_defaults", {}).items() if getattr(args, d, default) != default]
     if args.seeds is not None and args.seeds <= 0:
         raise CLIError(f"--seeds must be positive, got {args.seeds}")
@@ -92,6 +99,19 @@ def run(args) -> int:
                        + ", ".join(f"--{d.replace('_', '-')}" for d in given or ["full"]))
     args.seeds = args.seeds or 3
     return run_throughput(args)
+
+
+def run_slim_cli(args) -> int:
+    """--slim (bench/slim.py): prune + fine-tune and distillation, time and accuracy, on 2 workloads."""
+    from torchspeed.bench.slim import run_slim_bench, slim_table
+
+    seeds = tuple(range(args.seeds)) if args.seeds else (0,)
+    result = run_slim_bench(seeds=seeds, epochs=4 if args.quick else 15)
+    print(slim_table(result))
+    path = "slim.json" if args.json == "bench.json" else args.json
+    write_json(path, result)
+    print(f"wrote {path} ({result['meta']['seconds']:.0f} s)")
+    return 0
 
 
 def run_suite_cli(args) -> int:
@@ -188,14 +208,13 @@ def run_throughput(args) -> int:
 
 def _check_workload(args) -> bool:
     """--model and --data, checked and filled in (a custom model imported once here); True for --parallel fsdp2."""
-    from torchspeed.bench.workloads import check_workload, default_data
+    from torchspeed.bench.workloads import MODELS, check_workload, default_data
 
     # --data digits alone: ResNet-20, the CIFAR-sized net that trains to 90% on them in seconds per seed.
     sharding = getattr(args, "parallel", "ddp") == "fsdp2"
     if sharding and args.nproc is None:
         raise CLIError("--parallel fsdp2 compares N sharded processes with N DDP processes: add --nproc 2")
     args.model = args.model or ("gpt" if sharding else "resnet20" if args.data == "digits" else "resnet18")
-    from torchspeed.bench.workloads import MODELS
     from torchspeed.model.spec import build_model, is_custom, portable_spec
 
     if is_custom(args.model):

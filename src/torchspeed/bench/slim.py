@@ -1,0 +1,213 @@
+"""`torchspeed bench --slim`: smaller models, measured as time and accuracy on 2 workloads (T38).
+
+Not part of `make bench`. For each workload (ResNet-20 on the digits at 32 px; the suite's digits CNN at
+8 px) and seed:
+
+- **prune**: the full model trained with `fit` for `epochs`; `torchspeed.slim(ratio=0.5)` on it (the
+  train step and the latency of a 64-image and a 1-image batch, fp32 eager, timed side by side with the
+  original); `finetune` for at most `FINETUNE_SHARE` of the full run's steps; and the pruned
+  architecture trained from scratch with the full run's settings. Each run's time to the full model's
+  final accuracy less one point is its training seconds (`epoch_s`, evaluation out) up to the first
+  epoch at or above it.
+- **distil**: a student a quarter of the teacher's width (the trained full model is the teacher) from
+  scratch, and distilled (`fit(..., teacher=...)`, the cache as measured): the distilled student's
+  seconds to the scratch student's final accuracy, the teacher's seconds in (its cache pass and the
+  measurement that chose it; per-step forwards are inside the steps), over the scratch student's.
+  A ratio of 0.7 or less pays; above that the row says it does not, with the numbers.
+
+Example:
+    >>> result = run_slim_bench(seeds=(0,), epochs=15)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchspeed.bench.runner import provenance
+from torchspeed.bench.workloads import digits, resnet20
+from torchspeed.distill import Teacher
+from torchspeed.fitting import fit
+from torchspeed.slimming import finetune, measure_models, slim
+
+__all__ = ["SLIM_WORKLOADS", "FINETUNE_SHARE", "PAYS", "run_slim_bench", "slim_table"]
+
+FINETUNE_SHARE = 0.2   # the fine-tune's steps, as a share of the full run's
+PAYS = 0.7             # a distilled student pays at this share of the scratch student's seconds, or less
+BATCH = 64
+# Every run alike: no switch trial (its first-steps turns would weigh differently on a 4-epoch and a 15-epoch run;
+# precision is the hardware rule's), no compile (its seconds on 2 cores would dwarf a small model's run).
+FIT_OPTIONS = {"progress": False, "trial": False, "compile": False}
+
+
+def _cnn(widths: tuple[int, int, int] = (32, 32, 64)) -> nn.Module:
+    """The suite's digits CNN (bench/suite.py digits_cnn) with its widths as a parameter."""
+    a, b, c = widths
+    return nn.Sequential(nn.Conv2d(1, a, 3, padding=1), nn.BatchNorm2d(a), nn.ReLU(),
+                         nn.Conv2d(a, b, 3, padding=1), nn.BatchNorm2d(b), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(b, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10))
+
+
+def _digits(size: int, channels: int, seed: int):
+    train, val = digits(size=size, seed=seed)
+    (x, y), (vx, vy) = train.tensors, val.tensors
+    return (x[:, :channels].contiguous(), y), (vx[:, :channels].contiguous(), vy)
+
+
+# name -> (data(seed), full model, quarter-width student)
+SLIM_WORKLOADS: dict[str, tuple[Callable, Callable[[], nn.Module], Callable[[], nn.Module]]] = {
+    "digits_resnet20": (lambda s: _digits(32, 3, s), resnet20, lambda: resnet20(widths=(4, 8, 16))),
+    "digits_cnn": (lambda s: _digits(8, 1, s), _cnn, lambda: _cnn((8, 8, 16))),
+}
+
+
+def _run(model: nn.Module, train, val, *, seed: int, epochs: int, **options) -> dict:
+    """One `fit` run: its final val_acc, steps, wall seconds and per-epoch (cumulative training seconds, val_acc)."""
+    g = torch.Generator().manual_seed(seed)
+    loader = DataLoader(TensorDataset(*train), batch_size=BATCH, shuffle=True, generator=g)
+    val_loader = DataLoader(TensorDataset(*val), batch_size=256)
+    t0 = time.perf_counter()
+    r = options.pop("runner", fit)(model, loader, val_loader=val_loader, epochs=epochs, **FIT_OPTIONS, **options)
+    wall = time.perf_counter() - t0
+    cum, curve = 0.0, []
+    for row in r.history:
+        cum += row["epoch_s"]
+        curve.append([round(cum, 3), row.get("val_acc")])
+    out = {"val_acc": r.final.get("val_acc"), "steps": r.steps, "wall_s": round(wall, 3), "curve": curve}
+    if "distill" in r.decisions:
+        d = r.decisions["distill"]
+        m = d.measured or {}
+        out["distill"] = {"cache": d.value, "reason": d.reason, **m}
+        out["teacher_s"] = round(m.get("cache_s", 0.0) + m.get("decide_s", 0.0), 3)
+    return out
+
+
+def _seconds_to(run: dict, target: float) -> float | None:
+    """Training seconds (plus the teacher's up-front seconds) to the first epoch at or above `target`."""
+    for seconds, acc in run["curve"]:
+        if acc is not None and acc >= target:
+            return round(seconds + run.get("teacher_s", 0.0), 3)
+    return None
+
+
+def _prune_rows(name: str, seed: int, epochs: int) -> tuple[dict, nn.Module]:
+    data, make_full, _ = SLIM_WORKLOADS[name]
+    train, val = data(seed)
+    torch.manual_seed(seed)
+    full = make_full()
+    full_run = _run(full, train, val, seed=seed, epochs=epochs)
+    x, y = train
+    vx = val[0]
+    t0 = time.perf_counter()
+    res = slim(full, vx[:BATCH], ratio=0.5, batches=[(x[:BATCH], y[:BATCH])],
+               val_loader=DataLoader(TensorDataset(*val), batch_size=256))
+    slim_s = time.perf_counter() - t0
+    one = measure_models({"original": full, "pruned": res.model}, vx[:1])
+    steps = max(1, math.floor(FINETUNE_SHARE * full_run["steps"]))
+    ft = _run(res.model, train, val, seed=seed, epochs=epochs, max_steps=steps, runner=_finetuner(res))
+    torch.manual_seed(seed)
+    scratch = copy.deepcopy(res.model)
+    for m in scratch.modules():
+        if hasattr(m, "reset_parameters") and m is not scratch:
+            m.reset_parameters()
+    scratch_run = _run(scratch, train, val, seed=seed, epochs=epochs)
+    target = round(full_run["val_acc"] - 0.01, 4)
+    report = res.report.to_dict()
+    row = {"workload": name, "seed": seed, "epochs": epochs, "target": target, "full": full_run,
+           "slim": {k: report[k] for k in ("ratio", "params", "macs", "step_s", "latency_s", "step_speedup",
+                                          "latency_speedup", "accuracy", "recovered", "widths")},
+           "slim_s": round(slim_s, 3), "latency_batch1": {"original_s": one["original"]["latency_s"],
+                                                          "pruned_s": one["pruned"]["latency_s"],
+                                                          "speedup": one["pruned"]["latency_speedup"]},
+           "finetune": {**ft, "max_steps": steps, "share": round(steps / full_run["steps"], 3)},
+           "pruned_scratch": scratch_run}
+    row["finetune_within_1pt"] = ft["val_acc"] is not None and ft["val_acc"] >= target
+    row["seconds_to_target"] = {"full": _seconds_to(full_run, target),
+                                "pruned_scratch": _seconds_to(scratch_run, target),
+                                "full_then_slim_finetune": None if _seconds_to(ft, target) is None else round(
+                                    full_run["curve"][-1][0] + slim_s + _seconds_to(ft, target), 3)}
+    return row, full
+
+
+def _finetuner(res):
+    def run(model, loader, **options):
+        return finetune(res, loader, **options)
+    return run
+
+
+def _distil_rows(name: str, seed: int, epochs: int, teacher: nn.Module) -> dict:
+    data, _, make_student = SLIM_WORKLOADS[name]
+    train, val = data(seed)
+    torch.manual_seed(seed + 1)
+    student = make_student()
+    twin = copy.deepcopy(student)  # the same initial weights for both
+    scratch = _run(student, train, val, seed=seed, epochs=epochs)
+    distilled = _run(twin, train, val, seed=seed, epochs=epochs, teacher=Teacher(teacher))
+    target = scratch["val_acc"]
+    a, b = _seconds_to(scratch, target), _seconds_to(distilled, target)
+    ratio = None if a is None or b is None else round(b / a, 3)
+    pays = ratio is not None and ratio <= PAYS
+    verdict = (f"pays: {ratio}x the scratch student's seconds" if pays else
+               f"does not pay: {ratio}x the scratch student's seconds (needs {PAYS}x or less)" if ratio else
+               f"does not pay: the distilled student never reached {target} in {epochs} epochs")
+    return {"workload": name, "seed": seed, "epochs": epochs, "target": target, "scratch": scratch,
+            "distilled": distilled, "seconds_to_target": {"scratch": a, "distilled": b}, "ratio": ratio,
+            "pays": pays, "verdict": verdict}
+
+
+def run_slim_bench(*, workloads: tuple[str, ...] = tuple(SLIM_WORKLOADS), seeds: tuple[int, ...] = (0,),
+                   epochs: int = 15, log: Callable[[str], object] = print) -> dict:
+    """Every workload and seed: the prune rows, then the distil rows on the trained full model as teacher."""
+    unknown = [w for w in workloads if w not in SLIM_WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {unknown}: use {sorted(SLIM_WORKLOADS)}")
+    prune, distil = [], []
+    t0 = time.perf_counter()
+    for name in workloads:
+        for seed in seeds:
+            row, teacher = _prune_rows(name, seed, epochs)
+            prune.append(row)
+            log(f"{name} seed {seed}: prune 0.5 step {row['slim']['step_speedup']:.2f}x latency "
+                f"{row['slim']['latency_speedup']:.2f}x, fine-tune {row['finetune']['val_acc']:.4f} "
+                f"vs full {row['full']['val_acc']:.4f}")
+            distil.append(_distil_rows(name, seed, epochs, teacher))
+            log(f"{name} seed {seed}: distil {distil[-1]['verdict']}")
+    return {"meta": {**provenance(), "fit_options": FIT_OPTIONS, "epochs": epochs, "seeds": list(seeds), "batch_size": BATCH,
+                     "finetune_share": FINETUNE_SHARE, "pays_at": PAYS, "seconds": round(time.perf_counter() - t0, 1)},
+            "prune": prune, "distil": distil, "summary": _summary(prune, distil)}
+
+
+def _summary(prune: list[dict], distil: list[dict]) -> dict:
+    out = {}
+    for name in dict.fromkeys(r["workload"] for r in prune):
+        p = [r for r in prune if r["workload"] == name]
+        d = [r for r in distil if r["workload"] == name]
+        med = (lambda xs: round(statistics.median(xs), 4) if xs else None)  # noqa: E731
+        out[name] = {"step_speedup": med([r["slim"]["step_speedup"] for r in p]),
+                     "latency_speedup": med([r["slim"]["latency_speedup"] for r in p]),
+                     "latency_speedup_batch1": med([r["latency_batch1"]["speedup"] for r in p]),
+                     "full_acc": med([r["full"]["val_acc"] for r in p]),
+                     "finetune_acc": med([r["finetune"]["val_acc"] for r in p]),
+                     "finetune_within_1pt": all(r["finetune_within_1pt"] for r in p),
+                     "distil_ratio": med([r["ratio"] for r in d if r["ratio"] is not None]),
+                     "distil_pays": all(r["pays"] for r in d)}
+    return out
+
+
+def slim_table(result: dict) -> str:
+    """Markdown: one row per workload (medians over seeds), as docs/slim.md shows it."""
+    rows = ["| workload | step speed-up | latency speed-up (64 / 1) | full acc | fine-tuned acc (<= 20% steps) | "
+            "distilled / scratch seconds |", "|---|---|---|---|---|---|"]
+    for name, s in result["summary"].items():
+        rows.append(f"| {name} | {s['step_speedup']:.2f}x | {s['latency_speedup']:.2f}x / "
+                    f"{s['latency_speedup_batch1']:.2f}x | {s['full_acc']:.4f} | {s['finetune_acc']:.4f} | "
+                    f"{s['distil_ratio']}x ({'pays' if s['distil_pays'] else 'does not pay'}) |")
+    return "\n".join(rows)
