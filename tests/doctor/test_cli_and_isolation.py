@@ -25,12 +25,14 @@ def test_cli_json_format(tmp_path, capsys):
         assert isinstance(d["breakdown"][key], float)
     assert d["findings"]
     for f in d["findings"]:
-        assert set(f) == {"rule", "severity", "evidence", "fix", "est_gain", "measured_gain", "patch", "basis", "also"}
+        assert set(f) == {"rule", "severity", "evidence", "fix", "est_gain", "measured_gain", "patch", "basis", "also",
+                          "interval", "inconclusive"}
         assert f["basis"] in ("measured", "timed", "estimated") and isinstance(f["also"], list)
         assert f["severity"] in ("high", "medium", "low")
         assert f["est_gain"] is None or isinstance(f["est_gain"], float)
     assert "zero-grad-memset" in {f["rule"] for f in d["findings"]}
     assert d["env"]["device"] in ("cpu", "cuda") and d["status"] == "stopped"
+    assert d["verdict"]["verdict"] in ("pass", "regression", "inconclusive") and "fixes" in d["verdict"]
     printed = capsys.readouterr().out
     assert "zero-grad-memset" in printed and "step time" in printed
 

@@ -136,6 +136,9 @@ TRIGGERS = {
                                             "fused_available": True, "param_tensors": 28}),
                          _set("breakdown.compute_detail_ms", {"forward": 3.0, "backward": 5.0, "optimizer": 1.0,
                                                               "zero_grad": 0.0})],
+    "cpu-threads": [_set("threads", 4), _set("machine_cores", 8)],  # 4 threads, an affinity of 2 of 8 cores
+    "amx-old-kernel": [_set("env", {**CPU_ENV, "amx": True, "bf16_supported": True}),
+                       _set("kernel", "5.15.0-91-generic")],
     "input-not-normalized": [_set("model.input", {"dtype": "torch.float32", "mean": 120.0, "std": 70.0,
                                                   "min": 0.0, "max": 255.0})],
 }
@@ -172,7 +175,8 @@ def test_rule_fires_on_its_problem(rule_id):
     assert f is not None and f.rule == rule_id
     assert f.severity in ("high", "medium", "low") and f.evidence and f.fix
     d = f.to_dict()
-    assert set(d) == {"rule", "severity", "evidence", "fix", "est_gain", "measured_gain", "patch", "basis", "also"}
+    assert set(d) == {"rule", "severity", "evidence", "fix", "est_gain", "measured_gain", "patch", "basis", "also",
+                      "interval", "inconclusive"}
     assert d["basis"] in ("measured", "timed", "estimated")
     if d["basis"] == "estimated":  # nothing measured on the script: never ranked above low
         assert f.severity == "low" and (f.est_gain is None or "estimated, not measured" in f.evidence)

@@ -9,7 +9,7 @@ from torch import nn
 from torchspeed.doctor import DoctorJob, diagnose_many
 from torchspeed.doctor._capture import Captured
 from torchspeed.doctor.observation import undeclared_keys
-from torchspeed.doctor.registry import severity_for_gain
+from torchspeed.doctor.registry import severity_for_interval
 from torchspeed.doctor import verify as verify_mod
 from torchspeed.doctor.verify import _interleave, _Trainer, applicable_fixes, verify_fixes
 from torchspeed.env import detect
@@ -36,23 +36,26 @@ def test_verify_reports_measured_speedups_for_autocast_channels_last_workers(ver
     assert set(r.verify) == {"autocast", "channels_last", "workers"}, r.notes
     for fix, v in r.verify.items():
         assert "error" not in v, v
-        assert v["speedup"] > 0 and v["baseline_ms"] > 0 and v["candidate_ms"] > 0 and len(v["ratios"]) == 3
+        # 3 rounds a side, more (up to 15) while the interval is too wide to rank
+        assert v["speedup"] > 0 and v["baseline_ms"] > 0 and v["candidate_ms"] > 0
+        assert len(v["ratios"]) == v["rounds"] and 3 <= v["rounds"] <= 15 and len(v["samples_ms"][0]) == v["rounds"]
         assert v["iqr"][0] <= v["speedup"] <= v["iqr"][1]
     # fit's plan for the captured model, measured against the script's settings (values: test_fit_plan)
     plan = r.observation["fit_plan"]
     assert "error" not in plan and plan["chosen"] in plan["grid"] + [plan["script"]]
     # a plan that keeps the script's settings has no ratio of its own: the script is the reference
-    assert len(plan["ratios"]) == 3 if plan["chosen"] != plan["script"] else "ratios" not in plan
+    # (--verify's own rounds where it reuses them: 3, more while an interval was too wide to rank)
+    assert len(plan["ratios"]) >= 3 if plan["chosen"] != plan["script"] else "ratios" not in plan
     rule_of = {"autocast": "no-amp", "channels_last": "channels-last", "workers": "dataloader-workers"}
     for fix, rule in rule_of.items():
         f = _finding(r, rule)
         assert f is not None, rule
         assert f.measured_gain == r.verify[fix]["speedup"]
-        # severity follows the measurement; a difference inside the noise is low
-        # (the threshold applies to the low end of the middle half of the rounds)
-        lo = min(r.verify[fix]["iqr"][0], f.measured_gain)
-        expected = "low" if r.verify[fix]["within_noise"] else severity_for_gain(lo)
-        assert f.severity == expected
+        # severity follows the measurement: the lower bound of its interval; one that holds 1.0 is low, listed apart
+        lo, hi = r.verify[fix]["interval"]
+        expected = severity_for_interval(min(lo, f.measured_gain), max(hi, f.measured_gain))
+        assert f.severity == ("low" if expected == "inconclusive" else expected)
+        assert (f.inconclusive is not None) == (expected == "inconclusive")
         assert "--verify measured" in f.evidence
     # the candidate really loads in workers; whether that is faster here is measured, not asserted
     # (benchmarks/bench_doctor.py records it), and the finding follows whatever was measured (above)
@@ -124,7 +127,8 @@ def test_verify_with_keyword_only_model_returning_its_loss():
 def test_interleave_reports_the_median_ratio_of_fixed_step_times(monkeypatch, fake_clock):
     clock = fake_clock  # perf_counter only moves when a step calls `advance` (conftest.py)
     monkeypatch.setattr(verify_mod, "time", clock)
-    cand_ms = iter([1.0, 1.0] + [1.0] * 20 + [0.5] * 20 + [1.25] * 20 + [1.0] * 20)  # warm-up, then rounds
+    # warm-up (2 calls), a discarded warm-up round of 20 steps (9 ms: never counted), then the timed rounds
+    cand_ms = iter([1.0, 1.0] + [9.0] * 20 + [1.0] * 20 + [0.5] * 20 + [1.25] * 20)
 
     def base():
         clock.advance(2e-3)
@@ -136,6 +140,9 @@ def test_interleave_reports_the_median_ratio_of_fixed_step_times(monkeypatch, fa
     assert v["steps_per_round"] == 20  # a 0.25 s budget at 2 ms per baseline step, capped at 20
     assert v["baseline_ms"] == 2.0 and v["ratios"] == [2.0, 4.0, 1.6] and v["speedup"] == 2.0
     assert v["candidate_ms"] == 1.0 and v["iqr"] == [1.8, 3.0] and not v["within_noise"]
+    assert v["samples_ms"] == [[2.0] * 3, [1.0, 0.5, 1.25]] and v["rounds"] == 3
+    lo, hi = v["interval"]  # the bootstrap interval of the ratio of the medians holds every resample's ratio
+    assert 1.6 <= lo <= 2.0 <= hi <= 4.0 and v["verdict"] == "faster"
     same = _interleave(base, base, torch.device("cpu"), rounds=3)
     assert same["speedup"] == 1.0 and same["within_noise"]  # no difference: inside the noise
 
@@ -187,8 +194,9 @@ def test_rounds_that_disagree_wildly_are_inconclusive(monkeypatch, fake_clock):
     clock = fake_clock
     monkeypatch.setattr(verify_mod, "time", clock)
     # 2 rounds of 20 steps: one candidate round 66x faster (a busy machine slowed its baseline), one 4% slower
-    base_ms = iter([1.0] * 3 + [66.58] * 20 + [1.0] * 20)  # warm-up 2 calls + the budget probe, then the rounds
-    cand_ms = iter([1.0] * 2 + [1.0] * 20 + [1.0 / 0.96] * 20)
+    # warm-up 2 calls + the budget probe, a discarded round, then the rounds
+    base_ms = iter([1.0] * 3 + [1.0] * 20 + [66.58] * 20 + [1.0] * 20)
+    cand_ms = iter([1.0] * 2 + [1.0] * 20 + [1.0] * 20 + [1.0 / 0.96] * 20)
 
     def base():
         clock.advance(next(base_ms) * 1e-3)

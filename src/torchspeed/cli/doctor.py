@@ -7,7 +7,8 @@ Runs an unmodified training script under the doctor's probe (see `torchspeed.doc
 a bounded number of optimizer steps, and prints the ranked report. The script's own output
 goes to a log file unless `--show-output` is given. Exit code: 0 when the script was
 diagnosed, 1 when it raised, exited with an error or had to be killed (the report is still
-printed, with its traceback), 2 for a usage mistake.
+printed, with its traceback), 2 for a usage mistake, 3 with `--fail-on-regression` when the
+verdict (`report.report_verdict`, also in `--json` under "verdict") is "regression".
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixes", default=None,
                    help=f"comma-separated fixes for --verify (default: all that apply): {','.join(_fix_names())}")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile in --verify (it takes a while)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per fix in --verify (default 5)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="interleaved rounds a side per measured fix, --verify's and the environment re-runs' "
+                        "(default 5; --verify adds rounds while an interval is too wide to rank)")
     p.add_argument("--time-limit", type=float, default=300.0, help="stop the script after this many seconds (default 300)")
     p.add_argument("--show-output", action="store_true", help="let the script print to this terminal")
     p.add_argument("--fix", action="store_true",
@@ -42,6 +45,10 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                         "interleaved with the original (needs libcst)")
     p.add_argument("--apply", action="store_true", help="with --fix: write the patches that measured faster into the "
                                                         "script (otherwise the user's files are never written)")
+    p.add_argument("--fail-on-regression", action="store_true",
+                   help="exit with code 3 when the verdict is 'regression': a measured fix whose 95%% interval's "
+                        "lower bound clears the medium threshold (1.05x), i.e. the script runs measurably slower "
+                        "than it would with that fix (for CI)")
     p.add_argument("--fix-rounds", type=int, default=3, help="interleaved runs of the original and each patched "
                                                              "script in --fix (default 3)")
 
@@ -102,7 +109,7 @@ def _fix(report, args, script_args, console):
 
 def run(args) -> int:
     from rich.console import Console
-    from torchspeed.doctor import DoctorJob, diagnose_many, render_report
+    from torchspeed.doctor import DoctorJob, diagnose_many, exit_code, render_report
     from torchspeed.train.progress import status_bar
 
     script_args = _split_rest(args)
@@ -110,6 +117,8 @@ def run(args) -> int:
         raise CLIError(f"no such script: {args.script}")
     if not args.script.endswith(".py"):
         raise CLIError(f"{args.script} is not a Python file; give the training script, e.g. train.py")
+    if args.rounds < 2:
+        raise CLIError(f"--rounds must be at least 2 (an interval needs rounds on each side), got {args.rounds}")
     if args.steps < 1 or args.warmup < 1:
         raise CLIError("--steps and --warmup must be at least 1 (the first step always includes start-up)")
     fixes = None
@@ -131,7 +140,8 @@ def run(args) -> int:
         if args.fix_rounds < 1:
             raise CLIError("--fix-rounds must be at least 1")
     job = DoctorJob(script=args.script, args=tuple(script_args), steps=args.steps, warmup=args.warmup,
-                    verify=args.verify, fixes=fixes, rounds=args.rounds, time_limit=args.time_limit)
+                    verify=args.verify, fixes=fixes, rounds=args.rounds, time_limit=args.time_limit,
+                    env_rounds=args.rounds)
     console = Console()
     with tempfile.TemporaryDirectory(prefix="torchspeed-doctor-") as tmp:
         log = os.path.join(tmp, "script-output.txt")
@@ -155,4 +165,4 @@ def run(args) -> int:
     if args.json:
         report.write_json(args.json)
         console.print(f"report written to {args.json}")
-    return 1 if report.status in ("raised", "exited", "killed", "doctor-error") else 0
+    return exit_code(report, fail_on_regression=args.fail_on_regression)

@@ -23,7 +23,7 @@ from torchspeed.doctor.diagnose import DoctorJob, diagnose, diagnose_many, repor
 from torchspeed.doctor.fix import fix_script
 from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import RULES, register, rule_ids, run_rules
-from torchspeed.doctor.report import DoctorReport, Finding, render_report
+from torchspeed.doctor.report import DoctorReport, Finding, exit_code, render_report, report_verdict
 
 __all__ = ["DoctorJob", "diagnose", "diagnose_many", "report_from_observation", "Observation", "RULES", "register",
-           "rule_ids", "run_rules", "DoctorReport", "Finding", "render_report", "fix_script"]
+           "rule_ids", "run_rules", "DoctorReport", "Finding", "render_report", "fix_script", "report_verdict", "exit_code"]

@@ -4,15 +4,17 @@ Some fixes live in the environment, not in the script: glibc's malloc thresholds
 thread count when DataLoader workers share the cores, and OMP_WAIT_POLICY=PASSIVE, which stops idle
 OpenMP threads spinning on cores the workers need (T45). They are read when a process starts, so the
 doctor measures each by re-running a few of the script's steps in a fresh child process with the
-variable set, interleaved with the original in a fresh process of its own (round 1: original, each
-environment; round 2: again), through the same runner as `--fix` (`diagnose.measure_variants`). The
-speed-up is the median of the per-round ratios, its interval their middle half (`_rounds.round_summary`:
-re-runs that disagree by more than 2x are inconclusive, and no rule counts them); the rules read them
-from `obs["env_fixes"]` and the registry ranks the finding on that measurement (`registry.settle`).
+variable set, interleaved with the original in a fresh process of its own (5 rounds by default, each in an
+order drawn at random; each process's own warm-up steps are discarded), through the same runner as `--fix`
+(`diagnose.measure_variants`). The speed-up is the median of the per-round ratios, its interval the 95%
+bootstrap interval of the ratio of the median step times (`_interval.gain_interval`; re-runs that disagree
+by more than 2x are inconclusive, and no rule counts them); the rules read them from `obs["env_fixes"]`
+and the registry ranks the finding on that interval's lower bound (`registry.settle`).
 
 A fix applies only where its rule's trigger holds (page-fault churn with glibc's default thresholds;
-workers + threads beyond the cores; workers beside more than one OpenMP thread) and the variable is not
-set already, so a clean script pays nothing. Default cost: 2 rounds x (1 + fixes) runs of
+workers + threads beyond the cores; workers beside more than one OpenMP thread; intra-op threads beyond the
+usable cores, `cores`) and the variable is not
+set already, so a clean script pays nothing. Default cost: 5 rounds x (1 + fixes) runs of
 `warmup + 6` steps, each in a process that imports torch.
 
 One source fix is measured the same way, because no timing of the script alone can say what it gains:
@@ -33,6 +35,7 @@ import os
 import statistics
 from collections.abc import Callable, Mapping
 
+from torchspeed.doctor._interval import gain_interval
 from torchspeed.doctor._rounds import round_summary
 from torchspeed.doctor.observation import EnvFixResult, Observation
 from torchspeed.env import GLIBC_MALLOC_ENV
@@ -41,7 +44,7 @@ __all__ = ["ENV_FIXES", "env_candidates", "patch_candidates", "measure_env_fixes
 
 # fix name -> the rule whose advice it measures
 ENV_FIXES = {"malloc": "allocator", "threads": "cpu-oversubscribed", "omp_passive": "omp-wait-policy",
-             "workers": "dataloader-workers"}
+             "workers": "dataloader-workers", "cores": "cpu-threads"}
 WAIT_SHARE = 0.05  # the data wait (share of the step) worth re-running the script with workers for
 
 
@@ -63,6 +66,9 @@ def env_candidates(obs: Observation, environ: Mapping[str, str] | None = None) -
         out["threads"] = {"OMP_NUM_THREADS": str(fewer)}
     if on_cpu and workers and threads > 1 and "OMP_WAIT_POLICY" not in environ:
         out["omp_passive"] = {"OMP_WAIT_POLICY": "PASSIVE"}
+    usable = int(obs.get("cpu_cores") or 1)  # intra-op threads beyond the usable cores (a collapsed affinity)
+    if on_cpu and int(obs.get("threads") or 1) > usable and "threads" not in out and "OMP_NUM_THREADS" not in environ:
+        out["cores"] = {"OMP_NUM_THREADS": str(usable)}
     return out
 
 
@@ -93,9 +99,14 @@ def summarize(name: str, env: dict, m: dict, *, steps: int) -> EnvFixResult:
         entry["error"] = m.get("error") or "no round could be measured"
         return entry
     base, cand = m.get("baseline_ms") or [], m.get("ms") or []
-    entry.update({**round_summary(ratios), "rounds": len(ratios),
+    # the interval of the ratio of the medians, from both sides' step times (`_interval`); without them
+    # (an injected measurement of ratios alone), from the ratios against a baseline of 1
+    summary = gain_interval(base, cand) if base and cand else gain_interval([1.0] * len(ratios), [1 / r for r in ratios])
+    entry.update({**summary, **round_summary(ratios), "rounds": len(ratios),
                   "baseline_ms": round(statistics.median(base), 3) if base else None,
                   "candidate_ms": round(statistics.median(cand), 3) if cand else None})
+    if base and cand:
+        entry["samples_ms"] = [list(base), list(cand)]
     return entry
 
 

@@ -56,6 +56,8 @@ def read_settings(obs: dict) -> None:
                    "float32_matmul_precision": legacy}
     obs["threads"] = torch.get_num_threads()
     obs["cpu_cores"] = usable_cores()
+    obs["machine_cores"] = os.cpu_count() or obs["cpu_cores"]
+    obs["kernel"] = os.uname().release if hasattr(os, "uname") else ""
 
 
 def _precision_settings() -> list[tuple[object, str]]:

@@ -14,14 +14,16 @@ Example:
 from __future__ import annotations
 
 import json
-import statistics
 import os
+import random
+import statistics
 import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from torchspeed.doctor._interval import SEED
 from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import run_rules
 from torchspeed.doctor.report import DoctorReport
@@ -45,7 +47,7 @@ class DoctorJob:
     source: str | None = None      # run this text as the script (a --fix candidate), the file is not read
     measure_only: bool = False     # the step-time breakdown only (no model checks, no profiling)
     env: dict | None = None        # variables added to this run's environment (it then runs in its own process)
-    env_rounds: int = 2            # environment fixes: interleaved re-runs of the script with each (0: none)
+    env_rounds: int = 5            # environment fixes: interleaved re-runs of the script with each (0: none)
     env_steps: int = 6             # measured steps per environment re-run
 
     def to_spec(self) -> dict:
@@ -169,7 +171,7 @@ def diagnose_many(jobs: Sequence[DoctorJob], *, quiet: bool = False, threads: in
 
 def diagnose(script: str, *, args: Sequence[str] = (), steps: int = 30, warmup: int = 5, verify: bool = False,
              fixes: Sequence[str] | None = None, rounds: int = 5, time_limit: float = 300.0,
-             quiet: bool = False, isolate: bool = True, env_rounds: int = 2, measure_env=None) -> DoctorReport:
+             quiet: bool = False, isolate: bool = True, env_rounds: int = 5, measure_env=None) -> DoctorReport:
     """Diagnose one training script; see the module docstring.
 
     `isolate=False` runs the script in this process (faster to start; every patch is
@@ -193,14 +195,20 @@ def _step_ms(r: DoctorReport) -> float | None:
 
 def measure_variants(script: str, args: Sequence[str], sources: list[str | None], *, steps: int, warmup: int,
                      rounds: int, time_limit: float, threads: int | None, envs: list[dict | None] | None = None) -> list[dict]:
-    """Interleaved runs: per round the first variant (the original) and then each other one; per variant the
-    ratios (original step ms / variant step ms). A variant is a source (None: the script's own text) and,
+    """Interleaved runs: per round the original (the first variant) and each other one, in an order drawn at
+    random per round; per variant the ratios (original step ms / variant step ms). A variant is a source (None: the script's own text) and,
     with `envs`, an environment: a variant with one runs in its own process with those variables added."""
     envs = envs or [None] * len(sources)
-    jobs = [DoctorJob(script=script, args=tuple(args), steps=steps, warmup=warmup, time_limit=time_limit,
-                      source=src, env=env, measure_only=True) for _ in range(rounds) for src, env in zip(sources, envs)]
-    reports = diagnose_many(jobs, quiet=True, threads=threads)
     n = len(sources)
+    rng = random.Random(SEED)  # each round's order drawn at random (seeded): no variant always runs first
+    orders = [rng.sample(range(n), n) for _ in range(rounds)]
+    jobs = [DoctorJob(script=script, args=tuple(args), steps=steps, warmup=warmup, time_limit=time_limit,
+                      source=sources[i], env=envs[i], measure_only=True) for order in orders for i in order]
+    ran = diagnose_many(jobs, quiet=True, threads=threads)
+    reports = [None] * len(ran)
+    for r_i, order in enumerate(orders):  # back in the variants' own order, round by round
+        for pos, i in enumerate(order):
+            reports[r_i * n + i] = ran[r_i * n + pos]
     out = [{"ratios": [], "ms": [], "error": None} for _ in sources]
     for r_i in range(rounds):
         row = reports[r_i * n:(r_i + 1) * n]

@@ -27,9 +27,7 @@ __all__ = ["Observation", "Environment", "Breakdown", "Fractions", "FractionsMed
            "ThreadStage", "CompileStage", "AllocatorStage", "EnvFixResult", "undeclared_keys"]
 
 
-# `obs["env"]` is `torchspeed.env.detect().to_dict()`: what this machine can accelerate (T01). Its keys are
-# EnvInfo's fields, read from the dataclass so the two cannot drift apart (a tuple there arrives as a list
-# once through JSON).
+# `obs["env"]` is `torchspeed.env.detect().to_dict()` (T01): EnvInfo's fields, read from the dataclass (no drift)
 _ENV_HINTS = typing.get_type_hints(EnvInfo)
 Environment = TypedDict("Environment", {f.name: _ENV_HINTS[f.name] for f in dataclasses.fields(EnvInfo)}, total=False)
 
@@ -269,6 +267,20 @@ class _RoundRatios(TypedDict, total=False):
     iqr: list[float]             # the middle half of the ratios
     within_noise: bool           # the middle half holds 1.0 (with fewer than 3 rounds: any round on each side)
     inconclusive: bool           # the rounds disagree by more than 2x (`_rounds`): no claim is made on them
+    interval: list[float]        # 95% bootstrap interval of the ratio of the medians (`_interval`)
+    verdict: str                 # `report.interval_verdict`: faster | slower | no-change | below-min-effect | inconclusive
+    settle: str                  # inconclusive: what would settle it
+    samples_ms: list[list[float]]  # the raw rounds: [the script's ms per step, the fix's]
+
+
+class LossCheck(TypedDict, total=False):
+    """The fix's losses against the script's over its first `steps` steps, same weights (`verify`); ok None: n/a."""
+    steps: int
+    baseline: list[float]
+    candidate: list[float]
+    max_rel_diff: float
+    tolerance: float
+    ok: bool | None
 
 
 class _FixRun(_RoundRatios, total=False):
@@ -291,6 +303,7 @@ class VerifyResult(_FixRun, total=False):
     compile_s: float             # compile: the first step's time, compilation included
     note: str                    # the optimizer could not be rebuilt: what was used instead
     seconds: float               # the measurement's own wall time
+    loss_check: LossCheck
 
 
 class _StageFigure(TypedDict, total=False):
@@ -378,6 +391,7 @@ class Observation(TypedDict, total=False):
     cuda_devices: int
     cpu_cores: int
     threads: int
+    machine_cores: int; kernel: str  # os.cpu_count() beside the usable cores; the Linux kernel's release (T45, T21)
     breakdown: Breakdown
     syncs: Syncs
     tensor_copies: TensorCopies

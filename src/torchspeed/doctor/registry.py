@@ -10,10 +10,12 @@ registrations, and a file in the rules folder that registers nothing is an error
 Severity is decided here, in one place (`settle`), from what the finding's gain rests on:
 
 - measured: the fix itself was timed on the user's script (`--verify`, `--fix`, an environment
-  re-run), interleaved with the original. The threshold applies to the measured interval (the middle
-  half of the per-round ratios), not to one reading: high when its low end is >= 1.25x, medium when
-  >= 1.05x, low otherwise (an interval that holds 1.0 is noise, low). Rounds that disagree by more
-  than `WILD_SPREAD` (`is_inconclusive`; `_rounds` marks --verify's and the re-runs' measurements
+  re-run), in randomised interleaved rounds with the original (`_interval`). The thresholds apply to the
+  lower bound of the measured interval (the 95% bootstrap interval of the ratio of the medians), never to one
+  reading: high when it is >= 1.25x, medium when >= 1.05x, low otherwise (`severity_for_interval`). An
+  interval that holds 1.0 and reaches past the 2% minimum effect is inconclusive: ranked low, after every
+  settled finding, and listed apart with what would settle it (`Finding.inconclusive`). Rounds that disagree
+  by more than `WILD_SPREAD` (`is_inconclusive`; `_rounds` marks --verify's and the re-runs' measurements
   with it) are no measurement: the finding stays what it was without them;
 - timed: the time the fix removes was timed directly on the script (the data wait, the memset of
   zero_grad, the copies of torch.tensor): high/medium by the same thresholds, on the low end of the
@@ -39,13 +41,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from torchspeed.doctor.observation import Observation
-from torchspeed.doctor.report import ESTIMATED, Finding, gain_text
+from torchspeed.doctor.report import (ESTIMATED, HIGH_GAIN, MEDIUM_GAIN, Finding, gain_text, interval_verdict,
+                                      settle_text)
 
 __all__ = ["Rule", "RULES", "RuleError", "register", "load_rules", "rule_ids", "fix_rules", "run_rules", "severity_for_gain",
-           "settle", "merge_causes", "apply_fix_measurements", "with_fix", "HIGH_GAIN", "MEDIUM_GAIN", "WILD_SPREAD",
+           "severity_for_interval", "settle", "merge_causes", "apply_fix_measurements", "with_fix", "WILD_SPREAD",
            "MIN_ROUNDS", "spread", "is_inconclusive"]
 
-HIGH_GAIN, MEDIUM_GAIN = 1.25, 1.05
 WILD_SPREAD = 2.0  # interleaved rounds that disagree by more than this (`spread`) prove nothing: inconclusive
 MIN_ROUNDS = 3     # fewer rounds: every round counts in the spread; more: the median outvotes one bad round
 _SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2}
@@ -142,6 +144,15 @@ def severity_for_gain(gain: float | None) -> str:
     return "low"
 
 
+def severity_for_interval(lo: float, hi: float) -> str:
+    """A measured gain's severity from its interval: high or medium only when the lower bound clears that
+    threshold; "inconclusive" when the interval holds 1.0 and reaches past the minimum effect
+    (`report.interval_verdict`): `settle` ranks that as low and lists it apart."""
+    if interval_verdict(lo, hi) == "inconclusive":
+        return "inconclusive"
+    return severity_for_gain(lo)
+
+
 def spread(ratios) -> float:
     """How far interleaved rounds disagree: their largest ratio over their smallest; with `MIN_ROUNDS` or more,
     once the highest and the lowest are set aside (the median outvotes one bad round either way)."""
@@ -164,9 +175,13 @@ def settle(f: Finding) -> Finding:
     """The finding's severity from what its gain rests on (see the module docstring).
 
     A rule's own severity is a ceiling on an unmeasured finding; a measurement of the fix decides alone."""
+    settle_by = None
     if f.basis == "measured" and f.measured_gain is not None:
         lo, hi = f.interval or (f.measured_gain, f.measured_gain)
-        sev = "low" if lo <= 1.0 <= hi else severity_for_gain(min(lo, f.measured_gain))
+        lo, hi = min(lo, f.measured_gain), max(hi, f.measured_gain)
+        sev = severity_for_interval(lo, hi)
+        if sev == "inconclusive":  # listed apart, with what would settle it
+            sev, settle_by = "low", f.inconclusive or settle_text(lo, hi, f.measured_gain, 0)
     else:
         gain = f.est_gain
         if f.basis == "timed" and gain is not None and f.interval:  # a spread: rank on its low end
@@ -176,7 +191,7 @@ def settle(f: Finding) -> Finding:
     evidence = f.evidence
     if f.basis not in ("measured", "timed") and f.est_gain is not None and ESTIMATED not in evidence:
         evidence += f"; the gain is {ESTIMATED} (est. {f.est_gain:.2f}x)"
-    return replace(f, severity=sev, evidence=evidence)
+    return replace(f, severity=sev, evidence=evidence, inconclusive=settle_by)
 
 
 def _settled(fn: Callable[[Observation], Finding | None]) -> Callable[[Observation], Finding | None]:
@@ -192,7 +207,11 @@ def _gain(f: Finding) -> float:
 
 
 def _rank_key(f: Finding, order: dict[str, int]) -> tuple:
-    return (_SEVERITY_ORDER[f.severity], -_gain(f), _BASIS_ORDER.get(f.basis, 2), order.get(f.rule, 10**6))
+    """Severity; then settled before inconclusive, measured before timed before estimated; then the gain (a
+    measured one's lower bound); then the rule's priority."""
+    gain = f.interval[0] if f.basis == "measured" and f.interval else _gain(f)
+    return (_SEVERITY_ORDER[f.severity], f.inconclusive is not None, _BASIS_ORDER.get(f.basis, 2), -gain,
+            order.get(f.rule, 10**6))
 
 
 def merge_causes(found: list[Finding], order: dict[str, int]) -> list[Finding]:

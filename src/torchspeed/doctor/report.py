@@ -9,16 +9,20 @@ rules read, in the declared schema (`torchspeed.doctor.observation.Observation`)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from torchspeed._io import write_json
 from torchspeed.doctor.observation import Breakdown, Environment, Observation, VerifyResult
 
-__all__ = ["Finding", "DoctorReport", "render_report"]
-
-
+__all__ = ["Finding", "DoctorReport", "render_report", "HIGH_GAIN", "MEDIUM_GAIN", "MIN_EFFECT", "interval_verdict",
+           "settle_text", "report_verdict", "exit_code", "REGRESSION_EXIT"]
 
 ESTIMATED = "estimated, not measured"
+# A measured finding is high when its interval's lower bound clears HIGH_GAIN, medium when it clears MEDIUM_GAIN
+# (`registry.settle`); a fix whose interval stays within MIN_EFFECT of 1.0 either way changed nothing.
+HIGH_GAIN, MEDIUM_GAIN, MIN_EFFECT = 1.25, 1.05, 1.02
+REGRESSION_EXIT = 3  # `--fail-on-regression`: a measured fix clears the medium threshold at its lower bound
 
 
 def gain_text(f: Finding) -> str:
@@ -28,6 +32,36 @@ def gain_text(f: Finding) -> str:
     if f.est_gain is None:
         return "no estimate"
     return f"est. {f.est_gain:.2f}x" + (f", {ESTIMATED}" if f.basis == "estimated" else " from timed work")
+
+
+def interval_verdict(lo: float, hi: float) -> str:
+    """What a measured interval of a fix's speed-up says: "faster" (its lower bound clears `MIN_EFFECT`),
+    "slower" (its upper bound is under 1 / `MIN_EFFECT`), "no-change" (it lies within `MIN_EFFECT` of 1.0 either
+    way: settled), "below-min-effect" (on one side of 1.0, short of the minimum effect), "inconclusive" (it
+    holds 1.0 and reaches past the minimum effect: more rounds, or a quieter machine, would settle it)."""
+    if not 0 < lo <= hi:
+        raise ValueError(f"an interval needs 0 < lo <= hi, got [{lo}, {hi}]")
+    if lo >= MIN_EFFECT:
+        return "faster"
+    if hi <= 1 / MIN_EFFECT:
+        return "slower"
+    if lo >= 1 / MIN_EFFECT and hi <= MIN_EFFECT:
+        return "no-change"
+    return "inconclusive" if lo <= 1.0 <= hi else "below-min-effect"
+
+
+def settle_text(lo: float, hi: float, speedup: float, rounds: int) -> str:
+    """For an inconclusive interval: about how many rounds a side would exclude 1.0 (or show the fix within the
+    minimum effect), by the interval's width shrinking as 1/sqrt(rounds)."""
+    half = (math.log(hi) - math.log(lo)) / 2
+    centre = abs(math.log(speedup)) if speedup > 0 else 0.0
+    room = centre if centre > math.log(MIN_EFFECT) / 2 else math.log(MIN_EFFECT) - centre
+    need = rounds * (half / room) ** 2 if room > 0 else math.inf
+    if rounds < 1:
+        return f"the interval {lo:.2f}-{hi:.2f}x holds 1.0: more interleaved rounds, on an otherwise idle machine"
+    n = min(99, max(rounds + 2, math.ceil(need))) if math.isfinite(need) else 99
+    return (f"the interval {lo:.2f}-{hi:.2f}x holds 1.0: about {n} interleaved rounds a side (now {rounds}), on an "
+            "otherwise idle machine, would settle it")
 
 
 def inconclusive_text(v: dict, again: str = "measure again with more --rounds") -> str:
@@ -52,13 +86,16 @@ class Finding:
     # what the gain rests on: "measured" (the fix timed on this script: --verify, --fix, an environment
     # re-run), "timed" (the time the fix removes was timed directly, e.g. the data wait) or "estimated"
     basis: str = "estimated"
-    interval: tuple[float, float] | None = None  # a measured gain's middle half of the per-round ratios
+    # a measured gain's 95% bootstrap interval (`_interval`); a timed one's spread, where the rule gives one
+    interval: tuple[float, float] | None = None
     also: tuple["Finding", ...] = ()  # findings of other rules with the same cause, folded into this one
+    inconclusive: str | None = None  # the measured interval holds 1.0: what would settle it (listed apart)
 
     def to_dict(self) -> dict:
         return {"rule": self.rule, "severity": self.severity, "evidence": self.evidence, "fix": self.fix,
                 "est_gain": self.est_gain, "measured_gain": self.measured_gain, "patch": self.patch,
-                "basis": self.basis, "also": [{"rule": f.rule, "fix": f.fix, "est_gain": f.est_gain,
+                "basis": self.basis, "interval": list(self.interval) if self.interval else None,
+                "inconclusive": self.inconclusive, "also": [{"rule": f.rule, "fix": f.fix, "est_gain": f.est_gain,
                                                "measured_gain": f.measured_gain, "basis": f.basis} for f in self.also]}
 
 
@@ -89,11 +126,57 @@ class DoctorReport:
                 "verify": list(self.verify.values()), "notes": list(self.notes),
                 "steps_observed": self.observation.get("steps_observed", 0),
                 "memory": self.observation.get("memory", {}), "observation": self.observation,
+                "verdict": report_verdict(self),
                 **({"fix": self.fix} if self.fix else {})}
 
     def write_json(self, path: str) -> None:
         """Write `to_dict()` atomically (a temp file renamed into place)."""
         write_json(path, self.to_dict())
+
+
+def _fix_rows(report: "DoctorReport") -> list[dict]:
+    """Each measured fix (--verify's, the environment re-runs') with its interval, rounds, loss check, verdict."""
+    rows = []
+    for where, entries in (("verify", report.verify), ("rerun", report.observation.get("env_fixes") or {})):
+        for v in entries.values():
+            row = {"fix": v.get("fix"), "rule": v.get("rule"), "measured_by": where, "rounds": v.get("rounds"),
+                   "speedup": v.get("speedup"), "interval": v.get("interval"), "loss_check": v.get("loss_check")}
+            if v.get("error"):
+                row["verdict"] = "error"
+                row["error"] = v["error"]
+            elif v.get("inconclusive"):  # rounds that disagree wildly (`_rounds`): no figure is claimed
+                row.update(verdict="inconclusive", speedup=None, interval=None, wild=True)
+            elif v.get("interval"):
+                row["verdict"] = interval_verdict(*v["interval"])
+            else:
+                row["verdict"] = "not-measured"
+            rows.append(row)
+    return rows
+
+
+def report_verdict(report: "DoctorReport") -> dict:
+    """The run's verdict a CI job can read: "error" (the script did not run to its steps), "regression" (a
+    measured fix's interval clears the medium threshold at its lower bound: the script runs measurably slower
+    than it would with that fix), "inconclusive" (no such fix, but a measured interval holds 1.0), "pass"."""
+    found = [g for f in report.findings for g in (f, *f.also)]
+    regressions = [f.rule for f in report.findings if f.basis == "measured" and f.severity in ("high", "medium")]
+    rows = _fix_rows(report)
+    open_ = sorted({f.rule for f in found if f.inconclusive}
+                   | {r["rule"] or r["fix"] for r in rows if r["verdict"] == "inconclusive"})
+    if report.status not in ("stopped", "finished"):
+        word = "error"
+    else:
+        word = "regression" if regressions else "inconclusive" if open_ else "pass"
+    return {"verdict": word, "regressions": regressions, "inconclusive": open_, "fixes": rows,
+            "thresholds": {"high": HIGH_GAIN, "medium": MEDIUM_GAIN, "min_effect": MIN_EFFECT}}
+
+
+def exit_code(report: "DoctorReport", *, fail_on_regression: bool = False) -> int:
+    """1 when the script raised, exited with an error or was killed; `REGRESSION_EXIT` when
+    `fail_on_regression` and the verdict is "regression"; else 0."""
+    if report.status in ("raised", "exited", "killed", "doctor-error"):
+        return 1
+    return REGRESSION_EXIT if fail_on_regression and report_verdict(report)["verdict"] == "regression" else 0
 
 
 _STATUS = {
@@ -114,7 +197,7 @@ def render_report(report: DoctorReport, console=None) -> None:
 
     console = console or Console()
     for section in (_render_run, _render_breakdown, _render_memory, _render_findings, _render_verify,
-                    _render_fit_plan, _render_env_fixes, _render_fix, _render_notes):
+                    _render_fit_plan, _render_env_fixes, _render_fix, _render_notes, _render_verdict):
         section(report, console)
 
 
@@ -173,15 +256,18 @@ def _render_findings(report: DoctorReport, console) -> None:
     """The findings, most costly first: severity, rule, gain, evidence, fix, and the folded-in fixes."""
     from rich.text import Text
 
+    settled = [f for f in report.findings if not f.inconclusive]
     if not report.findings:
         console.print("[green]no findings[/]")
         return
-    console.print("[bold]findings, most costly first[/]")
+    console.print("[bold]findings, most costly first[/]" if settled else "[green]no settled findings[/]")
     colors = {"high": "red", "medium": "yellow", "low": "dim"}
-    for i, f in enumerate(report.findings, 1):
+    for i, f in enumerate(settled, 1):
         gain = "" if f.est_gain is None else f"  est. {f.est_gain:.2f}x"
         if f.measured_gain is not None:
             gain += f", measured {f.measured_gain:.2f}x"
+            if f.interval and f.basis == "measured":
+                gain += f" [{f.interval[0]:.2f}-{f.interval[1]:.2f}]"
         elif f.basis == "estimated" and f.est_gain is not None:
             gain += " (estimated, not measured)"
         head = Text(f"{i:2d}. ")
@@ -193,6 +279,11 @@ def _render_findings(report: DoctorReport, console) -> None:
         console.print(Text("    fix:      " + f.fix, style="green"))
         for a in f.also:  # another rule's fix for the same cause
             console.print(Text(f"    or:       ({a.rule}, {gain_text(a)}) {a.fix}", style="green"))
+    open_ = [f for f in report.findings if f.inconclusive]
+    if open_:
+        console.print("[bold]inconclusive[/] (measured, but the interval holds 1.0: no gain claimed, not ranked)")
+    for f in open_:
+        console.print(Text(f"  - {f.rule}: measured {f.measured_gain:.2f}x; {f.inconclusive}. Fix: {f.fix}"))
 
 
 def _render_verify(report: DoctorReport, console) -> None:
@@ -299,3 +390,22 @@ def _render_notes(report: DoctorReport, console) -> None:
     """The doctor's notes: checks it skipped or that failed, and why."""
     for n in report.notes:
         console.print(f"[dim]note: {n}[/]")
+
+
+def _render_verdict(report: DoctorReport, console) -> None:
+    """The verdict a CI job reads (`report_verdict`), with the measured fixes' intervals."""
+    v = report_verdict(report)
+    for r in v["fixes"]:
+        if r.get("wild"):
+            console.print(f"  {r['fix']}: its {r['rounds']} rounds disagree wildly: inconclusive", highlight=False)
+        if not r.get("interval"):
+            continue
+        lc = r.get("loss_check") or {}
+        loss = "" if lc.get("ok") is None else (f", loss within {lc['tolerance']:.0%} over {lc['steps']} steps"
+                                                if lc["ok"] else f", LOSS MOVED {lc['max_rel_diff']:.1%} "
+                                                                 f"(tolerance {lc['tolerance']:.0%})")
+        console.print(f"  {r['fix']}: {r['speedup']:.2f}x [{r['interval'][0]:.2f}-{r['interval'][1]:.2f}], "
+                      f"{r['rounds']} rounds a side: {r['verdict']}{loss}", highlight=False)
+    color = {"pass": "green", "regression": "red", "inconclusive": "yellow"}.get(v["verdict"], "red")
+    console.print(f"[bold]verdict[/]: [{color}]{v['verdict']}[/]"
+                  + (f" ({', '.join(v['regressions'])})" if v["regressions"] else ""), highlight=False)

@@ -4,11 +4,14 @@ After the script stopped, the doctor holds the model whose forward the script ca
 optimizer, a captured training batch (and target, when the loss was an `nn.Module`) and the
 script's DataLoader. For each fix torchspeed can apply by itself it builds a baseline and a
 candidate (fresh copies of the model and optimizer, same weights), runs a training step on
-the captured batch, and times them interleaved (round 1: baseline, candidate; round 2: ...)
-after an untimed warm-up. The speed-up is the median of the per-round ratios, so a noisy
-machine slows both sides alike; rounds that disagree by more than 2x are marked inconclusive
-(`_rounds.round_summary`), and no finding claims them. An optimizer whose step needs a closure
-(`torch.optim.LBFGS`) is given one that runs forward and backward on the captured batch again
+the captured batch, and times them in randomised interleaved rounds after an untimed warm-up
+(`_interval.measure_rounds`: 5 rounds a side by default, more while the interval is too wide to
+rank). The speed-up is the median of the per-round ratios, with the 95% bootstrap interval of the
+ratio of the medians, which decides the finding's severity (`registry.settle`); rounds that disagree
+by more than 2x are marked inconclusive (`_rounds.round_summary`), and no finding claims them.
+The loss check (`loss_check`): both sides' first 3 steps run from the same weights on the same batch
+with the same random draws, and the fix's losses must stay within 5% of the script's. An optimizer
+whose step needs a closure (`torch.optim.LBFGS`) is given one that runs forward and backward on the captured batch again
 (`torchspeed.train.step.closure_for`, as the library's own trainer does).
 
 Fixes: `autocast` (T21: bf16, fp16 on pre-Ampere CUDA), `channels_last` (T23), `workers`
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import multiprocessing
 import statistics
 import time
@@ -34,9 +38,9 @@ import time
 import torch
 from torch import nn
 
-from torchspeed.doctor._rounds import round_summary
+from torchspeed.doctor._interval import MAX_ROUNDS, measure_rounds
 from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
-from torchspeed.doctor.observation import CpuContention, Observation, VerifyResult
+from torchspeed.doctor.observation import CpuContention, LossCheck, Observation, VerifyResult
 from torchspeed.env import detect
 from torchspeed.model.conv_bias import remove_conv_bias
 from torchspeed.env import sync
@@ -49,6 +53,7 @@ __all__ = ["IMPLEMENTED", "verify_fixes", "applicable_fixes", "time_model_alone"
 
 # The fixes this module can measure. Which rule each one proves is declared by the rules themselves
 # (`register(..., fix=)`, read with `registry.fix_rules()`); a test checks the two sets agree.
+LOSS_STEPS, LOSS_TOLERANCE = 3, 0.05  # the loss check: the first steps of both sides, within 5% of the script's
 IMPLEMENTED = ("autocast", "bf16_math", "channels_last", "workers", "pin_memory", "set_to_none", "conv_bias", "compile",
                "fused_optimizer")
 
@@ -95,6 +100,7 @@ class _Trainer:
         if compile_model:
             self.model = torch.compile(self.model)
         self.set_to_none = set_to_none
+        self.losses: list[float] = []  # the first LOSS_STEPS steps' losses (`loss_check`)
         dev_type = self.device.type
         self.ctx = (lambda: torch.autocast(dev_type, dtype=amp_dtype)) if amp_dtype is not None else contextlib.nullcontext
         if bf16_math:
@@ -113,11 +119,34 @@ class _Trainer:
         return loss
 
     def step(self) -> None:
+        if len(self.losses) >= LOSS_STEPS:
+            self._step()
+            return
+        # the first steps feed the loss check: the same random draws (dropout) on both sides, the caller's kept
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(len(self.losses))
+            self.losses.append(float(self._step()))
+
+    def _step(self) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=self.set_to_none)
         loss = self.forward_backward()
         # LBFGS's step needs a closure: its line search evaluates the loss again on the same batch
         closure = closure_for(self.opt, loss.detach(), self.forward_backward)
         self.opt.step() if closure is None else self.opt.step(closure)
+        return loss.detach()
+
+
+def loss_check(base: _Trainer, cand: _Trainer, *, tolerance: float = LOSS_TOLERANCE) -> LossCheck:
+    """The candidate's losses against the baseline's over their first steps (same weights, same batch, same
+    random draws): `ok` when each differs by at most `tolerance` of the baseline's."""
+    n = min(len(base.losses), len(cand.losses))
+    b, c = base.losses[:n], cand.losses[:n]
+    rel = [abs(y - x) / max(abs(x), 1e-8) for x, y in zip(b, c)]
+    worst = max(rel) if rel else 0.0
+    return {"steps": n, "baseline": [round(x, 6) for x in b], "candidate": [round(y, 6) for y in c],
+            "max_rel_diff": round(worst, 5) if math.isfinite(worst) else worst, "tolerance": tolerance,
+            "ok": (worst <= tolerance) if n else None}
 
 
 @contextlib.contextmanager
@@ -163,7 +192,10 @@ class _LoaderStep:
         self.loader = None
 
 
-def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25) -> VerifyResult:
+def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25, max_rounds: int | None = None
+                ) -> VerifyResult:
+    """`base` and `cand` (one training step each) timed in `_interval.measure_rounds`: each side's measurement
+    is `k` steps (`budget_s` of the baseline's, 1 to 20), in randomised interleaved rounds after a warm-up."""
     for _ in range(2):  # warm-up: allocator, oneDNN primitives, worker start-up
         base()
         cand()
@@ -173,22 +205,20 @@ def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25) -> V
     sync(device)
     one = max(1e-5, time.perf_counter() - t0)
     k = int(min(20, max(1, budget_s / one)))
-    b_ms, c_ms, ratios = [], [], []
-    for _ in range(rounds):
-        times = []
-        for fn in (base, cand):
+
+    def timed(fn):
+        def ms_per_step() -> float:
             sync(device)
-            t0 = time.perf_counter()
+            t = time.perf_counter()
             for _ in range(k):
                 fn()
             sync(device)
-            times.append((time.perf_counter() - t0) / k * 1e3)
-        b_ms.append(times[0])
-        c_ms.append(times[1])
-        ratios.append(times[0] / times[1])
-    return {"baseline_ms": round(statistics.median(b_ms), 4), "candidate_ms": round(statistics.median(c_ms), 4),
-            **round_summary(ratios),  # within_noise: the ratios straddle 1.0; inconclusive: they disagree wildly
-            "rounds": rounds, "steps_per_round": k}
+            return (time.perf_counter() - t) / k * 1e3
+        return ms_per_step
+
+    out = measure_rounds(timed(base), timed(cand), rounds=rounds, max_rounds=max(rounds, max_rounds or rounds),
+                         clock=time.perf_counter)
+    return {**out, "steps_per_round": k}
 
 
 def applicable_fixes(cap, obs: Observation) -> list[str]:
@@ -245,7 +275,7 @@ def tuned_workers(cap, loader) -> tuple[int, str]:
     return s.num_workers, s.reason
 
 
-def _verify_workers(cap, fix: str, device, rounds: int, entry: VerifyResult) -> None:
+def _verify_workers(cap, fix: str, device, rounds: int, entry: VerifyResult, max_rounds: int) -> None:
     loaders = _map_style(cap.loaders)
     if fix == "pin_memory":
         loader = next(ld for ld in loaders if not ld.pin_memory)
@@ -266,7 +296,7 @@ def _verify_workers(cap, fix: str, device, rounds: int, entry: VerifyResult) -> 
     b = _LoaderStep(base, loader, num_workers=loader.num_workers, pin_memory=loader.pin_memory)
     c = _LoaderStep(base, loader, num_workers=nw, pin_memory=pin)
     try:
-        entry.update(_interleave(b.step, c.step, device, rounds=rounds))
+        entry.update(_interleave(b.step, c.step, device, rounds=rounds, max_rounds=max_rounds))
     finally:
         b.close()
         c.close()
@@ -320,8 +350,11 @@ def measure_contention(cap, obs: Observation) -> None:
     obs["cpu"] = c
 
 
-def verify_fixes(cap, obs: Observation, *, fixes=None, rounds: int = 5) -> dict[str, VerifyResult]:
-    """Measure each applicable fix (or the ones named in `fixes`); return {fix: result}."""
+def verify_fixes(cap, obs: Observation, *, fixes=None, rounds: int = 5, max_rounds: int | None = None
+                 ) -> dict[str, VerifyResult]:
+    """Measure each applicable fix (or the ones named in `fixes`) in `rounds` rounds a side, up to `max_rounds`
+    (default `_interval.MAX_ROUNDS`, at least `rounds`) while its interval is too wide to rank; {fix: result}."""
+    max_rounds = max(rounds, MAX_ROUNDS if max_rounds is None else max_rounds)
     from torchspeed.doctor.registry import fix_rules
 
     proves = fix_rules()
@@ -339,7 +372,7 @@ def verify_fixes(cap, obs: Observation, *, fixes=None, rounds: int = 5) -> dict[
         entry: VerifyResult = {"fix": fix, "rule": (proves.get(fix) or (None,))[0]}
         try:
             if fix in ("workers", "pin_memory"):
-                _verify_workers(cap, fix, device, rounds, entry)
+                _verify_workers(cap, fix, device, rounds, entry, max_rounds)
             else:
                 base = _Trainer(cap, set_to_none=sp_default)
                 kw = {"autocast": {"amp_dtype": _amp_dtype(device)}, "bf16_math": {"bf16_math": True},
@@ -351,7 +384,8 @@ def verify_fixes(cap, obs: Observation, *, fixes=None, rounds: int = 5) -> dict[
                     tc = time.perf_counter()
                     cand.step()
                     entry["compile_s"] = round(time.perf_counter() - tc, 2)
-                entry.update(_interleave(base.step, cand.step, device, rounds=rounds))
+                entry.update(_interleave(base.step, cand.step, device, rounds=rounds, max_rounds=max_rounds))
+                entry["loss_check"] = loss_check(base, cand)
                 entry["candidate"] = {"autocast": f"torch.autocast({device.type!r}, dtype={kw.get('amp_dtype')})"}.get(
                     fix, fix)
                 if base.note:

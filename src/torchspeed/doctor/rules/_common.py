@@ -58,8 +58,21 @@ def measured_text(v: VerifyResult) -> str:
     if v.get("within_noise"):
         lo, hi = v["iqr"]
         word = f"within noise: the middle half of the per-round ratios spans {lo:.2f}-{hi:.2f}x"
+    if v.get("interval"):
+        lo, hi = v["interval"]
+        word = f"95% interval {lo:.2f}-{hi:.2f}x, {v.get('verdict', '?')}"
     return (f"; --verify measured {s:.2f}x ({word}: {v['baseline_ms']:.2f} -> {v['candidate_ms']:.2f} ms per step, "
-            f"median of {v['rounds']} interleaved rounds)")
+            f"median of {v['rounds']} interleaved rounds){loss_text(v)}")
+
+
+def loss_text(v: VerifyResult) -> str:
+    """The fix's loss check, in words (`verify`: the same steps from the same weights on both sides)."""
+    lc = v.get("loss_check") or {}
+    if lc.get("ok") is None:
+        return ""
+    word = "within" if lc["ok"] else "NOT within"
+    return (f"; the loss stayed {word} {lc['tolerance']:.0%} of the script's over the first {lc['steps']} steps "
+            f"(largest difference {lc['max_rel_diff']:.1%})")
 
 
 def env_measured(obs: Observation, fix: str) -> EnvFixResult | None:
@@ -76,6 +89,8 @@ def env_label(env: dict[str, str]) -> str:
 def env_text(v: EnvFixResult) -> str:
     lo, hi = v["iqr"]
     noise = f", within noise: {lo:.2f}-{hi:.2f}x" if v.get("within_noise") else ""
+    if v.get("interval"):
+        noise = f", 95% interval {v['interval'][0]:.2f}-{v['interval'][1]:.2f}x: {v.get('verdict', '?')}"
     ms = (f": {v['baseline_ms']:.2f} -> {v['candidate_ms']:.2f} ms per step"
           if v.get("baseline_ms") and v.get("candidate_ms") else "")
     what = f"the --fix patch ({v['label']})" if v.get("patch") else env_label(v["env"])
@@ -118,16 +133,20 @@ def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: 
         evidence += env_text(v)
     elif v is not None:
         evidence += measured_text(v)
+    settle_by = None
     if v is not None:
         measured, basis = float(v["speedup"]), "measured"
-        if v.get("iqr"):
+        settle_by = v.get("settle")
+        if v.get("interval"):  # the 95% bootstrap interval of the ratio of the medians (`_interval`)
+            interval = (float(v["interval"][0]), float(v["interval"][1]))
+        elif v.get("iqr"):
             interval = (float(v["iqr"][0]), float(v["iqr"][1]))
         elif v.get("within_noise"):
             interval = (min(measured, 1.0), max(measured, 1.0))
     evidence += plan_text(obs, verify_fix)
     return Finding(rule=rule, severity=severity or "high", evidence=evidence, fix=fix,
                    est_gain=round(est_gain, 3) if est_gain is not None else None, measured_gain=measured,
-                   patch=patch, patch_args=patch_args, basis=basis, interval=interval)
+                   patch=patch, patch_args=patch_args, basis=basis, interval=interval, inconclusive=settle_by)
 
 
 def device_type(obs: Observation) -> str:
