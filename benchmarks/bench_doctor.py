@@ -156,6 +156,27 @@ def run_fix(a) -> None:
 DEFAULT_OUT = str(HERE / "results" / "cpu" / "doctor_verify.json")
 
 
+def run_verdict(a) -> None:
+    """`doctor --verify` on one fault of the fault gallery: the verdict, each fix's interval, rounds, loss check."""
+    script = HERE.parent / "tests" / "doctor" / "faults" / "fault_train.py"
+    job = DoctorJob(script=str(script), args=("--fault", a.verdict), steps=a.steps, warmup=5, verify=True,
+                    fixes=("autocast", "channels_last"), rounds=a.rounds, env_rounds=a.rounds, time_limit=600)
+    load = os.getloadavg()[0]
+    report = diagnose_many([job], quiet=True)[0]
+    d = report.to_dict()
+    out = a.out if a.out != DEFAULT_OUT else str(HERE / "results" / "cpu-avx512-bf16" / f"doctor_verdict_{a.verdict}.json")
+    result = {"benchmark": "doctor_verdict", "provenance": provenance(),
+              "command": f"python benchmarks/bench_doctor.py --verdict {a.verdict} --steps {a.steps} --rounds {a.rounds}",
+              "loadavg_1m_before_after": [round(load, 2), round(os.getloadavg()[0], 2)],
+              "verdict": d["verdict"], "findings": [(f["rule"], f["severity"], f["interval"]) for f in d["findings"]],
+              "verify": d["verify"]}
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result["verdict"], indent=1))
+    print("wrote", out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--fix", action="store_true", help="measure --fix on every gallery script (doctor_fix.json)")
@@ -172,7 +193,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="with --acceptance: runs of each stability script")
     p.add_argument("--stability", default=",".join(STABILITY), help="with --acceptance: scripts run --repeats times")
     p.add_argument("--compile", action="store_true", help="with --acceptance: also measure torch.compile in --verify")
+    p.add_argument("--verdict", default=None, metavar="FAULT",
+                   help="the verdict of `doctor --verify` on tests/doctor/faults/fault_train.py --fault FAULT "
+                        "(doctor_verdict_FAULT.json under results/cpu-avx512-bf16/)")
     a = p.parse_args()
+    if a.verdict:
+        run_verdict(a)
+        return
     if a.acceptance:
         if a.out == DEFAULT_OUT:
             a.out = str(HERE / "results" / "cpu-avx2" / "doctor_acceptance.json")
