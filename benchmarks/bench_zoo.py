@@ -63,7 +63,8 @@ def select(names_by_source: dict[str, list[str]], models: list[str] | None, samp
     return picked
 
 
-def run_child(name: str, steps: int, ways: list[str], profile: str, timeout: float, rounds: int = 1) -> dict:
+def run_child(name: str, steps: int, ways: list[str], profile: str, timeout: float, rounds: int = 1,
+              max_params: float | None = None) -> dict:
     """One model in a fresh process; a way still running at the timeout (or a crash) is recorded as its error."""
     env = dict(os.environ)
     env.pop("TORCHSPEED_CPU_PROFILE", None)
@@ -71,7 +72,7 @@ def run_child(name: str, steps: int, ways: list[str], profile: str, timeout: flo
         env["TORCHSPEED_CPU_PROFILE"] = profile
     env.setdefault("PYTHONWARNINGS", "ignore")
     cmd = [sys.executable, str(HERE / "zoo_run.py"), name, "--steps", str(steps), "--rounds", str(rounds),
-           "--ways", *ways]
+           "--ways", *ways] + (["--max-params", str(max_params)] if max_params else [])
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=_scratch())
@@ -127,11 +128,11 @@ def sweep(names: list[str], args, profile: str, command: str) -> dict:
     path = out_path(Path(args.out_dir), args.name, profile)
     data = load(path) if args.resume else {}
     models, plain_fails = data.get("models", {}), data.get("plain_fails", {})
-    meta = zoo_report.provenance(profile, args.steps, command)
+    meta = dict(zoo_report.provenance(profile, args.steps, command), max_params=args.max_params, rounds=args.rounds)
     for i, name in enumerate(names, 1):
         if args.resume and (name in models or name in plain_fails) and not _failed(models.get(name)):
             continue
-        row = run_child(name, args.steps, args.ways, profile, args.timeout, args.rounds)
+        row = run_child(name, args.steps, args.ways, profile, args.timeout, args.rounds, args.max_params)
         plain = row["runs"].get("plain", {})
         models.pop(name, None)
         plain_fails.pop(name, None)
@@ -158,6 +159,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
     ap.add_argument("--steps", type=int, default=20, help="K: steps in each run")
     ap.add_argument("--rounds", type=int, default=1, help="time each run this many times, its fastest counts")
+    ap.add_argument("--max-params", type=float, help="list a model with more parameters apart, untrained")
     ap.add_argument("--profiles", nargs="+", default=["host"], choices=PROFILES)
     ap.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
     ap.add_argument("--out-dir", default=str(DEFAULT_OUT))
@@ -183,6 +185,12 @@ def main() -> None:
         for profile in args.profiles:
             data = sweep(names, args, profile, command)
             print(zoo_report.summary_text(profile, data["summary"]), flush=True)
+    if args.report_only:  # the summary in each file, counted again by this code
+        for path in (p for p in paths if p.exists()):
+            data = load(path)
+            data["summary"] = zoo_report.summarize(data["models"], data.get("plain_fails", {}))
+            path.write_text(json.dumps(data, indent=1, default=str))
+            print(zoo_report.summary_text(data["profile"], data["summary"]))
     if args.docs:
         zoo_report.write_docs(paths, Path(args.docs))
         print(f"wrote {args.docs}")

@@ -61,7 +61,9 @@ def way_summary(models: dict, way: str) -> dict:
 
 def summarize(models: dict, plain_fails: dict) -> dict:
     """The sweep's counts: errors where the plain loop trains, fit's speed shares and geometric mean, auto's reach."""
+    loads = sorted(x for m in models.values() for x in m.get("load", []))
     out = {"models": len(models) + len(plain_fails), "plain_trains": len(models), "plain_fails": len(plain_fails),
+           "load_median": loads[len(loads) // 2] if loads else None,
            "fit": way_summary(models, "fit"), "auto": way_summary(models, "auto"), "by_source": {}}
     for src in sorted({m["source"] for m in models.values()}):
         sub = {n: m for n, m in models.items() if m["source"] == src}
@@ -183,6 +185,8 @@ def write_docs(paths: list[Path], doc: Path) -> None:
     datas = [json.loads(p.read_text()) for p in paths if p.exists()]
     if not datas:
         return
+    for d in datas:  # the summary as this code counts it, whatever wrote the file
+        d["summary"] = summarize(d["models"], d.get("plain_fails", {}))
     d0 = datas[0]
     v = d0["versions"]
     text = [
@@ -206,6 +210,9 @@ def write_docs(paths: list[Path], doc: Path) -> None:
         "plain loop's own loss function for every way. `=` equal to the plain loop's to the last bit, `<` lower, "
         "`>` higher.",
         "- **auto reaches plain's loss no slower**: its K-step loss at most the loop's, and its run no slower.",
+        "- **load**: the machine's 1-minute load average (2 cores) at each model's start and end, median over the "
+        "sweep: " + ", ".join(f"{d['profile']} {d['summary']['load_median']}" for d in datas) + ". Above 2, other "
+        "work shared the cores and the ratios measure it as much as `fit`.",
         "",
         f"Produced by `{d0['command']}` at commit `{str(d0['commit'])[:7]}` on {d0['cpu']} "
         f"(torch {v['torch']}, torchvision {v['torchvision']}, timm {v.get('timm')}, transformers "

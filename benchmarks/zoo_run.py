@@ -32,24 +32,16 @@ from zoo_cases import Case  # noqa: E402
 
 WAYS = ("plain", "fit", "auto")
 BUILD_SEED, RUN_SEED, PROBE_SEED, DATA_SEED = 0, 1, 2, 1234
-SOURCES = ("torchvision", "timm", "transformers", "hand")  # the registry's modules, by the source they hold
+SOURCES = ("hand", "transformers", "timm", "torchvision")  # the registry's modules, in the sweep's order
 
 
 def registry(sources: tuple[str, ...] = SOURCES) -> dict[str, Case]:
     """Every case by name (building nothing: the builders run only when a case runs)."""
+    import importlib
+    modules = {"hand": "zoo_hand", "transformers": "zoo_hf", "timm": "zoo_timm", "torchvision": "zoo_torchvision"}
     out: list[Case] = []
-    if "torchvision" in sources:
-        import zoo_torchvision
-        out += zoo_torchvision.cases()
-    if "timm" in sources:
-        import zoo_timm
-        out += zoo_timm.cases()
-    if "transformers" in sources:
-        import zoo_hf
-        out += zoo_hf.cases()
-    if "hand" in sources:
-        import zoo_hand
-        out += zoo_hand.cases()
+    for source in sources:
+        out += importlib.import_module(modules[source]).cases()
     return {c.name: c for c in out}
 
 
@@ -165,7 +157,8 @@ def kept_plain(s: dict) -> bool:
 
 def error_of(e: BaseException) -> dict:
     msg = (str(e).strip().splitlines() or [""])[0][:400]
-    frames = traceback.extract_tb(e.__traceback__)[-4:]
+    tb = traceback.extract_tb(e.__traceback__)
+    frames = [f for f in tb if "torchspeed" in f.filename][-4:] + tb[-2:]  # where torchspeed was, and the raise
     where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames]
     return {"finished": False, "error": f"{type(e).__name__}: {msg}", "where": where}
 
@@ -177,6 +170,15 @@ def warm_up(case: Case, batches: list) -> None:
         fit_run(case, batches[:2], auto=False)
     except Exception:  # noqa: BLE001  (the timed fit run records its own error)
         pass
+
+
+def too_big(case: Case, max_params: float | None) -> str | None:
+    """Why the sweep leaves a model out (its size on this machine), or None."""
+    if not max_params:
+        return None
+    n = sum(p.numel() for p in fresh(case).parameters())
+    return f"SizeLimit: {n / 1e6:.0f}M parameters, over the sweep's --max-params {max_params / 1e6:.0f}M" \
+        if n > max_params else None
 
 
 def _plain_row(case: Case, batches: list) -> dict:
@@ -199,7 +201,8 @@ def _fit_row(case: Case, batches: list, way: str, plain: dict) -> dict:
         return error_of(e)
 
 
-def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True, emit=None, rounds: int = 1) -> dict:
+def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True, emit=None, rounds: int = 1,
+             max_params: float | None = None) -> dict:
     """{"source", "runs": {way: {...}}} for one model; fit and auto run only where the plain loop trains.
     With `rounds` > 1 the ways run again in turn, and each way's seconds are its fastest round's (the rows
     otherwise the first round's). `emit(way, row)` is called as each way's first round ends (the parent keeps
@@ -208,6 +211,8 @@ def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True
     batches = batches_for(case, k)
     out = {"source": case.source, "note": case.note, "runs": {}, "load": [round(os.getloadavg()[0], 2)]}
     try:
+        if (why := too_big(case, max_params)) is not None:
+            raise MemoryError(why)
         if warm:
             warm_up(case, batches)
         plain = _plain_row(case, batches)
@@ -244,11 +249,13 @@ def main() -> None:
     ap.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
     ap.add_argument("--rounds", type=int, default=1, help="time each way this many times (its fastest counts)")
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--max-params", type=float, help="leave out (as the plain loop's error) a larger model")
     args = ap.parse_args()
     source = {"torchvision": "torchvision", "timm": "timm", "hf": "transformers", "hand": "hand"}
     prefix = args.name.split("/")[0] if "/" in args.name else "torchvision"
     case = registry((source.get(prefix, "torchvision"),))[args.name]
     result = run_case(case, args.steps, tuple(args.ways), warm=not args.no_warmup, rounds=args.rounds,
+                      max_params=args.max_params,
                       emit=lambda way, row: print(f"ZOO_WAY {way} " + json.dumps(row, default=str), flush=True))
     print("ZOO_RESULT " + json.dumps(result, default=str), flush=True)
 
