@@ -65,12 +65,16 @@ def test_the_tuners_run_at_the_precision_the_switch_trial_chose(tiny_cnn, monkey
     monkeypatch.setattr(SwitchStage, "measure_fn",
                         staticmethod(lambda s, sec: seconds[s.label().replace("+fused", "").replace("+foreach", "")]))
     monkeypatch.setattr(SwitchStage, "_numerics_losses", lambda self, batch: {})
-    seen = []
+    seen, trials = [], []
     real = lr_mod.find_lr
     monkeypatch.setattr(lr_mod, "find_lr", lambda *a, **k: seen.append(k["precision"]) or real(*a, **k))
+    real_prepare = SwitchStage.prepare
+    monkeypatch.setattr(SwitchStage, "prepare", lambda self, *a, **k: (real_prepare(self, *a, **k), trials.append(
+        self.live is not None))[0])
     res = torchspeed.fit(tiny_cnn(), _loader(n=16 * 40), epochs=1, recipe="auto", lr=0.05, fused_optimizer=False,
                          **KEEP_OPT, **FAST)
-    assert res.decisions["precision"].value == "fp32" and res.decisions["switch_trial"].value == "measured"
+    assert res.decisions["precision"].value == "fp32" and res.decisions["switch_trial"].value == "before the run"
+    assert trials == [True, False]  # one trial per run: the copy's, before the plan's trials; the run takes it
     assert seen == ["fp32"]
     lr = res.decisions["lr"]
     assert "after the switch trial, in fp32" in lr.reason and lr.measured["range_test_steps"] > 0

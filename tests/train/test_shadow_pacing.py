@@ -197,7 +197,7 @@ def test_a_timed_turn_times_the_candidates_second_pass_not_its_first_after_the_s
     the first goes to the trial's cost. A warm-up turn runs it once. The run stays the plain run, bit for bit."""
     clock = _Clock()
     monkeypatch.setattr(shadow_mod, "time", clock)
-    real_fb = Trainer._forward_backward
+    real_fb = Trainer.forward_backward
     passes = []
 
     def fb(self, batch):
@@ -206,7 +206,7 @@ def test_a_timed_turn_times_the_candidates_second_pass_not_its_first_after_the_s
         passes.append(self.precision.name)
         return real_fb(self, batch)
 
-    monkeypatch.setattr(Trainer, "_forward_backward", fb)
+    monkeypatch.setattr(Trainer, "forward_backward", fb)
     real_step, out = ShadowTurns.step, []
 
     def step(self, batch, run_step, cand, *, settle=False, **kw):

@@ -637,13 +637,13 @@ def test_decisions_are_decision_objects_and_json_ready(tiny_cnn, tmp_path):
 def test_a_candidate_that_cannot_run_is_out_of_the_race(tiny_cnn, monkeypatch):
     from torchspeed.train.trainer import Trainer
 
-    real = Trainer._forward_backward
+    real = Trainer.forward_backward
 
     def forward_backward(self, batch):  # an operator the model uses has no bf16 kernel: its forward fails
         if self.precision.name == "bf16":
             raise RuntimeError("bf16 is not supported by this operator")
         return real(self, batch)
-    monkeypatch.setattr(Trainer, "_forward_backward", forward_backward)
+    monkeypatch.setattr(Trainer, "forward_backward", forward_backward)
     t = _trainer(tiny_cnn(), BF16_CPU, seconds={"fp32": 1.0, "fp32+channels_last": 0.9, "bf16": 0.5,
                                                 "bf16+channels_last": 0.4})
     res = t.fit(_loader(n=320))

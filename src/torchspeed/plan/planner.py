@@ -247,7 +247,7 @@ def _apply_recipe(ctx: RunContext, rec: Recipe) -> None:
 
 
 def _switch_trial(ctx: RunContext) -> None:
-    arm_switch_trial(ctx.trainer, ctx.run_loader, ctx.steps_left)
+    arm_switch_trial(ctx.trainer, ctx.run_loader, ctx.steps_left, chosen=ctx.switches)
 
 
 def _compile_trial(ctx: RunContext) -> None:

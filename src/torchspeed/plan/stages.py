@@ -103,6 +103,7 @@ class RunContext:
     dev: torch.device | None = None
     caps: DeviceCaps | None = None
     precision: str | None = None                  # the switch trial's, when it ran before the measuring stages
+    switches: tuple | None = None                 # and its (Switches, report): the run takes it, no second trial
     own_lr: bool = False                          # the run gave its own LR (train.schedule.lr_given)
     run_steps: int | None = None
     rec: object = None                            # the recipe (plan.parts.Recipe) when one was chosen

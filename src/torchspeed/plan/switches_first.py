@@ -10,8 +10,9 @@ So when a "before" stage will measure (the tuners were asked for, or the recipe'
 a measured part), the `switches` stage runs the trial first, on a copy of the model and
 optimizer and the plan's probe batches (steps off the run, counted in `tuning`), with every RNG
 and the loader's order put back. The later stages measure at its precision (`RunContext.precision`),
-and the trial's result goes to the trial cache under the key the run's own trial reads, so the
-run starts with it (0 steps) instead of measuring again. Where nothing before training measures,
+and the trial's result reaches the run in the context (`RunContext.switches`): the run's "switch_trial" stage
+puts it into effect (0 steps), whatever the recipe changed after it (the batch, the optimizer), so a run measures
+one trial. It goes to the trial cache too, for later runs. Where nothing before training measures,
 the trial stays on the run's first steps, as before.
 
 Example:
@@ -80,10 +81,11 @@ def switches_first(ctx: RunContext) -> None:
         trainer.switcher.finish()
     ctx.precision = trainer.precision.name
     how = trainer.decisions["switch_trial"]
+    ctx.switches = (trainer.switcher.current(), dict(how.measured or {}))  # the run's: one trial per run
     steps = int((how.measured or {}).get("steps", steps))  # a cache hit: 0 (its one step was the cache check)
     ctx.tuning_steps += steps
     ctx.decisions.refine("switch_plan", Decision(
         f"before the plan's trials: {trainer.precision.name}" + (", channels_last" if trainer.channels_last else ""),
         f"{how.value}: {steps} steps on a copy of the model, off the run, so that the trials after it measure at "
-        "the precision the run trains with; the run reads the result from the trial cache",
+        "the precision the run trains with; the run takes the result (one trial per run)",
         measured={"steps": steps, "precision": trainer.precision.name, "channels_last": trainer.channels_last}))

@@ -150,9 +150,10 @@ class SwitchStage:
         self._plain: Switches | None = None  # what the run trains in when the trial keeps the plain settings
         self.plain_threads = torch.get_num_threads()  # the intra-op threads the run trains at while the trial runs
 
-    def prepare(self, loader: Iterable, *, remaining_steps: int | None = None) -> None:
+    def prepare(self, loader: Iterable, *, remaining_steps: int | None = None, chosen: tuple | None = None) -> None:
         """Decide the switches left on "auto": the rules, or a trial on the run's first steps (`remaining_steps`
-        None: a run of unknown length). Once; fit and the bench's `all` call it."""
+        None: a run of unknown length), or `chosen` (Switches, report): what a trial before the run measured. Once;
+        fit and the bench's `all` call it."""
         if self.prepared:
             return
         self.prepared, cfg = True, self.t.config
@@ -178,6 +179,14 @@ class SwitchStage:
                     "no native half precision") + (
             ", channels_last for a conv net" if prior.channels_last else "")
         trial = False if cfg.deterministic else cfg.trial  # a timing-dependent choice would break bit-identical reruns
+        if chosen is not None:  # measured before the run, on a copy (plan/switches_first): the run's one trial
+            sw, report = chosen
+            sw = Switches(sw.precision, sw.channels_last, sw.fused if cur_fused is not None else None, sw.threads)
+            cached = "cached_extra_s" in report  # the copy's trial read the cache
+            return self._settle(sw, "cached trial" if cached else "measured before the run", _summary(report), report,
+                                Decision("cached" if cached else "before the run", "measured on a copy of the model "
+                                         f"before the plan's trials ({report.get('steps', 0)} steps, off the run): one "
+                                         "trial per run", report))
         if len(grid) == 1 and not fused_choice and len(threads) < 2:
             return self._settle(prior, "rule", "nothing left to choose", None, Decision(
                 "none", "every switch is fixed or has one option here"))
@@ -300,7 +309,7 @@ class SwitchStage:
         # cheaper optimizer step is a few percent of a whole step, under a whole step's noise
         clock = OptimizerClock(self.t.optimizer, self.t.device) if (
             trial.stage == "optimizer kernel" and self.t.config.grad_accum == 1) else None
-        before = self.safety.snapshot()  # the user's state as this step finds it (trial_safety)
+        before = self.safety.snapshot() if cand != trial.grid[0] or self.safety.recent() else None  # as found
         self.safety.before_turn(cand, trial.grid[0], apart=shadow)
         t0 = time.perf_counter()
         try:
@@ -433,7 +442,8 @@ class SwitchStage:
                         and self.t.device.type == "cpu" else None)
 
 
-def arm_switch_trial(trainer, loader: Iterable, remaining_steps: int | None) -> None:
+def arm_switch_trial(trainer, loader: Iterable, remaining_steps: int | None, chosen: tuple | None = None) -> None:
     """A first-steps part (`Trainer.first_steps`; fit's plan: its "switch_trial" stage): decide the trainer's
-    switches by the rules, or arm its trial on the run's first steps (`SwitchStage.prepare`)."""
-    trainer.switcher.prepare(loader, remaining_steps=remaining_steps)
+    switches by the rules, or arm its trial on the run's first steps (`SwitchStage.prepare`); `chosen`: the
+    (Switches, report) a trial before the run measured (plan/switches_first), put into effect: no second trial."""
+    trainer.switcher.prepare(loader, remaining_steps=remaining_steps, chosen=chosen)

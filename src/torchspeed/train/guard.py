@@ -136,7 +136,7 @@ def step_failed(trainer, e: BaseException, batch) -> None:
         return
     batch_size = batch_len(batch)
     if is_out_of_memory(e) and not isinstance(e, TrainingOutOfMemoryError):
-        trainer._reset_micro()
+        trainer.reset_micro()
         if trainer.device.type == "cuda":
             torch.cuda.empty_cache()
         raise out_of_memory_error(e, batch_size=batch_size or None, device=trainer.device,
@@ -147,7 +147,7 @@ def step_failed(trainer, e: BaseException, batch) -> None:
         e.add_note("torchspeed: this batch holds 1 sample and BatchNorm cannot train on one: use a batch size over "
                    "1 (and drop_last=True on the DataLoader where the dataset's length leaves 1 over)")
         raise e
-    trainer._reset_micro()
+    trainer.reset_micro()
     if not trainer._left_out_one:
         trainer._left_out_one = True
         log.warning("torchspeed: an epoch's last batch holds 1 sample and BatchNorm cannot train on one: it is left "

@@ -97,7 +97,7 @@ class ShadowTurns:
 
         def candidate_pass() -> float:  # the candidate's forward and backward on the batch, its seconds
             t0 = time.perf_counter()
-            t._forward_backward(batch)
+            t.forward_backward(batch)
             sync(t.device)
             return time.perf_counter() - t0
         try:
@@ -118,7 +118,7 @@ class ShadowTurns:
                                  threads=None if cand.threads is None else self.stage.plain_threads))
         batch = batch_layout(batch, plain.channels_last)
         self.turns += 1
-        trained_fb, forward_backward = [0.0], t._forward_backward
+        trained_fb, forward_backward = [0.0], t.forward_backward
 
         def clocked(b):  # the trained step's own forward and backward, to swap for the candidate's
             t2 = time.perf_counter()
@@ -127,13 +127,13 @@ class ShadowTurns:
             trained_fb[0] += time.perf_counter() - t2
             return out
 
-        t._forward_backward = clocked  # this step only (an instance attribute over the method)
+        t.forward_backward = clocked  # this step only (an instance attribute over the method)
         t1 = time.perf_counter()
         try:
             run_step(batch)
             sync(t.device)
         finally:
-            del t._forward_backward
+            del t.forward_backward
         whole = time.perf_counter() - t1
         live.add_extra(trained_fb[0])
         return whole - trained_fb[0] + timed  # the step as the candidate's: its forward and backward, the rest as run

@@ -213,7 +213,7 @@ class Trainer:
         """One micro-batch: forward, backward, and an optimizer step every `grad_accum` calls and at the epoch's end."""
         cfg, win = self.config, self.window
         with win.sync(self.model):  # DDP: no gradient all-reduce on all but the last micro-batch (T19 + T31)
-            out = self._forward_backward(batch)
+            out = self.forward_backward(batch)
         loss = out.loss.detach()
         metered = self.guard.observe(loss)
         if metered is not None:
@@ -221,7 +221,7 @@ class Trainer:
             self.meter.update(metered, n=out.n, correct=None if correct is None else correct[0],
                               counted=None if correct is None else correct[1])
         if win.advance():  # the window's last micro-batch: unscale, clip, step (skipped on NaN/inf)
-            closure = closure_for(self.optimizer, loss, lambda: self._forward_backward(batch).loss)  # LBFGS's
+            closure = closure_for(self.optimizer, loss, lambda: self.forward_backward(batch).loss)  # LBFGS's
             self.guard.step(self.optimizer, lambda: self.precision.step(
                 self.optimizer, clip_grad_norm=cfg.clip_grad_norm, parameters=self.model.parameters(), closure=closure))
             zero_grad(self.optimizer, set_to_none=cfg.set_to_none)
@@ -236,7 +236,7 @@ class Trainer:
                                  last_checkpoint=self.last_checkpoint)
         return loss
 
-    def _forward_backward(self, batch):
+    def forward_backward(self, batch):
         """Forward under autocast (records decisions["batch_contract"] once), backward of loss / k (fp16: scaled)."""
         with self.precision.autocast():
             out = forward_loss(self.compiler, batch, loss_fn=self.loss_fn, step_fn=self.step_fn,
@@ -244,7 +244,7 @@ class Trainer:
         self.precision.backward(out.loss, accum_steps=self.window.size)  # a partial window: its own size
         return out
 
-    def _reset_micro(self) -> None:
+    def reset_micro(self) -> None:
         """A failed step left partial gradients: drop them and restart the accumulation window."""
         zero_grad(self.optimizer, set_to_none=True)
         self.window.reset()
@@ -256,7 +256,7 @@ class Trainer:
             if self.switcher.live is not None:  # the run's first steps: the switch candidates take turns
                 self.switcher.step(batch, self.train_step)
             else:
-                self.compiler.run(self.train_step, batch, on_fallback=self._reset_micro, is_fatal=is_out_of_memory)
+                self.compiler.run(self.train_step, batch, on_fallback=self.reset_micro, is_fatal=is_out_of_memory)
         except Exception as e:  # out of memory: what to try; BatchNorm on an epoch's 1-sample last batch: left out;
             return step_failed(self, e, batch)  # right after a trial candidate's turn: trained again; else raises
         if self._recent is not None:  # Schedule-Free with BatchNorm: statistics for the averaged weights

@@ -103,7 +103,7 @@ class TrialSafety:
                 self.restore(before)
             if self.half_left is not None and settings.precision not in _HALF:
                 self.half_left.cast_back()
-            t._reset_micro()
+            t.reset_micro()
             stage.apply(settings)
             try:
                 run_step(stage.batch_in(batch, settings))
