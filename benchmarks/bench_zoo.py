@@ -26,8 +26,11 @@ import json
 import os
 import random
 import shlex
+import queue
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +40,7 @@ import zoo_report  # noqa: E402
 from zoo_run import SOURCES, WAYS, registry  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "cpu-avx512-bf16"
+OMP_WAIT_POLICY = "PASSIVE"
 PROFILES = ("host", "avx2", "avx512", "avx512_bf16", "amx")
 
 
@@ -63,39 +67,80 @@ def select(names_by_source: dict[str, list[str]], models: list[str] | None, samp
     return picked
 
 
-def run_child(name: str, steps: int, ways: list[str], profile: str, timeout: float, rounds: int = 1,
-              max_params: float | None = None) -> dict:
-    """One model in a fresh process; a way still running at the timeout (or a crash) is recorded as its error."""
+def _env(profile: str) -> dict:
     env = dict(os.environ)
     env.pop("TORCHSPEED_CPU_PROFILE", None)
     if profile != "host":
         env["TORCHSPEED_CPU_PROFILE"] = profile
     env.setdefault("PYTHONWARNINGS", "ignore")
-    cmd = [sys.executable, str(HERE / "zoo_run.py"), name, "--steps", str(steps), "--rounds", str(rounds),
-           "--ways", *ways] + (["--max-params", str(max_params)] if max_params else [])
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=_scratch())
-        out, why = p.stdout, (None if p.returncode == 0 else _tail(p.stderr) or f"exit code {p.returncode}")
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        why = f"Timeout: the model's process ran over {timeout:.0f} s"
-    result = None
-    partial: dict = {}
-    for line in out.splitlines():
-        if line.startswith("ZOO_RESULT "):
-            result = json.loads(line[len("ZOO_RESULT "):])
-        elif line.startswith("ZOO_WAY "):
-            way, _, row = line[len("ZOO_WAY "):].partition(" ")
-            partial[way] = json.loads(row)
-    if result is None:
-        result = {"source": registry_source(name), "runs": partial}
-        for way in ways:
-            if way not in result["runs"]:
-                result["runs"][way] = {"finished": False, "error": why or "no result", "where": []}
+    # OpenMP's threads sleep while they wait, not spin: on cores other work shares, a spinning wait makes a
+    # depthwise conv net's step 20x slower (timm/repvit_m1: 57.7 s for 3 steps against 2.4 s at load 12); the
+    # same for every way, so the ratios keep their meaning
+    env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
+    return env
+
+
+def _lines(proc, q: queue.Queue) -> None:
+    for line in proc.stdout:
+        q.put(line)
+    q.put(None)
+
+
+def run_chunk(names: list[str], steps: int, ways: list[str], profile: str, timeout: float, rounds: int = 1,
+              max_params: float | None = None):
+    """Yield (name, row) for `names`, run one after another in one fresh process. A model that runs over
+    `timeout` seconds, or in whose runs the process dies, gets its way in flight recorded as the error; the
+    models after it go on in a new process."""
+    pending = list(names)
+    while pending:
+        cmd = [sys.executable, str(HERE / "zoo_run.py"), *pending, "--steps", str(steps), "--rounds", str(rounds),
+               "--ways", *ways] + (["--max-params", str(max_params)] if max_params else [])
+        err = tempfile.TemporaryFile(mode="w+")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=_env(profile), cwd=_scratch())
+        q: queue.Queue = queue.Queue()
+        threading.Thread(target=_lines, args=(proc, q), daemon=True).start()
+        partial, t0, why = {}, time.perf_counter(), None
+        while True:
+            try:
+                line = q.get(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+            except queue.Empty:
+                proc.kill()
+                why = f"Timeout: the model ran over {timeout:.0f} s"
                 break
-    result["process_s"] = round(time.perf_counter() - t0, 1)
-    return result
+            if line is None:
+                proc.wait()
+                err.seek(0)
+                why = _tail(err.read()) or f"exit code {proc.returncode}"
+                break
+            if line.startswith("ZOO_WAY "):
+                way, _, row = line[len("ZOO_WAY "):].partition(" ")
+                partial[way] = json.loads(row)
+                partial[way].pop("model", None)
+            elif line.startswith("ZOO_RESULT "):
+                row = json.loads(line[len("ZOO_RESULT "):])
+                row["process_s"] = round(time.perf_counter() - t0, 1)
+                yield row.pop("model"), row
+                pending.pop(0)
+                partial, t0 = {}, time.perf_counter()
+        proc.wait()
+        if pending:
+            name = pending.pop(0)
+            yield name, _broken(name, partial, ways, why, time.perf_counter() - t0)
+
+
+def _broken(name: str, partial: dict, ways: list[str], why: str | None, sec: float) -> dict:
+    row = {"source": registry_source(name), "runs": partial, "process_s": round(sec, 1)}
+    for way in ways:
+        if way not in partial:
+            partial[way] = {"finished": False, "error": why or "no result", "where": []}
+            break
+    return row
+
+
+def run_child(name: str, steps: int, ways: list[str], profile: str, timeout: float, rounds: int = 1,
+              max_params: float | None = None) -> dict:
+    """One model in a fresh process."""
+    return next(run_chunk([name], steps, ways, profile, timeout, rounds, max_params))[1]
 
 
 def _tail(text: str) -> str:
@@ -104,7 +149,6 @@ def _tail(text: str) -> str:
 
 
 def _scratch() -> str:
-    import tempfile
     return tempfile.mkdtemp(prefix="zoo-run-")
 
 
@@ -128,22 +172,28 @@ def sweep(names: list[str], args, profile: str, command: str) -> dict:
     path = out_path(Path(args.out_dir), args.name, profile)
     data = load(path) if args.resume else {}
     models, plain_fails = data.get("models", {}), data.get("plain_fails", {})
-    meta = dict(zoo_report.provenance(profile, args.steps, command), max_params=args.max_params, rounds=args.rounds)
-    for i, name in enumerate(names, 1):
-        if args.resume and (name in models or name in plain_fails) and not _failed(models.get(name)):
-            continue
-        row = run_child(name, args.steps, args.ways, profile, args.timeout, args.rounds, args.max_params)
-        plain = row["runs"].get("plain", {})
-        models.pop(name, None)
-        plain_fails.pop(name, None)
-        if plain.get("finished"):
-            models[name] = row
-        else:
-            plain_fails[name] = {"source": row.get("source"), "reason": plain.get("error"), "where": plain.get("where")}
-        print(zoo_report.line(i, len(names), profile, name, row), flush=True)
-        data = dict(meta, models=models, plain_fails=plain_fails, summary=zoo_report.summarize(models, plain_fails))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1, default=str))
+    meta = dict(zoo_report.provenance(profile, args.steps, command), max_params=args.max_params, rounds=args.rounds,
+                per_process=args.per_process, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", OMP_WAIT_POLICY))
+    todo = [n for n in names if not (args.resume and (n in models or n in plain_fails) and not _failed(models.get(n)))]
+    data = dict(meta, models=models, plain_fails=plain_fails)
+    chunks = [todo[i:i + args.per_process] for i in range(0, len(todo), args.per_process)]
+    done = len(names) - len(todo)
+    for chunk in chunks:
+        for name, row in run_chunk(chunk, args.steps, args.ways, profile, args.timeout, args.rounds, args.max_params):
+            done += 1
+            plain = row["runs"].get("plain", {})
+            models.pop(name, None)
+            plain_fails.pop(name, None)
+            if plain.get("finished"):
+                models[name] = row
+            else:
+                plain_fails[name] = {"source": row.get("source"), "reason": plain.get("error"),
+                                     "where": plain.get("where")}
+            print(zoo_report.line(done, len(names), profile, name, row), flush=True)
+            data = dict(meta, models=models, plain_fails=plain_fails,
+                        summary=zoo_report.summarize(models, plain_fails))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(data, indent=1, default=str))
     return data
 
 
@@ -158,6 +208,8 @@ def main() -> None:
     ap.add_argument("--sample", type=int, help="a quick subset of N models, spread over the sources")
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
     ap.add_argument("--steps", type=int, default=20, help="K: steps in each run")
+    ap.add_argument("--per-process", type=int, default=1,
+                    help="models run one after another in one process (1: a fresh process each)")
     ap.add_argument("--rounds", type=int, default=1, help="time each run this many times, its fastest counts")
     ap.add_argument("--max-params", type=float, help="list a model with more parameters apart, untrained")
     ap.add_argument("--profiles", nargs="+", default=["host"], choices=PROFILES)

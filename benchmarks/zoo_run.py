@@ -8,14 +8,18 @@ costs (oneDNN's kernels for these shapes, torchspeed's lazy imports) are paid by
 
 The K-step loss is the same for every way: the loss on the first batch after the run (train mode, no grad,
 seeded), computed by the plain loop's own loss (or the case's probe). Run as a script, it prints one line
-`ZOO_RESULT <json>` for `bench_zoo.py`:
+`ZOO_RESULT <json>` a model for `bench_zoo.py`:
 
     python benchmarks/zoo_run.py hf/gpt2 --steps 20 --ways plain fit auto
+
+Given several names, it runs them one after another in this process (each model still built afresh, its
+seeds and decision cache its own): `bench_zoo.py --per-process N` saves N - 1 start-ups of torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -243,8 +247,9 @@ def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="one zoo model, three ways (bench_zoo.py runs this per model)")
-    ap.add_argument("name")
+    ap = argparse.ArgumentParser(description="zoo models, three ways each, one after another in this process "
+                                             "(bench_zoo.py runs this)")
+    ap.add_argument("names", nargs="+")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
     ap.add_argument("--rounds", type=int, default=1, help="time each way this many times (its fastest counts)")
@@ -252,12 +257,15 @@ def main() -> None:
     ap.add_argument("--max-params", type=float, help="leave out (as the plain loop's error) a larger model")
     args = ap.parse_args()
     source = {"torchvision": "torchvision", "timm": "timm", "hf": "transformers", "hand": "hand"}
-    prefix = args.name.split("/")[0] if "/" in args.name else "torchvision"
-    case = registry((source.get(prefix, "torchvision"),))[args.name]
-    result = run_case(case, args.steps, tuple(args.ways), warm=not args.no_warmup, rounds=args.rounds,
-                      max_params=args.max_params,
-                      emit=lambda way, row: print(f"ZOO_WAY {way} " + json.dumps(row, default=str), flush=True))
-    print("ZOO_RESULT " + json.dumps(result, default=str), flush=True)
+    prefixes = {source.get(n.split("/")[0] if "/" in n else "torchvision", "torchvision") for n in args.names}
+    cases = registry(tuple(s for s in SOURCES if s in prefixes))
+    for name in args.names:
+        def emit(way, row, name=name):
+            print(f"ZOO_WAY {way} " + json.dumps(dict(row, model=name), default=str), flush=True)
+        result = run_case(cases[name], args.steps, tuple(args.ways), warm=not args.no_warmup, rounds=args.rounds,
+                          max_params=args.max_params, emit=emit)
+        print("ZOO_RESULT " + json.dumps(dict(result, model=name), default=str), flush=True)
+        gc.collect()
 
 
 if __name__ == "__main__":

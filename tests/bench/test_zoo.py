@@ -160,7 +160,8 @@ SAMPLE = ["resnet18", "mobilenet_v3_small", "fasterrcnn_mobilenet_v3_large_320_f
 @pytest.mark.timeout(900)
 def test_a_sampled_zoo_trains_under_fit_as_under_its_own_loop(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_zoo.py"), "--models", *SAMPLE, "--steps", "12",
-           "--profiles", "host", "avx2", "--out-dir", str(tmp_path), "--docs", "", "--timeout", "240"]
+           "--profiles", "host", "avx2", "--out-dir", str(tmp_path), "--docs", "", "--timeout", "240",
+           "--per-process", "6"]
     subprocess.run(cmd, check=True, timeout=880)
     problems = []
     for path in (tmp_path / "zoo.json", tmp_path / "zoo_avx2.json"):
