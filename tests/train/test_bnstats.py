@@ -109,3 +109,25 @@ def test_final_statistics_keep_or_raise_accuracy_on_real_digits():
         accs[on] = evaluate(model, DataLoader(val, batch_size=256))["val_acc"]
     assert accs[True] >= accs[False] - 0.01
     assert accs[True] >= 0.9  # measured 0.96 here; the stale statistics gave 0.74 on this seed
+
+
+class _NeedsTargetsToTrain(nn.Module):
+    """torchvision detection's contract: forward(images, targets=None) asserts targets in train mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+
+    def forward(self, x, targets=None):
+        assert not self.training or targets is not None, "targets should not be none when in training mode"
+        out = self.body(x)
+        return {"loss": nn.functional.mse_loss(out[:, 0], targets)} if self.training else out
+
+
+def test_recalibration_hands_the_target_to_a_model_whose_forward_takes_it():
+    """Schedule-Free's averaged weights get their BatchNorm statistics from training batches: a detection model
+    asserts its targets in train mode, so they are passed as the batch contract passes them."""
+    model = _NeedsTargetsToTrain()
+    batches = [(torch.randn(6, 4), torch.randn(6)) for _ in range(3)]
+    assert recalibrate_bn(model, batches) == 3
+    assert model.body[1].num_batches_tracked == 3

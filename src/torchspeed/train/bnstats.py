@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from torchspeed.train.callbacks import Callback
-from torchspeed.train.model_call import call_model
+from torchspeed.train.model_call import call_model, takes_target
 
 __all__ = ["batchnorm_layers", "recalibrate_bn", "FinalBatchNormStats", "tail_steps"]
 
@@ -82,8 +82,11 @@ def recalibrate_bn(model: nn.Module, batches: Iterable, *, device: torch.device 
             batch = to_device(batch, torch.device(device), non_blocking=False, channels_last=channels_last)
             if step_fn is not None:
                 step_fn(model, batch)
-            else:
-                call_model(model, split_batch(batch)[0])
+            else:  # the model's target too where its forward takes one (detection needs it in train mode)
+                inputs, target = split_batch(batch)
+                param = takes_target(model, len(inputs)) if target is not None and not isinstance(inputs, dict) \
+                    else None
+                call_model(model, inputs, target, param)
             used += 1
     finally:
         for m, mom in zip(layers, momenta):
