@@ -76,11 +76,11 @@ from torchspeed.train.losses import default_loss
 from torchspeed.train.bnstats import batchnorm_layers
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.evaluate import is_image_batch
-from torchspeed.train.optim import create_optimizer
 from torchspeed.train.sampler import keep_rng, take_batches
 from torchspeed.train.schedule import scale_lr_for_batch
 from torchspeed.train.transfer import to_device
 from torchspeed.train.noise import measure_noise_scale
+from torchspeed.train.optim_candidate import candidate_optimizer
 from torchspeed.tune._common import decide_once
 from torchspeed.tune.batch_choice import BATCH_MIN_STEPS, choose_batch_size
 
@@ -154,7 +154,8 @@ def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | 
         if opt_name is not None and {"muon", "schedulefree"} & set(parts):
             guarded(rec, "optimizer", dict(optimizer=None, lr=lr, min_lr=None), opt_name, choose_optimizer_part,
                     model, train_loader, rec, gate, given=opt_name, lr=lr, schedule=schedule, precision=precision,
-                    loss_fn=loss_fn, step_fn=step_fn, total_steps=total_steps, lr_given=lr_given)
+                    loss_fn=loss_fn, step_fn=step_fn, total_steps=total_steps, lr_given=lr_given,
+                    weight_decay=weight_decay, optimizer_options=optimizer_options)
         schedule_free = rec.optimizer == "schedulefree"
         lr_loss = loss_fn  # the tuners train on the loss the run trains on (its smoothing as the parts left it)
         if lr_loss is None and rec.label_smoothing:
@@ -289,8 +290,8 @@ def _choose_batch(model, loader, rec: Recipe, *, optimizer, name, weight_decay, 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     b0 = getattr(loader, "batch_size", None)
     long_run = total_steps is not None and total_steps >= BATCH_MIN_STEPS  # else it decides without measuring
-    scratch = optimizer if not isinstance(optimizer, str) or not long_run else create_optimizer(
-        name, model, lr=1e-6, weight_decay=weight_decay, **(optimizer_options or {}))
+    scratch = candidate_optimizer(optimizer, model, lr=1e-6, name=name, weight_decay=weight_decay,
+                                  options=optimizer_options) if long_run else optimizer
     new, dec = choose_batch_size(model, loader, total_steps=total_steps, noise_scale=noise_scale, optimizer=scratch,
                                  precision=precision, loss_fn=loss_fn, step_fn=step_fn, world_size=world,
                                  progress=progress)

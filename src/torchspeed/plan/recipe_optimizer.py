@@ -19,7 +19,8 @@ OPTIMIZER_TRIAL_STEPS = 50      # compare_optimizers: steps per candidate
 
 
 def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str, lr, schedule, precision, loss_fn,
-                          step_fn, total_steps, lr_given: bool = False) -> None:
+                          step_fn, total_steps, lr_given: bool = False, weight_decay: float | None = None,
+                          optimizer_options: dict | None = None) -> None:
     """The optimizer parts (T42 Muon, T14's alternative Schedule-Free AdamW): the given optimizer or a candidate,
     compared on time to the same training loss when the budget allows (`compare_optimizers`), else the cache,
     else the prior: Schedule-Free AdamW, which needs neither an LR search nor a schedule; or, when the run gave its
@@ -49,7 +50,8 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
     measured = False
     if gate.measure("optimizer", len(cands) * OPTIMIZER_TRIAL_STEPS):
         trial = compare_optimizers(model, loader, tuple(cands), lr=lrs, precision=precision, loss_fn=loss_fn,
-                                   step_fn=step_fn, schedule=schedule, steps=OPTIMIZER_TRIAL_STEPS, progress=False)
+                                   step_fn=step_fn, schedule=schedule, steps=OPTIMIZER_TRIAL_STEPS, progress=False,
+                                   weight_decay=weight_decay, optimizer_options=optimizer_options)
         rec.tuning_steps += int(trial.steps or 0) * len(cands)
         d["optimizer"] = Decision(trial.best, f"{trial.reason} (T42, Schedule-Free: T14's alternative)",
                                   measured={"table": [dict(r) for r in trial.table]})

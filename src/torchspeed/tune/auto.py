@@ -36,6 +36,7 @@ from torchspeed.env import default_device
 from torchspeed.train.sampler import rebuild_loader
 from torchspeed.train.decision import Decision
 from torchspeed.train.schedule import lr_rule, scale_lr_for_batch
+from torchspeed.train.optim_candidate import candidate_optimizer
 from torchspeed.tune.lr_peak import choose_peak_lr
 
 __all__ = ["tune_for_fit"]
@@ -48,8 +49,6 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
                  schedule: str | None = "onecycle", distributed: bool | str = "auto",
                  progress: bool = True, optimizer_options: dict | None = None) -> tuple[Iterable, float, dict]:
     """Run the asked-for tuners; return (the loader to train on, the LR, decisions)."""
-    from torchspeed.train.optim import create_optimizer
-
     _check_options(train_loader, batch_size=batch_size, lr=lr, loader=loader)
     # Under torchrun the process group must exist before the tuners run, so that rank 0's
     # measurement is broadcast (the Trainer's own call later finds it initialised).
@@ -65,9 +64,7 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
 
     def scratch_optimizer(lr0: float) -> torch.optim.Optimizer:
         # the tuners restore what they touch; a user optimizer is used as is, a name gets a fresh one
-        if isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer
-        return create_optimizer(optimizer, model, lr=lr0, weight_decay=weight_decay, **(optimizer_options or {}))
+        return candidate_optimizer(optimizer, model, lr=lr0, weight_decay=weight_decay, options=optimizer_options)
 
     measure = dict(loss_fn=loss_fn, step_fn=step_fn, precision=precision, progress=progress)
     old_batch = getattr(train_loader, "batch_size", None)

@@ -22,9 +22,9 @@ import math
 from dataclasses import dataclass
 
 from torchspeed.train.noise import measure_noise_scale
-from torchspeed.train.optim import create_optimizer
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
 from torchspeed.train.sampler import take_batches
+from torchspeed.train.optim_candidate import candidate_optimizer
 from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device
 from torchspeed.tune.lr import LRFinderResult, _trial_run, find_lr, trial_ceiling
 
@@ -61,8 +61,8 @@ def choose_peak_lr(model, loader, *, optimizer, name=None, schedule="onecycle", 
     (`trial_steps` 0: no trial). `optimizer` is the run's optimizer object or its name (`name` for a
     candidate built here); `noise_batches` > 0 measures the gradient noise scale where the chosen peak's trial
     run ended (the recipe's batch part reads it). The model, optimizer state and RNGs are left as they were."""
-    scratch = optimizer if not isinstance(optimizer, str) else create_optimizer(
-        name or optimizer, model, lr=1e-6, weight_decay=weight_decay, **(optimizer_options or {}))
+    scratch = candidate_optimizer(optimizer, model, lr=1e-6, name=name, weight_decay=weight_decay,
+                                  options=optimizer_options)
     res = find_lr(model, loader, loss_fn=loss_fn, step_fn=step_fn, optimizer=scratch, precision=precision,
                   num_steps=lr_steps, progress=progress)
     steps = int(res.steps or len(res.lrs))
@@ -129,8 +129,8 @@ def _lr_trial(model, loader, peaks, *, optimizer, name, weight_decay, optimizer_
     (peak, score, the noise scale at the end of its run on `noise_batches` of its batches, or None)."""
     device = model_device(model)
     prec = resolve_precision(precision, device=device)
-    opt = optimizer if not isinstance(optimizer, str) else create_optimizer(
-        name or optimizer, model, lr=peaks[0], weight_decay=weight_decay, **(optimizer_options or {}))
+    opt = candidate_optimizer(optimizer, model, lr=peaks[0], name=name, weight_decay=weight_decay,
+                              options=optimizer_options)
     scaler = make_grad_scaler(prec) if prec.needs_scaler else None
     base = [g["lr"] for g in opt.param_groups]
     ratios = [b / base[0] if base[0] else 1.0 for b in base]

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from torchspeed.train.eval_view import recalibrate_averaged
-from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, create_optimizer, is_schedule_free,
+from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, is_schedule_free,
                                     set_schedule_free_warmup)
 from torchspeed.train.precision import make_grad_scaler, resolve_precision
 from torchspeed.train.progress import progress_bar
@@ -44,6 +44,7 @@ from torchspeed.train.sampler import take_batches
 from torchspeed.train.schedule import create_scheduler
 from torchspeed.train.transfer import to_device
 from torchspeed.train.wrappers import unwrap_model
+from torchspeed.train.optim_candidate import candidate_optimizer
 from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device
 
 __all__ = ["OptimizerTrial", "compare_optimizers", "pick_optimizer"]
@@ -93,7 +94,7 @@ def compare_optimizers(model: nn.Module, data: Iterable, names: Sequence[str] = 
                        step_fn: Callable | None = None, precision: str = "fp32", seed: int = 0,
                        progress: bool = False, batch_size: int = 32, eval_batches: int = 4,
                        weight_decay: float | None = None, schedule: str | None = None,
-                       margin: float = 0.02) -> OptimizerTrial:
+                       margin: float = 0.02, optimizer_options: Mapping | None = None) -> OptimizerTrial:
     """Train `model` `steps` steps with each optimizer in `names` from the same state; the one that learns faster.
 
     `data` is a DataLoader (or any iterable of batches, cycled) or a Dataset (batched here with
@@ -119,11 +120,12 @@ def compare_optimizers(model: nn.Module, data: Iterable, names: Sequence[str] = 
     return decide_once(lambda: _compare(unwrap_model(model), data, names, lrs=lrs, steps=steps, loss_fn=loss_fn,
                                         step_fn=step_fn, precision=precision, seed=seed, progress=progress,
                                         batch_size=batch_size, eval_batches=eval_batches,
-                                        weight_decay=weight_decay, schedule=schedule, margin=margin))
+                                        weight_decay=weight_decay, schedule=schedule, margin=margin,
+                                        optimizer_options=optimizer_options))
 
 
 def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, seed, progress, batch_size,
-             eval_batches, weight_decay, schedule, margin) -> OptimizerTrial:
+             eval_batches, weight_decay, schedule, margin, optimizer_options=None) -> OptimizerTrial:
     device = model_device(model)
     prec = resolve_precision(precision, device=device)
     snap = StateSnapshot(model)
@@ -141,7 +143,8 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
                 row = {"name": name, "lr": lrs[name], "loss": math.inf, "train_loss": math.inf, "error": None}
                 rows.append(row)
                 try:
-                    opt = create_optimizer(name, model, lr=lrs[name], weight_decay=weight_decay)
+                    opt = candidate_optimizer(name, model, lr=lrs[name], weight_decay=weight_decay,
+                                              options=optimizer_options)  # the user's momentum and betas
                 except ValueError as e:  # e.g. "muon" on a model with no hidden matrices
                     row["error"] = str(e)
                     continue
