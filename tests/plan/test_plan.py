@@ -275,3 +275,26 @@ def test_every_part_measures_together_on_a_long_run_where_schedule_free_wins(tin
     assert d["optimizer"].value.startswith("AdamWScheduleFree") or d["optimizer"].value == "schedulefree"
     assert "batch_size" in d and "AdamWScheduleFree" in stepped  # the batch part stepped Schedule-Free
     assert res.steps == 3
+
+
+def test_recipe_auto_keeps_an_optimizer_that_takes_sparse_gradients(tmp_path, monkeypatch):
+    """A recommender's sparse embeddings: Schedule-Free's, Muon's and AdamW's steps refuse sparse gradients
+    (aten::addcmul_ on SparseCPU), so the optimizer part tries no candidate and the run trains with SGD."""
+    from torch import nn
+
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+
+    class MF(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.u, self.i = nn.Embedding(100, 8, sparse=True), nn.Embedding(80, 8, sparse=True)
+
+        def forward(self, u, i):
+            return (self.u(u) * self.i(i)).sum(1)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 100, (16,), generator=g), torch.randint(0, 80, (16,), generator=g),
+                torch.randn(16, generator=g)) for _ in range(8)]
+    res = torchspeed.fit(MF(), batches, loss_fn=nn.MSELoss(), recipe="auto", epochs=2, **FAST)
+    assert res.steps == 16 and res.decisions["optimizer"].value == "sgd"
+    assert "sparse gradients" in res.decisions["optimizer"].reason

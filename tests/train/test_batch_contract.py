@@ -344,3 +344,14 @@ def test_binary_and_multi_label_losses_count_accuracy_per_element_and_regression
     reg = torchspeed.fit(nn.Linear(6, 1), DataLoader(TensorDataset(x, y), batch_size=16), epochs=1,
                          val_loader=DataLoader(TensorDataset(x, y), batch_size=32), loss_fn=nn.MSELoss(), **FAST)
     assert reg.final["val_acc"] is None
+
+
+def test_a_dict_of_scalar_losses_by_other_names_is_summed_as_torchvisions_retinanet_returns():
+    """RetinaNet, FCOS and SSD return {'classification': ..., 'bbox_regression': ...}: no key says "loss", every
+    value is a scalar: they are the losses, summed; a dict holding a tensor that is not a scalar stays logits."""
+    from torchspeed.train.batch import read_output
+
+    cls, box = torch.tensor(1.5, requires_grad=True), torch.tensor(0.25, requires_grad=True)
+    out = read_output({"classification": cls, "bbox_regression": box})
+    assert float(out.loss) == 1.75 and set(out.parts) == {"classification", "bbox_regression"}
+    assert read_output({"logits": torch.randn(2, 3), "score": torch.tensor(1.0)}).loss is None

@@ -110,3 +110,34 @@ def test_the_end_of_fit_recalibrates_only_when_a_step_came_after_the_last_evalua
     calls.clear()
     _trainer(_model(bn=True), restore_best=False).fit(train, epochs=2)
     assert len(calls) == 1  # no evaluation: the end of fit
+
+
+def test_a_step_fn_that_steps_its_own_optimizer_inside_keeps_its_trained_statistics_and_the_run_finishes(caplog):
+    """A GAN's step_fn steps the discriminator itself (backward inside): it cannot run as the gradient-free
+    forward that recalibrates Schedule-Free's BatchNorm statistics. The statistics from training stay (put back
+    whole, not half reset), the step_fn's own state is as the run left it, and the run finishes, said once."""
+    pytest.importorskip("schedulefree")
+    import torchspeed
+
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 8))
+    disc = nn.Linear(8, 1)
+    state = {"d_steps": 0}
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.01)
+
+    def step_fn(model, batch):
+        fake = model(batch[0])
+        opt_d.zero_grad()
+        disc(fake.detach()).mean().backward()
+        opt_d.step()
+        state["d_steps"] += 1
+        return -disc(fake).mean()
+
+    batches = [(torch.randn(16, 4),) for _ in range(6)]
+    with caplog.at_level("WARNING", logger="torchspeed"):
+        res = torchspeed.fit(gen, batches, step_fn=step_fn, optimizer="schedulefree", lr=1e-3, epochs=1,
+                             progress=False, compile=False, precision="fp32")
+    assert res.steps == 6 and state["d_steps"] == 6
+    bn = gen[1]
+    assert int(bn.num_batches_tracked) == 6 and torch.isfinite(bn.running_var).all()
+    assert any("kept from training" in r.getMessage() for r in caplog.records)

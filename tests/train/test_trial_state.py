@@ -146,6 +146,20 @@ class Counted(nn.Module):
         return self.body(tokens.float().flatten(1)) * (1.0 + 0.1 * (self.calls % 3))
 
 
+class NumpyMasked(nn.Module):
+    """Drops positions drawn from NumPy's global generator (Hugging Face's wav2vec2 draws its time masks so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 40))
+
+    def forward(self, tokens):
+        import numpy as np
+
+        keep = torch.from_numpy(np.random.rand(*tokens.shape) > 0.2)
+        return self.body((tokens.float() * keep).flatten(1))
+
+
 def _seq_batches(make):
     """Time-major batches for the LSTM; batch-major for the decoder; one target a sequence for the counter model."""
     out = []
@@ -159,17 +173,21 @@ def _seq_batches(make):
     return out
 
 
-@pytest.mark.parametrize("make", [HiddenOnSelf, KVCacheDecoder, Counted], ids=["hidden-on-self", "kv-cache",
-                                                                               "step-counter"])
+@pytest.mark.parametrize("make", [HiddenOnSelf, KVCacheDecoder, Counted, NumpyMasked],
+                         ids=["hidden-on-self", "kv-cache", "step-counter", "numpy-rng"])
 def test_a_model_that_keeps_state_between_calls_trains_with_the_plain_loops_weights(bf16_cpu, make):
     batches = _seq_batches(make)
     loss = nn.NLLLoss() if make is HiddenOnSelf else nn.CrossEntropyLoss()
 
     def step_fn(model, batch):
         return loss(model(batch[0]), batch[1])
+    import numpy as np
+
     torch.manual_seed(0)
+    np.random.seed(0)
     ref = _plain_loop(make(), batches, step_fn, lr=0.5)
     torch.manual_seed(0)
+    np.random.seed(0)
     model = make()
     res = torchspeed.fit(model, batches, loss_fn=loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), epochs=1,
                          progress=False, compile=False, schedule=None)

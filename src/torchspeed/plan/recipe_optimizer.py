@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from torchspeed.plan.parts import Gate, Recipe
 from torchspeed.train.decision import Decision
-from torchspeed.train.optim import matrix_share, mostly_matrices, schedule_free_available, schedule_free_lr
+from torchspeed.train.optim import (matrix_share, mostly_matrices, schedule_free_available, schedule_free_lr,
+                                    sparse_gradients)
 from torchspeed.train.optim_info import optimizer_info
 from torchspeed.tune.optimizer_trial import compare_optimizers
 
@@ -29,6 +30,10 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
     d = rec.decisions
     cands = [given]
     why_not = []
+    if sparse_gradients(model):  # Schedule-Free's, Muon's and AdamW's steps refuse sparse gradients
+        d["optimizer"] = Decision(given, "the model makes sparse gradients (an embedding with sparse=True): only "
+                                         "optimizers that take them (SGD, SparseAdam, Adagrad), no candidate tried")
+        return
     if "schedulefree" in rec.parts and given in SF_REPLACES:
         if schedule_free_available():
             cands.append("schedulefree")

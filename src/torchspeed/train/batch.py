@@ -17,7 +17,8 @@ model forms it covers, each trained in tests/train/test_model_zoo.py):
   torchvision's detection models (`forward(images, targets)`).
 - **Losses.** A model that returns its own loss is trained on it: a 0-dim tensor, a tuple
   holding one (`(logits, loss)`), a dict with `"loss"`, a dict of losses (keys containing
-  "loss", summed; each kept in `StepOutput.parts`), or an object with `.loss` (Hugging Face).
+  "loss", or every value a scalar as torchvision's RetinaNet, FCOS and SSD return; summed; each kept in
+  `StepOutput.parts`), or an object with `.loss` (Hugging Face).
   Otherwise `loss_fn(logits, target)`; the default is cross-entropy, flattened when the
   output is a sequence of logits `(B, T, V)` for targets `(B, T)` (language models), per pixel
   for `(N, C, H, W)` logits and `(N, H, W)` masks. A dict of logits `{"out", "aux"}`
@@ -153,6 +154,9 @@ def _read_mapping(out: Mapping) -> ModelOutput:
         what = "a dict" if type(out) is dict else type(out).__name__
         return ModelOutput(out["loss"], _tensor(out.get("logits")), form=f"{what} with 'loss'")
     losses = {k: v for k, v in out.items() if "loss" in str(k) and isinstance(v, torch.Tensor)}
+    if not losses and out and all(isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point()
+                                  for v in out.values()):
+        losses = dict(out)  # every value a scalar: losses by other names (torchvision's RetinaNet, FCOS, SSD)
     if losses and all(v.dim() == 0 for v in losses.values()):
         total = sum(losses.values())
         names = ", ".join(map(str, losses))

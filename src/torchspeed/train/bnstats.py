@@ -71,6 +71,7 @@ def recalibrate_bn(model: nn.Module, batches: Iterable, *, device: torch.device 
         p = next(model.parameters(), None)
         device = p.device if p is not None else torch.device("cpu")
     momenta = [m.momentum for m in layers]
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in layers]  # put back if a pass fails
     for m in layers:
         m.reset_running_stats()
         m.momentum = None  # equal weight to every batch (cumulative average)
@@ -88,6 +89,10 @@ def recalibrate_bn(model: nn.Module, batches: Iterable, *, device: torch.device 
                     else None
                 call_model(model, inputs, target, param)
             used += 1
+    except Exception:
+        for m, saved in zip(layers, before):
+            m.load_state_dict(saved)
+        raise
     finally:
         for m, mom in zip(layers, momenta):
             m.momentum = mom

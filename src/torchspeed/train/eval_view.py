@@ -9,6 +9,7 @@ recomputed there only when a step came after the last evaluation (which computed
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,6 +18,9 @@ from torch import nn
 from torchspeed.train.batch import batch_size
 from torchspeed.train.bnstats import recalibrate_bn
 from torchspeed.train.optim import SCHEDULE_FREE_BN_SAMPLES, averaged_weights, trains_iterate
+from torchspeed.train.user_state import UserState
+
+log = logging.getLogger("torchspeed")
 
 __all__ = ["eval_weights", "newest_samples", "recalibrate_averaged", "settle_averaged"]
 
@@ -58,8 +62,17 @@ def _recalibrate(trainer, module: nn.Module) -> None:
     only for a Schedule-Free run of a model with BatchNorm)."""
     recent = getattr(trainer, "_recent", None)
     if recent:
-        recalibrate_averaged(module, recent, trainer.precision, device=trainer.device, step_fn=trainer.step_fn,
-                             channels_last=trainer.channels_last)
+        state = UserState(module, trainer.step_fn).snapshot()  # passes that only measure: the step_fn's state stays
+        try:
+            recalibrate_averaged(module, recent, trainer.precision, device=trainer.device, step_fn=trainer.step_fn,
+                                 channels_last=trainer.channels_last)
+        except Exception as e:  # noqa: BLE001 - a step_fn that cannot run without gradients (it steps a GAN's D)
+            if trainer.step_fn is None:
+                raise
+            log.warning("torchspeed: BatchNorm statistics for Schedule-Free's averaged weights kept from training: "
+                        "the step_fn cannot run as a forward pass without gradients (%s: %s)", type(e).__name__, e)
+        finally:
+            state.restore()
         if module is trainer.module:  # (not an EMA's copy) its statistics hold for the averaged weights until a step
             trainer._bn_for_step = trainer.step
 

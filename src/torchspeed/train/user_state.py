@@ -16,7 +16,9 @@ candidate's pass had advanced, not its own: not the plain run's numbers.
 - the `step_fn`: its closure, the globals its code names, the object it is bound to (a method, a callable
   object), a `functools.partial`'s arguments;
 - and what those reach: dicts, lists, tuples, plain objects, other modules (a GAN's discriminator: its
-  parameters, buffers and gradients) and optimizers (their moments and step counts).
+  parameters, buffers and gradients) and optimizers (their moments and step counts);
+- Python's and NumPy's global random generators (torch's the trial forks itself): Hugging Face's wav2vec2 draws
+  its time masks from NumPy, so a measuring pass moved the plain run's masks.
 
 `Snapshot.restore()` puts back every reference, container and tensor that changed (a tensor by its version
 counter: only what was written is copied back). `Snapshot.cast_back()` is for a turn that trained in a half
@@ -38,9 +40,11 @@ from __future__ import annotations
 
 import builtins
 import functools
+import random
 import types
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -72,9 +76,13 @@ class Snapshot:
         self.tensors: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []  # (tensor, version, copy or None)
         self.grads: list[tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor | None]] = []
         self.unrestored: list[str] = []  # what restore() found written and could not put back
+        self.rngs = (random.getstate(), np.random.get_state())  # Python's and NumPy's global generators
 
     def restore(self) -> None:
-        """Everything the walk saw, as it was: references first, then the tensors written in place."""
+        """Everything the walk saw, as it was: references first, then the tensors written in place; and Python's
+        and NumPy's global generators (a model that draws from NumPy: Hugging Face's wav2vec2 masks time steps)."""
+        random.setstate(self.rngs[0])
+        np.random.set_state(self.rngs[1])
         for d, saved in self.dicts:
             if d.keys() != saved.keys() or any(d[k] is not v for k, v in saved.items()):
                 d.clear()
