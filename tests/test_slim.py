@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
-from torchspeed.model.prune import (channel_widths, load_narrowed_state_dict, narrowed_state_dict,
+from torchspeed.model.prune import (channel_widths, is_channels_last, load_narrowed_state_dict, narrowed_state_dict,
                                     prune_channels)
 from torchspeed.slimming import _search, finetune, slim
 
@@ -144,3 +144,13 @@ def test_a_speedup_target_takes_the_smallest_ratio_that_meets_it_by_bisection():
 
 def test_slim_is_the_package_face():
     assert torchspeed.slim is slim and torchspeed.finetune is finetune
+
+
+def test_a_channels_last_model_is_pruned_into_channels_last_weights():
+    """fit may leave a conv net channels_last: the pruned copy keeps that layout, or it would be timed (and
+    trained) in another one than the original."""
+    torch.manual_seed(0)
+    model, (x, _) = Net().to(memory_format=torch.channels_last), _data()
+    pruned = prune_channels(model, x[:4], ratio=0.5)
+    assert is_channels_last(model) and is_channels_last(pruned) and not is_channels_last(Net())
+    assert pruned.wide[0].weight.is_contiguous(memory_format=torch.channels_last)

@@ -38,12 +38,14 @@ from torch import nn
 from torchspeed._extras import require
 from torchspeed.env import sync
 from torchspeed.fitting import fit
-from torchspeed.model.prune import (ROUND_TO, channel_widths, check_example_inputs, check_ratio, prune_channels)
+from torchspeed.model.prune import (ROUND_TO, channel_widths, check_example_inputs, check_ratio, is_channels_last,
+                                    prune_channels)
 from torchspeed.train.batch import forward_loss
 from torchspeed.train.evaluate import evaluate
 from torchspeed.train.result import FitResult
 from torchspeed.train.rounds import interleaved, paired_ratios, run_for
 from torchspeed.train.step import backward, optimizer_step
+from torchspeed.train.transfer import to_device
 
 __all__ = ["CANDIDATES", "SlimReport", "SlimResult", "slim", "finetune", "measure_models"]
 
@@ -143,7 +145,11 @@ def measure_models(models: dict[str, nn.Module], example_inputs, *, batch=None, 
     with a stand-in loss)."""
     if batch is None:
         batch, loss_fn = (example_inputs, torch.zeros(1)), _energy
-    device = next(next(iter(models.values())).parameters()).device
+    first = next(iter(models.values()))
+    device = next(first.parameters()).device
+    if is_channels_last(first):  # time the layout the model trains in: its inputs channels_last too (T23)
+        batch, example_inputs = (to_device(v, device, non_blocking=False, channels_last=True)
+                                 for v in (batch, example_inputs))
     out: dict[str, dict] = {}
     for what, make in (("step_s", lambda m: _step_call(m, batch, loss_fn)),
                        ("latency_s", lambda m: _latency_call(m, example_inputs))):

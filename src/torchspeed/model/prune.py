@@ -41,7 +41,7 @@ from torchspeed.train.step import backward
 from torchspeed.train.transfer import to_device
 
 __all__ = ["IMPORTANCES", "prune_channels", "find_classifier", "check_ratio", "check_example_inputs",
-           "narrowed_state_dict", "load_narrowed_state_dict", "channel_widths"]
+           "narrowed_state_dict", "load_narrowed_state_dict", "channel_widths", "is_channels_last"]
 
 IMPORTANCES = ("magnitude", "taylor")
 ROUND_TO = 8
@@ -161,7 +161,16 @@ def prune_channels(model: nn.Module, example_inputs, *, ratio: float, importance
     pruner.step()
     target.zero_grad(set_to_none=True)
     target.train(was)
+    if is_channels_last(model):  # the pruned weights are new NCHW tensors: keep the original's layout (T23)
+        target.to(memory_format=torch.channels_last)
     return target
+
+
+def is_channels_last(model: nn.Module) -> bool:
+    """Whether the model's first 2D convolution holds its weight channels_last (fit may have made it so)."""
+    conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    return conv is not None and conv.weight.dim() == 4 and conv.weight.shape[1] > 1 and \
+        conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
 
 
 def channel_widths(model: nn.Module) -> dict[str, int]:
