@@ -172,9 +172,15 @@ def sweep(names: list[str], args, profile: str, command: str) -> dict:
     path = out_path(Path(args.out_dir), args.name, profile)
     data = load(path) if args.resume else {}
     models, plain_fails = data.get("models", {}), data.get("plain_fails", {})
+    swept = set(_SOURCE_OF.values())
+    for kept in (models, plain_fails):  # a model the zoo no longer holds (of the sources swept) leaves the file
+        for gone in [n for n in kept if n not in _SOURCE_OF and kept[n].get("source") in swept]:
+            del kept[gone]
     meta = dict(zoo_report.provenance(profile, args.steps, command), max_params=args.max_params, rounds=args.rounds,
                 per_process=args.per_process, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", OMP_WAIT_POLICY))
-    todo = [n for n in names if not (args.resume and (n in models or n in plain_fails) and not _failed(models.get(n)))]
+    named = set(args.models or ())  # a model named in --models runs again, whatever the file holds
+    todo = [n for n in names if n in named or not (args.resume and (n in models or n in plain_fails)
+                                                   and not _failed(models.get(n)))]
     data = dict(meta, models=models, plain_fails=plain_fails)
     chunks = [todo[i:i + args.per_process] for i in range(0, len(todo), args.per_process)]
     done = len(names) - len(todo)

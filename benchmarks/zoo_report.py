@@ -221,7 +221,10 @@ def write_docs(paths: list[Path], doc: Path) -> None:
         "",
         "## Summary", "", *_summary_table(datas), "",
         "## Runs that ended in an error where the plain loop trains", "", *_errors(datas), "",
-        "## Models the plain loop cannot train here", "", *_plain_fails(datas), "",
+        "## Models left out: the plain loop cannot train them here, or over the sweep's size limit", "",
+        "A `SizeLimit` model was not trained at all (`--max-params`: on 2 shared cores its runs would take "
+        "longer than the sweep's time for it); the others failed in the plain loop itself.", "",
+        *_plain_fails(datas), "",
         "## Every model", "",
         "fit settings: what `fit` as ported chose on the first profile (precision, `CL` channels_last).", "",
         *_per_model(datas), "",

@@ -60,7 +60,7 @@ MODELS: dict[str, tuple[str, int, dict]] = {
     "poolformer": ("poolformer_s12", 64, {}),
     "edgenext": ("edgenext_xx_small", 64, {}),
     "fastvit": ("fastvit_t8", 64, {}),
-    "tiny_vit": ("tiny_vit_5m_224", 64, {"img_size": 64}),
+    "tiny_vit": ("tiny_vit_5m_224", 64, {}),
     "xcit": ("xcit_nano_12_p16_224", 64, {"img_size": 64}),
     "cait": ("cait_xxs24_224", 64, {"img_size": 64}),
     "mixer": ("mixer_s32_224", 64, {"img_size": 64}),
@@ -84,7 +84,7 @@ MODELS: dict[str, tuple[str, int, dict]] = {
     "coatnet": ("coatnet_nano_rw_224", 64, {"img_size": 64}),
     "maxvit": ("maxvit_nano_rw_256", 64, {"img_size": 64}),
     "swin": ("swin_tiny_patch4_window7_224", 56, {"img_size": 56}),
-    "byoanet": ("halonet26t", 64, {"img_size": 64}),
+    "byoanet": ("lambda_resnet26t", 64, {"img_size": 64}),  # halonet26t takes no input this small
     "gernet": ("gernet_s", 64, {}),
     "mambaout": ("mambaout_femto", 64, {}),
     "shvit": ("shvit_s1", 64, {}),
