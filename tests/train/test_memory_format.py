@@ -34,3 +34,14 @@ def test_trainer_auto_applies_only_to_conv_models(tiny_cnn):
     # the trainer hands the model channels_last inputs
     batch = next(t.batches([(torch.randn(2, 3, 8, 8), torch.tensor([0, 1]))]))
     assert is_channels_last(batch[0])
+
+
+def test_apply_channels_last_leaves_a_5d_parameter_alone_and_converts_back():
+    """timm's lambda layers hold a 5-D relative-position parameter: channels_last takes 4-D tensors only
+    (module.to(memory_format=...) raised "required rank 4 tensor to use channels_last format")."""
+    model = torch.nn.Conv2d(3, 8, 3)
+    model.rel = torch.nn.Parameter(torch.randn(2, 3, 4, 5, 6))
+    apply_channels_last(model)
+    assert is_channels_last(model.weight) and model.rel.is_contiguous()
+    apply_channels_last(model, False)
+    assert model.weight.is_contiguous() and not is_channels_last(model.weight)

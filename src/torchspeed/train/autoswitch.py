@@ -35,7 +35,7 @@ from torchspeed.train.batch import batch_size, first_samples, forward_loss
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.distributed import broadcast_object, is_rank_zero
 from torchspeed.train.guard import is_out_of_memory, one_sample_batchnorm
-from torchspeed.train.memory_format import has_conv2d, state_follows_layout
+from torchspeed.train.memory_format import apply_channels_last, has_conv2d, state_follows_layout
 from torchspeed.train.optim import describe_optimizer
 from torchspeed.train.optim_info import kernel_reason
 from torchspeed.train.precision import MixedPrecision, Precision, normalize_precision
@@ -419,7 +419,7 @@ class SwitchStage:
             self.safety.precision_changed(sw.precision)
             self.t.guard.precision_skips = self.t.precision.scaler is not None  # fp16's scaler skips bad steps itself
         if sw.channels_last != self.t.channels_last:
-            self.t.module.to(memory_format=torch.channels_last if sw.channels_last else torch.contiguous_format)
+            apply_channels_last(self.t.module, sw.channels_last)
             state_follows_layout(self.t.optimizer)
         self.t.channels_last = sw.channels_last
         if sw.fused is not None and fusable(self.t.optimizer, self.t.module) and \

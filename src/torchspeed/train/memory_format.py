@@ -25,9 +25,19 @@ def has_conv2d(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)) for m in model.modules())
 
 
-def apply_channels_last(model: nn.Module) -> nn.Module:
-    """Convert the model's 4D weights to channels_last in place; return the model."""
-    return model.to(memory_format=torch.channels_last)
+def apply_channels_last(model: nn.Module, channels_last: bool = True) -> nn.Module:
+    """Convert the model's 4D weights and buffers (and their gradients) to channels_last in place (`channels_last`
+    False: back to the contiguous layout); return the model. 4D tensors only: `model.to(memory_format=...)` also
+    takes 5D ones, which channels_last refuses (timm's lambda_resnet26t: "required rank 4 tensor to use
+    channels_last format")."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            if t.dim() == 4 and not t.is_contiguous(memory_format=fmt):
+                t.data = t.data.contiguous(memory_format=fmt)
+                if t.grad is not None:
+                    t.grad = t.grad.contiguous(memory_format=fmt)
+    return model
 
 
 def to_channels_last(x):
