@@ -94,3 +94,22 @@ def test_cast_back_returns_a_trained_half_turns_state_to_the_dtype_it_held():
     assert state["h"][0].dtype == torch.float32 and torch.equal(state["h"][0], torch.ones(2))
     assert stepper.hidden.dtype == torch.float32
     assert state["keep"].dtype == torch.bfloat16  # bf16 before the turn: the user's own, left alone
+
+
+def test_restore_puts_back_the_models_own_weights_an_inner_optimizer_stepped():
+    """A GAN in one module: the step_fn steps the discriminator (a part of the trained model) with its own
+    optimizer. A measuring pass moved those weights; they are put back, with the optimizer's moments."""
+    model = nn.ModuleDict({"G": nn.Linear(4, 4), "D": nn.Linear(4, 1)})
+    opt_d = torch.optim.Adam(model["D"].parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model["D"].parameters()]
+
+    def step_fn(m, batch):
+        opt_d.zero_grad()
+        m["D"](m["G"](batch).detach()).mean().backward()
+        opt_d.step()
+        return m["D"](m["G"](batch)).mean()
+
+    snap = UserState(model, step_fn).snapshot()
+    step_fn(model, torch.randn(3, 4))
+    snap.restore()
+    assert all(torch.equal(p, q) for p, q in zip(model["D"].parameters(), before)) and not opt_d.state

@@ -44,7 +44,7 @@ from torchspeed.train.step import OptimizerClock
 from torchspeed.train.switches import (LiveTrial, Switches, batch_signature, candidate_grid, fusable, model_signature,
                                        rule_switches, set_fused, trial_steps)
 from torchspeed.train.transfer import batch_layout
-from torchspeed.train.trial_safety import TrialSafety
+from torchspeed.train.trial_safety import TrialSafety, forked_rng
 
 __all__ = ["rule_choice", "trial_settings", "TRIAL_SETTINGS", "LIVE_SHARE", "PRICE_SHARE", "SwitchStage",
            "kernel_isa", "arm_switch_trial"]
@@ -258,7 +258,7 @@ class SwitchStage:
         was, out, state = self.t.module.training, {}, self.safety.snapshot()
         self.t.module.eval()
         try:
-            with torch.no_grad(), no_autotune():  # GUARD_SAMPLES samples: a shape the run never trains at
+            with torch.no_grad(), no_autotune(), forked_rng(self.t.device):  # a step_fn's draws (a GAN's noise) undone
                 for p in precisions:
                     try:
                         with Precision(p, self.t.device.type).autocast():

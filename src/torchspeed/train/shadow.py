@@ -40,6 +40,7 @@ import torch
 from torchspeed.env import sync
 from torchspeed.train.dynamo_deferred import torch_zero_grad
 from torchspeed.train.transfer import batch_layout
+from torchspeed.train.trial_safety import forked_rng
 
 __all__ = ["SHADOW_SHARE", "ShadowTurns"]
 
@@ -101,8 +102,7 @@ class ShadowTurns:
             sync(t.device)
             return time.perf_counter() - t0
         try:
-            with torch.random.fork_rng(devices=[t.device] if t.device.type == "cuda" else [],
-                                       device_type=t.device.type):
+            with forked_rng(t.device):
                 if settle:
                     live.add_extra(candidate_pass())
                     torch_zero_grad(t.optimizer)

@@ -26,15 +26,22 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from torchspeed.train.decision import Decision
 from torchspeed.train.user_state import Snapshot, UserState
 
-__all__ = ["TrialSafety", "AFTER_STEPS"]
+__all__ = ["TrialSafety", "AFTER_STEPS", "forked_rng"]
 
 log = logging.getLogger("torchspeed")
 
 AFTER_STEPS = 2  # a step that fails this soon after a turn in other settings may be that turn's doing
 _HALF = ("bf16", "fp16")
+
+
+def forked_rng(device: torch.device):
+    """torch's generator for `device` (and the CPU's) forked: what a measuring pass draws is undone after it."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type)
 
 
 class TrialSafety:

@@ -13,6 +13,8 @@ candidate's pass had advanced, not its own: not the plain run's numbers.
 
 - the attributes a forward writes on the model's own modules (classes not torch's: a carried hidden state, a
   KV cache, a step counter, a list of past outputs);
+- the weights an optimizer the step reaches steps, the model's own included (a GAN's `step_fn` steps its
+  discriminator inside: its weights, gradients and moments);
 - the `step_fn`: its closure, the globals its code names, the object it is bound to (a method, a callable
   object), a `functools.partial`'s arguments;
 - and what those reach: dicts, lists, tuples, plain objects, other modules (a GAN's discriminator: its
@@ -247,8 +249,13 @@ class _Walk:
         elif isinstance(v, (tuple, set, frozenset)):
             for x in v:
                 self.value(x, depth + 1)
-        elif isinstance(v, torch.optim.Optimizer):  # another model's optimizer: its moments, its step counts
-            self.value(v.state, depth + 1)
+        elif isinstance(v, torch.optim.Optimizer):  # another optimizer: its moments, its step counts, and the
+            self.value(v.state, depth + 1)  # weights it steps, the model's own too (a GAN's step_fn steps its D)
+            for group in v.param_groups:
+                for p in group["params"]:
+                    if id(p) not in self.seen:
+                        self.seen.add(id(p))
+                        self.tensor(p, force=True)
             self.value(v.param_groups, depth + 1)
         elif isinstance(v, nn.Module):  # another model the step trains (a GAN's discriminator)
             for t in (*v.parameters(), *v.buffers()):
@@ -258,9 +265,9 @@ class _Walk:
         elif hasattr(v, "__dict__") and not _torch_class(v):  # a plain object: its attributes
             self.dict_items(vars(v), vars(v), depth)
 
-    def tensor(self, t: torch.Tensor) -> None:
+    def tensor(self, t: torch.Tensor, force: bool = False) -> None:
         version = _version(t)
-        if id(t) in self.owned or version is None:
+        if (id(t) in self.owned and not force) or version is None:
             return
         nbytes = t.numel() * t.element_size() if t.layout == torch.strided else CLONE_BYTES + 1
         copy = None
