@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import asdict
 
 import torch
 from torch import nn
@@ -340,10 +341,6 @@ class SwitchStage:
         """The plain settings: the trial's first candidate, what the run trains in where the trial keeps them."""
         return self.live.grid[0] if self.live is not None else (self._plain or self.current())
 
-    @staticmethod
-    def batch_in(batch, sw: Switches):
-        return batch_layout(batch, sw.channels_last)
-
     def recover(self, error: BaseException, batch, run_step) -> bool:
         """A step after the trial failed (`Trainer.step_batch`): right after a candidate's turn, trained again in
         settings that work (`TrialSafety.recover`); False: the user's error, raised by the caller."""
@@ -355,8 +352,7 @@ class SwitchStage:
         """The trial ends now in `sw` (the plain settings fail after a candidate's turn; `sw` ran)."""
         trial, self.live = self.live, None
         report = dict(trial.report) if trial is not None else {}
-        report["switches"] = {"precision": sw.precision, "channels_last": sw.channels_last, "fused": sw.fused,
-                              "threads": sw.threads}
+        report["switches"] = asdict(sw)  # what a cache hit (`_check_cache`) rebuilds with Switches(**...)
         self._settle(sw, "fallback", why, report, Decision("fallback", why, report))
 
     def _shadows(self, cand: Switches) -> bool:
@@ -396,8 +392,7 @@ class SwitchStage:
         if self.shadow.waited:
             report["paced_steps"] = self.shadow.waited
         sw = broadcast_object(trial.best)  # every rank runs what rank 0 measured
-        report["switches"] = {"precision": sw.precision, "channels_last": sw.channels_last, "fused": sw.fused,
-                              "threads": sw.threads}
+        report["switches"] = asdict(sw)  # what a cache hit (`_check_cache`) rebuilds with Switches(**...)
         if (self.measure_fn is None and is_rank_zero() and self._trial_meta.get("key") and report["steps"]
                 and not report.get("stopped") and not ended_early):  # nothing to keep from one stopped or cut short
             TrialCache().put(self._trial_meta["key"], report)

@@ -29,6 +29,7 @@ import logging
 import torch
 
 from torchspeed.train.decision import Decision
+from torchspeed.train.transfer import batch_layout
 from torchspeed.train.user_state import Snapshot, UserState
 
 __all__ = ["TrialSafety", "AFTER_STEPS", "forked_rng"]
@@ -101,11 +102,10 @@ class TrialSafety:
         where one trained it, False where none did (the caller raises `plain_error`, the user's)."""
         stage, t = self.stage, self.stage.t
         plain = stage.plain
-        blamed = failed if failed != plain else self.other
+        blamed = failed if failed != plain else self.other  # whose turn ran before the failure
         note = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
-        ran = failed if failed != plain else self.other  # whose turn ran before the failure
         self.plain_error = None
-        for settings in [plain] + ([ran] if ran is not None else []):
+        for settings in [plain] + ([blamed] if blamed is not None else []):
             if before is not None:
                 self.restore(before)
             if self.half_left is not None and settings.precision not in _HALF:
@@ -113,7 +113,7 @@ class TrialSafety:
             t.reset_micro()
             stage.apply(settings)
             try:
-                run_step(stage.batch_in(batch, settings))
+                run_step(batch_layout(batch, settings.channels_last))
             except Exception as e:  # noqa: BLE001 - the next settings, or the user's error raised by the caller
                 self.plain_error = self.plain_error or e  # the plain settings' error: what the plain loop raises
                 continue
