@@ -78,6 +78,7 @@ def _unpriced_switch_trials(request, monkeypatch):
     would stop it. Tests see the unpriced trial unless marked `priced` (those inject their seconds)."""
     if request.node.get_closest_marker("priced") is None:
         monkeypatch.setattr("torchspeed.train.autoswitch.PRICE_SHARE", math.inf)
+        monkeypatch.setattr("torchspeed.plan.planner.PORTED_TRIAL_SHARE", math.inf)
     if request.node.get_closest_marker("paced") is None:  # its turns timed apart are paced in real seconds too
         monkeypatch.setattr("torchspeed.train.shadow.SHADOW_SHARE", math.inf)
 

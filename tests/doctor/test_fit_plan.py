@@ -81,7 +81,7 @@ def test_the_plan_of_a_port_keeps_the_scripts_kernel_and_takes_a_change_only_ten
     assert p["chosen"] == "bf16" and p["fixes"] == ["autocast"]
     assert undeclared_keys({"fit_plan": p}) == []
     # on a run that leaves the LR to fit, 2% buys a change of layout; another precision needs 10% on any run
-    # (switches.PRECISION_GAIN: it moves the results)
+    # (switch_choice.PRECISION_GAIN: it moves the results)
     m = _measure({"fp32+fused": [1.0] * 3, "fp32+channels_last+fused": [1.08] * 3, "bf16+fused": [1.08] * 3,
                   "bf16+channels_last+fused": [1.0] * 3})
     assert fit_plan(_cap(), copy.deepcopy(PLAN_OBS), rounds=3, caps=BF16, measure=m,

@@ -17,7 +17,7 @@ from torchspeed.train.guard import NonFiniteGuard
 from torchspeed.train.sampler import ResumableSampler
 from torchspeed.train.stateful import MissingPartError, collect_state
 from torchspeed.train.store import StepStore
-from torchspeed.train.switches import Switches
+from torchspeed.train.switch_choice import Switches
 from torchspeed.train.trainer import Trainer
 
 STEPS = 24  # 2 epochs x 12 batches

@@ -35,7 +35,7 @@ from torchspeed.doctor._rounds import round_summary
 from torchspeed.doctor.observation import (AllocatorStage, BeyondGrid, CompileStage, FitPlan, Observation, ThreadStage,
                                           VerifyResult)
 from torchspeed.plan.planner import PORTED_MIN_GAIN
-from torchspeed.train.switches import Switches, candidate_grid, choose
+from torchspeed.train.switch_choice import Switches, candidate_grid, choose
 
 __all__ = ["fit_plan", "PLAN_FIXES", "plan_fixes", "beyond_grid", "MIN_GAIN"]
 
@@ -88,7 +88,7 @@ def fit_plan(cap, obs: Observation, *, rounds: int = 5, caps=None, measure: Call
 
     `caps` (`torchspeed.env.DeviceCaps`) and `measure(candidate, script) -> per-round ratios` are injectable."""
     from torchspeed.env import DeviceCaps
-    from torchspeed.train.switches import fusable
+    from torchspeed.train.switch_choice import fusable
 
     if cap.model is None or cap.args is None:
         return {"error": "no model forward with a captured batch"}

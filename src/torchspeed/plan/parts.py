@@ -24,7 +24,7 @@ from torchspeed.plan.budget import TuningBudget
 from torchspeed.train.bnstats import FinalBatchNormStats
 from torchspeed.train.callbacks import EMA
 from torchspeed.train.decision import Decision, Decisions, TrialCache
-from torchspeed.train.switches import batch_signature, model_signature
+from torchspeed.train.switch_choice import batch_signature, model_signature
 
 log = logging.getLogger("torchspeed")
 

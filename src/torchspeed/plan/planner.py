@@ -61,7 +61,7 @@ from torchspeed.train.distributed import maybe_init_distributed
 from torchspeed.train.sampler import rebuild_loader
 from torchspeed.train.optim_info import OPTIM_INFO, default_lr
 from torchspeed.train.schedule import default_schedule, lr_given
-from torchspeed.train.switches import AHEAD
+from torchspeed.train.switch_choice import AHEAD
 from torchspeed.train.user_state import UserState
 from torchspeed.tune.auto import tune_for_fit
 
@@ -69,6 +69,8 @@ __all__ = ["Plan", "make_plan", "BUILT_IN"]
 
 GIVEN_LOOP_KEEPS = ("lr", "label_smoothing")  # recipe parts left out when the run gives its own LR (docs/recipe.md)
 PORTED_MIN_GAIN = AHEAD  # a run given its LR takes a layout or precision only 10% faster a step (its numbers move)
+PORTED_TRIAL_SHARE = 0.02  # ... and its switch trial's first look costs at most 2% of its seconds (its later turns
+# timed apart half that: shadow.ShadowTurns), so a trial that finds nothing leaves it within 3% of its own loop
 
 
 @dataclass
@@ -172,6 +174,8 @@ def _schedule(ctx: RunContext) -> None:
             ctx.cfg = replace(ctx.cfg, fused_optimizer="default")  # the decisions say why (optim_info.kernel_reason)
         if ctx.cfg.min_gain == TrainConfig.min_gain:  # a change that moves the loop's numbers must buy a 10% step
             ctx.cfg = replace(ctx.cfg, min_gain=PORTED_MIN_GAIN)
+        if ctx.cfg.trial_share is None:  # where the trial finds nothing, the run stays within 3% of its own loop
+            ctx.cfg = replace(ctx.cfg, trial_share=PORTED_TRIAL_SHARE)
     if not ctx.schedule_given:
         dec = ctx.decisions["schedule"] = default_schedule(lr=ctx.lr, optimizer=ctx.optimizer, recipe=ctx.recipe)
         ctx.cfg = replace(ctx.cfg, schedule=dec.value)

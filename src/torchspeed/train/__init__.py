@@ -13,7 +13,8 @@ from torchspeed.train.rng import capture_rng_state, enable_determinism, restore_
 from torchspeed.train.sampler import ResumableSampler
 from torchspeed.train.distributed import init_distributed, is_rank_zero, reduce_metrics, wrap_ddp
 from torchspeed.train.shard import distributed_loader
-from torchspeed.train.switches import LiveTrial, Switches, candidate_grid
+from torchspeed.train.switch_choice import Switches, candidate_grid
+from torchspeed.train.switches import LiveTrial
 from torchspeed.train.wrappers import unwrap_model
 from torchspeed.train.evaluate import evaluate, tta_views
 from torchspeed.train.memory_format import apply_channels_last, has_conv2d, is_channels_last, to_channels_last

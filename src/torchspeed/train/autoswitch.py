@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -42,8 +43,9 @@ from torchspeed.train.optim_info import kernel_reason
 from torchspeed.train.precision import MixedPrecision, Precision, normalize_precision
 from torchspeed.train.shadow import ShadowTurns
 from torchspeed.train.step import OptimizerClock
-from torchspeed.train.switches import (LiveTrial, Switches, batch_signature, candidate_grid, fusable, model_signature,
-                                       rule_switches, set_fused, trial_steps)
+from torchspeed.train.switch_choice import (Switches, batch_signature, candidate_grid, fusable, model_signature,
+                                            rule_switches, set_fused)
+from torchspeed.train.switches import LiveTrial, trial_steps
 from torchspeed.train.transfer import batch_layout
 from torchspeed.train.trial_safety import TrialSafety, forked_rng
 
@@ -199,9 +201,12 @@ class SwitchStage:
         settings, short = trial_settings(len(grid), n_later, remaining_steps)
         # priced in seconds on a run of known length; not under DDP, where every rank must run the same schedule
         self._plain = grid[0]
+        share = PRICE_SHARE if cfg.trial_share is None else cfg.trial_share
+        self.shadow.cap = math.inf if cfg.trial_share is None else cfg.trial_share / 2  # later turns timed apart
         self.live = LiveTrial(grid, fused_choice=fused_choice, thread_choices=threads if len(threads) > 1 else (),
-                              run_steps=remaining_steps if self.t.dist is None else None, share=PRICE_SHARE,
-                              race=self.race and self.t.dist is None, min_gain=cfg.min_gain, **settings)
+                              run_steps=remaining_steps if self.t.dist is None else None, share=share,
+                              race=self.race and self.t.dist is None, min_gain=cfg.min_gain,
+                              apart=self.keep_numerics and cfg.grad_accum == 1 and self.t.dist is None, **settings)
         self._trial_meta = {"grid": [s.label() for s in grid], "fused_choice": fused_choice, "threads": threads,
                             "short": short, "started": None, "cache_checked": False}
         self.t.decisions.refine("switch_trial", Decision("pending", "measured on the run's first steps" + short))

@@ -40,6 +40,9 @@ class TrainConfig:
                                         # steps (switches.py, autoswitch.py): "auto"/True = measure; False = rules
     min_gain: float = 1.02              # the trial takes a change only this much faster a step (the plan: 1.1 on a
                                         # run given its LR, whose numbers a change of layout or precision moves)
+    trial_share: float | None = None    # the most of the run's seconds the trial may cost where it finds nothing
+                                        # (None: autoswitch.PRICE_SHARE; the plan: PORTED_TRIAL_SHARE on a run given
+                                        # its LR, never slower than its own loop)
     malloc: bool = True                 # CPU: glibc malloc's training settings in-process (backends.tune_malloc)
     prefetch: bool = True               # T07/T12: side-stream copies on CUDA
     grad_accum: int = 1                 # T19

@@ -39,7 +39,7 @@ from torchspeed.train.optim_info import OPTIM_INFO
 from torchspeed.train.rng import capture_rng_state, restore_rng_state
 from torchspeed.train.segment import extend_schedule
 from torchspeed.train.stateful import Part, attribute, check_parts, restore_state
-from torchspeed.train.switches import Switches
+from torchspeed.train.switch_choice import Switches
 
 __all__ = ["trainer_parts", "resume_run", "find_state", "check_resumable", "is_extension", "resumed_decisions"]
 

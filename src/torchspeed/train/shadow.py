@@ -56,6 +56,11 @@ class ShadowTurns:
         self.seen = 0  # the run's steps since the trial began, this one included
         self.turns = 0  # turns timed apart so far (the report's `shadow_steps`)
         self.waited = 0  # steps trained in the plain settings while a turn waited
+        self.cap = math.inf  # a run's own cap on SHADOW_SHARE (a ported run's: half its trial share)
+
+    @property
+    def share(self) -> float:
+        return min(SHADOW_SHARE, self.cap)
 
     def tick(self) -> None:
         """One of the run's steps while the trial is on."""
@@ -67,8 +72,8 @@ class ShadowTurns:
         trial began: counted in steps, not seconds, so the schedule, and the run's numerics with it, do not hang on
         the machine's load. Never where the run's remaining steps (`steps_left`, None: unknown) are no more than
         the trial's remaining turns."""
-        if (not math.isfinite(SHADOW_SHARE) or (steps_left is not None and steps_left <= turns_left)
-                or self.turns + 1 <= SHADOW_SHARE * self.seen):
+        if (not math.isfinite(self.share) or (steps_left is not None and steps_left <= turns_left)
+                or self.turns + 1 <= self.share * self.seen):
             return False
         self.waited += 1
         return True
@@ -78,7 +83,7 @@ class ShadowTurns:
         first look: SHADOW_SHARE of its steps. Each is a forward and backward thrown away, so on a short run whose
         step is dear they are seconds no gain the trial could find pays back (on a port of PyTorch's MNIST example,
         66 steps of 0.1 s, 7 turns were 0.6 s: 8% of the run); a run of unknown length is paced instead (`waits`)."""
-        return run_steps is not None and self.turns >= SHADOW_SHARE * run_steps
+        return run_steps is not None and self.turns >= self.share * run_steps
 
     def step(self, batch, run_step, cand, *, settle: bool = False, state=None) -> float:
         """`cand`'s step time, with the batch trained in the plain settings' precision and layout: the candidate's

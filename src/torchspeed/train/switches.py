@@ -17,10 +17,11 @@ rules give 2x on a CIFAR ResNet-20. So `fit` measures instead:
    Each candidate is put into effect (autocast dtype, memory layout of the weights, the
    optimizer state and the inputs, optimizer kernel, threads) and trains real steps: `warmup`
    untimed, then `rounds` interleaved rounds of `steps` timed steps; median per candidate.
-   Every one of those steps counts toward the run, so the only cost of measuring is the time
-   the slower candidates and the switches between settings lose (`LiveTrial.extra_seconds`,
-   warm-up steps included), and no run is too short to measure: a short run measures fewer
-   rounds (`autoswitch.trial_settings`) and says so. Every candidate gets its warm-up step, even
+   Every one of those steps counts toward the run, so the cost of measuring is the time the
+   slower candidates and the switches between settings lose (`LiveTrial.extra_seconds`, warm-up
+   steps included), and a turn timed apart (shadow.py) its pass thrown away. A short run measures
+   fewer rounds (`autoswitch.trial_settings`) and says so; a run too short to pay for even that,
+   all of it counted, keeps the plain settings (`_price`). Every candidate gets its warm-up step, even
    in the shortest trial: a setting's first step in a process carries one-off work (oneDNN
    primitives, cuDNN plans) that, timed, picks the setting the process happened to run before.
 3. **Choice** (`choose`, pure): the fastest candidate, except that a candidate with fewer
@@ -43,120 +44,14 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
-import torch
-from torch import nn
-
-from torchspeed.env import DeviceCaps
-from torchspeed.train.memory_format import has_conv2d
-from torchspeed.train.optim import sparse_gradients
-from torchspeed.train.optim_info import info_for
 from torchspeed.train.rounds import medians, share_faster, turns
+from torchspeed.train.switch_choice import AHEAD, Switches, choose, numerics_ok
 
-__all__ = ["Switches", "candidate_grid", "rule_switches", "choose", "numerics_ok", "LiveTrial", "fusable",
-           "set_fused", "trial_steps", "model_signature", "batch_signature"]
-
-
-@dataclass(frozen=True)
-class Switches:
-    """One combination of the measured switches. `fused`/`threads` None: left as they are."""
-
-    precision: str = "fp32"
-    channels_last: bool = False
-    fused: bool | None = None
-    threads: int | None = None
-
-    def label(self) -> str:
-        parts = [self.precision] + (["channels_last"] if self.channels_last else [])
-        if self.fused is not None:
-            parts.append("fused" if self.fused else "foreach")
-        if self.threads is not None:
-            parts.append(f"{self.threads} threads")
-        return "+".join(parts)
-
-    def changes(self, plain: "Switches") -> int:
-        """How many switches differ from `plain` (ties go to fewer changes)."""
-        return sum(getattr(self, k) != getattr(plain, k) for k in ("precision", "channels_last", "fused", "threads"))
-
-    def rounds_apart(self, plain: "Switches") -> bool:
-        """Whether these settings round otherwise than `plain`'s (precision, layout): a trial times them apart."""
-        return self.precision != plain.precision or self.channels_last != plain.channels_last
-
-
-def fusable(optimizer: torch.optim.Optimizer | None, model: nn.Module | None = None) -> bool:
-    """True when `optimizer` has a fused kernel to switch: its row says torch has one (SGD, Adam, AdamW), and
-    `model` (when given) makes no sparse gradients, which the fused kernels refuse (`optim.sparse_gradients`)."""
-    info = info_for(optimizer)
-    return info is not None and info.fusable and "fused" in optimizer.defaults and \
-        (model is None or not sparse_gradients(model))
-
-
-def set_fused(optimizer: torch.optim.Optimizer, fused: bool) -> None:
-    """Switch a torch SGD/Adam/AdamW between its fused kernel and the foreach (multi-tensor) path, in place."""
-    for group in [optimizer.defaults, *optimizer.param_groups]:
-        group["fused"], group["foreach"] = (True, False) if fused else (None, True)
-    if hasattr(optimizer, "_step_supports_amp_scaling"):
-        optimizer._step_supports_amp_scaling = fused  # a fused step unscales inside its kernel (GradScaler)
-
-
-def candidate_grid(*, caps: DeviceCaps, has_conv: bool, precision: str = "auto",
-                   channels_last: bool | str = "auto", fused: bool | None = None) -> list[Switches]:
-    """Stage 1: every precision x memory layout left to choose, plain loop first (pure function)."""
-    ps = [precision] if precision != "auto" else ["fp32"] + ([caps.half] if caps.half else [])
-    layouts = [bool(channels_last)] if channels_last != "auto" else [False, True] if has_conv else [False]
-    return [Switches(p, cl, fused) for p in ps for cl in layouts]
-
-
-def rule_switches(*, caps: DeviceCaps, has_conv: bool, precision: str = "auto", channels_last: bool | str = "auto",
-                  fused: bool | None = None) -> Switches:
-    """The fixed rules, used when no trial runs: the native half precision, channels_last for conv nets."""
-    p = (caps.half or "fp32") if precision == "auto" else precision
-    cl = has_conv if channels_last == "auto" else bool(channels_last)
-    return Switches(p, cl, fused)
-
-
-def numerics_ok(reference_loss: float, loss: float, *, tol: float) -> bool:
-    """A candidate's loss at the same weights on the same batch is within `tol` (relative) of fp32's."""
-    if not (loss == loss) or abs(loss) == float("inf"):  # NaN or inf
-        return False
-    return abs(loss - reference_loss) <= tol * abs(reference_loss) + 1e-4
-
-
-def choose(times: dict[Switches, list[float]], *, plain: Switches, min_gain: float = 1.02,
-           rejected: dict[Switches, str] | None = None, ref: str = "the plain settings") -> tuple[Switches, str]:
-    """The fastest candidate (median seconds per step), or one with fewer changes from `plain` (called `ref` in
-    the reason) within `min_gain` of it. A change must also be sure: faster in SURE of the pairings of its timed
-    steps with the plain settings' (`rounds.share_faster`); another precision, PRECISION_GAIN faster on any run
-    (it moves the results; docs/train.md, "Choice"), a few percent do not buy it."""
-    rejected = rejected or {}
-    med = medians({s: t for s, t in times.items() if s not in rejected})
-    if not med:
-        return plain, f"no candidate could be measured: kept {ref}"
-    fastest, base = min(med, key=med.get), times.get(plain) if plain in med else None
-    unsure = {s: v for s in med if base and s != plain and (v := share_faster(times[s], base)) < SURE}
-    small = {s for s in med if s.precision != plain.precision and plain in med
-             and med[plain] < med[s] * PRECISION_GAIN}
-    sure = {s: m for s, m in med.items() if s not in unsure and s not in small}
-    best = min(sure, key=sure.get)
-    pick = min([s for s in sure if sure[s] <= sure[best] * min_gain], key=lambda s: (s.changes(plain), med[s]))
-    if pick == plain:
-        why = f"{ref} measured fastest" if fastest == plain else (
-            f"{fastest.label()} measured {med[plain] / med[fastest]:.2f}x {ref} but was the faster in only "
-            f"{unsure[fastest]:.0%} of the pairings of its timed steps with theirs (< {SURE:.0%}): not sure enough "
-            "for a change") if fastest in unsure else (
-            f"{fastest.label()} measured only {med[plain] / med[fastest]:.2f}x {ref} (< {PRECISION_GAIN}x for "
-            "another precision, which moves the run's results): not worth a change") if fastest in small else (
-            f"{best.label()} was only {med[plain] / med[best]:.2f}x {ref} (< {min_gain}x): not worth a change")
-    else:
-        why = f"{med[plain] / med[pick]:.2f}x {ref} ({plain.label()})" if plain in med else "fastest measured"
-    return pick, why
-
-
-AHEAD = 1.1  # a candidate timed apart this much faster than the plain settings is likely to win: its turns train
-PRECISION_GAIN = AHEAD  # another precision is taken only this much faster than the plain settings' (it moves results)
-SURE = 0.75  # a change is taken when it was the faster in this share of its timed steps' pairings with the plain's
 DROP_AT = 1.5  # a candidate this many times slower than the fastest after one timed step is out of the later rounds
+
+__all__ = ["LiveTrial", "trial_steps", "DROP_AT"]
 
 
 def trial_steps(n_candidates: int, *, rounds: int, steps: int, warmup: int) -> int:
@@ -177,11 +72,12 @@ class LiveTrial:
     def __init__(self, grid: list[Switches], *, fused_choice: bool = False, thread_choices: tuple[int, ...] = (),
                  rounds: int = 3, steps: int = 2, warmup: int = 1, min_gain: float = 1.02, loss_tol: float = 0.05,
                  losses: dict[str, float] | None = None, run_steps: int | None = None, share: float = 0.25,
-                 race: bool = True):
+                 race: bool = True, apart: bool = True):
         self.grid, self.fused_choice, self.thread_choices = grid, fused_choice, thread_choices
         self.rounds, self.steps, self.warmup = rounds, steps, warmup
         self.min_gain, self.loss_tol = min_gain, loss_tol
         self.run_steps, self.share = run_steps, share  # the trial's price in seconds: see _price
+        self.apart = apart  # a candidate in another precision or layout is timed apart: its timed passes thrown away
         self.race = race  # drop a candidate every timed step of the fastest beat (_drop_beaten); off under DDP
         self.losses = dict(losses or {})
         self.report: dict = {"failed": {}, "rejected": {}, "stages": [], "rounds": rounds, "steps_per_round": steps,
@@ -295,7 +191,8 @@ class LiveTrial:
     def _price(self) -> None:
         """The trial priced in seconds, once the plain settings have one warm-up and one timed step, and again after
         each other candidate's first step: each candidate not tried yet costs at least a switch's one-off work
-        (kernel loading, cuDNN's autotuning, oneDNN's primitives) or a step. The one-off work is the dearest first
+        (kernel loading, cuDNN's autotuning, oneDNN's primitives) or a step, and one timed apart (`apart`) its first
+        look's timed steps too, each a forward and backward thrown away. The one-off work is the dearest first
         step seen so far over the plain settings' timed step: the plain settings' own (an upper estimate in a fresh
         process, as it holds the process's start-up too) or a candidate's (in a process that ran the plain
         settings before, theirs is cheap and a new setting's is not). Where the rest exceeds `share` of the
@@ -309,9 +206,11 @@ class LiveTrial:
         dearest = max((sec for _, sec, _ in self._warm), default=step_s)  # any setting's first step, the plain's too
         switch_s = max(dearest - step_s, step_s) * self.warmup
         tried = {c for c, _, _ in self._warm}
-        others = (len([c for c in self.candidates if c not in tried]) + (1 if self.fused_choice else 0)
-                  + len(self.thread_choices))
-        cost, run_s = others * switch_s, self.run_steps * step_s
+        untried = [c for c in self.candidates if c not in tried]
+        others = len(untried) + (1 if self.fused_choice else 0) + len(self.thread_choices)
+        # a candidate timed apart also throws its first look's timed passes away: a step each
+        thrown = sum(self.steps for c in untried if self.apart and c.rounds_apart(self.grid[0]))
+        cost, run_s = others * switch_s + thrown * step_s, self.run_steps * step_s
         if others == 0 or cost <= self.share * run_s:
             return
         self.report["stopped"] = (f"not measured: {others} other setting(s) would cost about {cost:.2f} s to try "
@@ -430,21 +329,3 @@ class LiveTrial:
     def extra_seconds(self) -> float:
         """What measuring cost: the trial's steps (warm-ups too) above their stage winner's median (each trained)."""
         return self._extra
-
-
-def model_signature(model: nn.Module) -> dict:
-    """What identifies a model for the trial cache: its class and parameter shapes and dtypes."""
-    shapes = [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]
-    return {"class": f"{type(model).__module__}.{type(model).__qualname__}", "params": shapes,
-            "conv2d": has_conv2d(model)}
-
-
-def batch_signature(batch) -> object:
-    """Shapes and dtypes of a batch's tensors (nested), for the trial cache."""
-    if isinstance(batch, torch.Tensor):
-        return [list(batch.shape), str(batch.dtype)]
-    if isinstance(batch, dict):
-        return {k: batch_signature(v) for k, v in sorted(batch.items())}
-    if isinstance(batch, (list, tuple)):
-        return [batch_signature(b) for b in batch]
-    return type(batch).__name__

@@ -30,7 +30,7 @@ from torch import nn
 
 from torchspeed.env import DeviceCaps, default_device, sync
 from torchspeed.train.autoswitch import SwitchStage, arm_switch_trial, rule_choice
-from torchspeed.train.switches import Switches
+from torchspeed.train.switch_choice import Switches
 from torchspeed.train.backends import BACKEND_KEYS, apply_backends, decide_backends
 from torchspeed.train.batch import batch_size, forward_loss
 from torchspeed.train.losses import default_loss

@@ -1,0 +1,145 @@
+"""The settings a switch trial chooses among, and the choice (T18, T21, T23; the trial: switches.py).
+
+`Switches` is one combination (precision, memory layout, optimizer kernel, threads); `candidate_grid` lists the
+ones left on "auto" (a pure function of the device's capabilities), `rule_switches` is the fixed rule where no
+trial runs, and `choose` picks among measured step times: the fastest, unless one with fewer changes from the
+plain settings is within `min_gain`, a change is not sure (`SURE`), or another precision is not `PRECISION_GAIN`
+faster (it moves the run's results). `model_signature`/`batch_signature` key the trial cache.
+
+Example:
+    >>> candidate_grid(caps=DeviceCaps("cpu", cpu_bf16=True), has_conv=True)[0].label()
+    'fp32'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchspeed.env import DeviceCaps
+from torchspeed.train.memory_format import has_conv2d
+from torchspeed.train.optim import sparse_gradients
+from torchspeed.train.optim_info import info_for
+from torchspeed.train.rounds import medians, share_faster
+
+__all__ = ["Switches", "candidate_grid", "rule_switches", "choose", "numerics_ok", "fusable", "set_fused",
+           "model_signature", "batch_signature", "AHEAD", "PRECISION_GAIN", "SURE"]
+
+AHEAD = 1.1  # a candidate timed apart this much faster than the plain settings is likely to win: its turns train
+PRECISION_GAIN = AHEAD  # another precision is taken only this much faster than the plain settings' (it moves results)
+SURE = 0.75  # a change is taken when it was the faster in this share of its timed steps' pairings with the plain's
+
+
+@dataclass(frozen=True)
+class Switches:
+    """One combination of the measured switches. `fused`/`threads` None: left as they are."""
+
+    precision: str = "fp32"
+    channels_last: bool = False
+    fused: bool | None = None
+    threads: int | None = None
+
+    def label(self) -> str:
+        parts = [self.precision] + (["channels_last"] if self.channels_last else [])
+        if self.fused is not None:
+            parts.append("fused" if self.fused else "foreach")
+        if self.threads is not None:
+            parts.append(f"{self.threads} threads")
+        return "+".join(parts)
+
+    def changes(self, plain: "Switches") -> int:
+        """How many switches differ from `plain` (ties go to fewer changes)."""
+        return sum(getattr(self, k) != getattr(plain, k) for k in ("precision", "channels_last", "fused", "threads"))
+
+    def rounds_apart(self, plain: "Switches") -> bool:
+        """Whether these settings round otherwise than `plain`'s (precision, layout): a trial times them apart."""
+        return self.precision != plain.precision or self.channels_last != plain.channels_last
+
+
+def fusable(optimizer: torch.optim.Optimizer | None, model: nn.Module | None = None) -> bool:
+    """True when `optimizer` has a fused kernel to switch: its row says torch has one (SGD, Adam, AdamW), and
+    `model` (when given) makes no sparse gradients, which the fused kernels refuse (`optim.sparse_gradients`)."""
+    info = info_for(optimizer)
+    return info is not None and info.fusable and "fused" in optimizer.defaults and \
+        (model is None or not sparse_gradients(model))
+
+
+def set_fused(optimizer: torch.optim.Optimizer, fused: bool) -> None:
+    """Switch a torch SGD/Adam/AdamW between its fused kernel and the foreach (multi-tensor) path, in place."""
+    for group in [optimizer.defaults, *optimizer.param_groups]:
+        group["fused"], group["foreach"] = (True, False) if fused else (None, True)
+    if hasattr(optimizer, "_step_supports_amp_scaling"):
+        optimizer._step_supports_amp_scaling = fused  # a fused step unscales inside its kernel (GradScaler)
+
+
+def candidate_grid(*, caps: DeviceCaps, has_conv: bool, precision: str = "auto",
+                   channels_last: bool | str = "auto", fused: bool | None = None) -> list[Switches]:
+    """Stage 1: every precision x memory layout left to choose, plain loop first (pure function)."""
+    ps = [precision] if precision != "auto" else ["fp32"] + ([caps.half] if caps.half else [])
+    layouts = [bool(channels_last)] if channels_last != "auto" else [False, True] if has_conv else [False]
+    return [Switches(p, cl, fused) for p in ps for cl in layouts]
+
+
+def rule_switches(*, caps: DeviceCaps, has_conv: bool, precision: str = "auto", channels_last: bool | str = "auto",
+                  fused: bool | None = None) -> Switches:
+    """The fixed rules, used when no trial runs: the native half precision, channels_last for conv nets."""
+    p = (caps.half or "fp32") if precision == "auto" else precision
+    cl = has_conv if channels_last == "auto" else bool(channels_last)
+    return Switches(p, cl, fused)
+
+
+def numerics_ok(reference_loss: float, loss: float, *, tol: float) -> bool:
+    """A candidate's loss at the same weights on the same batch is within `tol` (relative) of fp32's."""
+    if not (loss == loss) or abs(loss) == float("inf"):  # NaN or inf
+        return False
+    return abs(loss - reference_loss) <= tol * abs(reference_loss) + 1e-4
+
+
+def choose(times: dict[Switches, list[float]], *, plain: Switches, min_gain: float = 1.02,
+           rejected: dict[Switches, str] | None = None, ref: str = "the plain settings") -> tuple[Switches, str]:
+    """The fastest candidate (median seconds per step), or one with fewer changes from `plain` (called `ref` in
+    the reason) within `min_gain` of it. A change must also be sure: faster in SURE of the pairings of its timed
+    steps with the plain settings' (`rounds.share_faster`); another precision, PRECISION_GAIN faster on any run
+    (it moves the results; docs/train.md, "Choice"), a few percent do not buy it."""
+    rejected = rejected or {}
+    med = medians({s: t for s, t in times.items() if s not in rejected})
+    if not med:
+        return plain, f"no candidate could be measured: kept {ref}"
+    fastest, base = min(med, key=med.get), times.get(plain) if plain in med else None
+    unsure = {s: v for s in med if base and s != plain and (v := share_faster(times[s], base)) < SURE}
+    small = {s for s in med if s.precision != plain.precision and plain in med
+             and med[plain] < med[s] * PRECISION_GAIN}
+    sure = {s: m for s, m in med.items() if s not in unsure and s not in small}
+    best = min(sure, key=sure.get)
+    pick = min([s for s in sure if sure[s] <= sure[best] * min_gain], key=lambda s: (s.changes(plain), med[s]))
+    if pick == plain:
+        why = f"{ref} measured fastest" if fastest == plain else (
+            f"{fastest.label()} measured {med[plain] / med[fastest]:.2f}x {ref} but was the faster in only "
+            f"{unsure[fastest]:.0%} of the pairings of its timed steps with theirs (< {SURE:.0%}): not sure enough "
+            "for a change") if fastest in unsure else (
+            f"{fastest.label()} measured only {med[plain] / med[fastest]:.2f}x {ref} (< {PRECISION_GAIN}x for "
+            "another precision, which moves the run's results): not worth a change") if fastest in small else (
+            f"{best.label()} was only {med[plain] / med[best]:.2f}x {ref} (< {min_gain}x): not worth a change")
+    else:
+        why = f"{med[plain] / med[pick]:.2f}x {ref} ({plain.label()})" if plain in med else "fastest measured"
+    return pick, why
+
+
+def model_signature(model: nn.Module) -> dict:
+    """What identifies a model for the trial cache: its class and parameter shapes and dtypes."""
+    shapes = [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]
+    return {"class": f"{type(model).__module__}.{type(model).__qualname__}", "params": shapes,
+            "conv2d": has_conv2d(model)}
+
+
+def batch_signature(batch) -> object:
+    """Shapes and dtypes of a batch's tensors (nested), for the trial cache."""
+    if isinstance(batch, torch.Tensor):
+        return [list(batch.shape), str(batch.dtype)]
+    if isinstance(batch, dict):
+        return {k: batch_signature(v) for k, v in sorted(batch.items())}
+    if isinstance(batch, (list, tuple)):
+        return [batch_signature(b) for b in batch]
+    return type(batch).__name__

@@ -1,0 +1,95 @@
+"""The switch trial's price (switches.LiveTrial._price, shadow.ShadowTurns): what a trial that finds nothing costs,
+all of it counted, and a run given its own LR (a ported loop) that spends at most `PORTED_TRIAL_SHARE` of its
+seconds on it, so that `fit` as ported is never much slower than the loop it replaces.
+
+Step times are injected (`measure_fn`): nothing here depends on the wall clock or the machine's load.
+"""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchspeed
+from torchspeed.env import DeviceCaps
+from torchspeed.plan import planner
+from torchspeed.train.autoswitch import SwitchStage
+from torchspeed.train.config import TrainConfig
+from torchspeed.train.switch_choice import Switches
+from torchspeed.train.switches import LiveTrial
+from torchspeed.train.trainer import Trainer
+
+BF16_CPU = DeviceCaps("cpu", cpu_bf16=True, cores=2)
+GRID = [Switches("fp32", False, None), Switches("fp32", True, None), Switches("bf16", False, None),
+        Switches("bf16", True, None)]
+
+
+def _first_look(apart: bool, run_steps: int) -> dict:
+    """A trial of the 4-setting grid whose plain settings' first two steps took 10 ms each (a warm process)."""
+    trial = LiveTrial(GRID, rounds=1, steps=2, warmup=1, run_steps=run_steps, share=0.25, apart=apart)
+    for _ in range(2):  # the plain settings' warm-up, then their timed step (the price is set then)
+        assert trial.current() == GRID[0]
+        trial.record(0.010)
+    return trial.report
+
+
+def test_a_candidate_timed_apart_is_priced_with_the_passes_it_throws_away():
+    """3 other settings, each a switch (>= a step) and, timed apart, 2 timed passes thrown away: 9 steps of 10 ms,
+    over 25% of a 30-step run's 0.3 s. Trained (a trial on a copy: none thrown away) they cost 3 steps, within it."""
+    stopped = _first_look(apart=True, run_steps=30)
+    assert "not measured: 3 other setting(s) would cost about 0.09 s" in stopped["stopped"]
+    assert "stopped" not in _first_look(apart=False, run_steps=30)
+    assert "stopped" not in _first_look(apart=True, run_steps=40)  # 0.09 s within 25% of 0.4 s
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _loader(steps):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16 * steps, 8, generator=g), torch.randint(0, 4, (16 * steps,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(2))
+
+
+@pytest.fixture
+def bf16_cpu(monkeypatch, tmp_path):
+    """A CPU with native bf16, an empty trial cache, and every step 10 ms in either precision (nothing wins)."""
+    monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx512_bf16")
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(SwitchStage, "measure_fn", staticmethod(lambda s, sec: 0.010))
+
+
+@pytest.mark.priced
+def test_a_ported_run_prices_its_trial_at_the_ported_share(bf16_cpu):
+    """A 60-step run, bf16 the one other setting: its first look (a switch and one pass thrown away, 20 ms) is 3% of
+    the run's 0.6 s. `fit` with the loop's own optimizer (a ported loop) affords 2%: it keeps the plain settings
+    without trying; `fit` choosing its own LR affords 25%: it measures."""
+    assert planner.PORTED_TRIAL_SHARE == 0.02
+    model = _mlp()
+    ported = torchspeed.fit(model, _loader(60), optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                            schedule=None, compile=False, progress=False)
+    trial = ported.decisions["switch_trial"]
+    assert "over 2% of this 60-step run" in trial.measured["stopped"]
+    assert ported.decisions["precision"].value == "fp32"
+    own = torchspeed.fit(_mlp(), _loader(60), optimizer="sgd", compile=False, progress=False)
+    assert "stopped" not in own.decisions["switch_trial"].measured
+    assert own.decisions["switch_trial"].measured["steps"] > 2  # bf16 had its turns
+
+
+@pytest.mark.priced
+@pytest.mark.paced
+@pytest.mark.parametrize("share, turns", [(None, 7), (0.02, 3)])
+def test_a_ported_runs_later_turns_timed_apart_take_half_its_share(share, turns):
+    """After the first look, the turns timed apart (forwards and backwards thrown away) take at most SHADOW_SHARE
+    (5%) of the run's steps, and a run with a trial share of its own (a ported run's 2%) half that: on 300 steps
+    where bf16 never leads by 10%, 7 turns (its warm-up and 3 rounds of 2) against 3 (1% of 300)."""
+    cfg = TrainConfig(epochs=1, progress=False, compile=False, fused_optimizer=False, trial=True, trial_share=share)
+    t = Trainer(_mlp(), optimizer="sgd", lr=0.05, config=cfg, caps=BF16_CPU)
+    t.switcher.measure_fn = lambda s, sec: 0.010 if s.precision == "fp32" else 0.0099
+    res = t.fit(_loader(300))
+    trial = res.decisions["switch_trial"]
+    assert trial.value == "measured" and "stopped" not in trial.measured
+    assert trial.measured["shadow_steps"] == turns
+    assert res.decisions["precision"].value == "fp32"  # 1% faster: under the 2% a change must buy (min_gain)
