@@ -21,7 +21,7 @@ import pytest
 from torchspeed.doctor import RULES, diagnose
 from torchspeed.doctor._kernels import fastest_op_times, kernel_kind, step_op_times
 from torchspeed.doctor.rules import (allocator, cpu_bf16_math, cpu_oversubscribed, data_bound, dataloader_workers,
-                                     elementwise_bound, optimizer_kernel, slow_jpeg_decode)
+                                     elementwise_bound, layout_copies, optimizer_kernel, slow_jpeg_decode)
 from torchspeed.doctor.rules._common import frac, robust_frac
 
 KNOWN = Path(__file__).parent / "known"
@@ -114,6 +114,19 @@ def test_kernel_shares_follow_the_kind_of_operator(known, control):
             o = r.observation
             return RULES["cpu-bf16-math"].check({**o, "env": {**o["env"], "bf16_supported": bf16}})
         assert (check(control) is not None) == bf16 and check(known) is None
+
+
+def test_layout_copies_are_the_copies_of_swapped_axes(known, control):
+    """Linear layers over alternating axes with each swap made contiguous: the copies (about a quarter of the
+    aten time here, by construction never none) are counted and found; the matrix products alone (the control)
+    and the element-wise model make no copy under a contiguous/reshape/flatten call, and no finding."""
+    r = _run("costs.py", "--model", "layout")
+    share = r.observation["kernels"]["layout_share"]
+    assert share >= layout_copies.SHARE and r.observation["kernels"]["matmul_share"] >= 0.5, r.observation["kernels"]
+    assert "layout-copies" in r.rules and "layout-copies" not in control.rules and "layout-copies" not in known.rules
+    assert control.observation["kernels"]["layout_share"] == 0.0 == known.observation["kernels"]["layout_share"]
+    f = r.finding("layout-copies")
+    assert f.basis == "estimated" and "contiguous" in f.fix and "torch.compile" in f.fix
 
 
 def test_decode_share_is_all_or_none_of_getitem():

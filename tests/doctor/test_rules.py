@@ -127,6 +127,7 @@ TRIGGERS = {
         "speedup": 1.2, "ratios": [1.18, 1.22], "iqr": [1.19, 1.21], "within_noise": False, "rounds": 2,
         "baseline_ms": 12.0, "candidate_ms": 10.0}})],
     "elementwise-bound": [_set("kernels.elementwise_share", 0.55)],
+    "layout-copies": [_set("kernels.layout_share", 0.3)],
     "compile-graph-breaks": [_set("compile.graph_breaks", [{"site": "train.py:12", "reason": "Data-dependent "
                                                             "branching", "count": 3}])],
     "debug-mode-on": [_set("debug.anomaly_detection", True)],
@@ -248,6 +249,7 @@ def test_model_derived_gains_are_low_and_say_so():
     elementwise = _set("kernels.elementwise_share", 0.95)
     bf16 = _set("env", {**CPU_ENV, "bf16_supported": True})
     for rid, mods in (("allocator", [faults]), ("elementwise-bound", [elementwise]),
+                      ("layout-copies", [_set("kernels.layout_share", 0.5)]),
                       ("cpu-bf16-math", [bf16, _set("model.autocast", False)]),
                       ("debug-mode-on", TRIGGERS["debug-mode-on"])):
         f = RULES[rid].check(_obs(*mods))

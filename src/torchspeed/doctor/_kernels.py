@@ -1,4 +1,4 @@
-"""Where the model's forward and backward time goes by kind of kernel (T25, T21), from the profiler.
+"""Where the model's forward and backward time goes by kind of kernel (T25, T21, T39), from the profiler.
 
 The captured model (a copy) runs a few training steps on its captured batch under
 `torch.profiler`, after untimed warm-up steps; each aten operator's self time is put in one of
@@ -7,6 +7,10 @@ operators (activations, adds, multiplies, their backward, and the mean/var of ha
 normalisations: what `torch.compile` fuses into fewer passes over memory), and the rest. Backward
 starts from a tensor of ones at the model's output, so no stand-in loss adds kernels of its own. The shares are of the aten self time, so Python and autograd
 overhead do not dilute them.
+
+Layout copies (T39) are counted apart too: the self time of the copies that `contiguous`, `reshape` and `flatten`
+make of a permuted or transposed tensor (a copy kernel with one of them above it in the profiler's tree), as
+an eager `einops.rearrange` does. Compiled, such a copy is folded into the kernel that reads it.
 
 The profiler runs with kineto's log switched off (`quiet_kineto`), so its start and stop lines do not land in
 the script's output, whose last lines the report shows.
@@ -32,7 +36,8 @@ import torch
 from torchspeed.doctor._capture import Captured
 from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
 
-__all__ = ["profile_kernels", "kernel_kind", "step_op_times", "fastest_op_times", "quiet_kineto"]
+__all__ = ["profile_kernels", "kernel_kind", "step_op_times", "fastest_op_times", "quiet_kineto",
+           "layout_copy_times"]
 
 _STEP = "torchspeed::kernel_step"  # the profiler range around each profiled step
 KINETO_ENV, KINETO_QUIET = "KINETO_LOG_LEVEL", "6"  # above every level kineto logs at (USDT prints at 5)
@@ -74,6 +79,29 @@ def step_op_times(events, mark: str = _STEP) -> list[dict[str, float]]:
         i = bisect_right(starts, e.time_range.start) - 1
         if i >= 0 and e.time_range.start <= spans[i][1]:
             out[i][e.name] += e.self_cpu_time_total
+    return out
+
+
+_COPY = ("aten::copy_", "aten::clone", "aten::empty_like", "aten::empty_strided")  # a copy's own kernels
+_LAYOUT = ("aten::contiguous", "aten::reshape", "aten::flatten")  # the calls that copy a permuted tensor
+
+
+def layout_copy_times(events, mark: str = _STEP) -> list[float]:
+    """Per profiled step, the self time (us) of the copy kernels under a `contiguous`, `reshape` or `flatten`
+    call: the copies a permuted or transposed tensor costs where the next operator wants it contiguous."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == mark)
+    starts, out = [s for s, _ in spans], [0.0] * max(1, len(spans))
+    for e in events:
+        if e.name not in _COPY:
+            continue
+        parent = e.cpu_parent
+        while parent is not None and parent.name not in _LAYOUT:
+            parent = parent.cpu_parent
+        if parent is None:
+            continue
+        i = (bisect_right(starts, e.time_range.start) - 1) if spans else 0
+        if i >= 0 and (not spans or e.time_range.start <= spans[i][1]):
+            out[i] += e.self_cpu_time_total
     return out
 
 
@@ -125,6 +153,7 @@ def profile_kernels(cap: Captured, obs: dict, *, steps: int = 3, warmup: int = 2
                 with record_function(_STEP):
                     step()
         ops = fastest_op_times(step_op_times(prof.events()))
+        layout_us = min(layout_copy_times(prof.events()))  # the least preempted step, as for the operators
     except Exception as e:  # a model the profiler cannot run: skip the kernel-based rules
         obs["notes"].append(f"profiling the model failed ({type(e).__name__}: {e}); kernel shares skipped")
         return
@@ -135,5 +164,6 @@ def profile_kernels(cap: Captured, obs: dict, *, steps: int = 3, warmup: int = 2
     top = sorted(ops.items(), key=lambda kv: -kv[1])[:6]
     obs["kernels"] = {"matmul_share": round(by_kind["matmul"] / total, 4),
                       "elementwise_share": round(by_kind["elementwise"] / total, 4),
+                      "layout_share": round(min(layout_us, total) / total, 4),
                       "ms_per_step": round(total / 1e3, 4),
                       "top": [f"{n.removeprefix('aten::')} {t / total:.0%}" for n, t in top]}

@@ -11,7 +11,7 @@ whether the option was already given. Each kind of option maps to the rules whos
   is named as not reaching this device instead (`--fix` retargets the block);
 - workers (`--workers`, `--num-workers`, `-j`, ...): dataloader-workers, cpu-oversubscribed (the
   worker count the finding names);
-- compile (`--compile`, `--torch-compile`): elementwise-bound;
+- compile (`--compile`, `--torch-compile`): elementwise-bound, layout-copies;
 - channels_last (`--channels-last`): channels-last.
 """
 
@@ -32,7 +32,8 @@ _NAMES = {
     "channels_last": ("--channels-last", "--channels_last"),
 }
 OPTION_RULES = {"no-amp": "amp", "cpu-bf16-math": "amp", "dataloader-workers": "workers",
-                "cpu-oversubscribed": "workers", "elementwise-bound": "compile", "channels-last": "channels_last"}
+                "cpu-oversubscribed": "workers", "elementwise-bound": "compile", "layout-copies": "compile",
+                "channels-last": "channels_last"}
 _CUDA_ONLY_AMP = re.compile(r"cuda\.amp\.autocast|autocast\(\s*['\"]cuda['\"]|device_type\s*=\s*['\"]cuda['\"]")
 
 

@@ -5,10 +5,9 @@ declared here, and `--json` reports carry it under "observation", so a reader ca
 verdict from the numbers it was drawn from. `undeclared_keys(obs)` lists any key the probe wrote
 that this schema does not declare (a test runs it on every gallery script), and
 tests/doctor/test_observation_keys.py parses the rules and the other readers: a key they read must be
-declared here. Every field is a TypedDict down to its leaves, except maps keyed by a name (a fix, a
-decoder, a kind of host read): `dict[str, ...]` of a TypedDict or a number. Keys that several TypedDicts
-share in meaning are declared once, in a private base they inherit (`_RoundRatios`: the per-round ratios of
-every interleaved measurement; `_FixRun`; `_StageFigure`; `_StepShares`).
+declared here. Every field is a TypedDict down to its leaves, except maps keyed by a name (a fix, a decoder,
+a kind of host read). Keys several TypedDicts share in meaning are declared once, in a private base they inherit
+(`_RoundRatios`: the per-round ratios of every interleaved measurement; `_FixRun`; `_StageFigure`; `_StepShares`).
 """
 
 from __future__ import annotations
@@ -213,6 +212,7 @@ class Kernels(TypedDict, total=False):
     """Shares of the aten self time of forward + backward on the captured batch (profiler)."""
     matmul_share: float
     elementwise_share: float
+    layout_share: float          # copies that contiguous/reshape/flatten make of permuted tensors (T39)
     ms_per_step: float
     top: list[str]
 

@@ -3,8 +3,9 @@
 Each cost is known by construction: a sleep in `Dataset.__getitem__` (the data wait), in the model's
 forward, and in an optimizer step pre-hook (the optimizer's share of the step); `.item()` calls per step
 (host reads); fresh anonymous pages written once per step (minor page faults); and a model made of
-matrix products only or of element-wise operators only (the kernel shares). The loader yields sample
-indices; the model trains on one fixed batch of its own shape.
+matrix products only or of element-wise operators only (the kernel shares), or matrix products with the
+axes swapped and made contiguous between them (layout copies, as an eager einops.rearrange makes). The loader
+yields sample indices; the model trains on one fixed batch of its own shape.
 """
 import argparse
 import mmap
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 def get_args():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", choices=("matmul", "elementwise"), default="matmul")
+    p.add_argument("--model", choices=("matmul", "elementwise", "layout"), default="matmul")
     p.add_argument("--data-ms", type=float, default=0.0, help="sleep per sample in __getitem__")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--forward-ms", type=float, default=0.0, help="sleep per forward")
@@ -59,6 +60,21 @@ class ElementwiseOnly(nn.Module):
         return h
 
 
+class SwapAxes(nn.Module):
+    """Linear layers over alternating axes of a (batch, tokens, features) tensor, the axes swapped and made
+    contiguous between them (a token-mixing MLP's form): each swap a copy of the whole tensor, as an eager
+    `einops.rearrange(x, "b t f -> b f t")` feeding a reshape makes."""
+
+    def __init__(self, width: int = 128, blocks: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(2 * blocks))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).transpose(1, 2).contiguous()
+        return x
+
+
 class Net(nn.Module):
     def __init__(self, body, forward_ms):
         super().__init__()
@@ -87,6 +103,8 @@ def main():
     torch.manual_seed(0)
     if a.model == "matmul":  # one matrix product forward, two backward, nothing else
         body, x = nn.Linear(1024, 1024, bias=False), torch.randn(64, 1024)
+    elif a.model == "layout":
+        body, x = SwapAxes(), torch.randn(16, 128, 128)
     else:
         body, x = ElementwiseOnly(), torch.randn(512, 64)
     model = Net(body, a.forward_ms)
