@@ -214,7 +214,8 @@ def write_docs(paths: list[Path], doc: Path) -> None:
         "sweep: " + ", ".join(f"{d['profile']} {d['summary']['load_median']}" for d in datas) + ". Above 2, other "
         "work shared the cores and the ratios measure it as much as `fit`.",
         "",
-        f"Produced by `{d0['command']}` at commit `{str(d0['commit'])[:7]}` on {d0['cpu']} "
+        "Produced by " + "; ".join(f"`{d['command']}` at commit `{str(d['commit'])[:7]}` ({d['profile']})"
+                                   for d in datas) + f" on {d0['cpu']} "
         f"(torch {v['torch']}, torchvision {v['torchvision']}, timm {v.get('timm')}, transformers "
         f"{v.get('transformers')}); JSON: " + ", ".join(f"`{p.as_posix().split('benchmarks/', 1)[-1]}`"
                                                          for p in paths if p.exists()) + " under `benchmarks/`.",
