@@ -43,71 +43,78 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
         **config) -> FitResult:
     """Train `model` on `train_loader` with every technique that pays on this machine.
 
-    Batches may be `(inputs..., target)` tuples, dicts (Hugging Face style), or anything
-    `step_fn(model, batch)` turns into a loss; models may return logits or their own loss
-    (see `torchspeed.train.batch`). `loss_fn(output, target)` replaces the default
-    cross-entropy (e.g. `nn.MSELoss()` for regression: metrics are then the loss alone).
-    `config` takes any `TrainConfig` field (precision, channels_last, compile, grad_accum,
-    clip_grad_norm, label_smoothing, schedule, log_every, max_steps, out_dir, ...).
-    `batch_size="auto"` (or an int), `lr="auto"` and `loader="auto"` run the tuners first and
-    rebuild the DataLoader from its dataset (see `torchspeed.tune.auto`).
-    `lr=None` is the optimizer's own default LR (SGD 0.1, AdamW and Adam 1e-3: `optim_info.default_lr`) as the peak
-    of a one-cycle schedule; an LR you set (or an optimizer object you pass) is trained at
-    as it is, with a constant schedule, unless `schedule=` says otherwise (`train.schedule.default_schedule`,
-    docs/train.md); `schedule=lambda opt: StepLR(opt, 1, 0.7)` is your own scheduler, built on the optimizer that
-    trains and stepped after each epoch (`schedule_interval="step"`: each step). `weight_decay=None` takes the
-    optimizer's default (its row, `torchspeed.train.optim_info.WEIGHT_DECAY`: 5e-4 for SGD, 0.05 for AdamW); biases and norm weights never decay. `momentum` (SGD,
-    LARS) and `betas` (AdamW, LAMB, the AdamW part of "muon") go to the optimizer built from its name.
-    `callbacks` (`EarlyStopping`, `EMA`, your own `Callback`s) and `loggers` (Lightning Fabric
-    loggers, `TensorBoardLogger`, anything with `log_metrics(metrics, step)`): docs/integrations.md.
-    `parallel="fsdp2"` shards the model (`mesh`: your own DeviceMesh); `on_checkpoint(path, step)`
-    runs on every rank after each checkpoint. Inside a process group that already exists (Ray
-    Train, your own `init_process_group`), `fit` uses it and leaves it alive.
-    `recipe="auto"` chooses the training recipe on this model and its training batches before
-    training (peak LR and floor from the range test, label smoothing, BatchNorm statistics of the
-    final weights, an EMA on long runs, Muon for AdamW on matrix-heavy models, Schedule-Free AdamW
-    for an SGD or AdamW run when it wins a trial or, on a run too short to measure, as the prior
-    (`recipe_parts` without "schedulefree" keeps your optimizer), on long runs the
-    batch size with the least predicted time to a target, flip TTA after training;
-    `torchspeed.plan.recipe`, docs/recipe.md). It replaces `lr` (and `lr="auto"`);
-    `recipe_parts` limits it to some parts (e.g. `("bn_stats", "label_smoothing")`).
-    `teacher=` (a model, or `Teacher(model, temperature=, alpha=, topk=, cache=)`) distils it into `model`
-    (`torchspeed.distill`: the KD loss, the teacher's top-k logits cached when measured to pay; docs/slim.md).
+    Batches may be `(inputs..., target)` tuples, dicts (Hugging Face style), or anything `step_fn(model, batch)`
+    turns into a loss; models may return logits or their own loss (see `torchspeed.train.batch`).
+    `loss_fn(output, target)` replaces the default cross-entropy (e.g. `nn.MSELoss()` for regression: metrics are
+    then the loss alone). `config` takes any `TrainConfig` field (precision, channels_last, compile, grad_accum,
+    clip_grad_norm, label_smoothing, schedule, log_every, max_steps, out_dir, ...). `batch_size="auto"` (or an
+    int), `lr="auto"` and `loader="auto"` run the tuners first and rebuild the DataLoader from its dataset (see
+    `torchspeed.tune.auto`). `lr=None` is the optimizer's own default LR (SGD 0.1, AdamW and Adam 1e-3:
+    `optim_info.default_lr`) as the peak of a one-cycle schedule; an LR you set (or an optimizer object you pass) is
+    trained at as it is, with a constant schedule, unless `schedule=` says otherwise
+    (`train.schedule.default_schedule`, docs/train.md); `schedule=lambda opt: StepLR(opt, 1, 0.7)` is your own
+    scheduler, built on the optimizer that trains and stepped after each epoch (`schedule_interval="step"`: each
+    step). `weight_decay=None` takes the optimizer's default (its row, `torchspeed.train.optim_info.WEIGHT_DECAY`:
+    5e-4 for SGD, 0.05 for AdamW); biases and norm weights never decay. `momentum` (SGD, LARS) and `betas` (AdamW,
+    LAMB, the AdamW part of "muon") go to the optimizer built from its name. `callbacks` (`EarlyStopping`, `EMA`,
+    your own `Callback`s) and `loggers` (Lightning Fabric loggers, `TensorBoardLogger`, anything with
+    `log_metrics(metrics, step)`): docs/integrations.md. `parallel="fsdp2"` shards the model (`mesh`: your own
+    DeviceMesh); `on_checkpoint(path, step)` runs on every rank after each checkpoint. Inside a process group that
+    already exists (Ray Train, your own `init_process_group`), `fit` uses it and leaves it alive.
+    `recipe="auto"` chooses the training recipe on this model and its training batches before training (peak LR
+    and floor from the range test, label smoothing, BatchNorm statistics of the final weights, an EMA on long runs,
+    Muon for AdamW on matrix-heavy models, Schedule-Free AdamW for an SGD or AdamW run when it wins a trial or, on a
+    run too short to measure, as the prior (`recipe_parts` without "schedulefree" keeps your optimizer), on long
+    runs the batch size with the least predicted time to a target, flip TTA after training;
+    `torchspeed.plan.recipe`, docs/recipe.md). It replaces `lr` (and `lr="auto"`); `recipe_parts` limits it to
+    some parts (e.g. `("bn_stats", "label_smoothing")`). `teacher=` (a model, or `Teacher(model, temperature=,
+    alpha=, topk=, cache=)`) distils it into `model` (`torchspeed.distill`: the KD loss, the teacher's top-k
+    logits cached when measured to pay; docs/slim.md).
 
     Example:
         >>> result = fit(model, loader, epochs=3, val_loader=val, precision="auto", compile="auto")
     """
-    given_cfg = config.pop("config", None)
-    cfg = given_cfg or TrainConfig()
-    unknown = set(config) - set(TrainConfig.__dataclass_fields__)
-    if unknown:
-        raise TypeError(f"fit() got unknown option(s) {sorted(unknown)}{_suggest(unknown)}; "
-                        f"valid: {sorted(TrainConfig.__dataclass_fields__)}")
-    _check_trainable(model, optimizer)
+    cfg, given_cfg = _checked_config(config)
+    _check_inputs(model, optimizer, val_loader)
     kd = None if teacher is None else prepare_distillation(
         teacher, model, train_loader, loss_fn=loss_fn, step_fn=step_fn, epochs=epochs, device=device,
         max_steps=config.get("max_steps", cfg.max_steps), precision=config.get("precision", cfg.precision))
     train_loader, step_fn = (kd.loader, kd.step_fn) if kd else (train_loader, step_fn)  # cached logits inside
     _materialize_lazy(model, train_loader, loss_fn=loss_fn, step_fn=step_fn)
-    _check_val_loader(val_loader)
     schedule_given = "schedule" in config or given_cfg is not None  # else the plan's rule decides
     cfg = replace(cfg, epochs=epochs, **config)
     plan = make_plan(model, train_loader, cfg, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
-                     schedule_given=schedule_given,
-                     optimizer_options={"momentum": momentum, "betas": betas}, loss_fn=loss_fn, step_fn=step_fn,
-                     device=device, batch_size=batch_size, loader=loader, recipe=recipe, recipe_parts=recipe_parts,
-                     callbacks=callbacks)
+                     schedule_given=schedule_given, optimizer_options={"momentum": momentum, "betas": betas},
+                     loss_fn=loss_fn, step_fn=step_fn, device=device, batch_size=batch_size, loader=loader,
+                     recipe=recipe, recipe_parts=recipe_parts, callbacks=callbacks)
     trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=plan.optimizer, lr=plan.lr,
                       weight_decay=weight_decay, momentum=momentum, betas=betas, device=device, config=plan.config,
                       callbacks=plan.callbacks, loggers=loggers, mesh=mesh, on_checkpoint=on_checkpoint,
                       decisions=plan.decisions, caps=plan.context.caps,  # the plan's capabilities, resolved once
                       first_steps=plan.first_steps)  # the plan's "first_steps" stages arm the run's trials
+    return _train(plan, trainer, epochs=epochs, val_loader=val_loader, kd=kd)
+
+
+def _checked_config(options: dict) -> tuple[TrainConfig, TrainConfig | None]:
+    """The config `fit` starts from, and the one given as `config=` (None: none); `options` left with the rest. An
+    option that is no `TrainConfig` field is an error that names the close one."""
+    given = options.pop("config", None)
+    unknown = set(options) - set(TrainConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"fit() got unknown option(s) {sorted(unknown)}{_suggest(unknown)}; "
+                        f"valid: {sorted(TrainConfig.__dataclass_fields__)}")
+    return given or TrainConfig(), given
+
+
+def _train(plan, trainer: Trainer, *, epochs: int, val_loader, kd) -> FitResult:
+    """The plan printed, the run, then the plan's after-training stages (flip TTA); the result's decisions whole
+    (and distillation's, `kd`)."""
     if plan.config.progress and is_rank_zero():
         _print_plan(plan)
     result = trainer.fit(plan.loader, epochs=epochs, val_loader=val_loader)
     ctx = plan.context
     ctx.trainer, ctx.result, ctx.val_loader = trainer, result, val_loader
-    run_event(ctx, "after")  # the plan's after-training stages (flip TTA)
+    run_event(ctx, "after")
     result.decisions = trainer.decisions.copy()  # with what the stages in the run and after it decided
     if kd is not None:
         result.decisions["distill"] = kd.decision
@@ -137,6 +144,12 @@ def _suggest(unknown: set[str]) -> str:
         if close is not None:
             hints.append(f"{u} -> {close}")
     return f" (did you mean: {', '.join(hints)}?)" if hints else ""
+
+
+def _check_inputs(model: nn.Module, optimizer, val_loader) -> None:
+    """Clear errors before any work: nothing would train, or the validation set is empty."""
+    _check_trainable(model, optimizer)
+    _check_val_loader(val_loader)
 
 
 def _check_trainable(model: nn.Module, optimizer) -> None:
