@@ -73,10 +73,26 @@ def no_steps_note(optimizers_made: int) -> str:
 
 
 def summarize(probe, obs: dict) -> None:
+    """The probe's records summed up into the observation: the steps, the step's breakdown, the host reads, the
+    tensor copies, the zero_grad calls, the loaders and the memory."""
     obs["loop"] = training_loop(set(sys.modules))
     recs = probe.records
     measured = recs[probe.warmup:] if len(recs) > probe.warmup else (recs[1:] or recs)
     use, left_out = robust_steps(measured)
+    _steps(probe, obs, recs, measured)
+    obs["breakdown"] = _breakdown(use, measured, left_out, within_warmup=bool(recs) and len(recs) <= probe.warmup)
+    _counters(probe, obs, recs, measured, sync_ms=round(_mean([r.get("sync", 0.0) for r in use]), 4))
+    obs["loaders"] = sorted((_loader(probe, lid, loader) for lid, loader in probe.loaders.items()),
+                            key=lambda d: -d["wait_ms_total"])
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    obs["memory"] = {"max_rss_mib": round(rss, 1)}
+    if torch.cuda.is_available():
+        obs["memory"]["cuda_max_allocated_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        obs["memory"]["cuda_total_mib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**20, 1)
+
+
+def _steps(probe, obs: dict, recs: list, measured: list) -> None:
+    """How many steps were seen and measured, where a step ends, and the notes on a script that trained none."""
     obs["steps_observed"] = len(recs)
     obs["step_boundary"] = "backward" if probe.step_opt is None and recs else "optimizer"  # by hand: no optimizer
     obs["processes_spawned"] = probe.spawned[0] if probe.spawned else 0
@@ -92,6 +108,9 @@ def summarize(probe, obs: dict) -> None:
     if not recs and not probe.spawned:
         obs["notes"].append(no_steps_note(probe.optimizers_made))
 
+
+def _breakdown(use: list, measured: list, left_out: list, *, within_warmup: bool) -> dict:
+    """The step's time by part (the kept steps' means), its shares, and the spread of its compute."""
     def m(key):
         return round(_mean([r.get(key, 0.0) for r in use]), 4)
 
@@ -101,7 +120,7 @@ def summarize(probe, obs: dict) -> None:
     compute = fwd + bwd + opt + zg
     other = max(0.0, step - data - copy - compute - sync)
     frac = (lambda v: round(v / step, 4) if step > 0 else 0.0)
-    obs["breakdown"] = {
+    return {
         "step_ms": round(step, 3),
         "step_ms_median": round(statistics.median([r["step"] for r in measured]), 3) if measured else 0.0,
         "step_ms_mean_all": round(_mean([r["step"] for r in measured]), 3),
@@ -116,13 +135,17 @@ def summarize(probe, obs: dict) -> None:
         # the median step's shares: a wait that only a few steps pay (start-up) does not move these
         "fractions_median": {k: round(statistics.median([r.get(k, 0.0) / r["step"] for r in use if r["step"] > 0]), 4)
                              if use else 0.0 for k in ("data", "copy", "sync")},
-        "steps": len(use), "within_warmup": bool(recs) and len(recs) <= probe.warmup, "outlier_steps": len(left_out),
+        "steps": len(use), "within_warmup": within_warmup, "outlier_steps": len(left_out),
         "outlier_step_ms": [round(r["step"], 3) for r in left_out],
         "minor_faults_per_step": round(statistics.median([r.get("minflt", 0) for r in use]), 1) if use else 0.0,
     }
+
+
+def _counters(probe, obs: dict, recs: list, measured: list, *, sync_ms: float) -> None:
+    """The host reads, the tensor copies, the zero_grad calls and the evaluation forwards the probe counted."""
     n_steps = max(1, len(recs))
     obs["syncs"] = {"calls": int(sum(probe.syncs.values())), "by_kind": dict(probe.syncs),
-                    "calls_per_step": round(sum(probe.syncs.values()) / n_steps, 3), "ms_per_step": round(sync, 4),
+                    "calls_per_step": round(sum(probe.syncs.values()) / n_steps, 3), "ms_per_step": round(sync_ms, 4),
                     "sites": _top(probe.sync_sites), "cuda_sync_warnings": probe.cuda_sync_warnings}
     c = probe.copies
     n_measured = max(1, len(measured))  # the measured steps' own copies: one made while loading is in none of them
@@ -134,23 +157,17 @@ def summarize(probe, obs: dict) -> None:
     obs["zero_grad"] = {"calls": z["calls"], "set_to_none_false": z["set_to_none_false"],
                         "ms_per_call": round(z["ms"] / z["calls"], 4) if z["calls"] else 0.0, "sites": _top(z["sites"])}
     obs["eval"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in probe.eval.items()}
-    obs["loaders"] = []
-    for lid, loader in probe.loaders.items():
-        ds = getattr(loader, "dataset", None)
-        obs["loaders"].append({
-            "num_workers": int(getattr(loader, "num_workers", 0)), "pin_memory": bool(getattr(loader, "pin_memory", False)),
+
+
+def _loader(probe, lid, loader) -> dict:
+    """One DataLoader the script iterated: its settings, its dataset, the time the loop waited on it."""
+    ds = getattr(loader, "dataset", None)
+    return {"num_workers": int(getattr(loader, "num_workers", 0)), "pin_memory": bool(getattr(loader, "pin_memory", False)),
             "batch_size": getattr(loader, "batch_size", None),
             "persistent_workers": bool(getattr(loader, "persistent_workers", False)),
             "dataset": type(ds).__name__, "wait_ms_total": round(probe.loader_wait.get(lid, 0.0) * 1e3, 3),
             "map_style": hasattr(ds, "__getitem__") and hasattr(ds, "__len__"),
-            "in_memory": _in_memory(ds), "own_batching": own_batching(loader),
-        })
-    obs["loaders"].sort(key=lambda d: -d["wait_ms_total"])
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    obs["memory"] = {"max_rss_mib": round(rss, 1)}
-    if torch.cuda.is_available():
-        obs["memory"]["cuda_max_allocated_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        obs["memory"]["cuda_total_mib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**20, 1)
+            "in_memory": _in_memory(ds), "own_batching": own_batching(loader)}
 
 
 def own_batching(loader) -> list[str]:
