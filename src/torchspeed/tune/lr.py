@@ -136,6 +136,57 @@ def find_lr(model: nn.Module, data: Iterable, *, loss_fn: Callable | None = None
                                         fallback=fallback, trial_lrs=trial_lrs, trial_steps=trial_steps))
 
 
+def _range_test(step, set_lr, it, device, bar, *, start_lr, end_lr, num_steps, diverge_factor):
+    """The range test's steps, the LR rising geometrically from `start_lr` to `end_lr`: (LRs, losses, diverged).
+    It stops at a non-finite loss, or where the median of the last 11 losses is `diverge_factor` times the best."""
+    task = bar.add_task("LR range test", total=num_steps)
+    lrs: list[float] = []
+    losses: list[float] = []
+    best = math.inf
+    for i in range(num_steps):
+        lr = start_lr * (end_lr / start_lr) ** (i / (num_steps - 1))
+        set_lr(lr)
+        loss = float(step(to_device(next(it), device)))  # a host sync per step: fine for a tuner
+        lrs.append(lr)
+        losses.append(loss)
+        bar.update(task, advance=1, description=f"LR range test: lr {lr:.2e} loss {loss:.4f}")
+        if not math.isfinite(loss):
+            return lrs, losses, True
+        # a median over 11 steps: a spike shorter than 6 steps is not a divergence
+        recent = float(np.median(losses[-11:]))
+        best = min(best, recent)
+        if i >= 11 and recent > diverge_factor * best:
+            return lrs, losses, True
+    return lrs, losses, False
+
+
+def _trial_fallback(result: LRFinderResult, model, step, set_lr, snap, it, device, bar, *, trial_lrs: int,
+                    trial_steps: int) -> LRFinderResult:
+    """A range test of low confidence settled by short trials of a few LRs from the same start, each on the same
+    batches (`choose_trial`); the best at an edge gets one more LR past it, inside the tested range."""
+    batches = [next(it) for _ in range(trial_steps)]  # every candidate trains on these
+    task = bar.add_task("LR trial", total=trial_lrs * trial_steps)
+    table: dict[float, float] = {}
+
+    def run(lr: float) -> None:
+        snap.restore()  # the same weights, optimizer state and RNG for every candidate
+        model.train()
+        table[lr] = _trial_run(step, set_lr, lr, batches, device, tick=lambda: bar.update(task, advance=1))
+
+    for lr in trial_candidates(result, n=trial_lrs):
+        run(lr)
+    for _ in range(TRIAL_EXTEND):
+        lrs_t = sorted(table)
+        best_lr = min(lrs_t, key=lambda a: table[a])
+        if best_lr == lrs_t[-1] and lrs_t[-1] * TRIAL_FACTOR <= trial_ceiling(result):
+            run(lrs_t[-1] * TRIAL_FACTOR)
+        elif best_lr == lrs_t[0] and lrs_t[0] / TRIAL_FACTOR >= result.lrs[0]:
+            run(lrs_t[0] / TRIAL_FACTOR)
+        else:
+            break
+    return choose_trial(result, sorted(table.items()), trial_steps=trial_steps)
+
+
 def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, start_lr, end_lr, num_steps, batch_size,
              precision, diverge_factor, plot, progress, seed, fallback, trial_lrs, trial_steps) -> LRFinderResult:
     device = model_device(model)
@@ -154,52 +205,13 @@ def _find_lr(model, data, *, loss_fn, step_fn, optimizer, scheduler, scaler, sta
 
         step = TrainStep(model, opt, loss_fn=loss_fn, precision=prec, step_fn=step_fn, scaler=scaler)
         model.train()
-        lrs: list[float] = []
-        losses: list[float] = []
-        diverged = False
-        best = math.inf
         with progress_bar(enabled=progress) as bar:
-            task = bar.add_task("LR range test", total=num_steps)
-            for i in range(num_steps):
-                lr = start_lr * (end_lr / start_lr) ** (i / (num_steps - 1))
-                set_lr(lr)
-                loss = float(step(to_device(next(it), device)))  # a host sync per step: fine for a tuner
-                lrs.append(lr)
-                losses.append(loss)
-                bar.update(task, advance=1, description=f"LR range test: lr {lr:.2e} loss {loss:.4f}")
-                if not math.isfinite(loss):
-                    diverged = True
-                    break
-                # a median over 11 steps: a spike shorter than 6 steps is not a divergence
-                recent = float(np.median(losses[-11:]))
-                best = min(best, recent)
-                if i >= 11 and recent > diverge_factor * best:
-                    diverged = True
-                    break
-            result = suggest_lr(lrs, losses, diverged=diverged)
-            result = replace(result, steps=len(lrs))
+            lrs, losses, diverged = _range_test(step, set_lr, it, device, bar, start_lr=start_lr, end_lr=end_lr,
+                                                num_steps=num_steps, diverge_factor=diverge_factor)
+            result = replace(suggest_lr(lrs, losses, diverged=diverged), steps=len(lrs))
             if fallback and result.confidence == "low":
-                batches = [next(it) for _ in range(trial_steps)]  # every candidate trains on these
-                task = bar.add_task("LR trial", total=trial_lrs * trial_steps)
-                table: dict[float, float] = {}
-
-                def run(lr: float) -> None:
-                    snap.restore()  # the same weights, optimizer state and RNG for every candidate
-                    model.train()
-                    table[lr] = _trial_run(step, set_lr, lr, batches, device, tick=lambda: bar.update(task, advance=1))
-
-                for lr in trial_candidates(result, n=trial_lrs):
-                    run(lr)
-                for _ in range(TRIAL_EXTEND):  # the best at an edge: one more LR past it, inside the tested range
-                    lrs_t = sorted(table)
-                    best_lr = min(lrs_t, key=lambda a: table[a])
-                    if best_lr == lrs_t[-1] and lrs_t[-1] * TRIAL_FACTOR <= trial_ceiling(result):
-                        run(lrs_t[-1] * TRIAL_FACTOR)
-                    elif best_lr == lrs_t[0] and lrs_t[0] / TRIAL_FACTOR >= result.lrs[0]:
-                        run(lrs_t[0] / TRIAL_FACTOR)
-                    else:
-                        break
-                result = choose_trial(result, sorted(table.items()), trial_steps=trial_steps)
+                result = _trial_fallback(result, model, step, set_lr, snap, it, device, bar, trial_lrs=trial_lrs,
+                                         trial_steps=trial_steps)
     finally:
         it.close()  # the loader's own generators as they were
         snap.restore()
