@@ -158,28 +158,8 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
                 # a challenger is also scored at CHECKPOINTS points on the way: when it reached the first
                 # candidate's final held-back loss, in training seconds (`_judge_by_time`)
                 every = max(1, steps // CHECKPOINTS) if name != names[0] else steps + 1
-                losses, clock, row["held_curve"] = [], [], []
-                model.train()
-                for i, b in enumerate(train, 1):
-                    t0 = time.perf_counter()
-                    losses.append(float(step(to_device(b, device))))  # a host sync per step: fine for a trial
-                    clock.append(time.perf_counter() - t0)
-                    if sched is not None:
-                        sched.step()
-                    bar.update(task, advance=1)
-                    if not math.isfinite(losses[-1]):
-                        row["error"] = f"the loss was not finite at step {len(losses)}"
-                        break
-                    if i % every == 0 and i < len(train):
-                        row["held_curve"].append((sum(clock), _held_loss(model, opt, step, held, train[:i], prec)))
-                tail = losses[-max(1, len(losses) // 5):]
-                row["train_loss"] = sum(tail) / len(tail)
-                row["curve"], row["step_s"] = losses, clock
-                if row["error"] is None:
-                    row["loss"] = _held_loss(model, opt, step, held, train, prec, resume=False)
-                    row["held_curve"].append((sum(clock), row["loss"]))
-                    if not math.isfinite(row["loss"]):
-                        row["error"], row["loss"] = "the held-back loss was not finite", math.inf
+                _train_candidate(row, model, opt, step, sched, train, held, prec, device,
+                                 tick=lambda: bar.update(task, advance=1), every=every)
                 del opt, sched, step
     finally:
         snap.restore()
@@ -190,6 +170,34 @@ def _compare(model, data, names, *, lrs, steps, loss_fn, step_fn, precision, see
         r["s_per_step"] = statistics.median(r.pop("step_s", None) or [math.nan])
         r.pop("curve", None), r.pop("held_curve", None)
     return OptimizerTrial(best=best, table=tuple(rows), reason=reason, steps=steps)
+
+
+def _train_candidate(row: dict, model, opt, step, sched, train: list, held: list, prec, device, *, tick,
+                     every: int) -> None:
+    """One candidate's steps on `train` (timed, each a host sync: fine for a trial), its held-back loss every
+    `every` steps and at the end, written into `row`; a non-finite loss ends it with the error."""
+    losses, clock, row["held_curve"] = [], [], []
+    model.train()
+    for i, b in enumerate(train, 1):
+        t0 = time.perf_counter()
+        losses.append(float(step(to_device(b, device))))
+        clock.append(time.perf_counter() - t0)
+        if sched is not None:
+            sched.step()
+        tick()
+        if not math.isfinite(losses[-1]):
+            row["error"] = f"the loss was not finite at step {len(losses)}"
+            break
+        if i % every == 0 and i < len(train):
+            row["held_curve"].append((sum(clock), _held_loss(model, opt, step, held, train[:i], prec)))
+    tail = losses[-max(1, len(losses) // 5):]
+    row["train_loss"] = sum(tail) / len(tail)
+    row["curve"], row["step_s"] = losses, clock
+    if row["error"] is None:
+        row["loss"] = _held_loss(model, opt, step, held, train, prec, resume=False)
+        row["held_curve"].append((sum(clock), row["loss"]))
+        if not math.isfinite(row["loss"]):
+            row["error"], row["loss"] = "the held-back loss was not finite", math.inf
 
 
 CHECKPOINTS = 4  # a challenger's held-back loss is read every steps / 4 (3 reads on the way, and the end)
