@@ -278,6 +278,22 @@ def detect() -> EnvInfo:
     return _detect(cpu_profile())
 
 
+def _device_facts(cuda: bool, flags: frozenset[str], notes: list[str]) -> tuple:
+    """(device, its name, memory in GiB, compute capability, bf16 fast, fp16, the best precision) of GPU 0 or
+    this CPU; what the CPU lacks goes into `notes`."""
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        cc: tuple[int, int] | None = (props.major, props.minor)
+        bf16 = cc >= (8, 0)
+        return "cuda", props.name, round(props.total_memory / 2**30, 1), cc, bf16, True, "bf16" if bf16 else "fp16"
+    bf16 = _cpu_bf16_fast(flags)
+    if not bf16:
+        notes.append("CPU has no AVX512-BF16/AMX: bf16 autocast would be emulated and slow, so fp32 is used")
+    if torch.version.cuda:
+        notes.append("this torch build has CUDA support but no GPU is visible")
+    return "cpu", _cpu_model(), None, None, bf16, False, "bf16" if bf16 else "fp32"
+
+
 @functools.lru_cache(maxsize=8)
 def _detect(profile: str | None) -> EnvInfo:
     flags = cpu_flags()
@@ -290,23 +306,7 @@ def _detect(profile: str | None) -> EnvInfo:
     notes: list[str] = []
     cuda = torch.cuda.is_available()
     cudnn = torch.backends.cudnn.version() if cuda else None
-    if cuda:
-        props = torch.cuda.get_device_properties(0)
-        device, name = "cuda", props.name
-        mem = round(props.total_memory / 2**30, 1)
-        cc: tuple[int, int] | None = (props.major, props.minor)
-        bf16 = cc >= (8, 0)
-        fp16 = True
-        best = "bf16" if bf16 else "fp16"
-    else:
-        device, name, mem, cc = "cpu", _cpu_model(), None, None
-        bf16 = _cpu_bf16_fast(flags)
-        fp16 = False
-        best = "bf16" if bf16 else "fp32"
-        if not bf16:
-            notes.append("CPU has no AVX512-BF16/AMX: bf16 autocast would be emulated and slow, so fp32 is used")
-        if torch.version.cuda and not cuda:
-            notes.append("this torch build has CUDA support but no GPU is visible")
+    device, name, mem, cc, bf16, fp16, best = _device_facts(cuda, flags, notes)
     tcm = find_tcmalloc()
     alloc = allocator_in_use()
     if device == "cpu" and alloc == "glibc":
