@@ -64,6 +64,13 @@ def register(sub) -> None:
                    help="instead: N DistributedDataParallel processes against 1, as torchrun jobs (T31)")
     p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp2"],
                    help="with --nproc: fsdp2 compares memory per process of FSDP2 against DDP (default model gpt)")
+    _time_to_target_options(p)
+    classic = {k: v for k, v in vars(p.parse_args([])).items() if k not in SHARED + SUITE_ONLY}
+    p.set_defaults(func=run, classic_defaults=classic)
+
+
+def _time_to_target_options(p) -> None:
+    """The throughput bench's time-to-target options (its accuracy or loss target, seeds, rows, ablation)."""
     p.add_argument("--target-acc", type=float, default=None,
                    help="time to accuracy: the validation accuracy naive, all and auto must end at (0-1; default "
                         "0.97 and 0.90 with --data digits, off otherwise; 0 switches it off)")
@@ -79,8 +86,6 @@ def register(sub) -> None:
                         "the switches of all) to run (default all five)")
     p.add_argument("--ablation", action="store_true",
                    help="time to accuracy: also leave each recipe part out (or add it) and find its budget")
-    classic = {k: v for k, v in vars(p.parse_args([])).items() if k not in SHARED + SUITE_ONLY}
-    p.set_defaults(func=run, classic_defaults=classic)
 
 
 def run(args) -> int:
@@ -139,14 +144,34 @@ def run_suite_cli(args) -> int:
     return 0
 
 
-def run_throughput(args) -> int:
-    """The throughput bench on one workload (`--full`, or any of its options), then its time to target."""
+def _check_sizes(args) -> None:
     if args.batch_size <= 0:
         raise CLIError(f"--batch-size must be positive, got {args.batch_size}")
     if args.steps is not None and args.steps <= 0:
         raise CLIError(f"--steps must be positive, got {args.steps}")
     if args.image_size < 8:
         raise CLIError(f"--image-size must be at least 8, got {args.image_size}")
+
+
+def _time_to_target(args, console, result, batch: int, targets, loss_target, tta_configs) -> None:
+    """The throughput run's time to target, attached to its result and printed."""
+    from torchspeed.bench.time_to_target import attach_time_to_target, run_time_to_target
+
+    by_loss = args.target_loss is not None
+    tta = run_time_to_target(model=args.model, data=args.data,
+                             targets=(loss_target,) if loss_target else targets,
+                             metric="val_loss" if by_loss else "val_acc",
+                             target_from=(args.target_loss if args.target_loss in ("all", "naive") else None),
+                             seeds=args.seeds, batch_size=batch, configs=tta_configs, device=args.device,
+                             compile=not (args.quick or args.no_compile), train_size=result.meta.get("train_size"),
+                             image_size=args.image_size, busy=result.meta.get("busy"), ablation=args.ablation)
+    attach_time_to_target(result, tta)
+    print_time_to_target(console, tta)
+
+
+def run_throughput(args) -> int:
+    """The throughput bench on one workload (`--full`, or any of its options), then its time to target."""
+    _check_sizes(args)
     sharding = _check_workload(args)
     targets, loss_target, tta_on, tta_configs = _time_to_target_args(args)
     if args.nproc is not None:
@@ -183,18 +208,7 @@ def run_throughput(args) -> int:
         raise CLIError(str(e)) from e
     _print_throughput(console, result, tta_on)
     if tta_on:  # time to target (bench/time_to_target.py): the shortest budget per config that ends at the target
-        from torchspeed.bench.time_to_target import attach_time_to_target, run_time_to_target
-
-        by_loss = args.target_loss is not None
-        tta = run_time_to_target(model=args.model, data=args.data,
-                                 targets=(loss_target,) if loss_target else targets,
-                                 metric="val_loss" if by_loss else "val_acc",
-                                 target_from=(args.target_loss if args.target_loss in ("all", "naive") else None),
-                                 seeds=args.seeds, batch_size=batch, configs=tta_configs, device=args.device,
-                                 compile=not (args.quick or args.no_compile), train_size=result.meta.get("train_size"),
-                                 image_size=args.image_size, busy=result.meta.get("busy"), ablation=args.ablation)
-        attach_time_to_target(result, tta)
-        print_time_to_target(console, tta)
+        _time_to_target(args, console, result, batch, targets, loss_target, tta_configs)
     png = args.png or os.path.splitext(args.json)[0] + ".png"
     write_results(result, args.json, png)
     all_row = next((r for r in result.rows if r.config == "all"), None)
