@@ -60,6 +60,30 @@ class PackResult:
     summary: DataSummary
 
 
+def _packed_bytes(path: str, *, max_side: int | None, quality: int) -> bytes:
+    """One image's bytes to pack: decoded once to check it; larger than `max_side`, resized (longer side =
+    max_side, OpenCV INTER_AREA) and re-encoded at `quality`, else the file's own bytes."""
+    cv2, simplejpeg = require("cv2", "data"), require("simplejpeg", "data")
+    data = Path(path).read_bytes()
+    img = decode_image(data, size_hint=None if max_side else 8)
+    if max_side and max(img.shape[:2]) > max_side:
+        h, w = img.shape[:2]
+        s = max_side / max(h, w)
+        img = cv2.resize(img, (max(1, round(w * s)), max(1, round(h * s))), interpolation=cv2.INTER_AREA)
+        data = simplejpeg.encode_jpeg(np.ascontiguousarray(img), quality=quality, colorspace="RGB")
+    return data
+
+
+def _write_index(dst: Path, *, offsets, lengths, labels, classes, names, meta: dict) -> Path:
+    """The index beside `dst` written to its temporary name (the caller renames it after the data); its path."""
+    idx = index_path(dst)
+    np.savez(idx.with_name(idx.name + ".tmp.npz"), offsets=np.asarray(offsets, np.int64),
+             lengths=np.asarray(lengths, np.int64), labels=np.asarray(labels, np.int64),
+             classes=np.asarray(classes, dtype=np.str_), names=np.asarray(names, dtype=np.str_),
+             meta=np.asarray(json.dumps(meta), dtype=np.str_))
+    return idx
+
+
 def pack_folder(src: str | os.PathLike, dst: str | os.PathLike, *, max_side: int | None = None, quality: int = 90,
                 on_error: str = "raise", progress: bool = False) -> PackResult:
     """Pack the ImageFolder `src` into `dst` + `dst.index.npz` (written atomically).
@@ -73,8 +97,7 @@ def pack_folder(src: str | os.PathLike, dst: str | os.PathLike, *, max_side: int
         >>> r = pack_folder("photos/", "photos.tspack", max_side=256)
         >>> r.images, r.bytes
     """
-    cv2, simplejpeg = require("cv2", "data"), require("simplejpeg", "data")
-
+    require("cv2", "data"), require("simplejpeg", "data")  # before any work: the extra's install line if missing
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if max_side is not None and max_side < 8:
@@ -88,13 +111,7 @@ def pack_folder(src: str | os.PathLike, dst: str | os.PathLike, *, max_side: int
     with open(tmp, "wb") as out:
         for path, label in track(samples, description=f"packing {len(samples)} images", enabled=progress):
             try:
-                data = Path(path).read_bytes()
-                img = decode_image(data, size_hint=None if max_side else 8)
-                if max_side and max(img.shape[:2]) > max_side:
-                    h, w = img.shape[:2]
-                    s = max_side / max(h, w)
-                    img = cv2.resize(img, (max(1, round(w * s)), max(1, round(h * s))), interpolation=cv2.INTER_AREA)
-                    data = simplejpeg.encode_jpeg(np.ascontiguousarray(img), quality=quality, colorspace="RGB")
+                data = _packed_bytes(path, max_side=max_side, quality=quality)
             except ImageDecodeError as e:
                 if on_error == "raise":
                     tmp.unlink(missing_ok=True)
@@ -111,15 +128,10 @@ def pack_folder(src: str | os.PathLike, dst: str | os.PathLike, *, max_side: int
     if not offsets:
         tmp.unlink(missing_ok=True)
         raise ImageDecodeError("no readable image to pack", str(src))
-    idx = index_path(dst)
-    idx_tmp = idx.with_name(idx.name + ".tmp.npz")
-    np.savez(idx_tmp, offsets=np.asarray(offsets, np.int64), lengths=np.asarray(lengths, np.int64),
-             labels=np.asarray(labels, np.int64), classes=np.asarray(classes, dtype=np.str_),
-             names=np.asarray(names, dtype=np.str_),
-             meta=np.asarray(json.dumps({"format": FORMAT, "max_side": max_side, "quality": quality,
-                                         "data_bytes": pos}), dtype=np.str_))
+    idx = _write_index(dst, offsets=offsets, lengths=lengths, labels=labels, classes=classes, names=names,
+                       meta={"format": FORMAT, "max_side": max_side, "quality": quality, "data_bytes": pos})
     os.replace(tmp, dst)
-    os.replace(idx_tmp, idx)
+    os.replace(idx.with_name(idx.name + ".tmp.npz"), idx)
     summary = DataSummary(total=len(samples), bad=tuple(bad), ignored=tuple(ignored))
     return PackResult(path=str(dst), index=str(idx), images=len(offsets), bytes=pos, source_bytes=src_bytes,
                       summary=summary)
