@@ -53,7 +53,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 
-from torchspeed.bench.compare import compare_ratios
+from torchspeed.bench.tta_table import target_entries
 from torchspeed.train.optim import SCHEDULE_FREE_LR
 from torchspeed.train.progress import progress_bar
 
@@ -191,56 +191,16 @@ class _Search:
         return True
 
 
-def _config_entry(search: _Search, budget: int | None, batch: int, tuning: list[float]) -> dict:
-    runs = [search.runs.get((budget, s)) for s in search.seeds] if budget else []
-    tried = sorted({b for b, _ in search.runs})
-    best = max(tried) if tried else None
-    shown = runs if budget else [search.runs.get((best, s)) for s in search.seeds]
-    return {"budget_steps": budget, "samples_to_target": budget * batch if budget else None,
-            "train_time_s": statistics.fmean(r.train_s for r in runs) if budget else None,
-            "train_time_s_runs": [r.train_s for r in runs] if budget else [],
-            "tuning_time_s": statistics.fmean(r.tuning_s for r in runs) if budget else 0.0,
-            "tuning_steps": statistics.fmean(r.tuning_steps for r in runs) if budget else 0.0,
-            "total_time_s": statistics.fmean(r.total_s for r in runs) if budget else None,
-            "total_time_s_runs": [r.total_s for r in runs] if budget else [],
-            "tuning_share": (statistics.fmean(r.tuning_s for r in runs) / statistics.fmean(r.total_s for r in runs))
-            if budget else None,
-            "warm_cache_tuning_s": statistics.fmean(tuning) if tuning else None,
-            "reached": sum(1 for r in shown if r is not None) if budget else 0,
-            "seeds": len(search.seeds),
-            "val_acc": [r.val_acc if r else None for r in shown],
-            "val_loss": [r.val_loss if r else None for r in shown],
-            "budgets_tried": tried}
-
-
-def _versus(a: dict, b: dict) -> dict:
-    """b against a: samples, training time, and time with every second of choosing counted (the headline)."""
-    ratios = [x / y for x, y in zip(a["total_time_s_runs"], b["total_time_s_runs"])]
-    saved = a["train_time_s"] - b["train_time_s"]
-    return {"samples": a["samples_to_target"] / b["samples_to_target"],
-            "train_time": a["train_time_s"] / b["train_time_s"],
-            "tuning_included": a["total_time_s"] / b["total_time_s"],
-            "tuning_included_interval": compare_ratios(ratios),
-            "tuning_share": b["tuning_share"],
-            # b's choosing pays for itself on runs longer than this many seconds of a's training
-            "break_even_train_s": (b["tuning_time_s"] / (saved / a["train_time_s"])) if saved > 0 and b["tuning_time_s"]
-            else None}
-
-
-def _target_entry(workload: str, target: float, metric: str, searches: dict, budgets: dict, batch: int,
-                  tuning: dict) -> dict:
-    configs = {name: _config_entry(s, budgets[name], batch, tuning.get(name, [])) for name, s in searches.items()}
-    # per config under "configs", and the same under each config's own name (the schema the issue names)
-    entry = {"workload": workload, "target": target, "metric": metric, "configs": configs, **configs}
-    for base, cand in (("all", "auto"), ("naive", "auto"), ("all", "auto_warm"), ("naive", "auto_warm")):
-        a, b = configs.get(base), configs.get(cand)
-        if a and b and a["budget_steps"] and b["budget_steps"]:
-            entry[f"{cand}_vs_{base}"] = _versus(a, b)
-    a, n = configs.get("all"), configs.get("naive")
-    if a and n and a["budget_steps"] and n["budget_steps"]:
-        entry["all_vs_naive"] = {"train_time": n["train_time_s"] / a["train_time_s"],
-                                 "samples": n["samples_to_target"] / a["samples_to_target"]}
-    return entry
+def _base_run(*, model, data, batch_size, train_size, val_size, lr, optimizer, seed, device, image_size) -> dict:
+    """What every run of the search shares: the workload, its sizes (by the image size), the optimizer and peak LR
+    (a text workload: AdamW at 3e-3; else SGD at DEFAULT_LR)."""
+    text = data == "text"
+    return {"model": model, "data": data, "batch_size": batch_size,
+            "train_size": train_size if train_size is not None else 2048 if image_size < 64 else 4 * batch_size,
+            "val_size": val_size if val_size is not None else 1024 if image_size < 64 else 2 * batch_size,
+            "lr": lr if lr is not None else (3e-3 if text else DEFAULT_LR),
+            "optimizer": optimizer or ("adamw" if text else "sgd"), "data_seed": seed, "device": str(device),
+            "image_size": image_size}
 
 
 def run_time_to_target(*, model: str = "resnet20", data: str = "digits", targets: tuple[float, ...] = (0.97, 0.90),
@@ -265,15 +225,9 @@ def run_time_to_target(*, model: str = "resnet20", data: str = "digits", targets
         busy = machine_busy()[0] if dev.type == "cpu" else False
     by_name = {c.name: c for c in bench_configs(dev, compile=compile, hand=False, busy=busy)}
     proc_cfg = {name: by_name["naive" if name == "naive" else "all"] for name in CONFIGS}
-    if train_size is None:
-        train_size = 2048 if image_size < 64 else 4 * batch_size
-    if val_size is None:
-        val_size = 1024 if image_size < 64 else 2 * batch_size
-    text = data == "text"
-    optimizer = optimizer or ("adamw" if text else "sgd")
-    lr = lr if lr is not None else (3e-3 if text else DEFAULT_LR)
-    base = {"model": model, "data": data, "batch_size": batch_size, "train_size": train_size, "val_size": val_size,
-            "lr": lr, "optimizer": optimizer, "data_seed": seed, "device": str(dev), "image_size": image_size}
+    base = _base_run(model=model, data=data, batch_size=batch_size, train_size=train_size, val_size=val_size, lr=lr,
+                     optimizer=optimizer, seed=seed, device=dev, image_size=image_size)
+    lr, optimizer = base["lr"], base["optimizer"]
     seed_list = [seed + i for i in range(seeds)]
     with tempfile.TemporaryDirectory(prefix="torchspeed-warm-") as warm_root, \
             progress_bar(enabled=progress) as bar:
@@ -293,11 +247,7 @@ def run_time_to_target(*, model: str = "resnet20", data: str = "digits", targets
             first = searches["auto"].runs[found[order[0]]["auto"], seed_list[0]]
             ablation_rows = _ablation(list(first.decisions.get("recipe_on", [])), seed_list, runner.run_seeds,
                                       budgets, order[0], metric, found[order[0]].get("auto"), batch_size, runner.say)
-    tuning = {"auto_warm": [r["tuning_s"] for r in runner.recipes.values()]}
-    entries = [_target_entry(f"{model} on {data}", t, metric, searches, found[t], batch_size, tuning) for t in targets]
-    for e in entries:
-        if e["target"] in same_budget:
-            e["auto_at_naive_budget"] = same_budget[e["target"]]
+    entries = target_entries(f"{model} on {data}", targets, metric, searches, found, batch_size, runner, same_budget)
     runs = [r for s in searches.values() for r in s.runs.values()]
     meta = provenance() | {"model": model, "data": data, "batch_size": batch_size, "lr_peak": lr,
                            "optimizer": optimizer, "schedule": "onecycle", "budgets": list(budgets),
