@@ -10,7 +10,8 @@ Layout: `_probe` (the instrumentation), `_job` (the sandbox that runs a script u
 its kernels and its datasets look like), `_tree` (helpers over nested batches), `observation`
 (the typed schema the rules read), `rules/` (one file per rule, registered with
 `registry.register`), `verify` (measure a fix on the model), `_patches` and `fix` (`--fix`:
-write each fix into the script with libcst and measure it on the script itself), `report`.
+write each fix into the script with libcst and measure it on the script itself), `report` (the
+report's data and verdict) and `render` (the report printed).
 
 Example:
     >>> from torchspeed.doctor import diagnose
@@ -23,7 +24,8 @@ from torchspeed.doctor.diagnose import DoctorJob, diagnose, diagnose_many, repor
 from torchspeed.doctor.fix import fix_script
 from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import RULES, register, rule_ids, run_rules
-from torchspeed.doctor.report import DoctorReport, Finding, exit_code, render_report, report_verdict
+from torchspeed.doctor.render import render_report
+from torchspeed.doctor.report import DoctorReport, Finding, exit_code, report_verdict
 
 __all__ = ["DoctorJob", "diagnose", "diagnose_many", "report_from_observation", "Observation", "RULES", "register",
            "rule_ids", "run_rules", "DoctorReport", "Finding", "render_report", "fix_script", "report_verdict", "exit_code"]
