@@ -124,7 +124,7 @@ def test_the_plan_builds_on_train_and_tune_and_fit_on_the_plan():
     found = layer_imports()
     assert {"train", "tune"} <= found["plan"] and "plan" not in found["train"] | found["tune"]
     src = pathlib.Path(fitting.__file__).read_text()
-    assert "torchspeed.train.trainer" in src and "torchspeed.plan" in src
+    assert "torchspeed.train.loop.trainer" in src and "torchspeed.plan" in src
     assert torchspeed.fit is fitting.fit
 
 
@@ -166,8 +166,8 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "doctor/verify.py": (3, INJECT + ": tests patch doctor._contention"),
     "inference.py": (6, STARTUP),
     "train/bnstats.py": (3, CYCLE + ": bnstats <-> batch, transfer, decision"),
-    "train/fsdp.py": (2, CYCLE + ": fsdp <-> distributed"),
-    "train/shard.py": (1, CYCLE + ": shard <-> sampler"),
+    "train/parallel/fsdp.py": (2, CYCLE + ": fsdp <-> distributed"),
+    "train/parallel/shard.py": (1, CYCLE + ": shard <-> sampler"),
     "tune/auto.py": (3, INJECT + ": tests patch the tuners in their modules"),
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
