@@ -25,8 +25,8 @@ from torch import nn
 
 from torchspeed.bench.runner import provenance
 from torchspeed.bench.workloads import resnet18_cifar
-from torchspeed.train.checkpoint import load_checkpoint, save_checkpoint
-from torchspeed.train.rng import capture_rng_state
+from torchspeed.train.state.checkpoint import load_checkpoint, save_checkpoint
+from torchspeed.train.state.rng import capture_rng_state
 
 
 def _state(model: nn.Module, x: torch.Tensor) -> dict:

@@ -36,7 +36,7 @@ from torchspeed._io import write_json
 from torchspeed.bench.runner import provenance
 from torchspeed.bench.workloads import create_model, digits
 from torchspeed.env import other_runnable
-from torchspeed.train.callbacks import EMA, Callback
+from torchspeed.train.loop.callbacks import EMA, Callback
 from torchspeed.train.evaluate import evaluate
 
 OUT = Path(__file__).resolve().parent / "results" / "cpu" / "ema.json"

@@ -50,7 +50,7 @@ from torchspeed.bench.text import GPT, byte_text_datasets
 from torchspeed.bench.workloads import create_model, digits
 from torchspeed.env import other_runnable
 from torchspeed.train.evaluate import evaluate
-from torchspeed.train.precision import resolve_precision
+from torchspeed.train.trial.precision import resolve_precision
 from torchspeed.tune.auto import tune_for_fit
 
 OUT = Path(__file__).resolve().parent / "results" / "cpu" / "lr_sweep.json"

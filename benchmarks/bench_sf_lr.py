@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import torchspeed
 from torchspeed.bench import suite, suite_run
 from torchspeed.bench.runner import provenance
-from torchspeed.train.callbacks import Callback
+from torchspeed.train.loop.callbacks import Callback
 from torchspeed.train.optim import SCHEDULE_FREE_LR, has_attention, schedule_free_lr, typical_fan_in
 
 GRID = (1, 4, 8, 16)  # x Schedule-Free AdamW's default LR

@@ -30,9 +30,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
 from torchspeed.bench.runner import provenance
-from torchspeed.train.callbacks import Callback
+from torchspeed.train.loop.callbacks import Callback
 from torchspeed.train.in_memory import sliced_loader
-from torchspeed.train.progress import TrainProgress
+from torchspeed.train.loop.progress import TrainProgress
 
 N, BATCH = 4000, 100
 

@@ -1,4 +1,4 @@
-"""Claim: pricing the switch trial in seconds (train/switches.LiveTrial._price) never makes `fit` reach its target
+"""Claim: pricing the switch trial in seconds (train/trial/switches.LiveTrial._price) never makes `fit` reach its target
 later, and makes it sooner where a short run's trial cost more than it could win.
 
 For every workload of the suite (torchspeed.bench.suite) and seed, interleaved in one process from a cold decision
@@ -21,7 +21,7 @@ from torchspeed._io import write_json
 from torchspeed.bench import suite_run
 from torchspeed.bench.runner import provenance
 from torchspeed.bench.suite import load_data, suite_workloads
-from torchspeed.train import autoswitch
+from torchspeed.train.trial import autoswitch
 
 ROWS = ("naive", "fit_priced", "fit_unpriced")
 

@@ -143,7 +143,7 @@ def run(row: str, epochs: int, max_bytes: int, seed: int, target: float | None) 
         decisions = {}
     else:
         import torchspeed
-        from torchspeed.train.callbacks import Callback
+        from torchspeed.train.loop.callbacks import Callback
 
         class Eval(Callback):
             def on_evaluate(self, trainer, metrics):

@@ -40,11 +40,11 @@ def test_nothing_below_the_cli_imports_the_cli():
 # ---------------------------------------------------------------- interleaved rounds and batch readers (AST)
 # What a textual pattern cannot see, the shape of the code can: a loop over rounds (or passes) with a loop
 # over the candidates inside, or a loop over a literal count whose inner loop reads a clock or a timer, is a
-# private copy of train/rounds.py; a `while` around a `for b in data` that yields or keeps `b` itself (a
+# private copy of train/trial/rounds.py; a `while` around a `for b in data` that yields or keeps `b` itself (a
 # reader that cycles), or `islice(iter(loader), n)`, is a private copy of train/sampler.py's batch reader.
-ROUNDS_HOME, READER_HOME = "train/rounds.py", "train/sampler.py"
+ROUNDS_HOME, READER_HOME = "train/trial/rounds.py", "train/sampler.py"
 # The doctor's measurements still run their own rounds (doctor/diagnose.measure_variants and the two below);
-# they move to train/rounds.py with the doctor's next rework, and this list shrinks to nothing.
+# they move to train/trial/rounds.py with the doctor's next rework, and this list shrinks to nothing.
 ROUNDS_ELSEWHERE = {"doctor/diagnose.py", "doctor/verify.py", "doctor/_datasets.py"}
 _ROUND_NAME = re.compile(r"round|pass", re.I)
 _TIMER = re.compile(r"perf_counter|monotonic|^_?time")
@@ -290,9 +290,9 @@ def test_the_home_check_finds_a_re_export():
 
 # ---------------------------------------------------------------- the homes table's rules without a pattern
 # The tuners' step: a function that calls `.backward()` and steps an optimizer (`opt.step()`, or a
-# GradScaler's `scale`/`unscale_`) is a training step of its own; train/step.py's `backward` and
+# GradScaler's `scale`/`unscale_`) is a training step of its own; train/loop/step.py's `backward` and
 # `optimizer_step` are that step, and the tuners take it through tune/_common.TrainStep.
-STEP_HOME = "train/step.py"
+STEP_HOME = "train/loop/step.py"
 STEPS_ELSEWHERE = {  # loops that are plain PyTorch on purpose
     "bench/hand.py": "the hand-written ceiling: plain PyTorch, no torchspeed code in the step",
     "bench/peers.py": "the peers' loops (plain PyTorch, Lightning Fabric) as their users write them",
@@ -351,7 +351,7 @@ def test_the_tuners_train_with_the_loops_own_step():
 
 def test_the_half_precision_rule_lives_in_device_caps():
     assert _offenders(half_rules, HALF_HOME, set(HALF_ELSEWHERE)) == {}, \
-        "read env.DeviceCaps(...).half (train/precision.half_precision), not the capability"
+        "read env.DeviceCaps(...).half (train/trial/precision.half_precision), not the capability"
     assert half_rules((ROOT / HALF_HOME).read_text())
     assert all(half_rules((ROOT / f).read_text()) for f in HALF_ELSEWHERE), "an exception is no longer needed"
 
@@ -394,10 +394,10 @@ def test_the_step_and_half_checks_leave_other_code_alone():
 
 
 # ---------------------------------------------------------------- rich progress bars (AST)
-# rich's Progress is built in train/progress.py alone (progress_bar, status_bar, track, TrainProgress): a bar
+# rich's Progress is built in train/loop/progress.py alone (progress_bar, status_bar, track, TrainProgress): a bar
 # elsewhere imports rich.progress or calls a `Progress`, under any alias. A file listed here may keep its own,
 # for the reason given; the list only shrinks (a listed file that no longer builds one fails the test).
-PROGRESS_HOME = "train/progress.py"
+PROGRESS_HOME = "train/loop/progress.py"
 PROGRESS_ELSEWHERE: dict[str, str] = {}
 
 

@@ -2,7 +2,8 @@
 imports inside functions included), docs/architecture.md shows the same table, and a function-level import
 of torchspeed is allowed only where `LAZY` gives it a reason (a cycle, an optional extra, start-up time, a
 test's injection point); their number only goes down. No module anywhere under src/ is in an import cycle;
-inside the doctor, the probe and the rules stay light."""
+inside the doctor, the probe and the rules stay light. train/'s rooms (`TRAIN_ROOMS`: loop, trial, state,
+parallel) each open with a docstring naming their modules, and the docs show them too."""
 
 import ast
 import pathlib
@@ -34,7 +35,7 @@ LAYERS = {  # bottom to top: a package (or top-level module) -> what it may impo
 }
 PURPOSE = {
     "_io": "atomic file writes", "_extras": "optional imports", "env": "what this machine can accelerate",
-    "train": "the loop, one module per technique", "tune": "the tuners, measured with train's step",
+    "train": "the loop and the techniques, in rooms (below)", "tune": "the tuners, measured with train's step",
     "data": "image decoding, caching, loaders", "model": "model surgery and models by name",
     "plan": "the one planner and the recipe", "distill": "distillation's loss and teacher cache",
     "fitting": "`torchspeed.fit`", "slimming": "`torchspeed.slim`, pruning measured",
@@ -118,13 +119,68 @@ def test_the_docs_show_the_layers_table():
         "docs/architecture.md's layers table differs from LAYERS; paste tests.test_layers.render_layers()"
 
 
+# ---------------------------------------------------------------- train/'s rooms
+# train/ keeps its modules in sub-packages that name the architecture; the techniques that stand alone stay at
+# its top level. Each room opens with a docstring naming its modules, gathers nothing (its `__init__` imports
+# nothing, so it adds no cycle and no re-export), and stays under ROOM_LINES; docs/architecture.md shows them.
+TRAIN_ROOMS = {  # room -> what it holds
+    "loop": "the step and the loop: `Trainer`, the optimizer step (lean too), the batch contract, guards, "
+            "callbacks, progress and metrics, the run's length",
+    "trial": "the switch trial and what it switches: precision, channels_last, torch.compile, backends; timing "
+             "in interleaved rounds",
+    "state": "state and checkpoints: atomic files, the step store, DCP, exact resume, RNG state, flat moments",
+    "parallel": "DDP and FSDP2, and each rank's share of the data",
+}
+TRAIN_TOP = ("the techniques that stand alone, and what the rooms share: the config, decisions and the result, "
+             "optimizers and schedules, data order, in-memory batches and transfer, evaluation and validation, "
+             "BatchNorm statistics, the batch ramp, the noise scale, loggers, losses, the wrappers")
+ROOM_LINES = 3000
+
+
+def _room_modules(room: str) -> list[str]:
+    return sorted(f.stem for f in (ROOT / "train" / room).glob("*.py") if f.name != "__init__.py")
+
+
+def render_train_rooms() -> str:
+    """The markdown table of TRAIN_ROOMS (and train/'s top level), with each room's modules, as
+    docs/architecture.md shows it."""
+    rows = ["| room | what it holds | modules |", "|---|---|---|"]
+    for room, what in [*TRAIN_ROOMS.items(), ("", TRAIN_TOP)]:
+        where = f"`train/{room}/`" if room else "`train/` (top level)"
+        rows.append(f"| {where} | {what} | {', '.join(f'`{m}`' for m in _room_modules(room))} |")
+    return "\n".join(rows)
+
+
+def test_train_has_its_rooms_each_opening_with_what_it_holds():
+    rooms = {f.parent.name for f in (ROOT / "train").glob("*/__init__.py")}
+    assert rooms == set(TRAIN_ROOMS), "a sub-package of train/ is a room: add it to TRAIN_ROOMS (and the docs)"
+    for room in TRAIN_ROOMS:
+        tree = ast.parse((ROOT / "train" / room / "__init__.py").read_text())
+        doc = ast.get_docstring(tree) or ""
+        assert doc, f"train/{room}/__init__.py opens with a docstring saying what the room holds"
+        assert [m for m in _room_modules(room) if f"`{m}`" not in doc] == [], f"train/{room}: name each module"
+        assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))], \
+            f"train/{room}/__init__.py gathers nothing: import each name from its module"
+
+
+def test_no_room_of_train_over_its_limit():
+    lines = {room: sum(len(f.read_text().splitlines()) for f in (ROOT / "train" / room).glob("*.py"))
+             for room in TRAIN_ROOMS}
+    assert {r: n for r, n in lines.items() if n > ROOM_LINES} == {}, "split the room along an idea"
+
+
+def test_the_docs_show_the_train_rooms():
+    assert render_train_rooms() in DOCS.read_text(), \
+        "docs/architecture.md's table of train/'s rooms differs; paste tests.test_layers.render_train_rooms()"
+
+
 def test_the_plan_builds_on_train_and_tune_and_fit_on_the_plan():
     from torchspeed import fitting
 
     found = layer_imports()
     assert {"train", "tune"} <= found["plan"] and "plan" not in found["train"] | found["tune"]
     src = pathlib.Path(fitting.__file__).read_text()
-    assert "torchspeed.train.trainer" in src and "torchspeed.plan" in src
+    assert "torchspeed.train.loop.trainer" in src and "torchspeed.plan" in src
     assert torchspeed.fit is fitting.fit
 
 
@@ -166,8 +222,8 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "doctor/verify.py": (3, INJECT + ": tests patch doctor._contention"),
     "inference.py": (6, STARTUP),
     "train/bnstats.py": (3, CYCLE + ": bnstats <-> batch, transfer, decision"),
-    "train/fsdp.py": (2, CYCLE + ": fsdp <-> distributed"),
-    "train/shard.py": (1, CYCLE + ": shard <-> sampler"),
+    "train/parallel/fsdp.py": (2, CYCLE + ": fsdp <-> distributed"),
+    "train/parallel/shard.py": (1, CYCLE + ": shard <-> sampler"),
     "tune/auto.py": (3, INJECT + ": tests patch the tuners in their modules"),
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),

@@ -16,7 +16,7 @@ from torchspeed.distill import Teacher, kd_loss
 from torchspeed.fitting import fit
 from torchspeed.slimming import SlimReport, SlimResult, finetune, slim
 from torchspeed.inference import LoadedModel, Prediction, load_model, predict
-from torchspeed.train.dcp import export_checkpoint
+from torchspeed.train.state.dcp import export_checkpoint
 
 from torchspeed.tune import (BatchSizeResult, LoaderSettings, LRFinderResult, find_batch_size, find_lr,
                              tune_loader)

@@ -3,7 +3,7 @@
 A result file is written to a temporary name in the same folder and renamed over the final
 name (`os.replace` is atomic on POSIX), so a reader never sees half a file and a killed run
 leaves the previous version intact. Checkpoints add fsync and a checksum on top
-(`torchspeed.train.checkpoint.save_checkpoint`).
+(`torchspeed.train.state.checkpoint.save_checkpoint`).
 """
 
 from __future__ import annotations

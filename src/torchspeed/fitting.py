@@ -23,11 +23,11 @@ from torch.nn.parameter import is_lazy
 from torchspeed.distill import Teacher, prepare_distillation
 from torchspeed.plan import make_plan
 from torchspeed.plan.stages import run_event
-from torchspeed.train.distributed import is_rank_zero
-from torchspeed.train.batch import forward_loss
+from torchspeed.train.parallel.distributed import is_rank_zero
+from torchspeed.train.loop.batch import forward_loss
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.result import FitResult
-from torchspeed.train.trainer import Trainer
+from torchspeed.train.loop.trainer import Trainer
 from torchspeed.train.transfer import to_device
 
 __all__ = ["fit"]
@@ -44,7 +44,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     """Train `model` on `train_loader` with every technique that pays on this machine.
 
     Batches may be `(inputs..., target)` tuples, dicts (Hugging Face style), or anything `step_fn(model, batch)`
-    turns into a loss; models may return logits or their own loss (see `torchspeed.train.batch`).
+    turns into a loss; models may return logits or their own loss (see `torchspeed.train.loop.batch`).
     `loss_fn(output, target)` replaces the default cross-entropy (e.g. `nn.MSELoss()` for regression: metrics are
     then the loss alone). `config` takes any `TrainConfig` field (precision, channels_last, compile, grad_accum,
     clip_grad_norm, label_smoothing, schedule, log_every, max_steps, out_dir, ...). `batch_size="auto"` (or an

@@ -106,7 +106,7 @@ def load_model(run: str | os.PathLike, *, device: torch.device | str | None = No
     """
     from torchspeed.model.spec import build_model
     from torchspeed.data.augment import IMAGENET_MEAN, IMAGENET_STD
-    from torchspeed.train.checkpoint import load_checkpoint
+    from torchspeed.train.state.checkpoint import load_checkpoint
 
     path = _model_file(run)
     state = load_checkpoint(path)

@@ -23,7 +23,7 @@ def test_plain_and_lightning_rows_train_the_same_steps_as_naive():
 
 
 def test_lightning_precision_is_what_a_user_picks_for_the_hardware(monkeypatch):
-    import torchspeed.train.precision as precision
+    import torchspeed.train.trial.precision as precision
 
     for caps, expected in ((DeviceCaps("cpu", cpu_bf16=True), "bf16-mixed"), (DeviceCaps("cpu"), "32-true"),
                            (DeviceCaps("cuda", cuda_capability=(7, 0)), "16-mixed")):

@@ -12,7 +12,7 @@ from torchspeed.cli.main import main
 from torchspeed.data import make_jpeg_folder
 from torchspeed.data.pipeline import build_loaders
 from torchspeed.model.spec import simple_cnn
-from torchspeed.train.checkpoint import save_checkpoint
+from torchspeed.train.state.checkpoint import save_checkpoint
 from torchspeed.train.result import FitResult
 
 FAST = ["--model", "simple_cnn", "--size", "32", "--batch-size", "16", "--lr", "0.05", "--workers", "0",

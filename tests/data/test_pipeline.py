@@ -41,7 +41,7 @@ def test_bad_paths(tmp_path, photo_folder):
 
 def test_device_loaders_split_between_processes(photo_folder, monkeypatch):
     # What fit does under `torchspeed launch --nproc 2` (shard_loader -> DeviceLoader.shard), per rank by hand.
-    from torchspeed.train.shard import shard_loader
+    from torchspeed.train.parallel.shard import shard_loader
 
     p = build_loaders(photo_folder, size=16, batch_size=4, val_fraction=0.25, workers=0, device="cpu", progress=False)
     train_idx, val_idx = p.train.loader.dataset.indices, p.val.loader.dataset.indices  # 18 and 6 of the 24

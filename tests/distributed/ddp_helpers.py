@@ -34,7 +34,7 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       TORCHELASTIC_USE_AGENT_STORE="True")  # every rank a client of the parent's store
     torch.set_num_threads(1)
-    from torchspeed.train.distributed import cleanup_distributed, exit_process
+    from torchspeed.train.parallel.distributed import cleanup_distributed, exit_process
 
     try:
         fn(rank, *args)
@@ -76,7 +76,7 @@ def plain_config(**overrides):
 
 
 def sgd_trainer(model: nn.Module, **config):
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     return Trainer(model, optimizer="sgd", lr=0.1, momentum=0.0, weight_decay=0.0, device="cpu",
                    config=plain_config(**config))
@@ -85,7 +85,7 @@ def sgd_trainer(model: nn.Module, **config):
 # ---------------------------------------------------------------------- workers
 def worker_one_step(rank: int, out: str) -> None:
     """One DDP step of the Trainer on this rank's half of the batch; save grads (raw DDP) and weights."""
-    from torchspeed.train.distributed import init_distributed, wrap_ddp
+    from torchspeed.train.parallel.distributed import init_distributed, wrap_ddp
 
     x, y = make_data(16)
     half = slice(rank * 8, rank * 8 + 8)
@@ -138,9 +138,9 @@ def worker_epochs(rank: int, out: str) -> None:
     """fit() for 2 epochs on a shuffled DataLoader: record which samples this rank trained on."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from torchspeed.train.distributed import get_world_size
+    from torchspeed.train.parallel.distributed import get_world_size
     from torchspeed.train.evaluate import evaluate
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     n = 20
     x, y = make_data(n)
@@ -175,7 +175,7 @@ def make_bn_model(seed: int = 0) -> nn.Module:
 
 def worker_sync_batchnorm(rank: int, out: str) -> None:
     """GPUs only: with SyncBatchNorm, BatchNorm sees the global batch, so one step matches one process."""
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     x, y = make_data(16)
     half = slice(rank * 8, rank * 8 + 8)

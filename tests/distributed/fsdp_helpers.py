@@ -35,7 +35,7 @@ def make_data(n: int = 16, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sharded_trainer(model: nn.Module, *, optimizer: str = "sgd", **config):
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     return Trainer(model, optimizer=optimizer, lr=0.1, momentum=0.0, weight_decay=0.0, device="cpu",
                    config=plain_config(parallel="fsdp2", **config))
@@ -48,8 +48,8 @@ def worker_fsdp_steps(rank: int, out: str) -> None:
     """STEPS SGD steps of FSDP2 on this rank's half of each batch; then a DCP save and load into a fresh model."""
     import torch.distributed as dist
 
-    from torchspeed.train.dcp import ShardedCheckpoints
-    from torchspeed.train.fsdp import full_state_dict, is_sharded
+    from torchspeed.train.state.dcp import ShardedCheckpoints
+    from torchspeed.train.parallel.fsdp import full_state_dict, is_sharded
 
     x, y = make_data(16 * STEPS)
     trainer = sharded_trainer(make_block_model(seed=rank), optimizer="adamw", checkpoint_dir=f"{out}/ckpt")
@@ -135,7 +135,7 @@ def worker_fit_record(rank: int, out: str, tag: str, options: dict) -> None:
 def worker_options(rank: int, out: str) -> None:
     """One process: activation checkpointing by class and CPU offload train and match the plain FSDP2 step;
     the errors for a misnamed block class and an optimizer built before sharding."""
-    from torchspeed.train.fsdp import full_state_dict
+    from torchspeed.train.parallel.fsdp import full_state_dict
 
     x, y = make_data(16)
     results, errors = {}, {}
@@ -157,7 +157,7 @@ def worker_options(rank: int, out: str) -> None:
 
 
 def _optimizer_instance():
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     model = make_block_model()
     return Trainer(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device="cpu",

@@ -106,7 +106,7 @@ def test_only_rank_zero_writes_metrics_and_checkpoints(epochs_run):
     ckpt1 = epochs_run / "ckpt1"
     assert not (ckpt1.exists() and any(ckpt1.iterdir())), "rank 1 wrote into its checkpoint_dir"
     # the checkpoint holds the plain module's weights (no DDP "module." prefix)
-    from torchspeed.train.checkpoint import load_checkpoint
+    from torchspeed.train.state.checkpoint import load_checkpoint
 
     newest = max((epochs_run / "ckpt0").glob("*.pt"), key=lambda p: p.stat().st_mtime)
     assert not any(k.startswith("module.") for k in load_checkpoint(newest)["model"])

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from fsdp_helpers import Block, make_block_model
-from torchspeed.train.checkpoint import ResumeMismatchError
-from torchspeed.train.dcp import export_checkpoint, rescale_position
-from torchspeed.train.fsdp import choose_parallel, find_blocks, state_bytes
+from torchspeed.train.state.checkpoint import ResumeMismatchError
+from torchspeed.train.state.dcp import export_checkpoint, rescale_position
+from torchspeed.train.parallel.fsdp import choose_parallel, find_blocks, state_bytes
 
 
 def test_find_blocks_picks_the_outermost_repeated_composite_module():

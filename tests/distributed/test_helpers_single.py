@@ -10,9 +10,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import torchspeed
-from torchspeed.train.distributed import (convert_sync_batchnorm, is_rank_zero, maybe_init_distributed, rank_zero_only,
-                                          reduce_metrics, scale_lr_world_size)
-from torchspeed.train.shard import distributed_loader, shard_batches
+from torchspeed.train.parallel.distributed import (convert_sync_batchnorm, is_rank_zero, maybe_init_distributed,
+                                                   rank_zero_only, reduce_metrics, scale_lr_world_size)
+from torchspeed.train.parallel.shard import distributed_loader, shard_batches
 from torchspeed.train.sampler import ResumableSampler
 from torchspeed.train.wrappers import unwrap_model
 

@@ -71,7 +71,7 @@ def test_launch_cli_errors_are_one_line():
 
 
 def test_more_processes_than_gpus_is_refused_with_the_fix(monkeypatch):
-    from torchspeed.train import distributed as D
+    from torchspeed.train.parallel import distributed as D
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(D.torch.cuda, "device_count", lambda: 1)

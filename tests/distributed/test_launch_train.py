@@ -12,7 +12,7 @@ import torch
 
 from torchspeed.data import make_jpeg_folder
 from torchspeed.data.pipeline import build_loaders
-from torchspeed.train.shard import shard_loader
+from torchspeed.train.parallel.shard import shard_loader
 
 
 @pytest.mark.timeout(600)

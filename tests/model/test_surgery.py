@@ -8,7 +8,7 @@ from torch import nn
 
 from torchspeed.model import (CheckpointWrapper, apply_activation_checkpointing, apply_channels_last,
                               find_conv_bn_pairs, freeze_batchnorm, pad_to_multiple, remove_conv_bias)
-from torchspeed.train.memory_format import apply_channels_last as train_apply_channels_last
+from torchspeed.train.trial.memory_format import apply_channels_last as train_apply_channels_last
 
 
 class Block(nn.Module):

@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
-from torchspeed.train.autoswitch import SwitchStage
+from torchspeed.train.trial.autoswitch import SwitchStage
 from torchspeed.plan import TuningBudget, make_plan
 from torchspeed.plan.parts import PARTS
 from torchspeed.train.config import TrainConfig
@@ -57,7 +57,7 @@ def test_a_short_run_decides_the_lr_from_its_prior_and_says_so(tiny_cnn):
 
 def test_the_tuners_run_at_the_precision_the_switch_trial_chose(tiny_cnn, monkeypatch, measure_here):
     """The rule says bf16 on this (injected) bf16 CPU; the trial measures fp32 faster: the range test runs in fp32."""
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
     from torchspeed.tune import lr_peak as lr_mod
 
     monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx512_bf16")
@@ -83,7 +83,7 @@ def test_the_tuners_run_at_the_precision_the_switch_trial_chose(tiny_cnn, monkey
 
 def test_the_recipe_leaves_the_loader_order_and_global_rng_as_they_were(tiny_cnn, measure_here):
     """With the recipe measuring (range test, LR trial) the run sees the same batches and ends with the same RNG."""
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     seen = {}
     real = Trainer.step_batch
@@ -132,7 +132,7 @@ def test_a_short_cold_run_takes_schedule_free_as_its_prior_and_trains_with_it(ti
     are evaluated."""
     pytest.importorskip("schedulefree")
     from torchspeed.train.optim import SCHEDULE_FREE_LR, is_schedule_free, schedule_free_lr
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
     used = []
@@ -199,7 +199,7 @@ def test_a_recipe_part_that_raises_is_named_and_the_run_goes_on_with_its_prior(t
     import logging
 
     import torchspeed.tune.optimizer_trial as trial
-    from torchspeed.train.callbacks import Callback
+    from torchspeed.train.loop.callbacks import Callback
 
     pytest.importorskip("schedulefree")
 
@@ -224,7 +224,7 @@ def test_a_recipe_part_that_raises_is_named_and_the_run_goes_on_with_its_prior(t
 
 def test_the_in_run_lr_measurement_that_raises_leaves_the_prior_lr(tiny_cnn, tmp_path, monkeypatch):
     import torchspeed.plan.inrun as inrun
-    from torchspeed.train.callbacks import Callback
+    from torchspeed.train.loop.callbacks import Callback
 
     def boom(*a, **k):
         raise ValueError("range test diverged at once")
@@ -250,7 +250,7 @@ def test_every_part_measures_together_on_a_long_run_where_schedule_free_wins(tin
     run trains to its end."""
     pytest.importorskip("schedulefree")
     import torchspeed.tune.optimizer_trial as trial_mod
-    from torchspeed.train.callbacks import Callback
+    from torchspeed.train.loop.callbacks import Callback
 
     stepped = []
     real_call = __import__("torchspeed.tune._common", fromlist=["TrainStep"]).TrainStep.__call__

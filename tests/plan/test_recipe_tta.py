@@ -14,7 +14,7 @@ from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import TrialCache
 from torchspeed.train.eval_view import eval_weights
 from torchspeed.train.evaluate import evaluate
-from torchspeed.train.trainer import Trainer
+from torchspeed.train.loop.trainer import Trainer
 
 
 def _net():

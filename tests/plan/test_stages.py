@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
-from torchspeed.train.autoswitch import SwitchStage
+from torchspeed.train.trial.autoswitch import SwitchStage
 from torchspeed.plan.stages import STAGES, RunContext, Stage, register_stage, render_stages, stages, unregister_stage
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, DecisionConflict, Decisions
@@ -125,7 +125,7 @@ def test_fit_returns_write_once_decisions_by_construction(tiny_cnn):
 def test_the_trainer_applies_the_plans_decisions_and_refines_them_only_by_name(tiny_cnn):
     """The Trainer records into the plan's decisions (one object: what the stages in the run write, it shows); a
     key decided before and decided again is refined, never silently overwritten."""
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     plan = torchspeed.plan.make_plan(tiny_cnn(), _loader(), TrainConfig(epochs=1, **FAST), lr=0.05)
     trainer = Trainer(tiny_cnn(), lr=plan.lr, config=plan.config, decisions=plan.decisions)
@@ -151,8 +151,8 @@ def test_the_plans_trials_measure_at_the_precision_the_switch_trial_chose(tiny_c
     import torchspeed.tune.optimizer_trial as trial_mod
     from torchspeed.plan import budget, recipe, recipe_optimizer
     from torchspeed.tune import lr_peak
-    from torchspeed.train.callbacks import Callback
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.callbacks import Callback
+    from torchspeed.train.loop.trainer import Trainer
 
     monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx512_bf16")
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
@@ -183,7 +183,7 @@ def test_the_plans_trials_measure_at_the_precision_the_switch_trial_chose(tiny_c
             if seen["LR range test"] and trainer.step >= 2:
                 trainer.request_stop("the test saw every measurement")
 
-    from torchspeed.train.shadow import ShadowTurns
+    from torchspeed.train.trial.shadow import ShadowTurns
     prepared, timed_apart = [], []  # the switch stages in the order they are armed; the stages that time turns apart
     real_prepare, real_turn = SwitchStage.prepare, ShadowTurns.step
     monkeypatch.setattr(SwitchStage, "prepare",
@@ -213,8 +213,8 @@ def test_under_fit_the_plan_decides_the_backends_and_the_rules_and_the_trainer_o
     """fit = the plan + the Trainer: the backend switches (cudnn.benchmark and TF32, threads, malloc) and the rules'
     precision and layout are decided once, by the plan's "backends" and "rules" stages, before any stage measures;
     the Trainer reads them. A Trainer built without a plan still decides them itself, with the same functions."""
-    import torchspeed.train.trainer as trainer_mod
-    from torchspeed.train.trainer import Trainer
+    import torchspeed.train.loop.trainer as trainer_mod
+    from torchspeed.train.loop.trainer import Trainer
 
     before = [s.name for s in stages("before")]
     assert before.index("backends") < before.index("switches") < before.index("tuners")
@@ -239,7 +239,7 @@ def test_the_switch_trial_is_the_plans_first_steps_stage_and_the_trainer_steps_w
     the switch trial while it is live. Without the plan's `switch_trial` stage, fit's run has no switch trial; a
     Trainer on its own arms both with the same functions."""
     import torchspeed.plan.planner as planner
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     assert [s.name for s in stages("first_steps")] == ["switch_trial", "compile_trial"]
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))  # a measured trial, not an earlier test's cache

@@ -19,8 +19,8 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import torchspeed  # noqa: E402
-from torchspeed.train.callbacks import EMA  # noqa: E402
-from torchspeed.train.checkpoint import save_checkpoint  # noqa: E402
+from torchspeed.train.loop.callbacks import EMA  # noqa: E402
+from torchspeed.train.state.checkpoint import save_checkpoint  # noqa: E402
 from torchspeed.train.sampler import ResumableSampler  # noqa: E402
 
 EPOCHS, N, BATCH = 3, 640, 8  # 80 batches per epoch, 240 optimizer steps
@@ -47,7 +47,7 @@ def main() -> None:
                             max_steps=steps, parallel="fsdp2" if fsdp2 else "auto", callbacks=[ema] if ema else None)
     if "resumed_from" in result.decisions:
         print("resumed", result.decisions["resumed_from"], flush=True)
-    from torchspeed.train.fsdp import full_state_dict  # the whole model (from its shards under FSDP2)
+    from torchspeed.train.parallel.fsdp import full_state_dict  # the whole model (from its shards under FSDP2)
 
     final = {"model": full_state_dict(model), "steps": result.steps}
     if ema is not None:

@@ -15,7 +15,8 @@ from torch import nn
 
 import torchspeed
 from torchspeed.cli.main import COMMANDS, main
-from torchspeed.train.checkpoint import CheckpointManager, CheckpointMismatchError, load_checkpoint, save_checkpoint
+from torchspeed.train.state.checkpoint import (CheckpointManager, CheckpointMismatchError, load_checkpoint,
+                                               save_checkpoint)
 
 
 def _cli(capsys, *argv):
@@ -121,14 +122,14 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, caplog):
 def test_not_a_checkpoint(tmp_path):
     bad = tmp_path / "notes.pt"
     bad.write_text("these are my notes, not weights")
-    with pytest.raises(torchspeed.train.checkpoint.CorruptCheckpointError, match="cannot be read"):
+    with pytest.raises(torchspeed.train.state.checkpoint.CorruptCheckpointError, match="cannot be read"):
         load_checkpoint(bad)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_checkpoint(tmp_path / "missing.pt")
     with pytest.raises(IsADirectoryError, match="is a folder"):
         load_checkpoint(tmp_path)
     save_checkpoint(tmp_path / "weights.pt", _net().state_dict())  # plain weights are not a training state
-    with pytest.raises(torchspeed.train.checkpoint.CheckpointError, match="only weights"):
+    with pytest.raises(torchspeed.train.state.checkpoint.CheckpointError, match="only weights"):
         torchspeed.fit(_net(), _data(), resume=str(tmp_path / "weights.pt"), **_FIT)
 
 

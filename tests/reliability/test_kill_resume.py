@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchspeed.train.checkpoint import load_checkpoint
-from torchspeed.train.dcp import ShardedCheckpoints, export_checkpoint
+from torchspeed.train.state.checkpoint import load_checkpoint
+from torchspeed.train.state.dcp import ShardedCheckpoints, export_checkpoint
 
 CHILD = Path(__file__).with_name("_kill_child.py")
 TOTAL_STEPS = 240

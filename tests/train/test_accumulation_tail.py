@@ -17,10 +17,10 @@ from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, Ten
 
 import torchspeed
 from torchspeed.train.batch_ramp import BatchRamp
-from torchspeed.train.callbacks import Callback
-from torchspeed.train.checkpoint import load_checkpoint
+from torchspeed.train.loop.callbacks import Callback
+from torchspeed.train.state.checkpoint import load_checkpoint
 from torchspeed.train.schedule import create_scheduler
-from torchspeed.train.step import AccumulationWindow
+from torchspeed.train.loop.step import AccumulationWindow
 
 _FIT = dict(device="cpu", progress=False, trial=False, compile=False, precision="fp32", deterministic=True, seed=0)
 

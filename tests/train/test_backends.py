@@ -6,7 +6,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from torchspeed.train.backends import enable_tf32
+from torchspeed.train.trial.backends import enable_tf32
 
 
 class _Mixed:
@@ -70,7 +70,7 @@ class _SeesAutotune(torch.nn.Module):
 
 
 def test_no_autotune_turns_cudnn_benchmark_off_inside_and_restores_it_after_an_error():
-    from torchspeed.train.backends import no_autotune
+    from torchspeed.train.trial.backends import no_autotune
 
     before = torch.backends.cudnn.benchmark
     try:
@@ -92,7 +92,7 @@ def test_the_plans_odd_shaped_probes_run_without_autotuning_and_training_with_it
     from torch.utils.data import DataLoader, TensorDataset
     from torchspeed.env import DeviceCaps
     from torchspeed.plan.recipe import is_classifier
-    from torchspeed.train.autoswitch import SwitchStage
+    from torchspeed.train.trial.autoswitch import SwitchStage
     from torchspeed.train.noise import measure_noise_scale
 
     before = torch.backends.cudnn.benchmark

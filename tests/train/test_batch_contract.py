@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import torchspeed
 from torchspeed.train import Trainer, TrainConfig, evaluate
-from torchspeed.train.batch import count_correct, forward_loss, split_batch
-from torchspeed.train.checkpoint import load_checkpoint
+from torchspeed.train.loop.batch import count_correct, forward_loss, split_batch
+from torchspeed.train.state.checkpoint import load_checkpoint
 
 FAST = dict(compile=False, progress=False, precision="fp32", trial=False)  # bit-exact comparisons: no timing-based choice
 
@@ -223,7 +223,7 @@ def test_compile_does_not_recompile_for_every_sequence_length():
 
 
 def test_first_samples_cuts_every_per_sample_part_and_leaves_the_rest():
-    from torchspeed.train.batch import first_samples
+    from torchspeed.train.loop.batch import first_samples
 
     x, y, mask = torch.randn(8, 3, 4, 4), torch.arange(8), torch.ones(5)
     a, b = first_samples((x, y), 2)
@@ -349,7 +349,7 @@ def test_binary_and_multi_label_losses_count_accuracy_per_element_and_regression
 def test_a_dict_of_scalar_losses_by_other_names_is_summed_as_torchvisions_retinanet_returns():
     """RetinaNet, FCOS and SSD return {'classification': ..., 'bbox_regression': ...}: no key says "loss", every
     value is a scalar: they are the losses, summed; a dict holding a tensor that is not a scalar stays logits."""
-    from torchspeed.train.batch import read_output
+    from torchspeed.train.loop.batch import read_output
 
     cls, box = torch.tensor(1.5, requires_grad=True), torch.tensor(0.25, requires_grad=True)
     out = read_output({"classification": cls, "bbox_regression": box})

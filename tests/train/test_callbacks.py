@@ -8,8 +8,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
-from torchspeed.train.callbacks import EMA, Callback, CallbackList, EarlyStopping
-from torchspeed.train.checkpoint import CheckpointManager, load_checkpoint
+from torchspeed.train.loop.callbacks import EMA, Callback, CallbackList, EarlyStopping
+from torchspeed.train.state.checkpoint import CheckpointManager, load_checkpoint
 from torchspeed.train.evaluate import evaluate
 from torchspeed.train.sampler import ResumableSampler
 

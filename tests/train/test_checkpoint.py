@@ -8,12 +8,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
-import torchspeed.train.resume as resume_mod
-from torchspeed.train.checkpoint import (CheckpointManager, CheckpointMismatchError, CorruptCheckpointError,
-                                         check_state_dict, load_checkpoint, save_checkpoint, verify_checkpoint)
-from torchspeed.train.guard import (NonFiniteLossError, TrainingOutOfMemoryError, is_out_of_memory,
-                                    out_of_memory_error)
-from torchspeed.train.rng import capture_rng_state, restore_rng_state
+import torchspeed.train.state.resume as resume_mod
+from torchspeed.train.state.checkpoint import (CheckpointManager, CheckpointMismatchError, CorruptCheckpointError,
+                                               check_state_dict, load_checkpoint, save_checkpoint, verify_checkpoint)
+from torchspeed.train.loop.guard import (NonFiniteLossError, TrainingOutOfMemoryError, is_out_of_memory,
+                                         out_of_memory_error)
+from torchspeed.train.state.rng import capture_rng_state, restore_rng_state
 from torchspeed.train.sampler import ResumableSampler
 
 
@@ -222,7 +222,7 @@ def test_nonfinite_loss_skips_the_step(tmp_path):
 
     # Reference: the same loop by hand, leaving out the updates of batches 3 and 7.
     ref = _mlp()
-    torchspeed.train.rng.seed_everything(0)
+    torchspeed.train.state.rng.seed_everything(0)
     # the same optimizer fit builds: given its LR, torch's own kernel (the plan's kernel rule)
     opt = torchspeed.create_optimizer("sgd", ref, lr=0.05, weight_decay=5e-4, fused="default")
     for i, (x, y) in enumerate(_loader("list", nan_batches=(3, 7))):

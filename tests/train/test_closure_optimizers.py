@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import torchspeed
-from torchspeed.train.step import closure_for, needs_closure
+from torchspeed.train.loop.step import closure_for, needs_closure
 
 
 def _problem(seed=0):

@@ -1,4 +1,4 @@
-"""`fit` makes and steps its optimizer without importing torch._dynamo (train/dynamo_deferred.py), and the
+"""`fit` makes and steps its optimizer without importing torch._dynamo (train/trial/dynamo_deferred.py), and the
 updates are torch's own, bit for bit."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from torchspeed.train import dynamo_deferred
-from torchspeed.train.dynamo_deferred import deferred_dynamo, torch_step, torch_zero_grad
-from torchspeed.train.lean_step import lean_step_for
+from torchspeed.train.trial import dynamo_deferred
+from torchspeed.train.trial.dynamo_deferred import deferred_dynamo, torch_step, torch_zero_grad
+from torchspeed.train.loop.lean_step import lean_step_for
 
 
 def test_fit_in_a_fresh_process_never_imports_torch_dynamo_and_trains_as_torchs_adamw():
@@ -61,7 +61,7 @@ def test_the_switch_trials_turns_timed_apart_do_not_import_torch_dynamo_either(t
         from torch import nn
         from torch.utils.data import DataLoader, TensorDataset
         import torchspeed
-        from torchspeed.train import shadow
+        from torchspeed.train.trial import shadow
         turns = []
         step = shadow.ShadowTurns.step
         shadow.ShadowTurns.step = lambda self, *a, **k: turns.append(1) or step(self, *a, **k)

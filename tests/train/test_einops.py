@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
-import torchspeed.train.compile as compile_mod
+import torchspeed.train.trial.compile as compile_mod
 
 
 class PatchMixer(nn.Module):

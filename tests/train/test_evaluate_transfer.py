@@ -2,7 +2,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed.train.evaluate import evaluate, tta_views
-from torchspeed.train.metrics import DeviceMeter
+from torchspeed.train.loop.metrics import DeviceMeter
 from torchspeed.train.transfer import Prefetcher, loader_kwargs, to_device
 
 

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import torchspeed
 from torchspeed.train.optim import create_optimizer
 from torchspeed.train.optim_info import WEIGHT_DECAY
-from torchspeed.train.trainer import Trainer
+from torchspeed.train.loop.trainer import Trainer
 
 
 def _loader(n=48, batch=16):
@@ -134,7 +134,7 @@ def test_a_second_fit_of_one_trainer_gets_its_own_schedule_segment():
     """Staged training on one Trainer: the second `fit` trains its epochs on from the first's last step with a new
     one-cycle segment (its LR rises again and anneals) instead of stepping the first call's schedule past its
     end (torch: "Tried to step 4 times. The specified number of total steps is 3")."""
-    from torchspeed.train.callbacks import Callback
+    from torchspeed.train.loop.callbacks import Callback
     from torchspeed.train.config import TrainConfig
 
     class LRs(Callback):

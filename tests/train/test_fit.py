@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import torchspeed
 from torchspeed.bench.workloads import create_model, digits
 from torchspeed.train import Trainer, TrainConfig
-from torchspeed.train.compile import CompileTrial
+from torchspeed.train.trial.compile import CompileTrial
 
 
 def _loaders(batch=32):
@@ -101,7 +101,7 @@ def test_loss_read_only_every_log_every_steps(monkeypatch):
 
 
 def test_compile_failure_falls_back_to_eager_with_a_message(monkeypatch, caplog):
-    import torchspeed.train.compile as compile_mod
+    import torchspeed.train.trial.compile as compile_mod
 
     class Boom(torch.nn.Module):
         def __init__(self, inner):
@@ -196,7 +196,7 @@ def test_compile_trial_picks_the_fastest_mode_and_skips_a_failed_one():
 
 
 def test_compile_auto_leaves_a_short_run_eager_without_compiling(monkeypatch):
-    import torchspeed.train.compile as compile_mod
+    import torchspeed.train.trial.compile as compile_mod
 
     calls = []
     monkeypatch.setattr(compile_mod, "compile_model", lambda model, mode=None: calls.append(mode) or model)

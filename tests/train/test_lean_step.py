@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
-from torchspeed.train.lean_step import lean_step_for
+from torchspeed.train.loop.lean_step import lean_step_for
 from torchspeed.train.optim import zero_grad
-from torchspeed.train.step import optimizer_step
+from torchspeed.train.loop.step import optimizer_step
 
 
 def _model(seed=0):
@@ -114,7 +114,7 @@ def test_the_lean_default_step_leaves_the_gradients_as_backward_wrote_them():
 def test_the_lists_are_made_in_the_first_step_so_the_second_carries_no_one_off_work(monkeypatch):
     """torch's first step makes the state; the lean lists (and the flat moments' copy) are made right after it, in
     that step, not in the second, which a switch trial times as the plain settings' first timed step."""
-    from torchspeed.train.lean_step import LeanStep
+    from torchspeed.train.loop.lean_step import LeanStep
 
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -139,7 +139,7 @@ def test_the_lists_are_made_in_the_first_step_so_the_second_carries_no_one_off_w
 def test_where_the_lists_cannot_be_made_the_first_step_tries_once_more_and_no_later_step_does(monkeypatch):
     """A tensor LR on torch's default kernel (its foreach path refuses it): every step is torch's; `prepare` adds one
     try after the first step, not one a step on the hot path."""
-    from torchspeed.train.lean_step import LeanStep
+    from torchspeed.train.loop.lean_step import LeanStep
 
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(2e-3))
@@ -278,7 +278,7 @@ def test_fit_steps_a_fused_adamw_through_the_lean_step(adamw_step_calls):
 
 
 # ------------------------------------------------------------------ the moments in flat buffers (flat_state)
-from torchspeed.train import flat_state  # noqa: E402
+from torchspeed.train.state import flat_state  # noqa: E402
 
 
 def _shares_one_buffer(opt, key):

@@ -1,7 +1,7 @@
 import torch
 
 from torchspeed.train import Trainer, TrainConfig
-from torchspeed.train.memory_format import apply_channels_last, has_conv2d, is_channels_last, to_channels_last
+from torchspeed.train.trial.memory_format import apply_channels_last, has_conv2d, is_channels_last, to_channels_last
 
 
 def test_apply_channels_last_changes_weight_strides(tiny_cnn):

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
-from torchspeed.train.callbacks import Callback
+from torchspeed.train.loop.callbacks import Callback
 
 pytest.importorskip("torchvision")
 
@@ -158,7 +158,7 @@ def test_model_zoo_trains_without_step_fn(name, cpu_profile):
 
 
 def test_detection_batch_size_counts_the_list_and_parts_are_measured(cpu_profile):
-    from torchspeed.train.batch import batch_size
+    from torchspeed.train.loop.batch import batch_size
 
     torch.manual_seed(0)
     model, batch, opts = tv_detection()

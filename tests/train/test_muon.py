@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
 from torchspeed.bench.text import GPT
-from torchspeed.train.checkpoint import load_checkpoint
+from torchspeed.train.state.checkpoint import load_checkpoint
 from torchspeed.train.optim import (MuonAdamW, create_optimizer, describe_optimizer, hidden_matrices, matrix_share,
                                     mostly_matrices)
 from torchspeed.train.schedule import create_scheduler
@@ -128,7 +128,7 @@ def test_checkpoint_round_trip_restores_identical_state():
 
 
 def test_grad_scaler_unscales_and_steps_both_parts():
-    from torchspeed.train.step import optimizer_step
+    from torchspeed.train.loop.step import optimizer_step
 
     model = _mlp()
     opt = create_optimizer("muon", model, lr=1e-2, weight_decay=0.05)

@@ -10,7 +10,7 @@ from torchspeed.train.optim import create_optimizer, is_schedule_free
 from torchspeed.train.optim_info import (OPTIM_INFO, OPTIMIZERS, WEIGHT_DECAY, OptimInfo, default_weight_decay,
                                          optimizer_available, optimizer_info, register_optimizer)
 from torchspeed.train.schedule import lr_rule, scale_lr_for_batch
-from torchspeed.train.switch_choice import fusable
+from torchspeed.train.trial.switch_choice import fusable
 
 
 def _model():

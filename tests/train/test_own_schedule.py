@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
-from torchspeed.train.callbacks import Callback
+from torchspeed.train.loop.callbacks import Callback
 from torchspeed.train.schedule import EpochScheduler, create_scheduler
 
 FAST = dict(compile=False, progress=False, precision="fp32", trial=False)

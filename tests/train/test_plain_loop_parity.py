@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset, random_split
 
 import torchspeed
 from torchspeed.bench.small import SMALL, evaluate_plain, make_small, plain_loop
-from torchspeed.train import callbacks as cb_mod
-from torchspeed.train.callbacks import Callback, EarlyStopping
+from torchspeed.train.loop import callbacks as cb_mod
+from torchspeed.train.loop.callbacks import Callback, EarlyStopping
 from torchspeed.train.config import parse_eval_every
 from torchspeed.train.evaluate import EvalClock, evaluate
 from torchspeed.train.in_memory import SlicedLoader, keep_on_device, sliced_loader
@@ -211,7 +211,7 @@ def test_a_callback_that_uses_the_step_event_gets_every_step():
 def test_with_a_val_loader_the_train_step_counts_no_correct_predictions(monkeypatch):
     """The per-step argmax, compare and sum are the accuracy a plain loop does not compute: with a validation loader
     val_acc is the accuracy, and the loop leaves them out unless train_acc is asked for (metrics.train_accuracy)."""
-    from torchspeed.train.batch import StepOutput
+    from torchspeed.train.loop.batch import StepOutput
 
     counted = []
     real = StepOutput.correct
@@ -279,7 +279,7 @@ def test_fit_trains_at_the_lr_it_was_given_and_says_why():
 def test_a_run_that_names_an_optimizer_and_no_lr_trains_at_that_optimizers_default():
     """fit(optimizer="adamw") with no LR trained AdamW at a one-cycle peak of 0.1, SGD's LR, 100x Adam's own."""
     from torchspeed.train.optim_info import default_lr
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     x, y = _data()
     loader = DataLoader(TensorDataset(x, y), batch_size=20, shuffle=True)
@@ -468,7 +468,7 @@ def test_fit_with_eval_every_seconds_validates_inside_a_long_epoch(monkeypatch):
     FitResult.evaluations see each one) and at the run's end."""
     import functools
 
-    import torchspeed.train.trainer as trainer_mod
+    import torchspeed.train.loop.trainer as trainer_mod
 
     ticks = iter(range(10**6))
     monkeypatch.setattr(trainer_mod, "EvalClock", functools.partial(EvalClock, clock=lambda: float(next(ticks))))

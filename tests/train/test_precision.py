@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from torchspeed.env import detect
-from torchspeed.train.precision import make_grad_scaler, resolve_precision
+from torchspeed.train.trial.precision import make_grad_scaler, resolve_precision
 
 
 @pytest.mark.capability

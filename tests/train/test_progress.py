@@ -1,8 +1,8 @@
-"""The one home of rich progress bars (train/progress.py): what its factories build."""
+"""The one home of rich progress bars (train/loop/progress.py): what its factories build."""
 
 from rich.progress import SpinnerColumn, TimeElapsedColumn
 
-from torchspeed.train.progress import progress_bar, status_bar, track
+from torchspeed.train.loop.progress import progress_bar, status_bar, track
 
 
 def test_the_bar_is_silent_when_disabled_and_transient_by_default():

@@ -6,8 +6,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
 import torchspeed
-from torchspeed.train.checkpoint import CheckpointManager, ResumeMismatchError, load_checkpoint, save_checkpoint
-from torchspeed.train.fsdp import check_optimizer
+from torchspeed.train.state.checkpoint import CheckpointManager, ResumeMismatchError, load_checkpoint, save_checkpoint
+from torchspeed.train.parallel.fsdp import check_optimizer
 from torchspeed.train.sampler import DataPosition
 
 _FIT = dict(epochs=3, device="cpu", progress=False, deterministic=True, seed=0, compile=False,

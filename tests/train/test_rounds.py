@@ -1,10 +1,10 @@
-"""train/rounds.py, the one home of timing candidates in interleaved rounds: its schedule, its warm-up and its
+"""train/trial/rounds.py, the one home of timing candidates in interleaved rounds: its schedule, its warm-up and its
 statistics, on a fake clock and fixed measurements (no wall time)."""
 
 import pytest
 
-from torchspeed.train.rounds import (Turn, interleaved, medians, paired_ratios, ratio_summary, round_order, run_for,
-                                     turns)
+from torchspeed.train.trial.rounds import (Turn, interleaved, medians, paired_ratios, ratio_summary, round_order,
+                                           run_for, turns)
 
 
 def test_the_schedule_warms_each_candidate_then_runs_round_robin_rounds():

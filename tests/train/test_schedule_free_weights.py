@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed import Trainer, TrainConfig
-from torchspeed.train.callbacks import Callback
+from torchspeed.train.loop.callbacks import Callback
 from torchspeed.train.evaluate import evaluate
 
 pytest.importorskip("schedulefree")

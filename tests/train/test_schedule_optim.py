@@ -153,7 +153,7 @@ def test_schedule_free_batchnorm_is_recalibrated_on_the_newest_batches_in_the_ru
     from torchspeed.train.config import TrainConfig
     from torchspeed.train.eval_view import eval_weights, newest_samples
     from torchspeed.train.optim import SCHEDULE_FREE_BN_SAMPLES
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     batches = [(torch.full((n, 3, 4, 4), float(i)), torch.zeros(n, dtype=torch.long)) for i, n in
                enumerate((100, 100, 100, 100))]

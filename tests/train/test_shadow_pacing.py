@@ -1,4 +1,4 @@
-"""The switch trial's turns timed apart (train/shadow.py): paced in steps so that at any moment of the run they have
+"""The switch trial's turns timed apart (train/trial/shadow.py): paced in steps so that at any moment of the run they have
 cost about SHADOW_SHARE of its steps, never so late that the trial cannot finish, not once a candidate measures
 faster (then its turns train), the run's numerics untouched; a trial cut short by the run's end is not cached.
 
@@ -11,11 +11,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed.env import DeviceCaps
-from torchspeed.train import shadow as shadow_mod
-from torchspeed.train.callbacks import Callback
+from torchspeed.train.trial import shadow as shadow_mod
+from torchspeed.train.loop.callbacks import Callback
 from torchspeed.train.config import TrainConfig
-from torchspeed.train.shadow import ShadowTurns
-from torchspeed.train.trainer import Trainer
+from torchspeed.train.trial.shadow import ShadowTurns
+from torchspeed.train.loop.trainer import Trainer
 
 BF16_CPU = DeviceCaps("cpu", cpu_bf16=True, cores=2)
 

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
 from torchspeed.train.optim import create_optimizer, param_groups, sparse_gradients
-from torchspeed.train.switch_choice import fusable
+from torchspeed.train.trial.switch_choice import fusable
 
 
 class Bag(nn.Module):

@@ -9,16 +9,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from torchspeed.train.callbacks import Callback
-from torchspeed.train.checkpoint import CheckpointManager, load_checkpoint, save_checkpoint
+from torchspeed.train.loop.callbacks import Callback
+from torchspeed.train.state.checkpoint import CheckpointManager, load_checkpoint, save_checkpoint
 from torchspeed.train.config import TrainConfig
-from torchspeed.train.dcp import ShardedCheckpoints
-from torchspeed.train.guard import NonFiniteGuard
+from torchspeed.train.state.dcp import ShardedCheckpoints
+from torchspeed.train.loop.guard import NonFiniteGuard
 from torchspeed.train.sampler import ResumableSampler
-from torchspeed.train.stateful import MissingPartError, collect_state
-from torchspeed.train.store import StepStore
-from torchspeed.train.switch_choice import Switches
-from torchspeed.train.trainer import Trainer
+from torchspeed.train.state.stateful import MissingPartError, collect_state
+from torchspeed.train.state.store import StepStore
+from torchspeed.train.trial.switch_choice import Switches
+from torchspeed.train.loop.trainer import Trainer
 
 STEPS = 24  # 2 epochs x 12 batches
 

@@ -6,8 +6,8 @@ import torch
 
 from torchspeed.train import Trainer, TrainConfig
 from torchspeed.train.optim import zero_grad
-from torchspeed.train.precision import resolve_precision
-from torchspeed.train.step import backward, optimizer_step
+from torchspeed.train.trial.precision import resolve_precision
+from torchspeed.train.loop.step import backward, optimizer_step
 
 
 def _data(n=16, seed=0):
@@ -111,7 +111,7 @@ def test_clipping_bounds_the_gradient_norm_in_the_trainer():
 
 
 def test_accumulation_window_closes_every_k_and_skips_ddp_sync_until_the_last():
-    from torchspeed.train.step import AccumulationWindow
+    from torchspeed.train.loop.step import AccumulationWindow
 
     class FakeDDP:
         def __init__(self):
@@ -137,7 +137,7 @@ def test_accumulation_window_closes_every_k_and_skips_ddp_sync_until_the_last():
 
 
 def test_mixed_precision_owns_its_scaler_and_state():
-    from torchspeed.train.precision import MixedPrecision
+    from torchspeed.train.trial.precision import MixedPrecision
 
     fp16 = MixedPrecision(resolve_precision("fp16", device="cpu"))
     assert fp16.scaler is not None and fp16.name == "fp16"

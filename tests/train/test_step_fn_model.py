@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import torchspeed
-from torchspeed.train.compile import CompileController
+from torchspeed.train.trial.compile import CompileController
 
 
 class WordLM(nn.Module):

@@ -1,4 +1,4 @@
-"""Every automatic switch measured on the run's own first steps (train/switches.py, train/autoswitch.py).
+"""Every automatic switch measured on the run's own first steps (train/trial/switches.py, train/trial/autoswitch.py).
 
 The decisions are tested with injected device capabilities and injected measurements: nothing
 here depends on this machine's CPU, its load or the wall clock.
@@ -10,12 +10,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
-from torchspeed.train.autoswitch import SwitchStage
+from torchspeed.train.trial.autoswitch import SwitchStage
 from torchspeed.env import DeviceCaps
 from torchspeed.train.decision import Decision, TrialCache
-from torchspeed.train.precision import resolve_precision
-from torchspeed.train.rounds import share_faster
-from torchspeed.train.switch_choice import Switches, candidate_grid, choose, numerics_ok
+from torchspeed.train.trial.precision import resolve_precision
+from torchspeed.train.trial.rounds import share_faster
+from torchspeed.train.trial.switch_choice import Switches, candidate_grid, choose, numerics_ok
 
 AVX2 = DeviceCaps("cpu", cpu_bf16=False, cores=2)
 BF16_CPU = DeviceCaps("cpu", cpu_bf16=True, cores=2)
@@ -90,7 +90,7 @@ def test_numerics_guard():
 def _trainer(model, caps, *, seconds=None, optimizer=None, lr=0.05, **cfg):
     """A Trainer with injected capabilities and, when `seconds` is given, injected step times per candidate label."""
     from torchspeed.train.config import TrainConfig
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     kw = dict(epochs=1, progress=False, compile=False, trial=True, fused_optimizer=False) | cfg
     t = Trainer(model, optimizer=optimizer if optimizer is not None else "sgd", lr=lr, config=TrainConfig(**kw),
@@ -117,7 +117,7 @@ def test_bf16_cpu_where_bf16_loses_keeps_fp32(tiny_cnn):
     assert d["channels_last"].value is True and d["fused_optimizer"].value is True
     assert d["switch_trial"].value == "measured" and d["switch_trial"].measured["stages"][0]["chosen"] == \
         "fp32+channels_last+fused"
-    from torchspeed.train.autoswitch import TRIAL_SETTINGS
+    from torchspeed.train.trial.autoswitch import TRIAL_SETTINGS
     per = TRIAL_SETTINGS["warmup"] + TRIAL_SETTINGS["rounds"] * TRIAL_SETTINGS["steps"]
     assert t.calls.count("bf16+channels_last+fused") == per  # warm-up, then interleaved rounds of timed steps
     assert t.calls.index("bf16+fused") < t.calls.index("fp32+channels_last+fused", 4)  # interleaved, not in blocks
@@ -126,7 +126,7 @@ def test_bf16_cpu_where_bf16_loses_keeps_fp32(tiny_cnn):
 def test_a_long_shot_leaves_the_trial_after_its_first_timed_step():
     """A candidate DROP_AT x slower than the fastest after round 1 takes no later turns (each would cost the run a
     slow step); one within DROP_AT stays for every round; the choice and the record are unchanged otherwise."""
-    from torchspeed.train.switches import DROP_AT, LiveTrial
+    from torchspeed.train.trial.switches import DROP_AT, LiveTrial
 
     grid = candidate_grid(caps=BF16_CPU, has_conv=True)  # fp32, fp32+cl, bf16, bf16+cl
     secs = {"fp32": 2.0, "fp32+channels_last": 1.3, "bf16": 2.2, "bf16+channels_last": 1.0}
@@ -145,7 +145,7 @@ def test_a_long_shot_leaves_the_trial_after_its_first_timed_step():
 def test_a_candidate_beaten_on_every_timed_step_leaves_the_later_rounds():
     """Once each candidate has two timed steps, one whose fastest is slower than every step of the fastest leaves
     the later rounds; one whose steps overlap the fastest's stays for every round; the choice is the same."""
-    from torchspeed.train.switches import LiveTrial
+    from torchspeed.train.trial.switches import LiveTrial
 
     grid = candidate_grid(caps=BF16_CPU, has_conv=True)  # fp32, fp32+cl, bf16, bf16+cl
     secs = {"fp32": [1.0, 1.2], "fp32+channels_last": [0.9, 1.1], "bf16": [1.25, 1.3],
@@ -169,7 +169,7 @@ def test_the_plain_settings_leave_the_race_only_to_a_candidate_ahead_by_ahead():
     """Two timed steps each, every one of the plain settings' slower than every one of channels_last's: at a 2%
     lead (noise can do that, and their leaving decides a change) the plain settings take every round, and their
     later steps keep them; at a 30% lead (AHEAD: 10%) they leave after round 1."""
-    from torchspeed.train.switches import LiveTrial
+    from torchspeed.train.trial.switches import LiveTrial
 
     grid = candidate_grid(caps=AVX2, has_conv=True)  # fp32, fp32+channels_last
     for cl, rounds_plain in ((0.98, 1 + 3 * 2), (0.7, 1 + 2)):
@@ -187,7 +187,7 @@ def test_the_measuring_cost_counts_warm_up_steps_but_not_the_runs_start_up():
     """extra_seconds: every trial step above the winner's median, the warm-up steps (a switch of settings and its
     first step's one-off work) included; the run's first step only up to its candidate's own median, since
     any run pays its start-up once."""
-    from torchspeed.train.switches import LiveTrial
+    from torchspeed.train.trial.switches import LiveTrial
 
     grid = candidate_grid(caps=BF16_CPU, has_conv=False)  # fp32, bf16
     trial = LiveTrial(grid, rounds=1, steps=1, warmup=1)
@@ -205,7 +205,7 @@ def test_the_measuring_cost_counts_warm_up_steps_but_not_the_runs_start_up():
 def test_the_long_shot_cut_is_measured_from_a_candidate_the_numerics_guard_allows():
     """The fastest candidate moves the loss: the others are judged against the fastest allowed one, so the
     plain settings are not dropped for being slower than a candidate that cannot be taken."""
-    from torchspeed.train.switches import LiveTrial
+    from torchspeed.train.trial.switches import LiveTrial
 
     grid = candidate_grid(caps=BF16_CPU, has_conv=False)  # fp32, bf16
     trial = LiveTrial(grid, rounds=3, steps=1, warmup=1, losses={"fp32": 2.3, "bf16": 2.9})
@@ -222,7 +222,7 @@ def test_a_candidate_the_numerics_guard_refuses_never_leads():
     """bf16 measures 2.5x faster but moves the loss 26%: it never counts as ahead, so its turns stay timed apart
     (a refused precision must not train the run's steps); allowed, the same times lead after its first look. Where
     channels_last leads, the run's other turns train, but not a refused precision's."""
-    from torchspeed.train.switches import LiveTrial
+    from torchspeed.train.trial.switches import LiveTrial
 
     grid = candidate_grid(caps=BF16_CPU, has_conv=False)  # fp32, bf16
     for bf16_loss, leads in ((2.9, False), (2.31, True)):
@@ -241,7 +241,7 @@ def test_a_candidate_the_numerics_guard_refuses_never_leads():
 
 
 def test_a_half_precision_that_moves_the_loss_is_not_taken(tiny_cnn, monkeypatch):
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     monkeypatch.setattr(SwitchStage, "_numerics_losses", lambda self, batch: {"fp32": 2.3, "bf16": 2.9})
     t = _trainer(tiny_cnn(), BF16_CPU, seconds={"fp32": 1.0, "fp32+channels_last": 1.0, "bf16": 0.5,
@@ -485,7 +485,7 @@ def test_a_trial_that_keeps_the_plain_layout_trains_the_run_the_plain_loop_train
 def test_a_short_run_takes_no_more_turns_timed_apart_than_its_share(tiny_cnn, monkeypatch):
     """Each turn timed apart is a forward and backward thrown away: a run of known length takes, beyond the first
     look (the warm-up and one timed turn), at most SHADOW_SHARE of its steps of them, and decides on those."""
-    monkeypatch.setattr("torchspeed.train.shadow.SHADOW_SHARE", 0.05)
+    monkeypatch.setattr("torchspeed.train.trial.shadow.SHADOW_SHARE", 0.05)
     t = _trainer(tiny_cnn(), AVX2, seconds={"fp32": 1.0, "fp32+channels_last": 1.3})  # never ahead: timed apart
     t.switcher.race = False
     res = t.fit(_loader(n=16 * 60))  # 60 steps: 3 turns (5%)
@@ -538,7 +538,7 @@ def test_fit_and_the_bench_all_row_make_the_same_decisions(monkeypatch):
     from torchspeed.bench import _worker
     from torchspeed.bench.runner import bench_configs
     from torchspeed.bench.workloads import create_model
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     seconds = {"fp32+fused": 1.0, "fp32+channels_last+fused": 0.7, "bf16+fused": 0.9,
                "bf16+channels_last+fused": 0.8, "fp32+channels_last+foreach": 0.75}
@@ -589,7 +589,7 @@ import os, resource, torch
 for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"): assert k not in os.environ
 torch.set_num_threads(1)
 from torchspeed.bench.workloads import create_model
-from torchspeed.train.backends import tune_malloc
+from torchspeed.train.trial.backends import tune_malloc
 m = create_model("resnet20"); opt = torch.optim.SGD(m.parameters(), lr=0.1)
 x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
 def faults(n=4):
@@ -613,7 +613,7 @@ print(before, faults(), d.value)
 
 
 def test_tune_malloc_calls_mallopt_with_the_bench_settings(monkeypatch):
-    import torchspeed.train.backends as backends
+    import torchspeed.train.trial.backends as backends
 
     monkeypatch.setattr(backends, "allocator_in_use", lambda: "glibc")
     for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
@@ -635,7 +635,7 @@ def test_decisions_are_decision_objects_and_json_ready(tiny_cnn, tmp_path):
 
 
 def test_a_candidate_that_cannot_run_is_out_of_the_race(tiny_cnn, monkeypatch):
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     real = Trainer.forward_backward
 
@@ -652,7 +652,7 @@ def test_a_candidate_that_cannot_run_is_out_of_the_race(tiny_cnn, monkeypatch):
 
 
 def test_threads_are_measured_only_when_loader_workers_share_the_cores(tiny_cnn):
-    from torchspeed.train.autoswitch import _thread_choices
+    from torchspeed.train.trial.autoswitch import _thread_choices
 
     ds = _loader().dataset
     assert _thread_choices(DataLoader(ds, num_workers=1), torch.device("cpu"), AVX2) == (2, 1)
@@ -681,7 +681,7 @@ def test_decisions_dump_to_json_as_they_are():
 def test_a_trial_measured_under_other_kernels_is_not_reused(tiny_cnn, tmp_path, monkeypatch):
     """ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA change which kernels run (bf16 measured 12x slower with AVX2
     kernels on a bf16 CPU): the cache key holds them, so a run under other kernels measures afresh."""
-    from torchspeed.train import autoswitch
+    from torchspeed.train.trial import autoswitch
 
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autoswitch, "kernel_isa", lambda: {"aten": "AVX512", "onednn": None})
@@ -704,7 +704,7 @@ def _drive(trial, seconds):
 def test_the_optimizer_kernel_stage_keeps_the_kernel_the_run_started_with_within_noise():
     """A short trial cannot resolve a 10% step difference: within min_gain the run keeps its (the rule's) fused
     kernel rather than foreach; foreach is taken only when it measures clearly faster."""
-    from torchspeed.train.switches import LiveTrial
+    from torchspeed.train.trial.switches import LiveTrial
 
     grid = [Switches("fp32", False, True)]
     tie = LiveTrial(grid, fused_choice=True, rounds=2, steps=1, warmup=1)
@@ -718,7 +718,7 @@ def test_the_optimizer_kernel_stage_keeps_the_kernel_the_run_started_with_within
 
 def test_the_numerics_guard_reads_a_few_samples_in_each_precision(tiny_cnn):
     """Before the first step, one no-grad forward per candidate precision on the first GUARD_SAMPLES samples."""
-    from torchspeed.train.autoswitch import GUARD_SAMPLES
+    from torchspeed.train.trial.autoswitch import GUARD_SAMPLES
 
     t = _trainer(tiny_cnn(), BF16_CPU, seconds={"fp32": 1.0, "fp32+channels_last": 1.0, "bf16": 1.0,
                                                 "bf16+channels_last": 1.0})
@@ -744,7 +744,8 @@ def test_the_optimizer_kernel_stage_times_the_optimizer_step_alone(tiny_cnn, mon
     """On a fake clock: every training forward costs 100 ms, the fused step 2 ms and the foreach step 6 ms. The
     kernel stage records the optimizer step's own seconds (its hooks); the layout stage and the times the compile
     trial reads stay whole steps."""
-    from torchspeed.train import autoswitch, shadow, step
+    from torchspeed.train.loop import step
+    from torchspeed.train.trial import autoswitch, shadow
 
     monkeypatch.setattr(autoswitch, "time", fake_clock)
     monkeypatch.setattr(shadow, "time", fake_clock)  # channels_last's turns are timed apart there
@@ -769,7 +770,7 @@ def test_the_optimizer_kernel_stage_times_the_optimizer_step_alone(tiny_cnn, mon
 
 def test_a_trial_cached_by_another_method_is_measured_again(tiny_cnn, monkeypatch):
     """The cache key holds the trial's method: an entry the same model left under an earlier method is not read."""
-    from torchspeed.train import autoswitch
+    from torchspeed.train.trial import autoswitch
 
     seconds = {"fp32": 1.0, "fp32+channels_last": 0.5}
     first = _trainer(tiny_cnn(), AVX2, seconds=seconds)
@@ -786,7 +787,7 @@ def test_a_measured_kernel_keeps_why_the_optimizer_was_chosen(tiny_cnn):
     """The switch trial changing the kernel describes the new kernel and keeps the reason the optimizer was chosen
     (the plan's recipe, a cache hit): the trial refines the optimizer's decision, it does not replace why."""
     from torchspeed.train import Trainer, TrainConfig
-    from torchspeed.train.switch_choice import Switches
+    from torchspeed.train.trial.switch_choice import Switches
 
     t = Trainer(tiny_cnn(), optimizer="sgd", lr=0.1, device="cpu", config=TrainConfig(
         precision="fp32", channels_last=False, compile=False, trial=False, progress=False, fused_optimizer=True),

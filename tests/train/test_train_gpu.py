@@ -6,8 +6,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
 from torchspeed.train import Prefetcher, Trainer, TrainConfig
-from torchspeed.train.backends import configure_backends
-from torchspeed.train.step import backward, optimizer_step
+from torchspeed.train.trial.backends import configure_backends
+from torchspeed.train.loop.step import backward, optimizer_step
 
 pytestmark = pytest.mark.gpu
 
@@ -121,7 +121,7 @@ def test_out_of_memory_in_a_step_names_the_fix_and_training_goes_on():
 
 
 def test_checkpoint_resume_restores_the_cuda_rng(tmp_path):
-    from torchspeed.train.rng import capture_rng_state, restore_rng_state
+    from torchspeed.train.state.rng import capture_rng_state, restore_rng_state
 
     torch.cuda.manual_seed(123)
     state = capture_rng_state()

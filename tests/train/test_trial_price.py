@@ -13,11 +13,11 @@ from torch.utils.data import DataLoader, TensorDataset
 import torchspeed
 from torchspeed.env import DeviceCaps
 from torchspeed.plan import planner
-from torchspeed.train.autoswitch import SwitchStage
+from torchspeed.train.trial.autoswitch import SwitchStage
 from torchspeed.train.config import TrainConfig
-from torchspeed.train.switch_choice import Switches
-from torchspeed.train.switches import LiveTrial
-from torchspeed.train.trainer import Trainer
+from torchspeed.train.trial.switch_choice import Switches
+from torchspeed.train.trial.switches import LiveTrial
+from torchspeed.train.loop.trainer import Trainer
 
 BF16_CPU = DeviceCaps("cpu", cpu_bf16=True, cores=2)
 GRID = [Switches("fp32", False, None), Switches("fp32", True, None), Switches("bf16", False, None),

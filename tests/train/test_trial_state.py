@@ -1,5 +1,5 @@
-"""The switch trial never ends a run and leaves the user's state as the plain step would (train/user_state.py,
-train/trial_safety.py): PyTorch's word-language-model example ported to `fit` (an LSTM whose hidden state the
+"""The switch trial never ends a run and leaves the user's state as the plain step would (train/trial/user_state.py,
+train/trial/trial_safety.py): PyTorch's word-language-model example ported to `fit` (an LSTM whose hidden state the
 `step_fn` carries between batches) trains to the end on a CPU with native bf16, with the plain loop's weights where
 the trial keeps fp32; so do a decoder that keeps a KV cache on `self` and a module with a Python-side step counter;
 a candidate that raises in its turn, or whose following plain step raises, leaves a run that finishes, with a
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import torchspeed
-from torchspeed.train.autoswitch import SwitchStage
+from torchspeed.train.trial.autoswitch import SwitchStage
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

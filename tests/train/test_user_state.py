@@ -1,4 +1,4 @@
-"""What `UserState` puts back and casts back (train/user_state.py): a step_fn's closure (a dict, a nonlocal), the
+"""What `UserState` puts back and casts back (train/trial/user_state.py): a step_fn's closure (a dict, a nonlocal), the
 globals it writes, a callable object's attributes, a forward's attributes on the model, another model's weights,
 gradients and optimizer state (a GAN's discriminator), tensors written in place; and a trained half-precision
 turn's bf16 tensors cast back to the dtype the state held."""
@@ -6,7 +6,7 @@ turn's bf16 tensors cast back to the dtype the state held."""
 import torch
 from torch import nn
 
-from torchspeed.train.user_state import UserState
+from torchspeed.train.trial.user_state import UserState
 
 CARRIED = None  # a global a step_fn writes (`global CARRIED`)
 

@@ -92,7 +92,7 @@ class _TrainerState(_State):
     def __init__(self, spec: dict):
         super().__init__(spec)
         from torchspeed.train.config import TrainConfig
-        from torchspeed.train.trainer import Trainer
+        from torchspeed.train.loop.trainer import Trainer
 
         cfg = TrainConfig(**spec["train"])
         self.trainer = Trainer(_model(spec), optimizer="sgd", lr=spec["lr"], device=self.device, config=cfg)
@@ -141,7 +141,7 @@ class _TrainerState(_State):
         if eval_batches is not None:
             loader = [b for _, b in zip(range(eval_batches), loader)]
         val = self.trainer.evaluate(loader)["val_acc"]
-        from torchspeed.train.metrics import jsonable
+        from torchspeed.train.loop.metrics import jsonable
 
         decisions = jsonable(self.trainer.decisions)  # each a {"value", "reason", "measured"} (the trial's cost too)
         decisions["allocator"] = self.allocator

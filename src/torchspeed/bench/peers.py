@@ -39,7 +39,7 @@ def lightning_available() -> bool:
 
 def lightning_precision(device: torch.device) -> str:
     """The Fabric precision a user picks for speed on `device` (see the module docstring)."""
-    from torchspeed.train.precision import half_precision
+    from torchspeed.train.trial.precision import half_precision
 
     return {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(half_precision(device), "32-true")
 

@@ -63,9 +63,9 @@ from torchspeed._io import write_json
 from torchspeed.bench.flops import mfu, peak_bf16_flops, train_flops_per_sample
 from torchspeed.env import GLIBC_MALLOC_ENV, default_device, detect
 from torchspeed.train.config import TrainConfig
-from torchspeed.train.precision import half_precision
-from torchspeed.train.progress import progress_bar
-from torchspeed.train.rounds import interleaved, paired_ratios
+from torchspeed.train.trial.precision import half_precision
+from torchspeed.train.loop.progress import progress_bar
+from torchspeed.train.trial.rounds import interleaved, paired_ratios
 
 __all__ = ["BenchConfig", "BenchRow", "BenchResult", "bench_configs", "run_bench", "provenance", "write_results"]
 
@@ -285,7 +285,7 @@ def provenance() -> dict:
 def not_applicable(configs: list[BenchConfig], model: str, *, image_size: int = 32) -> dict[str, str]:
     """{config name: why it cannot act on `model`} for the rows that would only measure noise."""
     from torchspeed.bench.workloads import create_model
-    from torchspeed.train.memory_format import has_conv2d
+    from torchspeed.train.trial.memory_format import has_conv2d
 
     with torch.device("meta"):  # shapes only: no memory, no weights initialised for real
         conv = has_conv2d(create_model(model, image_size=image_size))

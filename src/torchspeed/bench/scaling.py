@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from torchspeed.env import usable_cores
-from torchspeed.train.rounds import interleaved, paired_ratios
+from torchspeed.train.trial.rounds import interleaved, paired_ratios
 
 __all__ = ["ScalingRow", "ScalingResult", "measure_scaling", "run_scaling_cli"]
 
@@ -235,10 +235,10 @@ def _worker(job: dict) -> None:
     from torch.utils.data import DataLoader
 
     from torchspeed.bench.workloads import create_model, make_datasets
-    from torchspeed.train.distributed import all_reduce_sum, barrier, is_rank_zero
-    from torchspeed.train.shard import shard_loader
+    from torchspeed.train.parallel.distributed import all_reduce_sum, barrier, is_rank_zero
+    from torchspeed.train.parallel.shard import shard_loader
     from torchspeed.train.config import TrainConfig
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     torch.set_num_threads(job["threads"])
     torch.manual_seed(0)
@@ -270,7 +270,7 @@ def _worker(job: dict) -> None:
 
 
 if __name__ == "__main__":
-    from torchspeed.train.distributed import exit_process
+    from torchspeed.train.parallel.distributed import exit_process
 
     _worker(json.loads(sys.argv[1]))
     exit_process(0)  # not the interpreter teardown, which can abort a finished gloo rank

@@ -36,7 +36,7 @@ import torch
 
 from torchspeed.bench.scaling import _torchrun
 from torchspeed.env import usable_cores
-from torchspeed.train.rounds import turns
+from torchspeed.train.trial.rounds import turns
 
 __all__ = ["measure_sharding", "run_sharding_cli"]
 
@@ -152,10 +152,10 @@ def _worker(job: dict) -> None:
     from torch.utils.data import DataLoader
 
     from torchspeed.bench.workloads import create_model, make_datasets
-    from torchspeed.train.distributed import all_reduce_sum, barrier, broadcast_object, is_rank_zero
-    from torchspeed.train.shard import shard_loader
+    from torchspeed.train.parallel.distributed import all_reduce_sum, barrier, broadcast_object, is_rank_zero
+    from torchspeed.train.parallel.shard import shard_loader
     from torchspeed.train.config import TrainConfig
-    from torchspeed.train.trainer import Trainer
+    from torchspeed.train.loop.trainer import Trainer
 
     torch.set_num_threads(job["threads"])
     torch.manual_seed(0)
@@ -193,7 +193,7 @@ def _worker(job: dict) -> None:
 
 
 if __name__ == "__main__":
-    from torchspeed.train.distributed import exit_process
+    from torchspeed.train.parallel.distributed import exit_process
 
     _worker(json.loads(sys.argv[1]))
     exit_process(0)

@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from torchspeed.bench.tta_table import target_entries
 from torchspeed.train.optim import SCHEDULE_FREE_LR
-from torchspeed.train.progress import progress_bar
+from torchspeed.train.loop.progress import progress_bar
 
 __all__ = ["DEFAULT_TARGETS", "BUDGETS", "CONFIGS", "TTARun", "TTAResult", "resolve_targets", "run_time_to_target",
            "attach_time_to_target", "shortest_budget"]

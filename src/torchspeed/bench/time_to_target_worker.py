@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, replace
 
 from torchspeed.bench.time_to_target import SF_LR, TTARun, _met
-from torchspeed.train.callbacks import Callback
+from torchspeed.train.loop.callbacks import Callback
 from torchspeed.train.eval_view import eval_weights
 
 __all__ = ["train_budget", "warm", "main"]

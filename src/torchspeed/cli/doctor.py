@@ -94,7 +94,7 @@ def _fix(report, args, script_args, console):
     import dataclasses
 
     from torchspeed.doctor.fix import fix_script
-    from torchspeed.train.progress import status_bar
+    from torchspeed.train.loop.progress import status_bar
 
     n = sum(1 for f in report.findings if f.patch)
     with status_bar(f"[bold]doctor --fix[/]: measuring {n} patch(es) on {args.script}, "
@@ -110,7 +110,7 @@ def _fix(report, args, script_args, console):
 def run(args) -> int:
     from rich.console import Console
     from torchspeed.doctor import DoctorJob, diagnose_many, exit_code, render_report
-    from torchspeed.train.progress import status_bar
+    from torchspeed.train.loop.progress import status_bar
 
     script_args = _split_rest(args)
     if not os.path.isfile(args.script):

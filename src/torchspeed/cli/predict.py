@@ -49,7 +49,7 @@ def run(args) -> int:
 
     from torchspeed.data.decode import ImageDecodeError
     from torchspeed.inference import load_model
-    from torchspeed.train.checkpoint import CheckpointError
+    from torchspeed.train.state.checkpoint import CheckpointError
 
     images = _expand(args.images)
     if args.device == "cuda" and not torch.cuda.is_available():

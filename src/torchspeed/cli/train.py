@@ -132,7 +132,7 @@ def _previous_lr(out: str):
 
 
 def _init_from(model, path: str) -> str:
-    from torchspeed.train.checkpoint import CheckpointError, load_checkpoint
+    from torchspeed.train.state.checkpoint import CheckpointError, load_checkpoint
 
     file = os.path.join(path, "model.pt") if os.path.isdir(path) else path
     if not os.path.isfile(file):
@@ -157,8 +157,8 @@ def run(args) -> int:
     from torchspeed.data.decode import ImageDecodeError
     from torchspeed.data.pipeline import build_loaders
     from torchspeed.tune.loader import tune_loader
-    from torchspeed.train.checkpoint import CheckpointError
-    from torchspeed.train.distributed import get_world_size, is_distributed, is_rank_zero
+    from torchspeed.train.state.checkpoint import CheckpointError
+    from torchspeed.train.parallel.distributed import get_world_size, is_distributed, is_rank_zero
 
     rank0, world = is_rank_zero(), get_world_size()  # from torchrun's RANK/WORLD_SIZE (1 and rank 0 otherwise)
     console = Console(quiet=not rank0, soft_wrap=True)  # --no-progress drops the bars, never the summary
@@ -278,7 +278,7 @@ def _save_model(path: str, model, *, args, classes: list[str]) -> None:
     """model.pt: weights, classes and how to rebuild and feed the model (`torchspeed.load_model`)."""
     from torchspeed.model.spec import portable_spec
     from torchspeed.data.augment import IMAGENET_MEAN, IMAGENET_STD
-    from torchspeed.train.checkpoint import save_checkpoint  # atomic + fsync + checksum
+    from torchspeed.train.state.checkpoint import save_checkpoint  # atomic + fsync + checksum
 
     state = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "classes": list(classes),
              "model_name": portable_spec(args.model), "size": args.size, "crop": "center",

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from torchspeed._extras import require
-from torchspeed.train.shard import shard_loader
+from torchspeed.train.parallel.shard import shard_loader
 
 __all__ = ["DeviceAugment", "DeviceLoader", "IMAGENET_MEAN", "IMAGENET_STD", "random_boxes"]
 
@@ -229,7 +229,7 @@ class DeviceLoader:
     def shard(self, rank: int, world_size: int, *, for_eval: bool = False, seed: int = 0) -> DeviceLoader:
         """Process `rank`'s part of the data, on the same device with the same augmentation.
 
-        The loader inside is split by `torchspeed.train.shard.shard_loader` (training: a
+        The loader inside is split by `torchspeed.train.parallel.shard.shard_loader` (training: a
         DistributedSampler, equal batch counts on every rank; evaluation: every world_size-th
         sample, each counted once); `shard_loader` calls this for a DeviceLoader.
 

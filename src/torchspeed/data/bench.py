@@ -29,7 +29,7 @@ import torch
 
 from torchspeed._extras import require
 from torchspeed.env import sync
-from torchspeed.train.rounds import paired_ratios, turns
+from torchspeed.train.trial.rounds import paired_ratios, turns
 
 __all__ = ["PipelineRow", "DataBenchResult", "bench_pipelines", "single_thread"]
 
@@ -144,7 +144,7 @@ def bench_pipelines(root: str | os.PathLike, *, size: int = 224, rounds: int = 5
 
     `device="auto"` adds the nvjpeg row when torch sees a CUDA GPU; "cpu" leaves it out.
     """
-    from torchspeed.train.progress import track
+    from torchspeed.train.loop.progress import track
 
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")

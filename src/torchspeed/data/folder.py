@@ -39,7 +39,7 @@ from torch.utils.data import Dataset
 
 from torchspeed._extras import require
 from torchspeed.data.decode import ImageDecodeError, decode_image, image_size, is_jpeg
-from torchspeed.train.progress import track
+from torchspeed.train.loop.progress import track
 
 __all__ = ["FastImageFolder", "ImageDataset", "DataSummary", "load_image", "random_resized_crop_box",
            "uint8_collate", "IMG_EXTENSIONS", "CROPS"]

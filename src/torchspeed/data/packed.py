@@ -35,7 +35,7 @@ from torch.utils.data import Sampler
 from torchspeed._extras import require
 from torchspeed.data.decode import ImageDecodeError, decode_image
 from torchspeed.data.folder import DataSummary, ImageDataset, _scan
-from torchspeed.train.progress import track
+from torchspeed.train.loop.progress import track
 
 __all__ = ["pack_folder", "PackedDataset", "LocalShuffleSampler", "PackResult", "index_path", "is_packed"]
 

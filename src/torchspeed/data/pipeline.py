@@ -39,7 +39,7 @@ from torchspeed.data.cache import CachedDataset
 from torchspeed.data.folder import FastImageFolder, ImageDataset, uint8_collate
 from torchspeed.data.packed import LocalShuffleSampler, PackedDataset, is_packed
 from torchspeed.env import default_device
-from torchspeed.train.distributed import get_world_size
+from torchspeed.train.parallel.distributed import get_world_size
 from torchspeed.train.sampler import ResumableSampler
 from torchspeed.train.transfer import loader_kwargs
 

@@ -1,6 +1,6 @@
 """The gap to `fit`, explained under `--verify` (T18, T21, T23, T51): what fit's plan would choose for this script.
 
-`fit` measures its switches on the user's model (`torchspeed.train.switches`): precision x
+`fit` measures its switches on the user's model (`torchspeed.train.trial.switches`): precision x
 channels_last (`candidate_grid`), and takes the fastest, or the one with fewer changes within its
 `min_gain` of it (`choose`). A script has its own optimizer and LR, so the plan shown by default is the
 one a port gets (`ported=True`, `fit(model, loader, optimizer=..., lr=...)`): fit keeps the script's
@@ -35,7 +35,7 @@ from torchspeed.doctor._rounds import round_summary
 from torchspeed.doctor.observation import (AllocatorStage, BeyondGrid, CompileStage, FitPlan, Observation, ThreadStage,
                                           VerifyResult)
 from torchspeed.plan.planner import PORTED_MIN_GAIN
-from torchspeed.train.switch_choice import Switches, candidate_grid, choose
+from torchspeed.train.trial.switch_choice import Switches, candidate_grid, choose
 
 __all__ = ["fit_plan", "PLAN_FIXES", "plan_fixes", "beyond_grid", "MIN_GAIN"]
 
@@ -88,7 +88,7 @@ def fit_plan(cap, obs: Observation, *, rounds: int = 5, caps=None, measure: Call
 
     `caps` (`torchspeed.env.DeviceCaps`) and `measure(candidate, script) -> per-round ratios` are injectable."""
     from torchspeed.env import DeviceCaps
-    from torchspeed.train.switch_choice import fusable
+    from torchspeed.train.trial.switch_choice import fusable
 
     if cap.model is None or cap.args is None:
         return {"error": "no model forward with a captured batch"}

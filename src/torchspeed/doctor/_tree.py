@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from torchspeed.train.batch import model_loss
+from torchspeed.train.loop.batch import model_loss
 
 __all__ = ["map_tensors", "clone_args", "first_tensor", "call_model", "generic_loss"]
 
@@ -50,7 +50,7 @@ def call_model(model, args, kwargs=None):
 
 def generic_loss(out):
     """A scalar to backpropagate: the model's own loss when it returns one (a 0-dim tensor, a dict with
-    "loss", an object with .loss: the batch contract of `torchspeed.train.batch`), else a mean square."""
+    "loss", an object with .loss: the batch contract of `torchspeed.train.loop.batch`), else a mean square."""
     loss, _ = model_loss(out)
     if loss is not None:
         return loss.float()

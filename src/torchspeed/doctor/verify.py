@@ -12,7 +12,7 @@ by more than 2x are marked inconclusive (`_rounds.round_summary`), and no findin
 The loss check (`loss_check`): both sides' first 3 steps run from the same weights on the same batch
 with the same random draws, and the fix's losses must stay within 5% of the script's. An optimizer
 whose step needs a closure (`torch.optim.LBFGS`) is given one that runs forward and backward on the captured batch again
-(`torchspeed.train.step.closure_for`, as the library's own trainer does).
+(`torchspeed.train.loop.step.closure_for`, as the library's own trainer does).
 
 Fixes: `autocast` (T21: bf16, fp16 on pre-Ampere CUDA), `channels_last` (T23), `workers`
 (T06, T45: the worker count `torchspeed.tune.tune_loader` chooses, fewer or more than the
@@ -45,9 +45,9 @@ from torchspeed.env import detect
 from torchspeed.model.conv_bias import remove_conv_bias
 from torchspeed.env import sync
 from torchspeed.train.sampler import rebuild_loader
-from torchspeed.train.precision import half_precision
-from torchspeed.train.step import closure_for
-from torchspeed.train.memory_format import apply_channels_last, to_channels_last
+from torchspeed.train.trial.precision import half_precision
+from torchspeed.train.loop.step import closure_for
+from torchspeed.train.trial.memory_format import apply_channels_last, to_channels_last
 
 __all__ = ["IMPLEMENTED", "verify_fixes", "applicable_fixes", "time_model_alone", "measure_contention"]
 

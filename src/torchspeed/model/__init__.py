@@ -13,7 +13,7 @@ from torchspeed.model.checkpointing import CheckpointWrapper, apply_activation_c
 from torchspeed.model.conv_bias import ConvBNPair, find_conv_bn_pairs, remove_conv_bias
 from torchspeed.model.freeze_bn import freeze_batchnorm
 from torchspeed.model.padding import PaddingResult, pad_to_multiple
-from torchspeed.train.memory_format import apply_channels_last
+from torchspeed.train.trial.memory_format import apply_channels_last
 
 __all__ = [
     "CheckpointWrapper", "apply_activation_checkpointing", "ConvBNPair", "find_conv_bn_pairs",

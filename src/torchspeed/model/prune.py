@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from torchspeed._extras import require
-from torchspeed.train.batch import forward_loss
-from torchspeed.train.step import backward
+from torchspeed.train.loop.batch import forward_loss
+from torchspeed.train.loop.step import backward
 from torchspeed.train.transfer import to_device
 
 __all__ = ["IMPORTANCES", "prune_channels", "find_classifier", "check_ratio", "check_example_inputs",

@@ -1,7 +1,7 @@
 """Recipe parts measured inside the run, after its switch trial: at the precision and layout it trains with (T14,
 T15, T18, T21, T23).
 
-The switch trial decides in the run's first steps (`train.autoswitch`). A tuner that ran
+The switch trial decides in the run's first steps (`train.trial.autoswitch`). A tuner that ran
 before it would measure at the rule's precision, which the trial may overturn. So the plan
 leaves an affordable LR part pending (`choose_recipe(lr_in_run=True)`), and the "lr_in_run" stage
 (`measure_lr_in_run`, an "after_switches" stage of `plan.stages`) runs it once at the first step end

@@ -22,9 +22,9 @@ import torch
 from torchspeed.env import detect
 from torchspeed.plan.budget import TuningBudget
 from torchspeed.train.bnstats import FinalBatchNormStats
-from torchspeed.train.callbacks import EMA
+from torchspeed.train.loop.callbacks import EMA
 from torchspeed.train.decision import Decision, Decisions, TrialCache
-from torchspeed.train.switch_choice import batch_signature, model_signature
+from torchspeed.train.trial.switch_choice import batch_signature, model_signature
 
 log = logging.getLogger("torchspeed")
 

@@ -16,7 +16,7 @@ habit: resolve every "auto" once, then only read):
    most 5% of the run's steps off the run, none on a cache hit); the loader rebuilt at most once more,
    for the batch part's choice;
 7. at the run's start ("first_steps", with the Trainer): `switch_trial`, precision x layout x optimizer
-   kernel (x threads) by the rules or a trial on the run's own first steps (`train.autoswitch`; 0 steps on
+   kernel (x threads) by the rules or a trial on the run's own first steps (`train.trial.autoswitch`; 0 steps on
    a cache hit), which the Trainer steps while it is live; `compile_trial`, `compile="auto"`'s trial told
    the run's length;
 8. in the run, after the switch trial: `lr_in_run` (`plan.inrun`), the LR part at the precision the
@@ -52,17 +52,17 @@ from torchspeed.plan.recipe_tta import after_training
 from torchspeed.plan.stages import (RunContext, RunStages, Stage, first_steps_hook, register_stage, run_event,
                                     run_length, stages)
 from torchspeed.plan.switches_first import switches_first, wants_switches_first
-from torchspeed.train.autoswitch import arm_switch_trial, rule_choice
-from torchspeed.train.backends import apply_backends, decide_backends
-from torchspeed.train.compile import arm_compile_trial
+from torchspeed.train.trial.autoswitch import arm_switch_trial, rule_choice
+from torchspeed.train.trial.backends import apply_backends, decide_backends
+from torchspeed.train.trial.compile import arm_compile_trial
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, Decisions, TrialCache
-from torchspeed.train.distributed import maybe_init_distributed
+from torchspeed.train.parallel.distributed import maybe_init_distributed
 from torchspeed.train.sampler import rebuild_loader
 from torchspeed.train.optim_info import OPTIM_INFO, default_lr
 from torchspeed.train.schedule import default_schedule, lr_given
-from torchspeed.train.switch_choice import AHEAD
-from torchspeed.train.user_state import UserState
+from torchspeed.train.trial.switch_choice import AHEAD
+from torchspeed.train.trial.user_state import UserState
 from torchspeed.tune.auto import tune_for_fit
 
 __all__ = ["Plan", "make_plan", "BUILT_IN"]

@@ -17,7 +17,7 @@ The parts (`PARTS`), and how each is chosen:
 - `bn_stats` (T47): BatchNorm statistics averaged over the last tenth of the run
   (`train.bnstats.FinalBatchNormStats`), so evaluation uses statistics of the final weights.
   The largest single saving measured on the digits (docs/recipe.md). Costs nothing.
-- `ema` (T40): an EMA of the weights (`train.callbacks.EMA`, on `torch.optim.swa_utils`) for
+- `ema` (T40): an EMA of the weights (`train.loop.callbacks.EMA`, on `torch.optim.swa_utils`) for
   runs long enough for the average to span a small part of them (>= `EMA_MIN_STEPS` steps;
   decay so that it spans about a twentieth of the run). Shorter runs: off; on the digits at
   48 steps it gained nothing (docs/recipe.md).
@@ -70,8 +70,8 @@ from torchspeed.plan.recipe_lr import choose_lr_part
 from torchspeed.tune.lr_peak import LR_TRIAL_FACTORS
 from torchspeed.plan.recipe_optimizer import choose_optimizer_part
 from torchspeed.plan.recipe_tta import TTA_COST
-from torchspeed.train.backends import no_autotune
-from torchspeed.train.batch import first_samples, forward_loss
+from torchspeed.train.trial.backends import no_autotune
+from torchspeed.train.loop.batch import first_samples, forward_loss
 from torchspeed.train.losses import default_loss
 from torchspeed.train.bnstats import batchnorm_layers
 from torchspeed.train.decision import Decision, TrialCache

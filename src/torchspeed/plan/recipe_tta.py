@@ -19,7 +19,7 @@ from torch import nn
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.eval_view import eval_weights
 from torchspeed.train.evaluate import averaged_log_probs, is_image_batch, tta_views
-from torchspeed.train.precision import resolve_precision
+from torchspeed.train.trial.precision import resolve_precision
 from torchspeed.train.transfer import to_device
 from torchspeed.tune._common import decide_once
 

@@ -39,10 +39,10 @@ import torch
 from torch import nn
 
 from torchspeed.env import DeviceCaps
-from torchspeed.train.callbacks import Callback
+from torchspeed.train.loop.callbacks import Callback
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, Decisions, TrialCache
-from torchspeed.train.distributed import DistInfo
+from torchspeed.train.parallel.distributed import DistInfo
 from torchspeed.train.sampler import loader_length
 from torchspeed.train.schedule import steps_in_run
 

@@ -1,7 +1,7 @@
 """The switch trial before the plan's trials: the optimizer trial, the batch timing and the tuners measure at the
 precision and layout the run will train with (T18, T21, T23).
 
-The switch trial (`train.autoswitch`) runs on the run's own first steps, so it costs no steps off
+The switch trial (`train.trial.autoswitch`) runs on the run's own first steps, so it costs no steps off
 the run. But a stage that measures before training (the tuners, the recipe's optimizer trial and
 batch part) would then measure at the rule's precision, which the trial may overturn: bf16 is
 the rule on a CPU that runs it natively, and on a small model fp32 can be faster there.
@@ -32,9 +32,9 @@ from torchspeed.plan.recipe_optimizer import OPTIMIZER_TRIAL_STEPS
 from torchspeed.plan.stages import RunContext, run_length
 from torchspeed.train.decision import Decision
 from torchspeed.train.optim_info import default_lr
-from torchspeed.train.precision import normalize_precision
+from torchspeed.train.trial.precision import normalize_precision
 from torchspeed.train.sampler import keep_rng, take_batches
-from torchspeed.train.trainer import Trainer
+from torchspeed.train.loop.trainer import Trainer
 from torchspeed.train.transfer import to_device
 
 __all__ = ["wants_switches_first", "switches_first", "PROBE_BATCHES", "MAX_PROBE_STEPS"]

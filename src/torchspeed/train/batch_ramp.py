@@ -40,7 +40,7 @@ from collections.abc import Iterator, Sized
 
 from torch.utils.data import Sampler
 
-from torchspeed.train.callbacks import Callback
+from torchspeed.train.loop.callbacks import Callback
 from torchspeed.train.decision import Decision
 from torchspeed.train.schedule import batch_lr_factor, lr_rule
 

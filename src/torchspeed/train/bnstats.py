@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from torchspeed.train.callbacks import Callback
-from torchspeed.train.model_call import call_model, takes_target
+from torchspeed.train.loop.callbacks import Callback
+from torchspeed.train.loop.model_call import call_model, takes_target
 
 __all__ = ["batchnorm_layers", "recalibrate_bn", "FinalBatchNormStats", "tail_steps"]
 
@@ -59,9 +59,9 @@ def recalibrate_bn(model: nn.Module, batches: Iterable, *, device: torch.device 
 
     The model is put in train mode for the passes (BatchNorm then normalises by, and records,
     each batch's statistics) and back in its previous mode after; no gradient is kept and no
-    weight changes. Batches follow `torchspeed.train.batch` (tuples, dicts, or `step_fn`).
+    weight changes. Batches follow `torchspeed.train.loop.batch` (tuples, dicts, or `step_fn`).
     """
-    from torchspeed.train.batch import split_batch
+    from torchspeed.train.loop.batch import split_batch
     from torchspeed.train.transfer import to_device
 
     layers = batchnorm_layers(model)

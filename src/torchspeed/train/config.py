@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchspeed.train.compile import MIN_RUN_S
+from torchspeed.train.trial.compile import MIN_RUN_S
 
 __all__ = ["TrainConfig", "check_reliability_options", "parse_eval_every"]
 

@@ -15,10 +15,10 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from torchspeed.train.batch import batch_size
+from torchspeed.train.loop.batch import batch_size
 from torchspeed.train.bnstats import recalibrate_bn
 from torchspeed.train.optim import SCHEDULE_FREE_BN_SAMPLES, averaged_weights, trains_iterate
-from torchspeed.train.user_state import UserState
+from torchspeed.train.trial.user_state import UserState
 
 log = logging.getLogger("torchspeed")
 

@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchspeed.train.batch import StepOutput, forward_loss
+from torchspeed.train.loop.batch import StepOutput, forward_loss
 from torchspeed.train.losses import default_loss
 from torchspeed.train.decision import Decision
-from torchspeed.train.metrics import DeviceMeter
-from torchspeed.train.precision import Precision, resolve_precision
+from torchspeed.train.loop.metrics import DeviceMeter
+from torchspeed.train.trial.precision import Precision, resolve_precision
 from torchspeed.train.transfer import to_device
 
 __all__ = ["averaged_log_probs", "evaluate", "is_image_batch", "tta_views", "EvalClock", "EVAL_SHARE_WARN"]
@@ -174,7 +174,7 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str |
              tta_scales: Sequence[float] = ()) -> dict[str, float | None]:
     """Mean loss, and top-1 accuracy where the task is classification, of `model` over `loader`.
 
-    Batches follow the contract in `torchspeed.train.batch` (tuples, dicts, models returning
+    Batches follow the contract in `torchspeed.train.loop.batch` (tuples, dicts, models returning
     their loss, `step_fn`). A model that takes its target is called with it, so `val_loss` is
     its own loss over every position (not the last-position shortcut some models take without
     targets); a model returning a dict of losses also gets `val_<name>` per loss. `val_acc` is

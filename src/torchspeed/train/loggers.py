@@ -32,8 +32,8 @@ from collections.abc import Iterable
 from dataclasses import asdict
 
 from torchspeed._extras import require
-from torchspeed.train.callbacks import Callback
-from torchspeed.train.distributed import is_rank_zero
+from torchspeed.train.loop.callbacks import Callback
+from torchspeed.train.parallel.distributed import is_rank_zero
 
 __all__ = ["TensorBoardLogger", "LoggerCallback", "hyperparams"]
 

@@ -1,7 +1,7 @@
 """The default loss (T32): cross-entropy over classes, tokens and pixels, with errors that name the shapes.
 
 `default_loss` is what `fit`, `evaluate` and the tuners score a model's logits with when no `loss_fn` is given
-(the batch contract, `torchspeed.train.batch`): `nn.CrossEntropyLoss` with label smoothing and `ignore_index`
+(the batch contract, `torchspeed.train.loop.batch`): `nn.CrossEntropyLoss` with label smoothing and `ignore_index`
 -100, flattened when the output is a sequence of logits `(B, T, V)` for targets `(B, T)` (language models).
 Where torch's own message names neither shape, the error says which shapes came and what the target must be
 (`_shape_mismatch`); logits with one class (a regression model, or a binary one, left on the default) are refused

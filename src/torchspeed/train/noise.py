@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchspeed.train.backends import no_autotune
-from torchspeed.train.batch import batch_size, forward_loss
-from torchspeed.train.rng import capture_rng_state, restore_rng_state
+from torchspeed.train.trial.backends import no_autotune
+from torchspeed.train.loop.batch import batch_size, forward_loss
+from torchspeed.train.state.rng import capture_rng_state, restore_rng_state
 from torchspeed.train.sampler import iter_batches
 from torchspeed.train.transfer import to_device
 

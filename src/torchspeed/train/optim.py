@@ -38,8 +38,8 @@ import math
 import torch
 from torch import nn
 
-from torchspeed.train.dynamo_deferred import torch_zero_grad
-from torchspeed.train.lean_step import lean_step_for
+from torchspeed.train.trial.dynamo_deferred import torch_zero_grad
+from torchspeed.train.loop.lean_step import lean_step_for
 from torchspeed.train.optim_info import OptimInfo, optimizer_available, optimizer_info, register_optimizer
 
 __all__ = ["create_optimizer", "zero_grad", "param_groups", "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR",

@@ -42,7 +42,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from torchspeed.train.in_memory import sliced_loader
-from torchspeed.train.rng import capture_rng_state, generator_states, restore_rng_state, set_generator_states
+from torchspeed.train.state.rng import capture_rng_state, generator_states, restore_rng_state, set_generator_states
 
 __all__ = ["ResumableSampler", "DataPosition", "is_stateful_loader", "loader_length", "set_epoch", "rebuild_loader", "take_batches", "iter_batches", "keep_rng"]
 

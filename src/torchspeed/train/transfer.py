@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
-from torchspeed.train.memory_format import to_channels_last
+from torchspeed.train.trial.memory_format import to_channels_last
 
 __all__ = ["map_tensors", "to_device", "batch_layout", "Prefetcher", "loader_kwargs"]
 

@@ -16,10 +16,10 @@ import logging
 import time
 from collections.abc import Iterable
 
-from torchspeed.train.distributed import all_reduce_sum, reduce_metrics
+from torchspeed.train.parallel.distributed import all_reduce_sum, reduce_metrics
 from torchspeed.train.eval_view import eval_weights
 from torchspeed.train.evaluate import evaluate
-from torchspeed.train.shard import shard_loader
+from torchspeed.train.parallel.shard import shard_loader
 
 __all__ = ["validate", "validate_inside_epoch", "epoch_validation"]
 

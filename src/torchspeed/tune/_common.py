@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from torchspeed.env import sync
-from torchspeed.train.batch import forward_loss
+from torchspeed.train.loop.batch import forward_loss
 from torchspeed.train.losses import default_loss
 from torchspeed.train.optim import is_schedule_free
-from torchspeed.train.step import backward, optimizer_step
+from torchspeed.train.loop.step import backward, optimizer_step
 
 T = TypeVar("T")
 
@@ -142,7 +142,7 @@ class TrainStep:
     stepping a candidate optimizer for every tuner and recipe part (batch timing, LR range test, optimizer and
     loader trials).
 
-    Batches and losses follow `torchspeed.train.batch` (tuples, dicts, models returning their
+    Batches and losses follow `torchspeed.train.loop.batch` (tuples, dicts, models returning their
     loss, `step_fn`), as in the trainer. An optimizer with modes (Schedule-Free's `train()`/`eval()`) is put
     in train mode before each step it takes, whoever built it and whatever evaluated it last.
     """
@@ -163,7 +163,7 @@ class TrainStep:
         if self._moded and not self.optimizer.param_groups[0].get("train_mode", True):
             self.optimizer.train()  # Schedule-Free steps only in train mode (its weights are swapped back too)
         loss = self.loss(batch)
-        backward(loss, scaler=self.scaler)        # the loop's own functions (train/step.py):
+        backward(loss, scaler=self.scaler)        # the loop's own functions (train/loop/step.py):
         optimizer_step(self.optimizer, scaler=self.scaler)  # scale, step, update in one place
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()

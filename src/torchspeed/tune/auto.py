@@ -52,7 +52,7 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
     _check_options(train_loader, batch_size=batch_size, lr=lr, loader=loader)
     # Under torchrun the process group must exist before the tuners run, so that rank 0's
     # measurement is broadcast (the Trainer's own call later finds it initialised).
-    from torchspeed.train.distributed import maybe_init_distributed
+    from torchspeed.train.parallel.distributed import maybe_init_distributed
 
     info = maybe_init_distributed(distributed, device=device)
     if info is not None:

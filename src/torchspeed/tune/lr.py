@@ -65,8 +65,8 @@ import torch
 from torch import nn
 
 from torchspeed._extras import require
-from torchspeed.train.precision import make_grad_scaler, resolve_precision
-from torchspeed.train.progress import progress_bar
+from torchspeed.train.trial.precision import make_grad_scaler, resolve_precision
+from torchspeed.train.loop.progress import progress_bar
 from torchspeed.train.sampler import iter_batches
 from torchspeed.train.transfer import to_device
 from torchspeed.train.wrappers import unwrap_model
@@ -110,7 +110,7 @@ def find_lr(model: nn.Module, data: Iterable, *, loss_fn: Callable | None = None
     """Exponential LR range test; restores everything it touched. Returns the curve and suggestions.
 
     `data` is a DataLoader (or any iterable of batches, cycled) or a Dataset (batched here
-    with `batch_size`); batches, losses and `step_fn` follow `torchspeed.train.batch`.
+    with `batch_size`); batches, losses and `step_fn` follow `torchspeed.train.loop.batch`.
     `optimizer` defaults to SGD with momentum 0.9; a given optimizer, `scheduler` and
     `scaler` are used as they are and restored afterwards. `precision="auto"` is fit's rule
     (`resolve_precision`: bf16 on a CPU with AVX512-BF16/AMX, the GPU's half type on CUDA).

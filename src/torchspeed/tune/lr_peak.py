@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from torchspeed.train.noise import measure_noise_scale
-from torchspeed.train.precision import make_grad_scaler, resolve_precision
+from torchspeed.train.trial.precision import make_grad_scaler, resolve_precision
 from torchspeed.train.sampler import take_batches
 from torchspeed.train.optim_candidate import candidate_optimizer
 from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, model_device

@@ -38,8 +38,8 @@ from torch import nn
 from torchspeed.train.eval_view import recalibrate_averaged
 from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, is_schedule_free,
                                     set_schedule_free_warmup)
-from torchspeed.train.precision import make_grad_scaler, resolve_precision
-from torchspeed.train.progress import progress_bar
+from torchspeed.train.trial.precision import make_grad_scaler, resolve_precision
+from torchspeed.train.loop.progress import progress_bar
 from torchspeed.train.sampler import take_batches
 from torchspeed.train.schedule import create_scheduler
 from torchspeed.train.transfer import to_device

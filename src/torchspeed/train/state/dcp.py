@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchspeed.train.checkpoint import (CheckpointError, FoundCheckpoint, ResumeMismatchError, load_checkpoint,
-                                         nested_layout, save_checkpoint)
-from torchspeed.train.distributed import barrier, get_rank, get_world_size, is_rank_zero
-from torchspeed.train.store import StepStore
+from torchspeed.train.state.checkpoint import (CheckpointError, FoundCheckpoint, ResumeMismatchError, load_checkpoint,
+                                               nested_layout, save_checkpoint)
+from torchspeed.train.parallel.distributed import barrier, get_rank, get_world_size, is_rank_zero
+from torchspeed.train.state.store import StepStore
 
 __all__ = ["ShardedCheckpoints", "export_checkpoint", "rescale_position", "notify_checkpoint"]
 

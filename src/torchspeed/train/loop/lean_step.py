@@ -39,7 +39,7 @@ when a group is added (`add_param_group`), when a group's parameter list is repl
 flags change (a switch between the fused and foreach kernels), or when the state's size changes. One
 case is not seen: a moment tensor swapped by hand inside `optimizer.state[p]` (torch re-reads the
 state each step; set the optimizer's state through `load_state_dict`). `optimizer_step` and
-`zero_grad` (`torchspeed.train.step`, `torchspeed.train.optim`) use it for every optimizer they are
+`zero_grad` (`torchspeed.train.loop.step`, `torchspeed.train.optim`) use it for every optimizer they are
 given; nothing to switch on.
 
 Example:
@@ -54,8 +54,8 @@ import weakref
 
 import torch
 
-from torchspeed.train.flat_state import FlatMoments, flat_applies
-from torchspeed.train.lean_schedulefree import LeanScheduleFree, is_adamw_schedule_free, no_step_wrappers
+from torchspeed.train.state.flat_state import FlatMoments, flat_applies
+from torchspeed.train.loop.lean_schedulefree import LeanScheduleFree, is_adamw_schedule_free, no_step_wrappers
 
 __all__ = ["LeanStep", "lean_step_for", "step_with_torch"]
 

@@ -32,22 +32,22 @@ import torch
 from torch import nn
 
 from torchspeed.env import DeviceCaps, detect, sync
-from torchspeed.train.backends import no_autotune
-from torchspeed.train.batch import batch_size, first_samples, forward_loss
+from torchspeed.train.trial.backends import no_autotune
+from torchspeed.train.loop.batch import batch_size, first_samples, forward_loss
 from torchspeed.train.decision import Decision, TrialCache
-from torchspeed.train.distributed import broadcast_object, is_rank_zero
-from torchspeed.train.guard import is_out_of_memory, one_sample_batchnorm
-from torchspeed.train.memory_format import apply_channels_last, has_conv2d, state_follows_layout
+from torchspeed.train.parallel.distributed import broadcast_object, is_rank_zero
+from torchspeed.train.loop.guard import is_out_of_memory, one_sample_batchnorm
+from torchspeed.train.trial.memory_format import apply_channels_last, has_conv2d, state_follows_layout
 from torchspeed.train.optim import describe_optimizer
 from torchspeed.train.optim_info import kernel_reason
-from torchspeed.train.precision import MixedPrecision, Precision, normalize_precision
-from torchspeed.train.shadow import ShadowTurns
-from torchspeed.train.step import OptimizerClock
-from torchspeed.train.switch_choice import (Switches, batch_signature, candidate_grid, fusable, model_signature,
-                                            rule_switches, set_fused)
-from torchspeed.train.switches import LiveTrial, trial_steps
+from torchspeed.train.trial.precision import MixedPrecision, Precision, normalize_precision
+from torchspeed.train.trial.shadow import ShadowTurns
+from torchspeed.train.loop.step import OptimizerClock
+from torchspeed.train.trial.switch_choice import (Switches, batch_signature, candidate_grid, fusable, model_signature,
+                                                  rule_switches, set_fused)
+from torchspeed.train.trial.switches import LiveTrial, trial_steps
 from torchspeed.train.transfer import batch_layout
-from torchspeed.train.trial_safety import TrialSafety, forked_rng
+from torchspeed.train.trial.trial_safety import TrialSafety, forked_rng
 
 __all__ = ["rule_choice", "trial_settings", "TRIAL_SETTINGS", "LIVE_SHARE", "PRICE_SHARE", "SwitchStage",
            "kernel_isa", "arm_switch_trial"]

@@ -46,8 +46,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, replace
 
-from torchspeed.train.rounds import medians, share_faster, turns
-from torchspeed.train.switch_choice import AHEAD, Switches, choose, numerics_ok
+from torchspeed.train.trial.rounds import medians, share_faster, turns
+from torchspeed.train.trial.switch_choice import AHEAD, Switches, choose, numerics_ok
 
 DROP_AT = 1.5  # a candidate this many times slower than the fastest after one timed step is out of the later rounds
 

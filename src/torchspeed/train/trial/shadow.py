@@ -38,9 +38,9 @@ from dataclasses import replace
 import torch
 
 from torchspeed.env import sync
-from torchspeed.train.dynamo_deferred import torch_zero_grad
+from torchspeed.train.trial.dynamo_deferred import torch_zero_grad
 from torchspeed.train.transfer import batch_layout
-from torchspeed.train.trial_safety import forked_rng
+from torchspeed.train.trial.trial_safety import forked_rng
 
 __all__ = ["SHADOW_SHARE", "ShadowTurns"]
 

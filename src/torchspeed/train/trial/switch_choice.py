@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from torchspeed.env import DeviceCaps
-from torchspeed.train.memory_format import has_conv2d
+from torchspeed.train.trial.memory_format import has_conv2d
 from torchspeed.train.optim import sparse_gradients
 from torchspeed.train.optim_info import info_for
-from torchspeed.train.rounds import medians, share_faster
+from torchspeed.train.trial.rounds import medians, share_faster
 
 __all__ = ["Switches", "candidate_grid", "rule_switches", "choose", "numerics_ok", "fusable", "set_fused",
            "model_signature", "batch_signature", "AHEAD", "PRECISION_GAIN", "SURE"]

@@ -83,7 +83,7 @@ class CallbackList:
         for i, cb in enumerate(self.callbacks):
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks[{i}] ({type(cb).__name__}) is not a torchspeed Callback: subclass "
-                                "torchspeed.train.callbacks.Callback and override the events you need "
+                                "torchspeed.train.loop.callbacks.Callback and override the events you need "
                                 "(loggers go to loggers=[...])")
         self._refresh()
 

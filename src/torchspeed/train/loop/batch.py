@@ -47,10 +47,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchspeed.train.compile import CompileController, CompileDecision
+from torchspeed.train.trial.compile import CompileController, CompileDecision
 from torchspeed.train.decision import Decision
 from torchspeed.train.losses import IGNORE_INDEX, SequenceCrossEntropy, default_loss
-from torchspeed.train.model_call import call_model, takes_target
+from torchspeed.train.loop.model_call import call_model, takes_target
 from torchspeed.train.wrappers import unwrap_model
 
 __all__ = ["StepOutput", "ModelOutput", "split_batch", "forward_loss", "batch_size", "count_correct",

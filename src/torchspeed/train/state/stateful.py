@@ -35,8 +35,8 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from torchspeed.train.checkpoint import CheckpointError, ResumeMismatchError
-from torchspeed.train.dynamo_deferred import deferred_dynamo
+from torchspeed.train.state.checkpoint import CheckpointError, ResumeMismatchError
+from torchspeed.train.trial.dynamo_deferred import deferred_dynamo
 
 __all__ = ["Stateful", "Part", "attribute", "collect_state", "check_parts", "restore_state", "RESERVED", "MissingPartError"]
 

@@ -1,4 +1,4 @@
-"""How a model is called with a batch's inputs (the batch contract's call, `train.batch`; T13's hot path reads it).
+"""How a model is called with a batch's inputs (the batch contract's call, `train.loop.batch`; T13's hot path reads it).
 
 A model's `forward` is read once (its signature cached per function and per object called: not every step):
 the dict entries it accepts (`model(**batch)`, Hugging Face style), and whether it takes the batch's target

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from torchspeed.train.distributed import get_rank, get_world_size, is_distributed
+from torchspeed.train.parallel.distributed import get_rank, get_world_size, is_distributed
 from torchspeed.train.sampler import rebuild_loader
 
 __all__ = ["distributed_loader", "shard_loader", "shard_batches"]

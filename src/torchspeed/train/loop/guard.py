@@ -53,7 +53,7 @@ from collections.abc import Callable
 import torch
 
 from torchspeed.env import host_memory
-from torchspeed.train.batch import batch_size as batch_len
+from torchspeed.train.loop.batch import batch_size as batch_len
 
 log = logging.getLogger("torchspeed")
 

@@ -30,7 +30,7 @@ import torch
 
 from torchspeed.train.decision import Decision
 from torchspeed.train.transfer import batch_layout
-from torchspeed.train.user_state import Snapshot, UserState
+from torchspeed.train.trial.user_state import Snapshot, UserState
 
 __all__ = ["TrialSafety", "AFTER_STEPS", "forked_rng"]
 

@@ -29,48 +29,48 @@ import torch
 from torch import nn
 
 from torchspeed.env import DeviceCaps, default_device, sync
-from torchspeed.train.autoswitch import SwitchStage, arm_switch_trial, rule_choice
-from torchspeed.train.switch_choice import Switches
-from torchspeed.train.backends import BACKEND_KEYS, apply_backends, decide_backends
-from torchspeed.train.batch import batch_size, forward_loss
+from torchspeed.train.trial.autoswitch import SwitchStage, arm_switch_trial, rule_choice
+from torchspeed.train.trial.switch_choice import Switches
+from torchspeed.train.trial.backends import BACKEND_KEYS, apply_backends, decide_backends
+from torchspeed.train.loop.batch import batch_size, forward_loss
 from torchspeed.train.losses import default_loss
-from torchspeed.train.callbacks import Callback, CallbackList
-from torchspeed.train.checkpoint import FORMAT as CHECKPOINT_FORMAT, CheckpointManager
-from torchspeed.train.compile import CompileController, arm_compile_trial
+from torchspeed.train.loop.callbacks import Callback, CallbackList
+from torchspeed.train.state.checkpoint import FORMAT as CHECKPOINT_FORMAT, CheckpointManager
+from torchspeed.train.trial.compile import CompileController, arm_compile_trial
 from torchspeed.train.config import TrainConfig, check_reliability_options, parse_eval_every
-from torchspeed.train.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object, is_rank_zero,
-                                          maybe_init_distributed, reduce_metrics, scale_lr_world_size,
-                                          unwrap_data_parallel)
-from torchspeed.train.dcp import ShardedCheckpoints, notify_checkpoint
+from torchspeed.train.parallel.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object,
+                                                   is_rank_zero, maybe_init_distributed, reduce_metrics,
+                                                   scale_lr_world_size, unwrap_data_parallel)
+from torchspeed.train.state.dcp import ShardedCheckpoints, notify_checkpoint
 from torchspeed.train.evaluate import EvalClock
-from torchspeed.train.fsdp import check_optimizer, single_process_group, wrap_parallel
+from torchspeed.train.parallel.fsdp import check_optimizer, single_process_group, wrap_parallel
 from torchspeed.train.in_memory import InMemory
-from torchspeed.train.guard import NonFiniteGuard, is_out_of_memory, step_failed
+from torchspeed.train.loop.guard import NonFiniteGuard, is_out_of_memory, step_failed
 from torchspeed.train.loggers import LoggerCallback
-from torchspeed.train.memory_format import apply_channels_last
-from torchspeed.train.metrics import DeviceMeter, jsonable, train_accuracy, write_metrics
+from torchspeed.train.trial.memory_format import apply_channels_last
+from torchspeed.train.loop.metrics import DeviceMeter, jsonable, train_accuracy, write_metrics
 from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
 from torchspeed.train.decision import Decision, Decisions
 from torchspeed.train.eval_view import settle_averaged
 from torchspeed.train.bnstats import batchnorm_layers
 from torchspeed.train.optim_info import default_lr, kernel_reason
-from torchspeed.train.dynamo_deferred import deferred_dynamo
-from torchspeed.train.lean_step import step_with_torch
+from torchspeed.train.trial.dynamo_deferred import deferred_dynamo
+from torchspeed.train.loop.lean_step import step_with_torch
 from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, averaged_weights, create_optimizer, describe_optimizer,
                                     is_schedule_free, zero_grad)
-from torchspeed.train.precision import MixedPrecision, Precision
-from torchspeed.train.progress import TrainProgress, decisions_header
-from torchspeed.train.resume import resume_run, trainer_parts
-from torchspeed.train.rng import enable_determinism, seed_everything
-from torchspeed.train.run_length import RunLength, ran_out, run_schedule
+from torchspeed.train.trial.precision import MixedPrecision, Precision
+from torchspeed.train.loop.progress import TrainProgress, decisions_header
+from torchspeed.train.state.resume import resume_run, trainer_parts
+from torchspeed.train.state.rng import enable_determinism, seed_everything
+from torchspeed.train.loop.run_length import RunLength, ran_out, run_schedule
 from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
-from torchspeed.train.shard import shard_loader
-from torchspeed.train.stateful import collect_state
+from torchspeed.train.parallel.shard import shard_loader
+from torchspeed.train.state.stateful import collect_state
 from torchspeed.train.schedule import as_schedule, steps_in_run
 from torchspeed.train.batch_ramp import join_ramp
-from torchspeed.train.segment import BestEpoch, group_settings, schedule_for_call
+from torchspeed.train.loop.segment import BestEpoch, group_settings, schedule_for_call
 from torchspeed.train.result import FitResult
-from torchspeed.train.step import AccumulationWindow, closure_for
+from torchspeed.train.loop.step import AccumulationWindow, closure_for
 from torchspeed.train.transfer import Prefetcher, batch_layout, to_device
 from torchspeed.train.validation import epoch_validation, validate, validate_inside_epoch
 
@@ -171,7 +171,7 @@ class Trainer:
         cfg = self.config
         check_optimizer(optimizer, sharded=self.sharded)
         if isinstance(optimizer, str):
-            with deferred_dynamo():  # its first optimizer would import torch._dynamo (train/dynamo_deferred.py)
+            with deferred_dynamo():  # its first optimizer would import torch._dynamo (train/trial/dynamo_deferred.py)
                 optimizer = create_optimizer(optimizer, self.model, fused=cfg.fused_optimizer, **hyper)
         if is_schedule_free(optimizer):
             optimizer.train()  # Schedule-Free steps only in train mode (evaluation switches and switches back)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from torchspeed.env import DeviceCaps, detect
-from torchspeed.train.step import backward, optimizer_step
+from torchspeed.train.loop.step import backward, optimizer_step
 
 __all__ = ["Precision", "MixedPrecision", "resolve_precision", "make_grad_scaler", "half_precision",
            "normalize_precision"]
@@ -116,7 +116,7 @@ def normalize_precision(precision: str) -> str:
 def resolve_precision(precision: str = "auto", *, device: torch.device | str | None = None,
                       caps: DeviceCaps | None = None) -> Precision:
     """Turn "auto" | "fp32" | "bf16" | "fp16" into a `Precision` for `device` by the hardware rule
-    (the measured choice is `torchspeed.train.switches`; this rule is its prior)."""
+    (the measured choice is `torchspeed.train.trial.switches`; this rule is its prior)."""
     device = torch.device(device) if device is not None else torch.device(detect().device)
     caps = caps or DeviceCaps.of(device)
     key = normalize_precision(precision)

@@ -33,7 +33,7 @@ import weakref
 import torch
 from torch.optim import optimizer as _optimizer_module
 
-from torchspeed.train.flat_state import FlatMoments, flat_applies, schedule_free_kernels_agree
+from torchspeed.train.state.flat_state import FlatMoments, flat_applies, schedule_free_kernels_agree
 
 __all__ = ["LeanScheduleFree", "is_adamw_schedule_free", "no_step_wrappers", "REPLICATED"]
 

@@ -106,7 +106,7 @@ def choose_parallel(mode: str, model: nn.Module, device: torch.device, *, world_
 
 def single_process_group(device=None):
     """A 1-process gloo group (FSDP2 and DCP need one) when none exists; returns its `DistInfo`."""
-    from torchspeed.train.distributed import cleanup_distributed, init_distributed
+    from torchspeed.train.parallel.distributed import cleanup_distributed, init_distributed
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -210,7 +210,7 @@ def wrap_parallel(module: nn.Module, config, info, *, precision: str, mesh=None,
     DDP: the module wrapped (it broadcasts rank 0's weights now; after .to(device) and channels_last).
     FSDP2: the module sharded in place (it is both).
     """
-    from torchspeed.train.distributed import wrap_for_training
+    from torchspeed.train.parallel.distributed import wrap_for_training
 
     choice = choose_parallel(config.parallel, module, info.device, world_size=info.world_size)
     decisions["parallel"] = choice

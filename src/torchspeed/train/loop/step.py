@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterable
 import torch
 
 from torchspeed.env import sync
-from torchspeed.train.dynamo_deferred import torch_step
-from torchspeed.train.lean_step import lean_step_for
+from torchspeed.train.trial.dynamo_deferred import torch_step
+from torchspeed.train.loop.lean_step import lean_step_for
 
 __all__ = ["backward", "optimizer_step", "AccumulationWindow", "needs_closure", "closure_for", "OptimizerClock"]
 

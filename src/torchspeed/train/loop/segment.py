@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchspeed.train.checkpoint import load_checkpoint, update_best
+from torchspeed.train.state.checkpoint import load_checkpoint, update_best
 from torchspeed.train.decision import Decision
 from torchspeed.train.schedule import create_scheduler, schedule_label, steps_in_run
 

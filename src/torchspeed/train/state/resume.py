@@ -30,16 +30,16 @@ import logging
 import os
 from pathlib import Path
 
-from torchspeed.train.checkpoint import (FLAT_FORMAT, FORMAT, CheckpointError, CheckpointManager, FoundCheckpoint,
-                                         ResumeMismatchError, check_state_dict, load_checkpoint, nested_layout)
-from torchspeed.train.dcp import ShardedCheckpoints
+from torchspeed.train.state.checkpoint import (FLAT_FORMAT, FORMAT, CheckpointError, CheckpointManager, FoundCheckpoint,
+                                               ResumeMismatchError, check_state_dict, load_checkpoint, nested_layout)
+from torchspeed.train.state.dcp import ShardedCheckpoints
 from torchspeed.train.decision import Decision
-from torchspeed.train.metrics import jsonable
+from torchspeed.train.loop.metrics import jsonable
 from torchspeed.train.optim_info import OPTIM_INFO
-from torchspeed.train.rng import capture_rng_state, restore_rng_state
-from torchspeed.train.segment import extend_schedule
-from torchspeed.train.stateful import Part, attribute, check_parts, restore_state
-from torchspeed.train.switch_choice import Switches
+from torchspeed.train.state.rng import capture_rng_state, restore_rng_state
+from torchspeed.train.loop.segment import extend_schedule
+from torchspeed.train.state.stateful import Part, attribute, check_parts, restore_state
+from torchspeed.train.trial.switch_choice import Switches
 
 __all__ = ["trainer_parts", "resume_run", "find_state", "check_resumable", "is_extension", "resumed_decisions"]
 
@@ -156,7 +156,7 @@ def check_resumable(found: FoundCheckpoint, *, steps_per_epoch: int | None, tota
                               f"and {FLAT_FORMAT!r}: resume it with the torchspeed version that wrote it")
     if fmt != FORMAT:
         raise CheckpointError(f"{found.path} holds only weights, not a training state; load it with "
-                              "torchspeed.train.checkpoint.load_checkpoint(path, model=model) before fit, "
+                              "torchspeed.train.state.checkpoint.load_checkpoint(path, model=model) before fit, "
                               "and leave resume unset")
     run = state["run"]
     if run["steps_per_epoch"] not in (None, steps_per_epoch):

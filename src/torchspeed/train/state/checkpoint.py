@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchspeed.train.store import StepStore, atomic_file
+from torchspeed.train.state.store import StepStore, atomic_file
 from torchspeed.train.wrappers import strip_wrapper_prefixes, unwrap_model
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "check_state_dict", "CheckpointManager",
