@@ -39,7 +39,7 @@ from torchspeed.train.schedule import lr_rule, scale_lr_for_batch
 from torchspeed.train.optim_candidate import candidate_optimizer
 from torchspeed.tune.lr_peak import choose_peak_lr
 
-__all__ = ["tune_for_fit"]
+__all__ = ["tune_for_fit", "tune_settings"]
 
 
 
@@ -49,6 +49,22 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
                  schedule: str | None = "onecycle", distributed: bool | str = "auto",
                  progress: bool = True, optimizer_options: dict | None = None) -> tuple[Iterable, float, dict]:
     """Run the asked-for tuners; return (the loader to train on, the LR, decisions)."""
+    changes, lr_val, decisions = tune_settings(
+        model, train_loader, batch_size=batch_size, lr=lr, loader=loader, loss_fn=loss_fn, step_fn=step_fn,
+        optimizer=optimizer, weight_decay=weight_decay, device=device, precision=precision, schedule=schedule,
+        distributed=distributed, progress=progress, optimizer_options=optimizer_options)
+    return (rebuild_loader(train_loader, **changes) if changes else train_loader), lr_val, decisions
+
+
+def tune_settings(model: nn.Module, train_loader: Iterable, *, batch_size: int | str | None, lr: float | str,
+                  loader: str | None, loss_fn: Callable | None, step_fn: Callable | None = None,
+                  optimizer: str | torch.optim.Optimizer, weight_decay: float | None,
+                  device: torch.device | str | None, precision: str = "auto", schedule: str | None = "onecycle",
+                  distributed: bool | str = "auto", progress: bool = True,
+                  optimizer_options: dict | None = None) -> tuple[dict, float, dict]:
+    """Run the asked-for tuners; return (the DataLoader settings to rebuild the loader with, {} for none: the
+    batch size and the loader tuner's settings; the LR; decisions). The plan's "tuners" stage records the settings
+    and its "loader" stage rebuilds the loader once, last."""
     _check_options(train_loader, batch_size=batch_size, lr=lr, loader=loader)
     # Under torchrun the process group must exist before the tuners run, so that rank 0's
     # measurement is broadcast (the Trainer's own call later finds it initialised).
@@ -96,9 +112,8 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
     if loader == "auto":
         settings, decisions["loader"] = _tuned_loader(model, train_loader, new_batch, loss_fn=loss_fn, device=dev,
                                                       progress=progress)
-    if new_batch != old_batch or settings:
-        train_loader = rebuild_loader(train_loader, **({"batch_size": new_batch} if new_batch else {}), **settings)  # type: ignore[arg-type]
-    return train_loader, lr_val, decisions
+    changes = ({"batch_size": new_batch} if new_batch else {}) | settings if new_batch != old_batch or settings else {}
+    return changes, lr_val, decisions
 
 
 def _check_options(train_loader: Iterable, *, batch_size: int | str | None, lr: float | str, loader: str | None) -> None:
