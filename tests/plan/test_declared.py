@@ -24,10 +24,10 @@ from torchspeed.train.decision import Decision
 FAST = dict(progress=False, compile=False, malloc=False)
 # key -> (the stages that decide it, why more than one may): never both in one plan
 SHARED_WRITERS = {
-    "batch_size": ({"tuners", "batch"}, "the recipe's batch part is off when fit is given batch_size="),
-    "lr": ({"tuners", "lr"}, "the tuners decide it only when fit is given batch_size= with its own LR (the LR scaled "
-                             "to the batch); the recipe's LR part is then off unless recipe_parts names it, and that "
-                             "plan stops with a DecisionConflict (the second decision of a key)"),
+    "batch_size": ({"tune_batch", "batch"}, "the recipe's batch part is off when fit is given batch_size="),
+    "lr": ({"tune_lr", "lr"}, "the tuners decide it only when fit is given batch_size= with its own LR (the LR scaled "
+                              "to the batch); the recipe's LR part is then off unless recipe_parts names it, and that "
+                              "plan stops with a DecisionConflict (the second decision of a key)"),
 }
 
 
@@ -65,8 +65,10 @@ def test_each_decision_key_has_one_writer_and_only_declared_refiners_after_it():
     for s in planner.BUILT_IN:  # a refiner runs after every stage that may decide the key it refines
         for key in s.refines:
             assert all(order.index(w) < order.index(s.name) for w in writers.get(key, ())), (s.name, key)
-    # each recipe part is a stage of its own, and the loader is rebuilt last
+    # each tuner and each recipe part is a stage of its own, and the loader is rebuilt last
     before = [s.name for s in stages("before")]
+    assert before.index("tuners") < before.index("tune_batch") < before.index("tune_lr") < before.index("tune_loader") \
+        < before.index("run_length") < before.index("recipe_setup")
     assert before.index("recipe_setup") < before.index("optimizer") < before.index("lr") < before.index("batch") \
         < before.index("recipe") < before.index("loader") == len(before) - 1
     assert {"label_smoothing", "bn_stats", "ema", "tta_budget"} <= set(before) and "tta" in STAGES

@@ -11,8 +11,9 @@ Lightning Fabric's connector habit: resolve every "auto" once, then only read):
    no recipe keeps torch's own optimizer kernel (`fused_optimizer="default"`: the loop's numbers, bit for bit), and
    takes a layout or precision only 10% faster a step (`min_gain`);
 4. `switches`: the switch trial first, on a copy, when a later stage measures (`plan.switches_first`);
-5. `tuners`: batch size, LR and loader settings when asked (`batch_size=`, `lr="auto"`, `loader=`:
-   `tune.auto.tune_settings`), recorded for the `loader` stage;
+5. the tuners, when asked (`plan.tuners`, measured by `tune.auto`): `tuners` checks their options, then
+   `tune_batch` (`batch_size=`), `tune_lr` (`lr="auto"`, or a given LR scaled to a new batch) and `tune_loader`
+   (`loader="auto"`, at the run's batch), their batch and settings recorded for the `loader` stage;
 6. `run_length`: the run's steps, which the budget and the recipe read;
 7. the recipe (`recipe="auto"`), one stage per part, within the tuning budget (`plan.budget`: at most 5% of the
    run's steps off the run, none on a cache hit): `recipe_setup` (the probe batches, the classifier check, the
@@ -59,6 +60,7 @@ from torchspeed.plan.recipe_tta import after_training, tta_part
 from torchspeed.plan.stages import (RunContext, RunStages, Stage, first_steps_hook, register_stage, run_event,
                                     run_length, stages)
 from torchspeed.plan.switches_first import switches_first, wants_switches_first
+from torchspeed.plan.tuners import batch_tuner, loader_tuner, lr_tuner, tuners_setup, wants_tuners
 from torchspeed.train.autoswitch import arm_switch_trial, rule_choice
 from torchspeed.train.backends import apply_backends, decide_backends
 from torchspeed.train.compile import arm_compile_trial
@@ -69,7 +71,6 @@ from torchspeed.train.optim_info import default_lr
 from torchspeed.train.schedule import default_schedule, lr_given
 from torchspeed.train.switch_choice import AHEAD
 from torchspeed.train.user_state import UserState
-from torchspeed.tune.auto import tune_settings
 
 __all__ = ["Plan", "make_plan", "BUILT_IN"]
 
@@ -192,16 +193,6 @@ def _schedule(ctx: RunContext) -> None:
         ctx.lr = default_lr(ctx.optimizer)
 
 
-def _tuners(ctx: RunContext) -> None:
-    changes, ctx.lr, tuned = tune_settings(
-        ctx.model, ctx.loader, batch_size=ctx.batch_size, lr=ctx.lr, loader=ctx.loader_mode, loss_fn=ctx.loss_fn,
-        step_fn=ctx.step_fn, optimizer=ctx.optimizer, weight_decay=ctx.weight_decay,
-        optimizer_options=ctx.optimizer_options, device=ctx.dev, precision=ctx.precision or ctx.cfg.precision,
-        schedule=ctx.cfg.schedule, distributed=ctx.cfg.distributed, progress=ctx.cfg.progress)
-    ctx.loader_changes = ctx.loader_changes | changes
-    ctx.decisions.update(tuned)
-
-
 def _run_length(ctx: RunContext) -> None:
     ctx.run_steps = run_length(ctx.planned_loader(), ctx.cfg)
 
@@ -231,10 +222,6 @@ def _tta_after(ctx: RunContext) -> None:
         result.history[-1]["val_acc_tta"] = trainer.evaluate(ctx.val_loader)["val_acc"]
 
 
-def _wants_tuners(ctx: RunContext) -> bool:
-    return ctx.batch_size is not None or ctx.lr == "auto" or ctx.loader_mode is not None
-
-
 # The built-in stages, in order: the one list a new stage joins (or `register_stage` from anywhere). Each declares the
 # decision keys it decides (`writes`) and those it may refine (`refines`); tests/plan/test_declared.py holds them to it.
 BUILT_IN = (
@@ -252,10 +239,20 @@ BUILT_IN = (
     Stage("switches", "before", switches_first, needs=("capabilities", "schedule"), cost="the trial's steps, off the "
           "run", what="precision x layout (x kernel) measured first when a later stage measures: it measures at "
           "what the run trains with", when=wants_switches_first, refines=("switch_plan",)),
-    Stage("tuners", "before", _tuners, needs=("switches",), cost="the tuners' steps", fallback=False,
-          what="batch size, LR and loader settings when asked (`batch_size=`, `lr=\"auto\"`, `loader=`)",
-          when=_wants_tuners, writes=("batch_size", "lr_find", "lr", "peak_lr", "loader")),
-    Stage("run_length", "before", _run_length, needs=("tuners",), fallback=False, what="the run's steps"),
+    # the tuners, when asked: batch, then LR at that batch, then the loader's settings at it
+    Stage("tuners", "before", tuners_setup, needs=("switches",), fallback=False, when=wants_tuners,
+          what="the tuning options checked (`batch_size=`, `lr=\"auto\"`, `loader=`): a bad one is an error"),
+    Stage("tune_batch", "before", batch_tuner, needs=("tuners",), cost="the batch timing's steps", fallback=False,
+          what="`batch_size=\"auto\"`: the fastest batch measured; or the batch given",
+          when=lambda ctx: ctx.batch_size is not None, writes=("batch_size",)),
+    Stage("tune_lr", "before", lr_tuner, needs=("tune_batch",), cost="the range test's steps", fallback=False,
+          what="`lr=\"auto\"`: the peak LR measured at the run's batch; or the LR given, scaled to a new batch",
+          when=lambda ctx: ctx.lr == "auto" or "batch_size" in ctx.loader_changes,
+          writes=("lr_find", "lr", "peak_lr")),
+    Stage("tune_loader", "before", loader_tuner, needs=("tune_lr",), cost="the loader tuner's timing",
+          fallback=False, what="`loader=\"auto\"`: workers, pinning and prefetch measured at the run's batch",
+          when=lambda ctx: ctx.loader_mode is not None, writes=("loader",)),
+    Stage("run_length", "before", _run_length, needs=("tune_loader",), fallback=False, what="the run's steps"),
     # the recipe (`recipe="auto"`): one stage per part, each guarded (a part that fails keeps its prior)
     Stage("recipe_setup", "before", recipe_setup, needs=("run_length",), fallback=False,
           what="the recipe's parts, budget (5% of the run's steps), cache, probe batches and classifier check",
