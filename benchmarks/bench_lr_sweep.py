@@ -13,7 +13,7 @@ order with the same budget (one-cycle over `--steps` optimizer steps), scored by
 validation loss at the end. The best sweep LR is the one with the lowest validation loss
 averaged over the seeds; the ratio is the range test's LR (per seed) over it. The same ratio
 is reported for the peak `fit(recipe="auto")` trains with (`recipe`: the range test, then the
-recipe's short one-cycle trial of 1x, 2x and 4x its pick; plan/recipe.py).
+recipe's short one-cycle trial of 1x, 2x and 4x its pick; the recipe's "lr" stage, plan/recipe_lr.py).
 
 Workloads (all small enough for 2 CPU cores):
 - resnet20: ResNet-20 on the digits (32 px, batch 64), SGD momentum 0.9, wd 5e-4.
@@ -125,13 +125,24 @@ def range_test_lr(make, train, batch: int, opt: str, seed: int, precision: str, 
 
 
 def recipe_lr(make, train, batch: int, opt: str, seed: int, precision: str) -> dict:
-    """The peak LR fit(recipe="auto") trains with: the range test, then its short one-cycle trial (plan/recipe.py)."""
-    from torchspeed.plan.recipe import choose_recipe
+    """The peak LR fit(recipe="auto") trains with: the range test, then its short one-cycle trial (the recipe's "lr"
+    stage, plan/recipe_lr.py), measured before the run with nothing cached and every part affordable."""
+    import tempfile
+
+    from torchspeed.plan import budget, make_plan
+    from torchspeed.train.config import TrainConfig
+    from torchspeed.train.decision import TrialCache
 
     model = _model(make, seed)
     t0 = time.perf_counter()
-    rec = choose_recipe(model, _loader(train, batch, seed), optimizer=opt, precision=precision, parts=("lr",),
-                        device="cpu", progress=False)
+    share, budget.TUNING_SHARE = budget.TUNING_SHARE, 1e9  # no budget: the LR part measures whatever the run
+    try:
+        rec = make_plan(model, _loader(train, batch, seed), TrainConfig(precision=precision, trial=False,
+                                                                        progress=False, compile=False),
+                        optimizer=opt, device="cpu", recipe="auto", recipe_parts=("lr",),
+                        cache=TrialCache(Path(tempfile.mkdtemp()) / "trials.json")).recipe
+    finally:
+        budget.TUNING_SHARE = share
     return {"lr": rec.lr, "decision": str(rec.decisions["lr"]), "seconds": time.perf_counter() - t0,
             "measured": rec.decisions["lr"].measured}
 

@@ -13,6 +13,10 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # its own cache, so no test reads a decision measured outside it.
 os.environ["TORCHSPEED_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchspeed-test-cache-")
 
+# Every plan stage decides and refines only the decision keys it declares (plan.stages.Stage.writes, .refines):
+# in the suite an undeclared one raises (elsewhere it is a warning), so every fit here checks the declarations.
+os.environ["TORCHSPEED_STAGE_CHECK"] = "raise"
+
 # The CPU kinds the suite must pass on (torchspeed.env.CPU_PROFILES). A test marked `capability`
 # depends on what the CPU can run natively: it runs once under each profile, injected through
 # TORCHSPEED_CPU_PROFILE, whatever CPU this is (docs/architecture.md).
@@ -94,3 +98,29 @@ def adamw_step_calls(monkeypatch):
         return real(self, *a, **k)
     monkeypatch.setattr(torch.optim.AdamW, "step", counting)
     return calls
+
+
+@pytest.fixture
+def recipe_of(monkeypatch, tmp_path):
+    """The recipe `make_plan(..., recipe="auto")` chooses: its `Recipe` (whose `decisions` are the plan's), for a
+    run of `steps` optimizer steps (None: one epoch of the loader), with trial=False (the LR part measured before the
+    run, not left for the run). `share`: the tuning budget's share of the run (None: every part affordable);
+    `lr_steps`, `lr_trial_steps`: the LR part's range test and trial steps; the rest goes to make_plan (`cache=`: else
+    a cache of the test's own)."""
+    from torchspeed.plan import budget, make_plan, recipe_lr
+    from torchspeed.train.config import TrainConfig
+
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path / "recipe-cache"))
+
+    def choose(model, loader, *, parts=None, steps=None, share=None, lr_steps=None, lr_trial_steps=None,
+               precision="auto", **kw):
+        monkeypatch.setattr(budget, "TUNING_SHARE", 1e9 if share is None else share)
+        if lr_steps is not None:
+            monkeypatch.setattr(recipe_lr, "LR_STEPS", lr_steps)
+        if lr_trial_steps is not None:
+            monkeypatch.setattr(recipe_lr, "LR_TRIAL_STEPS", lr_trial_steps)
+        cfg = TrainConfig(epochs=steps or 1, max_steps=steps, precision=precision, trial=False, progress=False,
+                          compile=False)
+        return make_plan(model, loader, cfg, recipe="auto", recipe_parts=parts, **kw).recipe
+
+    return choose

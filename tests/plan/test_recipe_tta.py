@@ -7,8 +7,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed.plan import recipe_tta
-from torchspeed.plan.budget import TuningBudget
-from torchspeed.plan.recipe import choose_recipe
 from torchspeed.plan.recipe_tta import TTA_COST, after_training, choose_tta, flip_scores
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import TrialCache
@@ -56,12 +54,12 @@ def test_tta_is_kept_only_when_flips_score_better_on_training_batches(plain, fli
     assert d.value == chosen and d.measured == scores
 
 
-def test_tta_is_not_tried_on_inputs_that_are_not_images_or_models_without_logits():
+def test_tta_is_not_tried_on_inputs_that_are_not_images_or_models_without_logits(recipe_of):
     tokens = [(torch.randint(0, 10, (4, 16)), torch.randint(0, 10, (4, 16)))]
     assert choose_tta(nn.Embedding(10, 10), tokens).value is None
-    rec = choose_recipe(nn.Sequential(nn.Embedding(10, 10), nn.Flatten(), nn.Linear(160, 10)),
-                        DataLoader(TensorDataset(torch.randint(0, 10, (32, 16)), torch.randint(0, 10, (32,))),
-                                   batch_size=8), parts=("tta",), progress=False)
+    rec = recipe_of(nn.Sequential(nn.Embedding(10, 10), nn.Flatten(), nn.Linear(160, 10)),
+                    DataLoader(TensorDataset(torch.randint(0, 10, (32, 16)), torch.randint(0, 10, (32,))),
+                               batch_size=8), parts=("tta",))
     assert "tta" not in rec.pending and "not an image classifier" in rec.decisions["tta"].reason
     seg = nn.Conv2d(3, 4, 1)  # per-pixel logits: no flip score
     assert "no flip" in choose_tta(seg, [next(iter(_loader()))]).reason
@@ -72,14 +70,14 @@ def _trainer(model):
                                                            channels_last=False, schedule=None))
 
 
-def test_the_check_is_charged_to_the_budget_then_measured_after_training_and_cached(tmp_path, monkeypatch):
+def test_the_check_is_charged_to_the_budget_then_measured_after_training_and_cached(tmp_path, monkeypatch, recipe_of):
     cache = TrialCache(tmp_path / "c.json")
-    kw = dict(parts=("tta",), progress=False, cache=cache)
-    short = choose_recipe(_net(), _loader(), budget=TuningBudget(TTA_COST * 20 - 1), **kw)  # 5%: under its cost
+    kw = dict(parts=("tta",), cache=cache, share=0.05)
+    short = recipe_of(_net(), _loader(), steps=TTA_COST * 20 - 1, **kw)  # 5%: under its cost
     assert "tta" not in short.pending and short.tta is None
     assert short.decisions["tta"].reason.startswith("prior: no flip TTA") and "over 5%" in short.decisions["tta"].reason
 
-    rec = choose_recipe(_net(), _loader(), budget=TuningBudget(TTA_COST * 20), **kw)
+    rec = recipe_of(_net(), _loader(), steps=TTA_COST * 20, **kw)
     assert rec.pending["tta"]["cost"] == TTA_COST and rec.decisions["tta"].value is None
     flips_better = {"plain": {"loss": 0.5, "acc": 0.8}, "flip": {"loss": 0.4, "acc": 0.85}}
     monkeypatch.setattr(recipe_tta, "flip_scores", lambda *a, **k: flips_better)
@@ -89,21 +87,21 @@ def test_the_check_is_charged_to_the_budget_then_measured_after_training_and_cac
     assert "tta" not in rec.pending
 
     monkeypatch.setattr(recipe_tta, "flip_scores", lambda *a, **k: pytest.fail("measured again"))
-    again = choose_recipe(_net(), _loader(), budget=TuningBudget(TTA_COST * 20 - 1), **kw)  # short, but cached
+    again = recipe_of(_net(), _loader(), steps=TTA_COST * 20 - 1, **kw)  # short, but cached
     assert again.tta == "flip" and "cached" in again.decisions["tta"].reason and "tta" not in again.pending
     trainer = _trainer(_net())
     assert after_training(trainer, again).value == "flip" and trainer.config.tta == "flip"
 
 
-def test_a_users_own_tta_stands():
-    rec = choose_recipe(_net(), _loader(), parts=("tta",), progress=False)  # no budget: checked
+def test_a_users_own_tta_stands(recipe_of):
+    rec = recipe_of(_net(), _loader(), parts=("tta",))  # every part affordable: checked
     trainer = _trainer(_net())
     trainer.config.tta = "flip"
     after_training(trainer, rec)  # whatever the check says, the user's setting is kept
     assert trainer.config.tta == "flip"
 
 
-def test_the_check_scores_the_weights_that_are_evaluated_schedule_free_averaged(monkeypatch):
+def test_the_check_scores_the_weights_that_are_evaluated_schedule_free_averaged(monkeypatch, recipe_of):
     pytest.importorskip("schedulefree")
     trainer = Trainer(_net(), optimizer="schedulefree", lr=0.01, device="cpu",
                       config=TrainConfig(progress=False, compile=False, precision="fp32", channels_last=False,
@@ -116,7 +114,7 @@ def test_the_check_scores_the_weights_that_are_evaluated_schedule_free_averaged(
         return {"plain": {"loss": 0.5, "acc": 0.8}, "flip": {"loss": 0.5, "acc": 0.8}}
 
     monkeypatch.setattr(recipe_tta, "flip_scores", spy)
-    rec = choose_recipe(_net(), _loader(), parts=("tta",), progress=False)
+    rec = recipe_of(_net(), _loader(), parts=("tta",))
     averaged = trainer.module[0].weight.detach().clone()  # fit leaves the model holding the averaged weights
     trainer.optimizer.train()
     training_weights = trainer.module[0].weight.detach().clone()  # the iterate it trained

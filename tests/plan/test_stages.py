@@ -53,13 +53,13 @@ def test_a_stage_registered_in_a_test_runs_at_its_event_with_no_other_edit(tiny_
     def after(ctx: RunContext):
         seen.append(("after", ctx.result.steps))
 
-    registered(Stage("probe_before", "before", before, needs=("run_length",)))
-    registered(Stage("probe_in_run", "after_switches", in_run))
+    registered(Stage("probe_before", "before", before, needs=("run_length",), writes=("probe_before",)))
+    registered(Stage("probe_in_run", "after_switches", in_run, writes=("probe_in_run",)))
     registered(Stage("probe_after", "after", after))
     res = torchspeed.fit(tiny_cnn(), _loader(), epochs=2, lr=0.05, **FAST)
     assert seen == [("before", 8, True), ("after_switches", 1, None), ("after", 8)]
     assert res.decisions["probe_before"].value == 8 and res.decisions["probe_in_run"].value == 1
-    assert [s.name for s in stages("before")][-1] == "probe_before"
+    assert [s.name for s in stages("before")][-2:] == ["probe_before", "loader"]  # the loader's rebuild stays last
 
 
 def test_stages_run_after_what_they_need_and_a_bad_registration_is_refused(registered):
@@ -141,15 +141,16 @@ def test_the_architecture_page_shows_the_registered_stage_order():
     shown = text[text.index(start) + len(start):text.index(end)].strip()
     assert shown == render_stages(), "regenerate with: python -c 'import torchspeed.plan.planner as p, " \
                                      "torchspeed.plan.stages as s; print(s.render_stages())'"
-    assert set(STAGES) >= {"distributed", "capabilities", "schedule", "tuners", "run_length", "recipe", "lr_in_run",
-                           "tta"}
+    assert set(STAGES) >= {"distributed", "capabilities", "schedule", "tuners", "run_length", "recipe_setup",
+                           "label_smoothing", "bn_stats", "ema", "optimizer", "lr", "batch", "tta_budget", "recipe",
+                           "loader", "lr_in_run", "tta"}
 
 
 def test_the_plans_trials_measure_at_the_precision_the_switch_trial_chose(tiny_cnn, monkeypatch, tmp_path):
     """The rule says bf16 on this (injected) bf16 CPU; the injected switch trial measures fp32 faster. The optimizer
     trial and the batch timing (before training) and the LR range test (in the run) all run in fp32."""
     import torchspeed.tune.optimizer_trial as trial_mod
-    from torchspeed.plan import budget, recipe, recipe_optimizer
+    from torchspeed.plan import budget, recipe_batch, recipe_optimizer
     from torchspeed.tune import lr_peak
     from torchspeed.train.loop.callbacks import Callback
     from torchspeed.train.loop.trainer import Trainer
@@ -174,7 +175,7 @@ def test_the_plans_trials_measure_at_the_precision_the_switch_trial_chose(tiny_c
     real_find_lr = lr_peak.find_lr
     monkeypatch.setattr(recipe_optimizer, "schedule_free_available", lambda: True)
     monkeypatch.setattr(recipe_optimizer, "compare_optimizers", optimizer_trial)
-    monkeypatch.setattr(recipe, "choose_batch_size", batch_timing)
+    monkeypatch.setattr(recipe_batch, "choose_batch_size", batch_timing)
     monkeypatch.setattr(lr_peak, "find_lr", lambda *a, **k: seen["LR range test"].append(k["precision"])
                         or real_find_lr(*a, **k))
 

@@ -112,7 +112,7 @@ def test_fit_rebuilds_the_loader_at_the_recipes_batch_and_scales_the_lr(monkeypa
 
     asked: list = []
     _inject_rates(monkeypatch, {8: 100.0, 16: 190.0, 32: 360.0, 64: 370.0}, asked)
-    import torchspeed.plan.recipe as bc  # the recipe's batch part calls the chooser from here
+    import torchspeed.plan.recipe_batch as bc  # the recipe's batch part calls the chooser from here
 
     real = bc.choose_batch_size
     monkeypatch.setattr(bc, "choose_batch_size", lambda *a, **kw: real(*a, **(kw | {"noise_scale": 1000.0,
@@ -144,18 +144,18 @@ def test_the_lr_trial_reports_the_noise_scale_where_its_run_ended():
 
 def test_a_larger_batch_reconsiders_the_ema_for_the_shorter_run(monkeypatch):
     """The EMA's span follows the run length in steps, which the batch part changes (x2 batch: half the steps)."""
-    import torchspeed.plan.recipe as bc  # the recipe's batch part calls the chooser from here
+    import torchspeed.plan.recipe_batch as rp  # the recipe's batch part calls the chooser from here
+    from torchspeed.plan.parts import Recipe, choose_ema
     from torchspeed.train.decision import Decision
-    from torchspeed.plan import recipe as rp
 
-    monkeypatch.setattr(bc, "choose_batch_size", lambda *a, **kw: (128, Decision(128, "injected")))
+    monkeypatch.setattr(rp, "choose_batch_size", lambda *a, **kw: (128, Decision(128, "injected")))
     for total, on in ((8000, True), (2400, False)):
-        rec = rp.Recipe(lr=0.1, parts=("ema", "batch"))
-        rp._choose_ema(rec, total)
+        rec = Recipe(lr=0.1, parts=("ema", "batch"))
+        rec.decisions["ema"] = choose_ema(rec, total)
         assert rec.ema_decay is not None  # both runs are long enough at the loader's batch
-        rp._choose_batch(_net(), _loader(bs=64), rec, optimizer="sgd", name="sgd", weight_decay=None,
-                         optimizer_options=None, precision="fp32", loss_fn=None, step_fn=None, total_steps=total,
-                         noise_scale=1000.0, progress=False)
+        rp.choose_batch(_net(), _loader(bs=64), rec, optimizer="sgd", name="sgd", weight_decay=None,
+                        optimizer_options=None, precision="fp32", loss_fn=None, step_fn=None, total_steps=total,
+                        noise_scale=1000.0, progress=False)
         assert rec.batch_size == 128 and f"{total // 2} steps at batch 128" in rec.decisions["ema"].reason
         assert (rec.ema_decay is not None) is on
         if on:
@@ -163,32 +163,31 @@ def test_a_larger_batch_reconsiders_the_ema_for_the_shorter_run(monkeypatch):
 
 
 @pytest.mark.parametrize("run_steps, measured", [(4000, False), (20_000, True)])
-def test_the_batch_part_is_priced_with_its_timing_floor_in_the_runs_steps(monkeypatch, run_steps, measured):
+def test_the_batch_part_is_priced_with_its_timing_floor_in_the_runs_steps(monkeypatch, run_steps, measured,
+                                                                         recipe_of):
     """Steps of 7 ms (a character GRU's): the batch timing's floor (0.9 s) is 129 of them, so the part costs 279
     steps, over the 200 a 5% budget of a 4,000-step run allows (priced in steps alone, 60, it was measured on a
     1,250-step run and took half of it); a 20,000-step run affords it."""
-    import torchspeed.plan.recipe as rp
-    from torchspeed.plan.budget import TuningBudget
+    import torchspeed.plan.recipe_batch as rp
     from torchspeed.train.decision import Decision
 
     monkeypatch.setattr(rp, "step_seconds", lambda *a, **k: 0.007)  # injected: no clock in a test
     calls = []
     monkeypatch.setattr(rp, "choose_batch_size", lambda *a, **kw: calls.append(1) or (None, Decision(16, "injected")))
     assert rp.batch_cost(0.007) == 150 + 129 and rp.batch_cost(None) == 150
-    rec = rp.choose_recipe(_net(), _loader(), optimizer="sgd", lr=0.05, total_steps=run_steps, parts=("batch",),
-                           budget=TuningBudget(run_steps), progress=False, precision="fp32")
+    rec = recipe_of(_net(), _loader(), optimizer="sgd", lr=0.05, steps=run_steps, parts=("batch",), share=0.05,
+                    precision="fp32")
     assert bool(calls) is measured
     if not measured:
         reason = rec.decisions["batch_size"].reason
         assert reason.startswith("prior: the loader's batch") and "~279 steps off the run" in reason
 
 
-def test_a_run_too_short_for_the_batch_part_at_its_least_price_times_nothing(monkeypatch):
-    import torchspeed.plan.recipe as rp
-    from torchspeed.plan.budget import TuningBudget
+def test_a_run_too_short_for_the_batch_part_at_its_least_price_times_nothing(monkeypatch, recipe_of):
+    import torchspeed.plan.recipe_batch as rp
 
     timed = []
     monkeypatch.setattr(rp, "step_seconds", lambda *a, **k: timed.append(1) or 0.007)
-    rec = rp.choose_recipe(_net(), _loader(), optimizer="sgd", lr=0.05, total_steps=320, parts=("batch",),
-                           budget=TuningBudget(320), progress=False, precision="fp32")
+    rec = recipe_of(_net(), _loader(), optimizer="sgd", lr=0.05, steps=320, parts=("batch",), share=0.05,
+                    precision="fp32")
     assert not timed and "~150 steps off the run" in rec.decisions["batch_size"].reason

@@ -1,12 +1,13 @@
-"""The measured training recipe (plan/recipe.py, fit(recipe="auto")): what it chooses, and on what data."""
+"""The measured training recipe (plan/recipe.py and its parts, fit(recipe="auto")): what it chooses, and on what data.
+Each test reads the recipe the plan chose (`recipe_of`: make_plan(..., recipe="auto"))."""
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from torchspeed.plan.parts import PARTS, Recipe
-from torchspeed.plan.recipe import EMA_MIN_STEPS, choose_recipe, is_classifier
+from torchspeed.plan.parts import EMA_MIN_STEPS, PARTS, Recipe
+from torchspeed.plan.recipe import is_classifier
 
 KEEP_OPT = tuple(p for p in PARTS if p != "schedulefree")  # the user's optimizer kept: the LR part measures
 
@@ -24,11 +25,10 @@ def _loader(n=128, bs=16, seed=0):
     return DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True, generator=torch.Generator().manual_seed(seed))
 
 
-def test_a_short_bn_classifier_gets_smoothing_bn_statistics_and_a_measured_lr_and_is_left_as_it_was():
+def test_a_short_bn_classifier_gets_smoothing_bn_statistics_and_a_measured_lr_and_is_left_as_it_was(recipe_of):
     model = _bn_net()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    rec = choose_recipe(model, _loader(), total_steps=40, lr_steps=30, progress=False, precision="fp32",
-                        parts=KEEP_OPT)
+    rec = recipe_of(model, _loader(), steps=40, lr_steps=30, precision="fp32", parts=KEEP_OPT)
     assert rec.label_smoothing == 0.1 and rec.bn_stats and rec.ema_decay is None
     assert rec.lr > 0 and rec.min_lr == pytest.approx(rec.lr / 10) and rec.lr != 0.1
     assert rec.tuning_steps >= 30 and rec.tuning_s > 0
@@ -42,18 +42,17 @@ def test_a_short_bn_classifier_gets_smoothing_bn_statistics_and_a_measured_lr_an
     assert (back.lr, back.label_smoothing, back.bn_stats, back.parts) == (rec.lr, 0.1, True, KEEP_OPT)
 
 
-def test_parts_left_out_stay_as_today_and_unknown_parts_are_refused():
-    rec = choose_recipe(_bn_net(), _loader(), lr=0.05, parts=("bn_stats",), progress=False)
+def test_parts_left_out_stay_as_today_and_unknown_parts_are_refused(recipe_of):
+    rec = recipe_of(_bn_net(), _loader(), lr=0.05, parts=("bn_stats",))
     assert rec.lr == 0.05 and rec.min_lr is None and rec.label_smoothing == 0.0 and rec.bn_stats
     assert rec.tuning_steps == 0 and "lr" not in rec.decisions
     with pytest.raises(ValueError, match="unknown recipe part"):
-        choose_recipe(_bn_net(), _loader(), parts=("lr", "mixup"), progress=False)
+        recipe_of(_bn_net(), _loader(), parts=("lr", "mixup"))
 
 
-def test_no_smoothing_for_a_users_own_loss_or_a_regression_and_no_bn_part_without_batchnorm():
+def test_no_smoothing_for_a_users_own_loss_or_a_regression_and_no_bn_part_without_batchnorm(recipe_of):
     mlp = nn.Sequential(nn.Flatten(), nn.Linear(192, 4))
-    rec = choose_recipe(mlp, _loader(), loss_fn=nn.CrossEntropyLoss(), parts=("label_smoothing", "bn_stats"),
-                        progress=False)
+    rec = recipe_of(mlp, _loader(), loss_fn=nn.CrossEntropyLoss(), parts=("label_smoothing", "bn_stats"))
     assert rec.label_smoothing == 0.0 and not rec.bn_stats
     batch = next(iter(_loader()))
     assert is_classifier(mlp, batch) and not is_classifier(mlp, batch, loss_fn=nn.MSELoss())
@@ -63,11 +62,11 @@ def test_no_smoothing_for_a_users_own_loss_or_a_regression_and_no_bn_part_withou
     assert is_classifier(mlp, batch) and seen == [2] < [len(batch[0])]  # the shapes, read off 2 samples
 
 
-def test_a_long_run_gets_an_ema_spanning_about_a_twentieth_of_it():
-    rec = choose_recipe(_bn_net(), _loader(), total_steps=10_000, parts=("ema",), progress=False)
+def test_a_long_run_gets_an_ema_spanning_about_a_twentieth_of_it(recipe_of):
+    rec = recipe_of(_bn_net(), _loader(), steps=10_000, parts=("ema",))
     assert rec.ema_decay == pytest.approx(1 - 20 / 10_000)
     assert [type(c).__name__ for c in rec.callbacks()] == ["EMA"]
-    short = choose_recipe(_bn_net(), _loader(), total_steps=EMA_MIN_STEPS - 1, parts=("ema",), progress=False)
+    short = recipe_of(_bn_net(), _loader(), steps=EMA_MIN_STEPS - 1, parts=("ema",))
     assert short.ema_decay is None
 
 
@@ -116,7 +115,7 @@ def test_fit_refuses_unknown_recipes():
         fit(_bn_net(), _loader(), recipe_parts=("lr",), progress=False)
 
 
-def test_muon_is_tried_for_adamw_on_a_matrix_heavy_model_and_not_on_a_conv_net(monkeypatch):
+def test_muon_is_tried_for_adamw_on_a_matrix_heavy_model_and_not_on_a_conv_net(monkeypatch, recipe_of):
     import torchspeed.tune.optimizer_trial as trial_mod
     from torchspeed.tune.optimizer_trial import OptimizerTrial
 
@@ -130,16 +129,16 @@ def test_muon_is_tried_for_adamw_on_a_matrix_heavy_model_and_not_on_a_conv_net(m
                               "muon's held-back loss is 20% lower", 10)
 
     monkeypatch.setattr("torchspeed.plan.recipe_optimizer.compare_optimizers", fake)
-    rec = choose_recipe(mlp, _loader(), optimizer="adamw", lr=1e-3, parts=("muon",), progress=False)
+    rec = recipe_of(mlp, _loader(), optimizer="adamw", lr=1e-3, parts=("muon",))
     assert asked == [("adamw", "muon")] and rec.optimizer == "muon" and rec.tuning_steps == 20
     assert rec.decisions["optimizer"].value == "muon" and "T42" in rec.decisions["optimizer"].reason
-    conv = choose_recipe(_bn_net(), _loader(), optimizer="adamw", lr=1e-3, parts=("muon",), progress=False)
+    conv = recipe_of(_bn_net(), _loader(), optimizer="adamw", lr=1e-3, parts=("muon",))
     assert conv.optimizer is None and "not tried" in conv.decisions["optimizer"].reason and len(asked) == 1
-    sgd = choose_recipe(mlp, _loader(), optimizer="sgd", parts=("muon",), progress=False)
+    sgd = recipe_of(mlp, _loader(), optimizer="sgd", parts=("muon",))
     assert sgd.optimizer is None and len(asked) == 1  # Muon replaces AdamW only
 
 
-def test_a_language_model_gets_no_label_smoothing():
+def test_a_language_model_gets_no_label_smoothing(recipe_of):
     from torchspeed.bench.text import GPT
 
     torch.manual_seed(0)
@@ -147,7 +146,7 @@ def test_a_language_model_gets_no_label_smoothing():
     tokens = torch.randint(0, 64, (4, 17))
     batch = (tokens[:, :-1], tokens[:, 1:])
     assert not is_classifier(gpt, batch)
-    rec = choose_recipe(gpt, [batch] * 4, parts=("label_smoothing",), progress=False)
+    rec = recipe_of(gpt, [batch] * 4, parts=("label_smoothing",))
     assert rec.label_smoothing == 0.0 and "left alone" in rec.decisions["label_smoothing"].reason
 
 
@@ -167,7 +166,7 @@ def _fake_trial(monkeypatch, best):
 
 
 @pytest.mark.parametrize("best", ["schedulefree", "sgd"])
-def test_schedule_free_is_measured_against_the_given_optimizer_when_the_budget_allows(monkeypatch, best):
+def test_schedule_free_is_measured_against_the_given_optimizer_when_the_budget_allows(monkeypatch, best, recipe_of):
     pytest.importorskip("schedulefree")
     from torchspeed.tune import lr_peak as lr_mod
     from torchspeed.train.optim import SCHEDULE_FREE_LR, schedule_free_lr
@@ -178,8 +177,8 @@ def test_schedule_free_is_measured_against_the_given_optimizer_when_the_budget_a
     ranges = []
     real = lr_mod.find_lr
     monkeypatch.setattr(lr_mod, "find_lr", lambda *a, **k: ranges.append(1) or real(*a, **k))
-    rec = choose_recipe(_bn_net(), _loader(), lr=0.05, total_steps=40, lr_steps=20, lr_trial_steps=0,
-                        parts=("lr", "bn_stats", "schedulefree"), progress=False, precision="fp32")
+    rec = recipe_of(_bn_net(), _loader(), lr=0.05, steps=40, lr_steps=20, lr_trial_steps=0,
+                    parts=("lr", "bn_stats", "schedulefree"), precision="fp32")
     assert asked == [(("sgd", "schedulefree"), {"sgd": 0.05, "schedulefree": sf_lr})]
     assert rec.decisions["optimizer"].value == best and rec.decisions["optimizer"].measured["table"]
     if best == "schedulefree":  # it replaces the LR search, the floor and the BatchNorm tail
@@ -190,32 +189,32 @@ def test_schedule_free_is_measured_against_the_given_optimizer_when_the_budget_a
         assert rec.optimizer is None and rec.bn_stats and ranges and rec.lr != sf_lr
 
 
-def test_schedule_free_is_the_prior_when_the_budget_refuses_and_the_cache_the_next_time(monkeypatch, tmp_path):
+def test_schedule_free_is_the_prior_when_the_budget_refuses_and_the_cache_the_next_time(monkeypatch, tmp_path,
+                                                                                       recipe_of):
     pytest.importorskip("schedulefree")
-    from torchspeed.plan.budget import TuningBudget
     from torchspeed.train.decision import TrialCache
 
     asked = _fake_trial(monkeypatch, "sgd")
     cache = TrialCache(tmp_path / "c.json")
-    kw = dict(lr=0.05, total_steps=40, parts=("lr", "schedulefree"), progress=False, precision="fp32", cache=cache,
-              lr_steps=20, lr_trial_steps=0)
-    rec = choose_recipe(_bn_net(), _loader(), budget=TuningBudget(40), **kw)  # 2 steps of budget: no trial
+    kw = dict(steps=40, parts=("lr", "schedulefree"), precision="fp32", cache=cache, lr_steps=20,
+              lr_trial_steps=0)  # no LR given: Schedule-Free is the prior
+    rec = recipe_of(_bn_net(), _loader(), share=0.05, **kw)  # 2 steps of budget: no trial
     assert not asked and rec.optimizer == "schedulefree" and rec.tuning_steps == 0
     assert rec.decisions["optimizer"].reason.startswith("prior: Schedule-Free AdamW")
-    measured = choose_recipe(_bn_net(), _loader(), budget=None, **kw)  # no limit: measured (sgd wins), cached
+    measured = recipe_of(_bn_net(), _loader(), share=None, **kw)  # no limit: measured (sgd wins), cached
     assert asked and measured.optimizer is None
-    again = choose_recipe(_bn_net(), _loader(), budget=TuningBudget(40), **kw)
+    again = recipe_of(_bn_net(), _loader(), share=0.05, **kw)
     assert len(asked) == 1 and again.optimizer is None and again.decisions["optimizer"].reason.startswith("cached")
 
 
-def test_without_the_package_or_for_another_optimizer_schedule_free_is_not_a_candidate(monkeypatch):
+def test_without_the_package_or_for_another_optimizer_schedule_free_is_not_a_candidate(monkeypatch, recipe_of):
     import torchspeed.plan.recipe_optimizer as optim  # where the recipe looks the package up
 
     asked = _fake_trial(monkeypatch, "schedulefree")
     monkeypatch.setattr(optim, "schedule_free_available", lambda: False)
-    rec = choose_recipe(_bn_net(), _loader(), lr=0.05, parts=("schedulefree",), progress=False)
+    rec = recipe_of(_bn_net(), _loader(), lr=0.05, parts=("schedulefree",))
     assert rec.optimizer is None and not asked and "pip install 'torchspeed[schedulefree]'" in \
         rec.decisions["optimizer"].reason
     monkeypatch.setattr(optim, "schedule_free_available", lambda: True)
-    lamb = choose_recipe(_bn_net(), _loader(), optimizer="lamb", lr=0.05, parts=("schedulefree",), progress=False)
+    lamb = recipe_of(_bn_net(), _loader(), optimizer="lamb", lr=0.05, parts=("schedulefree",))
     assert lamb.optimizer is None and not asked  # a deliberate choice (LAMB, LARS, Muon, an object) is kept

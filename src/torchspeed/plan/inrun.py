@@ -3,7 +3,7 @@ T15, T18, T21, T23).
 
 The switch trial decides in the run's first steps (`train.trial.autoswitch`). A tuner that ran
 before it would measure at the rule's precision, which the trial may overturn. So the plan
-leaves an affordable LR part pending (`choose_recipe(lr_in_run=True)`), and the "lr_in_run" stage
+leaves an affordable LR part pending (its "lr" stage, `plan.recipe_lr.lr_part`), and the "lr_in_run" stage
 (`measure_lr_in_run`, an "after_switches" stage of `plan.stages`) runs it once at the first step end
 after the switch trial has settled: the range
 test and the short one-cycle trial on the live model (its weights, optimizer state and every
@@ -59,16 +59,15 @@ def _lr(ctx, pending: dict) -> bool:
     loss_fn = ctx.loss_fn or (default_loss(rec.label_smoothing) if rec.label_smoothing else None)
     t0 = time.perf_counter()
     with keep_rng(ctx.loader):
-        measured = choose_lr_part(trainer.module, _tuning_loader(ctx.loader), rec, optimizer=ctx.optimizer,
-                                  name=ctx.optimizer if isinstance(ctx.optimizer, str) else None,
-                                  schedule=ctx.cfg.schedule, loss_fn=loss_fn, lr_steps=pending["lr_steps"],
-                                  lr_trial_steps=pending["lr_trial_steps"], noise=False,
-                                  weight_decay=ctx.weight_decay, optimizer_options=ctx.optimizer_options,
-                                  precision=precision, step_fn=ctx.step_fn, progress=ctx.cfg.progress)
+        measured, dec = choose_lr_part(trainer.module, _tuning_loader(ctx.loader), rec, optimizer=ctx.optimizer,
+                                       name=ctx.optimizer if isinstance(ctx.optimizer, str) else None,
+                                       schedule=ctx.cfg.schedule, loss_fn=loss_fn, lr_steps=pending["lr_steps"],
+                                       lr_trial_steps=pending["lr_trial_steps"], noise=False,
+                                       weight_decay=ctx.weight_decay, optimizer_options=ctx.optimizer_options,
+                                       precision=precision, step_fn=ctx.step_fn, progress=ctx.cfg.progress)
     seconds = time.perf_counter() - t0
     factor = rec.lr / before if before else 1.0
     rescale_lr(trainer.optimizer, trainer.scheduler, factor)
-    dec = rec.decisions["lr"]
     trainer.decisions.refine("lr", Decision(rec.lr, f"{dec.reason}; measured at step {trainer.step}, after the switch "
                                                     f"trial, in {precision}: the schedule rescaled x{factor:.3g} "
                                                     f"from the prior {before:g}",

@@ -1,10 +1,12 @@
 """What the recipe's parts share: the `Recipe` they fill in, the `Gate` that lets a part measure within the tuning
-budget (or reads the cache, or keeps the prior), and `guarded`, which runs one part so that a part that raises is
-named and the run goes on with that part's prior (T14, T15, T17, T32, T33, T40, T42, T47).
+budget (or reads the cache, or keeps the prior), `Shared` (what the `recipe_setup` stage holds for the parts: the
+Gate, the classifier check, the RNG held while they measure), and `guarded`, which runs one part so that a part that
+raises is named and the run goes on with that part's prior (T14, T15, T17, T32, T33, T40, T42, T47).
 
-Each part is a function of (model, loader, `Recipe`, `Gate`, ...) in its own module (`recipe_lr`,
-`recipe_optimizer`, `recipe_tta`, the free parts and the batch part in `recipe`); `recipe.choose_recipe`
-runs them in order. They import this module and not each other.
+Each part is a stage of the plan (`plan.planner.BUILT_IN`, in order): a function of the `RunContext` in its own
+module (`recipe_optimizer`, `recipe_lr`, `recipe_batch`, `recipe_tta`; the set-up, the free parts and the recipe's
+fold into the run in `recipe`), which reads `ctx.rec` and `ctx.shared` and writes its Decisions into the plan's
+(`Recipe.decisions` is the plan's `Decisions`). They import this module and not each other.
 
 Example:
     >>> rec = Recipe(lr=0.1)
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -23,19 +26,22 @@ from torchspeed.env import detect
 from torchspeed.plan.budget import TuningBudget
 from torchspeed.train.bnstats import FinalBatchNormStats
 from torchspeed.train.loop.callbacks import EMA
-from torchspeed.train.decision import Decision, Decisions, TrialCache
+from torchspeed.train.decision import Decision, DecisionConflict, Decisions, TrialCache
+from torchspeed.train.losses import default_loss
 from torchspeed.train.trial.switch_choice import batch_signature, model_signature
 
 log = logging.getLogger("torchspeed")
 
-__all__ = ["PARTS", "Recipe", "Gate", "recipe_key", "guarded"]
+__all__ = ["PARTS", "EMA_MIN_STEPS", "Recipe", "Gate", "Shared", "recipe_key", "guarded", "choose_ema",
+           "loss_for_tuning"]
 
 PARTS = ("lr", "label_smoothing", "bn_stats", "ema", "tta", "muon", "schedulefree", "batch")
+EMA_MIN_STEPS = 2000
 
 
 @dataclass
 class Recipe:
-    """What `choose_recipe` picked; `config()` and `callbacks()` hand it to `fit`/`Trainer`."""
+    """What the recipe's parts picked; `config()` and `callbacks()` hand it to `fit`/`Trainer`."""
 
     lr: float | None = None              # one-cycle peak LR (None: the caller's own)
     min_lr: float | None = None          # the schedule's floor (None: the schedule's default)
@@ -85,9 +91,12 @@ class Recipe:
 def guarded(rec: Recipe, part: str, prior: dict, value, fn: Callable, *args, **kwargs):
     """`fn(*args, **kwargs)`, one recipe part: one that raises is reported with its name (a warning, and the
     Decision `value` with why) and the run goes on with the part's `prior` (the Recipe fields it sets back): a
-    failed part never ends a run. Returns what `fn` returned, or None when it raised."""
+    failed part never ends a run. Returns what `fn` returned, or None when it raised. A `DecisionConflict` (a key
+    decided twice: a fault of the plan, not of the measurement) is raised."""
     try:
         return fn(*args, **kwargs)
+    except DecisionConflict:  # two writers of one key: a fault of the plan, not of a measurement
+        raise
     except Exception as e:  # noqa: BLE001 - any failure of a measurement leaves the run its prior
         for field_name, kept in prior.items():
             setattr(rec, field_name, kept)
@@ -151,3 +160,37 @@ class Gate:
     def save(self) -> None:
         if self.cache is not None and self.new:
             self.cache.put(self.key, self.hit | self.new)
+
+
+@dataclass
+class Shared:
+    """What the recipe's part-stages share (`RunContext.shared`), set up once by the `recipe_setup` stage: the `Gate`
+    (its budget, cache and key), whether the model is a classifier on the default loss, when choosing started, what
+    one part found for a later one (the LR part's noise scale for the batch part; Schedule-Free's LR, chosen by the
+    optimizer part, for the LR part's decision), and every RNG held from the set-up until the `recipe` stage."""
+
+    gate: Gate
+    classifier: bool
+    started: float                              # time.perf_counter() at the set-up
+    found: dict = field(default_factory=dict)
+    rng: ExitStack = field(default_factory=ExitStack)
+
+
+def choose_ema(rec: Recipe, total_steps: int | None, why: str = "") -> Decision:
+    """The EMA part (T40): on for runs of EMA_MIN_STEPS+ steps, its average spanning about the last twentieth. The ema
+    part decides it; the batch part, which shortens the run in steps, refines it."""
+    if total_steps and total_steps >= EMA_MIN_STEPS:
+        rec.ema_decay = round(min(0.9999, max(0.99, 1 - 20 / total_steps)), 6)
+        return Decision(rec.ema_decay, f"a run of {total_steps} steps{why}: the average spans about its last "
+                                       "twentieth (T40)")
+    rec.ema_decay = None
+    return Decision(None, f"run of {total_steps or 'unknown'} steps{why}, under {EMA_MIN_STEPS}: an average of "
+                          "so few steps gained nothing measured (docs/recipe.md)")
+
+
+def loss_for_tuning(ctx):
+    """The loss the parts that train off the run train on (`ctx`: the plan's `RunContext`): the run's, with the
+    smoothing the label_smoothing part (and the optimizer part) left it."""
+    if ctx.loss_fn is None and ctx.rec.label_smoothing:
+        return default_loss(ctx.rec.label_smoothing)
+    return ctx.loss_fn

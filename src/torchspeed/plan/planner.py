@@ -1,31 +1,38 @@
 """`make_plan`: every automatic choice of `fit`, as registered stages over one run context, resolved once, in
 dependency order, its cost counted (T06-T08, T15, T17, T18, T21, T23, T25, T31-T33, T40, T42, T47).
 
-The stages (`BUILT_IN`, registered in this order in `plan.stages.STAGES`; Lightning Fabric's connector
-habit: resolve every "auto" once, then only read):
+The stages (`BUILT_IN`, registered in this order in `plan.stages.STAGES`; the one place to read the order;
+Lightning Fabric's connector habit: resolve every "auto" once, then only read):
 
 1. `distributed`: torchrun's process group first, so rank 0 measures for every rank;
-2. `capabilities`: what this device runs natively (`env.DeviceCaps`);
+2. `capabilities`: what this device runs natively (`env.DeviceCaps`); `backends` and `rules`: the backend switches
+   and the rules' precision and layout, in effect from here;
 3. `schedule`: the schedule rule (`train.schedule.default_schedule`) and the prior LR; a run given its own LR and
    no recipe keeps torch's own optimizer kernel (`fused_optimizer="default"`: the loop's numbers, bit for bit), and
    takes a layout or precision only 10% faster a step (`min_gain`);
-4. `tuners`: batch size, LR and loader settings when asked (`batch_size=`, `lr="auto"`, `loader=`:
-   `tune.auto.tune_for_fit`), the loader rebuilt once;
-5. `run_length`: the run's steps, which the budget and the recipe read;
-6. `recipe` (`recipe="auto"`: `plan.recipe.choose_recipe`) within the tuning budget (`plan.budget`: at
-   most 5% of the run's steps off the run, none on a cache hit); the loader rebuilt at most once more,
-   for the batch part's choice;
-7. at the run's start ("first_steps", with the Trainer): `switch_trial`, precision x layout x optimizer
+4. `switches`: the switch trial first, on a copy, when a later stage measures (`plan.switches_first`);
+5. the tuners, when asked (`plan.tuners`, measured by `tune.auto`): `tuners` checks their options, then
+   `tune_batch` (`batch_size=`), `tune_lr` (`lr="auto"`, or a given LR scaled to a new batch) and `tune_loader`
+   (`loader="auto"`, at the run's batch), their batch and settings recorded for the `loader` stage;
+6. `run_length`: the run's steps, which the budget and the recipe read;
+7. the recipe (`recipe="auto"`), one stage per part, within the tuning budget (`plan.budget`: at most 5% of the
+   run's steps off the run, none on a cache hit): `recipe_setup` (the probe batches, the classifier check, the
+   budget and the cache: `plan.recipe`), the free parts `label_smoothing`, `bn_stats`, `ema`, then `optimizer`
+   (`plan.recipe_optimizer`), `lr` (`plan.recipe_lr`), `batch` (`plan.recipe_batch`), `tta_budget`
+   (`plan.recipe_tta`), and `recipe`, which folds the parts into the run's config, optimizer, LR and callbacks;
+8. `loader`, last: the loader rebuilt once, when a stage changed its batch size or settings;
+9. at the run's start ("first_steps", with the Trainer): `switch_trial`, precision x layout x optimizer
    kernel (x threads) by the rules or a trial on the run's own first steps (`train.trial.autoswitch`; 0 steps on
    a cache hit), which the Trainer steps while it is live; `compile_trial`, `compile="auto"`'s trial told
    the run's length;
-8. in the run, after the switch trial: `lr_in_run` (`plan.inrun`), the LR part at the precision the
+10. in the run, after the switch trial: `lr_in_run` (`plan.inrun`), the LR part at the precision the
    trial chose;
-9. after training: `tta`, the flip-TTA check (`plan.recipe_tta`).
+11. after training: `tta`, the flip-TTA check (`plan.recipe_tta`).
 
-Every value in `Plan.decisions` is a `Decision`, each key written once. The Trainer applies the plan and steps
-what its stages arm; `fit` prints it before training (what was chosen, from what evidence, at what cost, and what is still
-measured during the run).
+Every value in `Plan.decisions` is a `Decision`, each key written once, by the stage that declares it
+(`Stage.writes`), and refined only by the stages that declare that (`Stage.refines`). The Trainer applies the plan
+and steps what its stages arm; `fit` prints it before training (what was chosen, from what evidence, at what cost,
+and what is still measured during the run).
 
 Example:
     >>> plan = make_plan(model, loader, TrainConfig(epochs=3), recipe="auto")
@@ -39,35 +46,34 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torchspeed.env import DeviceCaps, default_device
-from torchspeed.plan import budget as budget_rules  # its TUNING_SHARE read at each plan (tests inject it)
-from torchspeed.plan.budget import TuningBudget
 from torchspeed.plan.inrun import measure_lr_in_run
-from torchspeed.plan.parts import PARTS, Recipe
-from torchspeed.plan.recipe import choose_recipe
-from torchspeed.plan.recipe_tta import after_training
+from torchspeed.plan.parts import Recipe
+from torchspeed.plan.recipe import (bn_stats_part, ema_part, fold_recipe, label_smoothing_part, recipe_setup,
+                                    wants)
+from torchspeed.plan.recipe_batch import batch_part
+from torchspeed.plan.recipe_lr import lr_part
+from torchspeed.plan.recipe_optimizer import optimizer_part, wants_optimizer
+from torchspeed.plan.recipe_tta import after_training, tta_part
 from torchspeed.plan.stages import (RunContext, RunStages, Stage, first_steps_hook, register_stage, run_event,
                                     run_length, stages)
 from torchspeed.plan.switches_first import switches_first, wants_switches_first
+from torchspeed.plan.tuners import batch_tuner, loader_tuner, lr_tuner, tuners_setup, wants_tuners
 from torchspeed.train.trial.autoswitch import arm_switch_trial, rule_choice
 from torchspeed.train.trial.backends import apply_backends, decide_backends
 from torchspeed.train.trial.compile import arm_compile_trial
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, Decisions, TrialCache
 from torchspeed.train.parallel.distributed import maybe_init_distributed
-from torchspeed.train.sampler import rebuild_loader
-from torchspeed.train.optim_info import OPTIM_INFO, default_lr
+from torchspeed.train.optim_info import default_lr
 from torchspeed.train.schedule import default_schedule, lr_given
 from torchspeed.train.trial.switch_choice import AHEAD
 from torchspeed.train.trial.user_state import UserState
-from torchspeed.tune.auto import tune_for_fit
 
 __all__ = ["Plan", "make_plan", "BUILT_IN"]
 
-GIVEN_LOOP_KEEPS = ("lr", "label_smoothing")  # recipe parts left out when the run gives its own LR (docs/recipe.md)
 PORTED_MIN_GAIN = AHEAD  # a run given its LR takes a layout or precision only 10% faster a step (its numbers move)
 PORTED_TRIAL_SHARE = 0.02  # ... and its switch trial's first look costs at most 2% of its seconds (its later turns
 # timed apart half that: shadow.ShadowTurns), so a trial that finds nothing leaves it within 3% of its own loop
@@ -121,8 +127,10 @@ def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
     state = UserState(model, step_fn).snapshot()  # the tuners and trials run the user's model and step_fn
     try:
         run_event(ctx, "before")
-    finally:  # what they left in its state (a step_fn's carried hidden state, a forward's attributes) put back
-        state.restore()
+    finally:
+        if ctx.shared is not None:  # a stage raised while the recipe held the RNG: put back (closed already, else)
+            ctx.shared.rng.close()
+        state.restore()  # what they left in its state (a step_fn's carried hidden state, a forward's attributes)
     if any(s.wanted(ctx) for s in stages("after_switches")):  # else no callback: nothing runs per step
         ctx.callbacks.append(RunStages(ctx))
     plan = Plan(loader=ctx.loader, optimizer=ctx.optimizer, lr=float(ctx.lr), config=ctx.cfg, callbacks=ctx.callbacks,
@@ -185,69 +193,16 @@ def _schedule(ctx: RunContext) -> None:
         ctx.lr = default_lr(ctx.optimizer)
 
 
-def _tuners(ctx: RunContext) -> None:
-    ctx.loader, ctx.lr, tuned = tune_for_fit(
-        ctx.model, ctx.loader, batch_size=ctx.batch_size, lr=ctx.lr, loader=ctx.loader_mode, loss_fn=ctx.loss_fn,
-        step_fn=ctx.step_fn, optimizer=ctx.optimizer, weight_decay=ctx.weight_decay,
-        optimizer_options=ctx.optimizer_options, device=ctx.dev, precision=ctx.precision or ctx.cfg.precision,
-        schedule=ctx.cfg.schedule, distributed=ctx.cfg.distributed, progress=ctx.cfg.progress)
-    ctx.decisions.update(tuned)
-
-
 def _run_length(ctx: RunContext) -> None:
+    ctx.run_steps = run_length(ctx.planned_loader(), ctx.cfg)
+
+
+def _loader(ctx: RunContext) -> None:
+    """The loader rebuilt once, with every batch size and setting the stages chose (`RunContext.loader_changes`): the
+    same object the stages after the tuners read (`RunContext.planned_loader`); the run's length at it."""
+    ctx.loader = ctx.planned_loader()
+    ctx.loader_changes = {}
     ctx.run_steps = run_length(ctx.loader, ctx.cfg)
-
-
-def _recipe(ctx: RunContext) -> None:
-    parts = tuple(ctx.recipe_parts if ctx.recipe_parts is not None else PARTS)
-    if ctx.batch_size is not None:  # the user's batch (or the tuner's) stands
-        parts = tuple(p for p in parts if p != "batch")
-    if ctx.own_lr and ctx.recipe_parts is None:  # your loop is the prior: what changes its objective or LR unmeasured
-        parts = tuple(p for p in parts if p not in GIVEN_LOOP_KEEPS)
-        ctx.decisions["recipe_prior"] = Decision(
-            "your loop", "you gave the LR: your optimizer, LR, schedule and loss stand; the LR search and label "
-            "smoothing are left out, and Schedule-Free or Muon replace your optimizer only when their trial wins "
-            "(recipe_parts= puts parts back)")
-    # Every rank runs the same parts (their trials measure on rank 0 and broadcast); a cache file could differ per
-    # machine, so under DDP the recipe is measured afresh rather than read from it.
-    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    ctx.cache = None if several else (ctx.cache if ctx.cache is not None else TrialCache())
-    cfg = ctx.cfg
-    budget = TuningBudget(ctx.run_steps, share=budget_rules.TUNING_SHARE)
-    budget.spend(ctx.tuning_steps)  # what the stages before it spent off the run (the switch trial) counts too
-    rec = choose_recipe(ctx.model, ctx.loader, optimizer=ctx.optimizer, lr=float(ctx.lr),
-                        weight_decay=ctx.weight_decay, optimizer_options=ctx.optimizer_options,
-                        precision=ctx.precision or cfg.precision, loss_fn=ctx.loss_fn, step_fn=ctx.step_fn,
-                        total_steps=ctx.run_steps, schedule=cfg.schedule, parts=parts, device=ctx.dev,
-                        progress=cfg.progress, budget=budget, cache=ctx.cache,
-                        lr_in_run=cfg.trial is not False and not cfg.deterministic, lr_given=ctx.own_lr,
-                        precision_setting=cfg.precision)
-    _apply_recipe(ctx, rec)
-
-
-def _apply_recipe(ctx: RunContext, rec: Recipe) -> None:
-    """The recipe folded into the config, optimizer, LR, callbacks and loader (rebuilt at most once)."""
-    changes = rec.config()
-    if ctx.cfg.min_lr is not None:  # the user's own floor wins
-        changes.pop("min_lr", None)
-    if ctx.loss_fn is not None:
-        changes.pop("label_smoothing", None)
-    ctx.cfg = replace(ctx.cfg, **changes)
-    if rec.optimizer and isinstance(ctx.optimizer, str):
-        ctx.optimizer = rec.optimizer
-        if getattr(OPTIM_INFO.get(str(rec.optimizer).lower()), "schedule_free", False) and \
-                "schedule" in ctx.decisions:  # the plan says what the run does
-            ctx.decisions.refine("schedule", Decision(None, "Schedule-Free AdamW: no LR schedule (its averaging "
-                                                            "takes the schedule's place; the run sets its warm-up)"))
-    if rec.batch_size and rec.batch_size != getattr(ctx.loader, "batch_size", None):
-        ctx.loader = rebuild_loader(ctx.loader, batch_size=rec.batch_size)
-        ctx.run_steps = run_length(ctx.loader, ctx.cfg)
-    if rec.lr is not None:
-        ctx.lr = rec.lr
-    ctx.callbacks += rec.callbacks()
-    ctx.rec = rec
-    ctx.tuning_steps += rec.tuning_steps
-    ctx.decisions.update(rec.decisions)
 
 
 def _switch_trial(ctx: RunContext) -> None:
@@ -267,42 +222,79 @@ def _tta_after(ctx: RunContext) -> None:
         result.history[-1]["val_acc_tta"] = trainer.evaluate(ctx.val_loader)["val_acc"]
 
 
-def _wants_tuners(ctx: RunContext) -> bool:
-    return ctx.batch_size is not None or ctx.lr == "auto" or ctx.loader_mode is not None
-
-
-# The built-in stages, in order: the one list a new stage joins (or `register_stage` from anywhere).
+# The built-in stages, in order: the one list a new stage joins (or `register_stage` from anywhere). Each declares the
+# decision keys it decides (`writes`) and those it may refine (`refines`); tests/plan/test_declared.py holds them to it.
 BUILT_IN = (
     Stage("distributed", "before", _distributed, cost="0 steps", fallback=False,
           what="torchrun's process group and this rank's device"),
     Stage("capabilities", "before", _capabilities, needs=("distributed",), fallback=False,
-          what="what the device runs natively"),
+          what="what the device runs natively", writes=("device", "switch_plan")),
     Stage("backends", "before", _backends, needs=("capabilities",), fallback=False,
-          what="cudnn.benchmark and TF32 (CUDA), threads and malloc (CPU), in effect from here"),
+          what="cudnn.benchmark and TF32 (CUDA), threads and malloc (CPU), in effect from here",
+          writes=("cudnn_benchmark", "tf32", "threads", "malloc")),
     Stage("rules", "before", _rules, needs=("capabilities",), fallback=False,
-          what="the rules' precision and layout, until the switch trial measures"),
+          what="the rules' precision and layout, until the switch trial measures", writes=("precision", "channels_last")),
     Stage("schedule", "before", _schedule, fallback=False, what="the schedule rule, the prior LR, and torch's own "
-          "optimizer kernel for a run given its LR"),
+          "optimizer kernel for a run given its LR", writes=("schedule",)),
     Stage("switches", "before", switches_first, needs=("capabilities", "schedule"), cost="the trial's steps, off the "
           "run", what="precision x layout (x kernel) measured first when a later stage measures: it measures at "
-          "what the run trains with", when=wants_switches_first),
-    Stage("tuners", "before", _tuners, needs=("switches",), cost="the tuners' steps", fallback=False,
-          what="batch size, LR and loader settings when asked (`batch_size=`, `lr=\"auto\"`, `loader=`)",
-          when=_wants_tuners),
-    Stage("run_length", "before", _run_length, needs=("tuners",), fallback=False, what="the run's steps"),
-    Stage("recipe", "before", _recipe, needs=("run_length",), cost="within 5% of the run's steps", fallback=False,
-          what="the recipe's parts (each guarded: a part that fails keeps its prior)",
-          when=lambda ctx: bool(ctx.recipe)),
+          "what the run trains with", when=wants_switches_first, refines=("switch_plan",)),
+    # the tuners, when asked: batch, then LR at that batch, then the loader's settings at it
+    Stage("tuners", "before", tuners_setup, needs=("switches",), fallback=False, when=wants_tuners,
+          what="the tuning options checked (`batch_size=`, `lr=\"auto\"`, `loader=`): a bad one is an error"),
+    Stage("tune_batch", "before", batch_tuner, needs=("tuners",), cost="the batch timing's steps", fallback=False,
+          what="`batch_size=\"auto\"`: the fastest batch measured; or the batch given",
+          when=lambda ctx: ctx.batch_size is not None, writes=("batch_size",)),
+    Stage("tune_lr", "before", lr_tuner, needs=("tune_batch",), cost="the range test's steps", fallback=False,
+          what="`lr=\"auto\"`: the peak LR measured at the run's batch; or the LR given, scaled to a new batch",
+          when=lambda ctx: ctx.lr == "auto" or "batch_size" in ctx.loader_changes,
+          writes=("lr_find", "lr", "peak_lr")),
+    Stage("tune_loader", "before", loader_tuner, needs=("tune_lr",), cost="the loader tuner's timing",
+          fallback=False, what="`loader=\"auto\"`: workers, pinning and prefetch measured at the run's batch",
+          when=lambda ctx: ctx.loader_mode is not None, writes=("loader",)),
+    Stage("run_length", "before", _run_length, needs=("tune_loader",), fallback=False, what="the run's steps"),
+    # the recipe (`recipe="auto"`): one stage per part, each guarded (a part that fails keeps its prior)
+    Stage("recipe_setup", "before", recipe_setup, needs=("run_length",), fallback=False,
+          what="the recipe's parts, budget (5% of the run's steps), cache, probe batches and classifier check",
+          when=lambda ctx: bool(ctx.recipe), writes=("recipe_prior",)),
+    Stage("label_smoothing", "before", label_smoothing_part, needs=("recipe_setup",), fallback=False,
+          what="0.1 for a classifier on the default cross-entropy", when=wants("label_smoothing"),
+          writes=("label_smoothing",)),
+    Stage("bn_stats", "before", bn_stats_part, needs=("recipe_setup",), fallback=False,
+          what="BatchNorm statistics averaged over the run's last tenth", when=wants("bn_stats"),
+          writes=("bn_stats",)),
+    Stage("ema", "before", ema_part, needs=("recipe_setup",), fallback=False,
+          what="an EMA of the weights on runs of 2,000+ steps", when=wants("ema"), writes=("ema",)),
+    Stage("optimizer", "before", optimizer_part, needs=("recipe_setup",), cost="50 steps a candidate, off the run",
+          fallback=False, what="Muon or Schedule-Free AdamW against the optimizer given by name",
+          when=wants_optimizer, writes=("optimizer",), refines=("label_smoothing", "bn_stats", "ema")),
+    Stage("lr", "before", lr_part, needs=("optimizer",), cost="~172 steps, off the run", fallback=False,
+          what="the peak LR and floor: pending for `lr_in_run`, measured, cached, the prior; or Schedule-Free's",
+          when=wants("lr"), writes=("lr",)),
+    Stage("batch", "before", batch_part, needs=("lr",), cost="~150 steps and a 0.9 s floor, off the run",
+          fallback=False, what="the batch with the least predicted time to a target; the LR scaled to it",
+          when=wants("batch"), writes=("batch_size",), refines=("lr", "ema")),
+    Stage("tta_budget", "before", tta_part, needs=("recipe_setup",), cost="~3 steps (the check after training)",
+          fallback=False,
+          what="whether the flip-TTA check after training fits the budget (else cached, or no TTA)",
+          when=wants("tta"), writes=("tta",)),
+    Stage("recipe", "before", fold_recipe, needs=("recipe_setup",), fallback=False,
+          what="the parts folded into the run's config, optimizer, LR and callbacks; the recipe's cost",
+          when=lambda ctx: ctx.rec is not None, writes=("recipe_cost",), refines=("schedule",)),
+    Stage("loader", "before", _loader, fallback=False, last=True,
+          what="the loader rebuilt once, when a stage changed its batch size or settings",
+          when=lambda ctx: bool(ctx.loader_changes)),
     Stage("switch_trial", "first_steps", _switch_trial, fallback=False, cost="the run's own first steps (0 on a "
           "cache hit)", what="precision x layout x optimizer kernel (x threads): the rules, or a trial the Trainer "
-          "steps on the run's first steps"),
+          "steps on the run's first steps", writes=("switch_trial", "fused_optimizer"),
+          refines=("precision", "channels_last", "threads", "optimizer")),
     Stage("compile_trial", "first_steps", _compile_trial, needs=("switch_trial",), fallback=False,
           cost="the run's own steps", what="`compile=\"auto\"`: told the run's length (a short run stays eager)"),
     Stage("lr_in_run", "after_switches", measure_lr_in_run, cost="the range test's steps, off the run",
           what="the LR part at the precision the switch trial chose",
-          when=lambda ctx: ctx.rec is not None and "lr" in ctx.rec.pending),
+          when=lambda ctx: ctx.rec is not None and "lr" in ctx.rec.pending, refines=("lr",)),
     Stage("tta", "after", _tta_after, cost="~8 forward passes", what="flip TTA, kept where it scores better",
-          when=lambda ctx: ctx.rec is not None and "tta" in ctx.rec.parts),
+          when=lambda ctx: ctx.rec is not None and "tta" in ctx.rec.parts, refines=("tta",)),
 )
 for _stage in BUILT_IN:
     register_stage(_stage, replace=True)

@@ -1,10 +1,15 @@
 """A training recipe chosen by measuring the user's own model and training data: fewer steps to the same accuracy.
 
 The speed switches (precision, channels_last, fused kernels, compile) make each step cheaper;
-the recipe makes fewer steps do. `fit(..., recipe="auto")` calls `choose_recipe` before
-training; every part is also a plain function or object for your own loop. Each choice goes
-into `decisions` with its reason. Nothing here reads a validation set: the choices are made on
-training batches alone (a test replaces the validation set and checks they do not change).
+the recipe makes fewer steps do. Under `fit(..., recipe="auto")` (`plan.make_plan`) every part is a stage of
+the plan (`plan.planner.BUILT_IN`, in this order): `recipe_setup` (this module: the parts asked for, the tuning
+budget and the cache, the held probe batches, the classifier check and the `Gate`, shared in `ctx.shared`), the
+free parts `label_smoothing`, `bn_stats` and `ema` (this module), `optimizer` (`plan/recipe_optimizer.py`), `lr`
+(`plan/recipe_lr.py`), `batch` (`plan/recipe_batch.py`), `tta_budget` (`plan/recipe_tta.py`), then `recipe` (this
+module), which folds what the parts chose into the run's config, optimizer, LR and callbacks. Each part writes
+its Decisions into the plan's, with its reason; every part is also a plain function or object for your own loop.
+Nothing here reads a validation set: the choices are made on training batches alone (a test replaces the
+validation set and checks they do not change).
 
 The parts (`PARTS`), and how each is chosen:
 
@@ -35,11 +40,11 @@ The parts (`PARTS`), and how each is chosen:
   LR part, the floor, the BatchNorm tail (it recalibrates statistics for its averaged weights)
   and the EMA. An optimizer object, or LAMB/LARS/Muon by name, is kept as given.
 - `batch` (T17): for runs of at least `BATCH_MIN_STEPS` steps, the batch with the least
-  predicted time to a target: samples needed grow as 1 + B/B_noise (the gradient noise scale,
-  measured at the end of the LR trial), divided by the samples/s measured at half to four
+  predicted time to a target (`plan/recipe_batch.py`): samples needed grow as 1 + B/B_noise (the gradient
+  noise scale, measured at the end of the LR trial), divided by the samples/s measured at half to four
   times the loader's batch (`tune.batch_choice`). The LR follows (linear rule for SGD, square
-  root for Adam-family). `fit` rebuilds the DataLoader; a batch size given to `fit` switches
-  the part off. Its cost is priced in the run's steps from a timed forward and backward pass
+  root for Adam-family). The plan's last "before" stage, `loader`, rebuilds the DataLoader; a batch size given
+  to `fit` switches the part off. Its cost is priced in the run's steps from a timed forward and backward pass
   (`batch_cost`): its timing runs at up to 4x the batch, with a floor of seconds a step count
   does not show.
 
@@ -48,47 +53,39 @@ trials; `Recipe.tuning_s` and `Recipe.tuning_steps` report it, and the bench cou
 ("tuning included").
 
 Example:
-    >>> recipe = choose_recipe(model, loader, optimizer="sgd", total_steps=500)
+    >>> recipe = make_plan(model, loader, TrainConfig(epochs=5), recipe="auto").recipe
     >>> fit(model, loader, lr=recipe.lr, min_lr=recipe.min_lr, label_smoothing=recipe.label_smoothing,
     ...     callbacks=recipe.callbacks())
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchspeed.env import default_device
+from torchspeed.plan import budget as budget_rules  # its TUNING_SHARE read at each plan (tests inject it)
 from torchspeed.plan.budget import TuningBudget
-from torchspeed.plan.parts import PARTS, Gate, Recipe, guarded, recipe_key
-from torchspeed.plan.recipe_lr import choose_lr_part
-from torchspeed.tune.lr_peak import LR_TRIAL_FACTORS
-from torchspeed.plan.recipe_optimizer import choose_optimizer_part
-from torchspeed.plan.recipe_tta import TTA_COST
+from torchspeed.plan.parts import PARTS, Gate, Recipe, Shared, choose_ema, recipe_key
+from torchspeed.plan.stages import RunContext
 from torchspeed.train.trial.backends import no_autotune
 from torchspeed.train.loop.batch import first_samples, forward_loss
-from torchspeed.train.losses import default_loss
 from torchspeed.train.bnstats import batchnorm_layers
 from torchspeed.train.decision import Decision, TrialCache
-from torchspeed.train.evaluate import is_image_batch
+from torchspeed.train.optim_info import OPTIM_INFO
 from torchspeed.train.sampler import keep_rng, take_batches
-from torchspeed.train.schedule import scale_lr_for_batch
 from torchspeed.train.transfer import to_device
-from torchspeed.train.noise import measure_noise_scale
-from torchspeed.train.optim_candidate import candidate_optimizer
-from torchspeed.tune._common import decide_once
-from torchspeed.tune.batch_choice import BATCH_MIN_STEPS, choose_batch_size
 
-__all__ = ["EMA_MIN_STEPS", "choose_recipe", "is_classifier"]
+__all__ = ["LABEL_SMOOTHING", "PROBE_BATCHES", "GIVEN_LOOP_KEEPS", "is_classifier", "recipe_setup",
+           "label_smoothing_part", "bn_stats_part", "ema_part", "fold_recipe", "wants"]
 
 LABEL_SMOOTHING = 0.1
-EMA_MIN_STEPS = 2000
 PROBE_BATCHES = 4
+GIVEN_LOOP_KEEPS = ("lr", "label_smoothing")  # recipe parts left out when the run gives its own LR (docs/recipe.md)
 
 
 def is_classifier(model: nn.Module, batch, *, loss_fn: Callable | None = None,
@@ -113,201 +110,103 @@ def is_classifier(model: nn.Module, batch, *, loss_fn: Callable | None = None,
     return out.correct() is not None and out.logits.shape[-1] > 2
 
 
-def choose_recipe(model: nn.Module, train_loader: Iterable, *, optimizer: str | torch.optim.Optimizer = "sgd",
-                  lr: float = 0.1, weight_decay: float | None = None, optimizer_options: dict | None = None,
-                  precision: str = "auto", loss_fn: Callable | None = None, step_fn: Callable | None = None,
-                  total_steps: int | None = None, schedule: str | None = "onecycle",
-                  parts: Sequence[str] = PARTS, device: torch.device | str | None = None,
-                  lr_steps: int = 100, lr_trial_steps: int = 24, progress: bool = True,
-                  budget: TuningBudget | None = None, cache: TrialCache | None = None,
-                  lr_in_run: bool = False, lr_given: bool = False, precision_setting: str | None = None) -> Recipe:
-    """Choose each recipe part in `parts` from `model` and the training batches; leaves the model, its optimizer
-    state, every RNG and the loader's data order as they were.
+def wants(part: str) -> Callable[[RunContext], bool]:
+    """A part-stage's `when`: the recipe is on and has `part`."""
+    return lambda ctx: ctx.rec is not None and part in ctx.rec.parts
 
-    `lr` is the peak LR used when the `lr` part is off or not measured; `total_steps` (optimizer
-    steps of the coming run) decides the EMA. `budget` (`plan.budget.TuningBudget`; None: no
-    limit) bounds the parts that train off the run: a part it cannot afford is read from `cache`
-    (an earlier run's measurement of this model, input and machine) or left at its prior, and
-    its Decision says which. Measured parts are written to `cache` for the next run. With
-    `lr_in_run` an affordable LR part is not measured here but left in `Recipe.pending`, for the
-    run to measure right after its switch trial, at the precision that trial chose (`plan.inrun`).
-    `lr_given`: the run gave its own LR, so the optimizer part's prior is the given optimizer at that LR.
-    `precision_setting`: the run's precision setting ("auto"), when `precision` is what the switch trial resolved
-    it to: the cache is keyed on the setting, which resolves the same way on a later run of this model.
-    """
+
+def _parts(ctx: RunContext) -> tuple[str, ...]:
+    """The parts this run's recipe runs: those asked for, less the batch part when fit was given a batch size, and
+    less the LR search and label smoothing when the run gave its own LR (said in decisions["recipe_prior"])."""
+    parts = tuple(ctx.recipe_parts if ctx.recipe_parts is not None else PARTS)
+    if ctx.batch_size is not None:  # the user's batch (or the tuner's) stands
+        parts = tuple(p for p in parts if p != "batch")
+    if ctx.own_lr and ctx.recipe_parts is None:  # your loop is the prior: what changes its objective or LR unmeasured
+        parts = tuple(p for p in parts if p not in GIVEN_LOOP_KEEPS)
+        ctx.decisions["recipe_prior"] = Decision(
+            "your loop", "you gave the LR: your optimizer, LR, schedule and loss stand; the LR search and label "
+            "smoothing are left out, and Schedule-Free or Muon replace your optimizer only when their trial wins "
+            "(recipe_parts= puts parts back)")
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise ValueError(f"unknown recipe part(s) {sorted(unknown)}; the parts are {', '.join(PARTS)}")
-    t0 = time.perf_counter()
-    dev = torch.device(device) if device is not None else default_device(None)
-    model.to(dev)
-    held = take_batches(train_loader, PROBE_BATCHES)
-    rec = Recipe(lr=lr, parts=tuple(parts), probe=held)
-    classifier = is_classifier(model, to_device(held[0], dev), loss_fn=loss_fn, step_fn=step_fn)
-    _free_parts(rec, model, classifier, total_steps)
-    opt_name = optimizer if isinstance(optimizer, str) else None
-    gate = Gate(rec, budget, cache, recipe_key(model, held[0], opt_name or type(optimizer).__name__, lr, schedule,
-                                                precision_setting or precision, parts))
-    tuners = dict(weight_decay=weight_decay, optimizer_options=optimizer_options, precision=precision,
-                  step_fn=step_fn, progress=progress)
-    with keep_rng(train_loader):  # the tuners read the loader: the run's data order stays as it was
-        if opt_name is not None and {"muon", "schedulefree"} & set(parts):
-            guarded(rec, "optimizer", dict(optimizer=None, lr=lr, min_lr=None), opt_name, choose_optimizer_part,
-                    model, train_loader, rec, gate, given=opt_name, lr=lr, schedule=schedule, precision=precision,
-                    loss_fn=loss_fn, step_fn=step_fn, total_steps=total_steps, lr_given=lr_given,
-                    weight_decay=weight_decay, optimizer_options=optimizer_options)
-        schedule_free = rec.optimizer == "schedulefree"
-        lr_loss = loss_fn  # the tuners train on the loss the run trains on (its smoothing as the parts left it)
-        if lr_loss is None and rec.label_smoothing:
-            lr_loss = default_loss(rec.label_smoothing)
-        batch_wanted = "batch" in parts and total_steps is not None and total_steps >= BATCH_MIN_STEPS
-        measured: dict = {}
-        if "lr" in parts and not schedule_free:
-            measured = guarded(rec, "lr", dict(lr=lr, min_lr=None), lr, _lr_part, model, train_loader, rec, gate,
-                               optimizer=optimizer, name=rec.optimizer or opt_name, lr=lr, schedule=schedule,
-                               loss_fn=lr_loss, lr_steps=lr_steps, lr_trial_steps=lr_trial_steps, noise=batch_wanted,
-                               in_run=lr_in_run, **tuners) or {}
-        if "batch" in parts:
-            cost = BATCH_COST  # timed only where the budget would afford the part at that price
-            if batch_wanted and gate.cached("batch_size") is None and (budget is None or budget.allows(cost)):
-                cost = batch_cost(decide_once(lambda: step_seconds(model, held[0], loss_fn=lr_loss, step_fn=step_fn)))
-            if not batch_wanted or gate.measure("batch_size", cost):
-                guarded(rec, "batch_size", dict(batch_size=None, lr=rec.lr, min_lr=rec.min_lr), None, _choose_batch,
-                        model, train_loader, rec, optimizer=optimizer, name=rec.optimizer or opt_name,
-                        loss_fn=lr_loss, total_steps=total_steps, noise_scale=measured.get("noise_scale"), **tuners)
-                if batch_wanted:
-                    gate.done("batch_size", {"batch_size": rec.batch_size})
-            else:
-                rec.batch_size = gate.settle("batch_size", "batch_size", None, "the loader's batch", default=None)
-    if "tta" in parts:
-        _tta_part(rec, gate, held[0])
-    gate.save()
-    rec.tuning_s = time.perf_counter() - t0
-    rec.decisions["recipe_cost"] = Decision(round(rec.tuning_s, 2), f"{rec.tuning_steps} training steps spent "
-                                            "choosing off the run" + (f" (budget {budget.limit} steps, "
-                                                                      f"{budget.share:.0%} of the run)" if budget else ""),
-                                            measured={"seconds": rec.tuning_s, "steps": rec.tuning_steps})
-    return rec
+    return parts
 
 
-# Training steps off the run that each measured part costs (the budget's currency); the optimizer trial costs
-# OPTIMIZER_TRIAL_STEPS per candidate
-BATCH_COST = 150          # the batch timing's ~60 steps, most at 2-4x the batch, and the noise batches
-BATCH_FLOOR_S = 0.9       # plus find_batch_size's timing floors: ~3 sizes x 3 rounds x its min_time (0.1 s)
+def recipe_setup(ctx: RunContext) -> None:
+    """The "recipe_setup" stage: what the parts share. The parts, the budget (at most `TUNING_SHARE` of the run's
+    steps off the run, less what the stages before spent), the cache (none under DDP: a cache file could differ
+    per machine, and every rank runs the same parts, measured on rank 0), the probe batches, the classifier check
+    and the `Gate`; every RNG and the loader's order held until the `recipe` stage, so the run sees the same data."""
+    parts = _parts(ctx)
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    ctx.cache = None if several else (ctx.cache if ctx.cache is not None else TrialCache())
+    budget = TuningBudget(ctx.run_steps, share=budget_rules.TUNING_SHARE)
+    budget.spend(ctx.tuning_steps)  # what the stages before it spent off the run (the switch trial) counts too
+    started = time.perf_counter()
+    ctx.model.to(ctx.dev)
+    loader = ctx.planned_loader()
+    held = take_batches(loader, PROBE_BATCHES)
+    lr = float(ctx.lr)
+    rec = Recipe(lr=lr, parts=parts, probe=held, decisions=ctx.decisions)  # the parts decide into the plan's
+    classifier = is_classifier(ctx.model, to_device(held[0], ctx.dev), loss_fn=ctx.loss_fn, step_fn=ctx.step_fn)
+    given = ctx.optimizer if isinstance(ctx.optimizer, str) else type(ctx.optimizer).__name__
+    gate = Gate(rec, budget, ctx.cache, recipe_key(ctx.model, held[0], given, lr, ctx.cfg.schedule,
+                                                   ctx.cfg.precision or ctx.precision, parts))
+    ctx.rec, ctx.shared = rec, Shared(gate, classifier, started)
+    ctx.shared.rng.enter_context(keep_rng(loader))  # the parts read the loader: the run's data order stays as it was
 
 
-def batch_cost(step_s: float | None) -> int:
-    """The batch part's cost in the run's steps at `step_s` seconds a step (None: not timed): BATCH_COST, and its
-    timing's floor of BATCH_FLOOR_S seconds in steps. Priced in steps alone it cost a 1,250-step run of 7 ms
-    steps (a character GRU) 1.5-2.6 s, over half the run, against a budget of 5%."""
-    return BATCH_COST + (math.ceil(BATCH_FLOOR_S / max(step_s, 1e-4)) if step_s else 0)
-
-
-def step_seconds(model: nn.Module, batch, *, loss_fn: Callable | None, step_fn: Callable | None) -> float | None:
-    """Seconds of a forward and backward pass over `batch`: the second of two (the first holds one-off work).
-    Nothing is trained (`measure_noise_scale` leaves the model as it was). None: the batch cannot be split."""
-    try:
-        measure_noise_scale(model, [batch], batches=1, loss_fn=loss_fn, step_fn=step_fn)
-        t0 = time.perf_counter()
-        measure_noise_scale(model, [batch], batches=1, loss_fn=loss_fn, step_fn=step_fn)
-    except Exception:  # a batch the noise measurement cannot read: priced in steps alone
-        return None
-    return time.perf_counter() - t0
-
-
-def _free_parts(rec: Recipe, model: nn.Module, classifier: bool, total_steps: int | None) -> None:
-    """The parts that cost nothing to choose: label smoothing, BatchNorm statistics, the EMA."""
-    d, parts = rec.decisions, rec.parts
-    if "label_smoothing" in parts:
-        if classifier:
-            rec.label_smoothing = LABEL_SMOOTHING
-            d["label_smoothing"] = Decision(LABEL_SMOOTHING, "classification with the default cross-entropy (T32)")
-        else:
-            d["label_smoothing"] = Decision(0.0, "not a classifier on the default cross-entropy: left alone")
-    if "bn_stats" in parts:
-        n_bn = len(batchnorm_layers(model))
-        rec.bn_stats = n_bn > 0
-        d["bn_stats"] = Decision(rec.bn_stats, f"{n_bn} BatchNorm layers: statistics averaged over the run's last "
-                                               "tenth (T47)" if n_bn else "no BatchNorm layer")
-    if "ema" in parts:
-        _choose_ema(rec, total_steps)
-
-
-def _lr_part(model, loader, rec: Recipe, gate: Gate, *, optimizer, name, lr, schedule, loss_fn, lr_steps,
-             lr_trial_steps, noise, in_run, **tuners) -> dict:
-    """The LR part within the budget: left for the run to measure after its switch trial (`in_run`), measured here,
-    or read from the cache or kept at the given peak. Returns what the measurement found (the noise scale)."""
-    lr_cost = lr_steps + (len(LR_TRIAL_FACTORS) * lr_trial_steps if schedule == "onecycle" else 0)
-    if in_run and gate.measure("lr", lr_cost):
-        rec.pending["lr"] = {"cost": lr_cost, "key": gate.key, "lr_steps": lr_steps, "lr_trial_steps": lr_trial_steps}
-        rec.min_lr = lr / 10 if schedule == "onecycle" else None  # rescaled with the measured peak
-        rec.decisions["lr"] = Decision(lr, f"prior {lr:g} for the first steps; measured in the run right after the "
-                                           "switch trial, at the precision it chooses "
-                                           f"(~{lr_cost} steps off the run, within the budget)")
-        return {}
-    if gate.measure("lr", lr_cost):
-        measured = choose_lr_part(model, loader, rec, optimizer=optimizer, name=name, schedule=schedule,
-                                  loss_fn=loss_fn, lr_steps=lr_steps, lr_trial_steps=lr_trial_steps, noise=noise,
-                                  **tuners)
-        gate.done("lr", {"lr": rec.lr, "min_lr": rec.min_lr})
-        return measured
-    rec.lr = gate.settle("lr", "lr", lr, f"the given peak LR {lr:g}", default=lr)
-    cached = gate.cached("lr")
-    rec.min_lr = cached.get("min_lr") if cached else None
-    return {}
-
-
-def _tta_part(rec: Recipe, gate: Gate, batch) -> None:
-    """Flip TTA: checked after training on the probe batches (within the budget), cached, or the prior (none)."""
-    if not is_image_batch(batch):
-        rec.decisions["tta"] = Decision(None, "not an image classifier ((images, labels) batches): no flip")
-    elif gate.measure("tta", TTA_COST):
-        rec.pending["tta"] = {"cost": TTA_COST, "key": gate.key,
-                              "cache": str(gate.cache.path) if gate.cache is not None else None}
-        rec.decisions["tta"] = Decision(None, f"checked after training on {len(rec.probe)} training batches "
-                                              f"(~{TTA_COST} steps' worth, within the budget)")
+def label_smoothing_part(ctx: RunContext) -> None:
+    """The "label_smoothing" part (T32), free: 0.1 for a classifier on the default cross-entropy."""
+    if ctx.shared.classifier:
+        ctx.rec.label_smoothing = LABEL_SMOOTHING
+        ctx.decisions["label_smoothing"] = Decision(LABEL_SMOOTHING, "classification with the default cross-entropy "
+                                                                     "(T32)")
     else:
-        rec.tta = gate.settle("tta", "tta", None, "no flip TTA (it costs nothing and changes nothing)", default=None)
+        ctx.decisions["label_smoothing"] = Decision(0.0, "not a classifier on the default cross-entropy: left alone")
 
 
-def _choose_ema(rec: Recipe, total_steps: int | None, why: str = "") -> None:
-    """The EMA part (T40): on for runs of EMA_MIN_STEPS+ steps, its average spanning about the last twentieth."""
-    if total_steps and total_steps >= EMA_MIN_STEPS:
-        rec.ema_decay = round(min(0.9999, max(0.99, 1 - 20 / total_steps)), 6)
-        dec = Decision(rec.ema_decay, f"a run of {total_steps} steps{why}: the average spans about its last "
-                                      "twentieth (T40)")
-    else:
-        rec.ema_decay = None
-        dec = Decision(None, f"run of {total_steps or 'unknown'} steps{why}, under {EMA_MIN_STEPS}: an average of "
-                             "so few steps gained nothing measured (docs/recipe.md)")
-    rec.decisions.refine("ema", dec)  # the batch part refines it for the run's length at its batch
+def bn_stats_part(ctx: RunContext) -> None:
+    """The "bn_stats" part (T47), free: BatchNorm statistics averaged over the run's last tenth."""
+    n_bn = len(batchnorm_layers(ctx.model))
+    ctx.rec.bn_stats = n_bn > 0
+    ctx.decisions["bn_stats"] = Decision(ctx.rec.bn_stats, f"{n_bn} BatchNorm layers: statistics averaged over the "
+                                                           "run's last tenth (T47)" if n_bn else "no BatchNorm layer")
 
 
-def _choose_batch(model, loader, rec: Recipe, *, optimizer, name, weight_decay, optimizer_options, precision,
-                  loss_fn, step_fn, total_steps, noise_scale, progress) -> None:
-    """The batch part (T17, tune/batch_choice.py): the batch with the least predicted time to a target, the LR
-    (and floor) scaled to it."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    b0 = getattr(loader, "batch_size", None)
-    long_run = total_steps is not None and total_steps >= BATCH_MIN_STEPS  # else it decides without measuring
-    scratch = candidate_optimizer(optimizer, model, lr=1e-6, name=name, weight_decay=weight_decay,
-                                  options=optimizer_options) if long_run else optimizer
-    new, dec = choose_batch_size(model, loader, total_steps=total_steps, noise_scale=noise_scale, optimizer=scratch,
-                                 precision=precision, loss_fn=loss_fn, step_fn=step_fn, world_size=world,
-                                 progress=progress)
-    rec.decisions["batch_size"] = dec
-    if new is None or not b0:
-        return
-    rec.batch_size = new
-    if "ema" in rec.parts and total_steps:  # the run is shorter in steps at the larger batch
-        _choose_ema(rec, max(1, total_steps * b0 // new), f" at batch {new}")
-    kind = name or type(optimizer).__name__
+def ema_part(ctx: RunContext) -> None:
+    """The "ema" part (T40), free: by the run's length (the batch part refines it for the run at its batch)."""
+    ctx.decisions["ema"] = choose_ema(ctx.rec, ctx.run_steps)
+
+
+def fold_recipe(ctx: RunContext) -> None:
+    """The "recipe" stage: the RNG put back, the measurements cached, the recipe's cost said, and what the parts
+    chose folded into the run's config, optimizer, LR and callbacks (a new batch: the "loader" stage rebuilds)."""
+    rec, shared = ctx.rec, ctx.shared
+    shared.rng.close()
+    shared.gate.save()
+    rec.tuning_s = time.perf_counter() - shared.started
+    budget = shared.gate.budget
+    ctx.decisions["recipe_cost"] = Decision(
+        round(rec.tuning_s, 2), f"{rec.tuning_steps} training steps spent choosing off the run" + (
+            f" (budget {budget.limit} steps, {budget.share:.0%} of the run)" if budget else ""),
+        measured={"seconds": rec.tuning_s, "steps": rec.tuning_steps})
+    changes = rec.config()
+    if ctx.cfg.min_lr is not None:  # the user's own floor wins
+        changes.pop("min_lr", None)
+    if ctx.loss_fn is not None:
+        changes.pop("label_smoothing", None)
+    ctx.cfg = replace(ctx.cfg, **changes)
+    if rec.optimizer and isinstance(ctx.optimizer, str):
+        ctx.optimizer = rec.optimizer
+        if getattr(OPTIM_INFO.get(str(rec.optimizer).lower()), "schedule_free", False) and \
+                "schedule" in ctx.decisions:  # the plan says what the run does
+            ctx.decisions.refine("schedule", Decision(None, "Schedule-Free AdamW: no LR schedule (its averaging "
+                                                            "takes the schedule's place; the run sets its warm-up)"))
+    if rec.batch_size and rec.batch_size != getattr(ctx.planned_loader(), "batch_size", None):
+        ctx.loader_changes = ctx.loader_changes | {"batch_size": rec.batch_size}
     if rec.lr is not None:
-        old = rec.lr
-        rec.lr = scale_lr_for_batch(old, new, b0, kind)
-        if rec.min_lr is not None:
-            rec.min_lr = rec.min_lr * rec.lr / old
-        prev = rec.decisions.get("lr")
-        rule = "square root" if rec.lr / old != new / b0 else "linear"
-        rec.decisions.refine("lr", Decision(rec.lr, f"{old:.3g} scaled to batch {new} by the {rule} rule for "
-                                                    f"{kind} (T17)", measured=getattr(prev, "measured", None)))
+        ctx.lr = rec.lr
+    ctx.callbacks += rec.callbacks()
+    ctx.tuning_steps += rec.tuning_steps

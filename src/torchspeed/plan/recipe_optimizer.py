@@ -1,19 +1,21 @@
 """The recipe's optimizer parts: Muon for the hidden matrices (T42) and Schedule-Free AdamW (T14's alternative: no LR
 schedule and no LR search). Each is a candidate against the optimizer the run was given, compared by
 `tune.optimizer_trial.compare_optimizers` on time to the same training loss when the tuning budget allows; else
-an earlier run's measurement (the cache); else the prior, Schedule-Free AdamW.
+an earlier run's measurement (the cache); else the prior, Schedule-Free AdamW. The plan's "optimizer" stage
+(`optimizer_part`) runs them for a run given its optimizer by name.
 """
 
 from __future__ import annotations
 
-from torchspeed.plan.parts import Gate, Recipe
+from torchspeed.plan.parts import Gate, Recipe, guarded
+from torchspeed.plan.stages import RunContext
 from torchspeed.train.decision import Decision
 from torchspeed.train.optim import (matrix_share, mostly_matrices, schedule_free_available, schedule_free_lr,
                                     sparse_gradients)
 from torchspeed.train.optim_info import optimizer_info
 from torchspeed.tune.optimizer_trial import compare_optimizers
 
-__all__ = ["SF_REPLACES", "OPTIMIZER_TRIAL_STEPS", "choose_optimizer_part"]
+__all__ = ["SF_REPLACES", "OPTIMIZER_TRIAL_STEPS", "choose_optimizer_part", "optimizer_part", "wants_optimizer"]
 
 SF_REPLACES = ("sgd", "adamw")  # the plain optimizers a Schedule-Free candidate may replace
 OPTIMIZER_TRIAL_STEPS = 50      # compare_optimizers: steps per candidate
@@ -21,19 +23,20 @@ OPTIMIZER_TRIAL_STEPS = 50      # compare_optimizers: steps per candidate
 
 def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str, lr, schedule, precision, loss_fn,
                           step_fn, total_steps, lr_given: bool = False, weight_decay: float | None = None,
-                          optimizer_options: dict | None = None) -> None:
+                          optimizer_options: dict | None = None) -> tuple[float, str] | None:
     """The optimizer parts (T42 Muon, T14's alternative Schedule-Free AdamW): the given optimizer or a candidate,
     compared on time to the same training loss when the budget allows (`compare_optimizers`), else the cache,
     else the prior: Schedule-Free AdamW, which needs neither an LR search nor a schedule; or, when the run gave its
     own LR (`lr_given`), the given optimizer at that LR: the user's loop is a recipe auto could have chosen, and
-    auto replaces it only on a measurement."""
+    auto replaces it only on a measurement. Returns Schedule-Free's LR and why when it was chosen (the LR part
+    says so), else None."""
     d = rec.decisions
     cands = [given]
     why_not = []
     if sparse_gradients(model):  # Schedule-Free's, Muon's and AdamW's steps refuse sparse gradients
         d["optimizer"] = Decision(given, "the model makes sparse gradients (an embedding with sparse=True): only "
                                          "optimizers that take them (SGD, SparseAdam, Adagrad), no candidate tried")
-        return
+        return None
     if "schedulefree" in rec.parts and given in SF_REPLACES:
         if schedule_free_available():
             cands.append("schedulefree")
@@ -48,7 +51,7 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
     if len(cands) == 1:
         if why_not:
             d["optimizer"] = Decision(given, "; ".join(why_not))
-        return
+        return None
     sf_lr = schedule_free_lr(model)  # Schedule-Free's LR for this model's width, as candidate and as prior
     lrs = {n: lr if n == given else sf_lr[0] if n == "schedulefree" else optimizer_info(n).default_lr or lr
            for n in cands}
@@ -70,8 +73,11 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
                  else f"{given}, as given")
         chosen = gate.settle("optimizer", "optimizer", prior, words, default=prior)
     rec.optimizer = None if chosen == given else chosen
-    if rec.optimizer == "schedulefree":  # taken whole when neither a trial nor the cache chose it: the prior
-        _schedule_free_parts(rec, total_steps, sf_lr, whole=not measured and gate.cached("optimizer") is None)
+    if rec.optimizer != "schedulefree":
+        return None
+    # taken whole when neither a trial nor the cache chose it: the prior
+    _schedule_free_parts(rec, total_steps, sf_lr, whole=not measured and gate.cached("optimizer") is None)
+    return sf_lr
 
 
 def _schedule_free_parts(rec: Recipe, total_steps: int | None, sf_lr: tuple[float, str], *,
@@ -81,10 +87,7 @@ def _schedule_free_parts(rec: Recipe, total_steps: int | None, sf_lr: tuple[floa
     (`schedule_free_lr`). `whole`: taken as the prior (not measured), it is taken whole, as the fixed recipe it
     is: no label smoothing on top, which nothing measured."""
     d = rec.decisions
-    rec.lr, rec.min_lr = sf_lr[0], None
-    if "lr" in rec.parts:
-        d.refine("lr", Decision(sf_lr[0], f"{sf_lr[1]}; no range test (it needs no LR schedule; warm-up over the "
-                                          "run's first twentieth)"))
+    rec.lr, rec.min_lr = sf_lr[0], None  # (the LR stage, `recipe_lr.lr_part`, says so)
     if rec.bn_stats:
         rec.bn_stats = False
         d.refine("bn_stats", Decision(False, "Schedule-Free: BatchNorm statistics are recalibrated for its averaged "
@@ -97,3 +100,23 @@ def _schedule_free_parts(rec: Recipe, total_steps: int | None, sf_lr: tuple[floa
         rec.ema_decay = None
         d.refine("ema", Decision(None, f"Schedule-Free averages its own weights: no EMA on top (run of {total_steps} "
                                        "steps)"))
+
+
+def wants_optimizer(ctx: RunContext) -> bool:
+    """The "optimizer" stage's `when`: a recipe with Muon or Schedule-Free as a part, for an optimizer given by name
+    (an optimizer object is the user's, kept)."""
+    return ctx.rec is not None and isinstance(ctx.optimizer, str) and bool({"muon", "schedulefree"} &
+                                                                            set(ctx.rec.parts))
+
+
+def optimizer_part(ctx: RunContext) -> None:
+    """The "optimizer" stage: `choose_optimizer_part` on the run's model and loader, guarded (a trial that raises
+    leaves the given optimizer at its LR)."""
+    rec, lr = ctx.rec, float(ctx.lr)
+    sf_lr = guarded(rec, "optimizer", dict(optimizer=None, lr=lr, min_lr=None), ctx.optimizer, choose_optimizer_part,
+                    ctx.model, ctx.planned_loader(), rec, ctx.shared.gate, given=ctx.optimizer, lr=lr,
+                    schedule=ctx.cfg.schedule, precision=ctx.precision or ctx.cfg.precision, loss_fn=ctx.loss_fn,
+                    step_fn=ctx.step_fn, total_steps=ctx.run_steps, lr_given=ctx.own_lr,
+                    weight_decay=ctx.weight_decay, optimizer_options=ctx.optimizer_options)
+    if sf_lr is not None:
+        ctx.shared.found["schedulefree_lr"] = sf_lr

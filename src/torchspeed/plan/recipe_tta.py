@@ -3,9 +3,10 @@
 
 The check is not training: 2 forward passes per probe batch (the plain and the mirrored view;
 the flip score averages the two softmaxes, so the plain logits serve both scores), about
-`TTA_COST` training steps. So `choose_recipe` charges it to the tuning budget like any part
-off the run: a run too short to afford it reads an earlier run's check from the cache, or
-keeps the prior (no TTA, which costs nothing and changes nothing), and its Decision says which.
+`TTA_COST` training steps. So the plan's "tta_budget" stage (`tta_part`, before training) charges it to the
+tuning budget like any part off the run: a run too short to afford it reads an earlier run's check from the cache,
+or keeps the prior (no TTA, which costs nothing and changes nothing), and its Decision says which. Where it affords
+the check, the "tta" stage runs it after training (`after_training`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchspeed.plan.stages import RunContext
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.eval_view import eval_weights
 from torchspeed.train.evaluate import averaged_log_probs, is_image_batch, tta_views
@@ -23,7 +25,7 @@ from torchspeed.train.trial.precision import resolve_precision
 from torchspeed.train.transfer import to_device
 from torchspeed.tune._common import decide_once
 
-__all__ = ["TTA_COST", "after_training", "choose_tta", "flip_scores"]
+__all__ = ["TTA_COST", "after_training", "choose_tta", "flip_scores", "tta_part"]
 
 # Training steps' worth of the check: 2 forward passes on each of the recipe's 4 probe batches, a forward pass
 # being about a third of a training step (forward + backward + optimizer step).
@@ -82,6 +84,21 @@ def choose_tta(model: nn.Module, batches: Sequence, *, device: torch.device | st
            f"accuracy {plain['acc']:.3f} vs {flip['acc']:.3f}")
     return Decision("flip" if better else None, ("flip scores better on " if better else "flip does not score "
                                                  "better on ") + how, measured=measured)
+
+
+def tta_part(ctx: RunContext) -> None:
+    """The "tta_budget" stage: flip TTA checked after training on the probe batches (within the budget), cached, or
+    the prior (none)."""
+    rec, gate = ctx.rec, ctx.shared.gate
+    if not is_image_batch(rec.probe[0]):
+        ctx.decisions["tta"] = Decision(None, "not an image classifier ((images, labels) batches): no flip")
+    elif gate.measure("tta", TTA_COST):
+        rec.pending["tta"] = {"cost": TTA_COST, "key": gate.key,
+                              "cache": str(gate.cache.path) if gate.cache is not None else None}
+        ctx.decisions["tta"] = Decision(None, f"checked after training on {len(rec.probe)} training batches "
+                                              f"(~{TTA_COST} steps' worth, within the budget)")
+    else:
+        rec.tta = gate.settle("tta", "tta", None, "no flip TTA (it costs nothing and changes nothing)", default=None)
 
 
 def after_training(trainer, rec) -> Decision | None:

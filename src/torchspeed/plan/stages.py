@@ -17,21 +17,29 @@ of the `RunContext` that reads what earlier stages resolved and writes its `Deci
 - "after": once training ends (`fit` calls `run_event(ctx, "after")`), e.g. the flip-TTA check.
 
 `register_stage(Stage(...))` adds a stage with no other edit: `stages(event)` lists the registered
-stages of an event in registration order, each after the stages it `needs`. The built-in stages
-are registered in one visible list (`plan.planner.BUILT_IN`); docs/architecture.md renders the order
-(`render_stages`). A stage with `fallback=True` that raises is reported with its name (a warning and
-its Decision) and the run goes on with what the context held before it: a stage that fails never
-ends a run. Stages that check the user's input (`fallback=False`) raise, so a bad argument is an error.
+stages of an event in registration order, each after the stages it `needs` (a stage marked `last`, the
+loader's rebuild, after every other one). The built-in stages are registered in one visible list
+(`plan.planner.BUILT_IN`); docs/architecture.md renders the order (`render_stages`). A stage with
+`fallback=True` that raises is reported with its name (a warning and its Decision) and the run goes on
+with what the context held before it: a stage that fails never ends a run. Stages that check the
+user's input (`fallback=False`) raise, so a bad argument is an error.
+
+A stage declares the decision keys it `writes` (decides; one stage per key) and those it `refines` (a key an
+earlier stage decided, which it may change with `decisions.refine`; or a value given, not decided, that it
+adjusts: the batch part scales a given LR). `run_event` checks each stage against its declaration: a key it
+decided or refined undeclared is logged as a warning, or raises `UndeclaredDecision` where
+`TORCHSPEED_STAGE_CHECK=raise` (the test suite sets it).
 
 Example:
     >>> register_stage(Stage("my_probe", "before", lambda ctx: ctx.decisions.__setitem__(
-    ...     "my_probe", Decision(1, "measured"))))
+    ...     "my_probe", Decision(1, "measured")), writes=("my_probe",)))
     >>> make_plan(model, loader, TrainConfig()).decisions["my_probe"]
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,13 +51,13 @@ from torchspeed.train.loop.callbacks import Callback
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, Decisions, TrialCache
 from torchspeed.train.parallel.distributed import DistInfo
-from torchspeed.train.sampler import loader_length
+from torchspeed.train.sampler import loader_length, rebuild_loader
 from torchspeed.train.schedule import steps_in_run
 
 log = logging.getLogger("torchspeed")
 
 __all__ = ["EVENTS", "Stage", "RunContext", "STAGES", "register_stage", "unregister_stage", "stages", "run_event",
-           "RunStages", "first_steps_hook", "render_stages", "run_length"]
+           "RunStages", "first_steps_hook", "render_stages", "run_length", "UndeclaredDecision", "undeclared"]
 
 EVENTS = ("before", "first_steps", "after_switches", "after")
 
@@ -57,7 +65,9 @@ EVENTS = ("before", "first_steps", "after_switches", "after")
 @dataclass(frozen=True)
 class Stage:
     """One automatic choice: `run(ctx)` at `event`, after the stages it `needs`; `when(ctx)`: whether it is wanted
-    (an "after_switches" stage that is not wanted adds nothing to the run's steps); `cost`: its cost in words."""
+    (an "after_switches" stage that is not wanted adds nothing to the run's steps); `cost`: its cost in words;
+    `writes`: the decision keys it decides; `refines`: the keys it may refine (see the module docstring); `last`:
+    it runs after every other stage of its event."""
 
     name: str
     event: str
@@ -67,6 +77,9 @@ class Stage:
     what: str = ""
     fallback: bool = True
     when: Callable[["RunContext"], bool] | None = None
+    writes: tuple[str, ...] = ()
+    refines: tuple[str, ...] = ()
+    last: bool = False
 
     def __post_init__(self):
         if self.event not in EVENTS:
@@ -113,6 +126,20 @@ class RunContext:
     steps_left: int | None = None                 # "first_steps": the run's micro-batches left (None: unknown)
     result: object = None                         # "after": the FitResult
     val_loader: Iterable | None = None
+    loader_changes: dict = field(default_factory=dict)  # batch size and DataLoader settings the stages chose: the
+    # "loader" stage rebuilds the loader with them, once, last (a stage assigns a new dict: a failed one's goes back)
+    shared: object = None                         # what the recipe's part-stages share (plan.parts.Shared)
+    _planned: tuple | None = field(default=None, repr=False)
+
+    def planned_loader(self) -> Iterable:
+        """The loader as the stages so far decided it: `loader` with `loader_changes` (the stages that read batches
+        before the "loader" stage read these; it is built once per change, and the "loader" stage adopts it)."""
+        if not self.loader_changes:
+            return self.loader
+        key = repr(sorted(self.loader_changes.items()))
+        if self._planned is None or self._planned[0] != key:
+            self._planned = (key, rebuild_loader(self.loader, **self.loader_changes))
+        return self._planned[1]
 
 
 STAGES: dict[str, Stage] = {}
@@ -137,8 +164,10 @@ def unregister_stage(name: str) -> None:
 
 
 def stages(event: str) -> list[Stage]:
-    """The registered stages of `event`, in registration order, each after the stages it needs."""
-    mine = [s for s in STAGES.values() if s.event == event]
+    """The registered stages of `event`, in registration order, each after the stages it needs; those marked
+    `last` after every other."""
+    mine = [s for s in STAGES.values() if s.event == event and not s.last]
+    mine += [s for s in STAGES.values() if s.event == event and s.last]
     names = {s.name for s in mine}
     done: list[Stage] = []
     placed: set[str] = set()
@@ -153,13 +182,46 @@ def stages(event: str) -> list[Stage]:
     return done
 
 
+class UndeclaredDecision(RuntimeError):
+    """A stage decided or refined a key it did not declare (`Stage.writes`, `Stage.refines`)."""
+
+
+def undeclared(stage: Stage, before: dict, after: dict) -> dict[str, str]:
+    """The keys `stage` decided or refined undeclared, from the decisions `before` and `after` it ran:
+    {key: "decided" | "refined"}. A key it decided must be in its `writes` or `refines`; a key decided before it
+    that it changed, in its `refines`."""
+    out = {}
+    for key, dec in after.items():
+        if key not in before:
+            if key not in stage.writes and key not in stage.refines:
+                out[key] = "decided"
+        elif dec is not before[key] and key not in stage.refines:
+            out[key] = "refined"
+    return out
+
+
+def _check(stage: Stage, before: dict, ctx: RunContext) -> None:
+    wrong = undeclared(stage, before, ctx.decisions)
+    if not wrong:
+        return
+    words = ", ".join(f"{how} {key!r}" for key, how in wrong.items())
+    msg = (f"the stage {stage.name!r} {words} without declaring it (Stage(writes=..., refines=...); "
+           f"it declares writes={stage.writes}, refines={stage.refines})")
+    if os.environ.get("TORCHSPEED_STAGE_CHECK") == "raise":
+        raise UndeclaredDecision(msg)
+    log.warning("torchspeed: %s", msg)
+
+
 def _run(stage: Stage, ctx: RunContext) -> None:
+    before = dict(ctx.decisions)
     if not stage.fallback:
-        return stage.run(ctx)
+        stage.run(ctx)
+        return _check(stage, before, ctx)
     prior = dict(vars(ctx), callbacks=list(ctx.callbacks))  # what the context held before the stage
     try:
         stage.run(ctx)
     except Exception as e:  # noqa: BLE001 - a stage that fails leaves the run what it had before the stage
+        _check(stage, before, ctx)
         callbacks = prior.pop("callbacks")
         vars(ctx).update(prior)
         ctx.callbacks[:] = callbacks  # (the same list the plan hands the Trainer)
@@ -168,6 +230,8 @@ def _run(stage: Stage, ctx: RunContext) -> None:
                                                             f"{first}); the run goes on with its prior"))
         log.warning("torchspeed: the stage %r failed (%s: %s); the run goes on with its prior", stage.name,
                     type(e).__name__, first)
+        return
+    _check(stage, before, ctx)
 
 
 def run_event(ctx: RunContext, event: str) -> None:
@@ -204,8 +268,10 @@ class RunStages(Callback):
 
 def render_stages() -> str:
     """The registered stages as the Markdown table docs/architecture.md shows (tests compare the two)."""
-    rows = ["| event | stage | needs | cost | what it decides |", "|---|---|---|---|---|"]
+    rows = ["| event | stage | needs | writes | refines | cost | what it decides |", "|---|---|---|---|---|---|---|"]
     for event in EVENTS:
         for s in stages(event):
-            rows.append(f"| {event} | `{s.name}` | {', '.join(s.needs) or '-'} | {s.cost} | {s.what} |")
+            keys = [", ".join(f"`{k}`" for k in ks) or "-" for ks in (s.writes, s.refines)]
+            rows.append(f"| {event} | `{s.name}` | {', '.join(s.needs) or '-'} | {keys[0]} | {keys[1]} | {s.cost} "
+                        f"| {s.what} |")
     return "\n".join(rows)

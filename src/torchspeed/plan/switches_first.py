@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from torchspeed.plan import budget as budget_rules
 from torchspeed.plan.budget import TuningBudget
-from torchspeed.plan.recipe import BATCH_COST
+from torchspeed.plan.recipe_batch import BATCH_COST
 from torchspeed.plan.recipe_optimizer import OPTIMIZER_TRIAL_STEPS
 from torchspeed.plan.stages import RunContext, run_length
 from torchspeed.train.decision import Decision

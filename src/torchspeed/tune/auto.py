@@ -18,7 +18,9 @@ the new batch size and the tuned worker settings.
 - loader="auto": `tune_loader` at the final batch size, with the model step as consumer.
 
 Every choice and its reason goes into `FitResult.decisions`. Under torchrun the process group
-is set up first, so each tuner measures on rank 0 and every rank gets the same decision.
+is set up first, so each tuner measures on rank 0 and every rank gets the same decision. `fit`'s plan runs
+each tuner as a stage of its own (`plan/tuners.py`: `tune_batch`, `tune_lr`, `tune_loader`, in that order), and
+its last "before" stage rebuilds the loader once; `tune_for_fit` runs them in one call, for your own loop.
 
 Example:
     >>> fit(model, loader, epochs=5, batch_size="auto", lr="auto", loader="auto")
@@ -39,8 +41,8 @@ from torchspeed.train.schedule import lr_rule, scale_lr_for_batch
 from torchspeed.train.optim_candidate import candidate_optimizer
 from torchspeed.tune.lr_peak import choose_peak_lr
 
-__all__ = ["tune_for_fit"]
-
+__all__ = ["tune_for_fit", "tune_settings", "check_options", "scratch_optimizers", "tune_batch", "tune_lr",
+           "tuned_loader"]
 
 
 def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | str | None, lr: float | str,
@@ -49,7 +51,23 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
                  schedule: str | None = "onecycle", distributed: bool | str = "auto",
                  progress: bool = True, optimizer_options: dict | None = None) -> tuple[Iterable, float, dict]:
     """Run the asked-for tuners; return (the loader to train on, the LR, decisions)."""
-    _check_options(train_loader, batch_size=batch_size, lr=lr, loader=loader)
+    changes, lr_val, decisions = tune_settings(
+        model, train_loader, batch_size=batch_size, lr=lr, loader=loader, loss_fn=loss_fn, step_fn=step_fn,
+        optimizer=optimizer, weight_decay=weight_decay, device=device, precision=precision, schedule=schedule,
+        distributed=distributed, progress=progress, optimizer_options=optimizer_options)
+    return (rebuild_loader(train_loader, **changes) if changes else train_loader), lr_val, decisions
+
+
+def tune_settings(model: nn.Module, train_loader: Iterable, *, batch_size: int | str | None, lr: float | str,
+                  loader: str | None, loss_fn: Callable | None, step_fn: Callable | None = None,
+                  optimizer: str | torch.optim.Optimizer, weight_decay: float | None,
+                  device: torch.device | str | None, precision: str = "auto", schedule: str | None = "onecycle",
+                  distributed: bool | str = "auto", progress: bool = True,
+                  optimizer_options: dict | None = None) -> tuple[dict, float, dict]:
+    """Run the asked-for tuners (`tune_batch`, then `tune_lr`, then `tuned_loader`; fit's plan runs each as a stage
+    of its own, plan/tuners.py); return (the DataLoader settings to rebuild the loader with, {} for none: the batch
+    size and the loader tuner's settings; the LR; decisions)."""
+    check_options(train_loader, batch_size=batch_size, lr=lr, loader=loader)
     # Under torchrun the process group must exist before the tuners run, so that rank 0's
     # measurement is broadcast (the Trainer's own call later finds it initialised).
     from torchspeed.train.parallel.distributed import maybe_init_distributed
@@ -60,48 +78,23 @@ def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | 
     else:
         dev = default_device(device)
     model.to(dev)
-    decisions: dict[str, object] = {}
-
-    def scratch_optimizer(lr0: float) -> torch.optim.Optimizer:
-        # the tuners restore what they touch; a user optimizer is used as is, a name gets a fresh one
-        return candidate_optimizer(optimizer, model, lr=lr0, weight_decay=weight_decay, options=optimizer_options)
-
+    scratch = scratch_optimizers(model, optimizer, weight_decay=weight_decay, options=optimizer_options)
     measure = dict(loss_fn=loss_fn, step_fn=step_fn, precision=precision, progress=progress)
     old_batch = getattr(train_loader, "batch_size", None)
-    new_batch = old_batch
-    if batch_size == "auto":
-        new_batch, decisions["batch_size"] = _fastest_batch(model, train_loader, scratch_optimizer, **measure)
-    elif isinstance(batch_size, int):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        new_batch = batch_size
-
-    if lr == "auto":  # measured at the batch the run trains with: nothing to scale
-        at = rebuild_loader(train_loader, batch_size=new_batch) if new_batch != old_batch else train_loader
-        lr_val, decisions["lr_find"] = _range_test_lr(model, at, scratch_optimizer, schedule=schedule,
-                                                      batch=new_batch, **measure)
-    else:
-        lr_val = float(lr)
-    if new_batch != old_batch and old_batch and lr != "auto":
-        scaled = scale_lr_for_batch(lr_val, new_batch, old_batch, optimizer)
-        decisions["lr"] = Decision(scaled, f"{lr_val:.3g} scaled to batch {new_batch} from {old_batch} by the "
-                                           f"{lr_rule(optimizer)} rule (T17)")
-        lr_val = scaled
-    if lr == "auto" or new_batch != old_batch:
-        decisions["peak_lr"] = Decision(lr_val, "the peak LR the run trains with")
-        if isinstance(optimizer, torch.optim.Optimizer):
-            _set_peak_lr(optimizer, lr_val)
-
+    new_batch, decisions = tune_batch(model, train_loader, batch_size, scratch, **measure)
+    at = rebuild_loader(train_loader, batch_size=new_batch) if lr == "auto" and new_batch != old_batch else train_loader
+    lr_val, more = tune_lr(model, at, lr, scratch, optimizer=optimizer, schedule=schedule,
+                           batches=(old_batch, new_batch), **measure)
+    decisions.update(more)
     settings: dict = {}
     if loader == "auto":
-        settings, decisions["loader"] = _tuned_loader(model, train_loader, new_batch, loss_fn=loss_fn, device=dev,
-                                                      progress=progress)
-    if new_batch != old_batch or settings:
-        train_loader = rebuild_loader(train_loader, **({"batch_size": new_batch} if new_batch else {}), **settings)  # type: ignore[arg-type]
-    return train_loader, lr_val, decisions
+        settings, decisions["loader"] = tuned_loader(model, train_loader, new_batch, loss_fn=loss_fn, device=dev,
+                                                     progress=progress)
+    changes = ({"batch_size": new_batch} if new_batch else {}) | settings if new_batch != old_batch or settings else {}
+    return changes, lr_val, decisions
 
 
-def _check_options(train_loader: Iterable, *, batch_size: int | str | None, lr: float | str, loader: str | None) -> None:
+def check_options(train_loader: Iterable, *, batch_size: int | str | None, lr: float | str, loader: str | None) -> None:
     """The tuning options' mistakes as errors before the process group or any tuner starts: only "auto" (or a
     number) is a valid setting, and batch or loader tuning needs a torch DataLoader to rebuild."""
     if loader not in (None, "auto"):
@@ -113,6 +106,54 @@ def _check_options(train_loader: Iterable, *, batch_size: int | str | None, lr: 
     if (batch_size is not None or loader is not None) and not isinstance(train_loader, DataLoader):
         raise TypeError("batch_size/loader tuning rebuilds the torch DataLoader from its dataset; "
                         f"fit got a {type(train_loader).__name__}: pass a DataLoader or leave these options out")
+
+
+def scratch_optimizers(model: nn.Module, optimizer: str | torch.optim.Optimizer, *, weight_decay: float | None,
+                       options: dict | None) -> Callable[[float], torch.optim.Optimizer]:
+    """The optimizer a tuner measures with, at an LR: the tuners restore what they touch; a user optimizer is used
+    as is, a name gets a fresh one (`candidate_optimizer`)."""
+    return lambda lr0: candidate_optimizer(optimizer, model, lr=lr0, weight_decay=weight_decay, options=options)
+
+
+def tune_batch(model: nn.Module, train_loader: Iterable, batch_size: int | str | None,
+               make_optimizer: Callable[[float], torch.optim.Optimizer], **measure) -> tuple[int | None, dict]:
+    """The batch the run trains at and its decisions: "auto", the fastest measured (`_fastest_batch`); an int, that
+    batch (given: no decision); None, the loader's."""
+    if batch_size == "auto":
+        new, dec = _fastest_batch(model, train_loader, make_optimizer, **measure)
+        return new, {"batch_size": dec}
+    if isinstance(batch_size, int):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        return batch_size, {}
+    return getattr(train_loader, "batch_size", None), {}
+
+
+def tune_lr(model: nn.Module, loader_at_batch: Iterable, lr: float | str,
+            make_optimizer: Callable[[float], torch.optim.Optimizer], *, optimizer: str | torch.optim.Optimizer,
+            schedule: str | None, batches: tuple[int | None, int | None], loss_fn: Callable | None,
+            step_fn: Callable | None, precision: str, progress: bool) -> tuple[float, dict]:
+    """The peak LR the run trains with and its decisions: "auto", measured on `loader_at_batch` (the loader at the
+    run's batch: nothing to scale); a number, scaled by the optimizer's rule when the batch changed (`batches`:
+    the loader's and the run's). A given optimizer object is set to it."""
+    old_batch, new_batch = batches
+    decisions: dict = {}
+    if lr == "auto":  # measured at the batch the run trains with: nothing to scale
+        lr_val, decisions["lr_find"] = _range_test_lr(model, loader_at_batch, make_optimizer, schedule=schedule,
+                                                      batch=new_batch, loss_fn=loss_fn, step_fn=step_fn,
+                                                      precision=precision, progress=progress)
+    else:
+        lr_val = float(lr)
+    if new_batch != old_batch and old_batch and lr != "auto":
+        scaled = scale_lr_for_batch(lr_val, new_batch, old_batch, optimizer)
+        decisions["lr"] = Decision(scaled, f"{lr_val:.3g} scaled to batch {new_batch} from {old_batch} by the "
+                                           f"{lr_rule(optimizer)} rule (T17)")
+        lr_val = scaled
+    if lr == "auto" or new_batch != old_batch:
+        decisions["peak_lr"] = Decision(lr_val, "the peak LR the run trains with")
+        if isinstance(optimizer, torch.optim.Optimizer):
+            _set_peak_lr(optimizer, lr_val)
+    return lr_val, decisions
 
 
 def _fastest_batch(model: nn.Module, train_loader: DataLoader, make_optimizer: Callable[[float], torch.optim.Optimizer],
@@ -153,7 +194,7 @@ def _set_peak_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         g["lr"] = lr * (g["lr"] / base if optimizer.param_groups[0]["lr"] else 1.0)
 
 
-def _tuned_loader(model: nn.Module, train_loader: DataLoader, batch_size: int | None, *, loss_fn: Callable | None,
+def tuned_loader(model: nn.Module, train_loader: DataLoader, batch_size: int | None, *, loss_fn: Callable | None,
                   device: torch.device, progress: bool) -> tuple[dict, Decision]:
     """loader="auto" (T06-T08): `tune_loader` at the final batch size, with the model step as consumer: (the
     DataLoader settings, the decision that holds them and why)."""
