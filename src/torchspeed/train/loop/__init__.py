@@ -1,6 +1,8 @@
 """The loop and its step: what `Trainer` runs every batch, and what it reads and reports on the way.
 
 - `trainer`: `Trainer`, which composes the techniques and holds none of them;
+- `setup`: `TrainerSetup`, the steps of the trainer's construction that stand apart (its loss, optimizer,
+  checkpoints and the parts that run the steps);
 - `step`: the optimizer step with accumulation, clipping and loss scaling (T19, T20, T21);
 - `lean_step`, `lean_schedulefree`: torch's Adam/AdamW/SGD step and Schedule-Free AdamW's without their
   per-step Python (T51, T42);
