@@ -49,7 +49,8 @@ from torchspeed.train.noise import observe_batch
 from torchspeed.train.decision import Decision, Decisions
 from torchspeed.train.eval_view import settle_averaged
 from torchspeed.train.optim_info import default_lr
-from torchspeed.train.optim import averaged_weights, is_schedule_free, zero_grad
+from torchspeed.train.optim import averaged_weights, is_schedule_free
+from torchspeed.train.optim_kernel import zero_grad
 from torchspeed.train.trial.precision import MixedPrecision, Precision
 from torchspeed.train.loop.progress import TrainProgress, decisions_header
 from torchspeed.train.state.resume import resume_run
