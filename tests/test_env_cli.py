@@ -47,17 +47,17 @@ def test_tcmalloc_is_found_by_file_name_on_ld_library_path_without_starting_a_pr
     LD_LIBRARY_PATH is found, the minimal one first; an empty folder finds none of its own."""
     import subprocess
 
-    from torchspeed import env
+    from torchspeed import _allocator
 
     (tmp_path / "libtcmalloc.so.4").touch()
     (tmp_path / "libtcmalloc_minimal.so.4").touch()
-    monkeypatch.setattr(env, "TCMALLOC_DIRS", ())
-    monkeypatch.setattr(env.sys, "prefix", str(tmp_path / "none"))
+    monkeypatch.setattr(_allocator, "TCMALLOC_DIRS", ())
+    monkeypatch.setattr(_allocator.sys, "prefix", str(tmp_path / "none"))
     monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))
 
     def no_process(*a, **k):
         raise AssertionError("find_tcmalloc started a process")
     monkeypatch.setattr(subprocess, "Popen", no_process)
-    assert env.find_tcmalloc() == str(tmp_path / "libtcmalloc_minimal.so.4")
+    assert _allocator.find_tcmalloc() == str(tmp_path / "libtcmalloc_minimal.so.4")
     monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path / "empty"))
-    assert env.find_tcmalloc() is None
+    assert _allocator.find_tcmalloc() is None

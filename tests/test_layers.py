@@ -14,10 +14,10 @@ import torchspeed
 ROOT = pathlib.Path(torchspeed.__file__).parent
 DOCS = ROOT.parent.parent / "docs" / "architecture.md"
 
-FLOOR = ("_io", "_extras", "env")
+FLOOR = ("_io", "_extras", "_allocator", "env")
 BELOW_CLI = (*FLOOR, "train", "tune", "data", "model", "plan", "distill", "fitting", "slimming", "inference")
 LAYERS = {  # bottom to top: a package (or top-level module) -> what it may import besides itself
-    "_io": (), "_extras": (), "env": (),
+    "_io": (), "_extras": (), "_allocator": (), "env": ("_allocator",),
     "train": FLOOR,
     "tune": (*FLOOR, "train"),
     "data": (*FLOOR, "train"),
@@ -34,7 +34,8 @@ LAYERS = {  # bottom to top: a package (or top-level module) -> what it may impo
     "__main__": ("cli",),
 }
 PURPOSE = {
-    "_io": "atomic file writes", "_extras": "optional imports", "env": "what this machine can accelerate",
+    "_io": "atomic file writes", "_extras": "optional imports", "_allocator": "which malloc: tcmalloc found, the one in use",
+    "env": "what this machine can accelerate",
     "train": "the loop and the techniques, in rooms (below)", "tune": "the tuners, measured with train's step",
     "data": "image decoding, caching, loaders", "model": "model surgery and models by name",
     "plan": "the one planner and the recipe", "distill": "distillation's loss and teacher cache",
@@ -195,7 +196,8 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "bench/flops.py": (1, STARTUP),
     "bench/hand.py": (1, STARTUP),
     "bench/peers.py": (1, EXTRA + " (lightning)"),
-    "bench/runner.py": (7, STARTUP + ": a row loads its kind's stack"),
+    "bench/config_process.py": (1, STARTUP + ": the worker's reply prefix, read when a reply comes"),
+    "bench/runner.py": (6, STARTUP + ": a row loads its kind's stack"),
     "bench/scaling.py": (6, STARTUP + ": the spawned worker's imports"),
     "bench/sharding.py": (7, STARTUP + ": the spawned worker's imports"),
     "bench/time_to_target.py": (5, STARTUP + ": the runner and the recipe load only when time to target runs"),

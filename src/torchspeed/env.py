@@ -2,7 +2,7 @@
 
 `detect()` reads versions (torch, torchvision, CUDA, cuDNN), the accelerator (name,
 memory, compute capability), the CPU's vector features (AVX-512, AVX512-BF16, AMX) and
-the process set-up a hand-written loop usually forgets (allocator, thread count). The
+the process set-up a hand-written loop usually forgets (allocator, thread count; which malloc: _allocator.py). The
 result says which precision pays on this machine, and the training loop, the bench and
 the doctor all read their defaults from it.
 
@@ -19,16 +19,15 @@ import importlib
 import importlib.util
 import os
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-__all__ = ["EnvInfo", "detect", "cpu_flags", "find_tcmalloc", "allocator_in_use", "format_env", "parallel_speedup", "other_runnable", "GLIBC_MALLOC_ENV",
-           "usable_cores", "default_device", "CPU_PROFILES", "cpu_profile", "DeviceCaps", "sync", "host_memory"]
+from torchspeed._allocator import allocator_in_use, find_tcmalloc
 
-TCMALLOC_DIRS = ("/usr/lib", "/usr/lib64", "/usr/local/lib", "/lib")  # and their multiarch folders (x86_64-linux-gnu)
+__all__ = ["EnvInfo", "detect", "cpu_flags", "format_env", "parallel_speedup", "other_runnable", "GLIBC_MALLOC_ENV",
+           "usable_cores", "default_device", "CPU_PROFILES", "cpu_profile", "DeviceCaps", "sync", "host_memory"]
 
 
 @dataclass(frozen=True)
@@ -215,46 +214,6 @@ def parallel_speedup(n: int = 2_000_000) -> float:
         t = time.perf_counter()
         pool.map(_spin, [n, n])
         return 2 * one / (time.perf_counter() - t)
-
-
-def _multiarch(base: str) -> list[str]:
-    try:
-        return [e.path for e in os.scandir(base) if "-linux-" in e.name and e.is_dir()]
-    except OSError:
-        return []
-
-
-def find_tcmalloc() -> str | None:
-    """Path of a tcmalloc shared library on this machine, or None.
-
-    On Debian/Ubuntu: `apt-get install libtcmalloc-minimal4`. Looked for in the system's library folders, the
-    Python environment's own (a conda env's gperftools) and those on LD_LIBRARY_PATH, by file name only:
-    `ctypes.util.find_library` would start `ldconfig` and `gcc` processes, 35-50 ms of every `fit`'s first call.
-    """
-    dirs = [d for base in TCMALLOC_DIRS for d in [base] + _multiarch(base)]
-    dirs += [os.path.join(sys.prefix, "lib")] + [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
-    for d in dict.fromkeys(dirs):
-        try:
-            names = sorted(n for n in os.listdir(d) if n.startswith("libtcmalloc") and ".so" in n)
-        except OSError:
-            continue
-        if names:  # libtcmalloc_minimal before libtcmalloc.so, as the patterns used to rank them
-            return os.path.join(d, min(names, key=lambda n: ("minimal" not in n, n)))
-    return None
-
-
-def allocator_in_use() -> str:
-    """'tcmalloc', 'jemalloc' or 'glibc': which malloc this process was started with."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            maps = f.read()
-    except OSError:
-        return "unknown"
-    if "tcmalloc" in maps:
-        return "tcmalloc"
-    if "jemalloc" in maps:
-        return "jemalloc"
-    return "glibc (tuned)" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "glibc"
 
 
 # glibc malloc settings for a training process, read when the process starts (LD_PRELOAD-free,

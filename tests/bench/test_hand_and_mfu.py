@@ -163,7 +163,7 @@ def test_bench_cli_prints_all_over_hand_with_its_interval(tmp_path, capsys):
 
 
 def test_malloc_tuned_row_and_its_process_environment(monkeypatch):
-    from torchspeed.bench.runner import config_env
+    from torchspeed.bench.config_process import config_env
 
     configs = {c.name: c for c in bench_configs(torch.device("cpu"))}
     if detect().tcmalloc_path:

@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from torchspeed.bench import suite_run
+from torchspeed.bench import suite_report, suite_run
 from torchspeed.bench.suite import Workload, suite_workloads
 from torchspeed.cli.main import main
 
@@ -198,7 +198,7 @@ RESULT = {  # a hand-made suite result: w1 every row reached, w2 `b` missed on b
 def test_the_table_prints_each_rows_time_relative_time_and_the_scores(capsys):
     res = dict(RESULT, score=suite_run.score(RESULT["table"]))
     assert res["score"]["geomean_vs_naive"]["a"] == pytest.approx(math.sqrt(4.0 * 2.0))
-    suite_run.print_suite(Console(file=sys.stdout, width=200), res)
+    suite_report.print_suite(Console(file=sys.stdout, width=200), res)
     out = capsys.readouterr().out
     assert "1.00 s 1.00x" in out and "4.00 s 4.00x" in out and "2.00 s 2.00x" in out
     assert "1.50 s 1.00x (1/2)" in out and "missed (0/2)" in out  # w2: a on one seed, b on none
@@ -210,7 +210,7 @@ def test_the_table_prints_each_rows_time_relative_time_and_the_scores(capsys):
 def test_the_png_is_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch):
     res = dict(RESULT, score=suite_run.score(RESULT["table"]))
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    note = suite_run.write_suite(res, tmp_path / "s.json", tmp_path / "s.png")
+    note = suite_report.write_suite(res, tmp_path / "s.json", tmp_path / "s.png")
     assert "matplotlib" in note and not (tmp_path / "s.png").exists()
     assert json.loads((tmp_path / "s.json").read_text())["table"]["w2"]["b"] is None
 

@@ -34,7 +34,8 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       TORCHELASTIC_USE_AGENT_STORE="True")  # every rank a client of the parent's store
     torch.set_num_threads(1)
-    from torchspeed.train.parallel.distributed import cleanup_distributed, exit_process
+    from torchspeed.train.parallel.distributed import cleanup_distributed
+    from torchspeed.train.parallel.rank_exit import exit_process
 
     try:
         fn(rank, *args)

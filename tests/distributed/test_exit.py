@@ -11,12 +11,13 @@ import textwrap
 import pytest
 
 import torchspeed.cli.main as cli_main
-import torchspeed.train.parallel.distributed as tsdist
+import torchspeed.train.parallel.rank_exit as tsdist
 
 SCRIPT = textwrap.dedent("""
     import atexit, os, sys
     import torch, torch.distributed as dist
-    from torchspeed.train.parallel.distributed import exit_process, wrap_ddp
+    from torchspeed.train.parallel.distributed import wrap_ddp
+    from torchspeed.train.parallel.rank_exit import exit_process
 
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
     ddp = wrap_ddp(torch.nn.Linear(3, 2), device="cpu")

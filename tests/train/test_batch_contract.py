@@ -349,7 +349,7 @@ def test_binary_and_multi_label_losses_count_accuracy_per_element_and_regression
 def test_a_dict_of_scalar_losses_by_other_names_is_summed_as_torchvisions_retinanet_returns():
     """RetinaNet, FCOS and SSD return {'classification': ..., 'bbox_regression': ...}: no key says "loss", every
     value is a scalar: they are the losses, summed; a dict holding a tensor that is not a scalar stays logits."""
-    from torchspeed.train.loop.batch import read_output
+    from torchspeed.train.loop.model_output import read_output
 
     cls, box = torch.tensor(1.5, requires_grad=True), torch.tensor(0.25, requires_grad=True)
     out = read_output({"classification": cls, "bbox_regression": box})

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
 from torchspeed.train.loop.lean_step import lean_step_for
-from torchspeed.train.optim import zero_grad
+from torchspeed.train.optim_kernel import zero_grad
 from torchspeed.train.loop.step import optimizer_step
 
 

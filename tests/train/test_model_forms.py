@@ -9,7 +9,8 @@ from torch import nn
 
 import torchspeed
 from torchspeed.train import Trainer, TrainConfig, evaluate
-from torchspeed.train.loop.batch import AUX_WEIGHT, batch_size, count_correct, forward_loss, read_output
+from torchspeed.train.loop.batch import AUX_WEIGHT, batch_size, count_correct, forward_loss
+from torchspeed.train.loop.model_output import read_output
 from torchspeed.train.loop.model_call import takes_target
 
 FAST = dict(compile=False, progress=False, precision="fp32", malloc=False)

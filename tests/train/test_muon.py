@@ -8,8 +8,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import torchspeed
 from torchspeed.bench.text import GPT
 from torchspeed.train.state.checkpoint import load_checkpoint
-from torchspeed.train.optim import (MuonAdamW, create_optimizer, describe_optimizer, hidden_matrices, matrix_share,
-                                    mostly_matrices)
+from torchspeed.train.optim import create_optimizer, describe_optimizer, hidden_matrices, matrix_share, mostly_matrices
+from torchspeed.train.muon import MuonAdamW
 from torchspeed.train.schedule import create_scheduler
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from torchspeed.train import Trainer, TrainConfig
-from torchspeed.train.optim import zero_grad
+from torchspeed.train.optim_kernel import zero_grad
 from torchspeed.train.trial.precision import resolve_precision
 from torchspeed.train.loop.step import backward, optimizer_step
 

@@ -117,7 +117,7 @@ def test_bf16_cpu_where_bf16_loses_keeps_fp32(tiny_cnn):
     assert d["channels_last"].value is True and d["fused_optimizer"].value is True
     assert d["switch_trial"].value == "measured" and d["switch_trial"].measured["stages"][0]["chosen"] == \
         "fp32+channels_last+fused"
-    from torchspeed.train.trial.autoswitch import TRIAL_SETTINGS
+    from torchspeed.train.trial.trial_size import TRIAL_SETTINGS
     per = TRIAL_SETTINGS["warmup"] + TRIAL_SETTINGS["rounds"] * TRIAL_SETTINGS["steps"]
     assert t.calls.count("bf16+channels_last+fused") == per  # warm-up, then interleaved rounds of timed steps
     assert t.calls.index("bf16+fused") < t.calls.index("fp32+channels_last+fused", 4)  # interleaved, not in blocks
@@ -652,7 +652,7 @@ def test_a_candidate_that_cannot_run_is_out_of_the_race(tiny_cnn, monkeypatch):
 
 
 def test_threads_are_measured_only_when_loader_workers_share_the_cores(tiny_cnn):
-    from torchspeed.train.trial.autoswitch import _thread_choices
+    from torchspeed.train.trial.trial_size import _thread_choices
 
     ds = _loader().dataset
     assert _thread_choices(DataLoader(ds, num_workers=1), torch.device("cpu"), AVX2) == (2, 1)

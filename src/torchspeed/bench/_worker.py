@@ -58,7 +58,7 @@ class _State:
     """What every row does: set up, warm up (untimed), timed rounds, finish (loss and accuracy)."""
 
     def __init__(self, spec: dict):
-        from torchspeed.env import allocator_in_use
+        from torchspeed._allocator import allocator_in_use
 
         self.spec = spec
         self.loader, self.val_loader, self.device = _data(spec)

@@ -46,12 +46,10 @@ dense bf16 peak (bench/flops.py).
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -60,6 +58,7 @@ import torch
 
 from torchspeed._extras import require
 from torchspeed._io import write_json
+from torchspeed.bench.config_process import ConfigProcess
 from torchspeed.bench.flops import mfu, peak_bf16_flops, train_flops_per_sample
 from torchspeed.env import GLIBC_MALLOC_ENV, default_device, detect
 from torchspeed.train.config import TrainConfig
@@ -205,66 +204,6 @@ def machine_busy() -> tuple[bool, dict]:
                                        "busy_rule": f"other runnable tasks >= {BUSY_OTHERS}"}
     return speedup < BUSY_BELOW, {"parallel_speedup_2proc": speedup, "other_runnable": None,
                                   "busy_rule": f"2-process speed-up < {BUSY_BELOW}"}
-
-
-def config_env(cfg: BenchConfig) -> dict[str, str]:
-    """The environment a config's process starts with: its allocator (LD_PRELOAD) and OpenMP settings."""
-    env = dict(os.environ)
-    env.pop("LD_PRELOAD", None)
-    for name in ("OMP_WAIT_POLICY", *dict(GLIBC_MALLOC_ENV)):  # a row gets only the settings it is about
-        if name not in dict(cfg.env):
-            env.pop(name, None)
-    env.update(dict(cfg.env))
-    if cfg.allocator == "tcmalloc":
-        lib = detect().tcmalloc_path
-        if lib:
-            env["LD_PRELOAD"] = lib
-    return env
-
-
-class ConfigProcess:
-    """A bench config running in its own Python process (its own allocator, caches, threads)."""
-
-    def __init__(self, cfg: BenchConfig, spec: dict):
-        self.cfg = cfg
-        self.proc = subprocess.Popen([sys.executable, "-m", "torchspeed.bench._worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     env=config_env(cfg), bufsize=1)
-        self.spec = spec | {"train": asdict(cfg.train), "num_workers": cfg.num_workers, "kind": cfg.kind}
-        if cfg.hand_settings:
-            self.spec["hand"] = spec.get("hand", {}) | {"settings": dict(cfg.hand_settings)}
-        self.times: list[float] = []
-        self.send({"op": "setup", "spec": self.spec}, wait=False)
-
-    def send(self, cmd: dict, *, wait: bool = True) -> dict | None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.receive() if wait else None
-
-    def receive(self) -> dict:
-        from torchspeed.bench._worker import PREFIX
-
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(PREFIX):
-                reply = json.loads(line[len(PREFIX):])
-                if not reply.get("ok"):
-                    raise RuntimeError(f"bench config {self.cfg.name!r} failed: {reply.get('error')}\n"
-                                       f"{reply.get('traceback', '')}")
-                return reply
-        raise RuntimeError(f"bench config {self.cfg.name!r}: its process exited (code {self.proc.wait()})")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send({"op": "exit"})
-            except (RuntimeError, BrokenPipeError, OSError):
-                pass
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 def provenance() -> dict:

@@ -270,7 +270,7 @@ def _worker(job: dict) -> None:
 
 
 if __name__ == "__main__":
-    from torchspeed.train.parallel.distributed import exit_process
+    from torchspeed.train.parallel.rank_exit import exit_process
 
     _worker(json.loads(sys.argv[1]))
     exit_process(0)  # not the interpreter teardown, which can abort a finished gloo rank

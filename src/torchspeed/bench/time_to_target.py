@@ -383,7 +383,7 @@ def attach_time_to_target(result, tta: TTAResult) -> None:
 # ---------------------------------------------------------------------- one run, in its own process
 def _process(cfg, spec: dict) -> dict:
     from torchspeed.bench._worker import PREFIX
-    from torchspeed.bench.runner import config_env
+    from torchspeed.bench.config_process import config_env
 
     spec = spec | {"train": asdict(replace(cfg.train, schedule="onecycle")), "num_workers": cfg.num_workers}
     proc = subprocess.run([sys.executable, "-m", "torchspeed.bench.time_to_target_worker"],

@@ -66,7 +66,7 @@ def train_budget(spec: dict) -> TTARun:
     runs: `recipe="auto"` for auto and auto_warm (the ablation's parts through `recipe_parts`), the config's
     switches for every row. Its seconds are fit's own, choosing included, plus the preparation of the weights the
     run is judged by; then one evaluation, off the clock."""
-    from torchspeed.env import allocator_in_use
+    from torchspeed._allocator import allocator_in_use
     from torchspeed.fitting import fit
     from torchspeed.train.config import TrainConfig
 

@@ -47,6 +47,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from torchspeed.train.parallel.distributed import exit_process
+    from torchspeed.train.parallel.rank_exit import exit_process
 
     exit_process(main(sys.argv[1:]))

@@ -120,10 +120,10 @@ def run_slim_cli(args) -> int:
 
 
 def run_suite_cli(args) -> int:
-    """The suite (bench/suite_run.py): its table first, then the JSON and the performance profile."""
+    """The suite (bench/suite_run.py): its table first (bench/suite_report.py), then the JSON and the performance profile."""
     from rich.console import Console
 
-    from torchspeed.bench import suite_run
+    from torchspeed.bench import suite_report, suite_run
 
     console = Console()
     split = (lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None)  # noqa: E731
@@ -136,9 +136,9 @@ def run_suite_cli(args) -> int:
                                      seeds=seeds, time_limit_s=limit, console=console)
     except ValueError as e:
         raise CLIError(str(e)) from e
-    suite_run.print_suite(console, result)
+    suite_report.print_suite(console, result)
     png = args.png or os.path.splitext(args.json)[0] + ".png"
-    note = suite_run.write_suite(result, args.json, png)
+    note = suite_report.write_suite(result, args.json, png)
     console.print(f"wrote {args.json}" + (f"; {note}" if note else f" and {png}")
                   + f" ({result['seconds']:.0f} s)")
     return 0

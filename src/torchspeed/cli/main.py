@@ -61,7 +61,7 @@ def run(argv: list[str] | None = None) -> None:
     code = main(argv)
     dist = sys.modules.get("torch.distributed")  # never imported: no process group to end
     if dist is not None and dist.is_available() and dist.is_initialized():
-        from torchspeed.train.parallel.distributed import exit_process
+        from torchspeed.train.parallel.rank_exit import exit_process
 
         exit_process(code)
     sys.exit(code)

@@ -194,20 +194,34 @@ def run(args) -> int:
         raise CLIError(f"{e} (or run with --on-error skip)") from None
     except CheckpointError as e:
         raise CLIError(f"--resume: {e}") from None
+    bad = _bad_files(pipe, world, distributed=is_distributed())
+    if not rank0:  # the replicas are identical after DDP: one writer per file
+        return 0
+    _write_outputs(args, console, model, result, pipe, lr=lr, bad=bad, world=world, n_train=n_train, n_val=n_val)
+    return 0
+
+
+def _bad_files(pipe, world: int, *, distributed: bool) -> list:
+    """The files that failed to decode, sorted; under a process group, every rank's (each process decoded only
+    its part of the data)."""
+    import torch
+
     bad = sorted({b for ds in pipe.datasets.values() for b in ds.summary().bad})
-    if is_distributed():  # each process decoded only its part of the data: collect every rank's bad files
+    if distributed:  # each process decoded only its part of the data: collect every rank's bad files
         every = [None] * world
         torch.distributed.all_gather_object(every, bad)
         bad = sorted(set().union(*every))
-    if not rank0:  # the replicas are identical after DDP: one writer per file
-        return 0
+    return bad
+
+
+def _write_outputs(args, console, model, result, pipe, *, lr, bad: list, world: int, n_train, n_val: int) -> None:
+    """Rank 0's outputs: model.pt, run.json (with the peak learning rate the run used) and the summary."""
     _save_model(os.path.join(args.out, "model.pt"), model, args=args, classes=pipe.classes)
     peak = result.decisions.get("peak_lr")
     used_lr = float(peak.value if peak is not None else lr)
     write_json(os.path.join(args.out, "run.json"), _run_info(args, result, pipe, lr=used_lr, bad=bad, world=world,
                                                              n_train=n_train, n_val=n_val))
     _print_summary(console, result, classes=pipe.classes, lr=used_lr, bad=bad, out=args.out)
-    return 0
 
 
 def _check_device(device, data: str, world: int) -> None:

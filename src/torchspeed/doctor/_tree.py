@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from torchspeed.train.loop.batch import model_loss
+from torchspeed.train.loop.model_output import model_loss
 
 __all__ = ["map_tensors", "clone_args", "first_tensor", "call_model", "generic_loss"]
 

@@ -26,7 +26,9 @@ from torchspeed.train.wrappers import unwrap_model
 from torchspeed.train.evaluate import evaluate, tta_views
 from torchspeed.train.trial.memory_format import apply_channels_last, has_conv2d, is_channels_last, to_channels_last
 from torchspeed.train.loop.metrics import DeviceMeter
-from torchspeed.train.optim import MuonAdamW, create_optimizer, hidden_matrices, mostly_matrices, zero_grad
+from torchspeed.train.optim import create_optimizer, hidden_matrices, mostly_matrices
+from torchspeed.train.muon import MuonAdamW
+from torchspeed.train.optim_kernel import zero_grad
 from torchspeed.train.optim_info import OPTIMIZERS
 from torchspeed.train.trial.precision import Precision, make_grad_scaler, resolve_precision
 from torchspeed.train.schedule import SCHEDULES, create_scheduler, scale_lr

@@ -10,7 +10,7 @@
   rule of timm's `param_groups_weight_decay`, here so that SGD/AdamW need no timm).
 - "muon" (T42): torch's `torch.optim.Muon` for the hidden weight matrices and AdamW for
   everything else (embeddings, the output head, biases, norms, conv kernels), as one
-  optimizer (`MuonAdamW`) that schedulers, clipping, GradScaler and checkpoints use like any
+  optimizer (`MuonAdamW`, muon.py) that schedulers, clipping, GradScaler and checkpoints use like any
   other. `hidden_matrices` says which parameters are hidden matrices (2-D weights that are
   not an `nn.Embedding`'s and not the output head's: the last `nn.Linear`, or one tied to an
   embedding); `mostly_matrices` says whether they hold most of the model's weights (where
@@ -23,7 +23,8 @@
   `fused="default"`: torch's own choice, a script's `AdamW(params, lr=...)` (a run given its LR: `kernel_reason`).
 - Weight decay defaults per optimizer (the rows; used when `weight_decay=None`): SGD and LARS 5e-4,
   AdamW 0.05, LAMB 0.02, torch's Adam family 0.
-- `zero_grad(optimizer)` sets gradients to None (T26): no memset kernel per parameter, backward writes them.
+- `zero_grad(optimizer)` (optim_kernel.py, with the fused-or-foreach choice) sets gradients to None (T26): no
+  memset kernel per parameter, backward writes them.
 
 Example:
     >>> opt = create_optimizer("sgd", model, lr=0.1, momentum=0.9, weight_decay=5e-4)
@@ -32,22 +33,19 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 
 import torch
 from torch import nn
 
-from torchspeed.train.trial.dynamo_deferred import torch_zero_grad
-from torchspeed.train.loop.lean_step import lean_step_for
+from torchspeed.train.muon import MuonAdamW
+from torchspeed.train.optim_kernel import _device_of, _fused_or_foreach
 from torchspeed.train.optim_info import OptimInfo, optimizer_available, optimizer_info, register_optimizer
 
-__all__ = ["create_optimizer", "zero_grad", "param_groups", "describe_optimizer", "MuonAdamW", "SCHEDULE_FREE_LR",
+__all__ = ["create_optimizer", "param_groups", "describe_optimizer", "SCHEDULE_FREE_LR",
            "typical_fan_in", "schedule_free_lr", "has_attention", "weight_layers",
            "schedule_free_available", "set_schedule_free_warmup", "trains_iterate", "SCHEDULE_FREE_BN_BATCHES",
            "SCHEDULE_FREE_BN_SAMPLES", "hidden_matrices", "matrix_share", "mostly_matrices"]
-
-MUON_MOMENTUM = 0.95  # torch's and Keller Jordan's default
 
 
 def schedule_free_available() -> bool:
@@ -70,21 +68,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if p.requires_grad:
             (no_decay if p.ndim <= 1 or name.endswith(".bias") or id(p) in sparse else decay).append(p)
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
-
-
-def _supports(cls: type, kw: str) -> bool:
-    return kw in inspect.signature(cls.__init__).parameters
-
-
-def _is_sharded(params) -> bool:
-    return any(type(p).__name__ == "DTensor" for g in params for p in g["params"])
-
-
-def _device_of(params) -> torch.device:
-    for g in params:
-        for p in g["params"]:
-            return p.device
-    return torch.device("cpu")
 
 
 def _sparse_weights(model: nn.Module) -> set[int]:
@@ -120,32 +103,6 @@ def create_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: fl
     if info.fusable:
         return _fused_or_foreach(cls, groups, kw, fused, shards=info.fused_shards)
     return cls(groups, **kw)
-
-
-def _fused_or_foreach(cls: type, groups: list[dict], kwargs: dict, fused: bool | str, *,
-                      shards: bool = True) -> torch.optim.Optimizer:
-    """torch's fused kernel where asked (`fused=True`) or where the device has one (`"auto"`: CPU, CUDA), else
-    the foreach (multi-tensor) path; `shards=False`: no fused kernel for FSDP2's DTensor shards."""
-    if fused == "default":
-        return cls(groups, **kwargs)  # torch's own choice, as a script's `cls(params, lr=...)` makes
-    want_fused = fused is True or (fused == "auto" and _device_of(groups).type in ("cpu", "cuda"))
-    if not shards and fused == "auto" and _is_sharded(groups):
-        want_fused = False
-    if want_fused and _supports(cls, "fused"):
-        try:
-            return cls(groups, fused=True, **kwargs)
-        except (RuntimeError, ValueError):  # e.g. a device or dtype without a fused kernel
-            if fused is True:
-                raise
-    return cls(groups, foreach=fused is not False, **kwargs)
-
-
-def zero_grad(optimizer: torch.optim.Optimizer, *, set_to_none: bool = True) -> None:
-    """Clear gradients; `set_to_none=True` (T26) frees them instead of writing zeros (for a fused Adam/AdamW/SGD
-    on the CPU, on the lists `LeanStep` keeps: no per-step walk of the groups)."""
-    if set_to_none and (lean := lean_step_for(optimizer)) is not None and lean.clear_grads():
-        return
-    torch_zero_grad(optimizer, set_to_none=set_to_none)  # its first call without importing torch._dynamo
 
 
 def describe_optimizer(opt: torch.optim.Optimizer) -> str:
@@ -206,90 +163,6 @@ def matrix_share(model: nn.Module) -> float:
 def mostly_matrices(model: nn.Module, threshold: float = 0.5) -> bool:
     """True when hidden matrices hold more than `threshold` of the weights: Muon is worth a trial (T42)."""
     return matrix_share(model) > threshold
-
-
-class MuonAdamW(torch.optim.Optimizer):
-    """torch's Muon over the hidden matrices and AdamW over the rest, as one optimizer (T42).
-
-    `param_groups` are Muon's groups followed by AdamW's (the same dict objects), and both inner
-    optimizers share this optimizer's `state`, so the base class's `state_dict`,
-    `load_state_dict` and `zero_grad`, a scheduler writing `group["lr"]`, clipping and a
-    GradScaler (`unscale_`, `step`) all see every parameter. Every group has a "momentum": Muon's
-    momentum, or AdamW's beta1, which `step` copies into the group's "betas" first, so a scheduler
-    that cycles momentum (one-cycle, cyclic) drives both parts. `muon` and `adamw` are the inner
-    optimizers.
-
-    Example:
-        >>> hidden, other = hidden_matrices(model)
-        >>> opt = MuonAdamW([p for _, p in hidden], param_groups_of(other), lr=1e-3, weight_decay=0.05)
-    """
-
-    def __init__(self, muon_params, adamw_groups, *, lr: float, weight_decay: float = 0.05,
-                 momentum: float = MUON_MOMENTUM, betas: tuple[float, float] = (0.9, 0.999),
-                 adjust_lr_fn: str = "match_rms_adamw", fused: bool | str = "auto"):
-        muon_params = list(muon_params)
-        if not muon_params:
-            raise ValueError("Muon got no parameters: the model has no hidden 2-D weight matrices (only "
-                             "embeddings, the output head, biases, norms or conv kernels); use optimizer='adamw'")
-        self.muon = torch.optim.Muon(muon_params, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                                     nesterov=True, adjust_lr_fn=adjust_lr_fn)
-        adamw_groups = [g for g in adamw_groups if g["params"]]
-        self.adamw = (_fused_or_foreach(torch.optim.AdamW, adamw_groups,
-                                        {"lr": lr, "weight_decay": weight_decay, "betas": betas}, fused)
-                      if adamw_groups else None)
-        groups = self.muon.param_groups + (self.adamw.param_groups if self.adamw else [])
-        for g in self.adamw.param_groups if self.adamw else []:
-            g["momentum"] = g["betas"][0]  # one key for both parts: what schedulers cycle
-        self._n_muon = len(self.muon.param_groups)
-        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum})
-        self._link()
-        self._built = True
-
-    def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_built", False):
-            raise ValueError("MuonAdamW cannot take a new param group (neither Muon nor AdamW would step it): "
-                             "build a new optimizer over the whole model with create_optimizer('muon', model, ...)")
-        super().add_param_group(param_group)
-
-    def _link(self) -> None:
-        """Point the inner optimizers at this optimizer's groups and state (after a load replaced them)."""
-        self.muon.param_groups = self.param_groups[: self._n_muon]
-        self.muon.state = self.state
-        if self.adamw is not None:
-            self.adamw.param_groups = self.param_groups[self._n_muon:]
-            self.adamw.state = self.state
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self.adamw is not None:
-            for g in self.adamw.param_groups:
-                if g["momentum"] != g["betas"][0]:
-                    g["betas"] = (g["momentum"], *g["betas"][1:])
-            self.adamw.step()
-        self.muon.step()
-        return loss
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._link()
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        if "muon" in self.__dict__:
-            self._link()
-
-    def describe(self) -> str:
-        n_muon = sum(len(g["params"]) for g in self.muon.param_groups)
-        if self.adamw is None:
-            return f"Muon ({n_muon} hidden matrices)"
-        n_adamw = sum(len(g["params"]) for g in self.adamw.param_groups)
-        d = self.adamw.defaults
-        kind = "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
-        return f"Muon ({n_muon} hidden matrices) + AdamW ({kind}, {n_adamw} other tensors)"
 
 
 def _muon_adamw(model: nn.Module, *, lr: float, weight_decay: float, betas, fused) -> MuonAdamW:

@@ -1,11 +1,13 @@
 """The loop and its step: what `Trainer` runs every batch, and what it reads and reports on the way.
 
 - `trainer`: `Trainer`, which composes the techniques and holds none of them;
+- `setup`: `TrainerSetup`, the steps of the trainer's construction that stand apart (its loss, optimizer,
+  checkpoints and the parts that run the steps);
 - `step`: the optimizer step with accumulation, clipping and loss scaling (T19, T20, T21);
 - `lean_step`, `lean_schedulefree`: torch's Adam/AdamW/SGD step and Schedule-Free AdamW's without their
   per-step Python (T51, T42);
-- `batch`, `model_call`: the batch contract (what a batch may be, how a loss comes out of it) and how a model
-  is called with a batch's inputs (T13);
+- `batch`, `model_call`, `model_output`: the batch contract (what a batch may be, how a loss comes out of it),
+  how a model is called with a batch's inputs, and how its output is read (T13);
 - `guard`: a non-finite loss skipped (T21's skip, for bf16 and fp32 too), running out of memory explained;
 - `callbacks`: the events, `EarlyStopping` and `EMA` (T40);
 - `progress`, `metrics`: progress bars and metrics kept on the device (T13);

@@ -8,7 +8,8 @@ T13 (metrics.py), compile T25 (compile.py), validation T28/T33 (evaluate.py), th
 exact resume (`stateful` parts: stateful.py, resume.py; files: checkpoint.py, store.py, dcp.py; sampler.py),
 DDP and FSDP2 T31 (distributed.py, fsdp.py), the batch contract (batch.py), the progress bar (progress.py). The
 trainer calls them in order (a reader can follow one step top to bottom in `train_step`); every switch is in
-`TrainConfig` (config.py); `torchspeed.fit` (fitting.py: the plan, then this) is the one-call entry point.
+`TrainConfig` (config.py); the steps of its construction that stand apart are in setup.py (`TrainerSetup`).
+`torchspeed.fit` (fitting.py: the plan, then this) is the one-call entry point.
 
 Example:
     >>> trainer = Trainer(model, config=TrainConfig(epochs=5))
@@ -18,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -29,46 +29,39 @@ import torch
 from torch import nn
 
 from torchspeed.env import DeviceCaps, default_device, sync
-from torchspeed.train.trial.autoswitch import SwitchStage, arm_switch_trial, rule_choice
+from torchspeed.train.trial.autoswitch import arm_switch_trial, rule_choice
 from torchspeed.train.trial.switch_choice import Switches
 from torchspeed.train.trial.backends import BACKEND_KEYS, apply_backends, decide_backends
 from torchspeed.train.loop.batch import batch_size, forward_loss
-from torchspeed.train.losses import default_loss
-from torchspeed.train.loop.callbacks import Callback, CallbackList
-from torchspeed.train.state.checkpoint import FORMAT as CHECKPOINT_FORMAT, CheckpointManager
-from torchspeed.train.trial.compile import CompileController, arm_compile_trial
-from torchspeed.train.config import TrainConfig, check_reliability_options, parse_eval_every
-from torchspeed.train.parallel.distributed import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_object,
-                                                   is_rank_zero, maybe_init_distributed, reduce_metrics,
-                                                   scale_lr_world_size, unwrap_data_parallel)
-from torchspeed.train.state.dcp import ShardedCheckpoints, notify_checkpoint
+from torchspeed.train.loop.callbacks import Callback
+from torchspeed.train.state.checkpoint import FORMAT as CHECKPOINT_FORMAT
+from torchspeed.train.trial.compile import arm_compile_trial
+from torchspeed.train.config import TrainConfig, parse_eval_every
+from torchspeed.train.parallel.distributed import (DistInfo, all_reduce_sum, is_rank_zero, maybe_init_distributed,
+                                                   reduce_metrics, unwrap_data_parallel)
+from torchspeed.train.state.dcp import notify_checkpoint
 from torchspeed.train.evaluate import EvalClock
-from torchspeed.train.parallel.fsdp import check_optimizer, single_process_group, wrap_parallel
-from torchspeed.train.in_memory import InMemory
-from torchspeed.train.loop.guard import NonFiniteGuard, is_out_of_memory, step_failed
-from torchspeed.train.loggers import LoggerCallback
+from torchspeed.train.parallel.fsdp import single_process_group, wrap_parallel
+from torchspeed.train.loop.guard import is_out_of_memory, step_failed
 from torchspeed.train.trial.memory_format import apply_channels_last
-from torchspeed.train.loop.metrics import DeviceMeter, jsonable, train_accuracy, write_metrics
-from torchspeed.train.noise import NoiseScaleEstimator, observe_batch
+from torchspeed.train.loop.metrics import jsonable, train_accuracy, write_metrics
+from torchspeed.train.noise import observe_batch
 from torchspeed.train.decision import Decision, Decisions
 from torchspeed.train.eval_view import settle_averaged
-from torchspeed.train.bnstats import batchnorm_layers
-from torchspeed.train.optim_info import default_lr, kernel_reason
-from torchspeed.train.trial.dynamo_deferred import deferred_dynamo
-from torchspeed.train.loop.lean_step import step_with_torch
-from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, averaged_weights, create_optimizer, describe_optimizer,
-                                    is_schedule_free, zero_grad)
+from torchspeed.train.optim_info import default_lr
+from torchspeed.train.optim import averaged_weights, is_schedule_free
+from torchspeed.train.optim_kernel import zero_grad
 from torchspeed.train.trial.precision import MixedPrecision, Precision
 from torchspeed.train.loop.progress import TrainProgress, decisions_header
-from torchspeed.train.state.resume import resume_run, trainer_parts
-from torchspeed.train.state.rng import enable_determinism, seed_everything
+from torchspeed.train.state.resume import resume_run
 from torchspeed.train.loop.run_length import RunLength, ran_out, run_schedule
-from torchspeed.train.sampler import DataPosition, loader_length, set_epoch
+from torchspeed.train.sampler import loader_length, set_epoch
 from torchspeed.train.parallel.shard import shard_loader
 from torchspeed.train.state.stateful import collect_state
-from torchspeed.train.schedule import as_schedule, steps_in_run
+from torchspeed.train.schedule import steps_in_run
 from torchspeed.train.batch_ramp import join_ramp
-from torchspeed.train.loop.segment import BestEpoch, group_settings, schedule_for_call
+from torchspeed.train.loop.segment import group_settings, schedule_for_call
+from torchspeed.train.loop.setup import TrainerSetup
 from torchspeed.train.result import FitResult
 from torchspeed.train.loop.step import AccumulationWindow, closure_for
 from torchspeed.train.transfer import Prefetcher, batch_layout, to_device
@@ -79,7 +72,7 @@ __all__ = ["Trainer"]
 log = logging.getLogger("torchspeed")
 
 
-class Trainer:
+class Trainer(TrainerSetup):
     """Owns the model, optimizer, precision and schedule for one run; see `torchspeed.fit` for the options.
 
     `loss_fn(output, target)` replaces the default cross-entropy; `step_fn(model, batch)` returns the loss for
@@ -99,13 +92,18 @@ class Trainer:
         self.config = cfg = config or TrainConfig()
         self.first_steps = tuple(first_steps) if first_steps is not None else (arm_switch_trial, arm_compile_trial)
         self.window = AccumulationWindow(cfg.grad_accum)  # T19: k micro-batches per optimizer step
-        if cfg.deterministic:  # bit-identical reruns and resumes (docs/reliability.md); costs speed
-            enable_determinism()
-            seed_everything(cfg.seed if cfg.seed is not None else 0)
-        elif cfg.seed is not None:
-            torch.manual_seed(cfg.seed)
-        check_reliability_options(cfg)
-        cfg.schedule = as_schedule(cfg.schedule)  # a scheduler object: as the function that hands it over
+        self._seed_and_check(cfg)
+        self._setup_device(cfg, device, caps, decisions)
+        self._place_model(model, cfg, mesh)
+        self._setup_loss(cfg, loss_fn, step_fn)
+
+        self.optimizer = optimizer = self._build_optimizer(optimizer, lr=default_lr(optimizer) if lr is None else lr,
+                                                           weight_decay=weight_decay, momentum=momentum, betas=betas)
+        self.scheduler, self.total_steps = None, None  # set by fit (setup_schedule)
+        self._setup_run_parts(cfg, optimizer, on_checkpoint, callbacks, loggers)
+
+    def _setup_device(self, cfg: TrainConfig, device, caps: DeviceCaps | None, decisions: Mapping | None) -> None:
+        """The process group and device (T31), the decisions, the device's capabilities, and the backends."""
         # T31: under torchrun, a process group from the environment and this rank's device (cuda:LOCAL_RANK).
         self.dist: DistInfo | None = maybe_init_distributed(cfg.distributed, device=device)
         if self.dist is None and cfg.parallel == "fsdp2":  # FSDP2 and DCP need a group, even of one process
@@ -117,7 +115,11 @@ class Trainer:
         if not any(k in self.decisions for k in BACKEND_KEYS):  # fit's plan decided them ("backends"); else here
             self.decisions.update(decide_backends(self.device, cfg))
         apply_backends(self.device, self.decisions)
-        self.model = model = unwrap_data_parallel(model).to(self.device)
+
+    def _place_model(self, model: nn.Module, cfg: TrainConfig, mesh) -> None:
+        """The model on the device: its precision and layout decided, channels_last applied, wrapped for DDP or
+        FSDP2 under a process group, and the mixed precision (T21) that runs it."""
+        self.model = unwrap_data_parallel(model).to(self.device)
         if "precision" not in self.decisions:  # the rules' precision and layout: fit's plan decided them ("rules")
             self.decisions.update(rule_choice(self.model, caps=self.caps, precision=cfg.precision,
                                               channels_last=cfg.channels_last)[1])  # `prepare` measures "auto" ones
@@ -131,71 +133,6 @@ class Trainer:
                                                                   mesh=mesh, decisions=self.decisions)
         # T21: autocast, the (fp16-scaled) backward and step, and the GradScaler, in one object.
         self.precision = MixedPrecision(Precision(prior.precision, self.device.type, rules["precision"].reason))
-        if loss_fn is None:
-            loss_fn = default_loss(cfg.label_smoothing)
-        elif cfg.label_smoothing:
-            raise ValueError("label_smoothing applies to the default CrossEntropyLoss; "
-                             "pass nn.CrossEntropyLoss(label_smoothing=...) as loss_fn instead")
-        self.loss_fn, self.step_fn = loss_fn, step_fn
-
-        self.optimizer = optimizer = self._build_optimizer(optimizer, lr=default_lr(optimizer) if lr is None else lr,
-                                                           weight_decay=weight_decay, momentum=momentum, betas=betas)
-        self.scheduler, self.total_steps = None, None  # set by fit (setup_schedule)
-        # T25: which module runs the forward (eager, compiled, or the compile="auto" trial deciding).
-        self.compiler = CompileController(self.model, cfg.compile, device=self.device, mode=cfg.compile_mode,
-                                          min_run_s=cfg.compile_min_run_s, decide_all_ranks=broadcast_object,
-                                          decisions=self.decisions)
-        self.meter = DeviceMeter(self.device)
-        self.in_memory = InMemory(self.device)  # T10/T11: tensors in memory served as index slices
-        self.noise = NoiseScaleEstimator()
-        self.guard = NonFiniteGuard(cfg.max_nonfinite, optimizer=optimizer, device=self.device,
-                                    precision_skips=self.precision.scaler is not None,  # fp16: the scaler skips
-                                    all_ranks_max=all_reduce_max if self.dist is not None else None)
-        self.step, self._last_loss = 0, float("nan")  # optimizer steps taken; the loss read at the last log sync
-        self.switcher = SwitchStage(self, prepared=self.sharded)  # the switch trial: step_batch steps it
-        self._setup_checkpoints(on_checkpoint)
-        self._steps_per_epoch, self._ramp, self._history = None, None, []  # set by fit
-        self._evaluations: list[dict] = []  # every validation's row, inside epochs (eval_every) and at their ends
-        self._val_loader, self._last_eval, self._epoch_eval_s = None, None, 0.0
-        self._left_out_one = False  # guard.step_failed left out a 1-sample batch BatchNorm refused (said once)
-        # Every callback and logger behind one object: the loop calls each event in one line.
-        self.callbacks = CallbackList([*(callbacks or ()), *([LoggerCallback(loggers)] if loggers else [])])
-        self.should_stop = False  # set by request_stop (a callback): the run ends after this step or epoch
-        # Schedule-Free with BatchNorm: the last batches, to give the averaged weights their own statistics
-        self._recent = (collections.deque(maxlen=SCHEDULE_FREE_BN_BATCHES) if is_schedule_free(optimizer)
-                        and batchnorm_layers(self.module) else None)
-        self.stateful: dict = trainer_parts(self)  # name -> part a checkpoint holds (stateful.py); add your own
-
-    def _build_optimizer(self, optimizer: str | torch.optim.Optimizer, **hyper) -> torch.optim.Optimizer:
-        """The optimizer asked for (a name is built for the model) and its decision; the LR x world size (T17)."""
-        cfg = self.config
-        check_optimizer(optimizer, sharded=self.sharded)
-        if isinstance(optimizer, str):
-            with deferred_dynamo():  # its first optimizer would import torch._dynamo (train/trial/dynamo_deferred.py)
-                optimizer = create_optimizer(optimizer, self.model, fused=cfg.fused_optimizer, **hyper)
-        if is_schedule_free(optimizer):
-            optimizer.train()  # Schedule-Free steps only in train mode (evaluation switches and switches back)
-        if not cfg.lean_step:
-            step_with_torch(optimizer)  # the naive loop's cost: torch's own step and zero_grad
-        if "optimizer" not in self.decisions:  # else the plan chose it and its decision stands
-            self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), kernel_reason(cfg.fused_optimizer))
-        if cfg.scale_lr_world_size and self.dist is not None:
-            for g in optimizer.param_groups:  # before the schedule reads the lr as its peak
-                g["lr"] = scale_lr_world_size(g["lr"], world_size=self.dist.world_size)
-            self.decisions.refine("lr", Decision(optimizer.param_groups[0]["lr"], f"x{self.dist.world_size} (world size, T17)"))
-        return optimizer
-
-    def _setup_checkpoints(self, on_checkpoint: Callable[[str, int], object] | None) -> None:
-        """The checkpoint store (files, or DCP folders when sharded), the data position and the best epoch."""
-        cfg = self.config
-        self.checkpoints = ((ShardedCheckpoints if self.sharded else CheckpointManager)(
-            cfg.checkpoint_dir, keep_last=cfg.keep_last) if cfg.checkpoint_dir else None)
-        self.on_checkpoint = on_checkpoint  # (path, step) on every rank after each checkpoint (Ray: report)
-        self.last_checkpoint: Path | None = None
-        self.resumed_from: Path | None = None
-        self.position = DataPosition(keep_rng=self.checkpoints is not None)
-        self.best = BestEpoch(cfg.best_metric, self.checkpoints.best_path if self.checkpoints else None,
-                              view=lambda: averaged_weights(self.optimizer))  # Schedule-Free: the weights evaluated
 
     last_loss = property(lambda self: self._last_loss, doc="The loss read at the last step divisible by log_every "
                                                               "(NaN before): no new device sync.")

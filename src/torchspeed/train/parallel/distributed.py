@@ -33,11 +33,10 @@ import atexit
 import functools
 import logging
 import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,7 +48,6 @@ from torchspeed.train.schedule import scale_lr
 __all__ = [
     "DistInfo", "launched_by_torchrun", "is_distributed", "get_rank", "get_local_rank", "get_world_size",
     "is_rank_zero", "rank_zero_only", "init_distributed", "maybe_init_distributed", "cleanup_distributed",
-    "exit_process",
     "wrap_ddp", "wrap_for_training", "convert_sync_batchnorm", "reduce_metrics",
     "all_reduce_sum", "all_reduce_max", "broadcast_object", "barrier", "scale_lr_world_size", "unwrap_data_parallel",
 ]
@@ -218,38 +216,6 @@ def cleanup_distributed() -> None:
     """Destroy the process group (safe to call twice; registered at exit by `init_distributed`)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def exit_process(code: int = 0) -> NoReturn:
-    """End a torchrun rank with exit status `code`, without the interpreter teardown that can
-    abort it after its work is done.
-
-    Why: a `DistributedDataParallel` model keeps its gloo process group alive in a C++
-    reference cycle (its reducer), so `destroy_process_group()` cannot join gloo's threads
-    (`gloo_tcp_loop`, `pt_gloo_runloop`) and they still run while Python finalises and C++
-    static objects are destroyed. Now and then a rank then dies of SIGABRT ("terminate called
-    without an active exception") after it finished, and torchrun reports the whole job as
-    failed. This runs what a normal exit runs while the interpreter is still whole (the
-    process group's destruction, every `atexit` handler, flushing stdout, stderr and the
-    logging handlers) and then leaves with `os._exit`, skipping only the teardown.
-
-    `torchspeed`'s own commands and rank processes end this way; a script of your own that
-    ends a DDP run under `torchspeed launch` can do the same as its last line.
-
-    Example:
-        >>> exit_process(main())   # under `torchspeed launch --nproc 2 -- python train.py`
-    """
-    try:
-        cleanup_distributed()
-        atexit._run_exitfuncs()  # what interpreter shutdown would run first, in the same order
-        logging.shutdown()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):  # closed or replaced: nothing left to flush
-                pass
-        os._exit(code)
 
 
 # ---------------------------------------------------------------------- the model

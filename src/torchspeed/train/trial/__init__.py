@@ -2,6 +2,7 @@
 
 - `autoswitch`: `SwitchStage`, the trainer's measured choice of precision, channels_last, fused kernels and
   threads;
+- `trial_size`: how many rounds and steps a run affords the trial, and the decisions it writes;
 - `switches`, `switch_choice`: `LiveTrial`, the trial's schedule, and the settings it chooses among
   (`Switches`, `candidate_grid`) with the choice;
 - `shadow`: candidates timed apart from the run's numerics, paced over the run;

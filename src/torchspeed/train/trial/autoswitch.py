@@ -45,18 +45,17 @@ from torchspeed.train.trial.shadow import ShadowTurns
 from torchspeed.train.loop.step import OptimizerClock
 from torchspeed.train.trial.switch_choice import (Switches, batch_signature, candidate_grid, fusable, model_signature,
                                                   rule_switches, set_fused)
-from torchspeed.train.trial.switches import LiveTrial, trial_steps
+from torchspeed.train.trial.switches import LiveTrial
 from torchspeed.train.transfer import batch_layout
 from torchspeed.train.trial.trial_safety import TrialSafety, forked_rng
+from torchspeed.train.trial.trial_size import (_as_decisions, _current_fused, _depth, _summary, _thread_choices,
+                                               trial_settings)
 
-__all__ = ["rule_choice", "trial_settings", "TRIAL_SETTINGS", "LIVE_SHARE", "PRICE_SHARE", "SwitchStage",
-           "kernel_isa", "arm_switch_trial"]
+__all__ = ["rule_choice", "PRICE_SHARE", "SwitchStage", "kernel_isa", "arm_switch_trial"]
 
 log = logging.getLogger("torchspeed")
 
-TRIAL_SETTINGS = {"rounds": 3, "steps": 2, "warmup": 1}
-LIVE_SHARE = 0.25  # a short run spends at most about this share of its steps trying candidates (each step trains)
-PRICE_SHARE = 0.25  # ... and a trial whose settings would cost more than this share of the run's seconds is not run
+PRICE_SHARE = 0.25  # a trial whose settings would cost more than this share of the run's seconds is not run
 # How the trial measures and chooses, in the cache key: a trial cached by an earlier method (which, say, timed the
 # optimizer kernels on whole steps) is measured again, not read. Bump it with any change to the schedule or the choice.
 TRIAL_METHOD = 5  # 4: the kernel stage times the lean step (no step hooks); 5: a timed-apart turn is settled first
@@ -70,49 +69,6 @@ def kernel_isa() -> dict:
             "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")}
 
 
-def trial_settings(n_first: int, n_later: int, remaining_steps: int | None) -> tuple[dict, str]:
-    """Rounds, timed steps and warm-up steps for a trial of `n_first` grid candidates and `n_later` later ones,
-    within LIVE_SHARE of `remaining_steps` (None: a run of unknown length takes the full settings)."""
-    if remaining_steps is None:
-        return dict(TRIAL_SETTINGS), ""
-    budget = max(2 * n_first, int(LIVE_SHARE * remaining_steps))
-    fits = [(r, s) for r, s in ((3, 2), (2, 2), (2, 1)) if trial_steps(n_first + n_later, rounds=r, steps=s,
-                                                                         warmup=1) <= budget]
-    rounds, steps = fits[0] if fits else (1, 1)  # the fullest that fits; the least there is
-    why = "" if (rounds, steps) == (3, 2) else (
-        f"; a {remaining_steps}-step run affords {rounds} round(s) of {steps} timed step(s) per candidate")
-    return {"rounds": rounds, "steps": steps, "warmup": 1}, why
-
-
-def _depth(report: dict) -> int:
-    """How many timed steps a trial gave each candidate (a cached report: rounds x steps_per_round)."""
-    return int(report.get("rounds", TRIAL_SETTINGS["rounds"])) * int(report.get("steps_per_round",
-                                                                                 TRIAL_SETTINGS["steps"]))
-
-
-def _thread_choices(loader, device: torch.device, caps: DeviceCaps) -> tuple[int, ...]:
-    workers = getattr(loader, "num_workers", 0) or 0
-    if device.type != "cpu" or workers <= 0 or caps.cores < 2:
-        return ()
-    return tuple(dict.fromkeys((caps.cores, max(1, caps.cores - workers))))
-
-
-def _current_fused(optimizer, model) -> bool | None:
-    return bool(optimizer.defaults.get("fused")) if fusable(optimizer, model) else None
-
-
-def _as_decisions(sw: Switches, how: str, why: str, measured: dict | None, *, fixed: dict) -> dict[str, Decision]:
-    """One Decision per switch: 'asked for' where the user fixed it, else `how` (measured/cached/rule)."""
-    out = {"precision": Decision(sw.precision, fixed.get("precision") or f"{how}: {why}", measured),
-           "channels_last": Decision(sw.channels_last, fixed.get("channels_last") or f"{how}: {why}", measured)}
-    if sw.fused is not None:  # the rule's kernel is the fused one where torch has it, whatever the other switches
-        out["fused_optimizer"] = Decision(sw.fused, fixed.get("fused") or (
-            "rule: the fused kernel where torch has one" if how == "rule" else f"{how}: {why}"), measured)
-    if sw.threads is not None:
-        out["threads"] = Decision(sw.threads, f"{how}: {why}", measured)
-    return out
-
-
 def rule_choice(model: nn.Module, *, caps: DeviceCaps, precision: str = "auto",
                 channels_last: bool | str = "auto") -> tuple[Switches, dict[str, Decision]]:
     """The fixed rules' precision and layout, with their decisions: what the loop runs until (or unless)
@@ -124,10 +80,6 @@ def rule_choice(model: nn.Module, *, caps: DeviceCaps, precision: str = "auto",
     return sw, {"precision": Decision(sw.precision, "asked for" if key != "auto" else f"rule: {half_why}"),
                 "channels_last": Decision(sw.channels_last, "asked for" if channels_last != "auto" else (
                     "rule: a conv net" if sw.channels_last else "rule: no 2D convolutions"))}
-
-
-def _summary(report: dict) -> str:
-    return "; ".join(f"{s['stage']}: {s['chosen']}, {s['why']}" for s in report.get("stages", []))
 
 
 class SwitchStage:

@@ -32,7 +32,8 @@ import platform
 
 import torch
 
-from torchspeed.env import GLIBC_MALLOC_ENV, allocator_in_use, usable_cores
+from torchspeed.env import GLIBC_MALLOC_ENV, usable_cores
+from torchspeed._allocator import allocator_in_use
 from torchspeed.train.decision import Decision
 
 __all__ = ["no_autotune", "configure_backends", "backend_decisions", "decide_backends", "apply_backends",

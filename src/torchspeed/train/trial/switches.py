@@ -20,7 +20,7 @@ rules give 2x on a CIFAR ResNet-20. So `fit` measures instead:
    Every one of those steps counts toward the run, so the cost of measuring is the time the
    slower candidates and the switches between settings lose (`LiveTrial.extra_seconds`, warm-up
    steps included), and a turn timed apart (shadow.py) its pass thrown away. A short run measures
-   fewer rounds (`autoswitch.trial_settings`) and says so; a run too short to pay for even that,
+   fewer rounds (`trial_size.trial_settings`) and says so; a run too short to pay for even that,
    all of it counted, keeps the plain settings (`_price`). Every candidate gets its warm-up step, even
    in the shortest trial: a setting's first step in a process carries one-off work (oneDNN
    primitives, cuDNN plans) that, timed, picks the setting the process happened to run before.
