@@ -43,8 +43,8 @@ from torchspeed.doctor import observation as schema
 
 DOCTOR = pathlib.Path(schema.__file__).parent
 RULE_FILES = sorted(p for p in (DOCTOR / "rules").glob("*.py") if p.name != "__init__.py")
-READERS = RULE_FILES + [DOCTOR / n for n in ("report.py", "diagnose.py", "_fit_plan.py", "_envfix.py", "verify.py",
-                                             "_script_options.py", "fix.py")]
+READERS = RULE_FILES + [DOCTOR / n for n in ("report.py", "render.py", "diagnose.py", "_fit_plan.py", "_envfix.py",
+                                             "verify.py", "_script_options.py", "fix.py")]
 _NS = {**vars(builtins), **vars(schema)}
 
 
