@@ -64,20 +64,27 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
+def _steps_of(events, mark: str):
+    """(the number of profiled steps, `step_of`): `step_of(event)` is the index of the step whose `mark` range (a
+    `record_function`) the event starts in, or None (in none). Without marks, all events form one step."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == mark)
+    if not spans:
+        return 1, lambda e: 0
+    starts = [s for s, _ in spans]
+
+    def step_of(e) -> int | None:
+        i = bisect_right(starts, e.time_range.start) - 1
+        return i if i >= 0 and e.time_range.start <= spans[i][1] else None
+    return len(spans), step_of
+
+
 def step_op_times(events, mark: str = _STEP) -> list[dict[str, float]]:
     """aten self time (us) by operator, one dict per profiled step: each operator event belongs to the
     step whose `mark` range (a `record_function`) it starts in. Without marks, all events form one step."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == mark)
-    starts = [s for s, _ in spans]
-    out: list[dict[str, float]] = [defaultdict(float) for _ in spans] or [defaultdict(float)]
+    n, step_of = _steps_of(events, mark)
+    out: list[dict[str, float]] = [defaultdict(float) for _ in range(n)]
     for e in events:
-        if not e.name.startswith("aten::"):
-            continue
-        if not spans:
-            out[0][e.name] += e.self_cpu_time_total
-            continue
-        i = bisect_right(starts, e.time_range.start) - 1
-        if i >= 0 and e.time_range.start <= spans[i][1]:
+        if e.name.startswith("aten::") and (i := step_of(e)) is not None:
             out[i][e.name] += e.self_cpu_time_total
     return out
 
@@ -86,21 +93,20 @@ _COPY = ("aten::copy_", "aten::clone", "aten::empty_like", "aten::empty_strided"
 _LAYOUT = ("aten::contiguous", "aten::reshape", "aten::flatten")  # the calls that copy a permuted tensor
 
 
+def _under_layout_call(e) -> bool:
+    parent = e.cpu_parent
+    while parent is not None and parent.name not in _LAYOUT:
+        parent = parent.cpu_parent
+    return parent is not None
+
+
 def layout_copy_times(events, mark: str = _STEP) -> list[float]:
     """Per profiled step, the self time (us) of the copy kernels under a `contiguous`, `reshape` or `flatten`
     call: the copies a permuted or transposed tensor costs where the next operator wants it contiguous."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == mark)
-    starts, out = [s for s, _ in spans], [0.0] * max(1, len(spans))
+    n, step_of = _steps_of(events, mark)
+    out = [0.0] * n
     for e in events:
-        if e.name not in _COPY:
-            continue
-        parent = e.cpu_parent
-        while parent is not None and parent.name not in _LAYOUT:
-            parent = parent.cpu_parent
-        if parent is None:
-            continue
-        i = (bisect_right(starts, e.time_range.start) - 1) if spans else 0
-        if i >= 0 and (not spans or e.time_range.start <= spans[i][1]):
+        if e.name in _COPY and _under_layout_call(e) and (i := step_of(e)) is not None:
             out[i] += e.self_cpu_time_total
     return out
 
@@ -152,8 +158,9 @@ def profile_kernels(cap: Captured, obs: dict, *, steps: int = 3, warmup: int = 2
             for _ in range(steps):
                 with record_function(_STEP):
                     step()
-        ops = fastest_op_times(step_op_times(prof.events()))
-        layout_us = min(layout_copy_times(prof.events()))  # the least preempted step, as for the operators
+        events = prof.events()
+        ops = fastest_op_times(step_op_times(events))
+        layout_us = min(layout_copy_times(events))  # the least preempted step, as for the operators
     except Exception as e:  # a model the profiler cannot run: skip the kernel-based rules
         obs["notes"].append(f"profiling the model failed ({type(e).__name__}: {e}); kernel shares skipped")
         return
