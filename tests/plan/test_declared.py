@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import torchspeed
 import torchspeed.plan.stages as stages_mod
 from torchspeed.plan import budget, make_plan, planner
-from torchspeed.plan.stages import (EVENTS, STAGES, Stage, UndeclaredDecision, register_stage, render_stages, stages,
-                                    undeclared, unregister_stage)
+from torchspeed.plan.stages import (EVENTS, STAGES, Stage, UndeclaredDecision, render_stages, stages, undeclared,
+                                    unregister_stage)
 from torchspeed.train.loop.callbacks import Callback
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision
@@ -36,20 +36,6 @@ def _loader(n=256, batch=16):
     x = torch.randn(n, 3, 8, 8, generator=g)
     y = (x[:, 0].mean((1, 2)) > 0).long() + 2 * (x[:, 1].mean((1, 2)) > 0).long()
     return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(1))
-
-
-@pytest.fixture
-def registered():
-    """Register stages for one test; the registry is as it was afterwards."""
-    names: list[str] = []
-
-    def add(stage: Stage) -> Stage:
-        names.append(stage.name)
-        return register_stage(stage)
-
-    yield add
-    for n in names:
-        unregister_stage(n)
 
 
 def test_each_decision_key_has_one_writer_and_only_declared_refiners_after_it():

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
 from torchspeed.train.trial.autoswitch import SwitchStage
-from torchspeed.plan.stages import STAGES, RunContext, Stage, register_stage, render_stages, stages, unregister_stage
+from torchspeed.plan.stages import STAGES, RunContext, Stage, register_stage, render_stages, stages
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, DecisionConflict, Decisions
 
@@ -23,20 +23,6 @@ def _loader(n=64, batch=16):
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
     return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(1))
-
-
-@pytest.fixture
-def registered():
-    """Register stages for one test; the registry is as it was afterwards."""
-    names: list[str] = []
-
-    def add(stage: Stage) -> Stage:
-        names.append(stage.name)
-        return register_stage(stage)
-
-    yield add
-    for n in names:
-        unregister_stage(n)
 
 
 def test_a_stage_registered_in_a_test_runs_at_its_event_with_no_other_edit(tiny_cnn, registered):
