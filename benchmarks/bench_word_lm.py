@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -191,6 +190,7 @@ def main() -> None:
         print(json.dumps(run(args.child, args.epochs, args.max_bytes, 0,
                              None if args.target == "none" else float(args.target))))
         return
+    from torchspeed._io import write_json
     from torchspeed.bench.runner import provenance
     t0 = time.perf_counter()
     rows = ("script", "fit", "auto")
@@ -217,9 +217,7 @@ def main() -> None:
               "to_target_median_s": tta,
               "to_target_vs_script": {k: tta["script"] / tta[k] if math.isfinite(tta[k]) else 0.0 for k in rows},
               "profiles": profiles, "seconds": time.perf_counter() - t0, "provenance": provenance()}
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    path = write_json(args.out, result, indent=1)
     print(f"whole run vs script: {result['whole_run_vs_script']}; to target vs script: "
           f"{result['to_target_vs_script']}; wrote {path}")
 
