@@ -28,7 +28,7 @@ from torchspeed.doctor._compile_log import CompileLog
 from torchspeed.doctor._probe import Probe, StopScript
 from torchspeed.doctor._sites import is_user_file
 
-__all__ = ["run_job", "TimeLimit"]
+__all__ = ["run_job", "TimeLimit", "outermost_autocast_off"]
 
 
 class TimeLimit(BaseException):
@@ -106,6 +106,34 @@ def _run_script(script: str, source: str | None) -> None:
         sys.modules["__main__"] = saved
 
 
+@contextlib.contextmanager
+def outermost_autocast_off():
+    """Autocast off, at the outermost level, for the analysis; the script's autocast state back afterwards.
+
+    The analysis runs inside the script's last optimizer step, which may sit inside the script's own autocast
+    block. Autocast clears its cache of cast weights only when the outermost block exits (nesting 0). Were the
+    analysis nested (inside the script's block, or inside `torch.autocast(enabled=False)`), a candidate's
+    autocast step would never clear it: its next steps would reuse the first step's bf16 weights, skipping
+    the casts (too fast) and training on stale weights (its losses off the script's). So the nesting count is
+    taken to 0 here, as at a script's top level, and put back after."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    enabled = {d: torch.is_autocast_enabled(d) for d in devices}
+    depth = torch.autocast_increment_nesting() - 1
+    for _ in range(depth + 1):
+        torch.autocast_decrement_nesting()
+    torch.clear_autocast_cache()
+    for d in devices:
+        torch.set_autocast_enabled(d, False)
+    try:
+        yield
+    finally:
+        torch.clear_autocast_cache()
+        for d, on in enabled.items():
+            torch.set_autocast_enabled(d, on)
+        for _ in range(depth):
+            torch.autocast_increment_nesting()
+
+
 def _analyse(probe: Probe, job: dict, obs: dict) -> None:
     from torchspeed.doctor import _datasets, _kernels, _model_checks, _summary
     from torchspeed.doctor._capture import capture
@@ -114,13 +142,8 @@ def _analyse(probe: Probe, job: dict, obs: dict) -> None:
         _summary.summarize(probe, obs)
         return
 
-    off = [torch.autocast("cpu", enabled=False)]
-    if torch.cuda.is_available():
-        off.append(torch.autocast("cuda", enabled=False))
     try:
-        with torch.enable_grad(), contextlib.ExitStack() as stack:
-            for ctx in off:
-                stack.enter_context(ctx)
+        with torch.enable_grad(), outermost_autocast_off():
             _summary.summarize(probe, obs)
             captured = capture(probe)
             _model_checks.examine_model(captured, obs)
