@@ -26,7 +26,7 @@ def test_cli_json_format(tmp_path, capsys):
     assert d["findings"]
     for f in d["findings"]:
         assert set(f) == {"rule", "severity", "evidence", "fix", "est_gain", "measured_gain", "patch", "basis", "also",
-                          "interval", "inconclusive"}
+                          "interval", "inconclusive", "ceiling"}
         assert f["basis"] in ("measured", "timed", "estimated") and isinstance(f["also"], list)
         assert f["severity"] in ("high", "medium", "low")
         assert f["est_gain"] is None or isinstance(f["est_gain"], float)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from torchspeed.doctor import DoctorJob, diagnose_many, report_from_observation
 from torchspeed.doctor import _envfix, fix
 from torchspeed.doctor.diagnose import _groups
-from torchspeed.doctor.observation import undeclared_keys
+from torchspeed.doctor.undeclared import undeclared_keys
 from torchspeed.env import GLIBC_MALLOC_ENV
 
 from test_rules import CLEAN, _oversubscribed, _set

@@ -12,7 +12,7 @@ from torch import nn
 
 from torchspeed.doctor import render_report, report_from_observation, run_rules
 from torchspeed.doctor._fit_plan import fit_plan
-from torchspeed.doctor.observation import undeclared_keys
+from torchspeed.doctor.undeclared import undeclared_keys
 from torchspeed.env import DeviceCaps
 
 from test_rules import BF16_CPU, CLEAN, _set

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from torchspeed.doctor import DoctorJob, diagnose_many
-from torchspeed.doctor.observation import undeclared_keys
+from torchspeed.doctor.undeclared import undeclared_keys
 from torchspeed.doctor.registry import severity_for_gain
 from torchspeed.doctor.rules import data_bound
 from torchspeed.doctor.rules._common import robust_frac, saving_gain

@@ -40,6 +40,7 @@ from collections import defaultdict
 import pytest
 
 from torchspeed.doctor import observation as schema
+from torchspeed.doctor.undeclared import undeclared_keys
 
 DOCTOR = pathlib.Path(schema.__file__).parent
 RULE_FILES = sorted(p for p in (DOCTOR / "rules").glob("*.py") if p.name != "__init__.py")
@@ -415,7 +416,7 @@ def test_keys_inherited_from_a_base_are_declared(tmp_path):
                                                  ("fix", "EnvFixResult")}
     plan = {"speedup": 1.1, "ratios": [1.1], "beyond_grid": {"allocator": {"measured": True, "how": "re-run",
                                                                            "iqr": None, "spedup": 1.0}}}
-    assert schema.undeclared_keys({"fit_plan": plan}) == ["fit_plan.beyond_grid.allocator.spedup"]
+    assert undeclared_keys({"fit_plan": plan}) == ["fit_plan.beyond_grid.allocator.spedup"]
 
 
 def test_environment_declares_every_field_of_env_info():
@@ -445,5 +446,5 @@ def test_undeclared_keys_looks_inside_maps_lists_and_optional_dicts():
            "fit_plan": {"chosen": "bf16", "beyond_grid": {"threads": {"choices": [1, 2], "chosn": 1}}},
            "env_fixes": {"malloc": {"fix": "malloc", "env": {"MALLOC_X": "1"}}},
            "syncs": {"by_kind": {"item": 3}}, "model": {"class": "Net", "design": {"grouped": 1}}}
-    assert schema.undeclared_keys(obs) == ["verify['workers'].spedup", "datasets[0].alt_decode.sped",
+    assert undeclared_keys(obs) == ["verify['workers'].spedup", "datasets[0].alt_decode.sped",
                                            "fit_plan.beyond_grid.threads.chosn", "model.design.grouped"]

@@ -177,7 +177,7 @@ def test_rule_fires_on_its_problem(rule_id):
     assert f.severity in ("high", "medium", "low") and f.evidence and f.fix
     d = f.to_dict()
     assert set(d) == {"rule", "severity", "evidence", "fix", "est_gain", "measured_gain", "patch", "basis", "also",
-                      "interval", "inconclusive"}
+                      "interval", "inconclusive", "ceiling"}
     assert d["basis"] in ("measured", "timed", "estimated")
     if d["basis"] == "estimated":  # nothing measured on the script: never ranked above low
         assert f.severity == "low" and (f.est_gain is None or "estimated, not measured" in f.evidence)

@@ -14,7 +14,9 @@ and the registry ranks the finding on that interval's lower bound (`registry.set
 A fix applies only where its rule's trigger holds (page-fault churn with glibc's default thresholds;
 workers + threads beyond the cores; workers beside more than one OpenMP thread; intra-op threads beyond the
 usable cores, `cores`) and the variable is not
-set already, so a clean script pays nothing. Default cost: 5 rounds x (1 + fixes) runs of
+set already, so a clean script pays nothing; nor is one whose gain a measured share of the step bounds under
+the 2% minimum effect (`rules._ceiling`: the page faults for `malloc`, the data wait for `workers`), and its
+entry says so. Default cost: 5 rounds x (1 + fixes) runs of
 `warmup + 6` steps, each in a process that imports torch.
 
 One source fix is measured the same way, because no timing of the script alone can say what it gains:
@@ -38,6 +40,7 @@ from collections.abc import Callable, Mapping
 from torchspeed.doctor._interval import gain_interval
 from torchspeed.doctor._rounds import round_summary
 from torchspeed.doctor.observation import EnvFixResult, Observation
+from torchspeed.doctor.rules._ceiling import below_minimum, ceiling, skipped_entry
 from torchspeed.env import GLIBC_MALLOC_ENV
 
 __all__ = ["ENV_FIXES", "env_candidates", "patch_candidates", "measure_env_fixes", "summarize", "run_env_rounds"]
@@ -143,9 +146,16 @@ def measure_env_fixes(job, obs: Observation, *, measure: Callable | None = None,
     """Measure the environment fixes (and the workers patch) that apply to `obs`; store them in `obs["env_fixes"]`."""
     env = env_candidates(obs)
     patched = patch_candidates(obs, _source(job))
+    # a fix whose gain a measured share bounds under the minimum effect is not re-run (`rules._ceiling`)
+    skipped = {n: skipped_entry(n, ENV_FIXES[n], c) for n in (*env, *patched)
+               if below_minimum(c := ceiling(obs, n))}
+    env = {n: v for n, v in env.items() if n not in skipped}
+    patched = {n: v for n, v in patched.items() if n not in skipped}
     candidates = {**env, **{n: {} for n in patched}}
+    if skipped:
+        obs["env_fixes"] = dict(skipped)
     if not candidates:
-        return {}
+        return dict(skipped)
     try:
         raw = measure(job, candidates) if measure is not None else run_env_rounds(job, env, run_variants, patched)
     except Exception as e:  # a doctor failure must not lose the report
@@ -154,5 +164,5 @@ def measure_env_fixes(job, obs: Observation, *, measure: Callable | None = None,
     entries = {n: summarize(n, v, raw.get(n) or {}, steps=job.env_steps) for n, v in candidates.items()}
     for n, p in patched.items():  # a source fix: the patch it ran and what it set
         entries[n].update(patch=n, label=p["label"], workers=p["workers"])
-    obs["env_fixes"] = entries
-    return entries
+    obs["env_fixes"] = {**skipped, **entries}
+    return obs["env_fixes"]

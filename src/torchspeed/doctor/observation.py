@@ -2,8 +2,8 @@
 
 The probe writes one `Observation` per script (a JSON-ready dict); every rule reads only the keys
 declared here, and `--json` reports carry it under "observation", so a reader can re-check each
-verdict from the numbers it was drawn from. `undeclared_keys(obs)` lists any key the probe wrote
-that this schema does not declare (a test runs it on every gallery script), and
+verdict from the numbers it was drawn from. `undeclared.undeclared_keys(obs)` lists any key the probe
+wrote that this schema does not declare (a test runs it on every gallery script), and
 tests/doctor/test_observation_keys.py parses the rules and the other readers: a key they read must be
 declared here. Every field is a TypedDict down to its leaves, except maps keyed by a name (a fix, a decoder,
 a kind of host read). Keys several TypedDicts share in meaning are declared once, in a private base they inherit
@@ -13,7 +13,6 @@ a kind of host read). Keys several TypedDicts share in meaning are declared once
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from typing import TypedDict
 
@@ -23,7 +22,7 @@ __all__ = ["Observation", "Environment", "Breakdown", "Fractions", "FractionsMed
            "TensorCopies", "ZeroGrad", "EvalForwards", "Memory", "LoaderInfo", "DatasetTiming", "DatasetCopies",
            "AltDecode", "ModelInfo", "ModelDesign", "InputStats", "Kernels", "DebugModes", "MathSettings",
            "CompileEvents", "CompileEvent", "CpuContention", "OptimizerInfo", "VerifyResult", "FitPlan", "BeyondGrid",
-           "ThreadStage", "CompileStage", "AllocatorStage", "EnvFixResult", "undeclared_keys"]
+           "ThreadStage", "CompileStage", "AllocatorStage", "EnvFixResult"]
 
 
 # `obs["env"]` is `torchspeed.env.detect().to_dict()` (T01): EnvInfo's fields, read from the dataclass (no drift)
@@ -288,6 +287,7 @@ class _FixRun(_RoundRatios, total=False):
     fix: str
     rounds: int
     error: str                   # the fix could not be measured
+    ceiling: float; skipped: str  # its gain's bound from a measured share; not run: that bound is under 2%
 
 
 class VerifyResult(_FixRun, total=False):
@@ -411,40 +411,3 @@ class Observation(TypedDict, total=False):
     fit_plan: FitPlan
     env_fixes: dict[str, EnvFixResult]    # fix name -> its re-run of the script
 
-
-def _typed_dict(tp) -> type | None:
-    return tp if isinstance(tp, type) and typing.is_typeddict(tp) else None
-
-
-def _unwrap(tp):
-    """`X | None` -> X: the schema of a value that may be None."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        rest = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(rest) == 1:
-            return rest[0]
-    return tp
-
-
-def undeclared_keys(obs: dict, schema: type = Observation, prefix: str = "") -> list[str]:
-    """Keys in `obs` the schema does not declare: recursively through nested TypedDicts, lists of them,
-    maps of them keyed by a name (`verify`, `env_fixes`) and optional ones (`X | None`)."""
-    hints = typing.get_type_hints(schema)
-    out = []
-    for k, v in obs.items():
-        if k not in hints:
-            out.append(prefix + k)
-            continue
-        out += _undeclared_in(hints[k], v, prefix + k)
-    return out
-
-
-def _undeclared_in(tp, v, path: str) -> list[str]:
-    tp = _unwrap(tp)
-    if _typed_dict(tp) is not None:
-        return undeclared_keys(v, tp, path + ".") if isinstance(v, dict) else []
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is list and args and isinstance(v, list):
-        return [k for i, item in enumerate(v) for k in _undeclared_in(args[0], item, f"{path}[{i}]")]
-    if origin is dict and len(args) == 2 and isinstance(v, dict):
-        return [k for name, item in v.items() for k in _undeclared_in(args[1], item, f"{path}[{name!r}]")]
-    return []

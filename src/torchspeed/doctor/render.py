@@ -127,8 +127,8 @@ def _render_verify(report: DoctorReport, console) -> None:
     for col in ("fix", "baseline ms/step", "with fix ms/step", "speed-up", "note"):
         t.add_column(col)
     for v in report.verify.values():
-        if "error" in v:
-            t.add_row(v["fix"], "-", "-", "-", v["error"])
+        if "error" in v or "skipped" in v:
+            t.add_row(v["fix"], "-", "-", "-", v.get("error") or v["skipped"])
             continue
         s = v["speedup"]
         note = "slower here: not recommended on this machine" if s < 0.97 else ""
@@ -179,8 +179,8 @@ def _render_env_fixes(report: DoctorReport, console) -> None:
         t.add_column(col)
     for e in entries:
         env = f"--fix patch: {e['label']}" if e.get("patch") else " ".join(f"{k}={v}" for k, v in e["env"].items())
-        if "error" in e:
-            t.add_row(env, "-", "-", "-", e["error"])
+        if "error" in e or "skipped" in e:
+            t.add_row(env, "-", "-", "-", e.get("error") or e["skipped"])
             continue
         note = f"within noise ({e['iqr'][0]:.2f}-{e['iqr'][1]:.2f}x)" if e.get("within_noise") else ""
         if e.get("inconclusive"):

@@ -90,12 +90,13 @@ class Finding:
     interval: tuple[float, float] | None = None
     also: tuple["Finding", ...] = ()  # findings of other rules with the same cause, folded into this one
     inconclusive: str | None = None  # the measured interval holds 1.0: what would settle it (listed apart)
+    ceiling: float | None = None  # the most the fix can gain, from the measured share it removes (`rules._ceiling`)
 
     def to_dict(self) -> dict:
         return {"rule": self.rule, "severity": self.severity, "evidence": self.evidence, "fix": self.fix,
                 "est_gain": self.est_gain, "measured_gain": self.measured_gain, "patch": self.patch,
                 "basis": self.basis, "interval": list(self.interval) if self.interval else None,
-                "inconclusive": self.inconclusive, "also": [{"rule": f.rule, "fix": f.fix, "est_gain": f.est_gain,
+                "inconclusive": self.inconclusive, "ceiling": self.ceiling, "also": [{"rule": f.rule, "fix": f.fix, "est_gain": f.est_gain,
                                                "measured_gain": f.measured_gain, "basis": f.basis} for f in self.also]}
 
 
@@ -141,9 +142,13 @@ def _fix_rows(report: "DoctorReport") -> list[dict]:
         for v in entries.values():
             row = {"fix": v.get("fix"), "rule": v.get("rule"), "measured_by": where, "rounds": v.get("rounds"),
                    "speedup": v.get("speedup"), "interval": v.get("interval"), "loss_check": v.get("loss_check")}
+            if v.get("ceiling") is not None:
+                row["ceiling"] = v["ceiling"]
             if v.get("error"):
                 row["verdict"] = "error"
                 row["error"] = v["error"]
+            elif v.get("skipped"):  # its bound is under the minimum effect (`rules._ceiling`): not run
+                row.update(verdict="not-run", skipped=v["skipped"])
             elif v.get("inconclusive"):  # rounds that disagree wildly (`_rounds`): no figure is claimed
                 row.update(verdict="inconclusive", speedup=None, interval=None, wild=True)
             elif v.get("interval"):

@@ -20,7 +20,9 @@ script's, each step = next batch + train step), `pin_memory` (T07,
 CUDA), `set_to_none` (T26), `conv_bias` (T27), `compile` (T25; its compile time is reported
 separately), `bf16_math` (T21: oneDNN fp32 matmuls/convolutions with bf16 inputs, CPUs with
 AVX512-BF16/AMX), `fused_optimizer` (T51: the script's Adam/AdamW/SGD/Adagrad rebuilt with
-fused=True, same hyper-parameters). A fix that is slower on this machine is reported as a slow-down,
+fused=True, same hyper-parameters). A fix whose gain a measured share bounds under the 2% minimum effect
+(`rules._ceiling`: `workers` by the data wait, unless workers and threads oversubscribe the cores) is not
+run; its entry says why. A fix that is slower on this machine is reported as a slow-down,
 never hidden.
 
 Cost: a few seconds per fix for small models; the model copies need memory for 2 models.
@@ -41,6 +43,7 @@ from torch import nn
 from torchspeed.doctor._interval import MAX_ROUNDS, measure_rounds
 from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
 from torchspeed.doctor.observation import CpuContention, LossCheck, Observation, VerifyResult
+from torchspeed.doctor.rules._ceiling import below_minimum, ceiling, skipped_entry
 from torchspeed.env import detect
 from torchspeed.model.conv_bias import remove_conv_bias
 from torchspeed.env import sync
@@ -370,6 +373,10 @@ def verify_fixes(cap, obs: Observation, *, fixes=None, rounds: int = 5, max_roun
     for fix in wanted:
         t0 = time.perf_counter()
         entry: VerifyResult = {"fix": fix, "rule": (proves.get(fix) or (None,))[0]}
+        bound = ceiling(obs, fix)
+        if below_minimum(bound):  # the measured share it removes bounds its gain under the minimum effect
+            results[fix] = skipped_entry(fix, entry["rule"], bound)
+            continue
         try:
             if fix in ("workers", "pin_memory"):
                 _verify_workers(cap, fix, device, rounds, entry, max_rounds)

@@ -1,6 +1,7 @@
 """A small CNN trained on synthetic images, with one fault of known size injected, or none (its clean twin).
 
     python fault_train.py --fault NAME [--steps N]      # or TORCHSPEED_FAULT=NAME python fault_train.py
+    python fault_train.py --fault NAME --workers 2 --report-ms   # a fix by hand, timed: prints {"ms_per_step": ...}
 
 Faults (the clean twin, `--fault none`, has none of them: bf16 autocast where the CPU runs bf16 natively,
 channels_last, no sleep, no per-step sync, threads = usable cores, glibc thresholds that keep freed blocks):
@@ -10,7 +11,9 @@ channels_last, no sleep, no per-step sync, threads = usable cores, glibc thresho
 - nchw: the model and its batches in NCHW instead of channels_last (T23);
 - oversubscribed: 2 DataLoader workers that compute per sample beside threads = usable cores (T45);
 - affinity: the process's CPU affinity collapsed to one core after torch started its threads (T45);
-- malloc: glibc told to serve every block over 64 KiB with mmap and return it at free (T44).
+- malloc: glibc told to serve every block over 64 KiB with mmap and return it at free (T44), unless the
+  environment sets MALLOC_MMAP_THRESHOLD_ (the doctor's fix), which wins as it does over glibc's defaults.
+Under OMP_NUM_THREADS the affinity fault sizes its threads by it (the doctor's fix for it), else by the cores.
 """
 import argparse
 import ctypes
@@ -26,18 +29,22 @@ p.add_argument("--fault", default=os.environ.get("TORCHSPEED_FAULT", "none"), ch
                                                    "oversubscribed", "affinity", "malloc"])
 p.add_argument("--steps", type=int, default=400)
 p.add_argument("--sleep-ms", type=float, default=1.0)
+p.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: 2 for oversubscribed, else 0)")
+p.add_argument("--report-ms", action="store_true", help="print the mean ms per step after the first 5 (a JSON line)")
 a = p.parse_args()
 
 libc = ctypes.CDLL("libc.so.6")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-if a.fault == "malloc":
+if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    pass  # the environment's glibc settings win here, as they win over glibc's own defaults (the doctor's fix)
+elif a.fault == "malloc":
     libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
     libc.mallopt(M_TRIM_THRESHOLD, 0)
 else:
     libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)
     libc.mallopt(M_TRIM_THRESHOLD, 2**30)
 if a.fault == "affinity" and hasattr(os, "sched_setaffinity"):
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, len(os.sched_getaffinity(0)))))
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # after torch sized its thread pool
 
 
@@ -71,7 +78,7 @@ model = model.to(memory_format=fmt)
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 use_amp = native_bf16 and a.fault != "fp32_conv"
-workers = 2 if a.fault == "oversubscribed" else 0
+workers = a.workers if a.workers is not None else 2 if a.fault == "oversubscribed" else 0
 loader = DataLoader(Images(), batch_size=32, shuffle=True, num_workers=workers, persistent_workers=workers > 0)
 step = 0
 while step < a.steps:
@@ -85,5 +92,10 @@ while step < a.steps:
         if a.fault == "host_sync":
             loss.item()
         step += 1
+        if step == 5:
+            t5 = time.perf_counter()
         if step == a.steps:
             break
+if a.report_ms and a.steps > 5:
+    import json
+    print(json.dumps({"ms_per_step": (time.perf_counter() - t5) / (a.steps - 5) * 1e3, "steps": a.steps - 5}))

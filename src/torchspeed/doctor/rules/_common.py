@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torchspeed.doctor.observation import EnvFixResult, LoaderInfo, Observation, VerifyResult
 from torchspeed.doctor.report import Finding
+from torchspeed.doctor.rules._ceiling import ceiling
 
 
 def on_cuda(obs: Observation) -> bool:
@@ -116,13 +117,22 @@ def plan_text(obs: Observation, fix: str | None) -> str:
 
 def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: Observation,
             verify_fix: str | None = None, severity: str | None = None, basis: str = "estimated",
-            patch: str | None = None, patch_args: dict | None = None, env_fix: str | None = None) -> Finding:
+            patch: str | None = None, patch_args: dict | None = None, env_fix: str | None = None,
+            bound_of: str | None = None) -> Finding:
     """A finding; its severity is decided by the registry (`registry.settle`) from what the gain rests on.
 
     `basis` is "timed" when `est_gain` comes from time the fix removes, timed directly on the script,
     else "estimated"; --verify's measurement of `verify_fix` makes it "measured". `severity` is a ceiling
-    for an unmeasured finding. `patch` names the source patch `--fix` writes (`torchspeed.doctor._patches`)."""
+    for an unmeasured finding. `patch` names the source patch `--fix` writes (`torchspeed.doctor._patches`).
+    The bound a measured share puts on the fix's gain (`_ceiling.ceiling` of `bound_of`, else of the fix) is
+    stated, and a fix not run because that bound is under the minimum effect says so."""
     measured, interval = None, None
+    bound = ceiling(obs, bound_of or verify_fix or env_fix)
+    if bound is not None:
+        evidence += f"; at most {bound['bound']:.3f}x: {bound['of']} is {bound['share']:.1%} of the step"
+    for name, results in ((verify_fix, obs.get("verify")), (env_fix, obs.get("env_fixes"))):
+        if name and ((results or {}).get(name) or {}).get("skipped"):
+            evidence += f" ({name}: {results[name]['skipped']})"
     v = verified(obs, verify_fix) if verify_fix else None
     for name, results, what in ((verify_fix, obs.get("verify"), "--verify's interleaved rounds"),
                                 (env_fix, obs.get("env_fixes"), "the interleaved re-runs of the script")):
@@ -146,7 +156,8 @@ def finding(rule: str, *, evidence: str, fix: str, est_gain: float | None, obs: 
     evidence += plan_text(obs, verify_fix)
     return Finding(rule=rule, severity=severity or "high", evidence=evidence, fix=fix,
                    est_gain=round(est_gain, 3) if est_gain is not None else None, measured_gain=measured,
-                   patch=patch, patch_args=patch_args, basis=basis, interval=interval, inconclusive=settle_by)
+                   patch=patch, patch_args=patch_args, basis=basis, interval=interval, inconclusive=settle_by,
+                   ceiling=bound["bound"] if bound is not None else None)
 
 
 def device_type(obs: Observation) -> str:
