@@ -28,6 +28,17 @@ unchanged). The machine's load is recorded per script. `--quick` leaves out the 
 scripts, runs 2 rounds per check and one stability script (about 20-25 minutes on 2 busy cores).
 
     python benchmarks/bench_doctor.py --acceptance --quick   # writes benchmarks/results/cpu-avx2/doctor_acceptance.json
+
+`--recovery all --repeats 10` checks each injected fault of tests/doctor/faults/fault_train.py: the interval of
+the gain the doctor measures for its fix against the fault's true factor (the fix made by hand, timed in fresh
+processes), and the clean twin's ranked findings (benchmarks/doctor/_recovery.py says how):
+
+    python benchmarks/bench_doctor.py --recovery all --repeats 10   # writes results/cpu-avx512-bf16/doctor_recovery.json
+
+`--stability-only` runs the stability phase alone; `--stability all` runs every gallery script --repeats times:
+
+    python benchmarks/bench_doctor.py --acceptance --stability-only --stability all --repeats 5 \
+        --out benchmarks/results/cpu-avx512-bf16/doctor_stability.json
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ from torchspeed.doctor import DoctorJob, diagnose_many
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "doctor"))
 from _acceptance import STABILITY, run_acceptance  # noqa: E402  (the --acceptance mode)
+from _recovery import run_recovery  # noqa: E402  (the --recovery mode)
 
 HERE = Path(__file__).resolve().parent
 
@@ -191,12 +203,25 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="with --acceptance: fewer steps and rounds, no slow scripts")
     p.add_argument("--check-rounds", type=int, default=None, help="with --acceptance: rounds per real-clock check")
     p.add_argument("--repeats", type=int, default=5, help="with --acceptance: runs of each stability script")
-    p.add_argument("--stability", default=",".join(STABILITY), help="with --acceptance: scripts run --repeats times")
+    p.add_argument("--stability", default=",".join(STABILITY),
+                   help="with --acceptance: scripts run --repeats times (comma-separated names, or all)")
+    p.add_argument("--stability-only", action="store_true", help="with --acceptance: the stability runs alone")
     p.add_argument("--compile", action="store_true", help="with --acceptance: also measure torch.compile in --verify")
     p.add_argument("--verdict", default=None, metavar="FAULT",
                    help="the verdict of `doctor --verify` on tests/doctor/faults/fault_train.py --fault FAULT "
                         "(doctor_verdict_FAULT.json under results/cpu-avx512-bf16/)")
+    p.add_argument("--recovery", default=None, metavar="FAULTS",
+                   help="fault recovery: comma-separated faults of tests/doctor/faults/fault_train.py, or all "
+                        "(doctor_recovery.json); --repeats doctor runs of each")
+    p.add_argument("--true-rounds", type=int, default=5, help="with --recovery: rounds a side for the true factor")
+    p.add_argument("--true-steps", type=int, default=60, help="with --recovery: steps per true-factor run")
     a = p.parse_args()
+    if a.recovery:
+        if a.out == DEFAULT_OUT:
+            a.out = str(HERE / "results" / "cpu-avx512-bf16" / "doctor_recovery.json")
+        a.steps = min(a.steps, 10)
+        run_recovery(a, provenance)
+        return
     if a.verdict:
         run_verdict(a)
         return
