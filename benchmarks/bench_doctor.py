@@ -214,7 +214,7 @@ def main() -> None:
                    help="fault recovery: comma-separated faults of tests/doctor/faults/fault_train.py, or all "
                         "(doctor_recovery.json); --repeats doctor runs of each")
     p.add_argument("--true-rounds", type=int, default=5, help="with --recovery: rounds a side for the true factor")
-    p.add_argument("--true-steps", type=int, default=60, help="with --recovery: steps per true-factor run")
+    p.add_argument("--true-steps", type=int, default=300, help="with --recovery: steps per true-factor run")
     a = p.parse_args()
     if a.recovery:
         if a.out == DEFAULT_OUT:

@@ -60,7 +60,7 @@ def test_measured_allocator_settings_rank_the_allocator_finding(monkeypatch):
         assert not undeclared_keys(obs)
         f = report_from_observation(obs).finding("allocator")
         assert f.basis == "measured" and f.severity == severity, (ratios, f)
-        assert "re-running 6 steps of the script with MALLOC_MMAP_THRESHOLD_=" in f.evidence
+        assert "re-running 30 steps of the script with MALLOC_MMAP_THRESHOLD_=" in f.evidence  # 10 ms steps: 300 ms
         assert "estimated, not measured" not in f.evidence
 
 
@@ -231,3 +231,30 @@ def test_the_patched_source_runs_in_its_own_round_slot(monkeypatch):
     want = sorted(map(str, [(None, {}), (None, {"OMP_NUM_THREADS": "1"}), ("PATCHED", {})]))
     assert all(sorted(str((j.source, j.env)) for j in seen[i:i + 3]) == want for i in (0, 3))
     assert raw["workers"]["ratios"] == [2.0, 2.0] and raw["threads"]["ratios"] == [1.0, 1.0]
+
+
+def test_a_short_step_is_re_run_for_more_steps_and_a_fix_too_wide_to_rank_for_more_rounds(monkeypatch):
+    import importlib
+    import itertools
+
+    job = DoctorJob(script="train.py", env_rounds=5, env_steps=6)
+    assert _envfix.env_steps(job, {"breakdown": {"step_ms": 100.0}}) == 6  # 600 ms of steps already
+    assert _envfix.env_steps(job, {"breakdown": {"step_ms": 10.0}}) == 30  # about 300 ms of steps
+    assert _envfix.env_steps(job, {"breakdown": {"step_ms": 0.5}}) == 60  # at most 60
+
+    seen = []
+    noisy = itertools.cycle([9.0, 11.0, 10.5, 9.5, 12.0, 8.5])  # the original and omp_passive: the same, noisy
+
+    def fake_many(jobs, quiet=False, threads=None):
+        seen.append(len(jobs))
+        return [SimpleNamespace(status="stopped", traceback=None, breakdown={
+            "step_ms": 5.0 if j.env.get("OMP_NUM_THREADS") else next(noisy)}) for j in jobs]
+
+    diagnose_mod = importlib.import_module("torchspeed.doctor.diagnose")
+    monkeypatch.setattr(diagnose_mod, "diagnose_many", fake_many)
+    cands = {"threads": {"OMP_NUM_THREADS": "1"}, "omp_passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    raw = _envfix.run_env_rounds(job, cands, diagnose_mod.measure_variants, steps=30)
+    # threads (about 2x) ranks after 5 rounds; omp_passive's interval holds 1.0: 5 more rounds, twice, to 15
+    assert len(raw["threads"]["ratios"]) == 5 and len(raw["omp_passive"]["ratios"]) == 15
+    assert len(raw["omp_passive"]["baseline_ms"]) == 15  # each round paired with the original run beside it
+    assert seen == [15, 10, 10]  # 5 rounds of 3 variants, then the original and omp_passive alone

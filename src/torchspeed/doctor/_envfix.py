@@ -16,7 +16,8 @@ workers + threads beyond the cores; workers beside more than one OpenMP thread; 
 usable cores, `cores`) and the variable is not
 set already, so a clean script pays nothing; nor is one whose gain a measured share of the step bounds under
 the 2% minimum effect (`rules._ceiling`: the page faults for `malloc`, the data wait for `workers`), and its
-entry says so. Default cost: 5 rounds x (1 + fixes) runs of
+entry says so. A re-run times `job.env_steps` steps (6), more for a short step (about 300 ms of steps, at most
+60: `env_steps`); a fix whose interval is still too wide to rank gets 5 more rounds, up to 15. Default cost: 5 rounds x (1 + fixes) runs of
 `warmup + 6` steps, each in a process that imports torch.
 
 One source fix is measured the same way, because no timing of the script alone can say what it gains:
@@ -33,17 +34,21 @@ fix appears in `candidates` with no variables.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections.abc import Callable, Mapping
 
-from torchspeed.doctor._interval import gain_interval
+from torchspeed.doctor._interval import MAX_ROUNDS, bootstrap_interval, gain_interval, wide
 from torchspeed.doctor._rounds import round_summary
 from torchspeed.doctor.observation import EnvFixResult, Observation
 from torchspeed.doctor.rules._ceiling import below_minimum, ceiling, skipped_entry
 from torchspeed.env import GLIBC_MALLOC_ENV
 
-__all__ = ["ENV_FIXES", "env_candidates", "patch_candidates", "measure_env_fixes", "summarize", "run_env_rounds"]
+__all__ = ["ENV_FIXES", "ENV_BUDGET_MS", "env_candidates", "patch_candidates", "measure_env_fixes", "summarize",
+           "run_env_rounds", "env_steps"]
+
+ENV_BUDGET_MS, ENV_MAX_STEPS = 300.0, 60  # measured time per re-run (`env_steps`), and the most steps for it
 
 # fix name -> the rule whose advice it measures
 ENV_FIXES = {"malloc": "allocator", "threads": "cpu-oversubscribed", "omp_passive": "omp-wait-policy",
@@ -113,22 +118,48 @@ def summarize(name: str, env: dict, m: dict, *, steps: int) -> EnvFixResult:
     return entry
 
 
+def env_steps(job, obs: Observation) -> int:
+    """Measured steps per re-run: `job.env_steps`, more for a short step, so that each re-run times about
+    `ENV_BUDGET_MS` (6 steps of a 3 ms step time 18 ms, which one page-fault burst or a preemption moves)."""
+    step = float((obs.get("breakdown") or {}).get("step_ms") or 0.0)
+    if step <= 0:
+        return job.env_steps
+    return max(job.env_steps, min(ENV_MAX_STEPS, math.ceil(ENV_BUDGET_MS / step)))
+
+
 def run_env_rounds(job, candidates: dict[str, dict[str, str]], run_variants: Callable,
-                   patched: dict[str, dict] | None = None) -> dict[str, dict]:
+                   patched: dict[str, dict] | None = None, *, steps: int | None = None) -> dict[str, dict]:
     """The re-runs: the original and each environment (and each patched source), each in its own process,
     `job.env_rounds` rounds (`run_variants`: `diagnose.measure_variants`, the doctor's interleaved runner,
-    passed in by its caller)."""
+    passed in by its caller). A fix whose interval is still too wide to rank (`_interval.wide`) gets
+    `job.env_rounds` more rounds beside the original, up to `_interval.MAX_ROUNDS` in all."""
     patched = patched or {}
+    steps = steps or job.env_steps
     names = [n for n in candidates if n not in patched] + list(patched)
-    sources = [job.source] + [patched[n]["source"] if n in patched else job.source for n in names]
-    measured = run_variants(job.script, job.args, sources, steps=job.env_steps,
-                            warmup=min(job.warmup, 3), rounds=job.env_rounds, time_limit=job.time_limit,
-                            threads=None, envs=[{}] + [{} if n in patched else candidates[n] for n in names])
-    base_ms = measured[0]["ms"]
-    out = {}
-    for n, m in zip(names, measured[1:]):
-        out[n] = {**m, "baseline_ms": base_ms, "error": m["error"] or measured[0]["error"]}
+    out = {n: {"ratios": [], "ms": [], "baseline_ms": [], "error": None} for n in names}
+    todo = list(names)
+    while todo:
+        sources = [job.source] + [patched[n]["source"] if n in patched else job.source for n in todo]
+        measured = run_variants(job.script, job.args, sources, steps=steps,
+                                warmup=min(job.warmup, 3), rounds=job.env_rounds, time_limit=job.time_limit,
+                                threads=None, envs=[{}] + [{} if n in patched else candidates[n] for n in todo])
+        for n, m in zip(todo, measured[1:]):
+            o = out[n]
+            o["ratios"] += m["ratios"]
+            o["ms"] += m["ms"]
+            o["baseline_ms"] += measured[0]["ms"]
+            o["error"] = o["error"] or m["error"] or measured[0]["error"]
+        todo = [n for n in todo if _too_wide(out[n]) and len(out[n]["ms"]) + job.env_rounds <= MAX_ROUNDS]
+    for o in out.values():
+        o["speedup"] = round(statistics.median(o["ratios"]), 4) if o["ratios"] and not o["error"] else None
     return out
+
+
+def _too_wide(m: dict) -> bool:
+    """Rounds that cannot rank yet: paired and error-free, with an interval holding a threshold."""
+    if m["error"] or not m["ms"] or len(m["ms"]) != len(m["baseline_ms"]):
+        return False
+    return wide(*bootstrap_interval(m["baseline_ms"], m["ms"]))
 
 
 def _source(job) -> str | None:
@@ -156,12 +187,14 @@ def measure_env_fixes(job, obs: Observation, *, measure: Callable | None = None,
         obs["env_fixes"] = dict(skipped)
     if not candidates:
         return dict(skipped)
+    steps = env_steps(job, obs)
     try:
-        raw = measure(job, candidates) if measure is not None else run_env_rounds(job, env, run_variants, patched)
+        raw = (measure(job, candidates) if measure is not None
+               else run_env_rounds(job, env, run_variants, patched, steps=steps))
     except Exception as e:  # a doctor failure must not lose the report
         obs.setdefault("notes", []).append(f"environment fixes not measured: {type(e).__name__}: {e}")
-        return {}
-    entries = {n: summarize(n, v, raw.get(n) or {}, steps=job.env_steps) for n, v in candidates.items()}
+        return dict(skipped)
+    entries = {n: summarize(n, v, raw.get(n) or {}, steps=steps) for n, v in candidates.items()}
     for n, p in patched.items():  # a source fix: the patch it ran and what it set
         entries[n].update(patch=n, label=p["label"], workers=p["workers"])
     obs["env_fixes"] = {**skipped, **entries}
