@@ -56,7 +56,10 @@ def true_factor(fault: str, rounds: int, steps: int) -> dict:
     hand_args, hand_env = CASES[fault][3]
     rng = random.Random(0)
     base, cand = [], []
-    _ms(("--fault", fault), {}, 10)  # warm the page cache and the imports
+    # warm the page cache and the imports; a slow fault (a collapsed affinity: 0.4 s a step) runs fewer steps,
+    # about 1.5 s of them, at least 20
+    first = _ms(("--fault", fault), {}, 10)
+    steps = max(20, min(steps, int(1500 / max(first, 1e-3)) + 5))
     for _ in range(rounds):
         sides = [("fault", ("--fault", fault), {}), ("hand", hand_args, hand_env)]
         rng.shuffle(sides)
@@ -65,7 +68,7 @@ def true_factor(fault: str, rounds: int, steps: int) -> dict:
     lo, hi = bootstrap_interval(base, cand)
     return {"factor": round(statistics.median(base) / statistics.median(cand), 4), "interval": [round(lo, 4), round(hi, 4)],
             "fault_ms": [round(x, 2) for x in base], "hand_ms": [round(x, 2) for x in cand],
-            "hand": {"args": list(hand_args), "env": hand_env}}
+            "hand": {"args": list(hand_args), "env": hand_env}, "steps": steps}
 
 
 def _fix_entry(report, fault: str) -> dict | None:
