@@ -56,10 +56,10 @@ def true_factor(fault: str, rounds: int, steps: int) -> dict:
     hand_args, hand_env = CASES[fault][3]
     rng = random.Random(0)
     base, cand = [], []
-    # warm the page cache and the imports; a slow fault (a collapsed affinity: 0.4 s a step) runs fewer steps,
-    # about 1.5 s of them, at least 20
-    first = _ms(("--fault", fault), {}, 10)
-    steps = max(20, min(steps, int(1500 / max(first, 1e-3)) + 5))
+    # warm the page cache and the imports (40 steps, the last 35 timed: a cold process's first steps are slow);
+    # a slow fault (a collapsed affinity: 0.4 s a step) then runs fewer steps, about 3 s of them, at least 20
+    first = _ms(("--fault", fault), {}, 40)
+    steps = max(20, min(steps, int(3000 / max(first, 1e-3)) + 5))
     for _ in range(rounds):
         sides = [("fault", ("--fault", fault), {}), ("hand", hand_args, hand_env)]
         rng.shuffle(sides)
