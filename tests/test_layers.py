@@ -194,7 +194,6 @@ CYCLE, EXTRA, STARTUP, INJECT, REWORK = (
 LAZY = {  # file -> (function-level torchspeed imports, why)
     "bench/_worker.py": (8, STARTUP + ": each worker kind loads only its own stack"),
     "bench/config_process.py": (1, STARTUP + ": the worker's reply prefix, read when a reply comes"),
-    "bench/runner.py": (6, STARTUP + ": a row loads its kind's stack"),
     "bench/scaling.py": (6, STARTUP + ": the spawned worker's imports"),
     "bench/sharding.py": (7, STARTUP + ": the spawned worker's imports"),
     "bench/time_to_target.py": (5, STARTUP + ": the runner and the recipe load only when time to target runs"),
@@ -226,7 +225,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 138
+LAZY_TOTAL = 132
 
 
 def lazy_imports(source: str) -> list[int]:
