@@ -192,12 +192,8 @@ CYCLE, EXTRA, STARTUP, INJECT, REWORK = (
     "a cycle", "an optional extra", "start-up time", "a test's injection point (read when called)",
     "file under rework: its imports move with it")
 LAZY = {  # file -> (function-level torchspeed imports, why)
-    "bench/_worker.py": (8, STARTUP + ": each worker kind loads only its own stack"),
-    "bench/config_process.py": (1, STARTUP + ": the worker's reply prefix, read when a reply comes"),
     "bench/scaling.py": (6, STARTUP + ": the spawned worker's imports"),
     "bench/sharding.py": (7, STARTUP + ": the spawned worker's imports"),
-    "bench/time_to_target.py": (5, STARTUP + ": the runner and the recipe load only when time to target runs"),
-    "bench/time_to_target_worker.py": (8, STARTUP + ": the spawned worker's imports"),
     "cli/_auto.py": (2, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/bench.py": (10, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/data.py": (5, STARTUP + ": every subcommand is imported to build the parser"),
@@ -225,7 +221,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 132
+LAZY_TOTAL = 110
 
 
 def lazy_imports(source: str) -> list[int]:
