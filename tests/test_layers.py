@@ -192,8 +192,6 @@ CYCLE, EXTRA, STARTUP, INJECT, REWORK = (
     "a cycle", "an optional extra", "start-up time", "a test's injection point (read when called)",
     "file under rework: its imports move with it")
 LAZY = {  # file -> (function-level torchspeed imports, why)
-    "bench/scaling.py": (6, STARTUP + ": the spawned worker's imports"),
-    "bench/sharding.py": (7, STARTUP + ": the spawned worker's imports"),
     "cli/_auto.py": (2, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/bench.py": (10, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/data.py": (5, STARTUP + ": every subcommand is imported to build the parser"),
@@ -221,7 +219,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 110
+LAZY_TOTAL = 97
 
 
 def lazy_imports(source: str) -> list[int]:
