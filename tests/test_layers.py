@@ -192,17 +192,6 @@ CYCLE, EXTRA, STARTUP, INJECT, REWORK = (
     "a cycle", "an optional extra", "start-up time", "a test's injection point (read when called)",
     "file under rework: its imports move with it")
 LAZY = {  # file -> (function-level torchspeed imports, why)
-    "bench/_worker.py": (8, STARTUP + ": each worker kind loads only its own stack"),
-    "bench/flops.py": (1, STARTUP),
-    "bench/hand.py": (1, STARTUP),
-    "bench/peers.py": (1, EXTRA + " (lightning)"),
-    "bench/config_process.py": (1, STARTUP + ": the worker's reply prefix, read when a reply comes"),
-    "bench/runner.py": (6, STARTUP + ": a row loads its kind's stack"),
-    "bench/scaling.py": (6, STARTUP + ": the spawned worker's imports"),
-    "bench/sharding.py": (7, STARTUP + ": the spawned worker's imports"),
-    "bench/time_to_target.py": (5, STARTUP + ": the runner and the recipe load only when time to target runs"),
-    "bench/time_to_target_worker.py": (8, STARTUP + ": the spawned worker's imports"),
-    "bench/workloads.py": (3, STARTUP),
     "cli/_auto.py": (2, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/bench.py": (10, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/data.py": (5, STARTUP + ": every subcommand is imported to build the parser"),
@@ -230,7 +219,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 144
+LAZY_TOTAL = 97
 
 
 def lazy_imports(source: str) -> list[int]:

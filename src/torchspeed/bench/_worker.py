@@ -8,8 +8,12 @@ not leak from one row into another.
 Two kinds of row: `trainer` rows run torchspeed's `Trainer` with a `TrainConfig`; the `hand`
 row runs `bench.hand.HandLoop`, plain PyTorch with the fastest settings found by trying.
 
-Protocol: one JSON command per line on stdin; each answer is one line on stdout starting
-with `@@torchspeed ` (anything else a library prints is ignored by the parent).
+Protocol: one JSON command per line on stdin; each answer is one line on stdout
+(bench/_protocol.py: anything else a library prints is ignored by the parent).
+
+The process's one job is to train, so every kind's stack is imported at the top: `import torchspeed` has
+loaded the train stack already, and the hand and Lightning rows' modules add little (Lightning itself is
+imported only in its own row, bench/peers.py).
 """
 
 from __future__ import annotations
@@ -18,22 +22,23 @@ import copy
 import json
 import os
 import sys
+import time
 import traceback
 
-PREFIX = "@@torchspeed "
+import torch
+from torch.utils.data import DataLoader
 
-
-def _reply(obj) -> None:
-    sys.stdout.write(PREFIX + json.dumps(obj, default=str) + "\n")
-    sys.stdout.flush()
+from torchspeed._allocator import allocator_in_use
+from torchspeed.bench._protocol import reply
+from torchspeed.bench.hand import HandLoop, HandSettings, search_hand_settings
+from torchspeed.bench.peers import LightningLoop
+from torchspeed.bench.workloads import create_model, make_datasets
+from torchspeed.train.config import TrainConfig
+from torchspeed.train.loop.metrics import jsonable
+from torchspeed.train.loop.trainer import Trainer
 
 
 def _data(spec: dict):
-    import torch
-    from torch.utils.data import DataLoader
-
-    from torchspeed.bench.workloads import make_datasets
-
     seed = spec["seed"]
     train_set, val_set = make_datasets(spec["data"], train_size=spec["train_size"], val_size=spec.get("val_size", 1024),
                                        seed=spec.get("data_seed", seed), image_size=spec.get("image_size", 32))
@@ -46,10 +51,6 @@ def _data(spec: dict):
 
 
 def _model(spec: dict):
-    import torch
-
-    from torchspeed.bench.workloads import create_model
-
     torch.manual_seed(spec["seed"])  # every config starts from the same weights
     return create_model(spec["model"], image_size=spec.get("image_size", 32))
 
@@ -58,8 +59,6 @@ class _State:
     """What every row does: set up, warm up (untimed), timed rounds, finish (loss and accuracy)."""
 
     def __init__(self, spec: dict):
-        from torchspeed._allocator import allocator_in_use
-
         self.spec = spec
         self.loader, self.val_loader, self.device = _data(spec)
         self.allocator = allocator_in_use()
@@ -68,8 +67,6 @@ class _State:
     def _release(self) -> None:
         # Every row is a process on the same GPU: give the cached blocks back after a round, so the
         # rows that are not running hold no activation memory (the next round's first step is untimed).
-        import torch
-
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -82,8 +79,6 @@ class _State:
         return seconds
 
     def _restart_data(self) -> None:
-        import torch
-
         self.loader.generator.manual_seed(self._seed)
         torch.manual_seed(self._seed)
 
@@ -91,9 +86,6 @@ class _State:
 class _TrainerState(_State):
     def __init__(self, spec: dict):
         super().__init__(spec)
-        from torchspeed.train.config import TrainConfig
-        from torchspeed.train.loop.trainer import Trainer
-
         cfg = TrainConfig(**spec["train"])
         self.trainer = Trainer(_model(spec), optimizer="sgd", lr=spec["lr"], device=self.device, config=cfg)
         self._it = None
@@ -141,8 +133,6 @@ class _TrainerState(_State):
         if eval_batches is not None:
             loader = [b for _, b in zip(range(eval_batches), loader)]
         val = self.trainer.evaluate(loader)["val_acc"]
-        from torchspeed.train.loop.metrics import jsonable
-
         decisions = jsonable(self.trainer.decisions)  # each a {"value", "reason", "measured"} (the trial's cost too)
         decisions["allocator"] = self.allocator
         decisions["num_workers"] = self.loader.num_workers
@@ -155,21 +145,14 @@ class _HandState(_State):
 
     def __init__(self, spec: dict):
         super().__init__(spec)
-        import torch
-
         self._initial_model = _model(spec)  # kept on the CPU: each search candidate starts from a copy
         self.search: dict = {}
         self.loop = None
-        self._torch = torch
 
     def _fresh(self):
         return copy.deepcopy(self._initial_model)
 
     def warm_up(self, n: int) -> dict:
-        import time
-
-        from torchspeed.bench.hand import HandLoop, HandSettings, search_hand_settings
-
         t0 = time.perf_counter()
         opts = self.spec.get("hand", {})
         if opts.get("settings"):  # given (e.g. by a test), not searched
@@ -216,8 +199,6 @@ class _LightningState(_HandState):
     """Lightning Fabric with the precision a user picks for speed here (bench/peers.py)."""
 
     def warm_up(self, n: int) -> dict:
-        from torchspeed.bench.peers import LightningLoop
-
         self.loop = LightningLoop(self._fresh(), self.loader, self.device, lr=self.spec["lr"])
         self.search = {"precision": self.loop.precision}
         self._opt_state = copy.deepcopy(self.loop.opt.state_dict())
@@ -246,18 +227,18 @@ def main() -> int:
                 kind = spec.get("kind")
                 state = (_HandState(spec) if kind == "hand" else _LightningState(spec) if kind == "lightning"
                          else _TrainerState(spec))
-                _reply({"ok": True, "allocator": state.allocator})
+                reply({"ok": True, "allocator": state.allocator})
             elif op == "warmup":
-                _reply({"ok": True, **state.warm_up(cmd["n"])})
+                reply({"ok": True, **state.warm_up(cmd["n"])})
             elif op == "steps":
-                _reply({"ok": True, "seconds": state.round(cmd["n"])})
+                reply({"ok": True, "seconds": state.round(cmd["n"])})
             elif op == "finish":
-                _reply({"ok": True, **state.finish(cmd.get("eval_batches"))})
+                reply({"ok": True, **state.finish(cmd.get("eval_batches"))})
             elif op == "exit":
-                _reply({"ok": True})
+                reply({"ok": True})
                 return 0
         except Exception as e:  # reported to the parent, which names the config that failed
-            _reply({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+            reply({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
     return 0
 
 

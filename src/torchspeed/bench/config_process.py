@@ -16,6 +16,7 @@ import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from torchspeed.bench._protocol import read_reply
 from torchspeed.env import GLIBC_MALLOC_ENV, detect
 
 if TYPE_CHECKING:  # annotations only: bench/runner.py builds the configs and imports this module
@@ -59,16 +60,11 @@ class ConfigProcess:
         return self.receive() if wait else None
 
     def receive(self) -> dict:
-        from torchspeed.bench._worker import PREFIX
-
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            if line.startswith(PREFIX):
-                reply = json.loads(line[len(PREFIX):])
-                if not reply.get("ok"):
-                    raise RuntimeError(f"bench config {self.cfg.name!r} failed: {reply.get('error')}\n"
-                                       f"{reply.get('traceback', '')}")
-                return reply
+            answer = read_reply(line, f"bench config {self.cfg.name!r}")
+            if answer is not None:
+                return answer
         raise RuntimeError(f"bench config {self.cfg.name!r}: its process exited (code {self.proc.wait()})")
 
     def close(self) -> None:

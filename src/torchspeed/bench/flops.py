@@ -18,6 +18,8 @@ import functools
 
 import torch
 
+from torchspeed.bench.workloads import create_model, example_input
+
 __all__ = ["train_flops_per_sample", "peak_bf16_flops", "mfu", "PEAK_BF16_TFLOPS"]
 
 # Dense (no sparsity) bf16 Tensor Core peaks in TFLOP/s, from NVIDIA's datasheets, matched on
@@ -33,8 +35,6 @@ PEAK_BF16_TFLOPS = {
 def train_flops_per_sample(model: str, *, image_size: int = 32, num_classes: int = 10) -> float:
     """Forward + backward FLOPs of one sample of bench model `model` (counted on the meta device)."""
     from torch.utils.flop_counter import FlopCounterMode
-
-    from torchspeed.bench.workloads import create_model, example_input
 
     with torch.device("meta"):
         m = create_model(model, num_classes=num_classes, image_size=image_size)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchspeed.env import sync
+from torchspeed.train.trial.precision import half_precision
 from torchspeed.train.trial.rounds import interleaved
 
 __all__ = ["HandSettings", "HandLoop", "search_hand_settings", "hand_precisions"]
@@ -56,8 +57,6 @@ class HandSettings:
 
 def hand_precisions(device: torch.device) -> list[str]:
     """The precisions worth trying on `device`: fp32 and the half precision its hardware runs natively."""
-    from torchspeed.train.trial.precision import half_precision
-
     half = half_precision(device)
     return ["fp32"] + ([half] if half else [])
 

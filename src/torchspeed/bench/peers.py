@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from torchspeed.bench.hand import HandLoop, HandSettings
+from torchspeed.train.trial.precision import half_precision
 
 __all__ = ["LightningLoop", "lightning_precision", "lightning_available"]
 
@@ -39,8 +40,6 @@ def lightning_available() -> bool:
 
 def lightning_precision(device: torch.device) -> str:
     """The Fabric precision a user picks for speed on `device` (see the module docstring)."""
-    from torchspeed.train.trial.precision import half_precision
-
     return {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(half_precision(device), "32-true")
 
 

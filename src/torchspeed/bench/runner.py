@@ -56,12 +56,17 @@ from pathlib import Path
 
 import torch
 
+from torchspeed import env as env_probes  # machine_busy reads its probes when called (tests inject them)
 from torchspeed._extras import require
 from torchspeed._io import write_json
+from torchspeed.bench.compare import compare_ratios
 from torchspeed.bench.config_process import ConfigProcess
 from torchspeed.bench.flops import mfu, peak_bf16_flops, train_flops_per_sample
+from torchspeed.bench.peers import lightning_available
+from torchspeed.bench.workloads import BLOCK_SIZE, check_workload, create_model, default_data
 from torchspeed.env import GLIBC_MALLOC_ENV, default_device, detect
 from torchspeed.train.config import TrainConfig
+from torchspeed.train.trial.memory_format import has_conv2d
 from torchspeed.train.trial.precision import half_precision
 from torchspeed.train.loop.progress import progress_bar
 from torchspeed.train.trial.rounds import interleaved, paired_ratios
@@ -143,8 +148,6 @@ def bench_configs(device: torch.device, *, workers: int | None = None, compile: 
     rows = [BenchConfig("naive", naive)]
     if hand:  # where users would otherwise go (bench/peers.py): a plain fp32 loop, and Lightning
         rows.append(BenchConfig("plain", naive, kind="hand", hand_settings=(("precision", "fp32"),)))
-        from torchspeed.bench.peers import lightning_available
-
         if lightning_available():
             rows.append(BenchConfig("lightning", naive, kind="lightning"))
     if fast_precision != "fp32":
@@ -194,11 +197,9 @@ def machine_busy() -> tuple[bool, dict]:
     tasks are runnable half the time or more); else from a timing probe (`env.parallel_speedup`
     below 1.6x). The evidence dict carries both numbers (the probe's for the record).
     """
-    from torchspeed.env import other_runnable, parallel_speedup, usable_cores
-
-    if usable_cores() < 2:
+    if env_probes.usable_cores() < 2:
         return True, {"parallel_speedup_2proc": 1.0, "other_runnable": None, "busy_rule": "one usable core"}
-    others, speedup = other_runnable(), parallel_speedup()
+    others, speedup = env_probes.other_runnable(), env_probes.parallel_speedup()
     if others is not None:
         return others >= BUSY_OTHERS, {"parallel_speedup_2proc": speedup, "other_runnable": others,
                                        "busy_rule": f"other runnable tasks >= {BUSY_OTHERS}"}
@@ -223,9 +224,6 @@ def provenance() -> dict:
 
 def not_applicable(configs: list[BenchConfig], model: str, *, image_size: int = 32) -> dict[str, str]:
     """{config name: why it cannot act on `model`} for the rows that would only measure noise."""
-    from torchspeed.bench.workloads import create_model
-    from torchspeed.train.trial.memory_format import has_conv2d
-
     with torch.device("meta"):  # shapes only: no memory, no weights initialised for real
         conv = has_conv2d(create_model(model, image_size=image_size))
     if conv:
@@ -243,8 +241,6 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
 
     `data` None: the model's own kind of data (`text` for `gpt`, else `synthetic`).
     """
-    from torchspeed.bench.workloads import BLOCK_SIZE, check_workload, default_data
-
     data = data or default_data(model)
     check_workload(model, data)
     dev = default_device(device or None)
@@ -280,8 +276,6 @@ def run_bench(*, model: str = "resnet18", data: str | None = None, batch_size: i
                            "train_flops_per_sample": flops,
                            "peak_bf16_flops": peak_bf16_flops(info.device_name) if dev.type == "cuda" else None}
     if "all" in times and "hand" in times:  # does torchspeed beat the best loop written by hand, here?
-        from torchspeed.bench.compare import compare_ratios
-
         meta["all_over_hand_runs"] = paired_ratios(times["hand"], times["all"])
         meta["all_over_hand_interval"] = compare_ratios(meta["all_over_hand_runs"])
         meta["all_over_hand"] = meta["all_over_hand_interval"]["median"]

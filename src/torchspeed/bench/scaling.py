@@ -37,8 +37,15 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import DataLoader
 
+from torchspeed.bench.runner import provenance
+from torchspeed.bench.workloads import create_model, make_datasets
 from torchspeed.env import usable_cores
+from torchspeed.train.config import TrainConfig
+from torchspeed.train.loop.trainer import Trainer
+from torchspeed.train.parallel.distributed import all_reduce_sum, barrier, is_rank_zero
+from torchspeed.train.parallel.shard import shard_loader
 from torchspeed.train.trial.rounds import interleaved, paired_ratios
 
 __all__ = ["ScalingRow", "ScalingResult", "measure_scaling", "run_scaling_cli"]
@@ -136,8 +143,6 @@ def run_scaling_cli(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from torchspeed.bench.runner import provenance
-
     if args.nproc < 2:  # the CLI checks this first (a one-line error); a caller in Python gets a ValueError
         raise ValueError(f"--nproc compares N processes with 1: give N >= 2, got {args.nproc}")
     device = args.device or "cpu"
@@ -232,14 +237,6 @@ def _rank_logs(log_dir: str, lines: int = 20) -> str:
 
 def _worker(job: dict) -> None:
     """One rank of a measuring job (run by torchrun)."""
-    from torch.utils.data import DataLoader
-
-    from torchspeed.bench.workloads import create_model, make_datasets
-    from torchspeed.train.parallel.distributed import all_reduce_sum, barrier, is_rank_zero
-    from torchspeed.train.parallel.shard import shard_loader
-    from torchspeed.train.config import TrainConfig
-    from torchspeed.train.loop.trainer import Trainer
-
     torch.set_num_threads(job["threads"])
     torch.manual_seed(0)
     world = int(os.environ.get("WORLD_SIZE", 1))

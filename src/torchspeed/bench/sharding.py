@@ -33,9 +33,16 @@ import tempfile
 import time
 
 import torch
+from torch.utils.data import DataLoader
 
+from torchspeed.bench.runner import provenance
 from torchspeed.bench.scaling import _torchrun
-from torchspeed.env import usable_cores
+from torchspeed.bench.workloads import create_model, make_datasets
+from torchspeed.env import other_runnable, usable_cores
+from torchspeed.train.config import TrainConfig
+from torchspeed.train.loop.trainer import Trainer
+from torchspeed.train.parallel.distributed import all_reduce_sum, barrier, broadcast_object, is_rank_zero
+from torchspeed.train.parallel.shard import shard_loader
 from torchspeed.train.trial.rounds import turns
 
 __all__ = ["measure_sharding", "run_sharding_cli"]
@@ -83,9 +90,6 @@ def run_sharding_cli(args) -> int:
     """`torchspeed bench --nproc N --parallel fsdp2`: measure, print a table, write the JSON."""
     from rich.console import Console
     from rich.table import Table
-
-    from torchspeed.bench.runner import provenance
-    from torchspeed.env import other_runnable
 
     steps = args.steps or (5 if args.quick else 10)
     batch = args.batch_size if args.batch_size != 128 else 16  # 128 is the image bench's default
@@ -149,14 +153,6 @@ def _state_bytes(trainer) -> tuple[int, int]:
 
 def _worker(job: dict) -> None:
     """One rank of a measuring job (run by torchrun)."""
-    from torch.utils.data import DataLoader
-
-    from torchspeed.bench.workloads import create_model, make_datasets
-    from torchspeed.train.parallel.distributed import all_reduce_sum, barrier, broadcast_object, is_rank_zero
-    from torchspeed.train.parallel.shard import shard_loader
-    from torchspeed.train.config import TrainConfig
-    from torchspeed.train.loop.trainer import Trainer
-
     torch.set_num_threads(job["threads"])
     torch.manual_seed(0)
     world = int(os.environ.get("WORLD_SIZE", 1))

@@ -53,7 +53,12 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 
+from torchspeed.bench._protocol import read_reply
+from torchspeed.bench.config_process import config_env
+from torchspeed.bench.runner import bench_configs, machine_busy, provenance
 from torchspeed.bench.tta_table import target_entries
+from torchspeed.env import default_device
+from torchspeed.plan.parts import PARTS
 from torchspeed.train.optim import SCHEDULE_FREE_LR
 from torchspeed.train.loop.progress import progress_bar
 
@@ -216,9 +221,6 @@ def run_time_to_target(*, model: str = "resnet20", data: str = "digits", targets
     "naive": the plain loop) with `metric="val_loss"` and no targets: the target is the worst final
     validation loss that config reaches over the seeds at budget `start` (its default budget).
     """
-    from torchspeed.bench.runner import bench_configs, machine_busy, provenance
-    from torchspeed.env import default_device
-
     _check(seeds, metric, targets, target_from, configs)
     dev = default_device(device or None)
     if busy is None:
@@ -346,8 +348,6 @@ def _nearest(budgets, b: int) -> int:
 def _ablation(on: list[str], seeds: list[int], run_seeds, budgets, target: float, metric: str, auto_budget: int | None,
               batch: int, say) -> list:
     """Leave one part out (`on`: the parts auto turned on) or add one (parts it left off): the budget each needs."""
-    from torchspeed.plan.parts import PARTS
-
     rows = []
     for part in PARTS:
         if part in ("muon", "schedulefree", "batch"):  # optimizer parts: their own rows; batch: 300+ step runs only
@@ -382,19 +382,14 @@ def attach_time_to_target(result, tta: TTAResult) -> None:
 
 # ---------------------------------------------------------------------- one run, in its own process
 def _process(cfg, spec: dict) -> dict:
-    from torchspeed.bench._worker import PREFIX
-    from torchspeed.bench.config_process import config_env
-
     spec = spec | {"train": asdict(replace(cfg.train, schedule="onecycle")), "num_workers": cfg.num_workers}
     proc = subprocess.run([sys.executable, "-m", "torchspeed.bench.time_to_target_worker"],
                           input=json.dumps(spec) + "\n", capture_output=True, text=True, env=config_env(cfg))
     what = f"time to accuracy, config {spec['config']!r} seed {spec['seed']}" + (
         f" budget {spec['budget']}" if "budget" in spec else "")
     for line in proc.stdout.splitlines():
-        if line.startswith(PREFIX):
-            reply = json.loads(line[len(PREFIX):])
-            if not reply.get("ok"):
-                raise RuntimeError(f"{what} failed: {reply.get('error')}\n{reply.get('traceback', '')}")
-            return reply
+        answer = read_reply(line, what)
+        if answer is not None:
+            return answer
     tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
     raise RuntimeError(f"{what}: its process exited (code {proc.returncode})\n{tail}")

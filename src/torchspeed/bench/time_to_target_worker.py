@@ -1,6 +1,7 @@
 """One time-to-target run in its own process (bench/time_to_target.py starts it): the spec on stdin, the reply on
 stdout. `train_budget` trains one config for one step budget through `torchspeed.fit`, what users run, and
-evaluates once; `warm` fills the cache an `auto_warm` run reads.
+evaluates once; `warm` fills the cache an `auto_warm` run reads. The process's one job is to train: its whole
+stack is imported at the top.
 """
 
 from __future__ import annotations
@@ -10,22 +11,27 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, replace
 
+from torchspeed import fitting  # `fitting.fit` read at each run (tests spy on it)
+from torchspeed._allocator import allocator_in_use
+from torchspeed.bench import _worker  # `_worker._data` read at each run (tests swap the validation set)
+from torchspeed.bench._protocol import reply
 from torchspeed.bench.time_to_target import SF_LR, TTARun, _met
-from torchspeed.train.loop.callbacks import Callback
+from torchspeed.train.config import TrainConfig
 from torchspeed.train.eval_view import eval_weights
+from torchspeed.train.loop.callbacks import Callback
+from torchspeed.train.losses import default_loss
 
 __all__ = ["train_budget", "warm", "main"]
 
 
 def _setup(spec: dict):
-    from torchspeed.bench._worker import _data, _model
-
-    loader, val_loader, device = _data(spec)
+    loader, val_loader, device = _worker._data(spec)
     if len(loader) < 1:
         raise ValueError(f"the training set has fewer samples than one batch of {spec['batch_size']}")
-    return loader, val_loader, device, _model(spec)
+    return loader, val_loader, device, _worker._model(spec)
 
 
 WARM_STEPS = 1_000_000  # the earlier run's length: long enough that every part of the recipe measures
@@ -36,16 +42,13 @@ def warm(spec: dict) -> dict:
     `WARM_STEPS` (every part measures, the switch trial runs in full), stopped once the switch trial and the
     in-run measurements have settled; its cache is spec["cache_dir"] (the auto_warm row reads it; this time is
     not on its clock)."""
-    from torchspeed.fitting import fit
-    from torchspeed.train.config import TrainConfig
-
     os.environ["TORCHSPEED_CACHE_DIR"] = spec["cache_dir"]
     t0 = time.perf_counter()
     loader, _, device, model = _setup(spec)  # its validation loader is never read
     cfg = replace(TrainConfig(**spec["train"]), grad_accum=1, progress=False)
-    result = fit(model, loader, optimizer=spec["optimizer"], device=device, epochs=WARM_STEPS, config=cfg,
-                 max_steps=WARM_STEPS, schedule="onecycle", callbacks=[_StopWhenSettled()], recipe="auto",
-                 recipe_parts=spec.get("parts"))
+    result = fitting.fit(model, loader, optimizer=spec["optimizer"], device=device, epochs=WARM_STEPS, config=cfg,
+                         max_steps=WARM_STEPS, schedule="onecycle", callbacks=[_StopWhenSettled()], recipe="auto",
+                         recipe_parts=spec.get("parts"))
     d = {k: getattr(v, "value", v) for k, v in result.decisions.items()
          if k in ("optimizer", "lr", "label_smoothing", "bn_stats", "ema", "batch_size", "tta", "switch_trial")}
     d["on"] = _recipe_on(result.decisions)
@@ -66,10 +69,6 @@ def train_budget(spec: dict) -> TTARun:
     runs: `recipe="auto"` for auto and auto_warm (the ablation's parts through `recipe_parts`), the config's
     switches for every row. Its seconds are fit's own, choosing included, plus the preparation of the weights the
     run is judged by; then one evaluation, off the clock."""
-    from torchspeed._allocator import allocator_in_use
-    from torchspeed.fitting import fit
-    from torchspeed.train.config import TrainConfig
-
     # cold: an empty decision cache for this run alone (the switch trial and the recipe measure, on the clock);
     # auto_warm: the cache an earlier run left
     os.environ["TORCHSPEED_CACHE_DIR"] = spec.get("cache_dir") or tempfile.mkdtemp(prefix="torchspeed-cold-")
@@ -84,17 +83,15 @@ def train_budget(spec: dict) -> TTARun:
         lr = None
     keep = _Keep()
     t0 = time.perf_counter()
-    result = fit(model, loader, optimizer=optimizer, lr=lr, device=device, epochs=budget,  # max_steps ends it
-                 config=cfg, max_steps=budget, schedule="onecycle", callbacks=[keep],
-                 recipe="auto" if auto else None, recipe_parts=spec.get("parts") if auto else None)
+    result = fitting.fit(model, loader, optimizer=optimizer, lr=lr, device=device, epochs=budget,  # max_steps ends it
+                         config=cfg, max_steps=budget, schedule="onecycle", callbacks=[keep],
+                         recipe="auto" if auto else None, recipe_parts=spec.get("parts") if auto else None)
     t_end = time.perf_counter()
     clock = t_end - t0
     trainer, decided = keep.trainer, result.decisions
     judged = _judged_weights(trainer, decided)
     clock += judged
     if trainer.config.label_smoothing:  # the target's loss is the plain cross-entropy, as for every config
-        from torchspeed.train.losses import default_loss
-
         trainer.loss_fn = default_loss()
     out = trainer.evaluate(val_loader)    # off the clock
     decisions = {k: str(v) for k, v in decided.items()}
@@ -170,12 +167,10 @@ def _judged_weights(trainer, decisions: dict) -> float:
 
 
 def main() -> int:
-    from torchspeed.bench._worker import _reply
-
     spec = json.loads(sys.stdin.readline())
     try:
         if spec.get("mode") == "warm":
-            _reply({"ok": True} | warm(spec))
+            reply({"ok": True} | warm(spec))
         else:  # the seeds in turn, stopping at the first that misses the target (when one is given)
             runs = []
             for s in spec["seeds"]:
@@ -183,11 +178,9 @@ def main() -> int:
                 runs.append(asdict(run))
                 if spec.get("target") is not None and not _met(run, spec["target"], spec["metric"]):
                     break
-            _reply({"ok": True, "runs": runs})
+            reply({"ok": True, "runs": runs})
     except Exception as e:  # reported to the parent, which names the config, seed and budget that failed
-        import traceback
-
-        _reply({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        reply({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
     return 0
 
 

@@ -34,6 +34,8 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from torchspeed._extras import require
+from torchspeed.bench.text import GPT, byte_text_datasets
+from torchspeed.model.spec import build_model
 
 __all__ = ["resnet18_cifar", "create_model", "SyntheticImages", "digits", "make_datasets", "MODELS", "DATASETS",
            "TEXT_MODELS", "TEXT_DATASETS", "default_data", "check_workload", "example_input"]
@@ -111,8 +113,6 @@ def create_model(name: str = "resnet18", *, num_classes: int = 10, image_size: i
     A `module:function` or `file.py:function` name is the user's own image model (model/spec.py).
     """
     if ":" in name:
-        from torchspeed.model.spec import build_model
-
         return build_model(name, num_classes=num_classes)
     if name == "resnet20":
         return resnet20(num_classes)
@@ -129,8 +129,6 @@ def create_model(name: str = "resnet18", *, num_classes: int = 10, image_size: i
         return nn.Sequential(nn.Flatten(), nn.Linear(3 * image_size * image_size, 512), nn.ReLU(),
                              nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, num_classes))
     if name == "gpt":  # a byte-level language model: num_classes and image_size do not apply
-        from torchspeed.bench.text import GPT
-
         return GPT(block_size=BLOCK_SIZE)
     raise ValueError(f"model {name!r} is not one of {', '.join(MODELS)}")
 
@@ -186,7 +184,5 @@ def make_datasets(name: str = "synthetic", *, train_size: int = 4096, val_size: 
     if name == "digits":
         return digits(seed=seed, size=image_size)
     if name == "text":
-        from torchspeed.bench.text import byte_text_datasets
-
         return byte_text_datasets(train_size=train_size, val_size=val_size, block_size=BLOCK_SIZE, seed=seed)
     raise ValueError(f"dataset {name!r} is not one of {', '.join(DATASETS)}")
