@@ -203,14 +203,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "cli/tune.py": (8, STARTUP + ": every subcommand is imported to build the parser"),
     "data/bench.py": (4, STARTUP),
     "data/decode.py": (1, CYCLE + ": decode <-> synthetic"),
-    "doctor/_child.py": (1, REWORK),
-    "doctor/_envfix.py": (3, EXTRA + " (libcst, for the patches it re-runs)"),
-    "doctor/_fit_plan.py": (3, REWORK),
-    "doctor/_job.py": (7, REWORK),
-    "doctor/_model_checks.py": (1, REWORK),
-    "doctor/diagnose.py": (4, CYCLE + ": diagnose <-> _job, _envfix, _script_options"),
     "doctor/registry.py": (1, CYCLE + ": the rules register themselves with the registry"),
-    "doctor/verify.py": (3, INJECT + ": tests patch doctor._contention"),
     "inference.py": (6, STARTUP),
     "train/bnstats.py": (3, CYCLE + ": bnstats <-> batch, transfer, decision"),
     "train/parallel/fsdp.py": (2, CYCLE + ": fsdp <-> distributed"),
@@ -219,7 +212,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 97
+LAZY_TOTAL = 75
 
 
 def lazy_imports(source: str) -> list[int]:

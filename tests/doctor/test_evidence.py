@@ -155,15 +155,13 @@ def test_fewer_workers_is_advised_when_measured_and_workers_never_against_the_tu
 
 
 def test_verify_tries_the_worker_count_the_tuner_chooses(monkeypatch):
-    from torchspeed.tune import loader as tune_mod
-
     chosen = {}
 
     def fake_tune_loader(dataset, **kw):
         chosen["called"] = kw["batch_size"]
         return type("S", (), {"num_workers": 0, "reason": "workers do not help (injected)"})()
 
-    monkeypatch.setattr(tune_mod, "tune_loader", fake_tune_loader)
+    monkeypatch.setattr(verify_mod, "tune_loader", fake_tune_loader)  # the tuner verify calls
     torch.manual_seed(0)
     model = nn.Linear(8, 4)
     ds = TensorDataset(torch.randn(64, 8), torch.randint(0, 4, (64,)))

@@ -12,6 +12,8 @@ import os
 import sys
 import traceback
 
+from torchspeed.doctor._job import run_job
+
 
 def main(argv: list[str]) -> int:
     spec_path, out_path = argv[1], argv[2]
@@ -20,7 +22,6 @@ def main(argv: list[str]) -> int:
     if spec.get("threads"):
         import torch
         torch.set_num_threads(int(spec["threads"]))
-    from torchspeed.doctor._job import run_job
 
     for i, job in enumerate(spec["jobs"]):
         try:

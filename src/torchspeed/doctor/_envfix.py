@@ -40,9 +40,12 @@ import statistics
 from collections.abc import Callable, Mapping
 
 from torchspeed.doctor._interval import MAX_ROUNDS, bootstrap_interval, gain_interval, wide
+from torchspeed.doctor import _patches  # noqa: F401  (registers every patch)
+from torchspeed.doctor._patch_base import NotApplicable, PatchContext, apply_patch, libcst_missing
 from torchspeed.doctor._rounds import round_summary
 from torchspeed.doctor.observation import EnvFixResult, Observation
 from torchspeed.doctor.rules._ceiling import below_minimum, ceiling, skipped_entry
+from torchspeed.doctor.rules.allocator import FAULTS
 from torchspeed.env import GLIBC_MALLOC_ENV
 
 __all__ = ["ENV_FIXES", "ENV_BUDGET_MS", "env_candidates", "patch_candidates", "measure_env_fixes", "summarize",
@@ -58,7 +61,6 @@ WAIT_SHARE = 0.05  # the data wait (share of the step) worth re-running the scri
 
 def env_candidates(obs: Observation, environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
     """The environment fixes that apply to this observation: {name: variables to add}."""
-    from torchspeed.doctor.rules.allocator import FAULTS
 
     environ = os.environ if environ is None else environ
     out: dict[str, dict[str, str]] = {}
@@ -82,8 +84,6 @@ def env_candidates(obs: Observation, environ: Mapping[str, str] | None = None) -
 
 def patch_candidates(obs: Observation, source: str | None) -> dict[str, dict]:
     """The source fixes that apply: {"workers": {"source": patched text, "workers": n, "label": ...}}."""
-    from torchspeed.doctor import _patches  # noqa: F401  (registers every patch)
-    from torchspeed.doctor._patch_base import NotApplicable, PatchContext, apply_patch, libcst_missing
 
     loaders = [ld for ld in obs.get("loaders") or [] if ld.get("num_workers") == 0 and ld.get("map_style", True)
                and not ld.get("in_memory")]

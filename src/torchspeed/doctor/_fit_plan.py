@@ -32,10 +32,12 @@ import statistics
 from collections.abc import Callable
 
 from torchspeed.doctor._rounds import round_summary
+from torchspeed.doctor.verify import _amp_dtype, _interleave, _Trainer
+from torchspeed.env import DeviceCaps
 from torchspeed.doctor.observation import (AllocatorStage, BeyondGrid, CompileStage, FitPlan, Observation, ThreadStage,
                                           VerifyResult)
 from torchspeed.plan.planner import PORTED_MIN_GAIN
-from torchspeed.train.trial.switch_choice import Switches, candidate_grid, choose
+from torchspeed.train.trial.switch_choice import Switches, candidate_grid, choose, fusable
 
 __all__ = ["fit_plan", "PLAN_FIXES", "plan_fixes", "beyond_grid", "MIN_GAIN"]
 
@@ -58,7 +60,6 @@ def _script_switches(obs: Observation, caps, fusable: bool) -> Switches:
 
 
 def _measure_on_model(cap, rounds: int) -> Callable[[Switches, Switches], list[float]]:
-    from torchspeed.doctor.verify import _amp_dtype, _interleave, _Trainer
 
     device = next(cap.model.parameters()).device
 
@@ -87,8 +88,6 @@ def fit_plan(cap, obs: Observation, *, rounds: int = 5, caps=None, measure: Call
     the script ported with its own optimizer and LR (`ported`), or of a run that leaves the LR to fit.
 
     `caps` (`torchspeed.env.DeviceCaps`) and `measure(candidate, script) -> per-round ratios` are injectable."""
-    from torchspeed.env import DeviceCaps
-    from torchspeed.train.trial.switch_choice import fusable
 
     if cap.model is None or cap.args is None:
         return {"error": "no model forward with a captured batch"}

@@ -25,6 +25,11 @@ import traceback
 import torch
 
 from torchspeed.doctor._compile_log import CompileLog
+from torchspeed.doctor import _datasets, _kernels, _model_checks, _summary
+from torchspeed.doctor._capture import capture
+from torchspeed.doctor._fit_plan import fit_plan
+from torchspeed.doctor.verify import measure_contention, verify_fixes
+from torchspeed.env import detect, usable_cores
 from torchspeed.doctor._probe import Probe, StopScript
 from torchspeed.doctor._sites import is_user_file
 
@@ -41,7 +46,6 @@ def _alarm(signum, frame):
 
 def read_settings(obs: dict) -> None:
     """What the script left switched on: debug modes, CPU math precision, threads (read while it runs)."""
-    from torchspeed.env import usable_cores
 
     mk = torch.backends.mkldnn
     obs["debug"] = {"anomaly_detection": bool(torch.is_anomaly_enabled()),
@@ -135,8 +139,6 @@ def outermost_autocast_off():
 
 
 def _analyse(probe: Probe, job: dict, obs: dict) -> None:
-    from torchspeed.doctor import _datasets, _kernels, _model_checks, _summary
-    from torchspeed.doctor._capture import capture
 
     if job.get("measure_only"):  # --fix timing runs: the step-time breakdown only
         _summary.summarize(probe, obs)
@@ -149,13 +151,10 @@ def _analyse(probe: Probe, job: dict, obs: dict) -> None:
             _model_checks.examine_model(captured, obs)
             _kernels.profile_kernels(captured, obs)
             _datasets.probe_datasets(probe, obs)
-            from torchspeed.doctor.verify import measure_contention
             measure_contention(captured, obs)
             if job.get("verify"):
-                from torchspeed.doctor.verify import verify_fixes
                 obs["verify"] = verify_fixes(captured, obs, fixes=job.get("fixes"), rounds=int(job.get("rounds", 5)))
                 if not job.get("fixes") or {"autocast", "channels_last", "fused_optimizer"} & set(job["fixes"]):
-                    from torchspeed.doctor._fit_plan import fit_plan  # the gap to fit, explained
                     obs["fit_plan"] = fit_plan(captured, obs, rounds=int(job.get("rounds", 5)))
     except Exception as e:  # a doctor failure must not look like the script's
         obs["notes"].append(f"analysis failed: {type(e).__name__}: {e}")
@@ -204,7 +203,6 @@ class _Run:
 
 def _start(job: dict) -> dict:
     """The observation a run starts from: the script, its arguments, the step counts, the machine."""
-    from torchspeed.env import detect
 
     steps, warmup = int(job.get("steps", 30)), int(job.get("warmup", 5))
     return {"script": job["script"], "argv": list(job.get("args", [])), "steps_requested": steps,

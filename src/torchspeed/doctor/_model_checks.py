@@ -21,7 +21,7 @@ from torch import nn
 from torchspeed.doctor._capture import Captured
 from torchspeed.doctor._tree import call_model, first_tensor, generic_loss
 from torchspeed.model.conv_bias import find_conv_bn_pairs
-from torchspeed.train.wrappers import is_compiled
+from torchspeed.train.wrappers import is_compiled, unwrap_model
 
 __all__ = ["examine_model", "leaf_trace", "optimizer_info", "FUSED_OPTIMIZERS"]
 
@@ -52,7 +52,6 @@ _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.Group
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    from torchspeed.train.wrappers import unwrap_model
 
     return unwrap_model(model)
 

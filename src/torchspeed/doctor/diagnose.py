@@ -23,7 +23,11 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from torchspeed.doctor._envfix import measure_env_fixes
+from torchspeed.doctor._fit_plan import beyond_grid
 from torchspeed.doctor._interval import SEED
+from torchspeed.doctor._job import run_job
+from torchspeed.doctor._script_options import with_script_options
 from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import run_rules
 from torchspeed.doctor.report import DoctorReport
@@ -62,13 +66,9 @@ def report_from_observation(obs: Observation, *, script: str | None = None) -> D
     already gives a finding's fix, that option comes first in it (`_script_options`)."""
     findings = tuple(run_rules(obs)) if obs.get("status") not in ("doctor-error", "killed") else ()
     if (obs.get("fit_plan") or {}).get("chosen"):  # what fit does beyond the plan's grid, from what was measured
-        from torchspeed.doctor._fit_plan import beyond_grid
-
         obs["fit_plan"]["beyond_grid"] = beyond_grid(obs)
     path = script or obs.get("script")
     if findings and path and os.path.isfile(path):  # the script's own options that give a fix come first
-        from torchspeed.doctor._script_options import with_script_options
-
         with open(path, errors="replace") as f:
             findings = tuple(with_script_options(findings, obs, f.read()))
     return DoctorReport(script=script or obs.get("script", "?"), status=obs.get("status", "?"),
@@ -162,8 +162,6 @@ def diagnose_many(jobs: Sequence[DoctorJob], *, quiet: bool = False, threads: in
     for i, j in enumerate(jobs):
         obs = results[i]
         if not j.measure_only and j.env_rounds > 0 and obs.get("status") in ("stopped", "finished"):
-            from torchspeed.doctor._envfix import measure_env_fixes
-
             measure_env_fixes(j, obs, measure=measure_env, run_variants=measure_variants)
         reports.append(report_from_observation(obs, script=j.script))
     return reports
@@ -183,7 +181,6 @@ def diagnose(script: str, *, args: Sequence[str] = (), steps: int = 30, warmup: 
                     env_rounds=env_rounds)
     if not isolate:
         _check_script(script)
-        from torchspeed.doctor._job import run_job
         return report_from_observation(run_job(job.to_spec()), script=script)
     return diagnose_many([job], quiet=quiet, measure_env=measure_env)[0]
 

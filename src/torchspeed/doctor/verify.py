@@ -41,6 +41,8 @@ import torch
 from torch import nn
 
 from torchspeed.doctor._interval import MAX_ROUNDS, measure_rounds
+from torchspeed.doctor import _contention  # its functions read when called (tests patch them there)
+from torchspeed.doctor.registry import fix_rules
 from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
 from torchspeed.doctor.observation import CpuContention, LossCheck, Observation, VerifyResult
 from torchspeed.doctor.rules._ceiling import below_minimum, ceiling, skipped_entry
@@ -51,6 +53,7 @@ from torchspeed.train.sampler import rebuild_loader
 from torchspeed.train.trial.precision import half_precision
 from torchspeed.train.loop.step import closure_for
 from torchspeed.train.trial.memory_format import apply_channels_last, to_channels_last
+from torchspeed.tune.loader import tune_loader
 
 __all__ = ["IMPLEMENTED", "verify_fixes", "applicable_fixes", "time_model_alone", "measure_contention"]
 
@@ -269,7 +272,6 @@ def tuned_workers(cap, loader) -> tuple[int, str]:
     The tuner measures fewer workers as well as more (0 up to the usable cores), end to end with a
     training step of a copy of the script's model, so the doctor and `torchspeed tune` agree.
     """
-    from torchspeed.tune.loader import tune_loader
 
     model = copy.deepcopy(cap.model)
     loss_fn = cap.loss_module if cap.loss_module is not None else None
@@ -327,7 +329,6 @@ def measure_contention(cap, obs: Observation) -> None:
     """`obs["cpu"]`: workers, threads and cores, and, when workers + threads exceed the cores, the model's
     step alone: timed once the script's workers have filled their queue and gone idle (`_contention`),
     with how busy they still were while it ran."""
-    from torchspeed.doctor._contention import children_cpu_s, quartiles, wait_children_idle
 
     workers = max((ld["num_workers"] for ld in obs.get("loaders") or []), default=0)
     threads, cores = int(obs.get("threads", 1)), int(obs.get("cpu_cores", 1))
@@ -341,13 +342,13 @@ def measure_contention(cap, obs: Observation) -> None:
                                                           for d in obs.get("datasets") or []), default=0.0), 3)}
     model_on_cpu = cap.model is not None and next(cap.model.parameters()).device.type == "cpu"
     if workers and workers + threads > cores and model_on_cpu:
-        wait_children_idle()
-        cpu0, t0 = children_cpu_s(), time.perf_counter()
+        _contention.wait_children_idle()
+        cpu0, t0 = _contention.children_cpu_s(), time.perf_counter()
         alone = time_model_alone(cap)
-        cpu1, wall = children_cpu_s(), time.perf_counter() - t0
+        cpu1, wall = _contention.children_cpu_s(), time.perf_counter() - t0
         if alone:
             c["compute_ms_alone"] = round(statistics.median(alone), 3)
-            c["compute_ms_alone_iqr"] = quartiles(alone)
+            c["compute_ms_alone_iqr"] = _contention.quartiles(alone)
         if cpu0 is not None and cpu1 is not None and wall > 0:
             c["workers_busy_during_alone"] = round((cpu1 - cpu0) / wall, 3)
     obs["cpu"] = c
@@ -358,7 +359,6 @@ def verify_fixes(cap, obs: Observation, *, fixes=None, rounds: int = 5, max_roun
     """Measure each applicable fix (or the ones named in `fixes`) in `rounds` rounds a side, up to `max_rounds`
     (default `_interval.MAX_ROUNDS`, at least `rounds`) while its interval is too wide to rank; {fix: result}."""
     max_rounds = max(rounds, MAX_ROUNDS if max_rounds is None else max_rounds)
-    from torchspeed.doctor.registry import fix_rules
 
     proves = fix_rules()
     wanted = applicable_fixes(cap, obs)
