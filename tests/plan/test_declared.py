@@ -26,8 +26,8 @@ FAST = dict(progress=False, compile=False, malloc=False)
 SHARED_WRITERS = {
     "batch_size": ({"tune_batch", "batch"}, "the recipe's batch part is off when fit is given batch_size="),
     "lr": ({"tune_lr", "lr"}, "the tuners decide it only when fit is given batch_size= with its own LR (the LR scaled "
-                              "to the batch); the recipe's LR part is then off unless recipe_parts names it, and that "
-                              "plan stops with a DecisionConflict (the second decision of a key)"),
+                              "to the batch); the recipe's LR part is then off unless recipe_parts names it, and then "
+                              "the scaled LR is the part's prior, decided as lr_scaled"),
 }
 
 
@@ -205,3 +205,24 @@ def test_the_loader_is_built_once_last_from_the_given_one_with_every_stages_sett
     plan = make_plan(tiny_cnn(), given, cfg, lr=0.05, batch_size=32)
     assert seen == [(32, 8)] and [k for _, k in built] == [{"batch_size": 32}, {"batch_size": 32, "drop_last": True}]
     assert all(src is given for src, _ in built) and plan.loader.drop_last and plan.run_steps == 7  # 240 // 32
+
+
+def test_a_given_lr_scaled_to_batch_size_is_the_prior_of_the_recipes_lr_part(tiny_cnn, monkeypatch):
+    """batch_size= with the run's own LR, and recipe_parts naming "lr": the tuners scale the LR to the batch and the
+    recipe's LR part decides it from there (both once wrote "lr", and the plan stopped with a DecisionConflict)."""
+    from torchspeed.plan import recipe_lr
+
+    seen = {}
+
+    def choose(model, data, **kw):
+        seen["batch"] = data.batch_size
+        return SimpleNamespace(lr=0.2, how="injected", evidence="no clock", steps=20, measured={})
+
+    monkeypatch.setattr(recipe_lr, "choose_peak_lr", choose)
+    monkeypatch.setattr(budget, "TUNING_SHARE", 20.0)
+    res = torchspeed.fit(tiny_cnn(), _loader(batch=16), epochs=1, lr=0.05, batch_size=32, recipe="auto",
+                         recipe_parts=("lr",), optimizer="sgd", trial=False, precision="fp32", **FAST)
+    d = res.decisions
+    assert d["lr_scaled"].value == pytest.approx(0.1) and "scaled to batch 32 from 16" in d["lr_scaled"].reason
+    assert "peak_lr" not in d  # the LR part's decision is the peak
+    assert seen["batch"] == 32 and d["lr"].value == 0.2 and "injected" in d["lr"].reason

@@ -248,7 +248,7 @@ BUILT_IN = (
     Stage("tune_lr", "before", lr_tuner, needs=("tune_batch",), cost="the range test's steps", fallback=False,
           what="`lr=\"auto\"`: the peak LR measured at the run's batch; or the LR given, scaled to a new batch",
           when=lambda ctx: ctx.lr == "auto" or "batch_size" in ctx.loader_changes,
-          writes=("lr_find", "lr", "peak_lr")),
+          writes=("lr_find", "lr", "peak_lr", "lr_scaled")),
     Stage("tune_loader", "before", loader_tuner, needs=("tune_lr",), cost="the loader tuner's timing",
           fallback=False, what="`loader=\"auto\"`: workers, pinning and prefetch measured at the run's batch",
           when=lambda ctx: ctx.loader_mode is not None, writes=("loader",)),

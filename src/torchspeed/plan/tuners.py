@@ -53,7 +53,16 @@ def lr_tuner(ctx: RunContext) -> None:
     ctx.lr, decided = tune_lr(ctx.model, ctx.planned_loader() if ctx.lr == "auto" else ctx.loader, ctx.lr,
                               _scratch(ctx), optimizer=ctx.optimizer, schedule=ctx.cfg.schedule, batches=(old, new),
                               **_measure(ctx))
+    if _recipe_decides_lr(ctx) and "lr" in decided:
+        # fit(recipe="auto", recipe_parts=(..., "lr")) with its own LR and batch_size=: the recipe's LR part decides
+        # "lr" (and so the peak), and the given LR scaled to the batch is its prior, kept as "lr_scaled"
+        decided["lr_scaled"] = decided.pop("lr")
+        decided.pop("peak_lr", None)
     ctx.decisions.update(decided)
+
+
+def _recipe_decides_lr(ctx: RunContext) -> bool:
+    return ctx.recipe == "auto" and ctx.recipe_parts is not None and "lr" in ctx.recipe_parts
 
 
 def loader_tuner(ctx: RunContext) -> None:
