@@ -13,7 +13,7 @@ from torchspeed._io import write_json
 from torchspeed.cli.main import CLIError
 
 
-SHARED = ("json", "png", "seeds", "full", "func")  # the suite's options and the throughput bench's alike
+SHARED = ("json", "png", "seeds", "full")  # the suite's options and the throughput bench's alike
 SUITE_ONLY = ("workloads", "rows", "time_limit")
 
 
@@ -66,7 +66,7 @@ def register(sub) -> None:
                    help="with --nproc: fsdp2 compares memory per process of FSDP2 against DDP (default model gpt)")
     _time_to_target_options(p)
     classic = {k: v for k, v in vars(p.parse_args([])).items() if k not in SHARED + SUITE_ONLY}
-    p.set_defaults(func=run, classic_defaults=classic)
+    p.set_defaults(classic_defaults=classic)
 
 
 def _time_to_target_options(p) -> None:

@@ -19,7 +19,7 @@ def register(sub) -> None:
     pk.add_argument("--quality", type=int, default=90, help="JPEG quality when re-encoding (with --max-side)")
     pk.add_argument("--on-error", default="raise", choices=["raise", "skip"],
                     help="bad image files: stop with an error naming the file (default), or skip and list them")
-    pk.set_defaults(func=run_pack)
+    pk.set_defaults(entry="run_pack")
 
     b = dsub.add_parser("bench", help="img/s of torchvision vs torchspeed vs decode-only, one thread")
     b.add_argument("path", help="ImageFolder directory (one subfolder per class)")
@@ -30,8 +30,8 @@ def register(sub) -> None:
     b.add_argument("--json", default=None, help="write the results JSON here")
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="cuda adds the nvjpeg row (GPU batch decode + crop); auto: cuda when a GPU is visible")
-    b.set_defaults(func=run_bench)
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+    b.set_defaults(entry="run_bench")
+    p.set_defaults(entry=None)  # `torchspeed data` alone: its help, exit 2
 
 
 def run_pack(args) -> int:

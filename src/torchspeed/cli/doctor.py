@@ -63,7 +63,6 @@ def register(sub) -> None:
     # (argparse drops it between two positionals)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="train.py [options] [-- script args]",
                    help="the training script (it is run, never modified), then its arguments after `--`")
-    p.set_defaults(func=run)
 
 
 def _split_rest(args) -> list[str]:

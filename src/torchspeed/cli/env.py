@@ -8,7 +8,6 @@ import json
 def register(sub) -> None:
     p = sub.add_parser("env", help="show what this machine can accelerate (T01)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

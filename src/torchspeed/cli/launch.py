@@ -50,7 +50,6 @@ def register(sub) -> None:
                    help="intra-op threads per process (default: usable cores / nproc on this machine)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after `--`: python train.py ARGS")
-    p.set_defaults(func=run)
 
 
 

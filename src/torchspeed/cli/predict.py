@@ -21,7 +21,6 @@ def register(sub) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--json", action="store_true", help="print JSON: every class's probability per image")
-    p.set_defaults(func=run)
 
 
 def _expand(paths: list[str]) -> list[str]:

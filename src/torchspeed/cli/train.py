@@ -78,7 +78,6 @@ def register(sub) -> None:
                    help="bad image files: skip and report them (default) or stop with an error")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bars (the summary is still printed)")
-    p.set_defaults(func=run)
 
 
 def _check_args(args) -> None:
@@ -269,6 +268,7 @@ def _run_info(args, result, pipe, *, lr: float, bad: list[str], world: int, n_tr
             "val_from": args.val or (f"{args.val_fraction:.0%} held out of --data" if n_val else "none"),
             **{f"{k}_files": str(ds.summary()) for k, ds in pipe.datasets.items()
                if k == "train" or args.val}}
+    # "func": null keeps run.json's args as they were when the parser set the runner function
     return {"args": vars(args) | {"func": None}, "lr": lr, "classes": pipe.classes,
             "pipeline": pipe.decisions, "fit_decisions": result.decisions, "data": data, "bad_files": bad,
             "final": result.final, "world_size": world}

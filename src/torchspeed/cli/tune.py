@@ -51,7 +51,6 @@ def register(sub) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--quick", action="store_true", help="fewer steps and batches (about a minute on 2 CPU cores)")
     p.add_argument("--out", default="tune_out", help="folder for tune.json and lr.png (default tune_out)")
-    p.set_defaults(func=run)
 
 
 def _dataset(args):
