@@ -206,7 +206,6 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "cli/bench.py": (10, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/data.py": (5, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/doctor.py": (7, STARTUP + ": every subcommand is imported to build the parser"),
-    "cli/env.py": (1, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/main.py": (1, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/predict.py": (4, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/train.py": (14, STARTUP + ": every subcommand is imported to build the parser"),
@@ -229,7 +228,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 142
+LAZY_TOTAL = 141
 
 
 def lazy_imports(source: str) -> list[int]:
