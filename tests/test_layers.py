@@ -207,7 +207,6 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "cli/data.py": (5, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/doctor.py": (7, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/main.py": (1, STARTUP + ": every subcommand is imported to build the parser"),
-    "cli/predict.py": (4, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/train.py": (14, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/tune.py": (8, STARTUP + ": every subcommand is imported to build the parser"),
     "data/bench.py": (4, STARTUP),
@@ -228,7 +227,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 141
+LAZY_TOTAL = 137
 
 
 def lazy_imports(source: str) -> list[int]:
