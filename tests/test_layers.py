@@ -204,7 +204,6 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "bench/time_to_target_worker.py": (8, STARTUP + ": the spawned worker's imports"),
     "bench/workloads.py": (3, STARTUP),
     "cli/bench.py": (10, STARTUP + ": every subcommand is imported to build the parser"),
-    "cli/doctor.py": (7, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/main.py": (1, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/train.py": (14, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/tune.py": (8, STARTUP + ": every subcommand is imported to build the parser"),
@@ -226,7 +225,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 132
+LAZY_TOTAL = 125
 
 
 def lazy_imports(source: str) -> list[int]:
