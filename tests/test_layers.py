@@ -205,7 +205,6 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "bench/workloads.py": (3, STARTUP),
     "cli/bench.py": (10, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/main.py": (1, STARTUP + ": every subcommand is imported to build the parser"),
-    "cli/train.py": (14, STARTUP + ": every subcommand is imported to build the parser"),
     "data/bench.py": (4, STARTUP),
     "data/decode.py": (1, CYCLE + ": decode <-> synthetic"),
     "doctor/_child.py": (1, REWORK),
@@ -224,7 +223,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 117
+LAZY_TOTAL = 103
 
 
 def lazy_imports(source: str) -> list[int]:
