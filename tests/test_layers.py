@@ -203,7 +203,6 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "bench/time_to_target.py": (5, STARTUP + ": the runner and the recipe load only when time to target runs"),
     "bench/time_to_target_worker.py": (8, STARTUP + ": the spawned worker's imports"),
     "bench/workloads.py": (3, STARTUP),
-    "cli/bench.py": (10, STARTUP + ": every subcommand is imported to build the parser"),
     "cli/main.py": (1, STARTUP + ": every subcommand is imported to build the parser"),
     "data/bench.py": (4, STARTUP),
     "data/decode.py": (1, CYCLE + ": decode <-> synthetic"),
@@ -223,7 +222,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 103
+LAZY_TOTAL = 93
 
 
 def lazy_imports(source: str) -> list[int]:

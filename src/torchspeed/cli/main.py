@@ -21,7 +21,7 @@ __all__ = ["main", "CLIError", "COMMANDS", "RUNNERS"]
 COMMANDS = ("env", "bench", "launch", "doctor", "data", "train", "tune", "predict")
 # subcommand -> its runner under torchspeed.cli, imported when the subcommand runs. The runner's `run(args)` runs
 # it, or the function its parser names in `entry` (`data pack`: run_pack).
-RUNNERS = {"env": "env_run", "bench": "bench", "launch": "launch", "doctor": "doctor_run", "data": "data_run",
+RUNNERS = {"env": "env_run", "bench": "bench_run", "launch": "launch", "doctor": "doctor_run", "data": "data_run",
            "train": "train_run", "tune": "tune_run", "predict": "predict_run"}
 
 
