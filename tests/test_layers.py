@@ -41,7 +41,7 @@ PURPOSE = {
     "plan": "the one planner and the recipe", "distill": "distillation's loss and teacher cache",
     "fitting": "`torchspeed.fit`", "slimming": "`torchspeed.slim`, pruning measured",
     "inference": "load_model, predict",
-    "bench": "the bench rows", "doctor": "the doctor", "cli": "one file per subcommand",
+    "bench": "the bench rows", "doctor": "the doctor", "cli": "per subcommand, its parser and its runner",
     "torchspeed": "the package face (`import torchspeed`)", "__main__": "`python -m torchspeed`",
 }
 
@@ -203,7 +203,8 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "bench/time_to_target.py": (5, STARTUP + ": the runner and the recipe load only when time to target runs"),
     "bench/time_to_target_worker.py": (8, STARTUP + ": the spawned worker's imports"),
     "bench/workloads.py": (3, STARTUP),
-    "cli/main.py": (1, STARTUP + ": every subcommand is imported to build the parser"),
+    "cli/main.py": (1, STARTUP + ": the entry point loads a rank's exit (torch.distributed) only to end its process "
+                    "group"),
     "data/bench.py": (4, STARTUP),
     "data/decode.py": (1, CYCLE + ": decode <-> synthetic"),
     "doctor/_child.py": (1, REWORK),

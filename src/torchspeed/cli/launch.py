@@ -1,4 +1,5 @@
-"""`torchspeed launch --nproc N -- CMD...`: start N training processes with torchrun (T31).
+"""`torchspeed launch --nproc N -- CMD...`: start N training processes with torchrun (T31). Its parser and its runner
+in one module: running it needs only the standard library (and torch for `--nproc gpu`).
 
 A thin wrapper over PyTorch's own launcher (`python -m torch.distributed.run`): it turns
 `python script.py ARGS` into `torchrun ... -m torchspeed.cli._rank script.py ARGS` (the

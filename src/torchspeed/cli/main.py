@@ -1,7 +1,9 @@
 """`torchspeed <command>`: the entry point, and the table of what runs each subcommand.
 
-Each subcommand module builds its parser (`register(subparsers)`); `RUNNERS` names the module that runs each
-subcommand, which `main` imports when that subcommand runs.
+A subcommand X has two modules: `cli/X.py` builds its parser (`register(subparsers)`: flags, help, defaults; light
+imports only) and `cli/X_run.py`, its runner, holds the code that runs it, with its imports at the top. `main` builds
+every parser but imports only the runner of the command it parsed (`RUNNERS`), so `torchspeed --help` loads none;
+launch, whose runner needs only the standard library, is one module.
 
 Expected mistakes (bad flags, missing paths, bad data, a feature whose extra is not installed)
 end with a one-line message and a non-zero exit code, not a traceback: subcommands raise `CLIError` for them.
