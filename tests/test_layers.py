@@ -265,6 +265,26 @@ def test_the_lazy_check_counts_imports_inside_functions_only():
     assert lazy_imports(source) == [3, 7]
 
 
+def test_each_subcommand_parser_leaves_its_runner_to_main():
+    """The CLI's imports are at the top of its modules: a subcommand's parser (cli/X.py) imports no runner, and
+    cli/main.py's RUNNERS names, for each subcommand, the runner it imports when that subcommand runs, which defines
+    the functions the parser names in `entry` (`run` unless it names others)."""
+    from torchspeed.cli.main import COMMANDS, RUNNERS
+
+    assert list(RUNNERS) == list(COMMANDS)
+    runners = {f"torchspeed.cli.{m}" for m in RUNNERS.values() if m not in COMMANDS}
+    for name, runner in RUNNERS.items():
+        tree = ast.parse((ROOT / "cli" / f"{name}.py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
+                   {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not imported & runners, f"cli/{name}.py builds the parser only: main imports its runner"
+        entries = {k.value.value for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords
+                   if k.arg == "entry" and isinstance(k.value, ast.Constant) and k.value.value} or {"run"}
+        defined = {n.name for n in ast.parse((ROOT / "cli" / f"{runner}.py").read_text()).body
+                   if isinstance(n, ast.FunctionDef)}
+        assert entries <= defined, (runner, entries - defined)
+
+
 def _module_graph() -> dict[str, set[str]]:
     """torchspeed module -> the torchspeed modules it imports, anywhere in the file (lazy imports too; not the
     type-only ones under `if TYPE_CHECKING:`, which never run)."""
