@@ -41,7 +41,7 @@ PURPOSE = {
     "plan": "the one planner and the recipe", "distill": "distillation's loss and teacher cache",
     "fitting": "`torchspeed.fit`", "slimming": "`torchspeed.slim`, pruning measured",
     "inference": "load_model, predict",
-    "bench": "the bench rows", "doctor": "the doctor", "cli": "one file per subcommand",
+    "bench": "the bench rows", "doctor": "the doctor", "cli": "per subcommand, its parser and its runner",
     "torchspeed": "the package face (`import torchspeed`)", "__main__": "`python -m torchspeed`",
 }
 
@@ -192,15 +192,8 @@ CYCLE, EXTRA, STARTUP, INJECT, REWORK = (
     "a cycle", "an optional extra", "start-up time", "a test's injection point (read when called)",
     "file under rework: its imports move with it")
 LAZY = {  # file -> (function-level torchspeed imports, why)
-    "cli/_auto.py": (2, STARTUP + ": every subcommand is imported to build the parser"),
-    "cli/bench.py": (10, STARTUP + ": every subcommand is imported to build the parser"),
-    "cli/data.py": (5, STARTUP + ": every subcommand is imported to build the parser"),
-    "cli/doctor.py": (7, STARTUP + ": every subcommand is imported to build the parser"),
-    "cli/env.py": (1, STARTUP + ": every subcommand is imported to build the parser"),
-    "cli/main.py": (1, STARTUP + ": every subcommand is imported to build the parser"),
-    "cli/predict.py": (4, STARTUP + ": every subcommand is imported to build the parser"),
-    "cli/train.py": (14, STARTUP + ": every subcommand is imported to build the parser"),
-    "cli/tune.py": (8, STARTUP + ": every subcommand is imported to build the parser"),
+    "cli/main.py": (1, STARTUP + ": the entry point loads a rank's exit (torch.distributed) only to end its process "
+                    "group"),
     "data/bench.py": (4, STARTUP),
     "data/decode.py": (1, CYCLE + ": decode <-> synthetic"),
     "doctor/registry.py": (1, CYCLE + ": the rules register themselves with the registry"),
@@ -212,7 +205,7 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
-LAZY_TOTAL = 75
+LAZY_TOTAL = 24
 
 
 def lazy_imports(source: str) -> list[int]:
@@ -252,6 +245,26 @@ def test_the_lazy_check_counts_imports_inside_functions_only():
     source = "from torchspeed.env import sync\ndef f():\n    import torchspeed.tune\n    x = lambda: 1\n" \
              "class C:\n    def m(self):\n        from torchspeed import fit\n"
     assert lazy_imports(source) == [3, 7]
+
+
+def test_each_subcommand_parser_leaves_its_runner_to_main():
+    """The CLI's imports are at the top of its modules: a subcommand's parser (cli/X.py) imports no runner, and
+    cli/main.py's RUNNERS names, for each subcommand, the runner it imports when that subcommand runs, which defines
+    the functions the parser names in `entry` (`run` unless it names others)."""
+    from torchspeed.cli.main import COMMANDS, RUNNERS
+
+    assert list(RUNNERS) == list(COMMANDS)
+    runners = {f"torchspeed.cli.{m}" for m in RUNNERS.values() if m not in COMMANDS}
+    for name, runner in RUNNERS.items():
+        tree = ast.parse((ROOT / "cli" / f"{name}.py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
+                   {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not imported & runners, f"cli/{name}.py builds the parser only: main imports its runner"
+        entries = {k.value.value for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords
+                   if k.arg == "entry" and isinstance(k.value, ast.Constant) and k.value.value} or {"run"}
+        defined = {n.name for n in ast.parse((ROOT / "cli" / f"{runner}.py").read_text()).body
+                   if isinstance(n, ast.FunctionDef)}
+        assert entries <= defined, (runner, entries - defined)
 
 
 def _module_graph() -> dict[str, set[str]]:

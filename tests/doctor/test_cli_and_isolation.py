@@ -45,7 +45,7 @@ def test_cli_reports_a_crashing_script(capsys):
 
 
 def test_cli_splits_doctor_options_from_script_arguments():
-    from torchspeed.cli.doctor import _split_rest
+    from torchspeed.cli.doctor import split_rest
     from torchspeed.cli.main import build_parser
     p = build_parser()
     cases = {("t.py", "--", "--steps", "2"): ("t.py", 30, ["--steps", "2"]),
@@ -54,7 +54,7 @@ def test_cli_splits_doctor_options_from_script_arguments():
              ("t.py",): ("t.py", 30, [])}
     for argv, (script, steps, script_args) in cases.items():
         a = p.parse_args(["doctor", *argv])
-        assert _split_rest(a) == script_args and a.script == script and a.steps == steps, argv
+        assert split_rest(a) == script_args and a.script == script and a.steps == steps, argv
 
 
 def test_cli_usage_errors(capsys):

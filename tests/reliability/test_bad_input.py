@@ -180,7 +180,7 @@ def test_corrupt_image_is_named(tmp_path, folder_api, damage):
 
 def test_cli_reports_missing_path_as_one_line(capsys, monkeypatch):
     """The CLI turns a FileNotFoundError from any command into one line and exit 2."""
-    import torchspeed.cli.env as env_cmd
+    import torchspeed.cli.env_run as env_cmd
 
     def boom(args):
         raise FileNotFoundError("data/train is not a directory: expected an ImageFolder")

@@ -152,7 +152,7 @@ def run_scaling_cli(args) -> int:
     console.print(f"[bold]torchspeed bench --nproc {args.nproc}[/]: {args.model} on {args.data}, batch "
                   f"{args.batch_size} per process, {rounds} interleaved rounds of torchrun jobs, {steps} steps "
                   "per timed window")
-    # a ValueError / RuntimeError here reaches the CLI, which prints it as one line (cli/bench.py)
+    # a ValueError / RuntimeError here reaches the CLI, which prints it as one line (cli/bench_run.py)
     result = measure_scaling(nproc=args.nproc, model=args.model, data=args.data, batch_size=args.batch_size,
                              steps=steps, rounds=rounds, windows=2 if args.quick else 3, device=device)
     table = Table(title=f"DistributedDataParallel scaling on {device}")

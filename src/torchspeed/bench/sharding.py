@@ -97,7 +97,7 @@ def run_sharding_cli(args) -> int:
     console.print(f"[bold]torchspeed bench --nproc {args.nproc} --parallel fsdp2[/]: {args.model} on {args.data}, "
                   f"batch {batch} per process, AdamW, DDP vs FSDP2 (fresh torchrun job each)")
     load = other_runnable()
-    # a ValueError / RuntimeError here reaches the CLI, which prints it as one line (cli/bench.py)
+    # a ValueError / RuntimeError here reaches the CLI, which prints it as one line (cli/bench_run.py)
     result = measure_sharding(nproc=args.nproc, model=args.model, data=args.data, batch_size=batch,
                               steps=steps, rounds=args.rounds or 1)
     table = Table(title=f"memory per process, {args.nproc} processes")

@@ -34,7 +34,7 @@ for itself.
 - Seeds change the initial weights and the batch order; every config sees the same ones.
 - Each run is a fresh process of `bench/time_to_target_worker.py`, started the way the
   throughput bench starts that config (allocator, OpenMP settings); the tables print in
-  `cli/bench.py`.
+  `cli/bench_run.py`.
 - The search assumes a budget that passes stays passing when it grows (true of these curves
   up to noise); it reports the budgets it tried and the final accuracy of every run.
 - `ablation=True`: a leave-one-out (or add-one) row per recipe part, and the budget it needs.

@@ -18,6 +18,9 @@ from __future__ import annotations
 import math
 import os
 
+from torchspeed.data.decode import image_size
+from torchspeed.data.pipeline import open_images
+
 __all__ = ["SIZE_CAP", "MIN_SIZE", "auto_size", "parse_size", "parse_crop_scale", "small_val_warning"]
 
 SIZE_CAP, MIN_SIZE, SAMPLE = 224, 32, 256
@@ -26,9 +29,6 @@ VAL_MIN = 400  # 1.96 * sqrt(0.25 / 400) = 0.049: +-5 points
 
 def auto_size(path: str | os.PathLike, *, cap: int = SIZE_CAP) -> int:
     """The median shorter image side of the dataset at `path`, rounded down to a multiple of 8, in [32, cap]."""
-    from torchspeed.data.decode import image_size
-    from torchspeed.data.pipeline import open_images
-
     ds = open_images(path, size=None, crop=None, on_error="skip")
     n = len(ds)
     step = max(1, n // SAMPLE)

@@ -1,4 +1,5 @@
-"""`torchspeed doctor train.py [-- script args] [--steps N] [--json PATH] [--verify] [--fix [--apply]]` (T02, T03).
+"""`torchspeed doctor train.py [-- script args] [--steps N] [--json PATH] [--verify] [--fix [--apply]]`'s parser,
+and the split of the doctor's options from the script's arguments (T02, T03; run by doctor_run.py).
 
 `--fix` writes each applicable finding as a patch of the script and measures it on the script
 itself (see `torchspeed.doctor.fix`); `--fix --apply` also writes the kept patches into the file.
@@ -14,15 +15,13 @@ verdict (`report.report_verdict`, also in `--json` under "verdict") is "regressi
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 
 from torchspeed.cli.main import CLIError
+from torchspeed.doctor.registry import fix_rules
 
-def _fix_names() -> tuple[str, ...]:
+
+def fix_names() -> tuple[str, ...]:
     """The fixes the rules declare (`register(..., fix=)`): the one table of fix names."""
-    from torchspeed.doctor.registry import fix_rules
-
     return tuple(fix_rules())
 
 
@@ -33,7 +32,7 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true",
                    help="measure each applicable fix on the script's model (interleaved with the baseline)")
     p.add_argument("--fixes", default=None,
-                   help=f"comma-separated fixes for --verify (default: all that apply): {','.join(_fix_names())}")
+                   help=f"comma-separated fixes for --verify (default: all that apply): {','.join(fix_names())}")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile in --verify (it takes a while)")
     p.add_argument("--rounds", type=int, default=5,
                    help="interleaved rounds a side per measured fix, --verify's and the environment re-runs' "
@@ -63,10 +62,9 @@ def register(sub) -> None:
     # (argparse drops it between two positionals)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="train.py [options] [-- script args]",
                    help="the training script (it is run, never modified), then its arguments after `--`")
-    p.set_defaults(func=run)
 
 
-def _split_rest(args) -> list[str]:
+def split_rest(args) -> list[str]:
     """Doctor options may follow the script; everything after `--` belongs to the script."""
     command = list(args.command or [])
     if not command or command[0] == "--":
@@ -88,81 +86,3 @@ def _split_rest(args) -> list[str]:
             raise CLIError(f"unknown option(s) {' '.join(unknown)}; pass the script's own arguments after `--`, "
                            f"e.g. torchspeed doctor {args.script} -- {' '.join(unknown)}")
     return tail
-
-
-def _fix(report, args, script_args, console):
-    import dataclasses
-
-    from torchspeed.doctor.fix import fix_script
-    from torchspeed.train.loop.progress import status_bar
-
-    n = sum(1 for f in report.findings if f.patch)
-    with status_bar(f"[bold]doctor --fix[/]: measuring {n} patch(es) on {args.script}, "
-                    f"{args.fix_rounds} interleaved rounds", console=console) as progress:
-        progress.add_task("fix", total=None)
-        result = fix_script(report, args=script_args, steps=args.steps, warmup=args.warmup, rounds=args.fix_rounds,
-                            time_limit=args.time_limit, apply=args.apply)
-    from torchspeed.doctor.registry import with_fix
-
-    return with_fix(report, result)  # the findings re-ranked by what each patch measured
-
-
-def run(args) -> int:
-    from rich.console import Console
-    from torchspeed.doctor import DoctorJob, diagnose_many, exit_code, render_report
-    from torchspeed.train.loop.progress import status_bar
-
-    script_args = _split_rest(args)
-    if not os.path.isfile(args.script):
-        raise CLIError(f"no such script: {args.script}")
-    if not args.script.endswith(".py"):
-        raise CLIError(f"{args.script} is not a Python file; give the training script, e.g. train.py")
-    if args.rounds < 2:
-        raise CLIError(f"--rounds must be at least 2 (an interval needs rounds on each side), got {args.rounds}")
-    if args.steps < 1 or args.warmup < 1:
-        raise CLIError("--steps and --warmup must be at least 1 (the first step always includes start-up)")
-    fixes = None
-    if args.fixes:
-        fixes = tuple(f.strip() for f in args.fixes.split(",") if f.strip())
-        bad = [f for f in fixes if f not in _fix_names()]
-        if bad:
-            raise CLIError(f"unknown fix(es) {', '.join(bad)}; choose from {', '.join(_fix_names())}")
-    elif args.no_compile:
-        fixes = tuple(f for f in _fix_names() if f != "compile")
-    if args.apply and not args.fix:
-        raise CLIError("--apply writes what --fix measured: use --fix --apply")
-    if args.fix:
-        from torchspeed.doctor._patch_base import libcst_missing
-
-        hint = libcst_missing()
-        if hint:
-            raise CLIError(hint)
-        if args.fix_rounds < 1:
-            raise CLIError("--fix-rounds must be at least 1")
-    job = DoctorJob(script=args.script, args=tuple(script_args), steps=args.steps, warmup=args.warmup,
-                    verify=args.verify, fixes=fixes, rounds=args.rounds, time_limit=args.time_limit,
-                    env_rounds=args.rounds)
-    console = Console()
-    with tempfile.TemporaryDirectory(prefix="torchspeed-doctor-") as tmp:
-        log = os.path.join(tmp, "script-output.txt")
-        if args.show_output:
-            report = diagnose_many([job], quiet=False)[0]
-        else:
-            what = "running the script" + (" and measuring each fix" if args.verify else "")
-            with status_bar(f"[bold]doctor[/]: {what} ({args.script})", console=console) as progress:
-                progress.add_task("run", total=None)
-                report = diagnose_many([job], quiet=True, log_path=log)[0]
-        tail = ""
-        if report.status in ("raised", "exited", "killed") and os.path.exists(log):
-            with open(log, errors="replace") as f:
-                tail = "".join(f.readlines()[-15:])
-    if args.fix and report.status in ("stopped", "finished"):
-        report = _fix(report, args, script_args, console)
-    render_report(report, console)
-    if tail:
-        console.print("[dim]last lines the script printed:[/]")
-        console.print(tail, markup=False, highlight=False)
-    if args.json:
-        report.write_json(args.json)
-        console.print(f"report written to {args.json}")
-    return exit_code(report, fail_on_regression=args.fail_on_regression)

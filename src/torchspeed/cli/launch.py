@@ -1,4 +1,5 @@
-"""`torchspeed launch --nproc N -- CMD...`: start N training processes with torchrun (T31).
+"""`torchspeed launch --nproc N -- CMD...`: start N training processes with torchrun (T31). Its parser and its runner
+in one module: running it needs only the standard library (and torch for `--nproc gpu`).
 
 A thin wrapper over PyTorch's own launcher (`python -m torch.distributed.run`): it turns
 `python script.py ARGS` into `torchrun ... -m torchspeed.cli._rank script.py ARGS` (the
@@ -50,7 +51,6 @@ def register(sub) -> None:
                    help="intra-op threads per process (default: usable cores / nproc on this machine)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after `--`: python train.py ARGS")
-    p.set_defaults(func=run)
 
 
 
