@@ -9,6 +9,9 @@ the captured batch, and times them in randomised interleaved rounds after an unt
 rank). The speed-up is the median of the per-round ratios, with the 95% bootstrap interval of the
 ratio of the medians, which decides the finding's severity (`registry.settle`); rounds that disagree
 by more than 2x are marked inconclusive (`_rounds.round_summary`), and no finding claims them.
+A fix of the model's step is timed on the model's step alone, but the user's loop also waits for data, copies
+and runs Python: the gain and its interval are those of the script's whole step (`_interval.whole_step`, by the
+probe's compute share), with the model-step figures kept beside them (`model_speedup`, `model_interval`).
 The loss check (`loss_check`): both sides' first 3 steps run from the same weights on the same batch
 with the same random draws, and the fix's losses must stay within 5% of the script's. An optimizer
 whose step needs a closure (`torch.optim.LBFGS`) is given one that runs forward and backward on the captured batch again
@@ -40,7 +43,7 @@ import time
 import torch
 from torch import nn
 
-from torchspeed.doctor._interval import MAX_ROUNDS, measure_rounds
+from torchspeed.doctor._interval import MAX_ROUNDS, measure_rounds, whole_step
 from torchspeed.doctor import _contention  # its functions read when called (tests patch them there)
 from torchspeed.doctor.registry import fix_rules
 from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
@@ -182,6 +185,8 @@ class _LoaderStep:
         self.trainer = trainer
         self.it = iter(self.loader)
         self.non_blocking = pin_memory
+        # batches the workers load ahead: they fill up while the other side of a round runs
+        self.depth = num_workers * kw.get("prefetch_factor", 0)
 
     def step(self) -> None:
         try:
@@ -193,15 +198,22 @@ class _LoaderStep:
             map_tensors(batch, lambda t: t.to(self.trainer.device, non_blocking=self.non_blocking))
         self.trainer.step()
 
+    def settle(self) -> None:
+        """Before a timed round: take the batches the workers loaded ahead while the other side ran (untimed), so
+        that the round times the rate the workers load at, not a full queue (a 2.3x fix read 6x on one)."""
+        for _ in range(self.depth):
+            self.step()
+
     def close(self) -> None:
         self.it = None
         self.loader = None
 
 
-def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25, max_rounds: int | None = None
-                ) -> VerifyResult:
+def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25, max_rounds: int | None = None,
+                settle=(None, None)) -> VerifyResult:
     """`base` and `cand` (one training step each) timed in `_interval.measure_rounds`: each side's measurement
-    is `k` steps (`budget_s` of the baseline's, 1 to 20), in randomised interleaved rounds after a warm-up."""
+    is `k` steps (`budget_s` of the baseline's, 1 to 20), in randomised interleaved rounds after a warm-up;
+    `settle` (per side, or None): run untimed before each of that side's measurements."""
     for _ in range(2):  # warm-up: allocator, oneDNN primitives, worker start-up
         base()
         cand()
@@ -212,8 +224,10 @@ def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25, max_
     one = max(1e-5, time.perf_counter() - t0)
     k = int(min(20, max(1, budget_s / one)))
 
-    def timed(fn):
+    def timed(fn, before):
         def ms_per_step() -> float:
+            if before is not None:
+                before()
             sync(device)
             t = time.perf_counter()
             for _ in range(k):
@@ -222,7 +236,7 @@ def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25, max_
             return (time.perf_counter() - t) / k * 1e3
         return ms_per_step
 
-    out = measure_rounds(timed(base), timed(cand), rounds=rounds, max_rounds=max(rounds, max_rounds or rounds),
+    out = measure_rounds(timed(base, settle[0]), timed(cand, settle[1]), rounds=rounds, max_rounds=max(rounds, max_rounds or rounds),
                          clock=time.perf_counter)
     return {**out, "steps_per_round": k}
 
@@ -301,7 +315,8 @@ def _verify_workers(cap, fix: str, device, rounds: int, entry: VerifyResult, max
     b = _LoaderStep(base, loader, num_workers=loader.num_workers, pin_memory=loader.pin_memory)
     c = _LoaderStep(base, loader, num_workers=nw, pin_memory=pin)
     try:
-        entry.update(_interleave(b.step, c.step, device, rounds=rounds, max_rounds=max_rounds))
+        entry.update(_interleave(b.step, c.step, device, rounds=rounds, max_rounds=max_rounds,
+                                 settle=(b.settle, c.settle)))
     finally:
         b.close()
         c.close()
@@ -391,7 +406,8 @@ def verify_fixes(cap, obs: Observation, *, fixes=None, rounds: int = 5, max_roun
                     tc = time.perf_counter()
                     cand.step()
                     entry["compile_s"] = round(time.perf_counter() - tc, 2)
-                entry.update(_interleave(base.step, cand.step, device, rounds=rounds, max_rounds=max_rounds))
+                timed = _interleave(base.step, cand.step, device, rounds=rounds, max_rounds=max_rounds)
+                entry.update(whole_step(timed, (obs.get("breakdown") or {}).get("fractions", {}).get("compute")))
                 entry["loss_check"] = loss_check(base, cand)
                 entry["candidate"] = {"autocast": f"torch.autocast({device.type!r}, dtype={kw.get('amp_dtype')})"}.get(
                     fix, fix)
