@@ -6,6 +6,7 @@ Every round timing here is synthetic (fed to the functions, or returned by fake 
 """
 
 import itertools
+import math
 import json
 from types import SimpleNamespace
 
@@ -18,10 +19,10 @@ from torchspeed.cli.main import main
 from torchspeed.doctor import DoctorJob, exit_code, render_report, report_from_observation, report_verdict
 from torchspeed.doctor import _envfix
 from torchspeed.doctor._capture import Captured
-from torchspeed.doctor._interval import bootstrap_interval, gain_interval, measure_rounds, wide
+from torchspeed.doctor._interval import bootstrap_interval, gain_interval, measure_rounds, whole_step, wide
 from torchspeed.doctor.registry import settle, severity_for_interval
 from torchspeed.doctor.report import REGRESSION_EXIT, Finding, interval_verdict
-from torchspeed.doctor.verify import _Trainer, loss_check
+from torchspeed.doctor.verify import _Trainer, loss_check, verify_fixes
 
 from test_rules import _obs, _set
 
@@ -153,3 +154,30 @@ def test_the_cli_refuses_a_single_round(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
     assert main(["doctor", str(script), "--rounds", "1"]) == 2
+
+
+def test_a_model_step_gain_is_reported_as_the_whole_steps_by_the_compute_share():
+    timed = {**gain_interval([10.0, 10.2, 9.9, 10.1, 10.0], [8.0, 8.1, 7.9, 8.2, 8.0]),
+             "samples_ms": [[10.0, 10.2, 9.9, 10.1, 10.0], [8.0, 8.1, 7.9, 8.2, 8.0]]}
+    assert timed["speedup"] == pytest.approx(1.25, abs=0.01)
+    half = whole_step(timed, 0.5)  # the other half of the step (10 ms: data, Python) does not change
+    assert half["speedup"] == pytest.approx(20.0 / 18.0, abs=0.01) and half["model_speedup"] == timed["speedup"]
+    assert half["model_interval"] == timed["interval"] and half["compute_share"] == 0.5
+    assert half["interval"][0] < timed["interval"][0] and half["interval"][1] < timed["interval"][1]
+    assert whole_step(timed, 1.0) is timed and whole_step(timed, None) is timed  # all compute, or unknown
+
+
+def test_verify_reports_a_fix_of_the_model_as_a_gain_of_the_scripts_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(512, 4))
+    cap = Captured(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), args=(torch.randn(4, 3, 8, 8),),
+                   set_to_none=False)
+    obs = {"model": {"autocast": True, "has_conv2d": False}, "notes": [],
+           "breakdown": {"step_ms": 10.0, "fractions": {"compute": 0.25}}}
+    v = verify_fixes(cap, obs, fixes=("set_to_none",), rounds=2)["set_to_none"]
+    assert v["compute_share"] == 0.25 and "model_speedup" in v and len(v["model_ratios"]) == v["rounds"]
+    base, cand = v["samples_ms"]
+    again = whole_step({**v, **gain_interval(base, cand)}, 0.25)  # the whole step's, from the rounds
+    assert v["speedup"] == pytest.approx(again["speedup"], abs=2e-3)
+    assert v["interval"] == pytest.approx(again["interval"], abs=2e-3)
+    assert abs(math.log(v["speedup"])) <= abs(math.log(v["model_speedup"])) + 1e-3  # a quarter of the step: nearer 1

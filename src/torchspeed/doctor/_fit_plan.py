@@ -78,7 +78,7 @@ def _reused(cand: Switches, script: Switches, verify: dict[str, VerifyResult]) -
     diff = sum(getattr(cand, k) != getattr(script, k) for k in ("precision", "channels_last", "fused"))
     if len(fixes) == 1 and diff == 1:
         v = verify.get(fixes[0]) or {}
-        return v.get("ratios") if "error" not in v else None
+        return v.get("model_ratios") or v.get("ratios") if "error" not in v else None  # the model's step, as here
     return None
 
 

@@ -304,6 +304,8 @@ class VerifyResult(_FixRun, total=False):
     note: str                    # the optimizer could not be rebuilt: what was used instead
     seconds: float               # the measurement's own wall time
     loss_check: LossCheck
+    model_speedup: float; model_interval: list[float]; model_ratios: list[float]  # the model's step alone
+    compute_share: float         # the model's step's share of the script's (`_interval.whole_step`)
 
 
 class _StageFigure(TypedDict, total=False):

@@ -62,8 +62,11 @@ def measured_text(v: VerifyResult) -> str:
     if v.get("interval"):
         lo, hi = v["interval"]
         word = f"95% interval {lo:.2f}-{hi:.2f}x, {v.get('verdict', '?')}"
-    return (f"; --verify measured {s:.2f}x ({word}: {v['baseline_ms']:.2f} -> {v['candidate_ms']:.2f} ms per step, "
-            f"median of {v['rounds']} interleaved rounds){loss_text(v)}")
+    model = (f"; the model's step alone {v['model_speedup']:.2f}x: {v['baseline_ms']:.2f} -> {v['candidate_ms']:.2f} ms, "
+             f"and it is {v['compute_share']:.0%} of the script's step" if v.get("model_speedup") is not None
+             else f": {v['baseline_ms']:.2f} -> {v['candidate_ms']:.2f} ms per step")
+    return (f"; --verify measured {s:.2f}x of the step ({word}{model}, median of {v['rounds']} interleaved "
+            f"rounds){loss_text(v)}")
 
 
 def loss_text(v: VerifyResult) -> str:
