@@ -22,7 +22,8 @@ from torchspeed.doctor._capture import Captured
 from torchspeed.doctor._interval import bootstrap_interval, gain_interval, measure_rounds, whole_step, wide
 from torchspeed.doctor.registry import settle, severity_for_interval
 from torchspeed.doctor.report import REGRESSION_EXIT, Finding, interval_verdict
-from torchspeed.doctor.verify import _Trainer, loss_check, verify_fixes
+from torchspeed.doctor._candidate import _Trainer, loss_check
+from torchspeed.doctor.verify import verify_fixes
 
 from test_rules import _obs, _set
 

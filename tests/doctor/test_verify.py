@@ -13,7 +13,8 @@ from torchspeed.doctor._job import outermost_autocast_off
 from torchspeed.doctor.undeclared import undeclared_keys
 from torchspeed.doctor.registry import severity_for_interval
 from torchspeed.doctor import verify as verify_mod
-from torchspeed.doctor.verify import _interleave, _Trainer, applicable_fixes, verify_fixes
+from torchspeed.doctor._candidate import _Trainer
+from torchspeed.doctor.verify import _interleave, applicable_fixes, verify_fixes
 from torchspeed.env import detect
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -32,7 +32,8 @@ import statistics
 from collections.abc import Callable
 
 from torchspeed.doctor._rounds import round_summary
-from torchspeed.doctor.verify import _amp_dtype, _interleave, _Trainer
+from torchspeed.doctor._candidate import _Trainer
+from torchspeed.doctor.verify import _amp_dtype, _interleave
 from torchspeed.env import DeviceCaps
 from torchspeed.doctor.observation import (AllocatorStage, BeyondGrid, CompileStage, FitPlan, Observation, ThreadStage,
                                           VerifyResult)
