@@ -129,8 +129,11 @@ def run_recovery(a, provenance) -> None:
             run = doctor_run(fault, a)
             row = result["faults"][fault]
             tf = row["true"]
-            run["contains_true"] = _contains(run["interval"], tf["factor"])
-            run["overlaps_true"] = _overlaps(run["interval"], tf["interval"])
+            if CASES[fault][0] is None:  # no fix to measure: recovered when the rule ranks nothing high or medium
+                run["contains_true"] = run["overlaps_true"] = run["severity"] not in ("high", "medium")
+            else:
+                run["contains_true"] = _contains(run["interval"], tf["factor"])
+                run["overlaps_true"] = _overlaps(run["interval"], tf["interval"])
             row["runs"].append(run)
             print(i, fault, run["severity"], run["speedup"], run["interval"], "true", tf["factor"],
                   "contains" if run["contains_true"] else "misses", flush=True)
