@@ -17,8 +17,8 @@ usable cores, `cores`) and the variable is not
 set already, so a clean script pays nothing; nor is one whose gain a measured share of the step bounds under
 the 2% minimum effect (`rules._ceiling`: the page faults for `malloc`, the data wait for `workers`), and its
 entry says so. A re-run times `job.env_steps` steps (6), more for a short step (about 300 ms of steps, at most
-60: `env_steps`); a fix whose interval is still too wide to rank gets 5 more rounds, up to 15. Default cost: 5 rounds x (1 + fixes) runs of
-`warmup + 6` steps, each in a process that imports torch.
+60: `env_steps`); a fix whose interval is still too wide to rank gets 5 more rounds, up to 15. Default cost: 5
+rounds x (1 + fixes) runs of `warmup + 6` or more steps, each in a process that imports torch.
 
 One source fix is measured the same way, because no timing of the script alone can say what it gains:
 DataLoader workers for a loop that loads in the main process (`workers`, the `--fix` patch with
@@ -61,7 +61,6 @@ WAIT_SHARE = 0.05  # the data wait (share of the step) worth re-running the scri
 
 def env_candidates(obs: Observation, environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
     """The environment fixes that apply to this observation: {name: variables to add}."""
-
     environ = os.environ if environ is None else environ
     out: dict[str, dict[str, str]] = {}
     env = obs.get("env") or {}
@@ -84,7 +83,6 @@ def env_candidates(obs: Observation, environ: Mapping[str, str] | None = None) -
 
 def patch_candidates(obs: Observation, source: str | None) -> dict[str, dict]:
     """The source fixes that apply: {"workers": {"source": patched text, "workers": n, "label": ...}}."""
-
     loaders = [ld for ld in obs.get("loaders") or [] if ld.get("num_workers") == 0 and ld.get("map_style", True)
                and not ld.get("in_memory")]
     wait = float(((obs.get("breakdown") or {}).get("fractions") or {}).get("data_wait", 0.0))

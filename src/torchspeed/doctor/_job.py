@@ -46,7 +46,6 @@ def _alarm(signum, frame):
 
 def read_settings(obs: dict) -> None:
     """What the script left switched on: debug modes, CPU math precision, threads (read while it runs)."""
-
     mk = torch.backends.mkldnn
     obs["debug"] = {"anomaly_detection": bool(torch.is_anomaly_enabled()),
                     "profiler": bool(torch._C._autograd._profiler_enabled()),
@@ -203,7 +202,6 @@ class _Run:
 
 def _start(job: dict) -> dict:
     """The observation a run starts from: the script, its arguments, the step counts, the machine."""
-
     steps, warmup = int(job.get("steps", 30)), int(job.get("warmup", 5))
     return {"script": job["script"], "argv": list(job.get("args", [])), "steps_requested": steps,
             "warmup": warmup, "env": detect().to_dict(), "notes": []}

@@ -38,7 +38,6 @@ __all__ = ["DoctorJob", "diagnose", "diagnose_many", "report_from_observation"]
 @dataclass(frozen=True)
 class DoctorJob:
     """One script to diagnose and how."""
-
     script: str
     args: tuple[str, ...] = ()
     steps: int = 30

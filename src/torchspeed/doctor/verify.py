@@ -63,7 +63,6 @@ IMPLEMENTED = ("autocast", "bf16_math", "channels_last", "workers", "pin_memory"
 
 class _LoaderStep:
     """Next batch from a DataLoader (moved to the model's device) plus a training step."""
-
     def __init__(self, trainer: _Trainer, loader, *, num_workers: int, pin_memory: bool):
         kw = {}
         if num_workers > 0:
