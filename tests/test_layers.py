@@ -335,13 +335,16 @@ def test_doctor_layers():
     graph = _module_graph()
     doctor = {m: {d for d in deps if d.startswith("torchspeed.doctor")} for m, deps in graph.items()
               if m.startswith("torchspeed.doctor")}
-    assert doctor["torchspeed.doctor._probe"] <= {"torchspeed.doctor._tree", "torchspeed.doctor._sites"}
+    assert doctor["torchspeed.doctor._probe"] <= {"torchspeed.doctor._tree", "torchspeed.doctor._sites",
+                                                  "torchspeed.doctor._probe_sync"}
+    assert doctor["torchspeed.doctor._probe_sync"] <= {"torchspeed.doctor._sites"}  # the probe's copy/sync patches
     assert doctor["torchspeed.doctor._sites"] == set()  # where a call comes from: instrumentation's own helpers
     # the schema the rules annotate with: TypedDicts, importing nothing of the doctor (and of torchspeed only env,
     # whose EnvInfo fields `Environment` is read from), so a rule that imports it loads no analysis code
-    schema = "torchspeed.doctor.observation"
-    assert graph[schema] <= {"torchspeed.env"}, graph[schema]
-    light = {"torchspeed.doctor.registry", "torchspeed.doctor.report", "torchspeed.doctor.rules", schema}
+    schema, runs = "torchspeed.doctor.observation", "torchspeed.doctor.observation_runs"  # runs: its measured part
+    assert graph[schema] <= {"torchspeed.env", runs}, graph[schema]
+    assert graph[runs] == set(), graph[runs]
+    light = {"torchspeed.doctor.registry", "torchspeed.doctor.report", "torchspeed.doctor.rules", schema, runs}
     for m, deps in doctor.items():
         if m.startswith("torchspeed.doctor.rules."):
             assert {d for d in deps if not d.startswith("torchspeed.doctor.rules.")} <= light, (m, deps)

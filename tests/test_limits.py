@@ -1,4 +1,5 @@
-"""The size limits the project holds itself to: no module over 450 lines, no function over 80.
+"""The size limits the project holds itself to: no module over 405 lines, no function over 60 (room to grow:
+10% under the 450 lines a module once had).
 
 Today's exceptions are listed with a reason each. The list may only shrink: an item back under
 its limit must leave the list (the test says so), so a split is never undone in silence.
@@ -8,8 +9,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "torchspeed"
-MODULE_LINES = 450
-FUNCTION_LINES = 80
+MODULE_LINES = 405
+FUNCTION_LINES = 60
 
 # "path" (modules) or "path:Qualified.name" (functions) -> why it is still over
 ALLOWED: dict[str, str] = {}

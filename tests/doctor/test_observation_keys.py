@@ -40,13 +40,14 @@ from collections import defaultdict
 import pytest
 
 from torchspeed.doctor import observation as schema
+from torchspeed.doctor import observation_runs
 from torchspeed.doctor.undeclared import undeclared_keys
 
 DOCTOR = pathlib.Path(schema.__file__).parent
 RULE_FILES = sorted(p for p in (DOCTOR / "rules").glob("*.py") if p.name != "__init__.py")
 READERS = RULE_FILES + [DOCTOR / n for n in ("report.py", "render.py", "diagnose.py", "_fit_plan.py", "_envfix.py",
                                              "verify.py", "_script_options.py", "fix.py")]
-_NS = {**vars(builtins), **vars(schema)}
+_NS = {**vars(builtins), **vars(observation_runs), **vars(schema)}  # the schema and its measured part
 
 
 # ---------------------------------------------------------------- types the tracker knows

@@ -28,6 +28,8 @@ SHARED_WRITERS = {
     "lr": ({"tune_lr", "lr"}, "the tuners decide it only when fit is given batch_size= with its own LR (the LR scaled "
                               "to the batch); the recipe's LR part is then off unless recipe_parts names it, and then "
                               "the scaled LR is the part's prior, decided as lr_scaled"),
+    "optimizer": ({"optimizer", "optimizer_record"}, "the recipe's optimizer part chooses one; where it did not, the "
+                                                     "record of the optimizer the Trainer built from the plan"),
 }
 
 
@@ -45,8 +47,7 @@ def test_each_decision_key_has_one_writer_and_only_declared_refiners_after_it():
         for key in s.writes:
             writers[key].add(s.name)
     assert {k: w for k, w in writers.items() if len(w) > 1} == {k: w for k, (w, _) in SHARED_WRITERS.items()}
-    assert {k for s in planner.BUILT_IN for k in s.refines} <= set(writers)  # ("optimizer": the Trainer's where
-    # no stage chose it, from the optimizer it builds, before the switch trial refines it)
+    assert {k for s in planner.BUILT_IN for k in s.refines} <= set(writers)
     order = [s.name for event in EVENTS for s in stages(event)]
     for s in planner.BUILT_IN:  # a refiner runs after every stage that may decide the key it refines
         for key in s.refines:

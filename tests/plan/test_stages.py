@@ -228,7 +228,7 @@ def test_the_switch_trial_is_the_plans_first_steps_stage_and_the_trainer_steps_w
     import torchspeed.plan.planner as planner
     from torchspeed.train.loop.trainer import Trainer
 
-    assert [s.name for s in stages("first_steps")] == ["switch_trial", "compile_trial"]
+    assert [s.name for s in stages("first_steps")] == ["optimizer_record", "switch_trial", "compile_trial"]
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))  # a measured trial, not an earlier test's cache
     seen, stepped = [], []
     registered(Stage("probe_first", "first_steps", lambda ctx: seen.append(

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
-from torchspeed.doctor.observation import LossCheck
+from torchspeed.doctor.observation_runs import LossCheck
 from torchspeed.model.conv_bias import remove_conv_bias
 from torchspeed.train.loop.step import closure_for
 from torchspeed.train.trial.memory_format import apply_channels_last, to_channels_last

@@ -43,7 +43,8 @@ from torchspeed.doctor._interval import MAX_ROUNDS, bootstrap_interval, gain_int
 from torchspeed.doctor import _patches  # noqa: F401  (registers every patch)
 from torchspeed.doctor._patch_base import NotApplicable, PatchContext, apply_patch, libcst_missing
 from torchspeed.doctor._rounds import round_summary
-from torchspeed.doctor.observation import EnvFixResult, Observation
+from torchspeed.doctor.observation import Observation
+from torchspeed.doctor.observation_runs import EnvFixResult
 from torchspeed.doctor.rules._ceiling import below_minimum, ceiling, skipped_entry
 from torchspeed.doctor.rules.allocator import FAULTS
 from torchspeed.env import GLIBC_MALLOC_ENV

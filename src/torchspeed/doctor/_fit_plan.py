@@ -35,8 +35,9 @@ from torchspeed.doctor._rounds import round_summary
 from torchspeed.doctor._candidate import _Trainer
 from torchspeed.doctor.verify import _amp_dtype, _interleave
 from torchspeed.env import DeviceCaps
-from torchspeed.doctor.observation import (AllocatorStage, BeyondGrid, CompileStage, FitPlan, Observation, ThreadStage,
-                                          VerifyResult)
+from torchspeed.doctor.observation import Observation
+from torchspeed.doctor.observation_runs import (AllocatorStage, BeyondGrid, CompileStage, FitPlan, ThreadStage,
+                                               VerifyResult)
 from torchspeed.plan.planner import PORTED_MIN_GAIN
 from torchspeed.train.trial.switch_choice import Switches, candidate_grid, choose, fusable
 

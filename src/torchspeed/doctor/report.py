@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass, field
 
 from torchspeed._io import write_json
-from torchspeed.doctor.observation import Breakdown, Environment, Observation, VerifyResult
+from torchspeed.doctor.observation import Breakdown, Environment, Observation
+from torchspeed.doctor.observation_runs import VerifyResult
 
 __all__ = ["Finding", "DoctorReport", "HIGH_GAIN", "MEDIUM_GAIN", "MIN_EFFECT", "interval_verdict",
            "settle_text", "report_verdict", "exit_code", "REGRESSION_EXIT"]

@@ -45,7 +45,8 @@ from torchspeed.doctor._interval import MAX_ROUNDS, measure_rounds, whole_step
 from torchspeed.doctor import _contention  # its functions read when called (tests patch them there)
 from torchspeed.doctor.registry import fix_rules
 from torchspeed.doctor._tree import map_tensors
-from torchspeed.doctor.observation import CpuContention, Observation, VerifyResult
+from torchspeed.doctor.observation import CpuContention, Observation
+from torchspeed.doctor.observation_runs import VerifyResult
 from torchspeed.doctor.rules._ceiling import below_minimum, ceiling, skipped_entry
 from torchspeed.env import detect
 from torchspeed.env import sync

@@ -20,8 +20,10 @@ Lightning Fabric's connector habit: resolve every "auto" once, then only read):
    budget and the cache: `plan.recipe`), the free parts `label_smoothing`, `bn_stats`, `ema`, then `optimizer`
    (`plan.recipe_optimizer`), `lr` (`plan.recipe_lr`), `batch` (`plan.recipe_batch`), `tta_budget`
    (`plan.recipe_tta`), and `recipe`, which folds the parts into the run's config, optimizer, LR and callbacks;
-8. `loader`, last: the loader rebuilt once, when a stage changed its batch size or settings;
-9. at the run's start ("first_steps", with the Trainer): `switch_trial`, precision x layout x optimizer
+8. `lr_world_size` (DDP, `scale_lr_world_size=True`: the LR x the world size, T17); `loader`, last: the loader
+   rebuilt once, when a stage changed its batch size or settings;
+9. at the run's start ("first_steps", with the Trainer): `optimizer_record`, the optimizer the Trainer built where
+   no stage chose it; `switch_trial`, precision x layout x optimizer
    kernel (x threads) by the rules or a trial on the run's own first steps (`train.trial.autoswitch`; 0 steps on
    a cache hit), which the Trainer steps while it is live; `compile_trial`, `compile="auto"`'s trial told
    the run's length;
@@ -31,7 +33,7 @@ Lightning Fabric's connector habit: resolve every "auto" once, then only read):
 
 Every value in `Plan.decisions` is a `Decision`, each key written once, by the stage that declares it
 (`Stage.writes`), and refined only by the stages that declare that (`Stage.refines`). The Trainer applies the plan
-and steps what its stages arm; `fit` prints it before training (what was chosen, from what evidence, at what cost,
+(`Decisions.planned`: it decides nothing itself, tests/plan/test_trainer_applies.py) and steps what its stages arm; `fit` prints it before training (what was chosen, from what evidence, at what cost,
 and what is still measured during the run).
 
 Example:
@@ -66,7 +68,9 @@ from torchspeed.train.trial.backends import apply_backends, decide_backends
 from torchspeed.train.trial.compile import arm_compile_trial
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, Decisions, TrialCache
-from torchspeed.train.parallel.distributed import maybe_init_distributed
+from torchspeed.train.optim import optimizer_record
+from torchspeed.train.parallel.distributed import (maybe_init_distributed, scale_groups_world_size,
+                                                   scale_lr_world_size)
 from torchspeed.train.optim_info import default_lr
 from torchspeed.train.schedule import default_schedule, lr_given
 from torchspeed.train.trial.switch_choice import AHEAD
@@ -131,6 +135,7 @@ def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
         if ctx.shared is not None:  # a stage raised while the recipe held the RNG: put back (closed already, else)
             ctx.shared.rng.close()
         state.restore()  # what they left in its state (a step_fn's carried hidden state, a forward's attributes)
+    ctx.decisions.planned = True  # the Trainer applies them and decides nothing (tests/plan/test_trainer_applies.py)
     if any(s.wanted(ctx) for s in stages("after_switches")):  # else no callback: nothing runs per step
         ctx.callbacks.append(RunStages(ctx))
     plan = Plan(loader=ctx.loader, optimizer=ctx.optimizer, lr=float(ctx.lr), config=ctx.cfg, callbacks=ctx.callbacks,
@@ -203,6 +208,22 @@ def _loader(ctx: RunContext) -> None:
     ctx.loader = ctx.planned_loader()
     ctx.loader_changes = {}
     ctx.run_steps = run_length(ctx.loader, ctx.cfg)
+
+
+def _lr_world_size(ctx: RunContext) -> None:
+    """T17 under DDP with `scale_lr_world_size=True`: the run's LR x the world size (an optimizer given as an object:
+    its groups' LR, in place), after every stage that measured at one process's LR."""
+    n = ctx.dist.world_size
+    if isinstance(ctx.optimizer, torch.optim.Optimizer):
+        ctx.decisions.refine("lr", scale_groups_world_size(ctx.optimizer, n))
+    else:
+        ctx.lr = scale_lr_world_size(float(ctx.lr), world_size=n)
+        ctx.decisions.refine("lr", Decision(ctx.lr, f"x{n} (world size, T17)"))
+
+
+def _optimizer_record(ctx: RunContext) -> None:
+    """The optimizer the Trainer built from the plan's choice, where no stage chose it: its class and kernel."""
+    ctx.decisions["optimizer"] = optimizer_record(ctx.trainer.optimizer, ctx.trainer.config.fused_optimizer)
 
 
 def _switch_trial(ctx: RunContext) -> None:
@@ -281,10 +302,16 @@ BUILT_IN = (
     Stage("recipe", "before", fold_recipe, needs=("recipe_setup",), fallback=False,
           what="the parts folded into the run's config, optimizer, LR and callbacks; the recipe's cost",
           when=lambda ctx: ctx.rec is not None, writes=("recipe_cost",), refines=("schedule",)),
+    Stage("lr_world_size", "before", _lr_world_size, needs=("run_length",), fallback=False,
+          what="the LR x the world size (T17), after every stage that measured at one process's LR",
+          when=lambda ctx: ctx.cfg.scale_lr_world_size and ctx.dist is not None, refines=("lr",)),
     Stage("loader", "before", _loader, fallback=False, last=True,
           what="the loader rebuilt once, when a stage changed its batch size or settings",
           when=lambda ctx: bool(ctx.loader_changes)),
-    Stage("switch_trial", "first_steps", _switch_trial, fallback=False, cost="the run's own first steps (0 on a "
+    Stage("optimizer_record", "first_steps", _optimizer_record, fallback=False, cost="0 steps",
+          what="the optimizer the Trainer built, where no stage chose it: its class and kernel",
+          when=lambda ctx: "optimizer" not in ctx.decisions, writes=("optimizer",)),
+    Stage("switch_trial", "first_steps", _switch_trial, needs=("optimizer_record",), fallback=False, cost="the run's own first steps (0 on a "
           "cache hit)", what="precision x layout x optimizer kernel (x threads): the rules, or a trial the Trainer "
           "steps on the run's first steps", writes=("switch_trial", "fused_optimizer"),
           refines=("precision", "channels_last", "threads", "optimizer")),

@@ -72,13 +72,16 @@ class Decisions(dict):
     cannot both decide one value and the last writer silently win. A stage that knows more later (the
     switch trial measuring what the rule assumed, the LR measured in the run) calls
     `refine(key, decision)`: the new Decision keeps the earlier value and reason under "refines".
-    Values that are not a `Decision` raise `TypeError` (nothing is wrapped after the fact).
+    Values that are not a `Decision` raise `TypeError` (nothing is wrapped after the fact). `planned` is True for
+    the decisions of a plan (`plan.make_plan`): a Trainer given them applies them and decides nothing itself.
 
     Example:
         >>> d = Decisions(); d["lr"] = Decision(0.1, "prior")
         >>> d.refine("lr", Decision(0.4, "measured")).refines
         {'value': 0.1, 'reason': 'prior'}
     """
+
+    planned = False  # set on the plan's own (make_plan): the Trainer applies them, and decides nothing
 
     def __init__(self, *args, **kwargs):
         super().__init__()

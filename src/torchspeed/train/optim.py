@@ -40,9 +40,11 @@ from torch import nn
 
 from torchspeed.train.muon import MuonAdamW
 from torchspeed.train.optim_kernel import _device_of, _fused_or_foreach
-from torchspeed.train.optim_info import OptimInfo, optimizer_available, optimizer_info, register_optimizer
+from torchspeed.train.decision import Decision
+from torchspeed.train.optim_info import (OptimInfo, kernel_reason, optimizer_available, optimizer_info,
+                                        register_optimizer)
 
-__all__ = ["create_optimizer", "param_groups", "describe_optimizer", "SCHEDULE_FREE_LR",
+__all__ = ["create_optimizer", "param_groups", "describe_optimizer", "optimizer_record", "SCHEDULE_FREE_LR",
            "typical_fan_in", "schedule_free_lr", "has_attention", "weight_layers",
            "schedule_free_available", "set_schedule_free_warmup", "trains_iterate", "SCHEDULE_FREE_BN_BATCHES",
            "SCHEDULE_FREE_BN_SAMPLES", "hidden_matrices", "matrix_share", "mostly_matrices"]
@@ -114,6 +116,12 @@ def describe_optimizer(opt: torch.optim.Optimizer) -> str:
     if d.get("fused") is None and d.get("foreach") is None and _device_of(opt.param_groups).type not in ("cpu", "meta"):
         kind = "torch's default: foreach"  # torch picks the foreach path on an accelerator when neither is set
     return f"{type(opt).__name__} ({kind})"
+
+
+def optimizer_record(opt: torch.optim.Optimizer, fused_option) -> Decision:
+    """decisions["optimizer"] for the optimizer a run trains with, where no stage chose it: its class and kernel,
+    and why that kernel (`fused_optimizer`'s setting)."""
+    return Decision(describe_optimizer(opt), kernel_reason(fused_option))
 
 
 # --- Muon for the hidden matrices, AdamW for the rest (T42) ---------------------------------------------------

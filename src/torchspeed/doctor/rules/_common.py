@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from torchspeed.doctor.observation import EnvFixResult, LoaderInfo, Observation, VerifyResult
+from torchspeed.doctor.observation import LoaderInfo, Observation
+from torchspeed.doctor.observation_runs import EnvFixResult, VerifyResult
 from torchspeed.doctor.report import Finding
 from torchspeed.doctor.rules._ceiling import ceiling
 

@@ -6,6 +6,8 @@
   last, annealed LR and its own keys in the param groups) before a new schedule over the
   added steps only. Without it, the old schedule's state would not fit the new length, and
   a run that had no schedule (too short for one-cycle) left no `initial_lr` for a new one.
+- `start_schedule`: the first call's schedule over the run, its shape recorded; `record_stop`: a stop
+  requested during the run, recorded (the Trainer applies; these write what happened).
 - `BestEpoch`: the best epoch's record (by the checkpoint metric) and, with `restore_best`,
   its weights: a CPU copy taken when an epoch improves on every rank (no rank reads a
   best.pt that rank 0 may be writing), or best.pt for a best epoch from before a resume;
@@ -28,6 +30,7 @@ from torch import nn
 
 from torchspeed.train.state.checkpoint import load_checkpoint, update_best
 from torchspeed.train.decision import Decision
+from torchspeed.train.loop.run_length import run_schedule
 from torchspeed.train.schedule import create_scheduler, schedule_label, steps_in_run
 
 __all__ = ["group_settings", "extend_schedule", "schedule_for_call", "BestEpoch"]
@@ -50,6 +53,22 @@ def extend_schedule(optimizer: torch.optim.Optimizer, settings: list[dict], conf
     return sched, Decision(f"{done} -> {total} steps", f"a finished run extended: a new "
                                                        f"{schedule_label(config.schedule)} schedule segment over the "
                                                        f"{total - done} added steps")
+
+
+def start_schedule(trainer, steps_per_epoch: int | None, epochs: int) -> None:
+    """The run's LR schedule over epochs x steps (or max_steps), and its shape over the run recorded as a
+    refinement of the plan's "schedule" (Schedule-Free's warm-up; your own scheduler)."""
+    cfg = trainer.config
+    trainer.total_steps = steps_in_run(steps_per_epoch, epochs, grad_accum=cfg.grad_accum, max_steps=cfg.max_steps)
+    trainer._group_settings = group_settings(trainer.optimizer)  # a finished run extended gets them back
+    trainer.scheduler, decision = run_schedule(trainer.optimizer, cfg, trainer.total_steps)
+    if decision is not None:
+        trainer.decisions.refine("schedule", decision)
+
+
+def record_stop(decisions, reason: str) -> None:
+    """A stop requested during the run (`Trainer.request_stop`): decisions["stopped"], the first reason kept."""
+    decisions.setdefault("stopped", Decision(reason, "requested during the run"))
 
 
 def schedule_for_call(trainer, span: tuple[int | None, int]) -> None:

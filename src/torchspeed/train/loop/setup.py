@@ -20,7 +20,6 @@ import torch
 
 from torchspeed.train.bnstats import batchnorm_layers
 from torchspeed.train.config import TrainConfig, check_reliability_options
-from torchspeed.train.decision import Decision
 from torchspeed.train.in_memory import InMemory
 from torchspeed.train.loggers import LoggerCallback
 from torchspeed.train.loop.callbacks import Callback, CallbackList
@@ -30,10 +29,9 @@ from torchspeed.train.loop.metrics import DeviceMeter
 from torchspeed.train.loop.segment import BestEpoch
 from torchspeed.train.losses import default_loss
 from torchspeed.train.noise import NoiseScaleEstimator
-from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, averaged_weights, create_optimizer, describe_optimizer,
-                                    is_schedule_free)
-from torchspeed.train.optim_info import kernel_reason
-from torchspeed.train.parallel.distributed import all_reduce_max, broadcast_object, scale_lr_world_size
+from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, averaged_weights, create_optimizer, is_schedule_free,
+                                    optimizer_record)
+from torchspeed.train.parallel.distributed import all_reduce_max, broadcast_object, scale_groups_world_size
 from torchspeed.train.parallel.fsdp import check_optimizer
 from torchspeed.train.sampler import DataPosition
 from torchspeed.train.schedule import as_schedule
@@ -82,12 +80,12 @@ class TrainerSetup:
             optimizer.train()  # Schedule-Free steps only in train mode (evaluation switches and switches back)
         if not cfg.lean_step:
             step_with_torch(optimizer)  # the naive loop's cost: torch's own step and zero_grad
-        if "optimizer" not in self.decisions:  # else the plan chose it and its decision stands
-            self.decisions["optimizer"] = Decision(describe_optimizer(optimizer), kernel_reason(cfg.fused_optimizer))
-        if cfg.scale_lr_world_size and self.dist is not None:
-            for g in optimizer.param_groups:  # before the schedule reads the lr as its peak
-                g["lr"] = scale_lr_world_size(g["lr"], world_size=self.dist.world_size)
-            self.decisions.refine("lr", Decision(optimizer.param_groups[0]["lr"], f"x{self.dist.world_size} (world size, T17)"))
+        if self.decisions.planned:  # fit: the plan records the optimizer and scales the LR (its stages)
+            return optimizer
+        if "optimizer" not in self.decisions:
+            self.decisions["optimizer"] = optimizer_record(optimizer, cfg.fused_optimizer)
+        if cfg.scale_lr_world_size and self.dist is not None:  # before the schedule reads the lr as its peak
+            self.decisions.refine("lr", scale_groups_world_size(optimizer, self.dist.world_size))
         return optimizer
 
     def _setup_checkpoints(self, on_checkpoint: Callable[[str, int], object] | None) -> None:

@@ -46,7 +46,7 @@ from torchspeed.train.loop.guard import is_out_of_memory, step_failed
 from torchspeed.train.trial.memory_format import apply_channels_last
 from torchspeed.train.loop.metrics import jsonable, train_accuracy, write_metrics
 from torchspeed.train.noise import observe_batch
-from torchspeed.train.decision import Decision, Decisions
+from torchspeed.train.decision import Decisions
 from torchspeed.train.eval_view import settle_averaged
 from torchspeed.train.optim_info import default_lr
 from torchspeed.train.optim import averaged_weights, is_schedule_free
@@ -54,13 +54,12 @@ from torchspeed.train.optim_kernel import zero_grad
 from torchspeed.train.trial.precision import MixedPrecision, Precision
 from torchspeed.train.loop.progress import TrainProgress, decisions_header
 from torchspeed.train.state.resume import resume_run
-from torchspeed.train.loop.run_length import RunLength, ran_out, run_schedule
+from torchspeed.train.loop.run_length import RunLength, ran_out
 from torchspeed.train.sampler import loader_length, set_epoch
 from torchspeed.train.parallel.shard import shard_loader
 from torchspeed.train.state.stateful import collect_state
-from torchspeed.train.schedule import steps_in_run
 from torchspeed.train.batch_ramp import join_ramp
-from torchspeed.train.loop.segment import group_settings, schedule_for_call
+from torchspeed.train.loop.segment import record_stop, schedule_for_call, start_schedule
 from torchspeed.train.loop.setup import TrainerSetup
 from torchspeed.train.result import FitResult
 from torchspeed.train.loop.step import AccumulationWindow, closure_for
@@ -112,7 +111,7 @@ class Trainer(TrainerSetup):
         self.device = self.dist.device if self.dist is not None else default_device(device)
         self.decisions = decisions if isinstance(decisions, Decisions) else Decisions(decisions or {})  # the plan's
         self.caps = caps or DeviceCaps.of(self.device)  # what the device accelerates (tests inject it)
-        if not any(k in self.decisions for k in BACKEND_KEYS):  # fit's plan decided them ("backends"); else here
+        if not self.decisions.planned and not any(k in self.decisions for k in BACKEND_KEYS):  # fit: "backends"
             self.decisions.update(decide_backends(self.device, cfg))
         apply_backends(self.device, self.decisions)
 
@@ -142,7 +141,7 @@ class Trainer(TrainerSetup):
     def request_stop(self, reason: str) -> None:
         """End training after the current step (or epoch); `reason` goes to decisions["stopped"]."""
         self.should_stop = True
-        self.decisions.setdefault("stopped", Decision(reason, "requested during the run"))  # the first reason stands
+        record_stop(self.decisions, reason)  # the first reason stands
         log.warning("stopping: %s", reason)
 
     # ------------------------------------------------------------------ the hot path
@@ -223,12 +222,7 @@ class Trainer(TrainerSetup):
     # ------------------------------------------------------------------ epochs
     def setup_schedule(self, steps_per_epoch: int | None, epochs: int) -> None:
         """The learning-rate schedule over the run: epochs x steps, or max_steps (needed without len())."""
-        self.total_steps = steps_in_run(steps_per_epoch, epochs, grad_accum=self.config.grad_accum,
-                                        max_steps=self.config.max_steps)
-        self._group_settings = group_settings(self.optimizer)  # a finished run extended gets them back
-        self.scheduler, decision = run_schedule(self.optimizer, self.config, self.total_steps)
-        if decision is not None:
-            self.decisions.refine("schedule", decision)  # the plan's rule named it; this is its shape over the run
+        start_schedule(self, steps_per_epoch, epochs)  # its shape over the run refines the plan's rule
 
     def fit(self, train_loader: Iterable, *, epochs: int | None = None, val_loader: Iterable | None = None) -> FitResult:
         cfg = self.config

@@ -43,13 +43,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from torchspeed.train.decision import Decision
 from torchspeed.train.schedule import scale_lr
 
 __all__ = [
     "DistInfo", "launched_by_torchrun", "is_distributed", "get_rank", "get_local_rank", "get_world_size",
     "is_rank_zero", "rank_zero_only", "init_distributed", "maybe_init_distributed", "cleanup_distributed",
     "wrap_ddp", "wrap_for_training", "convert_sync_batchnorm", "reduce_metrics",
-    "all_reduce_sum", "all_reduce_max", "broadcast_object", "barrier", "scale_lr_world_size", "unwrap_data_parallel",
+    "all_reduce_sum", "all_reduce_max", "broadcast_object", "barrier", "scale_lr_world_size", "scale_groups_world_size", "unwrap_data_parallel",
 ]
 
 log = logging.getLogger("torchspeed")
@@ -302,6 +303,14 @@ def scale_lr_world_size(lr: float, *, world_size: int | None = None) -> float:
         0.4
     """
     return scale_lr(lr, batch=1, base_batch=1, world_size=world_size or get_world_size())
+
+
+def scale_groups_world_size(optimizer: torch.optim.Optimizer, world_size: int) -> Decision:
+    """Every param group's LR x the world size (T17), in place, before a schedule reads it as its peak; the record
+    that refines decisions["lr"]."""
+    for g in optimizer.param_groups:
+        g["lr"] = scale_lr_world_size(g["lr"], world_size=world_size)
+    return Decision(optimizer.param_groups[0]["lr"], f"x{world_size} (world size, T17)")
 
 
 # ---------------------------------------------------------------------- collectives
