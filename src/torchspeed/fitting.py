@@ -90,7 +90,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=plan.optimizer, lr=plan.lr,
                       weight_decay=weight_decay, momentum=momentum, betas=betas, device=device, config=plan.config,
                       callbacks=plan.callbacks, loggers=loggers, mesh=mesh, on_checkpoint=on_checkpoint,
-                      decisions=plan.decisions, caps=plan.context.caps,  # the plan's capabilities, resolved once
+                      decisions=plan.decisions, caps=plan.context.caps, process_group=plan.context.dist,  # resolved once
                       first_steps=plan.first_steps)  # the plan's "first_steps" stages arm the run's trials
     return _train(plan, trainer, epochs=epochs, val_loader=val_loader, kd=kd)
 

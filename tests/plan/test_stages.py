@@ -232,7 +232,7 @@ def test_the_switch_trial_is_the_plans_first_steps_stage_and_the_trainer_steps_w
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))  # a measured trial, not an earlier test's cache
     seen, stepped = [], []
     registered(Stage("probe_first", "first_steps", lambda ctx: seen.append(
-        (ctx.trainer.step, ctx.steps_left, type(ctx.run_loader).__name__, ctx.trainer.switcher.live is not None)),
+        (ctx.trainer.step, ctx.steps_left, type(ctx.run_loader).__name__, ctx.trainer.stepper is not None)),
         needs=("switch_trial",)))
     real = SwitchStage.step
     monkeypatch.setattr(SwitchStage, "step", lambda self, *a: stepped.append(1) or real(self, *a))
@@ -249,3 +249,25 @@ def test_the_switch_trial_is_the_plans_first_steps_stage_and_the_trainer_steps_w
     # a Trainer on its own arms them itself, with the same functions as the plan's stages
     trainer = Trainer(tiny_cnn(), lr=0.05, config=TrainConfig(**FAST))
     assert trainer.first_steps == (planner.arm_switch_trial, planner.arm_compile_trial)
+
+
+def test_the_trainer_steps_what_a_first_steps_stage_arms_and_knows_no_trial(tiny_cnn, registered):
+    """The switch trial is stepped through the Trainer's armed `stepper` (a "first_steps" stage arms it, the trial
+    disarms it when it settles): any stage can arm one, and the Trainer's `step_batch` steps it in place of the
+    plain step, batch by batch, until it is disarmed."""
+    stepped = []
+
+    def arm(ctx):
+        trainer = ctx.trainer
+
+        def stepper(batch, train_step):
+            stepped.append(trainer.step)
+            train_step(batch)
+            if len(stepped) == 3:
+                trainer.stepper = None  # hands the run back to the plain step
+
+        trainer.stepper = stepper
+
+    registered(Stage("probe_stepper", "first_steps", arm, needs=("compile_trial",)))
+    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=2, lr=0.05, **FAST)
+    assert stepped == [0, 1, 2] and res.steps == 8  # the armed stepper trained the first 3; the plain step the rest

@@ -120,3 +120,33 @@ def test_the_world_size_lr_scaling_is_the_plans_stage():
     ctx = RunContext(model=model, loader=None, cfg=cfg, optimizer=opt, lr=0.1, dist=SimpleNamespace(world_size=2))
     stage.run(ctx)
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1, 0.2]) and ctx.decisions["lr"].value == 0.1
+
+
+def test_the_parallel_wrap_is_the_plans_stage_and_the_trainer_applies_it(monkeypatch):
+    """Under a process group the plan's `parallel` stage decides DDP or FSDP2; `wrap_parallel` applies that decision
+    (and decides itself only for a Trainer with no plan)."""
+    from types import SimpleNamespace
+
+    import torchspeed.train.parallel.distributed as distributed
+    import torchspeed.train.parallel.fsdp as fsdp
+    from torchspeed.plan.planner import BUILT_IN
+    from torchspeed.plan.stages import RunContext
+    from torchspeed.train.decision import Decision
+
+    stage = next(s for s in BUILT_IN if s.name == "parallel")
+    ctx = RunContext(model=_cnn(), loader=None, cfg=TrainConfig(), dist=None)
+    assert not stage.wanted(ctx)
+    ctx.dist, ctx.dev = SimpleNamespace(world_size=2), torch.device("cpu")
+    stage.run(ctx)
+    assert ctx.decisions["parallel"].value == "ddp"  # a small model: replicated
+    ctx = RunContext(model=_cnn(), loader=None, cfg=TrainConfig(parallel="fsdp2"), dist=ctx.dist)
+    ctx.dev = torch.device("cpu")
+    stage.run(ctx)
+    assert ctx.decisions["parallel"] == Decision("fsdp2", "asked for")
+    wrapped = []
+    monkeypatch.setattr(distributed, "wrap_for_training", lambda m, **kw: wrapped.append(kw) or (m, m, "DDP"))
+    monkeypatch.setattr(fsdp, "choose_parallel", lambda *a, **k: pytest.fail("the plan decided: nothing to choose"))
+    info = SimpleNamespace(device=torch.device("cpu"), world_size=2, backend="gloo")
+    decisions = Decisions({"parallel": Decision("ddp", "the plan's")})
+    fsdp.wrap_parallel(_cnn(), TrainConfig(parallel="fsdp2"), info, precision="fp32", decisions=decisions)
+    assert wrapped and decisions["parallel"].reason == "the plan's" and decisions["distributed"].value == "DDP"

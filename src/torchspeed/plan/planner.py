@@ -5,8 +5,8 @@ The stages (`BUILT_IN`, registered in this order in `plan.stages.STAGES`; the on
 Lightning Fabric's connector habit: resolve every "auto" once, then only read):
 
 1. `distributed`: torchrun's process group first, so rank 0 measures for every rank;
-2. `capabilities`: what this device runs natively (`env.DeviceCaps`); `backends` and `rules`: the backend switches
-   and the rules' precision and layout, in effect from here;
+2. `capabilities`: what this device runs natively (`env.DeviceCaps`); `backends`, `parallel` (DDP or FSDP2 under a
+   process group) and `rules`: the backend switches, the parallel wrap and the rules' precision and layout;
 3. `schedule`: the schedule rule (`train.schedule.default_schedule`) and the prior LR; a run given its own LR and
    no recipe keeps torch's own optimizer kernel (`fused_optimizer="default"`: the loop's numbers, bit for bit), and
    takes a layout or precision only 10% faster a step (`min_gain`);
@@ -25,7 +25,7 @@ Lightning Fabric's connector habit: resolve every "auto" once, then only read):
 9. at the run's start ("first_steps", with the Trainer): `optimizer_record`, the optimizer the Trainer built where
    no stage chose it; `switch_trial`, precision x layout x optimizer
    kernel (x threads) by the rules or a trial on the run's own first steps (`train.trial.autoswitch`; 0 steps on
-   a cache hit), which the Trainer steps while it is live; `compile_trial`, `compile="auto"`'s trial told
+   a cache hit), armed as the Trainer's `stepper` while it is live; `compile_trial`, `compile="auto"`'s trial told
    the run's length;
 10. in the run, after the switch trial: `lr_in_run` (`plan.inrun`), the LR part at the precision the
    trial chose;
@@ -63,17 +63,18 @@ from torchspeed.plan.stages import (RunContext, RunStages, Stage, first_steps_ho
                                     run_length, stages)
 from torchspeed.plan.switches_first import switches_first, wants_switches_first
 from torchspeed.plan.tuners import batch_tuner, loader_tuner, lr_tuner, tuners_setup, wants_tuners
-from torchspeed.train.trial.autoswitch import arm_switch_trial, rule_choice
+from torchspeed.train.trial.autoswitch import arm_switch_trial
 from torchspeed.train.trial.backends import apply_backends, decide_backends
 from torchspeed.train.trial.compile import arm_compile_trial
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import Decision, Decisions, TrialCache
 from torchspeed.train.optim import optimizer_record
+from torchspeed.train.parallel.fsdp import choose_parallel
 from torchspeed.train.parallel.distributed import (maybe_init_distributed, scale_groups_world_size,
                                                    scale_lr_world_size)
 from torchspeed.train.optim_info import default_lr
 from torchspeed.train.schedule import default_schedule, lr_given
-from torchspeed.train.trial.switch_choice import AHEAD
+from torchspeed.train.trial.switch_choice import AHEAD, rule_choice
 from torchspeed.train.trial.user_state import UserState
 
 __all__ = ["Plan", "make_plan", "BUILT_IN"]
@@ -171,6 +172,12 @@ def _backends(ctx: RunContext) -> None:
     apply_backends(ctx.dev, ctx.decisions)
 
 
+def _parallel(ctx: RunContext) -> None:
+    """DDP or FSDP2 under a process group (`parallel=`; "auto" shards a model whose state would fill half the
+    device): the Trainer wraps the model as decided."""
+    ctx.decisions["parallel"] = choose_parallel(ctx.cfg.parallel, ctx.model, ctx.dev, world_size=ctx.dist.world_size)
+
+
 def _rules(ctx: RunContext) -> None:
     """The rules' precision and layout: what the run trains with until (or unless) its switch trial measures."""
     ctx.decisions.update(rule_choice(ctx.model, caps=ctx.caps, precision=ctx.cfg.precision,
@@ -253,6 +260,8 @@ BUILT_IN = (
     Stage("backends", "before", _backends, needs=("capabilities",), fallback=False,
           what="cudnn.benchmark and TF32 (CUDA), threads and malloc (CPU), in effect from here",
           writes=("cudnn_benchmark", "tf32", "threads", "malloc")),
+    Stage("parallel", "before", _parallel, needs=("capabilities",), fallback=False, cost="0 steps",
+          what="DDP or FSDP2 under a process group", when=lambda ctx: ctx.dist is not None, writes=("parallel",)),
     Stage("rules", "before", _rules, needs=("capabilities",), fallback=False,
           what="the rules' precision and layout, until the switch trial measures", writes=("precision", "channels_last")),
     Stage("schedule", "before", _schedule, fallback=False, what="the schedule rule, the prior LR, and torch's own "

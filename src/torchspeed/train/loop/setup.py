@@ -117,7 +117,8 @@ class TrainerSetup:
                                     precision_skips=self.precision.scaler is not None,  # fp16: the scaler skips
                                     all_ranks_max=all_reduce_max if self.dist is not None else None)
         self.step, self._last_loss = 0, float("nan")  # optimizer steps taken; the loss read at the last log sync
-        self.switcher = SwitchStage(self, prepared=self.sharded)  # the switch trial: step_batch steps it
+        self.stepper = None  # (batch, train_step) -> None: what a "first_steps" stage armed to step batches in place
+        self.switcher = SwitchStage(self, prepared=self.sharded)  # the switch trial: arms `stepper` while live
         self._setup_checkpoints(on_checkpoint)
         self._steps_per_epoch, self._ramp, self._history = None, None, []  # set by fit
         self._evaluations: list[dict] = []  # every validation's row, inside epochs (eval_every) and at their ends

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from torchspeed.env import DeviceCaps, default_device, sync
-from torchspeed.train.trial.autoswitch import arm_switch_trial, rule_choice
-from torchspeed.train.trial.switch_choice import Switches
+from torchspeed.train.trial.autoswitch import arm_switch_trial
+from torchspeed.train.trial.switch_choice import Switches, rule_choice
 from torchspeed.train.trial.backends import BACKEND_KEYS, apply_backends, decide_backends
 from torchspeed.train.loop.batch import batch_size, forward_loss
 from torchspeed.train.loop.callbacks import Callback
@@ -79,6 +79,7 @@ class Trainer(TrainerSetup):
     `loggers` (loggers.py) are objects, kept out of the config written to metrics.json and checkpoints. `stateful`
     maps a name to each part a checkpoint holds and a resume restores (stateful.py); register your own there.
     `first_steps`: (trainer, loader, steps left) -> None each, at `fit`'s start: fit's plan's "first_steps" stages.
+    `decisions`: fit's plan's (`Decisions.planned`: applied, none made here); `process_group`: the plan's.
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: Callable | None = None, step_fn: Callable | None = None,
@@ -87,12 +88,12 @@ class Trainer(TrainerSetup):
                  config: TrainConfig | None = None, caps: DeviceCaps | None = None,
                  callbacks: Iterable[Callback] | None = None, loggers: Iterable | None = None, mesh=None,
                  on_checkpoint: Callable[[str, int], object] | None = None, decisions: Mapping | None = None,
-                 first_steps: Iterable[Callable] | None = None):
+                 first_steps: Iterable[Callable] | None = None, process_group: DistInfo | None = None):
         self.config = cfg = config or TrainConfig()
         self.first_steps = tuple(first_steps) if first_steps is not None else (arm_switch_trial, arm_compile_trial)
         self.window = AccumulationWindow(cfg.grad_accum)  # T19: k micro-batches per optimizer step
         self._seed_and_check(cfg)
-        self._setup_device(cfg, device, caps, decisions)
+        self._setup_device(cfg, device, caps, decisions, process_group)
         self._place_model(model, cfg, mesh)
         self._setup_loss(cfg, loss_fn, step_fn)
 
@@ -101,10 +102,13 @@ class Trainer(TrainerSetup):
         self.scheduler, self.total_steps = None, None  # set by fit (setup_schedule)
         self._setup_run_parts(cfg, optimizer, on_checkpoint, callbacks, loggers)
 
-    def _setup_device(self, cfg: TrainConfig, device, caps: DeviceCaps | None, decisions: Mapping | None) -> None:
-        """The process group and device (T31), the decisions, the device's capabilities, and the backends."""
+    def _setup_device(self, cfg: TrainConfig, device, caps: DeviceCaps | None, decisions: Mapping | None,
+                      process_group: DistInfo | None) -> None:
+        """The process group and device (T31; `process_group`: the plan's, set up once), the decisions, the device's
+        capabilities, and the backends."""
         # T31: under torchrun, a process group from the environment and this rank's device (cuda:LOCAL_RANK).
-        self.dist: DistInfo | None = maybe_init_distributed(cfg.distributed, device=device)
+        self.dist: DistInfo | None = (process_group if process_group is not None else
+                                      maybe_init_distributed(cfg.distributed, device=device))
         if self.dist is None and cfg.parallel == "fsdp2":  # FSDP2 and DCP need a group, even of one process
             self.dist = single_process_group(device)
         self.sharded = False  # FSDP2 (fsdp.py): checkpoints in DCP folders (dcp.py), and no switch trial
@@ -187,10 +191,11 @@ class Trainer(TrainerSetup):
         self.guard.reset_window()
 
     def step_batch(self, batch) -> None:
-        """Train on one device batch (runs the switch trial, then the compile trial, while they are undecided)."""
+        """Train on one device batch: the armed `stepper` steps it (the switch trial's turns, while it is live),
+        else the compile trial's controller (eager, or compiled once it decided)."""
         try:
-            if self.switcher.live is not None:  # the run's first steps: the switch candidates take turns
-                self.switcher.step(batch, self.train_step)
+            if self.stepper is not None:  # armed by a "first_steps" stage (the switch trial, while it is live)
+                self.stepper(batch, self.train_step)
             else:
                 self.compiler.run(self.train_step, batch, on_fallback=self.reset_micro, is_fatal=is_out_of_memory)
         except Exception as e:  # out of memory: what to try; BatchNorm on an epoch's 1-sample last batch: left out;
@@ -205,7 +210,7 @@ class Trainer(TrainerSetup):
         moved = (Prefetcher(loader, self.device, channels_last=made_with) if self.config.prefetch else
                  (to_device(b, self.device, non_blocking=False, channels_last=made_with) for b in loader))  # naive
         for batch in moved:
-            if self.switcher.live is None and self.channels_last != made_with:  # a trial step lays out its own
+            if self.stepper is None and self.channels_last != made_with:  # an armed (trial) step lays out its own
                 batch = batch_layout(batch, self.channels_last)  # as is where already in it
                 if isinstance(moved, Prefetcher):
                     moved.channels_last = self.channels_last  # the next batches are copied in it

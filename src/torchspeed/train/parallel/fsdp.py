@@ -205,15 +205,18 @@ def wrap_fsdp2(model: nn.Module, *, config, world_size: int, backend: str, preci
 
 def wrap_parallel(module: nn.Module, config, info, *, precision: str, mesh=None,
                   decisions: dict) -> tuple[nn.Module, nn.Module, bool]:
-    """The Trainer's data-parallel wrap: (plain module, module that trains, sharded?), choices in `decisions`.
+    """The Trainer's data-parallel wrap: (plain module, module that trains, sharded?), choices in `decisions` (the
+    plan's "parallel" decision applied where it made one).
 
     DDP: the module wrapped (it broadcasts rank 0's weights now; after .to(device) and channels_last).
     FSDP2: the module sharded in place (it is both).
     """
     from torchspeed.train.parallel.distributed import wrap_for_training
 
-    choice = choose_parallel(config.parallel, module, info.device, world_size=info.world_size)
-    decisions["parallel"] = choice
+    choice = decisions.get("parallel")  # fit: the plan's "parallel" stage chose it
+    if choice is None:
+        choice = decisions["parallel"] = choose_parallel(config.parallel, module, info.device,
+                                                         world_size=info.world_size)
     if choice.value == "fsdp2":
         decisions.update(wrap_fsdp2(module, config=config, world_size=info.world_size, backend=info.backend,
                                     precision=precision, mesh=mesh))

@@ -29,9 +29,8 @@ from collections.abc import Iterable
 from dataclasses import asdict
 
 import torch
-from torch import nn
 
-from torchspeed.env import DeviceCaps, detect, sync
+from torchspeed.env import detect, sync
 from torchspeed.train.trial.backends import no_autotune
 from torchspeed.train.loop.batch import batch_size, first_samples, forward_loss
 from torchspeed.train.decision import Decision, TrialCache
@@ -51,7 +50,7 @@ from torchspeed.train.trial.trial_safety import TrialSafety, forked_rng
 from torchspeed.train.trial.trial_size import (_as_decisions, _current_fused, _depth, _summary, _thread_choices,
                                                trial_settings)
 
-__all__ = ["rule_choice", "PRICE_SHARE", "SwitchStage", "kernel_isa", "arm_switch_trial"]
+__all__ = ["PRICE_SHARE", "SwitchStage", "kernel_isa", "arm_switch_trial"]
 
 log = logging.getLogger("torchspeed")
 
@@ -69,19 +68,6 @@ def kernel_isa() -> dict:
             "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")}
 
 
-def rule_choice(model: nn.Module, *, caps: DeviceCaps, precision: str = "auto",
-                channels_last: bool | str = "auto") -> tuple[Switches, dict[str, Decision]]:
-    """The fixed rules' precision and layout, with their decisions: what the loop runs until (or unless)
-    the trial measures. bf16/fp16 where the hardware runs it natively; channels_last for conv nets."""
-    key = normalize_precision(precision)
-    sw = rule_switches(caps=caps, has_conv=has_conv2d(model), precision=key, channels_last=channels_last)
-    half_why = {"bf16": f"{caps.device_type.upper()} runs bf16 natively", "fp16": "fp16 Tensor Cores, no fast bf16",
-                "fp32": f"no native half precision on this {caps.device_type.upper()}"}[sw.precision]
-    return sw, {"precision": Decision(sw.precision, "asked for" if key != "auto" else f"rule: {half_why}"),
-                "channels_last": Decision(sw.channels_last, "asked for" if channels_last != "auto" else (
-                    "rule: a conv net" if sw.channels_last else "rule: no 2D convolutions"))}
-
-
 class SwitchStage:
     """The switch trial of one Trainer (`trainer.switcher`): arm it (`prepare`), run each of the run's first steps
     with its candidate in effect (`step`, which the Trainer calls while `live`), put the winner into effect and
@@ -96,7 +82,7 @@ class SwitchStage:
 
     def __init__(self, trainer, *, prepared: bool = False):
         self.t = trainer
-        self.live: LiveTrial | None = None  # the trial while it runs
+        self.live = None  # the trial while it runs (arms the Trainer's stepper: `live`)
         self.prepared = prepared  # True: nothing to arm (FSDP2's sharded forward is collective: no trial)
         self._fixed: dict = {}
         self._trial_meta: dict = {}
@@ -104,6 +90,17 @@ class SwitchStage:
         self.safety = TrialSafety(self)  # the user's state put back, cast back; a failed step trained again
         self._plain: Switches | None = None  # what the run trains in when the trial keeps the plain settings
         self.plain_threads = torch.get_num_threads()  # the intra-op threads the run trains at while the trial runs
+
+    @property
+    def live(self) -> LiveTrial | None:
+        """The trial while it runs. Setting it arms the Trainer's `stepper` with this trial's `step` (the Trainer's
+        `step_batch` steps what is armed, in place of its plain step), and clearing it disarms it."""
+        return self._live
+
+    @live.setter
+    def live(self, trial: LiveTrial | None) -> None:
+        self._live = trial
+        self.t.stepper = self.step if trial is not None else None
 
     def prepare(self, loader: Iterable, *, remaining_steps: int | None = None, chosen: tuple | None = None) -> None:
         """Decide the switches left on "auto": the rules, or a trial on the run's first steps (`remaining_steps`

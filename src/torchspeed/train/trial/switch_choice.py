@@ -19,12 +19,14 @@ import torch
 from torch import nn
 
 from torchspeed.env import DeviceCaps
+from torchspeed.train.decision import Decision
 from torchspeed.train.trial.memory_format import has_conv2d
 from torchspeed.train.optim import sparse_gradients
 from torchspeed.train.optim_info import info_for
+from torchspeed.train.trial.precision import normalize_precision
 from torchspeed.train.trial.rounds import medians, share_faster
 
-__all__ = ["Switches", "candidate_grid", "rule_switches", "choose", "numerics_ok", "fusable", "set_fused",
+__all__ = ["Switches", "candidate_grid", "rule_switches", "rule_choice", "choose", "numerics_ok", "fusable", "set_fused",
            "model_signature", "batch_signature", "AHEAD", "PRECISION_GAIN", "SURE"]
 
 AHEAD = 1.1  # a candidate timed apart this much faster than the plain settings is likely to win: its turns train
@@ -143,3 +145,16 @@ def batch_signature(batch) -> object:
     if isinstance(batch, (list, tuple)):
         return [batch_signature(b) for b in batch]
     return type(batch).__name__
+
+
+def rule_choice(model: nn.Module, *, caps: DeviceCaps, precision: str = "auto",
+                channels_last: bool | str = "auto") -> tuple[Switches, dict[str, Decision]]:
+    """The fixed rules' precision and layout, with their decisions: what the loop runs until (or unless)
+    the trial measures. bf16/fp16 where the hardware runs it natively; channels_last for conv nets."""
+    key = normalize_precision(precision)
+    sw = rule_switches(caps=caps, has_conv=has_conv2d(model), precision=key, channels_last=channels_last)
+    half_why = {"bf16": f"{caps.device_type.upper()} runs bf16 natively", "fp16": "fp16 Tensor Cores, no fast bf16",
+                "fp32": f"no native half precision on this {caps.device_type.upper()}"}[sw.precision]
+    return sw, {"precision": Decision(sw.precision, "asked for" if key != "auto" else f"rule: {half_why}"),
+                "channels_last": Decision(sw.channels_last, "asked for" if channels_last != "auto" else (
+                    "rule: a conv net" if sw.channels_last else "rule: no 2D convolutions"))}
