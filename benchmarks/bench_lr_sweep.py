@@ -1,10 +1,10 @@
 """Does the LR range test (T15) land within 2x of the best LR of a sweep?
 
 Claim: the peak LR that `fit(lr="auto")` trains with (the one-cycle `max_lr` of `find_lr`,
-through `tune_for_fit`, the user's optimizer and precision) is within a factor 2 of the
+through the plan's `tune_lr` stage, the user's optimizer and precision) is within a factor 2 of the
 best peak LR of a sweep with the same budget, on each workload below.
 
-Method, per workload and seed: build the model from the seed, run `tune_for_fit(lr="auto")`
+Method, per workload and seed: build the model from the seed, run `make_plan(lr="auto")` (the plan's tuner stages)
 on the training loader (what `fit` does first) and keep its LR and its `lr_find` decision
 (confidence, rule, and the fallback trial's table when it ran). The sweep: peak LRs a
 factor 2 apart around that LR (7 values, extended by one on a side while the best is at
@@ -51,7 +51,8 @@ from torchspeed.bench.workloads import create_model, digits
 from torchspeed.env import other_runnable
 from torchspeed.train.evaluate import evaluate
 from torchspeed.train.trial.precision import resolve_precision
-from torchspeed.tune.auto import tune_for_fit
+from torchspeed.plan import make_plan
+from torchspeed.train.config import TrainConfig
 
 OUT = Path(__file__).resolve().parent / "results" / "cpu" / "lr_sweep.json"
 
@@ -97,14 +98,14 @@ def _loader(train, batch: int, seed: int) -> DataLoader:
 
 
 def range_test_lr(make, train, batch: int, opt: str, seed: int, precision: str, fallback: bool) -> dict:
-    """The peak LR fit(lr="auto") would train with (through `tune_for_fit`), its decision, and the curve."""
+    """The peak LR fit(lr="auto") would train with (the plan's `tune_lr` stage), its decision, and the curve."""
     import torchspeed.tune.lr as lr_module
 
     model = _model(make, seed)
     seen = []
     find_lr = lr_module.find_lr
 
-    def recording(*args, **kwargs):  # tune_for_fit imports find_lr when called: record what it returns
+    def recording(*args, **kwargs):  # the LR tuner imports find_lr when called: record what it returns
         res = find_lr(*args, **{**kwargs, "fallback": fallback})
         seen.append(res)
         return res
@@ -112,9 +113,10 @@ def range_test_lr(make, train, batch: int, opt: str, seed: int, precision: str, 
     lr_module.find_lr = recording
     t0 = time.perf_counter()
     try:
-        _, lr, decisions = tune_for_fit(model, _loader(train, batch, seed), batch_size=None, lr="auto", loader=None,
-                                        loss_fn=None, optimizer=opt, weight_decay=None, device="cpu",
-                                        precision=precision, schedule="onecycle", distributed=False, progress=False)
+        plan = make_plan(model, _loader(train, batch, seed), TrainConfig(precision=precision, schedule="onecycle",
+                                                                         distributed=False, progress=False),
+                         lr="auto", optimizer=opt, device="cpu")
+        lr, decisions = plan.lr, plan.decisions
     finally:
         lr_module.find_lr = find_lr
     res = seen[0].to_dict()

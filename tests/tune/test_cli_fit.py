@@ -8,7 +8,8 @@ from torchspeed import fit, scale_lr
 from torchspeed.bench.workloads import create_model, digits
 from torchspeed.cli.main import main
 from torchspeed.train.sampler import rebuild_loader
-from torchspeed.tune.auto import tune_for_fit
+from torchspeed.plan import make_plan
+from torchspeed.train.config import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,9 @@ def test_fixed_batch_scales_the_given_lr_and_keeps_the_sampler(digits8):
     loader = DataLoader(train, batch_size=16, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(0))
     model = _mlp()
-    new_loader, lr, decisions = tune_for_fit(model, loader, batch_size=64, lr=0.05, loader=None, loss_fn=None,
-                                             optimizer="sgd", weight_decay=0.0, device="cpu", progress=False)
+    plan = make_plan(model, loader, TrainConfig(progress=False), batch_size=64, lr=0.05, optimizer="sgd",
+                     weight_decay=0.0, device="cpu")  # the tuners' stages, for your own loop
+    new_loader, lr, decisions = plan.loader, plan.lr, plan.decisions
     assert lr == pytest.approx(0.2) and "linear rule" in str(decisions["lr"])
     assert new_loader.batch_size == 64 and new_loader.drop_last
     assert new_loader.sampler is loader.sampler and isinstance(new_loader.sampler, RandomSampler)
@@ -104,8 +106,9 @@ def test_a_given_optimizer_gets_the_tuned_lr_and_keeps_its_state(digits8):
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    _, lr, decisions = tune_for_fit(model, loader, batch_size=None, lr="auto", loader=None, loss_fn=None,
-                                    optimizer=opt, weight_decay=0.0, device="cpu", progress=False)
+    plan = make_plan(model, loader, TrainConfig(progress=False), lr="auto", optimizer=opt, weight_decay=0.0,
+                     device="cpu")
+    lr, decisions = plan.lr, plan.decisions
     assert opt.param_groups[0]["lr"] == pytest.approx(lr) and "range test" in str(decisions["lr_find"])
     assert not opt.state  # the range test's momentum buffers are gone
     for k, v in model.state_dict().items():

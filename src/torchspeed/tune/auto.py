@@ -1,4 +1,4 @@
-"""`fit(..., batch_size="auto", lr="auto", loader="auto")`: the tuners, applied to the user's own loader.
+"""`fit(..., batch_size="auto", lr="auto", loader="auto")`: the tuners' measurements, applied to the user's own loader.
 
 `fit` receives a DataLoader, so the tuned settings are applied by rebuilding it from its
 dataset: the same sampler object (so shuffling, its generator and a DistributedSampler's
@@ -20,7 +20,8 @@ the new batch size and the tuned worker settings.
 Every choice and its reason goes into `FitResult.decisions`. Under torchrun the process group
 is set up first, so each tuner measures on rank 0 and every rank gets the same decision. `fit`'s plan runs
 each tuner as a stage of its own (`plan/tuners.py`: `tune_batch`, `tune_lr`, `tune_loader`, in that order), and
-its last "before" stage rebuilds the loader once; `tune_for_fit` runs them in one call, for your own loop.
+its last "before" stage rebuilds the loader once. For your own loop, `plan.make_plan(model, loader, TrainConfig(),
+batch_size="auto", lr="auto", loader="auto")` runs the same stages and returns the loader, LR and decisions.
 
 Example:
     >>> fit(model, loader, epochs=5, batch_size="auto", lr="auto", loader="auto")
@@ -34,64 +35,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from torchspeed.env import default_device
-from torchspeed.train.sampler import rebuild_loader
 from torchspeed.train.decision import Decision
 from torchspeed.train.schedule import lr_rule, scale_lr_for_batch
 from torchspeed.train.optim_candidate import candidate_optimizer
 from torchspeed.tune.lr_peak import choose_peak_lr
 
-__all__ = ["tune_for_fit", "tune_settings", "check_options", "scratch_optimizers", "tune_batch", "tune_lr",
+__all__ = ["check_options", "scratch_optimizers", "tune_batch", "tune_lr",
            "tuned_loader"]
-
-
-def tune_for_fit(model: nn.Module, train_loader: Iterable, *, batch_size: int | str | None, lr: float | str,
-                 loader: str | None, loss_fn: Callable | None, step_fn: Callable | None = None, optimizer: str | torch.optim.Optimizer,
-                 weight_decay: float | None, device: torch.device | str | None, precision: str = "auto",
-                 schedule: str | None = "onecycle", distributed: bool | str = "auto",
-                 progress: bool = True, optimizer_options: dict | None = None) -> tuple[Iterable, float, dict]:
-    """Run the asked-for tuners; return (the loader to train on, the LR, decisions)."""
-    changes, lr_val, decisions = tune_settings(
-        model, train_loader, batch_size=batch_size, lr=lr, loader=loader, loss_fn=loss_fn, step_fn=step_fn,
-        optimizer=optimizer, weight_decay=weight_decay, device=device, precision=precision, schedule=schedule,
-        distributed=distributed, progress=progress, optimizer_options=optimizer_options)
-    return (rebuild_loader(train_loader, **changes) if changes else train_loader), lr_val, decisions
-
-
-def tune_settings(model: nn.Module, train_loader: Iterable, *, batch_size: int | str | None, lr: float | str,
-                  loader: str | None, loss_fn: Callable | None, step_fn: Callable | None = None,
-                  optimizer: str | torch.optim.Optimizer, weight_decay: float | None,
-                  device: torch.device | str | None, precision: str = "auto", schedule: str | None = "onecycle",
-                  distributed: bool | str = "auto", progress: bool = True,
-                  optimizer_options: dict | None = None) -> tuple[dict, float, dict]:
-    """Run the asked-for tuners (`tune_batch`, then `tune_lr`, then `tuned_loader`; fit's plan runs each as a stage
-    of its own, plan/tuners.py); return (the DataLoader settings to rebuild the loader with, {} for none: the batch
-    size and the loader tuner's settings; the LR; decisions)."""
-    check_options(train_loader, batch_size=batch_size, lr=lr, loader=loader)
-    # Under torchrun the process group must exist before the tuners run, so that rank 0's
-    # measurement is broadcast (the Trainer's own call later finds it initialised).
-    from torchspeed.train.parallel.distributed import maybe_init_distributed
-
-    info = maybe_init_distributed(distributed, device=device)
-    if info is not None:
-        dev = info.device
-    else:
-        dev = default_device(device)
-    model.to(dev)
-    scratch = scratch_optimizers(model, optimizer, weight_decay=weight_decay, options=optimizer_options)
-    measure = dict(loss_fn=loss_fn, step_fn=step_fn, precision=precision, progress=progress)
-    old_batch = getattr(train_loader, "batch_size", None)
-    new_batch, decisions = tune_batch(model, train_loader, batch_size, scratch, **measure)
-    at = rebuild_loader(train_loader, batch_size=new_batch) if lr == "auto" and new_batch != old_batch else train_loader
-    lr_val, more = tune_lr(model, at, lr, scratch, optimizer=optimizer, schedule=schedule,
-                           batches=(old_batch, new_batch), **measure)
-    decisions.update(more)
-    settings: dict = {}
-    if loader == "auto":
-        settings, decisions["loader"] = tuned_loader(model, train_loader, new_batch, loss_fn=loss_fn, device=dev,
-                                                     progress=progress)
-    changes = ({"batch_size": new_batch} if new_batch else {}) | settings if new_batch != old_batch or settings else {}
-    return changes, lr_val, decisions
 
 
 def check_options(train_loader: Iterable, *, batch_size: int | str | None, lr: float | str, loader: str | None) -> None:

@@ -1,6 +1,7 @@
 """The one LR chooser (T14, T15): the range test, then, for a one-cycle run, a short one-cycle trial of its pick and
-2x, 4x. `lr="auto"` (`tune.auto.tune_for_fit`) and the recipe's LR part (`plan.recipe_lr`, before the run or in its
-first steps) both call `choose_peak_lr`, so one rule picks the LR whichever way it was asked for.
+2x, 4x. `lr="auto"` (the plan's `tune_lr` stage, `plan/tuners.py`) and the recipe's LR part (`plan.recipe_lr`,
+before the run or in its first steps) both call `choose_peak_lr`, so one rule picks the LR whichever way it was
+asked for.
 
 - The range test (`tune.lr.find_lr`) with the run's optimizer and precision: its one-cycle pick
   (`max_lr`) for a one-cycle run, its suggestion for any other schedule.
