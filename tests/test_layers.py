@@ -201,8 +201,8 @@ LAZY = {  # file -> (function-level torchspeed imports, why)
     "train/bnstats.py": (3, CYCLE + ": bnstats <-> batch, transfer, decision"),
     "train/parallel/fsdp.py": (2, CYCLE + ": fsdp <-> distributed"),
     "train/parallel/shard.py": (1, CYCLE + ": shard <-> sampler"),
-    "tune/auto.py": (2, INJECT + ": tests patch the tuners in their modules"),
-    "tune/batch_choice.py": (1, INJECT + ": tests patch tune.batch.find_batch_size"),
+    "tune/auto.py": (1, INJECT + ": tests patch the tuners in their modules"),
+    "tune/batch_choice.py": (2, INJECT + ": tests patch tune.batch.find_batch_size"),
     "tune/loader.py": (1, INJECT + ": tests patch env.usable_cores"),
 }
 LAZY_TOTAL = 23

@@ -132,7 +132,7 @@ def test_real_recipe_runs_keep_every_stage_to_its_declaration(tiny_cnn, monkeypa
     best = {"sgd": "schedulefree", "adamw": "muon"}
     monkeypatch.setattr(recipe_optimizer, "compare_optimizers", lambda model, data, names, **kw: trial_mod.OptimizerTrial(
         best[names[0]], (), f"injected: {best[names[0]]} reached the loss sooner", 10))
-    monkeypatch.setattr(recipe_batch, "choose_batch_size", lambda *a, **kw: (32, Decision(32, "injected")))
+    monkeypatch.setattr(recipe_batch, "choose_run_batch", lambda *a, **kw: (32, Decision(32, "injected")))
     monkeypatch.setattr(recipe_batch, "step_seconds", lambda *a, **kw: 0.001)
     long = dict(epochs=10_000, max_steps=40_000, callbacks=[_StopSoon()], precision="fp32", trial=False, **FAST)
     torchspeed.fit(tiny_cnn(), _loader(), recipe="auto", optimizer="sgd", **long)  # Schedule-Free wins, batch x2

@@ -161,7 +161,7 @@ def test_the_plans_trials_measure_at_the_precision_the_switch_trial_chose(tiny_c
     real_find_lr = lr_peak.find_lr
     monkeypatch.setattr(recipe_optimizer, "schedule_free_available", lambda: True)
     monkeypatch.setattr(recipe_optimizer, "compare_optimizers", optimizer_trial)
-    monkeypatch.setattr(recipe_batch, "choose_batch_size", batch_timing)
+    monkeypatch.setattr(recipe_batch, "choose_run_batch", batch_timing)
     monkeypatch.setattr(lr_peak, "find_lr", lambda *a, **k: seen["LR range test"].append(k["precision"])
                         or real_find_lr(*a, **k))
 

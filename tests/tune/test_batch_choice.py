@@ -7,7 +7,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed.tune.batch import BatchSizeResult, BatchTrial
 from torchspeed.train.schedule import scale_lr_for_batch
-from torchspeed.tune.batch_choice import BATCH_MIN_STEPS, choose_batch_size, pick_batch_size, predicted_time
+from torchspeed.tune.batch_choice import (BATCH_MIN_STEPS, choose_batch_size, choose_run_batch, pick_batch_size,
+                                         predicted_time)
 
 
 def test_predicted_time_follows_the_empirical_model_of_large_batch_training():
@@ -66,7 +67,7 @@ def _loader(n=1024, bs=16):
 def _inject_rates(monkeypatch, rates: dict[int, float], asked: list):
     import torchspeed.tune.batch as batch_mod
 
-    def fake(model, dataset, *, min_batch, max_batch, **kw):  # injected samples/s: no timing in a test
+    def fake(model, dataset, *, min_batch=1, max_batch, **kw):  # injected samples/s: no timing in a test
         asked.append((min_batch, max_batch))
         table = tuple(BatchTrial(b, True, r) for b, r in sorted(rates.items()) if min_batch <= b <= max_batch)
         return BatchSizeResult(largest=max_batch, fastest=min_batch, largest_raw=max_batch, limited_by="max_batch",
@@ -114,8 +115,8 @@ def test_fit_rebuilds_the_loader_at_the_recipes_batch_and_scales_the_lr(monkeypa
     _inject_rates(monkeypatch, {8: 100.0, 16: 190.0, 32: 360.0, 64: 370.0}, asked)
     import torchspeed.plan.recipe_batch as bc  # the recipe's batch part calls the chooser from here
 
-    real = bc.choose_batch_size
-    monkeypatch.setattr(bc, "choose_batch_size", lambda *a, **kw: real(*a, **(kw | {"noise_scale": 1000.0,
+    real = bc.choose_run_batch
+    monkeypatch.setattr(bc, "choose_run_batch", lambda *a, **kw: real(*a, **(kw | {"noise_scale": 1000.0,
                                                                                       "min_steps": 1})))
     res = fit(_net(), _loader(), epochs=1, lr=0.05, recipe="auto", recipe_parts=("batch",), progress=False,
               compile=False, trial=False, precision="fp32")
@@ -148,7 +149,7 @@ def test_a_larger_batch_reconsiders_the_ema_for_the_shorter_run(monkeypatch):
     from torchspeed.plan.parts import Recipe, choose_ema
     from torchspeed.train.decision import Decision
 
-    monkeypatch.setattr(rp, "choose_batch_size", lambda *a, **kw: (128, Decision(128, "injected")))
+    monkeypatch.setattr(rp, "choose_run_batch", lambda *a, **kw: (128, Decision(128, "injected")))
     for total, on in ((8000, True), (2400, False)):
         rec = Recipe(lr=0.1, parts=("ema", "batch"))
         rec.decisions["ema"] = choose_ema(rec, total)
@@ -173,7 +174,7 @@ def test_the_batch_part_is_priced_with_its_timing_floor_in_the_runs_steps(monkey
 
     monkeypatch.setattr(rp, "step_seconds", lambda *a, **k: 0.007)  # injected: no clock in a test
     calls = []
-    monkeypatch.setattr(rp, "choose_batch_size", lambda *a, **kw: calls.append(1) or (None, Decision(16, "injected")))
+    monkeypatch.setattr(rp, "choose_run_batch", lambda *a, **kw: calls.append(1) or (None, Decision(16, "injected")))
     assert rp.batch_cost(0.007) == 150 + 129 and rp.batch_cost(None) == 150
     rec = recipe_of(_net(), _loader(), optimizer="sgd", lr=0.05, steps=run_steps, parts=("batch",), share=0.05,
                     precision="fp32")
@@ -191,3 +192,37 @@ def test_a_run_too_short_for_the_batch_part_at_its_least_price_times_nothing(mon
     rec = recipe_of(_net(), _loader(), optimizer="sgd", lr=0.05, steps=320, parts=("batch",), share=0.05,
                     precision="fp32")
     assert not timed and "~150 steps off the run" in rec.decisions["batch_size"].reason
+
+
+def test_one_batch_chooser_time_to_target_on_a_long_run_else_the_fastest_or_the_loaders(monkeypatch):
+    """`batch_size="auto"` and the recipe's batch part choose through one function: on a run long enough to pay the
+    measurement back, the least predicted time to a target; on a shorter one, the fastest measured (asked to tune)
+    or the loader's batch (the recipe)."""
+    asked: list = []
+    _inject_rates(monkeypatch, {16: 100.0, 32: 190.0, 64: 360.0}, asked)
+    opt = torch.optim.SGD(_net().parameters(), lr=1e-3)
+    new, dec = choose_run_batch(_net(), _loader(), total_steps=10_000, optimizer=opt, short="fastest",
+                                noise_scale=1000.0, precision="fp32")
+    assert new == 64 and "sooner to a target" in dec.reason  # time to target: 1-4x the loader's batch measured
+    new, dec = choose_run_batch(_net(), _loader(), total_steps=BATCH_MIN_STEPS - 1, optimizer=opt, short="fastest",
+                                precision="fp32")
+    assert "fastest measured" in dec.reason and asked[-1] == (1, 64)  # up to 1/16 of the 1,024 samples
+    n = len(asked)
+    new, dec = choose_run_batch(_net(), _loader(), total_steps=BATCH_MIN_STEPS - 1, optimizer=opt, short="keep",
+                                noise_scale=1000.0)
+    assert new is None and dec.reason.startswith("kept: a run of") and len(asked) == n  # nothing measured
+
+
+def test_batch_size_auto_is_chosen_at_the_runs_length(monkeypatch):
+    """The plan's `tune_batch` stage gives the chooser the run's length at the loader's batch."""
+    import torchspeed.tune.auto as auto
+    from torchspeed.plan import make_plan
+    from torchspeed.train.config import TrainConfig
+    from torchspeed.train.decision import Decision
+
+    seen = []
+    monkeypatch.setattr(auto, "choose_run_batch", lambda *a, total_steps, short, **kw: seen.append(
+        (total_steps, short)) or (32, Decision(32, "injected")))
+    plan = make_plan(_net(), _loader(), TrainConfig(epochs=20, progress=False, trial=False, precision="fp32"),
+                     batch_size="auto", lr=0.05, device="cpu")
+    assert seen == [(20 * 1024 // 16, "fastest")] and plan.loader.batch_size == 32

@@ -273,7 +273,8 @@ BUILT_IN = (
     Stage("tuners", "before", tuners_setup, needs=("switches",), fallback=False, when=wants_tuners,
           what="the tuning options checked (`batch_size=`, `lr=\"auto\"`, `loader=`): a bad one is an error"),
     Stage("tune_batch", "before", batch_tuner, needs=("tuners",), cost="the batch timing's steps", fallback=False,
-          what="`batch_size=\"auto\"`: the fastest batch measured; or the batch given",
+          what="`batch_size=\"auto\"`: the least predicted time to a target on a long run, else the fastest "
+          "batch measured (the one batch chooser); or the batch given",
           when=lambda ctx: ctx.batch_size is not None, writes=("batch_size",)),
     Stage("tune_lr", "before", lr_tuner, needs=("tune_batch",), cost="the range test's steps", fallback=False,
           what="`lr=\"auto\"`: the peak LR measured at the run's batch; or the LR given, scaled to a new batch",

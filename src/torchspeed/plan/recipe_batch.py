@@ -21,7 +21,7 @@ from torchspeed.train.noise import measure_noise_scale
 from torchspeed.train.optim_candidate import candidate_optimizer
 from torchspeed.train.schedule import scale_lr_for_batch
 from torchspeed.tune._common import decide_once
-from torchspeed.tune.batch_choice import BATCH_MIN_STEPS, choose_batch_size
+from torchspeed.tune.batch_choice import BATCH_MIN_STEPS, choose_run_batch
 
 __all__ = ["BATCH_COST", "BATCH_FLOOR_S", "batch_cost", "step_seconds", "choose_batch", "batch_part"]
 
@@ -81,9 +81,9 @@ def choose_batch(model, loader, rec: Recipe, *, optimizer, name, weight_decay, o
     long_run = total_steps is not None and total_steps >= BATCH_MIN_STEPS  # else it decides without measuring
     scratch = candidate_optimizer(optimizer, model, lr=1e-6, name=name, weight_decay=weight_decay,
                                   options=optimizer_options) if long_run else optimizer
-    new, dec = choose_batch_size(model, loader, total_steps=total_steps, noise_scale=noise_scale, optimizer=scratch,
-                                 precision=precision, loss_fn=loss_fn, step_fn=step_fn, world_size=world,
-                                 progress=progress)
+    new, dec = choose_run_batch(model, loader, total_steps=total_steps, noise_scale=noise_scale, optimizer=scratch,
+                                precision=precision, loss_fn=loss_fn, step_fn=step_fn, world_size=world,
+                                progress=progress, short="keep")
     rec.decisions["batch_size"] = dec
     if new is None or not b0:
         return

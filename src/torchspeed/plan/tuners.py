@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from torchspeed.plan.stages import RunContext
+from torchspeed.plan.stages import RunContext, run_length
 from torchspeed.tune.auto import check_options, scratch_optimizers, tune_batch, tune_lr, tuned_loader
 
 __all__ = ["wants_tuners", "tuners_setup", "batch_tuner", "lr_tuner", "loader_tuner"]
@@ -39,8 +39,10 @@ def tuners_setup(ctx: RunContext) -> None:
 
 
 def batch_tuner(ctx: RunContext) -> None:
-    """The "tune_batch" stage: `batch_size="auto"` measured, or the int given; a new batch for the loader."""
-    new, decided = tune_batch(ctx.model, ctx.loader, ctx.batch_size, _scratch(ctx), **_measure(ctx))
+    """The "tune_batch" stage: `batch_size="auto"` measured by the one batch chooser at the run's length (at the
+    loader's batch), or the int given; a new batch for the loader."""
+    new, decided = tune_batch(ctx.model, ctx.loader, ctx.batch_size, _scratch(ctx),
+                              total_steps=run_length(ctx.loader, ctx.cfg), **_measure(ctx))
     ctx.decisions.update(decided)
     if new != getattr(ctx.loader, "batch_size", None):
         ctx.loader_changes = ctx.loader_changes | {"batch_size": new}

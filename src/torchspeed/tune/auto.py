@@ -5,8 +5,10 @@ dataset: the same sampler object (so shuffling, its generator and a DistributedS
 sharding are kept), the same collate_fn, drop_last, worker_init_fn and generator, with
 the new batch size and the tuned worker settings.
 
-- batch_size="auto": the fastest batch `find_batch_size` measures (T17), at most 1/16 of the
-  dataset (an epoch keeps at least 16 steps), or an int.
+- batch_size="auto": the one batch chooser (`tune.batch_choice.choose_run_batch`, the recipe's batch part's
+  too, T17): on a run long enough to pay the measurement back, the batch with the least predicted time to a
+  target; else the fastest batch `find_batch_size` measures, at most 1/16 of the dataset (an epoch keeps at least
+  16 steps); or an int.
 - lr="auto": the one LR chooser (`tune.lr_peak.choose_peak_lr`, which the recipe's LR part
   calls too) on the user's loader: the range test's one-cycle pick,
   refined by a short one-cycle trial of it and 2x, 4x, when the schedule is one-cycle;
@@ -38,6 +40,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from torchspeed.train.decision import Decision
 from torchspeed.train.schedule import lr_rule, scale_lr_for_batch
 from torchspeed.train.optim_candidate import candidate_optimizer
+from torchspeed.tune.batch_choice import choose_run_batch
 from torchspeed.tune.lr_peak import choose_peak_lr
 
 __all__ = ["check_options", "scratch_optimizers", "tune_batch", "tune_lr",
@@ -66,12 +69,17 @@ def scratch_optimizers(model: nn.Module, optimizer: str | torch.optim.Optimizer,
 
 
 def tune_batch(model: nn.Module, train_loader: Iterable, batch_size: int | str | None,
-               make_optimizer: Callable[[float], torch.optim.Optimizer], **measure) -> tuple[int | None, dict]:
-    """The batch the run trains at and its decisions: "auto", the fastest measured (`_fastest_batch`); an int, that
-    batch (given: no decision); None, the loader's."""
+               make_optimizer: Callable[[float], torch.optim.Optimizer], *, total_steps: int | None = None,
+               **measure) -> tuple[int | None, dict]:
+    """The batch the run trains at and its decisions: "auto", the one batch chooser
+    (`batch_choice.choose_run_batch`: the least predicted time to a target on a run of `total_steps` long enough to
+    pay it back, else the fastest measured); an int, that batch (given: no decision); None, the loader's."""
     if batch_size == "auto":
-        new, dec = _fastest_batch(model, train_loader, make_optimizer, **measure)
-        return new, {"batch_size": dec}
+        if isinstance(getattr(train_loader, "dataset", None), IterableDataset):
+            raise ValueError("batch_size='auto' needs a map-style dataset (len and indexing); got an IterableDataset")
+        new, dec = choose_run_batch(model, train_loader, total_steps=total_steps, optimizer=make_optimizer(1e-3),
+                                short="fastest", **measure)
+        return new or getattr(train_loader, "batch_size", None), {"batch_size": dec}
     if isinstance(batch_size, int):
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -104,25 +112,6 @@ def tune_lr(model: nn.Module, loader_at_batch: Iterable, lr: float | str,
         if isinstance(optimizer, torch.optim.Optimizer):
             _set_peak_lr(optimizer, lr_val)
     return lr_val, decisions
-
-
-def _fastest_batch(model: nn.Module, train_loader: DataLoader, make_optimizer: Callable[[float], torch.optim.Optimizer],
-                   *, loss_fn: Callable | None, step_fn: Callable | None, precision: str,
-                   progress: bool) -> tuple[int, Decision]:
-    """batch_size="auto" (T17): the fastest batch `find_batch_size` measures on the loader's dataset, searched up to
-    1/16 of it (an epoch keeps at least 16 steps) and at most 1024; the decision keeps the measured rates."""
-    from torchspeed.tune.batch import find_batch_size
-
-    dataset = train_loader.dataset
-    if isinstance(dataset, IterableDataset):
-        raise ValueError("batch_size='auto' needs a map-style dataset (len and indexing); got an IterableDataset")
-    res = find_batch_size(model, dataset, loss_fn=loss_fn, step_fn=step_fn, optimizer=make_optimizer(1e-3),
-                          precision=precision, collate_fn=train_loader.collate_fn,
-                          max_batch=max(8, min(1024, len(dataset) // 16 // 8 * 8)), progress=progress)  # type: ignore[arg-type]
-    return res.fastest, Decision(res.fastest, f"fastest measured; largest that fits {res.largest}, limited by "
-                                              f"{res.limited_by}", measured={"samples_per_s": [
-                                                  (t.batch_size, t.samples_per_s) for t in res.table
-                                                  if t.samples_per_s]})
 
 
 def _range_test_lr(model: nn.Module, train_loader: Iterable, make_optimizer: Callable[[float], torch.optim.Optimizer],

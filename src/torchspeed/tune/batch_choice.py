@@ -24,6 +24,9 @@ batch's predicted gain may vanish. Measured on the digits: the noise scale after
 against 4,096 at 64 (docs/recipe.md). Runs shorter than `BATCH_MIN_STEPS` keep their batch:
 the measurement (a few dozen steps at several batch sizes) would not pay back.
 
+`choose_run_batch` is the one batch chooser: this, on a run long enough to pay it back; else, for
+`batch_size="auto"`, the fastest batch measured (`fastest_batch`), or for the recipe the loader's batch kept.
+
 Example:
     >>> batch, decision = choose_batch_size(model, loader, total_steps=2000, noise_scale=350.0)
     >>> loader = rebuild_loader(loader, batch_size=batch)
@@ -43,7 +46,8 @@ from torchspeed.train.decision import Decision
 from torchspeed.train.noise import measure_noise_scale
 from torchspeed.tune._common import decide_once
 
-__all__ = ["BATCH_MIN_STEPS", "BATCH_MARGIN", "predicted_time", "pick_batch_size", "choose_batch_size"]
+__all__ = ["BATCH_MIN_STEPS", "BATCH_MARGIN", "predicted_time", "pick_batch_size", "choose_batch_size",
+           "choose_run_batch", "fastest_batch"]
 
 BATCH_MIN_STEPS = 300   # shorter runs keep the loader's batch: the measurement costs a few seconds
 BATCH_MARGIN = 0.10     # another batch must be predicted at least this much sooner to the target
@@ -141,3 +145,35 @@ def choose_batch_size(model: nn.Module, loader, *, total_steps: int | None, nois
     reason = (f"predicted {1 / rel[best]:.2f}x sooner to a target than batch {b0}: samples needed grow as 1 + B/B_noise "
               f"(B_noise ~{noise_scale:.0f} {where}), divided by the samples/s measured here ({table}) (T17)")
     return best, Decision(best, reason, measured=measured)
+
+
+def choose_run_batch(model: nn.Module, loader, *, total_steps: int | None, optimizer: torch.optim.Optimizer,
+                     short: str = "keep", **kw) -> tuple[int | None, Decision]:
+    """The one batch chooser (T17): on a run of `total_steps` at least `BATCH_MIN_STEPS` long, the batch with the
+    least predicted time to a target (`choose_batch_size`; `kw`: its options); on a shorter or unknown run,
+    `short`: "keep" the loader's batch (the recipe's batch part), or "fastest" (`batch_size="auto"`: asked to tune,
+    the fastest batch measured, `fastest_batch`). (the new batch, or None to keep the loader's; the Decision)"""
+    if short == "fastest" and (total_steps is None or total_steps < BATCH_MIN_STEPS):
+        measure = {k: kw[k] for k in ("loss_fn", "step_fn", "precision", "progress") if k in kw}
+        return fastest_batch(model, loader, optimizer, **measure)
+    if short not in ("keep", "fastest"):
+        raise ValueError(f"short={short!r}: 'keep' or 'fastest'")
+    return choose_batch_size(model, loader, total_steps=total_steps, optimizer=optimizer, **kw)
+
+
+def fastest_batch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, *,
+                  loss_fn: Callable | None = None, step_fn: Callable | None = None, precision: str = "auto",
+                  progress: bool = False) -> tuple[int, Decision]:
+    """The fastest batch `find_batch_size` measures on the loader's dataset, searched up to 1/16 of it (an epoch
+    keeps at least 16 steps) and at most 1024; the decision keeps the measured rates."""
+    from torchspeed.tune.batch import find_batch_size  # read when called: tests inject a measured search
+
+    dataset = loader.dataset
+    res = find_batch_size(model, dataset, loss_fn=loss_fn, step_fn=step_fn, optimizer=optimizer, precision=precision,
+                          collate_fn=loader.collate_fn, max_batch=max(8, min(1024, len(dataset) // 16 // 8 * 8)),
+                          progress=progress)
+    return res.fastest, Decision(res.fastest, f"fastest measured (a run under {BATCH_MIN_STEPS} steps, or of unknown "
+                                              f"length: too short to pay back the time-to-target measurement); "
+                                              f"largest that fits {res.largest}, limited by {res.limited_by}",
+                                 measured={"samples_per_s": [(t.batch_size, t.samples_per_s) for t in res.table
+                                                             if t.samples_per_s]})
