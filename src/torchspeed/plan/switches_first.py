@@ -30,6 +30,7 @@ from torchspeed.plan.budget import TuningBudget
 from torchspeed.plan.recipe_batch import BATCH_COST
 from torchspeed.plan.recipe_optimizer import OPTIMIZER_TRIAL_STEPS
 from torchspeed.plan.stages import RunContext, run_length
+from torchspeed.plan.tuners import wants_tuners
 from torchspeed.train.decision import Decision
 from torchspeed.train.optim_info import default_lr
 from torchspeed.train.trial.precision import normalize_precision
@@ -52,7 +53,7 @@ def wants_switches_first(ctx: RunContext) -> bool:
         return False
     if normalize_precision(cfg.precision) != "auto" and cfg.channels_last != "auto":
         return False
-    if ctx.batch_size is not None or ctx.lr == "auto" or ctx.loader_mode is not None:
+    if wants_tuners(ctx):
         return True  # the tuners measure
     if not ctx.recipe:
         return False
