@@ -128,3 +128,25 @@ def test_fit_trains_schedule_free_through_the_lean_step(monkeypatch):
                          lr=1e-2, precision="fp32", trial=False, progress=False,
                          val_loader=DataLoader(TensorDataset(x, y), batch_size=100))
     assert res.steps == 20 and len(calls) == 1
+
+
+def test_schedule_free_modes_have_one_home():
+    """train_mode / eval_mode / averaged_weights (train/optim.py) are the only places Schedule-Free's modes switch:
+    no other module of the package calls an optimizer's .train() or .eval()."""
+    import ast
+    import pathlib
+
+    import torchspeed
+
+    root = pathlib.Path(torchspeed.__file__).parent
+    found = []
+    for f in root.rglob("*.py"):
+        if f.name == "optim.py" and f.parent.name == "train":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("train", "eval") \
+                    and isinstance(node.func.value, (ast.Name, ast.Attribute)):
+                name = node.func.value.id if isinstance(node.func.value, ast.Name) else node.func.value.attr
+                if "opt" in name:
+                    found.append(f"{f.relative_to(root)}:{node.lineno}")
+    assert found == []

@@ -17,7 +17,7 @@ from torch import nn
 
 from torchspeed.train.loop.batch import batch_size
 from torchspeed.train.bnstats import recalibrate_bn
-from torchspeed.train.optim import SCHEDULE_FREE_BN_SAMPLES, averaged_weights, trains_iterate
+from torchspeed.train.optim import SCHEDULE_FREE_BN_SAMPLES, averaged_weights, eval_mode
 from torchspeed.train.trial.user_state import UserState
 
 log = logging.getLogger("torchspeed")
@@ -81,7 +81,6 @@ def settle_averaged(trainer) -> None:
     """The end of a fit: a Schedule-Free optimizer switched to its averaged weights for good (`optimizer.eval()`),
     BatchNorm statistics recomputed for them as an evaluation does. The model then holds what was evaluated and
     saved; a later fit's first epoch switches back (`optimizer.train()`), and a checkpoint saves these weights."""
-    if trains_iterate(trainer.optimizer):
-        trainer.optimizer.eval()
+    if eval_mode(trainer.optimizer):
         if getattr(trainer, "_bn_for_step", None) != trainer.step:  # else an evaluation at this step recalibrated them
             _recalibrate(trainer, trainer.module)

@@ -46,7 +46,7 @@ from torchspeed.train.optim_info import (OptimInfo, kernel_reason, optimizer_ava
 
 __all__ = ["create_optimizer", "param_groups", "describe_optimizer", "optimizer_record", "SCHEDULE_FREE_LR",
            "typical_fan_in", "schedule_free_lr", "has_attention", "weight_layers",
-           "schedule_free_available", "set_schedule_free_warmup", "trains_iterate", "SCHEDULE_FREE_BN_BATCHES",
+           "schedule_free_available", "set_schedule_free_warmup", "trains_iterate", "train_mode", "eval_mode", "SCHEDULE_FREE_BN_BATCHES",
            "SCHEDULE_FREE_BN_SAMPLES", "hidden_matrices", "matrix_share", "mostly_matrices"]
 
 
@@ -212,18 +212,34 @@ def set_schedule_free_warmup(optimizer, total_steps: int | None, warmup_steps: i
     return warm
 
 
+def train_mode(optimizer) -> None:
+    """A Schedule-Free optimizer to train mode (the model holds its training iterate; it steps only in this mode);
+    another optimizer, or one in train mode already: nothing. The one home of Schedule-Free's modes, with
+    `eval_mode` and `averaged_weights`."""
+    if is_schedule_free(optimizer) and not trains_iterate(optimizer):
+        optimizer.train()
+
+
+def eval_mode(optimizer) -> bool:
+    """A Schedule-Free optimizer in train mode to eval mode (the model holds its averaged weights); returns whether
+    it switched."""
+    if not trains_iterate(optimizer):
+        return False
+    optimizer.eval()
+    return True
+
+
 @contextlib.contextmanager
 def averaged_weights(optimizer):
     """Inside the block a Schedule-Free optimizer's model holds its averaged weights (evaluated and saved), after it the
     training iterate. Another optimizer, or one in eval mode already (a fit's end): nothing. Yields if it switched."""
-    if not trains_iterate(optimizer):
+    if not eval_mode(optimizer):
         yield False
         return
-    optimizer.eval()
     try:
         yield True
     finally:
-        optimizer.train()
+        train_mode(optimizer)
 
 
 # --- One row per optimizer (T18, T42) ---------------------------------------------------------------------------

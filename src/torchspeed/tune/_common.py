@@ -23,7 +23,7 @@ from torch import nn
 from torchspeed.env import sync
 from torchspeed.train.loop.batch import forward_loss
 from torchspeed.train.losses import default_loss
-from torchspeed.train.optim import is_schedule_free
+from torchspeed.train.optim import is_schedule_free, train_mode
 from torchspeed.train.loop.step import backward, optimizer_step
 
 T = TypeVar("T")
@@ -160,8 +160,8 @@ class TrainStep:
             return forward_loss(self.model, batch, loss_fn=self.loss_fn, step_fn=self.step_fn).loss
 
     def __call__(self, batch) -> torch.Tensor:
-        if self._moded and not self.optimizer.param_groups[0].get("train_mode", True):
-            self.optimizer.train()  # Schedule-Free steps only in train mode (its weights are swapped back too)
+        if self._moded:
+            train_mode(self.optimizer)  # Schedule-Free steps only in train mode (its weights are swapped back too)
         loss = self.loss(batch)
         backward(loss, scaler=self.scaler)        # the loop's own functions (train/loop/step.py):
         optimizer_step(self.optimizer, scaler=self.scaler)  # scale, step, update in one place

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from torchspeed.train.eval_view import recalibrate_averaged
-from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, is_schedule_free,
+from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, eval_mode, is_schedule_free,
                                     set_schedule_free_warmup)
 from torchspeed.train.trial.precision import make_grad_scaler, resolve_precision
 from torchspeed.train.loop.progress import progress_bar
@@ -209,8 +209,8 @@ def _held_loss(model, opt, step, held: list, trained: list, prec, *, resume: boo
     (`train/eval_view.py`). Eval mode, no gradient; `resume`: the model back to training after."""
     device = model_device(model)
     free = is_schedule_free(opt)
-    if free:
-        opt.eval()
+    if free:  # judged at its averaged weights (in eval mode already after an earlier look: as they are)
+        eval_mode(opt)
         recalibrate_averaged(model, trained[-SCHEDULE_FREE_BN_BATCHES:], prec, device=device, step_fn=step.step_fn)
     model.eval()
     with torch.no_grad():

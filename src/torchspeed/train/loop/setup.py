@@ -30,7 +30,7 @@ from torchspeed.train.loop.segment import BestEpoch
 from torchspeed.train.losses import default_loss
 from torchspeed.train.noise import NoiseScaleEstimator
 from torchspeed.train.optim import (SCHEDULE_FREE_BN_BATCHES, averaged_weights, create_optimizer, is_schedule_free,
-                                    optimizer_record)
+                                    optimizer_record, train_mode)
 from torchspeed.train.parallel.distributed import all_reduce_max, broadcast_object, scale_groups_world_size
 from torchspeed.train.parallel.fsdp import check_optimizer
 from torchspeed.train.sampler import DataPosition
@@ -76,8 +76,7 @@ class TrainerSetup:
         if isinstance(optimizer, str):
             with deferred_dynamo():  # its first optimizer would import torch._dynamo (train/trial/dynamo_deferred.py)
                 optimizer = create_optimizer(optimizer, self.model, fused=cfg.fused_optimizer, **hyper)
-        if is_schedule_free(optimizer):
-            optimizer.train()  # Schedule-Free steps only in train mode (evaluation switches and switches back)
+        train_mode(optimizer)  # Schedule-Free steps only in train mode (evaluation switches and switches back)
         if not cfg.lean_step:
             step_with_torch(optimizer)  # the naive loop's cost: torch's own step and zero_grad
         if self.decisions.planned:  # fit: the plan records the optimizer and scales the LR (its stages)

@@ -49,7 +49,7 @@ from torchspeed.train.noise import observe_batch
 from torchspeed.train.decision import Decisions
 from torchspeed.train.eval_view import settle_averaged
 from torchspeed.train.optim_info import default_lr
-from torchspeed.train.optim import averaged_weights, is_schedule_free
+from torchspeed.train.optim import averaged_weights, train_mode
 from torchspeed.train.optim_kernel import zero_grad
 from torchspeed.train.trial.precision import MixedPrecision, Precision
 from torchspeed.train.loop.progress import TrainProgress, decisions_header
@@ -290,8 +290,7 @@ class Trainer(TrainerSetup):
         if self._ramp is not None:
             self._steps_per_epoch = len(self._ramp.sizes(epoch))
         self.model.train()
-        if is_schedule_free(self.optimizer):
-            self.optimizer.train()
+        train_mode(self.optimizer)  # Schedule-Free: back to its training iterate (a fit's end left the average)
         if not skip:
             self.meter.reset()  # else: the sums restored from the checkpoint
         self._t0, self._seen, self._epoch_eval_s = time.perf_counter(), 0, 0.0
