@@ -154,3 +154,23 @@ def test_a_channels_last_model_is_pruned_into_channels_last_weights():
     pruned = prune_channels(model, x[:4], ratio=0.5)
     assert is_channels_last(model) and is_channels_last(pruned) and not is_channels_last(Net())
     assert pruned.wide[0].weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_fine_tune_given_no_lr_starts_low_and_constant(monkeypatch):
+    """The pruned model starts from trained weights: `finetune` without an LR trains at a tenth of the optimizer's
+    default (SGD 0.01), held constant, not fit's from-scratch one-cycle to 0.1; an LR or a recipe given stands."""
+    import torchspeed.slimming as slimming
+
+    torch.manual_seed(0)
+    model, (x, y) = Net(), _data()
+    res = slim(model, x[:16], ratio=0.5, rounds=1)
+    seen = []
+    real = slimming.fit
+    monkeypatch.setattr(slimming, "fit", lambda m, loader, **kw: seen.append(kw) or real(m, loader, **kw))
+    loader = DataLoader(TensorDataset(x, y), batch_size=32)
+    fr = finetune(res, loader, epochs=1, device="cpu", progress=False, compile=False, trial=False)
+    assert seen[-1]["lr"] == pytest.approx(0.01) and fr.history[-1]["lr"] == pytest.approx(0.01)  # constant
+    finetune(res, loader, epochs=1, device="cpu", progress=False, optimizer="adamw", compile=False, trial=False)
+    assert seen[-1]["lr"] == pytest.approx(1e-4)
+    finetune(res, loader, epochs=1, device="cpu", progress=False, lr=0.05, compile=False, trial=False)
+    assert seen[-1]["lr"] == 0.05

@@ -812,3 +812,22 @@ def test_a_one_sample_last_batch_inside_the_trial_fails_no_candidate():
     assert res.steps == 9 and trial.measured["steps"] > 4  # the trial was on at the 1-sample batch (the 4th)
     assert trial.measured["failed"] == {}
     assert set(t.calls) == {"fp32+foreach", "fp32+channels_last+foreach", "bf16+foreach", "bf16+channels_last+foreach"}
+
+
+def test_a_model_autocast_cannot_change_has_no_precision_to_choose():
+    """A float64 model (or one cast to bf16 already): autocast casts float32 operations only, so the trial times no
+    half-precision candidate (it would time the same work twice) and the rules say fp32, with why."""
+    from torchspeed.train.trial.switch_choice import rule_choice
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+    g = torch.Generator().manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(64, 8, generator=g, dtype=torch.float64),
+                                      torch.randint(0, 3, (64,), generator=g)), batch_size=16)
+    d = _trainer(model, BF16_CPU).fit(loader).decisions
+    assert d["precision"].value == "fp32" and "float64: autocast casts float32 operations only" in d["precision"].reason
+    assert d["switch_trial"].value == "none"  # nothing left to choose on this model: no trial step
+    sw, dec = rule_choice(model, caps=BF16_CPU)
+    assert sw.precision == "fp32" and "float64" in dec["precision"].reason
+    assert rule_choice(model.to(torch.bfloat16), caps=BF16_CPU)[0].precision == "fp32"
+    assert rule_choice(model.float(), caps=BF16_CPU)[0].precision == "bf16"  # float32 weights: the rule stands

@@ -42,8 +42,8 @@ from torchspeed.train.optim_info import kernel_reason
 from torchspeed.train.trial.precision import MixedPrecision, Precision, normalize_precision
 from torchspeed.train.trial.shadow import ShadowTurns
 from torchspeed.train.loop.step import OptimizerClock
-from torchspeed.train.trial.switch_choice import (Switches, batch_signature, candidate_grid, fusable, model_signature,
-                                                  rule_switches, set_fused)
+from torchspeed.train.trial.switch_choice import (Switches, autocast_moot, batch_signature, candidate_grid, fusable,
+                                                  model_signature, rule_switches, set_fused)
 from torchspeed.train.trial.switches import LiveTrial
 from torchspeed.train.transfer import batch_layout
 from torchspeed.train.trial.trial_safety import TrialSafety, forked_rng
@@ -115,7 +115,9 @@ class SwitchStage:
         fused = cfg.fused_optimizer
         has_conv = has_conv2d(self.t.module)
         cur_fused = _current_fused(self.t.optimizer, self.t.module)
-        self._fixed = {"precision": None if precision == "auto" else "asked for",
+        moot = autocast_moot(self.t.module) if precision == "auto" else None  # a float64 model: nothing to choose
+        precision = "fp32" if moot else precision
+        self._fixed = {"precision": moot or (None if precision == "auto" else "asked for"),
                        "channels_last": None if layout == "auto" else (
                            "asked for" if has_conv or not layout else "asked for (no 2D convolutions to change)"),
                        "fused": None if fused == "auto" else kernel_reason(fused)}

@@ -26,7 +26,7 @@ from torchspeed.train.optim_info import info_for
 from torchspeed.train.trial.precision import normalize_precision
 from torchspeed.train.trial.rounds import medians, share_faster
 
-__all__ = ["Switches", "candidate_grid", "rule_switches", "rule_choice", "choose", "numerics_ok", "fusable", "set_fused",
+__all__ = ["Switches", "candidate_grid", "rule_switches", "rule_choice", "autocast_moot", "choose", "numerics_ok", "fusable", "set_fused",
            "model_signature", "batch_signature", "AHEAD", "PRECISION_GAIN", "SURE"]
 
 AHEAD = 1.1  # a candidate timed apart this much faster than the plain settings is likely to win: its turns train
@@ -147,14 +147,28 @@ def batch_signature(batch) -> object:
     return type(batch).__name__
 
 
+def autocast_moot(model: nn.Module) -> str | None:
+    """Why a half-precision autocast would change nothing in `model`: it has floating-point weights and none is
+    float32 (a float64 model; one cast to bf16 or fp16 already): autocast casts float32 operations only, so a half
+    precision candidate would time the same work twice. None: autocast applies."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if not dtypes or torch.float32 in dtypes:
+        return None
+    names = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
+    return f"the model's weights are {names}: autocast casts float32 operations only"
+
+
 def rule_choice(model: nn.Module, *, caps: DeviceCaps, precision: str = "auto",
                 channels_last: bool | str = "auto") -> tuple[Switches, dict[str, Decision]]:
     """The fixed rules' precision and layout, with their decisions: what the loop runs until (or unless)
-    the trial measures. bf16/fp16 where the hardware runs it natively; channels_last for conv nets."""
+    the trial measures. bf16/fp16 where the hardware runs it natively (not for a model autocast cannot change:
+    `autocast_moot`); channels_last for conv nets."""
     key = normalize_precision(precision)
-    sw = rule_switches(caps=caps, has_conv=has_conv2d(model), precision=key, channels_last=channels_last)
+    moot = autocast_moot(model) if key == "auto" else None
+    sw = rule_switches(caps=caps, has_conv=has_conv2d(model), precision="fp32" if moot else key,
+                       channels_last=channels_last)
     half_why = {"bf16": f"{caps.device_type.upper()} runs bf16 natively", "fp16": "fp16 Tensor Cores, no fast bf16",
-                "fp32": f"no native half precision on this {caps.device_type.upper()}"}[sw.precision]
+                "fp32": moot or f"no native half precision on this {caps.device_type.upper()}"}[sw.precision]
     return sw, {"precision": Decision(sw.precision, "asked for" if key != "auto" else f"rule: {half_why}"),
                 "channels_last": Decision(sw.channels_last, "asked for" if channels_last != "auto" else (
                     "rule: a conv net" if sw.channels_last else "rule: no 2D convolutions"))}
