@@ -35,7 +35,7 @@ from torchspeed.bench.runner import provenance
 from torchspeed.bench.workloads import digits, resnet20
 from torchspeed.distill import Teacher
 from torchspeed.fitting import fit
-from torchspeed.slimming import finetune, measure_models, slim
+from torchspeed.slimming import SlimResult, finetune, measure_models, slim
 
 __all__ = ["SLIM_WORKLOADS", "FINETUNE_SHARE", "PAYS", "run_slim_bench", "slim_table"]
 
@@ -114,7 +114,8 @@ def _prune_rows(name: str, seed: int, epochs: int) -> tuple[dict, nn.Module]:
     steps = max(1, math.floor(FINETUNE_SHARE * full_run["steps"]))
     pruned = copy.deepcopy(res.model)  # the same pruned weights for the fine-tune with the full model as teacher
     ft = _run(res.model, train, val, seed=seed, epochs=epochs, max_steps=steps, runner=_finetuner(res))
-    ft_kd = _run(pruned, train, val, seed=seed, epochs=epochs, max_steps=steps, teacher=Teacher(full))
+    ft_kd = _run(pruned, train, val, seed=seed, epochs=epochs, max_steps=steps, teacher=Teacher(full),
+                 runner=_finetuner(SlimResult(pruned, copy.deepcopy(res.report))))  # finetune's LR rule, distilled
     torch.manual_seed(seed)
     scratch = copy.deepcopy(res.model)
     for m in scratch.modules():
