@@ -90,8 +90,8 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     trainer = Trainer(model, loss_fn=loss_fn, step_fn=step_fn, optimizer=plan.optimizer, lr=plan.lr,
                       weight_decay=weight_decay, momentum=momentum, betas=betas, device=device, config=plan.config,
                       callbacks=plan.callbacks, loggers=loggers, mesh=mesh, on_checkpoint=on_checkpoint,
-                      decisions=plan.decisions, caps=plan.context.caps, process_group=plan.context.dist,  # resolved once
-                      first_steps=plan.first_steps)  # the plan's "first_steps" stages arm the run's trials
+                      decisions=plan.decisions, caps=plan.context.caps, process_group=plan.context.dist,  # the plan's
+                      first_steps=plan.first_steps + _announce(plan))  # trials armed, then the plan shown
     return _train(plan, trainer, epochs=epochs, val_loader=val_loader, kd=kd)
 
 
@@ -107,10 +107,8 @@ def _checked_config(options: dict) -> tuple[TrainConfig, TrainConfig | None]:
 
 
 def _train(plan, trainer: Trainer, *, epochs: int, val_loader, kd) -> FitResult:
-    """The plan printed, the run, then the plan's after-training stages (flip TTA); the result's decisions whole
-    (and distillation's, `kd`)."""
-    if plan.config.progress and is_rank_zero():
-        _print_plan(plan)
+    """The run (the plan printed at its start: `_announce`), then the plan's after-training stages (flip TTA); the
+    result's decisions whole (and distillation's, `kd`)."""
     result = trainer.fit(plan.loader, epochs=epochs, val_loader=val_loader)
     ctx = plan.context
     ctx.trainer, ctx.result, ctx.val_loader = trainer, result, val_loader
@@ -194,6 +192,14 @@ def _materialize_lazy(model: nn.Module, train_loader, *, loss_fn=None, step_fn=N
             forward_loss(model, batch, loss_fn=loss_fn, step_fn=step_fn, decisions={})  # {}: errors get notes
     finally:
         model.train(was)
+
+
+def _announce(plan) -> tuple:
+    """The plan printed once the run's "first_steps" stages ran (the optimizer the Trainer built recorded, the switch
+    trial armed): a last first-steps part for the Trainer, with `progress` on rank 0; else none."""
+    if not (plan.config.progress and is_rank_zero()):
+        return ()
+    return (lambda trainer, loader, steps_left: _print_plan(plan),)
 
 
 def _print_plan(plan) -> None:

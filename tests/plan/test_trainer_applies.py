@@ -150,3 +150,12 @@ def test_the_parallel_wrap_is_the_plans_stage_and_the_trainer_applies_it(monkeyp
     decisions = Decisions({"parallel": Decision("ddp", "the plan's")})
     fsdp.wrap_parallel(_cnn(), TrainConfig(parallel="fsdp2"), info, precision="fp32", decisions=decisions)
     assert wrapped and decisions["parallel"].reason == "the plan's" and decisions["distributed"].value == "DDP"
+
+
+def test_the_printed_plan_holds_the_optimizer_the_trainer_built(capsys):
+    """The plan is printed at the run's start, after the "first_steps" stages: its optimizer line (recorded there
+    where no stage chose the optimizer) is in it, once."""
+    torchspeed.fit(_cnn(), _loader(), epochs=1, precision="fp32", trial=False, compile=False, malloc=False,
+                   progress=True)
+    err = capsys.readouterr().err
+    assert err.count("torchspeed plan for a") == 1 and "  optimizer: SGD" in err
