@@ -54,7 +54,8 @@ def writers(monkeypatch):
             while f is not None and Path(f.f_code.co_filename).as_posix().endswith("train/decision.py"):
                 f = f.f_back
             keys = (a[0],) if a and isinstance(a[0], str) else tuple(dict(*a, **k))  # () : a copy, no write
-            seen.append((Path(f.f_code.co_filename).as_posix() if f is not None else "?", _name, keys, f and f.f_lineno))
+            where = Path(f.f_code.co_filename).as_posix() if f is not None else "?"
+            seen.append((where, _name, keys, f and f.f_lineno))
             return _orig(self, *a, **k)
 
         monkeypatch.setattr(Decisions, name, spy)

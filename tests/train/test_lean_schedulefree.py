@@ -144,8 +144,8 @@ def test_schedule_free_modes_have_one_home():
         if f.name == "optim.py" and f.parent.name == "train":
             continue
         for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("train", "eval") \
-                    and isinstance(node.func.value, (ast.Name, ast.Attribute)):
+            call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            if call and node.func.attr in ("train", "eval") and isinstance(node.func.value, (ast.Name, ast.Attribute)):
                 name = node.func.value.id if isinstance(node.func.value, ast.Name) else node.func.value.attr
                 if "opt" in name:
                     found.append(f"{f.relative_to(root)}:{node.lineno}")

@@ -1,15 +1,17 @@
 """The observation schema's measured part (T02): what the doctor records when it runs candidates against the
 script's own settings (`--verify`'s fixes, `fit`'s plan on the script's model, the environment re-runs).
 
-`observation.Observation` holds these under "verify", "fit_plan" and "env_fixes"; readers import them from here. Keys several TypedDicts share in meaning are declared once, in a private
-base they inherit (`_RoundRatios`: the per-round ratios of every interleaved measurement; `_FixRun`; `_StageFigure`).
+`observation.Observation` holds these under "verify", "fit_plan" and "env_fixes"; readers import them from here.
+Keys several TypedDicts share in meaning are declared once, in a private base they inherit (`_RoundRatios`: the
+per-round ratios of every interleaved measurement; `_FixRun`; `_StageFigure`).
 """
 
 from __future__ import annotations
 
 from typing import TypedDict
 
-__all__ = ['VerifyResult', 'FitPlan', 'BeyondGrid', 'ThreadStage', 'CompileStage', 'AllocatorStage', 'EnvFixResult', 'LossCheck']
+__all__ = ["VerifyResult", "FitPlan", "BeyondGrid", "ThreadStage", "CompileStage", "AllocatorStage", "EnvFixResult",
+           "LossCheck"]
 
 
 class _RoundRatios(TypedDict, total=False):

@@ -33,7 +33,8 @@ Lightning Fabric's connector habit: resolve every "auto" once, then only read):
 
 Every value in `Plan.decisions` is a `Decision`, each key written once, by the stage that declares it
 (`Stage.writes`), and refined only by the stages that declare that (`Stage.refines`). The Trainer applies the plan
-(`Decisions.planned`: it decides nothing itself, tests/plan/test_trainer_applies.py) and steps what its stages arm; `fit` prints it before training (what was chosen, from what evidence, at what cost,
+(`Decisions.planned`: it decides nothing itself, tests/plan/test_trainer_applies.py) and steps what its stages
+arm; `fit` prints it before training (what was chosen, from what evidence, at what cost,
 and what is still measured during the run).
 
 Example:
@@ -71,7 +72,7 @@ from torchspeed.train.decision import Decision, Decisions, TrialCache
 from torchspeed.train.optim import optimizer_record
 from torchspeed.train.parallel.fsdp import choose_parallel
 from torchspeed.train.parallel.distributed import (maybe_init_distributed, scale_groups_world_size,
-                                                   scale_lr_world_size)
+                                                   scale_lr_world_size, world_size_lr)
 from torchspeed.train.optim_info import default_lr
 from torchspeed.train.schedule import default_schedule, lr_given
 from torchspeed.train.trial.switch_choice import AHEAD, rule_choice
@@ -225,7 +226,7 @@ def _lr_world_size(ctx: RunContext) -> None:
         ctx.decisions.refine("lr", scale_groups_world_size(ctx.optimizer, n))
     else:
         ctx.lr = scale_lr_world_size(float(ctx.lr), world_size=n)
-        ctx.decisions.refine("lr", Decision(ctx.lr, f"x{n} (world size, T17)"))
+        ctx.decisions.refine("lr", world_size_lr(ctx.lr, n))
 
 
 def _optimizer_record(ctx: RunContext) -> None:
@@ -321,7 +322,8 @@ BUILT_IN = (
     Stage("optimizer_record", "first_steps", _optimizer_record, fallback=False, cost="0 steps",
           what="the optimizer the Trainer built, where no stage chose it: its class and kernel",
           when=lambda ctx: "optimizer" not in ctx.decisions, writes=("optimizer",)),
-    Stage("switch_trial", "first_steps", _switch_trial, needs=("optimizer_record",), fallback=False, cost="the run's own first steps (0 on a "
+    Stage("switch_trial", "first_steps", _switch_trial, needs=("optimizer_record",), fallback=False,
+          cost="the run's own first steps (0 on a "
           "cache hit)", what="precision x layout x optimizer kernel (x threads): the rules, or a trial the Trainer "
           "steps on the run's first steps", writes=("switch_trial", "fused_optimizer"),
           refines=("precision", "channels_last", "threads", "optimizer")),

@@ -10,7 +10,8 @@ of the `RunContext` that reads what earlier stages resolved and writes its `Deci
 - "first_steps": at the start of the Trainer's run, with the trainer, the loader it trains on and the
   steps left (`ctx.trainer`, `ctx.run_loader`, `ctx.steps_left`): a stage arms what the Trainer steps on
   the run's first steps (the switch trial arms the Trainer's `stepper`, which its `step_batch` calls in place of
-  the plain step until the trial disarms it; the compile trial); the plan hands the Trainer `first_steps_hook(ctx)`, which runs these stages;
+  the plain step until the trial disarms it; the compile trial); the plan hands the Trainer
+  `first_steps_hook(ctx)`, which runs these stages;
 - "after_switches": inside the run, at the first step end once the switch trial has settled, so a
   stage measures at the precision, layout and kernels the run trains with (`RunStages`, a callback
   the plan adds only when such a stage is wanted);

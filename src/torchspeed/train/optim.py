@@ -46,7 +46,8 @@ from torchspeed.train.optim_info import (OptimInfo, kernel_reason, optimizer_ava
 
 __all__ = ["create_optimizer", "param_groups", "describe_optimizer", "optimizer_record", "SCHEDULE_FREE_LR",
            "typical_fan_in", "schedule_free_lr", "has_attention", "weight_layers",
-           "schedule_free_available", "set_schedule_free_warmup", "trains_iterate", "train_mode", "eval_mode", "SCHEDULE_FREE_BN_BATCHES",
+           "schedule_free_available", "set_schedule_free_warmup", "trains_iterate", "train_mode", "eval_mode",
+           "SCHEDULE_FREE_BN_BATCHES",
            "SCHEDULE_FREE_BN_SAMPLES", "hidden_matrices", "matrix_share", "mostly_matrices"]
 
 

@@ -153,11 +153,11 @@ def choose_run_batch(model: nn.Module, loader, *, total_steps: int | None, optim
     least predicted time to a target (`choose_batch_size`; `kw`: its options); on a shorter or unknown run,
     `short`: "keep" the loader's batch (the recipe's batch part), or "fastest" (`batch_size="auto"`: asked to tune,
     the fastest batch measured, `fastest_batch`). (the new batch, or None to keep the loader's; the Decision)"""
+    if short not in ("keep", "fastest"):
+        raise ValueError(f"short={short!r}: 'keep' or 'fastest'")
     if short == "fastest" and (total_steps is None or total_steps < BATCH_MIN_STEPS):
         measure = {k: kw[k] for k in ("loss_fn", "step_fn", "precision", "progress") if k in kw}
         return fastest_batch(model, loader, optimizer, **measure)
-    if short not in ("keep", "fastest"):
-        raise ValueError(f"short={short!r}: 'keep' or 'fastest'")
     return choose_batch_size(model, loader, total_steps=total_steps, optimizer=optimizer, **kw)
 
 

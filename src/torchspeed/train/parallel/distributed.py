@@ -50,7 +50,8 @@ __all__ = [
     "DistInfo", "launched_by_torchrun", "is_distributed", "get_rank", "get_local_rank", "get_world_size",
     "is_rank_zero", "rank_zero_only", "init_distributed", "maybe_init_distributed", "cleanup_distributed",
     "wrap_ddp", "wrap_for_training", "convert_sync_batchnorm", "reduce_metrics",
-    "all_reduce_sum", "all_reduce_max", "broadcast_object", "barrier", "scale_lr_world_size", "scale_groups_world_size", "unwrap_data_parallel",
+    "all_reduce_sum", "all_reduce_max", "broadcast_object", "barrier", "scale_lr_world_size", "world_size_lr",
+    "scale_groups_world_size", "unwrap_data_parallel",
 ]
 
 log = logging.getLogger("torchspeed")
@@ -310,7 +311,12 @@ def scale_groups_world_size(optimizer: torch.optim.Optimizer, world_size: int) -
     that refines decisions["lr"]."""
     for g in optimizer.param_groups:
         g["lr"] = scale_lr_world_size(g["lr"], world_size=world_size)
-    return Decision(optimizer.param_groups[0]["lr"], f"x{world_size} (world size, T17)")
+    return world_size_lr(optimizer.param_groups[0]["lr"], world_size)
+
+
+def world_size_lr(lr: float, world_size: int) -> Decision:
+    """The record that refines decisions["lr"] once the LR was scaled by the world size (T17)."""
+    return Decision(lr, f"x{world_size} (world size, T17)")
 
 
 # ---------------------------------------------------------------------- collectives

@@ -26,7 +26,8 @@ from torchspeed.train.optim_info import info_for
 from torchspeed.train.trial.precision import normalize_precision
 from torchspeed.train.trial.rounds import medians, share_faster
 
-__all__ = ["Switches", "candidate_grid", "rule_switches", "rule_choice", "autocast_moot", "choose", "numerics_ok", "fusable", "set_fused",
+__all__ = ["Switches", "candidate_grid", "rule_switches", "rule_choice", "autocast_moot",
+           "choose", "numerics_ok", "fusable", "set_fused",
            "model_signature", "batch_signature", "AHEAD", "PRECISION_GAIN", "SURE"]
 
 AHEAD = 1.1  # a candidate timed apart this much faster than the plain settings is likely to win: its turns train
