@@ -144,6 +144,56 @@ def test_language_model_accuracy_is_per_token():
     assert int(correct) == 1 and int(counted) == 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_predicted_class_is_argmaxs_first_maximum_on_every_layout(dtype):
+    """count_correct reads the class with max(dim).indices (a fraction of argmax's cost on the CPU over a class
+    dimension that is not the last, and in bf16): the same class as argmax, ties included."""
+    g = torch.Generator().manual_seed(0)
+    dense = torch.randint(0, 3, (2, 5, 4, 4), generator=g).to(dtype)  # small integers: many ties
+    target = torch.randint(0, 5, (2, 4, 4), generator=g)
+    want = (dense.argmax(1) == target).sum()
+    assert int(count_correct(dense, target)[0]) == int(want)
+    rows = torch.randint(0, 2, (64, 7), generator=g).to(dtype)
+    labels = torch.randint(0, 7, (64,), generator=g)
+    assert int(count_correct(rows, labels)[0]) == int((rows.argmax(-1) == labels).sum())
+
+
+def test_the_training_count_reads_the_batchs_first_samples_up_to_its_budget(monkeypatch):
+    """`max_elements` bounds the per-step count to the batch's first samples (one at least); under the budget the
+    count is exact. The training loop passes metrics.TRAIN_COUNT_ELEMENTS: with the budget at one sample's logits,
+    train_acc is the first sample's accuracy of each batch (here always right, the others always wrong)."""
+    logits = torch.zeros(4, 3, 2, 2)
+    logits[:, 1] = 1.0  # class 1 everywhere
+    target = torch.zeros(4, 2, 2, dtype=torch.long)
+    target[0] = 1  # the first sample right, the rest wrong
+    assert [int(v) for v in count_correct(logits, target)] == [4, 16]
+    assert [int(v) for v in count_correct(logits, target, max_elements=12)] == [4, 4]  # 12 logits: one sample
+    assert [int(v) for v in count_correct(logits, target, max_elements=25)] == [4, 8]  # two samples
+    assert [int(v) for v in count_correct(logits, target, max_elements=1)] == [4, 4]  # one sample at least
+    assert [int(v) for v in count_correct(logits, target, max_elements=10_000)] == [4, 16]
+
+    class FirstRight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(()))
+
+        def forward(self, x):
+            out = torch.zeros(x.shape[0], 3, 2, 2) + self.w * 0
+            out[:, 1] += 1.0
+            return out
+
+    import torchspeed.train.loop.trainer as trainer_mod
+    x = torch.zeros(8, 1)
+    y = torch.zeros(8, 2, 2, dtype=torch.long)
+    y[::4] = 1  # each batch of 4: its first sample's pixels are class 1
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    whole = torchspeed.fit(FirstRight(), loader, epochs=1, lr=0.0, **FAST)
+    assert whole.final["train_acc"] == pytest.approx(0.25)
+    monkeypatch.setattr(trainer_mod, "TRAIN_COUNT_ELEMENTS", 12)
+    first = torchspeed.fit(FirstRight(), loader, epochs=1, lr=0.0, **FAST)
+    assert first.final["train_acc"] == pytest.approx(1.0)
+
+
 class Stream(IterableDataset):
     def __iter__(self):
         g = torch.Generator().manual_seed(0)

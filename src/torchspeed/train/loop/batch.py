@@ -135,7 +135,7 @@ def list_inputs(inputs) -> bool:
     return any(isinstance(v, (list, tuple)) and v and all(isinstance(e, torch.Tensor) for e in v) for v in values)
 
 
-def count_correct(logits: torch.Tensor | None, target, binary: str | None = None
+def count_correct(logits: torch.Tensor | None, target, binary: str | None = None, *, max_elements: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | int] | None:
     """(correct, counted) when this looks like classification, else None: `correct` a device tensor, `counted`
     the batch size (an int) for one target per sample, else a device tensor (tokens or pixels, padding left out).
@@ -145,7 +145,19 @@ def count_correct(logits: torch.Tensor | None, target, binary: str | None = None
     every pixel counts). Targets equal to -100 are padding and do not count. `binary` (the loss is
     `BCEWithLogitsLoss`: "logits", or `BCELoss`: "probs"): float 0/1 targets of the output's shape, one decision
     per element at 0 (logits) or 0.5 (probabilities), the target read at 0.5 (soft labels too).
+
+    `max_elements`: count only the batch's first samples, as many as hold that many output elements (one at least):
+    the training loop's per-step count (`TRAIN_COUNT_ELEMENTS`) reads a bounded part of a dense output (a
+    segmentation map, a language model's vocabulary logits) instead of all of it. The predicted class is
+    `max(dim).indices`, which equals `argmax(dim)` (the first maximum on ties) and on the CPU costs a fraction of it
+    over a dimension that is not the last (a (4, 5, 64, 64) map: 0.05 against 1.2 ms) and in bf16 (a (8, 64, 50257)
+    LM output: 11 against 46 ms), measured on a 2-core EPYC.
     """
+    if max_elements is not None and isinstance(logits, torch.Tensor) and isinstance(target, torch.Tensor) and \
+            logits.dim() >= 1 and target.dim() >= 1 and logits.shape[0] == target.shape[0] and \
+            logits.numel() > max_elements:
+        rows = max(1, max_elements // max(1, logits[0].numel()))
+        logits, target = logits[:rows], target[:rows]
     if binary and isinstance(logits, torch.Tensor) and isinstance(target, torch.Tensor) and \
             logits.shape == target.shape:
         pred = logits.detach() > (0.0 if binary == "logits" else 0.5)
@@ -154,10 +166,10 @@ def count_correct(logits: torch.Tensor | None, target, binary: str | None = None
             target.is_floating_point() or target.is_complex() or logits.dim() != target.dim() + 1:
         return None
     if logits.shape[:-1] == target.shape and logits.shape[-1] >= 2:
-        pred = logits.detach().argmax(-1)
+        pred = logits.detach().max(-1).indices
     elif logits.dim() >= 3 and logits.shape[0] == target.shape[0] and logits.shape[2:] == target.shape[1:] \
             and logits.shape[1] >= 2:
-        pred = logits.detach().argmax(1)  # per pixel (the class dimension second, as F.cross_entropy reads it)
+        pred = logits.detach().max(1).indices  # per pixel (the class dimension second, as F.cross_entropy reads it)
     else:
         return None
     if target.dim() == 1:  # every sample counts: the count is the batch size, known on the host
@@ -176,8 +188,8 @@ class StepOutput:
     own_loss: bool = False  # the model computed the loss (loss_fn and label smoothing play no part)
     binary: str | None = None  # "logits" / "probs": loss_fn is BCEWithLogitsLoss / BCELoss (accuracy per element)
 
-    def correct(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return count_correct(self.logits, self.target, self.binary)
+    def correct(self, max_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return count_correct(self.logits, self.target, self.binary, max_elements=max_elements)
 
 
 def _binary(loss_fn: Callable | None) -> str | None:  # how a binary loss reads the output (StepOutput.binary)

@@ -44,7 +44,7 @@ from torchspeed.train.evaluate import EvalClock
 from torchspeed.train.parallel.fsdp import single_process_group, wrap_parallel
 from torchspeed.train.loop.guard import is_out_of_memory, step_failed
 from torchspeed.train.trial.memory_format import apply_channels_last
-from torchspeed.train.loop.metrics import jsonable, train_accuracy, write_metrics
+from torchspeed.train.loop.metrics import TRAIN_COUNT_ELEMENTS, jsonable, train_accuracy, write_metrics
 from torchspeed.train.noise import observe_batch
 from torchspeed.train.decision import Decisions
 from torchspeed.train.eval_view import settle_averaged
@@ -157,7 +157,7 @@ class Trainer(TrainerSetup):
         loss = out.loss.detach()
         metered = self.guard.observe(loss)
         if metered is not None:
-            correct = out.correct() if self.meter.accuracy else None  # train_acc: see metrics.train_accuracy
+            correct = out.correct(TRAIN_COUNT_ELEMENTS) if self.meter.accuracy else None  # metrics.train_accuracy
             self.meter.update(metered, n=out.n, correct=None if correct is None else correct[0],
                               counted=None if correct is None else correct[1])
         if win.advance():  # the window's last micro-batch: unscale, clip, step (skipped on NaN/inf)
