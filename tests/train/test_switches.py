@@ -287,7 +287,7 @@ def test_after_the_trial_the_inputs_follow_the_layout_it_chose(tiny_cnn, prefetc
     epoch's inputs must then be NCHW too: a channels_last input would run every convolution channels_last."""
     t = _trainer(tiny_cnn(), BF16_CPU, seconds={"fp32": 0.5, "fp32+channels_last": 1.0, "bf16": 1.0,
                                                 "bf16+channels_last": 1.0}, prefetch=prefetch)
-    assert t.channels_last is True  # the prior the epoch's batch iterator starts with
+    assert t.layout_pending and t.channels_last is False  # the rules' prior, left to the trial (not copied to)
     seen = _record_input_layouts(t)
     res = t.fit(_loader(n=16 * 40))
     assert res.decisions["channels_last"].value is False

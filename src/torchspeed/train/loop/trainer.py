@@ -122,20 +122,33 @@ class Trainer(TrainerSetup):
     def _place_model(self, model: nn.Module, cfg: TrainConfig, mesh) -> None:
         """The model on the device: its precision and layout decided, channels_last applied, wrapped for DDP or
         FSDP2 under a process group, and the mixed precision (T21) that runs it."""
-        self.model = unwrap_data_parallel(model).to(self.device)
+        model = unwrap_data_parallel(model)
+        on_cpu = self.device.type == "cpu" and all(t.device.type == "cpu" for t in (*model.parameters(),
+                                                                                   *model.buffers()))
+        self.model = model if on_cpu else model.to(self.device)  # .to walks every module even where all is there
         if "precision" not in self.decisions:  # the rules' precision and layout: fit's plan decided them ("rules")
             self.decisions.update(rule_choice(self.model, caps=self.caps, precision=cfg.precision,
                                               channels_last=cfg.channels_last)[1])  # `prepare` measures "auto" ones
         prior = Switches((rules := self.decisions)["precision"].value, bool(rules["channels_last"].value))
-        self.channels_last = prior.channels_last
-        if self.channels_last:
-            apply_channels_last(self.model)
+        # The rules' layout is put into effect at the start of `fit`, after its first-steps parts, where none of them
+        # (the switch trial, whose first candidate is the plain layout; a resume) set one: a conv net is not copied
+        # to channels_last here and back by the trial's first step. Under DDP the buckets follow the layout: now.
+        self.channels_last, self.layout_pending = False, prior.channels_last
+        if self.dist is not None:
+            self.apply_pending_layout()
         self.module = self.model  # the plain module: evaluation, state_dict, checkpoints
         if self.dist is not None:  # DDP, or FSDP2 shards (no rank-0 switch trial: a sharded forward is collective)
             self.module, self.model, self.sharded = wrap_parallel(self.module, cfg, self.dist, precision=prior.precision,
                                                                   mesh=mesh, decisions=self.decisions)
         # T21: autocast, the (fp16-scaled) backward and step, and the GradScaler, in one object.
         self.precision = MixedPrecision(Precision(prior.precision, self.device.type, rules["precision"].reason))
+
+    def apply_pending_layout(self) -> None:
+        """The rules' memory layout (`_place_model`) put into effect, once, unless the switches set one since."""
+        if self.layout_pending:
+            apply_channels_last(self.model)
+            self.channels_last = True
+        self.layout_pending = False
 
     last_loss = property(lambda self: self._last_loss, doc="The loss read at the last step divisible by log_every "
                                                               "(NaN before): no new device sync.")
@@ -206,6 +219,7 @@ class Trainer(TrainerSetup):
     def batches(self, loader: Iterable) -> Iterator:
         """Iterate `loader` with batches on the device (prefetched on CUDA), in the model's memory layout even
         when the switch trial changes it mid-epoch (else every convolution runs in the inputs' layout)."""
+        self.apply_pending_layout()  # a Trainer stepped without fit (the benches' run_steps): the rules' layout now
         made_with = self.channels_last
         moved = (Prefetcher(loader, self.device, channels_last=made_with) if self.config.prefetch else
                  (to_device(b, self.device, non_blocking=False, channels_last=made_with) for b in loader))  # naive
@@ -218,6 +232,7 @@ class Trainer(TrainerSetup):
 
     def run_steps(self, batches: Iterator, n: int) -> float:
         """Train `n` micro-batches from an iterator of device batches; return seconds (synced)."""
+        self.apply_pending_layout()
         t0 = time.perf_counter()
         for _ in range(n):
             self.step_batch(next(batches))
@@ -243,6 +258,7 @@ class Trainer(TrainerSetup):
         start_epoch, start_batch = (resume_run(self, None if ramp else steps_per_epoch) if cfg.resume else (0, 0))
         for arm in self.first_steps:  # the switch trial (or the rules), then the compile trial: short runs stay eager
             arm(self, train_loader, length.micro_batches_left(self.total_steps, self.step))
+        self.apply_pending_layout()  # the rules' layout, where no first-steps part (nor a resume) set one
         total = length.batches_left(start_epoch, start_batch, total_steps=self.total_steps, step=self.step)
         self._eval = EvalClock(parse_eval_every(cfg.eval_every), step=self.step,
                                steps_per_epoch=steps_per_epoch if val_loader is not None else None)

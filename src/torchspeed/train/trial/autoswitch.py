@@ -101,6 +101,8 @@ class SwitchStage:
     def live(self, trial: LiveTrial | None) -> None:
         self._live = trial
         self.t.stepper = self.step if trial is not None else None
+        if trial is not None:  # its candidates set the layout from its first step on (the rules' is not applied)
+            self.t.layout_pending = False
 
     def prepare(self, loader: Iterable, *, remaining_steps: int | None = None, chosen: tuple | None = None) -> None:
         """Decide the switches left on "auto": the rules, or a trial on the run's first steps (`remaining_steps`
@@ -365,6 +367,7 @@ class SwitchStage:
     def apply(self, sw: Switches) -> None:
         """Put `sw` into effect: autocast dtype (and its scaler), memory layout (weights and optimizer state),
         optimizer kernel, threads."""
+        self.t.layout_pending = False  # the switches set the layout: the rules' (Trainer._place_model) is not applied
         if sw.precision != self.t.precision.name:
             self.t.precision = MixedPrecision(Precision(sw.precision, self.t.device.type, "measured"))
             self.safety.precision_changed(sw.precision)
