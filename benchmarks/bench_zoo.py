@@ -226,6 +226,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true", help="keep the models already in the JSON; rerun failed ones")
     ap.add_argument("--docs", default=str(HERE.parent / "docs" / "zoo.md"), help="the table to write ('' for none)")
     ap.add_argument("--report-only", action="store_true", help="write the docs table from the JSON files, run nothing")
+    ap.add_argument("--later", nargs="*", default=[], help="JSON files of later sweeps: a row each in the docs")
     ap.add_argument("--list", action="store_true", help="print the selected models and stop")
     args = ap.parse_args()
     command = "python benchmarks/bench_zoo.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -250,7 +251,7 @@ def main() -> None:
             path.write_text(json.dumps(data, indent=1, default=str))
             print(zoo_report.summary_text(data["profile"], data["summary"]))
     if args.docs:
-        zoo_report.write_docs(paths, Path(args.docs))
+        zoo_report.write_docs(paths, Path(args.docs), [Path(p) for p in args.later])
         print(f"wrote {args.docs}")
 
 

@@ -181,8 +181,30 @@ def _per_model(datas: list[dict]) -> list[str]:
     return rows
 
 
-def write_docs(paths: list[Path], doc: Path) -> None:
+def _later_table(later: list[tuple[Path, dict]]) -> list[str]:
+    """One row a later sweep (its own JSON, often the plain and fit ways alone, more rounds): what it measured."""
+    if not later:
+        return []
+    rows = ["Sweeps run after the one above, each its own JSON (the plain and `fit` ways unless auto is listed; a "
+            "way's time is its fastest round). Each is counted again by this code.", "",
+            "| JSON | profile | commit | rounds | models trained | fit errors | fit >= 0.97x plain | fit geomean | "
+            "loss equal (kept plain) | load (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for path, d in later:
+        s, f = d["summary"], d["summary"]["fit"]
+        g = f["geomean_vs_plain"]
+        rows.append(f"| `{path.name}` | {d['profile']} | `{str(d['commit'])[:7]}` | {d.get('rounds', 1)} | "
+                    f"{s['plain_trains']} | {f['errors']} | {_fmt(f['share_at_least_0.97'])} | "
+                    f"{'-' if g is None else f'{g:.3f}x'} | {f['kept_plain_loss_equal']} of {f['kept_plain']} | "
+                    f"{s['load_median']} |")
+    return ["## Later sweeps", "", *rows, ""]
+
+
+def write_docs(paths: list[Path], doc: Path, later: list[Path] = ()) -> None:
+    """docs/zoo.md from the sweep's JSON files (`paths`, one a profile) and the later sweeps' (`later`)."""
     datas = [json.loads(p.read_text()) for p in paths if p.exists()]
+    extra = [(p, json.loads(p.read_text())) for p in later if p.exists()]
+    for _, d in extra:
+        d["summary"] = summarize(d["models"], d.get("plain_fails", {}))
     if not datas:
         return
     for d in datas:  # the summary as this code counts it, whatever wrote the file
@@ -220,7 +242,7 @@ def write_docs(paths: list[Path], doc: Path) -> None:
         f"{v.get('transformers')}); JSON: " + ", ".join(f"`{p.as_posix().split('benchmarks/', 1)[-1]}`"
                                                          for p in paths if p.exists()) + " under `benchmarks/`.",
         "",
-        "## Summary", "", *_summary_table(datas), "",
+        "## Summary", "", *_summary_table(datas), "", *_later_table(extra),
         "## Runs that ended in an error where the plain loop trains", "", *_errors(datas), "",
         "## Models left out: the plain loop cannot train them here, or over the sweep's size limit", "",
         "A `SizeLimit` model was not trained at all (`--max-params`: on 2 shared cores its runs would take "

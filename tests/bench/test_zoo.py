@@ -122,6 +122,13 @@ def test_the_summary_counts_as_the_issue_defines(tmp_path):
     doc = (tmp_path / "zoo.md").read_text()
     assert "python benchmarks/bench_zoo.py --x" in doc and "| host | 4 | 5 (4 / 1) | 0 | 1 | 75% |" in doc
     assert "| c | auto | `RuntimeError: x` |" in doc and "| host | e |" in doc
+    later = dict(data, models={"a": _row(1.0, None), "b": _row(0.99, None)}, commit="def5678", rounds=3,
+                 profile="avx2", summary={})  # a later sweep: its summary counted again from its models
+    later_path = tmp_path / "zoo_later_avx2.json"
+    later_path.write_text(json.dumps(later))
+    zoo_report.write_docs([path], tmp_path / "zoo.md", [later_path])
+    doc = (tmp_path / "zoo.md").read_text()
+    assert "## Later sweeps" in doc and "| `zoo_later_avx2.json` | avx2 | `def5678` | 3 | 2 | 0 | 100% | 0.995x |" in doc
 
 
 def test_a_sample_spreads_over_the_sources_and_is_repeatable():
