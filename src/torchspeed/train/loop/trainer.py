@@ -120,8 +120,9 @@ class Trainer(TrainerSetup):
         apply_backends(self.device, self.decisions)
 
     def _place_model(self, model: nn.Module, cfg: TrainConfig, mesh) -> None:
-        """The model on the device: its precision and layout decided, channels_last applied, wrapped for DDP or
-        FSDP2 under a process group, and the mixed precision (T21) that runs it."""
+        """The model on the device: its precision and layout decided (the rules' channels_last applied by
+        `apply_pending_layout` where no switch sets one; at once under a process group), wrapped for DDP or FSDP2
+        under a process group, and the mixed precision (T21) that runs it."""
         model = unwrap_data_parallel(model)
         on_cpu = self.device.type == "cpu" and all(t.device.type == "cpu" for t in (*model.parameters(),
                                                                                    *model.buffers()))
