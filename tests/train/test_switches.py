@@ -15,7 +15,7 @@ from torchspeed.env import DeviceCaps
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.trial.precision import resolve_precision
 from torchspeed.train.trial.rounds import share_faster
-from torchspeed.train.trial.switch_choice import Switches, candidate_grid, choose, numerics_ok
+from torchspeed.train.trial.switch_choice import Switches, candidate_grid, choose, numerics_ok, prior_first, rule_switches
 
 AVX2 = DeviceCaps("cpu", cpu_bf16=False, cores=2)
 BF16_CPU = DeviceCaps("cpu", cpu_bf16=True, cores=2)
@@ -324,6 +324,47 @@ def test_a_short_run_measures_what_it_can_afford_and_says_so(tiny_cnn):
     assert res2.decisions["switch_trial"].measured["steps"] == 3  # (unpriced here: conftest)
 
 
+def test_the_rules_choice_is_tried_first():
+    """After the plain settings, the rules' own choice, then by how few switches differ from it (pure function)."""
+    def order(caps, conv):
+        grid = candidate_grid(caps=caps, has_conv=conv)
+        return [s.label() for s in prior_first(grid, rule_switches(caps=caps, has_conv=conv))]
+    assert order(BF16_CPU, True) == ["fp32", "bf16+channels_last", "fp32+channels_last", "bf16"]
+    assert order(AVX2, True) == ["fp32", "fp32+channels_last"]
+    assert order(BF16_CPU, False) == ["fp32", "bf16"]
+
+
+@pytest.mark.priced
+def test_a_run_that_affords_one_setting_tries_the_rules_choice(tiny_cnn):
+    """A 60-step run of 10 ms steps at a 3% share (0.018 s) affords one switch (its first step 0.02 s, a step's
+    worth at least), not three: it tries bf16 + channels_last, the rules' choice, takes it where it measures faster,
+    and says which settings it left untried and why."""
+    t = _trainer(tiny_cnn(), BF16_CPU, trial_share=0.03)
+    t.switcher.keep_numerics = False  # every turn trains: only the price decides what is tried
+    _cold_first_steps(t, 0.02, {"fp32": 0.010, "fp32+channels_last": 0.0095, "bf16": 0.0098,
+                                "bf16+channels_last": 0.006}, warm_plain=True)
+    res = t.fit(_loader(n=16 * 60))
+    trial = res.decisions["switch_trial"]
+    assert "stopped" not in trial.measured
+    assert sorted(trial.measured["untried"]) == ["bf16+foreach", "fp32+channels_last+foreach"]
+    assert res.decisions["precision"].value == "bf16" and res.decisions["channels_last"].value is True
+    assert "not tried" in res.decisions["precision"].reason
+
+
+def test_a_cached_trial_that_left_settings_untried_is_measured_again_by_a_longer_run(tiny_cnn, monkeypatch):
+    """A partial trial's entry settles runs as long as the one that measured it; a longer run, which may afford the
+    settings it left untried, measures again."""
+    hit = {"switches": {"precision": "fp32", "channels_last": False, "fused": None, "threads": None}, "steps": 9,
+           "rounds": 3, "steps_per_round": 2, "stages": [], "extra_s": 0.1, "run_steps": 50,
+           "untried": {"bf16": "not tried"}}
+    monkeypatch.setattr(TrialCache, "get", lambda self, key: hit)
+    monkeypatch.setattr(TrialCache, "put", lambda self, key, report: None)
+    short = _trainer(tiny_cnn(), BF16_CPU).fit(_loader(n=16 * 50))
+    longer = _trainer(tiny_cnn(), BF16_CPU).fit(_loader(n=16 * 80))
+    assert short.decisions["switch_trial"].value == "cached"
+    assert longer.decisions["switch_trial"].value == "measured"
+
+
 def _cold_first_steps(trainer, cold_s: float, steady: dict, *, warm_plain: bool = False) -> None:
     """Injected seconds: each candidate's first step `cold_s` (a switch's one-off work: kernels, cuDNN's autotuning,
     oneDNN's primitives), its later steps `steady[label]`. `warm_plain`: the plain settings ran in this process
@@ -357,18 +398,26 @@ def test_a_trial_that_would_cost_more_than_a_short_run_can_win_keeps_the_plain_s
 
 
 @pytest.mark.priced
-def test_in_a_warm_process_the_first_dear_switch_stops_the_trial(tiny_cnn):
+def test_in_a_warm_process_the_first_dear_switch_leaves_the_rest_untried(tiny_cnn):
     """A second run in one process (the H200's second seed): the plain settings' first step is cheap, so their
-    price lets the trial start, but the first other setting's first step costs 0.5 s. The rest is priced at that:
-    the trial stops after it, not after paying for every setting."""
+    price lets the trial start with the rules' choice (bf16 + channels_last, first in the grid's order), but its
+    first step costs 0.5 s. The rest is priced at that: the other two settings are not tried, and the one already
+    paid for is measured to the end (its later steps train at its steady pace)."""
     t = _trainer(tiny_cnn(), BF16_CPU)
+    tried = []
+    measure = None
+
+    def spy(s, sec):
+        tried.append(s.label().replace("+foreach", ""))
+        return measure(s, sec)
     _cold_first_steps(t, 0.5, STEADY, warm_plain=True)
+    measure, t.switcher.measure_fn = t.switcher.measure_fn, spy
     res = t.fit(_loader(n=16 * 30))  # 3 switches and 3 passes timed apart: 6 steps, within 25% of 30
     trial = res.decisions["switch_trial"]
-    assert res.steps == 30 and trial.measured["steps"] == 3  # plain warm-up and timed step, one other's warm-up
-    assert "not measured: 2 other setting(s)" in trial.measured["stopped"]
-    assert res.decisions["precision"].value == "fp32" and res.decisions["channels_last"].value is False
-    assert "kept the plain settings" in res.decisions["precision"].reason
+    assert res.steps == 30 and "stopped" not in trial.measured
+    assert set(tried) == {"fp32", "bf16+channels_last"} and tried[2] == "bf16+channels_last"
+    assert sorted(trial.measured["untried"]) == ["bf16+foreach", "fp32+channels_last+foreach"]
+    assert "not tried" in res.decisions["precision"].reason
 
 
 @pytest.mark.priced

@@ -35,11 +35,16 @@ def _first_look(apart: bool, run_steps: int) -> dict:
 
 def test_a_candidate_timed_apart_is_priced_with_the_passes_it_throws_away():
     """3 other settings, each a switch (>= a step) and, timed apart, 2 timed passes thrown away: 9 steps of 10 ms,
-    over 25% of a 30-step run's 0.3 s. Trained (a trial on a copy: none thrown away) they cost 3 steps, within it."""
-    stopped = _first_look(apart=True, run_steps=30)
-    assert "not measured: 3 other setting(s) would cost about 0.09 s" in stopped["stopped"]
+    over 25% of a 30-step run's 0.3 s; 2 of them (6 steps) fit, and the third is left untried. On a 10-step run not
+    even one fits (3 steps against 0.025 s): not measured. Trained (a trial on a copy: none thrown away) the three
+    cost 3 steps, within 25% of 30."""
+    partial = _first_look(apart=True, run_steps=30)
+    assert "stopped" not in partial and list(partial["untried"]) == ["bf16+channels_last"]
+    assert "2 setting(s) ahead of it in the rules' order cost about 0.06 s" in partial["untried"]["bf16+channels_last"]
+    assert "not measured: 3 other setting(s) would cost about 0.09 s" in _first_look(apart=True, run_steps=10)["stopped"]
     assert "stopped" not in _first_look(apart=False, run_steps=30)
-    assert "stopped" not in _first_look(apart=True, run_steps=40)  # 0.09 s within 25% of 0.4 s
+    assert "untried" not in _first_look(apart=False, run_steps=30)
+    assert "untried" not in _first_look(apart=True, run_steps=40)  # 0.09 s within 25% of 0.4 s
 
 
 def _mlp():

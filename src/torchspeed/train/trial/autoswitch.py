@@ -43,7 +43,7 @@ from torchspeed.train.trial.precision import MixedPrecision, Precision, normaliz
 from torchspeed.train.trial.shadow import ShadowTurns
 from torchspeed.train.loop.step import OptimizerClock
 from torchspeed.train.trial.switch_choice import (Switches, autocast_moot, batch_signature, candidate_grid, fusable,
-                                                  model_signature, rule_switches, set_fused)
+                                                  model_signature, prior_first, rule_switches, set_fused)
 from torchspeed.train.trial.switches import LiveTrial
 from torchspeed.train.transfer import batch_layout
 from torchspeed.train.trial.trial_safety import TrialSafety, forked_rng
@@ -57,7 +57,8 @@ log = logging.getLogger("torchspeed")
 PRICE_SHARE = 0.25  # a trial whose settings would cost more than this share of the run's seconds is not run
 # How the trial measures and chooses, in the cache key: a trial cached by an earlier method (which, say, timed the
 # optimizer kernels on whole steps) is measured again, not read. Bump it with any change to the schedule or the choice.
-TRIAL_METHOD = 5  # 4: the kernel stage times the lean step (no step hooks); 5: a timed-apart turn is settled first
+TRIAL_METHOD = 6  # 4: the kernel stage times the lean step (no step hooks); 5: a timed-apart turn is settled first;
+# 6: a run that affords only some candidates tries them, the rules' choice first
 GUARD_SAMPLES = 8  # the numerics guard compares the precisions' losses on the first batch's first 8 samples
 
 
@@ -130,6 +131,7 @@ class SwitchStage:
         self.plain_threads = torch.get_num_threads()
         prior = rule_switches(caps=self.t.caps, has_conv=has_conv, precision=precision, channels_last=layout,
                               fused=cur_fused)
+        grid = prior_first(grid, prior)  # a run that affords only some candidates tries the rules' choice first
         rule_why = (f"{prior.precision} is the half precision this {self.t.caps.device_type.upper()} runs natively"
                     if prior.precision != "fp32" else "fp32 asked for" if precision != "auto" else
                     "no native half precision") + (
@@ -196,7 +198,8 @@ class SwitchStage:
         if hit is None:
             return False
         now = self.live
-        if _depth(hit) < now.rounds * now.steps:
+        if _depth(hit) < now.rounds * now.steps or (hit.get("untried") and (
+                now.run_steps is None or now.run_steps > hit.get("run_steps", 0))):
             log.info("torchspeed: the cached switch trial measured less than this run affords: measured again")
             return False
         self.live = None

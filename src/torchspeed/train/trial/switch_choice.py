@@ -26,7 +26,7 @@ from torchspeed.train.optim_info import info_for
 from torchspeed.train.trial.precision import normalize_precision
 from torchspeed.train.trial.rounds import medians, share_faster
 
-__all__ = ["Switches", "candidate_grid", "rule_switches", "rule_choice", "autocast_moot",
+__all__ = ["Switches", "candidate_grid", "prior_first", "rule_switches", "rule_choice", "autocast_moot",
            "choose", "numerics_ok", "fusable", "set_fused",
            "model_signature", "batch_signature", "AHEAD", "PRECISION_GAIN", "SURE"]
 
@@ -83,6 +83,14 @@ def candidate_grid(*, caps: DeviceCaps, has_conv: bool, precision: str = "auto",
     ps = [precision] if precision != "auto" else ["fp32"] + ([caps.half] if caps.half else [])
     layouts = [bool(channels_last)] if channels_last != "auto" else [False, True] if has_conv else [False]
     return [Switches(p, cl, fused) for p in ps for cl in layouts]
+
+
+def prior_first(grid: list[Switches], prior: Switches) -> list[Switches]:
+    """`grid` with the plain settings first, then the rules' own choice (`prior`), then the others by how few
+    switches they differ from it in (grid order on ties). A run that cannot afford every candidate tries them in
+    this order, as many as it affords (`switches.LiveTrial._price`): the likeliest winner first."""
+    rest = sorted(grid[1:], key=lambda s: (s.changes(prior), grid.index(s)))
+    return grid[:1] + rest
 
 
 def rule_switches(*, caps: DeviceCaps, has_conv: bool, precision: str = "auto", channels_last: bool | str = "auto",

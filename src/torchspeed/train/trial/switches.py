@@ -20,8 +20,9 @@ rules give 2x on a CIFAR ResNet-20. So `fit` measures instead:
    Every one of those steps counts toward the run, so the cost of measuring is the time the
    slower candidates and the switches between settings lose (`LiveTrial.extra_seconds`, warm-up
    steps included), and a turn timed apart (shadow.py) its pass thrown away. A short run measures
-   fewer rounds (`trial_size.trial_settings`) and says so; a run too short to pay for even that,
-   all of it counted, keeps the plain settings (`_price`). Every candidate gets its warm-up step, even
+   fewer rounds (`trial_size.trial_settings`) and says so; a run too short to pay for every candidate,
+   all of it counted, tries those it affords, the rules' choice first (`switch_choice.prior_first`), and
+   one too short for even that keeps the plain settings (`_price`). Every candidate gets its warm-up step, even
    in the shortest trial: a setting's first step in a process carries one-off work (oneDNN
    primitives, cuDNN plans) that, timed, picks the setting the process happened to run before.
 3. **Choice** (`choose`, pure): the fastest candidate, except that a candidate with fewer
@@ -192,12 +193,14 @@ class LiveTrial:
         """The trial priced in seconds, once the plain settings have one warm-up and one timed step, and again after
         each other candidate's first step: each candidate not tried yet costs at least a switch's one-off work
         (kernel loading, cuDNN's autotuning, oneDNN's primitives) or a step, and one timed apart (`apart`) its first
-        look's timed steps too, each a forward and backward thrown away. The one-off work is the dearest first
+        look's timed passes too, each a forward and backward thrown away. The one-off work is the dearest first
         step seen so far over the plain settings' timed step: the plain settings' own (an upper estimate in a fresh
         process, as it holds the process's start-up too) or a candidate's (in a process that ran the plain
         settings before, theirs is cheap and a new setting's is not). Where the rest exceeds `share` of the
-        run's seconds at the plain settings' pace, no gain the trial could find pays for it: the run keeps the
-        plain settings (`report["stopped"]`)."""
+        run's seconds at the plain settings' pace, the candidates not tried yet leave from the end of the grid's
+        order (the rules' choice comes first: `switch_choice.prior_first`) until the rest fits
+        (`report["untried"]`); where not even the first fits and nothing but the plain settings was tried, no gain
+        the trial could find pays for it: the run keeps the plain settings (`report["stopped"]`)."""
         plain = self.grid[0]
         timed = self.times.get(plain)
         if self.run_steps is None or not timed or math.isinf(self.share) or "stopped" in self.report:
@@ -206,15 +209,39 @@ class LiveTrial:
         dearest = max((sec for _, sec, _ in self._warm), default=step_s)  # any setting's first step, the plain's too
         switch_s = max(dearest - step_s, step_s) * self.warmup
         tried = {c for c, _, _ in self._warm}
-        untried = [c for c in self.candidates if c not in tried]
-        others = len(untried) + (1 if self.fused_choice else 0) + len(self.thread_choices)
-        # a candidate timed apart also throws its first look's timed passes away: a step each
-        thrown = sum(self.steps for c in untried if self.apart and c.rounds_apart(self.grid[0]))
-        cost, run_s = others * switch_s + thrown * step_s, self.run_steps * step_s
-        if others == 0 or cost <= self.share * run_s:
+        queued = {c for c, _ in self._queue}
+        untried = [c for c in self.candidates if c not in tried and c in queued]
+        later = (1 if self.fused_choice else 0) + len(self.thread_choices)
+        run_s = self.run_steps * step_s
+
+        def cost(cands: list[Switches]) -> float:
+            # a candidate timed apart also throws its first look's timed passes away: a step each
+            thrown = sum(self.steps for c in cands if self.apart and c.rounds_apart(plain))
+            return (len(cands) + later) * switch_s + thrown * step_s
+
+        if not untried and not later or cost(untried) <= self.share * run_s:
             return
-        self.report["stopped"] = (f"not measured: {others} other setting(s) would cost about {cost:.2f} s to try "
-                                  f"(a switch's first step {switch_s:.3f} s), over {self.share:.0%} of this "
+        keep = list(untried)
+        while keep and cost(keep) > self.share * run_s:
+            keep.pop()
+        others = len(untried) + later
+        if keep or len(tried) > 1:  # some candidate is (or was) tried: the rest that does not fit is left out
+            out = untried[len(keep):]
+            why = (f"not tried: the {len(keep)} setting(s) ahead of it in the rules' order cost about "
+                   f"{cost(keep):.2f} s to try (a switch's first step {switch_s:.3f} s), all {others} about "
+                   f"{cost(untried):.2f} s, over {self.share:.0%} of this {self.run_steps}-step run's ~{run_s:.2f} s "
+                   "at the plain settings' pace")
+            self.report.setdefault("untried", {}).update({c.label(): why for c in out})
+            self.report["run_steps"] = self.run_steps
+            for c in out:
+                self.times.pop(c, None)
+            self._queue = [(c, t) for c, t in self._queue if c not in out]
+            if cost(keep) > self.share * run_s:  # the later stages (kernel, threads) do not fit either
+                self._stages = []
+                self.fused_choice, self.thread_choices = False, ()
+            return
+        self.report["stopped"] = (f"not measured: {others} other setting(s) would cost about {cost(untried):.2f} s to "
+                                  f"try (a switch's first step {switch_s:.3f} s), over {self.share:.0%} of this "
                                   f"{self.run_steps}-step run's ~{run_s:.2f} s at the plain settings' pace")
         self._queue, self._stages = [], []
 
@@ -241,6 +268,9 @@ class LiveTrial:
             best, why = choose(times, plain=plain, min_gain=self.min_gain, rejected=rejected)
             if self.report.get("stopped"):
                 best, why = plain, "kept the plain settings, " + self.report["stopped"]
+            elif self.report.get("untried"):
+                left = self.report["untried"]
+                why += f"; {', '.join(left)} {next(iter(left.values()))}"
         else:
             # within the noise the run keeps the kernel it started with (the rule's: fused where torch has one, a
             # 2-3x cheaper optimizer step on a CPU), not foreach: a 1-step trial cannot resolve a 10% step difference
