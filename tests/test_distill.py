@@ -102,14 +102,32 @@ def test_with_the_cache_the_teacher_runs_once_per_sample(cache):
     assert r.final["val_acc"] is not None and r.final["val_loss"] > 0  # validation: the task loss, the labels
 
 
-def test_auto_cache_measures_both_costs():
+def test_auto_cache_measures_both_costs_on_a_run_of_about_one_pass():
     x, y = _data()
     loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
-    kd = prepare_distillation(_teacher(), _student(), loader, epochs=3, device="cpu")
+    kd = prepare_distillation(_teacher(), _student(), loader, epochs=1, device="cpu")
     assert set(kd.decision.measured) >= {"teacher_batch_s", "cache_total_s", "per_step_total_s", "steps"}
-    assert kd.decision.measured["steps"] == 3 * len(loader)
+    assert kd.decision.measured["steps"] == len(loader)
     batch = next(iter(kd.loader))
     assert len(batch) == (4 if kd.decision.value else 2)
+
+
+def test_a_run_of_two_passes_or_more_caches_by_count_without_timing(monkeypatch):
+    """Its steps would run the teacher on every sample twice or more: the cache pass (once each) is cheaper without
+    a measurement, which costs about 4 teacher forwards of a chunk."""
+    import torchspeed.distill as distill
+
+    def timed(*a, **k):
+        raise AssertionError("the teacher was timed")
+    monkeypatch.setattr(distill, "_decide_cache", timed)
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+    kd = prepare_distillation(_teacher(), _student(), loader, epochs=2, device="cpu")
+    passes = 2 * len(loader) * 32 / len(x)
+    assert kd.decision.value is True and kd.decision.measured["passes"] == pytest.approx(passes, abs=0.01)
+    assert "counted" in kd.decision.reason and len(next(iter(kd.loader))) == 4
+    with pytest.raises(AssertionError, match="timed"):  # a run of less than 2 passes is measured
+        prepare_distillation(_teacher(), _student(), loader, epochs=1, device="cpu")
 
 
 def test_a_teacher_with_another_number_of_classes_names_the_fix():
