@@ -2,9 +2,9 @@
 precision x layout setting, for whole runs of 30 and 400 steps, with the trial's cost inside the run.
 
 Models as a user calls them: torchvision's `resnet18(num_classes=10)` and `mobilenet_v3_small(num_classes=10)`
-(ImageNet stems) on 32 px images, batch 32, SGD with the default one-cycle. In this one process,
-after a warm-up, interleaved over `--rounds` rounds, each row is a complete `torchspeed.fit` of
-`--steps` steps from the same initial weights on the same batches, timed as a whole:
+(ImageNet stems; any torchvision model by name, or timm's as `timm:NAME`) on 32 px images, batch 32, SGD with
+the default one-cycle. In this one process, after a warm-up, interleaved over `--rounds` rounds, each row is a
+complete `torchspeed.fit` of `--steps` steps from the same initial weights on the same batches, timed as a whole:
 
 - the manual settings a user would try: fp32 and fp32 + channels_last, and where the CPU runs
   bf16 natively bf16 and bf16 + channels_last (`trial=False`, the switch fixed);
@@ -37,10 +37,16 @@ from torchspeed.env import DeviceCaps, other_runnable
 
 
 def _model(name: str, state: dict | None = None):
-    import torchvision
-
+    """torchvision's `name`, or timm's for `timm:name` (the `[zoo]` extra), with a 10-class head."""
     torch.manual_seed(0)
-    m = getattr(torchvision.models, name)(num_classes=10)
+    if name.startswith("timm:"):
+        import timm
+
+        m = timm.create_model(name[5:], pretrained=False, num_classes=10)
+    else:
+        import torchvision
+
+        m = getattr(torchvision.models, name)(num_classes=10)
     if state is not None:
         m.load_state_dict(state)
     return m
