@@ -15,7 +15,8 @@ from torchspeed.env import DeviceCaps
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.trial.precision import resolve_precision
 from torchspeed.train.trial.rounds import share_faster
-from torchspeed.train.trial.switch_choice import Switches, candidate_grid, choose, numerics_ok, prior_first, rule_switches
+from torchspeed.train.trial.switch_choice import (Switches, candidate_grid, choose, numerics_ok, prior_first,
+                                                  rule_switches)
 
 AVX2 = DeviceCaps("cpu", cpu_bf16=False, cores=2)
 BF16_CPU = DeviceCaps("cpu", cpu_bf16=True, cores=2)
