@@ -48,6 +48,20 @@ def test_a_candidate_timed_apart_is_priced_with_the_passes_it_throws_away():
     assert "untried" not in _first_look(apart=True, run_steps=40)  # 0.09 s within 25% of 0.4 s
 
 
+def test_the_rules_choice_goes_before_the_later_stages_where_both_do_not_fit():
+    """A 10-step run of 10 ms steps affords 0.025 s at a quarter: the three other settings and the two thread
+    counts cost 0.05 s, and not even one setting fits next to the thread stage (0.03 s); without it, two settings
+    do (0.02 s). The thread stage is left untried, and the grid's last setting."""
+    trial = LiveTrial(GRID, thread_choices=(2, 1), rounds=1, steps=2, warmup=1, run_steps=10, share=0.25, apart=False)
+    for _ in range(2):
+        trial.record(0.010)
+    report = trial.report
+    assert "stopped" not in report
+    assert sorted(report["untried"]) == ["bf16+channels_last", "the threads stage"]
+    assert not trial.thread_choices and "threads" not in [name for name in trial._stages]
+    assert {c for c, _ in trial._queue} == set(GRID[:3])
+
+
 def _mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))

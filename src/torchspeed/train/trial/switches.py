@@ -214,31 +214,42 @@ class LiveTrial:
         later = (1 if self.fused_choice else 0) + len(self.thread_choices)
         run_s = self.run_steps * step_s
 
-        def cost(cands: list[Switches]) -> float:
+        def cost(cands: list[Switches], stages: int = later) -> float:
             # a candidate timed apart also throws its first look's timed passes away: a step each
             thrown = sum(self.steps for c in cands if self.apart and c.rounds_apart(plain))
-            return (len(cands) + later) * switch_s + thrown * step_s
+            return (len(cands) + stages) * switch_s + thrown * step_s
 
-        if not untried and not later or cost(untried) <= self.share * run_s:
+        budget = self.share * run_s
+        if not untried and not later or cost(untried) <= budget:
             return
-        keep = list(untried)
-        while keep and cost(keep) > self.share * run_s:
-            keep.pop()
+
+        def fitting(stages: int) -> list[Switches]:
+            keep = list(untried)
+            while keep and cost(keep, stages) > budget:
+                keep.pop()
+            return keep
+        keep, stages = fitting(later), later
+        if not keep and later and fitting(0):  # the rules' choice before the later stages (kernel, threads)
+            keep, stages = fitting(0), 0
         others = len(untried) + later
         if keep or len(tried) > 1:  # some candidate is (or was) tried: the rest that does not fit is left out
             out = untried[len(keep):]
             why = (f"not tried: the {len(keep)} setting(s) ahead of it in the rules' order cost about "
-                   f"{cost(keep):.2f} s to try (a switch's first step {switch_s:.3f} s), all {others} about "
+                   f"{cost(keep, stages):.2f} s to try (a switch's first step {switch_s:.3f} s), all {others} about "
                    f"{cost(untried):.2f} s, over {self.share:.0%} of this {self.run_steps}-step run's ~{run_s:.2f} s "
                    "at the plain settings' pace")
-            self.report.setdefault("untried", {}).update({c.label(): why for c in out})
+            if cost(keep, stages) > budget or stages < later:  # the later stages do not fit: they are left out too
+                out_stages = self._stage_list()[1:]
+                self._stages = []
+                self.fused_choice, self.thread_choices = False, ()
+            else:
+                out_stages = []
+            self.report.setdefault("untried", {}).update({c.label(): why for c in out} | {
+                f"the {name} stage": why for name in out_stages})
             self.report["run_steps"] = self.run_steps
             for c in out:
                 self.times.pop(c, None)
             self._queue = [(c, t) for c, t in self._queue if c not in out]
-            if cost(keep) > self.share * run_s:  # the later stages (kernel, threads) do not fit either
-                self._stages = []
-                self.fused_choice, self.thread_choices = False, ()
             return
         self.report["stopped"] = (f"not measured: {others} other setting(s) would cost about {cost(untried):.2f} s to "
                                   f"try (a switch's first step {switch_s:.3f} s), over {self.share:.0%} of this "
