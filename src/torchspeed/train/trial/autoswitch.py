@@ -57,8 +57,7 @@ log = logging.getLogger("torchspeed")
 PRICE_SHARE = 0.25  # a trial whose settings would cost more than this share of the run's seconds is not run
 # How the trial measures and chooses, in the cache key: a trial cached by an earlier method (which, say, timed the
 # optimizer kernels on whole steps) is measured again, not read. Bump it with any change to the schedule or the choice.
-TRIAL_METHOD = 6  # 4: the kernel stage times the lean step (no step hooks); 5: a timed-apart turn is settled first;
-# 6: a run that affords only some candidates tries them, the rules' choice first
+TRIAL_METHOD = 6  # 5: a timed-apart turn is settled first; 6: a run affording some candidates tries them (prior_first)
 GUARD_SAMPLES = 8  # the numerics guard compares the precisions' losses on the first batch's first 8 samples
 
 

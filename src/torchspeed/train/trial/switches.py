@@ -238,23 +238,26 @@ class LiveTrial:
                    f"{cost(keep, stages):.2f} s to try (a switch's first step {switch_s:.3f} s), all {others} about "
                    f"{cost(untried):.2f} s, over {self.share:.0%} of this {self.run_steps}-step run's ~{run_s:.2f} s "
                    "at the plain settings' pace")
-            if cost(keep, stages) > budget or stages < later:  # the later stages do not fit: they are left out too
-                out_stages = self._stage_list()[1:]
-                self._stages = []
-                self.fused_choice, self.thread_choices = False, ()
-            else:
-                out_stages = []
-            self.report.setdefault("untried", {}).update({c.label(): why for c in out} | {
-                f"the {name} stage": why for name in out_stages})
-            self.report["run_steps"] = self.run_steps
-            for c in out:
-                self.times.pop(c, None)
-            self._queue = [(c, t) for c, t in self._queue if c not in out]
+            self._untried(out, cost(keep, stages) > budget or stages < later, why)
             return
         self.report["stopped"] = (f"not measured: {others} other setting(s) would cost about {cost(untried):.2f} s to "
                                   f"try (a switch's first step {switch_s:.3f} s), over {self.share:.0%} of this "
                                   f"{self.run_steps}-step run's ~{run_s:.2f} s at the plain settings' pace")
         self._queue, self._stages = [], []
+
+    def _untried(self, out: list[Switches], stages: bool, why: str) -> None:
+        """`out`'s candidates, and with `stages` the later stages (the optimizer kernel, the threads), are not tried
+        (`_price`): named in `report["untried"]` with `why`, and off the schedule."""
+        out_stages = self._stage_list()[1:] if stages else []
+        if stages:
+            self._stages = []
+            self.fused_choice, self.thread_choices = False, ()
+        self.report.setdefault("untried", {}).update({c.label(): why for c in out} | {
+            f"the {name} stage": why for name in out_stages})
+        self.report["run_steps"] = self.run_steps
+        for c in out:
+            self.times.pop(c, None)
+        self._queue = [(c, t) for c, t in self._queue if c not in out]
 
     def fail(self, error: BaseException, cand: Switches | None = None) -> None:
         """`cand` (the current candidate) cannot run (a precision this model cannot take): out of the race, why."""
