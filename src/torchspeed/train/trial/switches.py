@@ -229,8 +229,8 @@ class LiveTrial:
                 keep.pop()
             return keep
         keep, stages = fitting(later), later
-        if not keep and later and fitting(0):  # the rules' choice before the later stages (kernel, threads)
-            keep, stages = fitting(0), 0
+        if not keep and later and (alone := fitting(0)):  # the rules' choice before the later stages (kernel, threads)
+            keep, stages = alone, 0
         others = len(untried) + later
         if keep or len(tried) > 1:  # some candidate is (or was) tried: the rest that does not fit is left out
             out = untried[len(keep):]
