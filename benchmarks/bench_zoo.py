@@ -87,14 +87,14 @@ def _lines(proc, q: queue.Queue) -> None:
 
 
 def run_chunk(names: list[str], steps: int, ways: list[str], profile: str, timeout: float, rounds: int = 1,
-              max_params: float | None = None):
+              max_params: float | None = None, extra: tuple[str, ...] = ()):
     """Yield (name, row) for `names`, run one after another in one fresh process. A model that runs over
     `timeout` seconds, or in whose runs the process dies, gets its way in flight recorded as the error; the
     models after it go on in a new process."""
     pending = list(names)
     while pending:
         cmd = [sys.executable, str(HERE / "zoo_run.py"), *pending, "--steps", str(steps), "--rounds", str(rounds),
-               "--ways", *ways] + (["--max-params", str(max_params)] if max_params else [])
+               "--ways", *ways, *extra] + (["--max-params", str(max_params)] if max_params else [])
         err = tempfile.TemporaryFile(mode="w+")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=_env(profile), cwd=_scratch())
         q: queue.Queue = queue.Queue()
@@ -177,6 +177,7 @@ def sweep(names: list[str], args, profile: str, command: str) -> dict:
         for gone in [n for n in kept if n not in _SOURCE_OF and kept[n].get("source") in swept]:
             del kept[gone]
     meta = dict(zoo_report.provenance(profile, args.steps, command), max_params=args.max_params, rounds=args.rounds,
+                min_seconds=args.min_seconds, max_rounds=args.max_rounds, statistic="median of interleaved rounds",
                 per_process=args.per_process, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", OMP_WAIT_POLICY))
     named = set(args.models or ())  # a model named in --models runs again, whatever the file holds
     todo = [n for n in names if n in named or not (args.resume and (n in models or n in plain_fails)
@@ -185,7 +186,9 @@ def sweep(names: list[str], args, profile: str, command: str) -> dict:
     chunks = [todo[i:i + args.per_process] for i in range(0, len(todo), args.per_process)]
     done = len(names) - len(todo)
     for chunk in chunks:
-        for name, row in run_chunk(chunk, args.steps, args.ways, profile, args.timeout, args.rounds, args.max_params):
+        extra = ("--min-seconds", str(args.min_seconds), "--max-rounds", str(args.max_rounds))
+        for name, row in run_chunk(chunk, args.steps, args.ways, profile, args.timeout, args.rounds, args.max_params,
+                                   extra):
             done += 1
             plain = row["runs"].get("plain", {})
             models.pop(name, None)
@@ -216,7 +219,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="K: steps in each run")
     ap.add_argument("--per-process", type=int, default=1,
                     help="models run one after another in one process (1: a fresh process each)")
-    ap.add_argument("--rounds", type=int, default=1, help="time each run this many times, its fastest counts")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time each run at least this many times, the order alternating; the median counts")
+    ap.add_argument("--min-seconds", type=float, default=0.0,
+                    help="more rounds (up to --max-rounds) until each way of a model is timed this long in all")
+    ap.add_argument("--max-rounds", type=int, default=15)
     ap.add_argument("--max-params", type=float, help="list a model with more parameters apart, untrained")
     ap.add_argument("--profiles", nargs="+", default=["host"], choices=PROFILES)
     ap.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)

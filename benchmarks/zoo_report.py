@@ -186,13 +186,18 @@ def _later_table(later: list[tuple[Path, dict]]) -> list[str]:
     if not later:
         return []
     rows = ["Sweeps run after the one above, each its own JSON (the plain and `fit` ways unless auto is listed; a "
-            "way's time is its fastest round). Each is counted again by this code.", "",
+            "way's time is its fastest round, or the median of its rounds where the rounds cell says so: those sweeps "
+            "alternate the order of the ways round by round, and give a short run more rounds). Each is counted "
+            "again by this code.", "",
             "| JSON | profile | commit | rounds | models trained | fit errors | fit >= 0.97x plain | fit geomean | "
             "loss equal (kept plain) | load (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for path, d in later:
         s, f = d["summary"], d["summary"]["fit"]
         g = f["geomean_vs_plain"]
-        rows.append(f"| `{path.name}` | {d['profile']} | `{str(d['commit'])[:7]}` | {d.get('rounds', 1)} | "
+        rounds = d.get("rounds", 1)
+        if d.get("statistic", "").startswith("median"):
+            rounds = f"{rounds}-{d['max_rounds']}, median" if d.get("min_seconds") else f"{rounds}, median"
+        rows.append(f"| `{path.name}` | {d['profile']} | `{str(d['commit'])[:7]}` | {rounds} | "
                     f"{s['plain_trains']} | {f['errors']} | {_fmt(f['share_at_least_0.97'])} | "
                     f"{'-' if g is None else f'{g:.3f}x'} | {f['kept_plain_loss_equal']} of {f['kept_plain']} | "
                     f"{s['load_median']} |")

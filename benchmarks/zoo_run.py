@@ -22,6 +22,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -215,11 +216,18 @@ def _fit_row(case: Case, batches: list, way: str, plain: dict) -> dict:
         return error_of(e)
 
 
+def _timed_round(case: Case, batches: list, way: str) -> float:
+    return plain_loop(case, batches)[0] if way == "plain" else fit_run(case, batches, way == "auto")[0]
+
+
 def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True, emit=None, rounds: int = 1,
-             max_params: float | None = None) -> dict:
+             max_params: float | None = None, min_seconds: float = 0.0, max_rounds: int = 15) -> dict:
     """{"source", "runs": {way: {...}}} for one model; fit and auto run only where the plain loop trains.
-    With `rounds` > 1 the ways run again in turn, and each way's seconds are its fastest round's (the rows
-    otherwise the first round's). `emit(way, row)` is called as each way's first round ends (the parent keeps
+    The ways run again in turn for `rounds` rounds, and more (up to `max_rounds`) until each way has been timed
+    for `min_seconds` in all: a short run gets many rounds. The order alternates (round 0: the plain loop first;
+    round 1: the plain loop last; ...), so that neither side always runs first. Each way's `seconds` is the median
+    of its rounds, and `vs_plain` the ratio of the medians (`vs_plain_fastest`: of the fastest rounds); the rows
+    are otherwise the first round's. `emit(way, row)` is called as each way's first round ends (the parent keeps
     what ended if the process dies later)."""
     emit = emit or (lambda way, row: None)
     batches = batches_for(case, k)
@@ -237,21 +245,22 @@ def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True
     runs["plain"] = plain
     emit("plain", plain)
     others = [w for w in ways if w != "plain"]
-    for r in range(rounds):
-        if r:
-            plain.setdefault("round_seconds", [plain["seconds"]]).append(plain_loop(case, batches)[0])
-        for way in others:
-            if r == 0:
-                runs[way] = _fit_row(case, batches, way, plain)
-                emit(way, runs[way])
-            elif runs[way].get("finished"):
-                runs[way].setdefault("round_seconds", [runs[way]["seconds"]]).append(fit_run(case, batches, way == "auto")[0])
-    for way in runs:
-        if runs[way].get("finished"):
-            runs[way]["seconds"] = min(runs[way].get("round_seconds", [runs[way]["seconds"]]))
     for way in others:
-        if runs[way].get("finished"):
-            runs[way]["vs_plain"] = plain["seconds"] / runs[way]["seconds"]
+        runs[way] = _fit_row(case, batches, way, plain)
+        emit(way, runs[way])
+    timed = [w for w in runs if runs[w].get("finished")]
+    secs = {w: [runs[w]["seconds"]] for w in timed}
+    r = 1
+    while r < rounds or (r < max_rounds and min(sum(v) for v in secs.values()) < min_seconds):
+        for way in (timed[1:] + timed[:1]) if r % 2 else timed:  # odd rounds: the plain loop last
+            secs[way].append(_timed_round(case, batches, way))
+        r += 1
+    for way in timed:
+        runs[way]["round_seconds"] = secs[way]
+        runs[way]["seconds"] = statistics.median(secs[way])
+        runs[way]["vs_plain"] = statistics.median(secs["plain"]) / runs[way]["seconds"]
+        runs[way]["vs_plain_fastest"] = min(secs["plain"]) / min(secs[way])
+    out["rounds"] = r
     out["load"].append(round(os.getloadavg()[0], 2))
     return out
 
@@ -262,7 +271,9 @@ def main() -> None:
     ap.add_argument("names", nargs="+")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
-    ap.add_argument("--rounds", type=int, default=1, help="time each way this many times (its fastest counts)")
+    ap.add_argument("--rounds", type=int, default=1, help="time each way at least this many times (the median counts)")
+    ap.add_argument("--min-seconds", type=float, default=0.0, help="more rounds until each way is timed this long")
+    ap.add_argument("--max-rounds", type=int, default=15, help="the most rounds --min-seconds adds up to")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--max-params", type=float, help="leave out (as the plain loop's error) a larger model")
     args = ap.parse_args()
@@ -273,7 +284,8 @@ def main() -> None:
         def emit(way, row, name=name):
             print(f"ZOO_WAY {way} " + json.dumps(dict(row, model=name), default=str), flush=True)
         result = run_case(cases[name], args.steps, tuple(args.ways), warm=not args.no_warmup, rounds=args.rounds,
-                          max_params=args.max_params, emit=emit)
+                          max_params=args.max_params, emit=emit, min_seconds=args.min_seconds,
+                          max_rounds=args.max_rounds)
         print("ZOO_RESULT " + json.dumps(dict(result, model=name), default=str), flush=True)
         gc.collect()
 

@@ -72,6 +72,23 @@ def test_each_way_gets_a_row_of_the_documented_shape(case, monkeypatch):
     assert fit["loss_equal"], (fit["loss"], plain["loss"])  # the harness's probe is the same for every way
 
 
+def test_the_rounds_alternate_the_order_and_a_short_run_gets_more(monkeypatch):
+    calls = []
+
+    def timed(case, batches, way):  # the rounds after the first, with injected seconds
+        calls.append(way)
+        return {"plain": 0.010, "fit": 0.020}[way]
+    monkeypatch.setattr(zoo_run, "_timed_round", timed)
+    monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx2")
+    out = zoo_run.run_case(TINY[0], 2, ("plain", "fit"), warm=False, rounds=2, min_seconds=1e3, max_rounds=6)
+    assert out["rounds"] == 6 and calls == ["fit", "plain", "plain", "fit"] * 2 + ["fit", "plain"]
+    fit = out["runs"]["fit"]
+    assert len(fit["round_seconds"]) == 6 and fit["seconds"] == 0.020 and fit["vs_plain"] == 0.5  # the medians
+    calls.clear()
+    out = zoo_run.run_case(TINY[0], 2, ("plain", "fit"), warm=False, rounds=3)  # no time asked: the rounds asked
+    assert out["rounds"] == 3 and calls == ["fit", "plain", "plain", "fit"]
+
+
 def test_the_plain_loop_and_its_probe_are_deterministic():
     case = TINY[2]
     batches = zoo_run.batches_for(case, 3)
