@@ -185,22 +185,24 @@ def _later_table(later: list[tuple[Path, dict]]) -> list[str]:
     """One row a later sweep (its own JSON, often the plain and fit ways alone, more rounds): what it measured."""
     if not later:
         return []
-    rows = ["Sweeps run after the one above, each its own JSON (the plain and `fit` ways unless auto is listed; a "
+    rows = ["Sweeps run after the one above, each its own JSON (the ways it ran have figures, the others `-`; a "
             "way's time is its fastest round, or the median of its rounds where the rounds cell says so: those sweeps "
             "alternate the order of the ways round by round, and give a short run more rounds). Each is counted "
             "again by this code.", "",
             "| JSON | profile | commit | rounds | models trained | fit errors | fit >= 0.97x plain | fit geomean | "
-            "loss equal (kept plain) | load (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "loss equal (kept plain) | auto errors | auto reaches plain's loss no slower | load (median) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path, d in later:
-        s, f = d["summary"], d["summary"]["fit"]
+        s, f, a = d["summary"], d["summary"]["fit"], d["summary"]["auto"]
         g = f["geomean_vs_plain"]
         rounds = d.get("rounds", 1)
         if d.get("statistic", "").startswith("median"):
             rounds = f"{rounds}-{d['max_rounds']}, median" if d.get("min_seconds") else f"{rounds}, median"
+        fit = (f"{f['errors']} | {_fmt(f['share_at_least_0.97'])} | {'-' if g is None else f'{g:.3f}x'} | "
+               f"{f['kept_plain_loss_equal']} of {f['kept_plain']}") if f["runs"] else "- | - | - | -"
+        auto = f"{a['errors']} | {_fmt(a['share_reaches_plain_loss_no_slower'])}" if a["runs"] else "- | -"
         rows.append(f"| `{path.name}` | {d['profile']} | `{str(d['commit'])[:7]}` | {rounds} | "
-                    f"{s['plain_trains']} | {f['errors']} | {_fmt(f['share_at_least_0.97'])} | "
-                    f"{'-' if g is None else f'{g:.3f}x'} | {f['kept_plain_loss_equal']} of {f['kept_plain']} | "
-                    f"{s['load_median']} |")
+                    f"{s['plain_trains']} | {fit} | {auto} | {s['load_median']} |")
     return ["## Later sweeps", "", *rows, ""]
 
 
