@@ -252,10 +252,15 @@ def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True
     secs = {w: [runs[w]["seconds"]] for w in timed}
     r = 1
     while r < rounds or (r < max_rounds and min(sum(v) for v in secs.values()) < min_seconds):
-        for way in (timed[1:] + timed[:1]) if r % 2 else timed:  # odd rounds: the plain loop last
-            secs[way].append(_timed_round(case, batches, way))
+        for way in [w for w in ((timed[1:] + timed[:1]) if r % 2 else timed) if w in secs]:  # odd: the plain last
+            try:
+                secs[way].append(_timed_round(case, batches, way))
+            except Exception as e:  # noqa: BLE001  (a later round that fails: the way's error, the others go on)
+                if way == "plain":
+                    raise
+                runs[way], _ = dict(error_of(e), round=r), secs.pop(way)
         r += 1
-    for way in timed:
+    for way in secs:
         runs[way]["round_seconds"] = secs[way]
         runs[way]["seconds"] = statistics.median(secs[way])
         runs[way]["vs_plain"] = statistics.median(secs["plain"]) / runs[way]["seconds"]

@@ -89,6 +89,19 @@ def test_the_rounds_alternate_the_order_and_a_short_run_gets_more(monkeypatch):
     assert out["rounds"] == 3 and calls == ["fit", "plain", "plain", "fit"]
 
 
+def test_a_way_that_fails_in_a_later_round_is_recorded_and_the_rounds_go_on(monkeypatch):
+    def timed(case, batches, way):
+        if way == "fit":
+            raise RuntimeError("round two broke\nmore")
+        return 0.01
+    monkeypatch.setattr(zoo_run, "_timed_round", timed)
+    monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx2")
+    out = zoo_run.run_case(TINY[0], 2, ("plain", "fit"), warm=False, rounds=3)
+    fit = out["runs"]["fit"]
+    assert fit["finished"] is False and fit["error"] == "RuntimeError: round two broke" and fit["round"] == 1
+    assert out["rounds"] == 3 and len(out["runs"]["plain"]["round_seconds"]) == 3
+
+
 def test_the_plain_loop_and_its_probe_are_deterministic():
     case = TINY[2]
     batches = zoo_run.batches_for(case, 3)
