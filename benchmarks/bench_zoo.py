@@ -185,8 +185,8 @@ def sweep(names: list[str], args, profile: str, command: str) -> dict:
     data = dict(meta, models=models, plain_fails=plain_fails)
     chunks = [todo[i:i + args.per_process] for i in range(0, len(todo), args.per_process)]
     done = len(names) - len(todo)
+    extra = ("--min-seconds", str(args.min_seconds), "--max-rounds", str(args.max_rounds))
     for chunk in chunks:
-        extra = ("--min-seconds", str(args.min_seconds), "--max-rounds", str(args.max_rounds))
         for name, row in run_chunk(chunk, args.steps, args.ways, profile, args.timeout, args.rounds, args.max_params,
                                    extra):
             done += 1

@@ -248,17 +248,18 @@ def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True
     for way in others:
         runs[way] = _fit_row(case, batches, way, plain)
         emit(way, runs[way])
-    timed = [w for w in runs if runs[w].get("finished")]
-    secs = {w: [runs[w]["seconds"]] for w in timed}
+    secs = {w: [runs[w]["seconds"]] for w in runs if runs[w].get("finished")}  # the plain loop's first
     r = 1
     while r < rounds or (r < max_rounds and min(sum(v) for v in secs.values()) < min_seconds):
-        for way in [w for w in ((timed[1:] + timed[:1]) if r % 2 else timed) if w in secs]:  # odd: the plain last
+        order = list(secs)
+        for way in (order[1:] + order[:1]) if r % 2 else order:  # odd rounds: the plain loop last
             try:
                 secs[way].append(_timed_round(case, batches, way))
             except Exception as e:  # noqa: BLE001  (a later round that fails: the way's error, the others go on)
                 if way == "plain":
                     raise
-                runs[way], _ = dict(error_of(e), round=r), secs.pop(way)
+                del secs[way]
+                runs[way] = dict(error_of(e), round=r)
         r += 1
     for way in secs:
         runs[way]["round_seconds"] = secs[way]
