@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -167,7 +167,7 @@ def _check_val_loader(val_loader) -> None:
         return
     if hasattr(val_loader, "__len__") and len(val_loader) == 0:
         raise ValueError("val_loader has no batches: pass a validation set with samples, or val_loader=None")
-    if iter(val_loader) is val_loader:
+    if isinstance(val_loader, Iterator):  # asked without iter(): a DataLoader's draws a seed from the global RNG
         logging.getLogger("torchspeed").warning(
             "val_loader is a one-shot iterator: only the first evaluation sees its batches (later ones get "
             "val_loss NaN); pass a DataLoader or a list of batches")
