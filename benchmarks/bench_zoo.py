@@ -178,6 +178,7 @@ def sweep(names: list[str], args, profile: str, command: str) -> dict:
             del kept[gone]
     meta = dict(zoo_report.provenance(profile, args.steps, command), max_params=args.max_params, rounds=args.rounds,
                 min_seconds=args.min_seconds, max_rounds=args.max_rounds, statistic="median of interleaved rounds",
+                min_run_s=args.min_run_s, max_steps=args.max_steps,
                 per_process=args.per_process, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", OMP_WAIT_POLICY))
     named = set(args.models or ())  # a model named in --models runs again, whatever the file holds
     todo = [n for n in names if n in named or not (args.resume and (n in models or n in plain_fails)
@@ -185,7 +186,8 @@ def sweep(names: list[str], args, profile: str, command: str) -> dict:
     data = dict(meta, models=models, plain_fails=plain_fails)
     chunks = [todo[i:i + args.per_process] for i in range(0, len(todo), args.per_process)]
     done = len(names) - len(todo)
-    extra = ("--min-seconds", str(args.min_seconds), "--max-rounds", str(args.max_rounds))
+    extra = ("--min-seconds", str(args.min_seconds), "--max-rounds", str(args.max_rounds),
+             "--min-run-s", str(args.min_run_s), "--max-steps", str(args.max_steps))
     for chunk in chunks:
         for name, row in run_chunk(chunk, args.steps, args.ways, profile, args.timeout, args.rounds, args.max_params,
                                    extra):
@@ -224,6 +226,9 @@ def main() -> None:
     ap.add_argument("--min-seconds", type=float, default=0.0,
                     help="more rounds (up to --max-rounds) until each way of a model is timed this long in all")
     ap.add_argument("--max-rounds", type=int, default=15)
+    ap.add_argument("--min-run-s", type=float, default=0.0,
+                    help="a model whose K-step plain run is shorter trains more steps, up to --max-steps")
+    ap.add_argument("--max-steps", type=int, default=400)
     ap.add_argument("--max-params", type=float, help="list a model with more parameters apart, untrained")
     ap.add_argument("--profiles", nargs="+", default=["host"], choices=PROFILES)
     ap.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -216,19 +217,29 @@ def _fit_row(case: Case, batches: list, way: str, plain: dict) -> dict:
         return error_of(e)
 
 
+def steps_for(k: int, seconds: float, min_run_s: float, max_steps: int) -> int:
+    """The steps of a run that lasts about `min_run_s`, from a K-step run of `seconds` (K at least, `max_steps` at
+    most): a 20-ms run measures fit's fixed costs, which a real run pays once."""
+    if not min_run_s or seconds >= min_run_s:
+        return k
+    return max(k, min(max_steps, math.ceil(k * min_run_s / max(seconds, 1e-9))))
+
+
 def _timed_round(case: Case, batches: list, way: str) -> float:
     return plain_loop(case, batches)[0] if way == "plain" else fit_run(case, batches, way == "auto")[0]
 
 
 def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True, emit=None, rounds: int = 1,
-             max_params: float | None = None, min_seconds: float = 0.0, max_rounds: int = 15) -> dict:
+             max_params: float | None = None, min_seconds: float = 0.0, max_rounds: int = 15,
+             min_run_s: float = 0.0, max_steps: int = 400) -> dict:
     """{"source", "runs": {way: {...}}} for one model; fit and auto run only where the plain loop trains.
     The ways run again in turn for `rounds` rounds, and more (up to `max_rounds`) until each way has been timed
     for `min_seconds` in all: a short run gets many rounds. The order alternates (round 0: the plain loop first;
     round 1: the plain loop last; ...), so that neither side always runs first. Each way's `seconds` is the median
     of its rounds, and `vs_plain` the ratio of the medians (`vs_plain_fastest`: of the fastest rounds); the rows
     are otherwise the first round's. `emit(way, row)` is called as each way's first round ends (the parent keeps
-    what ended if the process dies later)."""
+    what ended if the process dies later). `min_run_s`: a model whose K-step plain run is shorter trains more
+    steps (K scaled to about that long, at most `max_steps`), as a real run would; `out["steps"]` says how many."""
     emit = emit or (lambda way, row: None)
     batches = batches_for(case, k)
     out = {"source": case.source, "note": case.note, "runs": {}, "load": [round(os.getloadavg()[0], 2)]}
@@ -238,9 +249,13 @@ def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True
         if warm:
             warm_up(case, batches)
         plain = _plain_row(case, batches)
+        if (more := steps_for(k, plain["seconds"], min_run_s, max_steps)) > k:  # that run: one more warm-up
+            batches = batches_for(case, more)
+            plain = _plain_row(case, batches)
     except Exception as e:  # noqa: BLE001
         out["runs"]["plain"] = error_of(e)
         return out
+    out["steps"] = len(batches)
     runs = out["runs"]
     runs["plain"] = plain
     emit("plain", plain)
@@ -280,6 +295,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="time each way at least this many times (the median counts)")
     ap.add_argument("--min-seconds", type=float, default=0.0, help="more rounds until each way is timed this long")
     ap.add_argument("--max-rounds", type=int, default=15, help="the most rounds --min-seconds adds up to")
+    ap.add_argument("--min-run-s", type=float, default=0.0, help="a shorter K-step run trains more steps")
+    ap.add_argument("--max-steps", type=int, default=400, help="the most steps --min-run-s scales K to")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--max-params", type=float, help="leave out (as the plain loop's error) a larger model")
     args = ap.parse_args()
@@ -291,7 +308,7 @@ def main() -> None:
             print(f"ZOO_WAY {way} " + json.dumps(dict(row, model=name), default=str), flush=True)
         result = run_case(cases[name], args.steps, tuple(args.ways), warm=not args.no_warmup, rounds=args.rounds,
                           max_params=args.max_params, emit=emit, min_seconds=args.min_seconds,
-                          max_rounds=args.max_rounds)
+                          max_rounds=args.max_rounds, min_run_s=args.min_run_s, max_steps=args.max_steps)
         print("ZOO_RESULT " + json.dumps(dict(result, model=name), default=str), flush=True)
         gc.collect()
 

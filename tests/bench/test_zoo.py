@@ -102,6 +102,19 @@ def test_a_way_that_fails_in_a_later_round_is_recorded_and_the_rounds_go_on(monk
     assert out["rounds"] == 3 and len(out["runs"]["plain"]["round_seconds"]) == 3
 
 
+def test_a_short_run_trains_more_steps_up_to_the_cap(monkeypatch):
+    """--min-run-s: a model whose K-step plain run is shorter than asked trains K scaled to about that long (the
+    fixed costs a real run pays once then weigh what they weigh there), never more than --max-steps."""
+    assert zoo_run.steps_for(12, 0.010, 0.5, 400) == 400 and zoo_run.steps_for(12, 0.1, 0.5, 400) == 60
+    assert zoo_run.steps_for(12, 0.9, 0.5, 400) == 12 and zoo_run.steps_for(12, 0.010, 0.0, 400) == 12
+    real = zoo_run._plain_row
+    monkeypatch.setattr(zoo_run, "_plain_row", lambda case, b: dict(real(case, b), seconds=0.001 * len(b)))
+    monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx2")
+    out = zoo_run.run_case(TINY[0], 4, ("plain", "fit"), warm=False, min_run_s=0.02, max_steps=50)
+    assert out["steps"] == 20 and out["runs"]["fit"]["steps"] == 20 and out["runs"]["fit"]["loss_equal"]
+    assert zoo_run.run_case(TINY[0], 4, ("plain",), warm=False)["steps"] == 4
+
+
 def test_the_plain_loop_and_its_probe_are_deterministic():
     case = TINY[2]
     batches = zoo_run.batches_for(case, 3)

@@ -15,6 +15,7 @@ from torchspeed.train.loop import callbacks as cb_mod
 from torchspeed.train.loop.callbacks import Callback, EarlyStopping
 from torchspeed.train.config import parse_eval_every
 from torchspeed.train.evaluate import EvalClock, evaluate
+from torchspeed.train.loop.metrics import TRAIN_ACC_EVERY
 from torchspeed.train.in_memory import SlicedLoader, keep_on_device, sliced_loader
 from torchspeed.train.schedule import default_schedule
 
@@ -222,11 +223,14 @@ def test_with_a_val_loader_the_train_step_counts_no_correct_predictions(monkeypa
     res = torchspeed.fit(_model(), train, epochs=1, lr=1e-2, val_loader=val, **_quiet())
     assert res.final["train_acc"] is None and res.final["val_acc"] is not None
     assert len(counted) == 2  # validation's two batches only
-    for kw in ({"train_acc": True}, {"best_metric": "train_acc"}, {"val_loader": None},
-               {"callbacks": [EarlyStopping("train_acc")]}):
+    for kw in ({"train_acc": True}, {"best_metric": "train_acc"}, {"callbacks": [EarlyStopping("train_acc")]}):
         counted.clear()
         res = torchspeed.fit(_model(), train, epochs=1, lr=1e-2, **_quiet(**({"val_loader": val} | kw)))
         assert res.final["train_acc"] is not None and len(counted) >= 12, kw  # the 12 steps counted
+    counted.clear()  # no val_loader and nothing reads it: shown, estimated from one step in 8 (steps 1 and 9)
+    res = torchspeed.fit(_model(), train, epochs=2, lr=1e-2, **_quiet())
+    assert res.history[0]["train_acc"] is not None and res.history[1]["train_acc"] is not None
+    assert len(counted) == 4 == 2 * len(range(0, 12, TRAIN_ACC_EVERY))
     off = torchspeed.fit(_model(), train, epochs=1, lr=1e-2, train_acc=False, **_quiet())
     assert off.final["train_acc"] is None
     with pytest.raises(ValueError, match="train_acc must be"):

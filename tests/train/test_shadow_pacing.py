@@ -235,3 +235,35 @@ def test_a_timed_turn_times_the_candidates_second_pass_not_its_first_after_the_s
         assert sec == pytest.approx(1.0) and extra == pytest.approx(9.0 + 2.0)
     for k, v in plain.module.state_dict().items():
         assert torch.equal(t.module.state_dict()[k], v), k
+
+
+@pytest.mark.paced
+def test_a_paced_step_skips_the_trials_bookkeeping(monkeypatch):
+    """The steps that wait for the next turn are counted ahead (`waits_ahead`) and train with no bookkeeping: the
+    trial's own step (`_trial_step`, 35 us a step on a small MLP) runs on the turns and the steps around them, not
+    on the hundreds between; the turns still start where `waits` says (the test above)."""
+    from torchspeed.train.trial.autoswitch import SwitchStage
+
+    calls, real = [], SwitchStage._trial_step
+    monkeypatch.setattr(SwitchStage, "_trial_step", lambda self, *a: calls.append(1) or real(self, *a))
+    res = _trainer().fit(_loader(300))
+    paced = res.decisions["switch_trial"].measured["paced_steps"]
+    assert paced > 100 and len(calls) < 40  # of the trial's paced + turns + plain steps, the few that decide
+
+
+def test_waits_ahead_counts_the_steps_that_waits_would_say_wait():
+    for share, seen, turns, left, turns_left in ((0.05, 10, 2, 300, 4), (0.05, 10, 2, 30, 4), (0.01, 3, 1, None, 2),
+                                                 (0.05, 100, 2, 300, 4)):
+        stage = type("S", (), {})()
+        a, b = ShadowTurns(stage), ShadowTurns(stage)
+        a.cap = b.cap = share
+        a.seen = b.seen = seen
+        a.turns = b.turns = turns
+        n, step_left = 0, left
+        while True:  # ask `waits` step by step, as the trial would
+            b.tick()
+            step_left = None if step_left is None else step_left - 1
+            if not b.waits(steps_left=step_left, turns_left=turns_left):
+                break
+            n += 1
+        assert a.waits_ahead(steps_left=left, turns_left=turns_left) == n, (share, seen, turns, left)

@@ -171,7 +171,7 @@ class Trainer(TrainerSetup):
         loss = out.loss.detach()
         metered = self.guard.observe(loss)
         if metered is not None:
-            correct = out.correct(TRAIN_COUNT_ELEMENTS) if self.meter.accuracy else None  # metrics.train_accuracy
+            correct = out.correct(TRAIN_COUNT_ELEMENTS) if self.meter.counts_now() else None  # train_accuracy
             self.meter.update(metered, n=out.n, correct=None if correct is None else correct[0],
                               counted=None if correct is None else correct[1])
         if win.advance():  # the window's last micro-batch: unscale, clip, step (skipped on NaN/inf)
@@ -266,8 +266,9 @@ class Trainer(TrainerSetup):
         self._val_loader = val_loader
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
         self.best.active = cfg.restore_best is True or (cfg.restore_best == "auto" and val_loader is not None)
-        self.meter.accuracy = train_accuracy(cfg.train_acc, val_loader=val_loader, best_metric=cfg.best_metric,
-                                             callbacks=self.callbacks)
+        every = train_accuracy(cfg.train_acc, val_loader=val_loader, best_metric=cfg.best_metric,
+                               callbacks=self.callbacks)
+        self.meter.accuracy, self.meter.accuracy_every = every > 0, max(every, 1)
         # on_train_start now, on_train_end("success" | "failed") when the loop ends (callbacks.py)
         with self.callbacks.running(self), TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total,
                                                          header=decisions_header(self.decisions)) as progress:

@@ -37,18 +37,17 @@ from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.parallel.distributed import broadcast_object, is_rank_zero
 from torchspeed.train.loop.guard import is_out_of_memory, one_sample_batchnorm
 from torchspeed.train.trial.memory_format import apply_channels_last, has_conv2d, state_follows_layout
-from torchspeed.train.optim import describe_optimizer
 from torchspeed.train.optim_info import kernel_reason
 from torchspeed.train.trial.precision import MixedPrecision, Precision, normalize_precision
 from torchspeed.train.trial.shadow import ShadowTurns
 from torchspeed.train.loop.step import OptimizerClock
 from torchspeed.train.trial.switch_choice import (Switches, autocast_moot, batch_signature, candidate_grid, fusable,
-                                                  model_signature, prior_first, rule_switches, set_fused)
+                                                  model_signature, prior_first, rule_switches)
 from torchspeed.train.trial.switches import LiveTrial
 from torchspeed.train.transfer import batch_layout
 from torchspeed.train.trial.trial_safety import TrialSafety, forked_rng
 from torchspeed.train.trial.trial_size import (_as_decisions, _current_fused, _depth, _summary, _thread_choices,
-                                               trial_settings)
+                                               set_kernel, trial_settings)
 
 __all__ = ["PRICE_SHARE", "SwitchStage", "kernel_isa", "arm_switch_trial"]
 
@@ -82,7 +81,8 @@ class SwitchStage:
 
     def __init__(self, trainer, *, prepared: bool = False):
         self.t = trainer
-        self.live = None  # the trial while it runs (arms the Trainer's stepper: `live`)
+        self.live = None  # the trial while it runs (arms the Trainer's stepper: `live`); `_waits`: steps ahead that
+        # wait for the next turn timed apart (`step`)
         self.prepared = prepared  # True: nothing to arm (FSDP2's sharded forward is collective: no trial)
         self._fixed: dict = {}
         self._trial_meta: dict = {}
@@ -99,7 +99,7 @@ class SwitchStage:
 
     @live.setter
     def live(self, trial: LiveTrial | None) -> None:
-        self._live = trial
+        self._live, self._waits = trial, 0
         self.t.stepper = self.step if trial is not None else None
         if trial is not None:  # its candidates set the layout from its first step on (the rules' is not applied)
             self.t.layout_pending = False
@@ -234,8 +234,15 @@ class SwitchStage:
 
     def step(self, batch, run_step) -> None:
         """One of the run's steps while the switch trial is on: the candidate's settings, the step, its time.
-        The steps run eager (a compiled module would recompile for each candidate); compile comes after."""
+        The steps run eager (a compiled module would recompile for each candidate); compile comes after. A step
+        while a turn timed apart waits (`_waits`, counted ahead) trains in the plain settings with no bookkeeping:
+        a sub-millisecond step paid 35 us a step for it, over the hundreds of steps the turns are paced across."""
         with self.t.compiler.eager():
+            if self._waits:
+                self._waits -= 1
+                self.shadow.tick()
+                self.shadow.waited += 1
+                return run_step(batch_layout(batch, self.live.grid[0].channels_last))
             self._trial_step(batch, run_step)
 
     def _trial_step(self, batch, run_step) -> None:
@@ -258,6 +265,7 @@ class SwitchStage:
         self.shadow.tick()
         if shadow and trial.looked() and self.shadow.waits(steps_left=left, turns_left=trial.turns_left()):
             self.apply(trial.grid[0])  # a step in the plain settings while the turns timed apart wait (paced)
+            self._waits = self.shadow.waits_ahead(steps_left=left, turns_left=trial.turns_left())
             return run_step(batch_layout(batch, trial.grid[0].channels_last))
         if not self._trial_meta.get("losses_taken") and cand.precision != trial.grid[0].precision:
             # the guard's losses, at the weights now, before the first other precision trains: not before the
@@ -378,17 +386,9 @@ class SwitchStage:
             apply_channels_last(self.t.module, sw.channels_last)
             state_follows_layout(self.t.optimizer)
         self.t.channels_last = sw.channels_last
-        if sw.fused is not None and fusable(self.t.optimizer, self.t.module) and \
-                bool(self.t.optimizer.defaults.get("fused")) != sw.fused:
-            set_fused(self.t.optimizer, sw.fused)
-            before = self.t.decisions.get("optimizer")  # the optimizer's choice (the plan's, or asked for) stands
-            if before is None:
-                why = "kernel measured"
-            elif before.reason.endswith("its kernel measured"):  # each candidate's turn flips it: said once
-                why = before.reason
-            else:
-                why = f"{before.reason}; its kernel measured"
-            self.t.decisions.refine("optimizer", Decision(describe_optimizer(self.t.optimizer), why))
+        if sw.fused is not None and bool(self.t.optimizer.defaults.get("fused")) != sw.fused and \
+                fusable(self.t.optimizer, self.t.module):  # (asked second: it walks the parameters)
+            set_kernel(self.t.optimizer, sw.fused, self.t.decisions)
         if sw.threads is not None and sw.threads != torch.get_num_threads():
             torch.set_num_threads(sw.threads)
 

@@ -78,6 +78,15 @@ class ShadowTurns:
         self.waited += 1
         return True
 
+    def waits_ahead(self, *, steps_left: int | None, turns_left: int) -> int:
+        """How many of the steps after this one (which waits) wait too, nothing else changing in between: the run's
+        steps so far and left move, the turns do not (`waits` asked of each, without the trial's bookkeeping)."""
+        n = 0
+        while math.isfinite(self.share) and self.turns + 1 > self.share * (self.seen + n + 1) and (
+                steps_left is None or steps_left - n - 1 > turns_left):
+            n += 1
+        return n
+
     def spent(self, run_steps: int | None) -> bool:
         """Whether the turns timed apart so far are all a run of `run_steps` steps (None: unknown) affords beyond the
         first look: SHADOW_SHARE of its steps. Each is a forward and backward thrown away, so on a short run whose

@@ -12,7 +12,8 @@ import torch
 
 from torchspeed.env import DeviceCaps
 from torchspeed.train.decision import Decision
-from torchspeed.train.trial.switch_choice import Switches, fusable
+from torchspeed.train.optim import describe_optimizer
+from torchspeed.train.trial.switch_choice import Switches, fusable, set_fused
 from torchspeed.train.trial.switches import trial_steps
 
 __all__ = ["TRIAL_SETTINGS", "LIVE_SHARE", "trial_settings"]
@@ -58,6 +59,18 @@ def _as_decisions(sw: Switches, how: str, why: str, measured: dict | None, *, fi
     if sw.threads is not None:
         out["threads"] = Decision(sw.threads, f"{how}: {why}", measured)
     return out
+
+def set_kernel(optimizer, fused: bool, decisions) -> None:
+    """The optimizer's fused kernel on or off (a trial's candidate), the "optimizer" decision refined once."""
+    set_fused(optimizer, fused)
+    before = decisions.get("optimizer")  # the optimizer's choice (the plan's, or asked for) stands
+    if before is None:
+        why = "kernel measured"
+    elif before.reason.endswith("its kernel measured"):  # each candidate's turn flips it: said once
+        why = before.reason
+    else:
+        why = f"{before.reason}; its kernel measured"
+    decisions.refine("optimizer", Decision(describe_optimizer(optimizer), why))
 
 def _summary(report: dict) -> str:
     return "; ".join(f"{s['stage']}: {s['chosen']}, {s['why']}" for s in report.get("stages", []))
