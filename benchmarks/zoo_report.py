@@ -188,10 +188,11 @@ def _later_table(later: list[tuple[Path, dict]]) -> list[str]:
     rows = ["Sweeps run after the one above, each its own JSON (the ways it ran have figures, the others `-`; a "
             "way's time is its fastest round, or the median of its rounds where the rounds cell says so: those sweeps "
             "alternate the order of the ways round by round, and give a short run more rounds). Each is counted "
-            "again by this code.", "",
-            "| JSON | profile | commit | rounds | models trained | fit errors | fit >= 0.97x plain | fit geomean | "
+            "again by this code. K: the steps of each run; `12-400, >= 1 s`: a model whose 12-step plain run is shorter "
+            "than 1 s trains more steps, up to 400 (`--min-run-s`, `--max-steps`).", "",
+            "| JSON | profile | commit | K | rounds | models trained | fit errors | fit >= 0.97x plain | fit geomean | "
             "loss equal (kept plain) | auto errors | auto reaches plain's loss no slower | load (median) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path, d in later:
         s, f, a = d["summary"], d["summary"]["fit"], d["summary"]["auto"]
         g = f["geomean_vs_plain"]
@@ -201,7 +202,8 @@ def _later_table(later: list[tuple[Path, dict]]) -> list[str]:
         fit = (f"{f['errors']} | {_fmt(f['share_at_least_0.97'])} | {'-' if g is None else f'{g:.3f}x'} | "
                f"{f['kept_plain_loss_equal']} of {f['kept_plain']}") if f["runs"] else "- | - | - | -"
         auto = f"{a['errors']} | {_fmt(a['share_reaches_plain_loss_no_slower'])}" if a["runs"] else "- | -"
-        rows.append(f"| `{path.name}` | {d['profile']} | `{str(d['commit'])[:7]}` | {rounds} | "
+        k = f"{d['K']}-{d['max_steps']}, >= {d['min_run_s']:g} s" if d.get("min_run_s") else d.get("K", "-")
+        rows.append(f"| `{path.name}` | {d['profile']} | `{str(d['commit'])[:7]}` | {k} | {rounds} | "
                     f"{s['plain_trains']} | {fit} | {auto} | {s['load_median']} |")
     return ["## Later sweeps", "", *rows, ""]
 

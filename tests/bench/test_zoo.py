@@ -171,7 +171,10 @@ def test_the_summary_counts_as_the_issue_defines(tmp_path):
     later_path.write_text(json.dumps(later))
     zoo_report.write_docs([path], tmp_path / "zoo.md", [later_path])
     doc = (tmp_path / "zoo.md").read_text()
-    assert "## Later sweeps" in doc and "| `zoo_later_avx2.json` | avx2 | `def5678` | 3 | 2 | 0 | 100% | 0.995x | 2 of 2 | 2 | 0% |" in doc
+    assert "## Later sweeps" in doc and "| `zoo_later_avx2.json` | avx2 | `def5678` | 4 | 3 | 2 | 0 | 100% | 0.995x | 2 of 2 | 2 | 0% |" in doc
+    later_path.write_text(json.dumps(dict(later, min_run_s=1.0, max_steps=400)))  # K scaled for short runs
+    zoo_report.write_docs([path], tmp_path / "zoo.md", [later_path])
+    assert "| `def5678` | 4-400, >= 1 s | 3 | 2 |" in (tmp_path / "zoo.md").read_text()
 
 
 def test_a_sample_spreads_over_the_sources_and_is_repeatable():

@@ -54,6 +54,7 @@ import torch
 
 from torchspeed.env import host_memory
 from torchspeed.train.loop.batch import batch_size as batch_len
+from torchspeed.train.loop.half_fallback import grads_nonfinite
 
 log = logging.getLogger("torchspeed")
 
@@ -195,6 +196,7 @@ class NonFiniteGuard:
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # skipped steps in total
         self._host_run = 0  # "host" mode: the run of skips, known on the host (no kernel on a good step)
         self.host_reads = device.type == "cpu"  # a tensor's value is read without a sync (the CPU): a float read
+        self._half = None  # (whether to check the gradients now, what to do when they break): `watch_half`
 
     @property
     def mode(self) -> str:
@@ -222,6 +224,17 @@ class NonFiniteGuard:
     def reset_window(self) -> None:
         self._window_bad = False
 
+    def watch_half(self, now: Callable[[], bool], broke: Callable[[], None]) -> None:
+        """In "host" mode, check the gradients before each update while `now()` (a half precision the run was not
+        asked for: `half_fallback`); non-finite ones skip the step, as a bad loss does, and call `broke()`."""
+        self._half = (now, broke)
+
+    def _grads_broke(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self._half is None or not self._half[0]() or not grads_nonfinite(optimizer):
+            return False
+        self._half[1]()
+        return True
+
     def step(self, optimizer: torch.optim.Optimizer, update: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run `update()` (the optimizer step; returns 1 if it skipped, as fp16's scaler does) unless the
         loss was bad; return 1 if the step was skipped, else 0, as a device tensor."""
@@ -233,7 +246,7 @@ class NonFiniteGuard:
             if self._all_ranks_max is not None:
                 bad = bool(self._all_ranks_max(torch.tensor(float(bad), device=self.device)) > 0)
             self._window_bad = False
-            if not bad:
+            if not bad and not self._grads_broke(optimizer):
                 update()  # no scaler in this mode: the update never skips
                 if self._host_run:
                     self._host_run = 0
