@@ -1,16 +1,17 @@
-"""A half precision the run did not ask for gives way to fp32 when its gradients break (train/loop/half_fallback.py).
+"""A half precision the run did not ask for gives way to fp32 when its gradients break (train/trial/half_fallback.py).
 
 The model's backward overflows only under bf16 autocast (a custom Function whose gradient is inf for a bf16 input),
 so its loss stays finite and the loss check alone never sees it. The bf16 CPU is injected (`DeviceCaps`): the
 same path on every CPU. Nothing is timed."""
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed.env import DeviceCaps
 from torchspeed.train.config import TrainConfig
-from torchspeed.train.loop.half_fallback import grads_nonfinite
+from torchspeed.train.trial.half_fallback import grads_nonfinite
 from torchspeed.train.loop.trainer import Trainer
 
 BF16_CPU = DeviceCaps("cpu", cpu_bf16=True, cores=2)
@@ -59,8 +60,9 @@ def test_chosen_bf16_whose_gradients_break_falls_back_to_fp32_and_the_weights_st
     assert "the run goes on in fp32" in caplog.text
 
 
-def test_bf16_asked_for_is_kept_and_only_the_loss_check_guards_it():
-    t = _trainer("bf16")
+@pytest.mark.parametrize("asked", ["bf16", "bf16-mixed"])
+def test_bf16_asked_for_is_kept_and_only_the_loss_check_guards_it(asked):
+    t = _trainer(asked)
     res = t.fit(_loader())
     assert res.decisions["precision"].value == "bf16" and t.precision.name == "bf16"
     assert not all(torch.isfinite(p).all() for p in t.module.parameters())  # the user's choice, as before

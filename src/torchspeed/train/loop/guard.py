@@ -54,7 +54,7 @@ import torch
 
 from torchspeed.env import host_memory
 from torchspeed.train.loop.batch import batch_size as batch_len
-from torchspeed.train.loop.half_fallback import grads_nonfinite
+from torchspeed.train.trial.half_fallback import grads_nonfinite
 
 log = logging.getLogger("torchspeed")
 

@@ -24,7 +24,7 @@ from torchspeed.train.in_memory import InMemory
 from torchspeed.train.loggers import LoggerCallback
 from torchspeed.train.loop.callbacks import Callback, CallbackList
 from torchspeed.train.loop.guard import NonFiniteGuard
-from torchspeed.train.loop.half_fallback import fall_back_to_fp32, half_unasked
+from torchspeed.train.trial.half_fallback import fall_back_to_fp32, half_unasked
 from torchspeed.train.loop.lean_step import step_with_torch
 from torchspeed.train.loop.metrics import DeviceMeter
 from torchspeed.train.loop.segment import BestEpoch

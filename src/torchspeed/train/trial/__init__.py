@@ -7,6 +7,7 @@
   (`Switches`, `candidate_grid`) with the choice;
 - `shadow`: candidates timed apart from the run's numerics, paced over the run;
 - `trial_safety`, `user_state`: a candidate never ends a run, and the user's own state is put back;
+- `half_fallback`: a half precision the run did not ask for gives way to fp32 when its gradients break;
 - `rounds`: timing candidates in interleaved rounds, the one home of that schedule and its statistics;
 - what is switched: `precision` (T21), `memory_format` (channels_last, T23), `compile` (torch.compile, T25),
   `backends` (cudnn.benchmark T22, TF32, CPU threads), `dynamo_deferred` (torch's optimizers without

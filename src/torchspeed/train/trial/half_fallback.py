@@ -23,7 +23,7 @@ import math
 import torch
 
 from torchspeed.train.decision import Decision
-from torchspeed.train.trial.precision import MixedPrecision, Precision
+from torchspeed.train.trial.precision import MixedPrecision, Precision, normalize_precision
 
 __all__ = ["grads_nonfinite", "half_unasked", "fall_back_to_fp32"]
 
@@ -39,9 +39,10 @@ def grads_nonfinite(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def half_unasked(trainer) -> bool:
-    """The run trains in bf16 (or unscaled fp16) that it was not asked for, on the CPU, the switch trial settled."""
+    """The run trains in bf16 (or unscaled fp16) that `precision="auto"` chose, on the CPU, the switch trial settled
+    (a precision asked for by any of its names, "bf16-mixed" too, is the user's)."""
     return (trainer.device.type == "cpu" and trainer.precision.name in _HALF and trainer.precision.scaler is None
-            and trainer.config.precision not in _HALF and trainer.switcher.live is None)
+            and normalize_precision(trainer.config.precision) == "auto" and trainer.switcher.live is None)
 
 
 def fall_back_to_fp32(trainer) -> None:
