@@ -51,8 +51,8 @@ class DeviceMeter:
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self.host_reads = self.device.type == "cpu"  # a tensor's value is read without a sync: sums on the host
-        self.accuracy = True  # the training loop's: False leaves the per-step correct count out (train_accuracy)
-        self.accuracy_every = 1  # the steps that count it: one in this many (`counts_now`)
+        self.accuracy_every = 1  # the training loop's steps that count correct predictions: one in this many, 0:
+        # none (`train_accuracy`, `counts_now`)
         self.reset()
 
     def reset(self) -> None:
@@ -68,7 +68,7 @@ class DeviceMeter:
     def counts_now(self) -> bool:
         """Whether this training step counts correct predictions: never, every step, or the epoch's first and then
         one in `accuracy_every` (`train_accuracy`)."""
-        if not self.accuracy:
+        if not self.accuracy_every:
             return False
         self._steps += 1
         return (self._steps - 1) % self.accuracy_every == 0

@@ -24,7 +24,7 @@ from torchspeed.train.in_memory import InMemory
 from torchspeed.train.loggers import LoggerCallback
 from torchspeed.train.loop.callbacks import Callback, CallbackList
 from torchspeed.train.loop.guard import NonFiniteGuard
-from torchspeed.train.trial.half_fallback import fall_back_to_fp32, half_unasked
+from torchspeed.train.trial.half_fallback import fall_back_to_fp32, half_unasked, watched
 from torchspeed.train.loop.lean_step import step_with_torch
 from torchspeed.train.loop.metrics import DeviceMeter
 from torchspeed.train.loop.segment import BestEpoch
@@ -116,7 +116,8 @@ class TrainerSetup:
         self.guard = NonFiniteGuard(cfg.max_nonfinite, optimizer=optimizer, device=self.device,
                                     precision_skips=self.precision.scaler is not None,  # fp16: the scaler skips
                                     all_ranks_max=all_reduce_max if self.dist is not None else None)
-        self.guard.watch_half(lambda: half_unasked(self), lambda: fall_back_to_fp32(self))  # bf16 chosen, broken
+        if watched(self):  # a half precision the run chose, whose gradients break, gives way to fp32
+            self.guard.watch_half(lambda: half_unasked(self), lambda: fall_back_to_fp32(self))
         self.step, self._last_loss = 0, float("nan")  # optimizer steps taken; the loss read at the last log sync
         self.stepper = None  # (batch, train_step) -> None: what a "first_steps" stage armed to step batches in place
         self.switcher = SwitchStage(self, prepared=self.sharded)  # the switch trial: arms `stepper` while live

@@ -266,9 +266,8 @@ class Trainer(TrainerSetup):
         self._val_loader = val_loader
         done = bool(cfg.max_steps and self.step >= cfg.max_steps)
         self.best.active = cfg.restore_best is True or (cfg.restore_best == "auto" and val_loader is not None)
-        every = train_accuracy(cfg.train_acc, val_loader=val_loader, best_metric=cfg.best_metric,
-                               callbacks=self.callbacks)
-        self.meter.accuracy, self.meter.accuracy_every = every > 0, max(every, 1)
+        self.meter.accuracy_every = train_accuracy(cfg.train_acc, val_loader=val_loader, best_metric=cfg.best_metric,
+                                                   callbacks=self.callbacks)
         # on_train_start now, on_train_end("success" | "failed") when the loop ends (callbacks.py)
         with self.callbacks.running(self), TrainProgress(enabled=cfg.progress and is_rank_zero(), total=total,
                                                          header=decisions_header(self.decisions)) as progress:

@@ -12,20 +12,22 @@ user asked for (`precision="bf16"`) is theirs: its steps are skipped by the loss
 reading the flag each step would be a sync (T13): not checked there.
 
 Example:
-    >>> trainer.guard.watch_half(lambda: half_unasked(trainer), lambda: fall_back_to_fp32(trainer))
+    >>> if watched(trainer):
+    ...     trainer.guard.watch_half(lambda: half_unasked(trainer), lambda: fall_back_to_fp32(trainer))
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 
 import torch
 
 from torchspeed.train.decision import Decision
-from torchspeed.train.trial.precision import MixedPrecision, Precision, normalize_precision
+from torchspeed.train.trial.precision import normalize_precision
 
-__all__ = ["grads_nonfinite", "half_unasked", "fall_back_to_fp32"]
+__all__ = ["grads_nonfinite", "watched", "half_unasked", "fall_back_to_fp32"]
 
 log = logging.getLogger("torchspeed")
 
@@ -38,18 +40,23 @@ def grads_nonfinite(optimizer: torch.optim.Optimizer) -> bool:
     return bool(grads) and not math.isfinite(float(torch.stack(torch._foreach_norm(grads)).sum()))
 
 
+def watched(trainer) -> bool:
+    """Whether the run's precision is the CPU run's to choose (`precision="auto"`: a precision asked for by any of
+    its names, "bf16-mixed" too, is the user's): the guard watches its gradients then (`half_unasked`)."""
+    return trainer.device.type == "cpu" and normalize_precision(trainer.config.precision) == "auto"
+
+
 def half_unasked(trainer) -> bool:
-    """The run trains in bf16 (or unscaled fp16) that `precision="auto"` chose, on the CPU, the switch trial settled
-    (a precision asked for by any of its names, "bf16-mixed" too, is the user's)."""
-    return (trainer.device.type == "cpu" and trainer.precision.name in _HALF and trainer.precision.scaler is None
-            and normalize_precision(trainer.config.precision) == "auto" and trainer.switcher.live is None)
+    """A watched run trains in bf16 (or unscaled fp16) now, the switch trial settled (asked each optimizer step)."""
+    return trainer.precision.name in _HALF and trainer.precision.scaler is None and trainer.switcher.live is None
 
 
 def fall_back_to_fp32(trainer) -> None:
-    """The run goes on in fp32 from the next step; the `precision` decision says why."""
-    was = trainer.precision.name
+    """The run goes on in fp32 from the next step, switched as the trial switches (`SwitchStage.apply`: what a
+    trained half-precision turn left in the step's state is cast back); the `precision` decision says why."""
+    was, stage = trainer.precision.name, trainer.switcher
     why = (f"{was} (chosen, not asked for) gave non-finite gradients at step {trainer.step + 1} (that step skipped): "
            "the run goes on in fp32")
-    trainer.precision = MixedPrecision(Precision("fp32", trainer.device.type, why))
+    stage.apply(replace(stage.current(), precision="fp32"))
     trainer.decisions.refine("precision", Decision("fp32", why))
     log.warning("torchspeed: %s", why)

@@ -72,8 +72,7 @@ class ShadowTurns:
         trial began: counted in steps, not seconds, so the schedule, and the run's numerics with it, do not hang on
         the machine's load. Never where the run's remaining steps (`steps_left`, None: unknown) are no more than
         the trial's remaining turns."""
-        if (not math.isfinite(self.share) or (steps_left is not None and steps_left <= turns_left)
-                or self.turns + 1 <= self.share * self.seen):
+        if not self._waiting(self.seen, steps_left, turns_left):
             return False
         self.waited += 1
         return True
@@ -82,10 +81,13 @@ class ShadowTurns:
         """How many of the steps after this one (which waits) wait too, nothing else changing in between: the run's
         steps so far and left move, the turns do not (`waits` asked of each, without the trial's bookkeeping)."""
         n = 0
-        while math.isfinite(self.share) and self.turns + 1 > self.share * (self.seen + n + 1) and (
-                steps_left is None or steps_left - n - 1 > turns_left):
+        while self._waiting(self.seen + n + 1, None if steps_left is None else steps_left - n - 1, turns_left):
             n += 1
         return n
+
+    def _waiting(self, seen: int, steps_left: int | None, turns_left: int) -> bool:
+        return (math.isfinite(self.share) and (steps_left is None or steps_left > turns_left)
+                and self.turns + 1 > self.share * seen)
 
     def spent(self, run_steps: int | None) -> bool:
         """Whether the turns timed apart so far are all a run of `run_steps` steps (None: unknown) affords beyond the
