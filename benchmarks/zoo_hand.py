@@ -296,6 +296,21 @@ def small_cnn():
                          nn.Flatten(), nn.Dropout(0.2), nn.Linear(32, 10))
 
 
+class MnistNet(nn.Module):
+    """PyTorch's MNIST example's Net (two convolutions, dropout, log_softmax), trained there with Adadelta."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 32, 3, 1), nn.Conv2d(32, 64, 3, 1)
+        self.dropout1, self.dropout2 = nn.Dropout(0.25), nn.Dropout(0.5)
+        self.fc1, self.fc2 = nn.Linear(9216, 128), nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = F.relu(self.fc1(torch.flatten(self.dropout1(x), 1)))
+        return F.log_softmax(self.fc2(self.dropout2(x)), dim=1)
+
+
 def _step_case(name, build, batch, step, opt, **kw):
     return Case(f"hand/{name}", "hand", build, batch, step_fn=step, optimizer=opt, **kw)
 
@@ -342,6 +357,11 @@ def cases() -> list[Case]:
              xy_own, adamw(1e-3), note="forward(x, targets) -> a dataclass with .loss, .logits"),
         Case("hand/cnn_bn_dropout", "hand", small_cnn, images(16, 32), xy_logits, sgd(0.05, momentum=0.9),
              note="a CIFAR-style CNN with BatchNorm and dropout"),
+        Case("hand/mnist_cnn_adadelta", "hand", MnistNet, images(16, 28, channels=1), xy_with(nn.NLLLoss()),
+             lambda m: torch.optim.Adadelta(m.parameters(), lr=1.0), fit_kwargs={"loss_fn": nn.NLLLoss()},
+             note="PyTorch's MNIST example: log_softmax + NLL, Adadelta"),
+        Case("hand/mlp_rmsprop", "hand", mlp, vectors(), xy_logits,
+             lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-3), note="a small MLP under RMSprop"),
         Case("hand/mlp_regression", "hand", lambda: mlp(classes=1), lambda g: (torch.randn(32, 32, generator=g),
                                                                                torch.randn(32, 1, generator=g)),
              xy_with(nn.MSELoss()), adam(1e-3), fit_kwargs={"loss_fn": nn.MSELoss()}, note="regression, MSE"),

@@ -4,7 +4,6 @@ updates are torch's own, bit for bit."""
 from __future__ import annotations
 
 import copy
-import functools
 import os
 import subprocess
 import sys
@@ -119,15 +118,8 @@ def test_the_step_without_the_import_is_torchs_step_bit_for_bit(monkeypatch, mak
     b = copy.deepcopy(a)
     opt_a, opt_b = make(a.parameters()), make(b.parameters())
     monkeypatch.setattr(dynamo_deferred, "dynamo_imported", lambda: False)
-    calls = []
-    raw = type(opt_a).step
-
-    @functools.wraps(raw)  # a wrapper as torch's own are (`__wrapped__`): what runs around the step
-    def spy(self, *args, **kwargs):
-        calls.append(1)
-        return raw(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(opt_a), "step", spy)
+    calls = []  # torch's wrapper around every step calls `_optimizer_step_code` (a hook point for profilers)
+    monkeypatch.setattr(torch.optim.Optimizer, "_optimizer_step_code", lambda self: calls.append(1))
     x = torch.randn(16, 6)
     for _ in range(3):
         for m, opt, lean_path in ((a, opt_a, True), (b, opt_b, False)):
@@ -137,10 +129,111 @@ def test_the_step_without_the_import_is_torchs_step_bit_for_bit(monkeypatch, mak
             else:
                 opt.step()
             opt.zero_grad()
-    assert len(calls) == 3  # only b's steps went through the class's step
+    assert len(calls) == 3  # only b's steps went through torch's wrapper
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     for p, q in zip(a.parameters(), b.parameters()):
         assert all(torch.equal(opt_a.state[p][k], opt_b.state[q][k]) for k in opt_b.state[q])
+
+
+def _same(a, b) -> bool:
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    return torch.equal(a.to_dense(), b.to_dense()) if a.is_sparse else torch.equal(a, b)
+
+
+class _Bag(nn.Module):
+    """An embedding model whose gradients are sparse (sparse=True) or dense."""
+
+    def __init__(self, sparse: bool):
+        super().__init__()
+        self.e = nn.Embedding(50, 4, sparse=sparse)
+
+    def forward(self, i):
+        return self.e(i).sum(1)
+
+
+@pytest.mark.parametrize("name, make, sparse", [
+    ("SparseAdam", lambda p: torch.optim.SparseAdam(p, lr=1e-2), True),
+    ("sparse SGD", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), True),
+    ("Adadelta", lambda p: torch.optim.Adadelta(p, lr=1.0), False),
+    ("RMSprop", lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.9), False),
+    ("Adagrad", lambda p: torch.optim.Adagrad(p, lr=1e-2), True),
+    ("NAdam", lambda p: torch.optim.NAdam(p, lr=1e-2), False)])
+def test_torchs_other_optimizers_step_without_the_wrapper_bit_for_bit(monkeypatch, name, make, sparse):
+    """Every torch.optim optimizer (here with torch._dynamo imported, as a script that built its optimizer has it)
+    steps through `torch_step` without torch's per-step wrapper, to the same bits and state as `step()`; a sparse
+    gradient, which `LeanStep` leaves to torch, too. Fails where torch_step calls `step()` for these."""
+    import torch._dynamo  # noqa: F401  (what a ported script's optimizer construction imported)
+
+    torch.manual_seed(0)
+    a = _Bag(sparse)
+    b = copy.deepcopy(a)
+    opt_a, opt_b = make(a.parameters()), make(b.parameters())
+    calls = []
+    monkeypatch.setattr(torch.optim.Optimizer, "_optimizer_step_code", lambda self: calls.append(1))
+    for _ in range(3):
+        i = torch.randint(0, 50, (8, 3))
+        for m, opt, bare in ((a, opt_a, True), (b, opt_b, False)):
+            m(i).square().mean().backward()
+            torch_step(opt, lean_step_for(opt)) if bare else opt.step()
+            opt.zero_grad()
+    from torchspeed.train.loop.lean_schedulefree import no_step_wrappers
+    assert len(calls) == 3, name  # only b's steps went through torch's wrapper
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    for p, q in zip(a.parameters(), b.parameters()):
+        sa, sb = opt_a.state[p], opt_b.state[q]
+        assert sa.keys() == sb.keys() and all(_same(sa[k], sb[k]) for k in sb)
+
+
+def test_the_step_is_found_inside_dynamos_disable_too(monkeypatch):
+    """Once something compiled, torch puts dynamo's `disable` around some optimizers' steps (SparseAdam's): the
+    layers read the same, and the step still runs without the wrapper."""
+    import torch._dynamo
+
+    use_grad = torch.optim.Adagrad.step.__wrapped__  # under torch's hooks wrapper: `_use_grad`, then the step
+    monkeypatch.setattr(torch.optim.Adagrad, "step",
+                        torch.optim.Optimizer.profile_hook_step(torch._dynamo.disable(use_grad)))
+    assert dynamo_deferred.bare_step(torch.optim.Adagrad) is use_grad.__wrapped__
+    monkeypatch.setattr(torch.optim.Adagrad, "step", torch.optim.Optimizer.profile_hook_step(
+        torch._dynamo.disable(use_grad.__wrapped__)))  # no grad layer left: not torch's step as it stands
+    assert dynamo_deferred.bare_step(torch.optim.Adagrad) is None
+
+
+def test_the_naive_loop_a_profiler_and_a_users_own_step_keep_torchs_wrapper(monkeypatch):
+    """`step_with_torch` (TrainConfig(lean_step=False): the naive row costs what a script's loop costs), a profiler
+    recording (its trace names the step) and an optimizer class of the user's: `step()` runs, wrapper and all."""
+    from torchspeed.train.loop.lean_step import step_with_torch
+
+    m = nn.Linear(3, 1)
+    calls = []
+    monkeypatch.setattr(torch.optim.Optimizer, "_optimizer_step_code", lambda self: calls.append(1))
+
+    def one(opt):
+        m(torch.randn(4, 3)).sum().backward()
+        torch_step(opt, lean_step_for(opt))
+        opt.zero_grad()
+
+    naive = torch.optim.RMSprop(m.parameters(), lr=1e-2)
+    step_with_torch(naive)
+    one(naive)
+    assert calls == [1]
+    with torch.autograd.profiler.profile():
+        one(torch.optim.RMSprop(m.parameters(), lr=1e-2))
+    assert calls == [1, 1]
+    one(torch.optim.RMSprop(m.parameters(), lr=1e-2))  # nothing around it: no wrapper
+    assert calls == [1, 1]
+
+    class Mine(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.add_(p.grad, alpha=-g["lr"])
+
+    one(Mine(m.parameters()))
+    assert calls == [1, 1, 1]
 
 
 def test_a_step_with_something_around_it_goes_through_torch(monkeypatch):

@@ -150,6 +150,35 @@ def test_where_the_lists_cannot_be_made_the_first_step_tries_once_more_and_no_la
     assert lean_step_for(opt).steps == 0 and len(tries) == 4 + 1  # each step's own try, and prepare's one
 
 
+def test_sparse_gradients_are_torchs_to_step_and_later_steps_do_not_look_again(monkeypatch):
+    """An embedding with sparse=True under SGD with momentum: every step is torch's, bit for bit; once one sparse
+    gradient was seen, the lean step hands back without walking the gradients (the list it builds is not made)."""
+    from torchspeed.train.loop.lean_step import LeanStep
+
+    def bag(seed=0):
+        torch.manual_seed(seed)
+        return nn.EmbeddingBag(40, 4, sparse=True)
+
+    a, b = bag(), bag()
+    opt_a, opt_b = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (a, b))
+    g = torch.Generator().manual_seed(3)
+    steps = [torch.randint(0, 40, (8, 3), generator=g) for _ in range(5)]
+    looked = []
+    real = LeanStep._fresh
+    monkeypatch.setattr(LeanStep, "_fresh", lambda self, **kw: (looked.append(kw), real(self, **kw))[1])
+    for i in steps:
+        for m, opt, ours in ((a, opt_a, True), (b, opt_b, False)):
+            m(i).square().mean().backward()
+            if ours:
+                optimizer_step(opt)
+                zero_grad(opt)
+            else:
+                opt.step()
+                opt.zero_grad()
+    assert torch.equal(a.weight, b.weight) and lean_step_for(opt_a).steps == 0
+    assert sum(1 for kw in looked if kw.get("flags", True)) == 3  # step 1 and prepare (no state yet), step 2: no more
+
+
 def test_two_groups_and_a_state_loaded_midway_stay_torchs_update():
     ref, mine = _model(), _model()
 

@@ -32,6 +32,37 @@ def test_zero_grad_set_to_none():
     assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
 
 
+def test_torchs_other_optimizers_clear_their_gradients_without_torchs_zero_grad(monkeypatch):
+    """RMSprop (no `LeanStep`): the gradients are set to None as `zero_grad(set_to_none=True)` would, without its
+    wrapper; the naive loop (`step_with_torch`), a replaced `zero_grad` and set_to_none=False still call torch's."""
+    from torchspeed.train.loop.lean_step import step_with_torch
+
+    calls = []
+    torchs = torch.optim.Optimizer.zero_grad
+    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", lambda self, set_to_none=True: (
+        calls.append(set_to_none), torchs(self, set_to_none=set_to_none)))
+    m = _mlp()
+    x, y = _data()
+
+    def grads_then_clear(opt, **kw):
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        zero_grad(opt, **kw)
+
+    opt = torch.optim.RMSprop(m.parameters(), lr=0.1)
+    grads_then_clear(opt)
+    assert all(p.grad is None for p in m.parameters()) and calls == []
+    grads_then_clear(opt, set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in m.parameters()) and calls == [False]
+    naive = torch.optim.RMSprop(m.parameters(), lr=0.1)
+    step_with_torch(naive)
+    grads_then_clear(naive)
+    assert all(p.grad is None for p in m.parameters()) and calls == [False, True]
+    own = torch.optim.RMSprop(m.parameters(), lr=0.1)
+    own.zero_grad = lambda set_to_none=True: calls.append("own")
+    grads_then_clear(own)
+    assert calls[-1] == "own"
+
+
 def test_accumulation_over_k_micro_batches_equals_one_big_batch():
     x, y = _data(16)
     big = _mlp()

@@ -57,7 +57,7 @@ import torch
 from torchspeed.train.state.flat_state import FlatMoments, flat_applies
 from torchspeed.train.loop.lean_schedulefree import LeanScheduleFree, is_adamw_schedule_free, no_step_wrappers
 
-__all__ = ["LeanStep", "lean_step_for", "step_with_torch"]
+__all__ = ["LeanStep", "lean_step_for", "step_with_torch", "steps_with_torch"]
 
 _FLAGS = ("fused", "foreach", "amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay",
           "nesterov")
@@ -184,8 +184,12 @@ def lean_step_for(optimizer) -> LeanStep | LeanScheduleFree | None:
 def step_with_torch(optimizer) -> None:
     """Leave `optimizer` to its own `step()` and `zero_grad()` from now on (a loop that must cost what a plain
     loop costs: the bench's naive row, `TrainConfig(lean_step=False)`)."""
-    if type(optimizer) in _KINDS or is_adamw_schedule_free(optimizer):
-        _LEAN[optimizer] = _TORCH
+    _LEAN[optimizer] = _TORCH  # any kind: `dynamo_deferred.torch_step` then calls its `step()` too
+
+
+def steps_with_torch(optimizer) -> bool:
+    """`step_with_torch` was called on it: its `step()` runs as the script's does, wrapper and all."""
+    return _LEAN.get(optimizer) is _TORCH
 
 
 class LeanStep:
@@ -201,6 +205,7 @@ class LeanStep:
         self._flats: list[FlatMoments] = []  # the groups' flat moments, kept across rebuilds while the state holds them
         self._sgd = type(optimizer) is torch.optim.SGD
         self._prepared = False  # `prepare` ran (it runs once)
+        self._sparse = False  # a sparse gradient was seen: torch steps (an embedding's sparse=True stays so)
         self.steps = 0  # updates it made (the tests read it)
         self.flat_steps = 0  # of those, the updates with every group's moments in flat buffers
 
@@ -283,10 +288,11 @@ class LeanStep:
 
     def step(self) -> bool:
         """Update the parameters as `optimizer.step()` would; False (nothing done) where it must run instead."""
-        if not self._plain() or (not self._fresh() and not self._build()):
+        if self._sparse or not self._plain() or (not self._fresh() and not self._build()):
             return False
         grads = [[p.grad for p in g[2]] for g in self._groups]
         if any(gr is None or gr.is_sparse for gs in grads for gr in gs):
+            self._sparse = any(gr is not None and gr.is_sparse for gs in grads for gr in gs)
             return False  # torch steps only the parameters with gradients; a sparse one takes its own path
         opt = self.optimizer
         if "step" in opt.__dict__:

@@ -11,29 +11,36 @@ While `torch._dynamo` is not imported nothing can be compiling, so dynamo's `dis
 - `deferred_dynamo()`: inside it, those four methods run as themselves (each one's `__dynamo_disable`, the
   wrapped function torch caches on its first call, set to the function); on exit they are as torch left them,
   so a later call outside imports `torch._dynamo` as it always would;
-- `torch_step(optimizer)`: torch's own `step` for exactly Adam, AdamW or SGD with nothing around it (no hooks,
-  not differentiable: `LeanStep`'s conditions), called as `_use_grad_for_differentiable` calls it (grad off)
-  without its graph breaks. The update is torch's, bit for bit (tests/train/test_dynamo_deferred.py).
+- `torch_step(optimizer)`: torch's own `step` for one of torch.optim's optimizers with nothing around it (no
+  hooks, not differentiable, no profiler recording: `bare_step` reads the layers), called as
+  `_use_grad_for_differentiable` (or `torch.no_grad`) calls it, grad off, without its graph breaks, its import
+  or the hooks' and profiler's wrapper (3-8 us a step: on an embedding model with SparseAdam or a sparse SGD,
+  whose steps no fused kernel takes, the whole of what `fit` could win back). The update is torch's, bit for bit
+  (tests/train/test_dynamo_deferred.py); `TrainConfig(lean_step=False)` (the naive loop) keeps torch's `step()`.
 
 Their users: the Trainer's optimizer build, `step.optimizer_step`, `zero_grad` (the run's, and the switch trial's
 turns timed apart), the checkpoints' `stateful.collect_state`/`restore_state`; the trial's optimizer-kernel stage
 times the step through `step.STEP_CLOCK`, not step hooks (with hooks the step would be torch's, and import it).
-Where `torch._dynamo` is already imported (a script that compiled, or made an optimizer first) both are
-torch's own calls. `torch.compile` and `compile="auto"` import it when they run, as before.
+Where `torch._dynamo` is already imported (a script that compiled, or made an optimizer first) `zero_grad` is
+torch's own call. `torch.compile` and `compile="auto"` import it when they run, as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["deferred_dynamo", "dynamo_imported", "torch_step", "torch_zero_grad"]
+from torchspeed.train.loop.lean_schedulefree import no_step_wrappers
+from torchspeed.train.loop.lean_step import steps_with_torch
+
+__all__ = ["bare_step", "deferred_dynamo", "dynamo_imported", "torch_step", "torch_zero_grad"]
 
 _METHODS = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
-_KINDS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # torch's own step: `LeanStep`'s kinds
 _KEY = "__dynamo_disable"  # the attribute torch._disable_dynamo caches the disabled function in
 
 
@@ -67,20 +74,76 @@ def deferred_dynamo() -> Iterator[None]:
 
 
 def torch_step(optimizer: torch.optim.Optimizer, lean=None) -> None:
-    """`optimizer.step()`; for torch's Adam/AdamW/SGD with nothing around the step (`lean`: its `LeanStep`, which
-    says so) and torch._dynamo not imported, the same step without the import."""
-    raw = type(optimizer).step
-    while _raw(raw) is not None:
-        raw = _raw(raw)
-    plain = (type(optimizer) in _KINDS and lean is not None and lean._plain() and not dynamo_imported()
-             and not any(g.get("differentiable") for g in optimizer.param_groups) and raw is not type(optimizer).step)
-    if not plain:
+    """`optimizer.step()`; for one of torch's own optimizers with nothing around its step (`bare_step`) the same
+    step without torch's per-step wrapper (`lean`: its `LeanStep` where it has one, which says so)."""
+    raw = bare_step(type(optimizer))
+    if raw is None or not _nothing_around(optimizer, lean):
         optimizer.step()
         return
     if "step" in optimizer.__dict__:
         optimizer._opt_called = True  # what an LR scheduler's wrapper records (its step-order warning)
     with torch.no_grad():
         raw(optimizer)
+
+
+def _nothing_around(optimizer: torch.optim.Optimizer, lean) -> bool:
+    """No hook, no replaced step, no scaler flags, not differentiable, no profiler recording (its trace names the
+    step), and the run did not ask for torch's own step (`lean_step.step_with_torch`)."""
+    if lean is not None:
+        if not lean._plain():
+            return False
+    elif steps_with_torch(optimizer) or not no_step_wrappers(optimizer) or \
+            getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+        return False
+    return not getattr(torch.autograd.profiler, "_is_profiler_enabled", False) and \
+        not any(g.get("differentiable") for g in optimizer.param_groups)
+
+
+def bare_step(kind: type) -> Callable | None:
+    """The function inside `kind.step` where the layers around it are exactly torch's own (the step hooks' and
+    profiler's wrapper, then `_use_grad_for_differentiable` or `torch.no_grad`, and dynamo's `disable`, which torch
+    puts around some optimizers' steps once something compiled) and it is torch.optim's own code;
+    else None (a subclass's step, a wrapper of the user's or a library's: `step()` runs as it is)."""
+    return _bare(getattr(kind, "step", None))  # read once per step function (a class's step replaced: anew)
+
+
+@functools.lru_cache(maxsize=64)
+def _bare(fn) -> Callable | None:
+    layers = []
+    while fn is not None and hasattr(fn, "__code__"):
+        layers.append(fn)
+        fn = _raw(fn)
+    if len(layers) < 3 or layers[0].__code__ is not _TORCH_LAYERS["hooks"]:
+        return None
+    inner, middle = layers[-1], layers[1:-1]
+    grad = [f for f in middle if f.__code__ is _TORCH_LAYERS["use_grad"] or (
+        f.__code__ is _TORCH_LAYERS["no_grad"] and _no_grad_factory(f))]
+    rest = [f for f in middle if f not in grad]  # dynamo's `disable` (once something compiled): nothing eager
+    torch_optim = os.path.dirname(torch.optim.__file__) + os.sep
+    ok = len(grad) == 1 and inner.__code__.co_filename.startswith(torch_optim) and all(
+        f.__code__.co_name == "_fn" and f.__code__.co_filename.endswith(_DYNAMO_DISABLE) for f in rest)
+    return inner if ok else None
+
+
+_DYNAMO_DISABLE = os.path.join("torch", "_dynamo", "eval_frame.py")
+
+
+def _torch_layers() -> dict:
+    """The code objects of torch's own wrappers around an optimizer's step, made by wrapping a function."""
+    def f(*_):
+        return None
+    from torch.optim.optimizer import _use_grad_for_differentiable
+    return {"hooks": torch.optim.Optimizer.profile_hook_step(f).__code__,
+            "use_grad": _use_grad_for_differentiable(f).__code__, "no_grad": torch.no_grad()(f).__code__}
+
+
+_TORCH_LAYERS = _torch_layers()
+
+
+def _no_grad_factory(fn) -> bool:
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    factory = cells["ctx_factory"].cell_contents if "ctx_factory" in cells else None
+    return isinstance(getattr(factory, "__self__", None), torch.no_grad)
 
 
 def torch_zero_grad(optimizer: torch.optim.Optimizer, *, set_to_none: bool = True) -> None:
