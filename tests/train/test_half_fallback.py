@@ -4,6 +4,8 @@ The model's backward overflows only under bf16 autocast (a custom Function whose
 so its loss stays finite and the loss check alone never sees it. The bf16 CPU is injected (`DeviceCaps`): the
 same path on every CPU. Nothing is timed."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed.env import DeviceCaps
 from torchspeed.train.config import TrainConfig
+from torchspeed.train.decision import TrialCache
 from torchspeed.train.trial.half_fallback import grads_nonfinite
 from torchspeed.train.loop.trainer import Trainer
 
@@ -76,3 +79,28 @@ def test_grads_nonfinite_reads_dense_gradients():
     assert not grads_nonfinite(opt)
     q.grad[1] = float("nan")
     assert grads_nonfinite(opt)
+
+
+def test_a_cached_bf16_choice_whose_gradients_broke_is_cached_as_fp32_so_the_next_run_loses_no_step(monkeypatch):
+    """A trial cache hit chose bf16 (not asked for); its gradients break at the first step: the run falls back and
+    rewrites the entry, so the next run of the same model starts in fp32, says why, and skips nothing."""
+    hit = {"switches": {"precision": "bf16", "channels_last": False, "fused": None, "threads": None}, "steps": 9,
+           "stages": [{"stage": "precision x layout", "chosen": "bf16", "why": "1.20x the plain settings"}],
+           "extra_s": 0.1}
+    store = {}
+    monkeypatch.setattr(TrialCache, "get", lambda self, key: copy.deepcopy(store.get(key, hit)))
+    monkeypatch.setattr(TrialCache, "put", lambda self, key, value: store.__setitem__(key, value))
+
+    def run():
+        t = Trainer(Net(), optimizer="sgd", lr=0.05, caps=BF16_CPU,
+                    config=TrainConfig(epochs=1, progress=False, compile=False, precision="auto"))
+        return t.fit(_loader())
+
+    first = run()
+    assert first.decisions["switch_trial"].value == "cached" and first.skipped_steps == 1
+    (entry,) = store.values()
+    assert entry["switches"]["precision"] == "fp32" and "non-finite gradients at step 1" in entry["half_broke"]
+    second = run()
+    assert second.decisions["switch_trial"].value == "cached" and second.skipped_steps == 0 and second.steps == 6
+    dec = second.decisions["precision"]
+    assert dec.value == "fp32" and "an earlier run's bf16" in dec.reason

@@ -7,7 +7,9 @@ skipped, a NaN model at the end) is then ruined by a choice the user never made.
 gradients broke first. So while a run trains in a half precision it was not asked for (`precision="auto"`) on the
 CPU, with no GradScaler and the switch trial settled, the guard checks the gradients before each optimizer step:
 one `torch._foreach_norm` over them, read on the host (free there). Non-finite gradients skip the step (as a NaN
-loss does) and the run goes on in fp32 from the next step, the `precision` decision saying why. A precision the
+loss does) and the run goes on in fp32 from the next step, the `precision` decision saying why. Where the switch
+trial's choice is cached (its own or a hit), the entry is rewritten to fp32 with the reason, so the next run of
+this model, input and machine starts in fp32 instead of losing a step to the same break. A precision the
 user asked for (`precision="bf16"`) is theirs: its steps are skipped by the loss check alone, as before. On CUDA,
 reading the flag each step would be a sync (T13): not checked there.
 
@@ -24,7 +26,8 @@ from dataclasses import replace
 
 import torch
 
-from torchspeed.train.decision import Decision
+from torchspeed.train.decision import Decision, TrialCache
+from torchspeed.train.parallel.distributed import is_rank_zero
 from torchspeed.train.trial.precision import normalize_precision
 
 __all__ = ["grads_nonfinite", "watched", "half_unasked", "fall_back_to_fp32"]
@@ -60,3 +63,18 @@ def fall_back_to_fp32(trainer) -> None:
     stage.apply(replace(stage.current(), precision="fp32"))
     trainer.decisions.refine("precision", Decision("fp32", why))
     log.warning("torchspeed: %s", why)
+    _cache_fp32(getattr(stage, "_trial_meta", {}).get("key"), why)  # the trial's entry: its own, or the hit's
+
+
+def _cache_fp32(key: str | None, why: str) -> None:
+    """The cached switch trial at `key` (if any) chooses fp32 from now on, and its summary says why."""
+    if not key or not is_rank_zero():
+        return
+    cache = TrialCache()
+    hit = cache.get(key)
+    if not hit or "switches" not in hit:
+        return
+    stages = [s for s in hit.get("stages", []) if s.get("stage") != "fallback"]
+    cache.put(key, hit | {"switches": {**hit["switches"], "precision": "fp32"}, "half_broke": why,
+                          "stages": stages + [{"stage": "fallback", "chosen": "fp32",
+                                               "why": f"an earlier run's {why.split(': the run')[0]}"}]})
