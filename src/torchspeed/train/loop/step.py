@@ -94,6 +94,8 @@ class AccumulationWindow:
 
     def sync(self, model):
         """DDP's `no_sync()` on all but the last micro-batch; nothing to do otherwise."""
+        if self.k == 1:  # every micro-batch closes its window: nothing to skip
+            return _NO_CONTEXT
         return model.no_sync() if not self.last and hasattr(model, "no_sync") else _NO_CONTEXT
 
     def advance(self) -> bool:

@@ -62,7 +62,7 @@ from torchspeed.train.batch_ramp import join_ramp
 from torchspeed.train.loop.segment import record_stop, schedule_for_call, start_schedule
 from torchspeed.train.loop.setup import TrainerSetup
 from torchspeed.train.result import FitResult
-from torchspeed.train.loop.step import AccumulationWindow, closure_for
+from torchspeed.train.loop.step import AccumulationWindow, closure_for, needs_closure
 from torchspeed.train.transfer import Prefetcher, batch_layout, to_device
 from torchspeed.train.validation import epoch_validation, validate, validate_inside_epoch
 
@@ -175,9 +175,11 @@ class Trainer(TrainerSetup):
             self.meter.update(metered, n=out.n, correct=None if correct is None else correct[0],
                               counted=None if correct is None else correct[1])
         if win.advance():  # the window's last micro-batch: unscale, clip, step (skipped on NaN/inf)
-            closure = closure_for(self.optimizer, loss, lambda: self.forward_backward(batch).loss)  # LBFGS's
+            closure = closure_for(self.optimizer, loss, lambda: self.forward_backward(batch).loss) if needs_closure(
+                self.optimizer) else None  # LBFGS's
+            params = self.model.parameters() if cfg.clip_grad_norm is not None else None
             self.guard.step(self.optimizer, lambda: self.precision.step(
-                self.optimizer, clip_grad_norm=cfg.clip_grad_norm, parameters=self.model.parameters(), closure=closure))
+                self.optimizer, clip_grad_norm=cfg.clip_grad_norm, parameters=params, closure=closure))
             zero_grad(self.optimizer, set_to_none=cfg.set_to_none)
             if self.scheduler is not None:
                 self.scheduler.step()

@@ -27,6 +27,8 @@ from torchspeed.train.loop.step import backward, optimizer_step
 __all__ = ["Precision", "MixedPrecision", "resolve_precision", "make_grad_scaler", "half_precision",
            "normalize_precision"]
 
+_NO_AUTOCAST = contextlib.nullcontext()  # reusable: fp32 has no autocast to enter
+
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ALIASES = {"32": "fp32", "float32": "fp32", "bfloat16": "bf16", "16": "fp16", "float16": "fp16",
             "bf16-mixed": "bf16", "16-mixed": "fp16"}
@@ -51,7 +53,7 @@ class Precision:
     def autocast(self):
         """Context manager running the forward pass (and loss) in this precision."""
         if self.dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
 
