@@ -197,6 +197,7 @@ class NonFiniteGuard:
         self._host_run = 0  # "host" mode: the run of skips, known on the host (no kernel on a good step)
         self.host_reads = device.type == "cpu"  # a tensor's value is read without a sync (the CPU): a float read
         self._half = None  # (whether to check the gradients now, what to do when they break): `watch_half`
+        self.grad_skips = 0  # of the skipped steps, those whose gradients a chosen half precision broke
 
     @property
     def mode(self) -> str:
@@ -233,6 +234,7 @@ class NonFiniteGuard:
         if self._half is None or not self._half[0]() or not grads_nonfinite(optimizer):
             return False
         self._half[1]()
+        self.grad_skips += 1
         return True
 
     def step(self, optimizer: torch.optim.Optimizer, update: Callable[[], torch.Tensor]) -> torch.Tensor:

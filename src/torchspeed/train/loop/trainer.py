@@ -291,9 +291,10 @@ class Trainer(TrainerSetup):
         self.compiler.finish()
         self._eval.record(self.decisions, cfg.eval_every, steps=self.step)  # evaluation's share, if any
         skipped = int(self.skipped.item())
-        if skipped and is_rank_zero():  # the guard skipped steps: say so once, at the end, with the count
-            log.warning(f"{skipped} of {self.step} optimizer steps had a NaN/inf loss and were skipped"
-                        + (" (every one: the weights did not change)" if skipped >= self.step else "")
+        bad_loss = skipped - self.guard.grad_skips  # a chosen half precision's broken gradients: said at the time
+        if bad_loss and is_rank_zero():  # the guard skipped steps: say so once, at the end, with the count
+            log.warning(f"{bad_loss} of {self.step} optimizer steps had a NaN/inf loss and were skipped"
+                        + (" (every one: the weights did not change)" if bad_loss >= self.step else "")
                         + "; check the inputs and labels for NaN/inf, or try a lower LR or clip_grad_norm=1.0")
         settle_averaged(self)  # Schedule-Free: the model keeps the averaged weights it was evaluated and saved with
         self.best.restore(self.module, self._history, self.decisions)  # restore_best: the best epoch's weights
