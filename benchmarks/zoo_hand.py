@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench_ported import MnistNet  # PyTorch's MNIST example's Net, as the ported bench has it
 from zoo_cases import (Case, adam, adamw, ce_logits, images, lm_pairs, sgd, xxy_logits, xy_logits, xy_own,
                        xy_with)
 
@@ -294,21 +295,6 @@ def small_cnn():
     return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
                          nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
                          nn.Flatten(), nn.Dropout(0.2), nn.Linear(32, 10))
-
-
-class MnistNet(nn.Module):
-    """PyTorch's MNIST example's Net (two convolutions, dropout, log_softmax), trained there with Adadelta."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1, self.conv2 = nn.Conv2d(1, 32, 3, 1), nn.Conv2d(32, 64, 3, 1)
-        self.dropout1, self.dropout2 = nn.Dropout(0.25), nn.Dropout(0.5)
-        self.fc1, self.fc2 = nn.Linear(9216, 128), nn.Linear(128, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
-        x = F.relu(self.fc1(torch.flatten(self.dropout1(x), 1)))
-        return F.log_softmax(self.fc2(self.dropout2(x)), dim=1)
 
 
 def _step_case(name, build, batch, step, opt, **kw):

@@ -15,7 +15,6 @@ from torch import nn
 
 from torchspeed.train.trial import dynamo_deferred
 from torchspeed.train.trial.dynamo_deferred import deferred_dynamo, torch_step, torch_zero_grad
-from torchspeed.train.loop.lean_step import lean_step_for
 
 
 def test_fit_in_a_fresh_process_never_imports_torch_dynamo_and_trains_as_torchs_adamw():
@@ -110,14 +109,13 @@ def test_the_kernel_trial_and_the_checkpoints_of_a_default_fit_do_not_import_tor
                                   lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, amsgrad=True),
                                   lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
                                   lambda p: torch.optim.SGD(p, lr=0.1)])
-def test_the_step_without_the_import_is_torchs_step_bit_for_bit(monkeypatch, make):
-    """`torch_step` as it runs where torch._dynamo is not imported (injected) against `optimizer.step()`, over
+def test_the_step_without_the_wrapper_is_torchs_step_bit_for_bit(monkeypatch, make):
+    """`torch_step` (the step without torch's wrapper, its import included) against `optimizer.step()`, over
     three steps from a fresh state; and it leaves the state torch's next step expects."""
     torch.manual_seed(0)
     a = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
     b = copy.deepcopy(a)
     opt_a, opt_b = make(a.parameters()), make(b.parameters())
-    monkeypatch.setattr(dynamo_deferred, "dynamo_imported", lambda: False)
     calls = []  # torch's wrapper around every step calls `_optimizer_step_code` (a hook point for profilers)
     monkeypatch.setattr(torch.optim.Optimizer, "_optimizer_step_code", lambda self: calls.append(1))
     x = torch.randn(16, 6)
@@ -125,7 +123,7 @@ def test_the_step_without_the_import_is_torchs_step_bit_for_bit(monkeypatch, mak
         for m, opt, lean_path in ((a, opt_a, True), (b, opt_b, False)):
             m(x).square().mean().backward()
             if lean_path:
-                torch_step(opt, lean_step_for(opt))
+                torch_step(opt)
             else:
                 opt.step()
             opt.zero_grad()
@@ -174,9 +172,8 @@ def test_torchs_other_optimizers_step_without_the_wrapper_bit_for_bit(monkeypatc
         i = torch.randint(0, 50, (8, 3))
         for m, opt, bare in ((a, opt_a, True), (b, opt_b, False)):
             m(i).square().mean().backward()
-            torch_step(opt, lean_step_for(opt)) if bare else opt.step()
+            torch_step(opt) if bare else opt.step()
             opt.zero_grad()
-    from torchspeed.train.loop.lean_schedulefree import no_step_wrappers
     assert len(calls) == 3, name  # only b's steps went through torch's wrapper
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     for p, q in zip(a.parameters(), b.parameters()):
@@ -209,7 +206,7 @@ def test_the_naive_loop_a_profiler_and_a_users_own_step_keep_torchs_wrapper(monk
 
     def one(opt):
         m(torch.randn(4, 3)).sum().backward()
-        torch_step(opt, lean_step_for(opt))
+        torch_step(opt)
         opt.zero_grad()
 
     naive = torch.optim.RMSprop(m.parameters(), lr=1e-2)
@@ -238,13 +235,12 @@ def test_the_naive_loop_a_profiler_and_a_users_own_step_keep_torchs_wrapper(monk
 
 def test_a_step_with_something_around_it_goes_through_torch(monkeypatch):
     """A step hook (what the lean path leaves out) or a subclass: `optimizer.step()` itself runs."""
-    monkeypatch.setattr(dynamo_deferred, "dynamo_imported", lambda: False)
     m = nn.Linear(3, 1)
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
     seen = []
     opt.register_step_post_hook(lambda *_: seen.append(1))
     m(torch.randn(4, 3)).sum().backward()
-    torch_step(opt, lean_step_for(opt))
+    torch_step(opt)
     assert seen == [1]
 
     class MyAdam(torch.optim.Adam):
@@ -253,7 +249,7 @@ def test_a_step_with_something_around_it_goes_through_torch(monkeypatch):
     opt2 = MyAdam(m.parameters(), lr=1e-2)
     stepped = []
     monkeypatch.setattr(MyAdam, "step", lambda self, *a, **k: stepped.append(1))
-    torch_step(opt2, lean_step_for(opt2))
+    torch_step(opt2)
     assert stepped == [1]
 
 

@@ -65,6 +65,13 @@ def no_step_wrappers(opt) -> bool:
     return own is None or getattr(own, "_wrapped_by_lr_sched", False)
 
 
+def plain_step(opt) -> bool:
+    """Nothing around `opt`'s step that a lean one would leave out: no step wrapper, no scaler flags (GradScaler's
+    or the guard's device skip: `grad_scale`, `found_inf`)."""
+    return no_step_wrappers(opt) and getattr(opt, "grad_scale", None) is None and \
+        getattr(opt, "found_inf", None) is None
+
+
 class LeanScheduleFree:
     """`AdamWScheduleFree.step()` on lists kept between steps (see the module docstring)."""
 

@@ -55,7 +55,7 @@ import weakref
 import torch
 
 from torchspeed.train.state.flat_state import FlatMoments, flat_applies
-from torchspeed.train.loop.lean_schedulefree import LeanScheduleFree, is_adamw_schedule_free, no_step_wrappers
+from torchspeed.train.loop.lean_schedulefree import LeanScheduleFree, is_adamw_schedule_free, plain_step
 
 __all__ = ["LeanStep", "lean_step_for", "step_with_torch", "steps_with_torch"]
 
@@ -271,24 +271,18 @@ class LeanStep:
                 return flat
         return FlatMoments(opt, params, ("momentum_buffer",) if self._sgd else ("exp_avg", "exp_avg_sq"))
 
-    def _plain(self) -> bool:
-        """No hook, no replaced `step`, no scaler flags: what the lean step leaves out is empty."""
-        opt = self.optimizer
-        return no_step_wrappers(opt) and getattr(opt, "grad_scale", None) is None and \
-            getattr(opt, "found_inf", None) is None
-
     def prepare(self) -> None:
         """Make the lists now (right after torch's first step made the state), so that their one-off cost (the
         lists, the flat moments' copy) falls in that step and not in the next one, which a switch trial times.
         Once: where the lists cannot be made (a case torch must step), later steps do not try twice a step."""
         if not self._prepared:
             self._prepared = True
-            if self._plain() and not self._fresh():
+            if plain_step(self.optimizer) and not self._fresh():
                 self._build()
 
     def step(self) -> bool:
         """Update the parameters as `optimizer.step()` would; False (nothing done) where it must run instead."""
-        if self._sparse or not self._plain() or (not self._fresh() and not self._build()):
+        if self._sparse or not plain_step(self.optimizer) or (not self._fresh() and not self._build()):
             return False
         grads = [[p.grad for p in g[2]] for g in self._groups]
         if any(gr is None or gr.is_sparse for gs in grads for gr in gs):

@@ -173,7 +173,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradSc
         if closure is not None:
             optimizer.step(closure)
         elif (lean := lean_step_for(optimizer)) is None or not lean.step():  # T51: the fused kernels, no wrapper
-            torch_step(optimizer, lean)  # torch's step (its first without importing torch._dynamo)
+            torch_step(optimizer)  # torch's step (its first without importing torch._dynamo)
             if lean is not None:
                 lean.prepare()  # the first step made the state: the lists now, their one-off cost in this step
         if clock is not None:

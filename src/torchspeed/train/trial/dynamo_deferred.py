@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from torchspeed.train.loop.lean_schedulefree import no_step_wrappers
+from torchspeed.train.loop.lean_schedulefree import plain_step
 from torchspeed.train.loop.lean_step import steps_with_torch
 
 __all__ = ["bare_step", "deferred_dynamo", "dynamo_imported", "torch_step", "torch_zero_grad"]
@@ -74,11 +74,11 @@ def deferred_dynamo() -> Iterator[None]:
                 delattr(fn, _KEY)
 
 
-def torch_step(optimizer: torch.optim.Optimizer, lean=None) -> None:
+def torch_step(optimizer: torch.optim.Optimizer) -> None:
     """`optimizer.step()`; for one of torch's own optimizers with nothing around its step (`bare_step`) the same
-    step without torch's per-step wrapper (`lean`: its `LeanStep` where it has one, which says so)."""
+    step without torch's per-step wrapper."""
     raw = bare_step(type(optimizer))
-    if raw is None or not _nothing_around(optimizer, lean):
+    if raw is None or not _nothing_around(optimizer):
         optimizer.step()
         return
     if "step" in optimizer.__dict__:
@@ -87,16 +87,11 @@ def torch_step(optimizer: torch.optim.Optimizer, lean=None) -> None:
         raw(optimizer)
 
 
-def _nothing_around(optimizer: torch.optim.Optimizer, lean) -> bool:
-    """No hook, no replaced step, no scaler flags, not differentiable, no profiler recording (its trace names the
-    step), and the run did not ask for torch's own step (`lean_step.step_with_torch`)."""
-    if lean is not None:
-        if not lean._plain():
-            return False
-    elif steps_with_torch(optimizer) or not no_step_wrappers(optimizer) or \
-            getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
-        return False
-    return not getattr(torch.autograd.profiler, "_is_profiler_enabled", False) and \
+def _nothing_around(optimizer: torch.optim.Optimizer) -> bool:
+    """No hook, no replaced step, no scaler flags (`plain_step`), not differentiable, no profiler recording (its
+    trace names the step), and the run did not ask for torch's own step (`lean_step.step_with_torch`)."""
+    return not steps_with_torch(optimizer) and plain_step(optimizer) and \
+        not getattr(torch.autograd.profiler, "_is_profiler_enabled", False) and \
         not any(g.get("differentiable") for g in optimizer.param_groups)
 
 

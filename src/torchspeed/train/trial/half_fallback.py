@@ -58,15 +58,15 @@ def fall_back_to_fp32(trainer) -> None:
     """The run goes on in fp32 from the next step, switched as the trial switches (`SwitchStage.apply`: what a
     trained half-precision turn left in the step's state is cast back); the `precision` decision says why."""
     was, stage = trainer.precision.name, trainer.switcher
-    why = (f"{was} (chosen, not asked for) gave non-finite gradients at step {trainer.step + 1} (that step skipped): "
-           "the run goes on in fp32")
+    cause = f"{was} (chosen, not asked for) gave non-finite gradients at step {trainer.step + 1} (that step skipped)"
+    why = f"{cause}: the run goes on in fp32"
     stage.apply(replace(stage.current(), precision="fp32"))
     trainer.decisions.refine("precision", Decision("fp32", why))
     log.warning("torchspeed: %s", why)
-    _cache_fp32(getattr(stage, "_trial_meta", {}).get("key"), why)  # the trial's entry: its own, or the hit's
+    _cache_fp32(getattr(stage, "_trial_meta", {}).get("key"), cause)  # the trial's entry: its own, or the hit's
 
 
-def _cache_fp32(key: str | None, why: str) -> None:
+def _cache_fp32(key: str | None, cause: str) -> None:
     """The cached switch trial at `key` (if any) chooses fp32 from now on, and its summary says why."""
     if not key or not is_rank_zero():
         return
@@ -75,6 +75,5 @@ def _cache_fp32(key: str | None, why: str) -> None:
     if not hit or "switches" not in hit:
         return
     stages = [s for s in hit.get("stages", []) if s.get("stage") != "fallback"]
-    cache.put(key, hit | {"switches": {**hit["switches"], "precision": "fp32"}, "half_broke": why,
-                          "stages": stages + [{"stage": "fallback", "chosen": "fp32",
-                                               "why": f"an earlier run's {why.split(': the run')[0]}"}]})
+    cache.put(key, hit | {"switches": {**hit["switches"], "precision": "fp32"}, "half_broke": cause,
+                          "stages": stages + [{"stage": "fallback", "chosen": "fp32", "why": f"an earlier run's {cause}"}]})
