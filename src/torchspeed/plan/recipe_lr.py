@@ -10,6 +10,7 @@ from __future__ import annotations
 from torchspeed.plan.parts import Gate, Recipe, guarded, loss_for_tuning
 from torchspeed.plan.stages import RunContext
 from torchspeed.train.decision import Decision
+from torchspeed.train.optim_info import default_lr
 from torchspeed.tune.batch_choice import BATCH_MIN_STEPS
 from torchspeed.tune.lr_peak import LR_TRIAL_FACTORS, choose_peak_lr
 
@@ -50,6 +51,8 @@ def lr_part(ctx: RunContext) -> None:
         return
     lr, cfg = float(ctx.lr), ctx.cfg
     name = rec.optimizer or (ctx.optimizer if isinstance(ctx.optimizer, str) else None)
+    if rec.optimizer and rec.optimizer != ctx.optimizer and not ctx.own_lr:  # the optimizer part swapped it:
+        lr = rec.lr = default_lr(rec.optimizer)  # its own default LR is the prior, as its trial measured it
     batch_wanted = "batch" in rec.parts and ctx.run_steps is not None and ctx.run_steps >= BATCH_MIN_STEPS
     measured = guarded(rec, "lr", dict(lr=lr, min_lr=None), lr, _lr_part, ctx.model, ctx.planned_loader(), rec,
                        ctx.shared.gate, optimizer=ctx.optimizer, name=name, lr=lr, schedule=cfg.schedule,

@@ -1,13 +1,15 @@
 """The recipe's optimizer parts: Muon for the hidden matrices (T42) and Schedule-Free AdamW (T14's alternative: no LR
 schedule and no LR search). Each is a candidate against the optimizer the run was given, compared by
 `tune.optimizer_trial.compare_optimizers` on time to the same training loss when the tuning budget allows; else
-an earlier run's measurement (the cache); else the prior, Schedule-Free AdamW. The plan's "optimizer" stage
-(`optimizer_part`) runs them for a run given its optimizer by name.
+an earlier run's measurement (the cache); else the prior, by the run's length and the model's kind
+(`plan/recipe_horizon.py`, measured: AdamW for a language model, Schedule-Free AdamW for every other kind). The plan's
+"optimizer" stage (`optimizer_part`) runs them for a run given its optimizer by name.
 """
 
 from __future__ import annotations
 
 from torchspeed.plan.parts import Gate, Recipe, guarded
+from torchspeed.plan.recipe_horizon import horizon_prior
 from torchspeed.plan.stages import RunContext
 from torchspeed.train.decision import Decision
 from torchspeed.train.optim import (matrix_share, mostly_matrices, schedule_free_available, schedule_free_lr,
@@ -66,11 +68,8 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
         chosen, measured = trial.best, True
         gate.done("optimizer", {"optimizer": chosen})
     else:
-        prior = "schedulefree" if "schedulefree" in cands and not lr_given else given
-        words = ("Schedule-Free AdamW, its LR set by the model's width (needs no LR search and no schedule; "
-                 "AlgoPerf 2024's self-tuning winner; time to target in docs/recipe.md)" if prior == "schedulefree"
-                 else f"{given} at the LR you gave (your loop stands until a trial beats it)" if lr_given
-                 else f"{given}, as given")
+        swaps = cands + (["adamw"] if given == "sgd" and "schedulefree" in cands else [])
+        prior, words = _prior(model, swaps, given, lr_given, total_steps)
         chosen = gate.settle("optimizer", "optimizer", prior, words, default=prior)
     rec.optimizer = None if chosen == given else chosen
     if rec.optimizer != "schedulefree":
@@ -78,6 +77,23 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
     # taken whole when neither a trial nor the cache chose it: the prior
     _schedule_free_parts(rec, total_steps, sf_lr, whole=not measured and gate.cached("optimizer") is None)
     return sf_lr
+
+
+def _prior(model, cands: list[str], given: str, lr_given: bool, total_steps: int | None) -> tuple[str, str]:
+    """The optimizer a run takes unmeasured, and why: the given one at the LR the run gave; else the one the
+    horizon table (`recipe_horizon.PRIOR`: measured by run length and model kind) names, where it may be taken
+    (`cands`: a candidate, or AdamW for SGD where Schedule-Free could replace it), else Schedule-Free AdamW where
+    it is a candidate, else the given optimizer."""
+    if lr_given:
+        return given, f"{given} at the LR you gave (your loop stands until a trial beats it)"
+    pick, why = horizon_prior(model, total_steps)
+    if pick not in cands:  # the table's winner is not a candidate here (AdamW for a run given SGD): the incumbent
+        why += f"; {pick} is not a candidate for {given}" if pick else ""
+        pick = "schedulefree" if "schedulefree" in cands else given
+    words = ("Schedule-Free AdamW, its LR set by the model's width (needs no LR search and no schedule)"
+             if pick == "schedulefree" else f"{given}, as given, at its default LR" if pick == given
+             else f"{pick} in place of {given}, at its default LR")
+    return pick, f"{words}: {why}"
 
 
 def _schedule_free_parts(rec: Recipe, total_steps: int | None, sf_lr: tuple[float, str], *,

@@ -1,0 +1,107 @@
+"""The optimizer prior by run length and model kind (plan/recipe_horizon.py): the table is the committed
+measurement's, it is read by kind and length, and a short run takes the prior it names and says so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import torchspeed
+from torchspeed.plan import recipe_horizon
+from torchspeed.plan.recipe_horizon import PRIOR, horizon_prior, model_kind, table_from
+
+ROOT = Path(__file__).resolve().parents[2]
+HORIZON_JSON = sorted((ROOT / "benchmarks" / "results" / "cpu-avx512-bf16").glob("horizon*.json"))
+
+
+def test_the_kind_is_read_from_the_modules():
+    assert model_kind(nn.Sequential(nn.Linear(4, 8), nn.TransformerEncoderLayer(8, 2, 16))) == "attention"
+    assert model_kind(nn.Sequential(nn.Embedding(10, 8), nn.GRU(8, 8))) == "recurrent"
+    assert model_kind(nn.Sequential(nn.Conv1d(2, 4, 3), nn.Flatten(), nn.LazyLinear(3))) == "conv"
+    assert model_kind(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))) == "mlp"
+
+
+def _result(kind: str, winners: dict[int, str]) -> dict:
+    return {"workloads": {f"w_{kind}_{len(winners)}": {"kind": kind, "lengths": {
+        str(steps): {"summary": {"winner": w}} for steps, w in winners.items()}}}}
+
+
+def test_the_table_takes_the_winner_of_most_runs_per_kind_and_length():
+    results = [_result("conv", {20: "sgd", 50: "sgd", 100: "sf", 2000: "adamw"}),
+               _result("conv", {30: "sf", 200: "sf", 300: "adamw"}),
+               _result("mlp", {40: "adamw", 60: "sf"})]
+    table = table_from(results)
+    assert table["conv"] == ((64, "sgd", 2, 3), (256, "schedulefree", 2, 2), (1024, "adamw", 1, 1),
+                             (None, "adamw", 1, 1))
+    assert table["mlp"] == ((64, "schedulefree", 1, 2),)  # a tie: the incumbent prior stays
+    assert "attention" not in table
+
+
+def test_the_prior_is_read_by_kind_and_length():
+    table = {"conv": ((64, "sgd", 2, 3), (256, "schedulefree", 2, 2)), "mlp": ((1024, "adamw", 3, 3),)}
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
+    pick, why = horizon_prior(conv, 40, table)
+    assert pick == "sgd" and "2 of 3 measured conv runs of up to 64 steps" in why
+    assert horizon_prior(conv, 100, table)[0] == "schedulefree"
+    pick, why = horizon_prior(conv, 5000, table)  # beyond what was measured: the nearest bucket, said
+    assert pick == "schedulefree" and "nothing measured at this length" in why
+    assert horizon_prior(nn.Linear(3, 3), 10, table)[0] == "adamw"
+    pick, why = horizon_prior(nn.GRU(3, 3), 10, table)
+    assert pick is None and "no run of a recurrent model" in why
+
+
+@pytest.mark.skipif(not HORIZON_JSON, reason="no horizon measurement committed for this CPU kind")
+def test_the_prior_table_is_the_committed_measurement():
+    results = [json.loads(p.read_text()) for p in HORIZON_JSON]
+    assert table_from(results) == PRIOR
+
+
+def _loader(n=256, batch=16, size=8, classes=4):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, 3, size, size, generator=g), torch.randint(0, classes, (n,), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
+
+
+@pytest.mark.parametrize("winner", ["sgd", "schedulefree"])
+def test_a_short_cold_run_takes_the_optimizer_the_table_names_and_says_so(tiny_cnn, tmp_path, monkeypatch, winner):
+    """16 steps: no budget for an optimizer trial. The table's winner for a conv net of that length is taken (SGD:
+    the given optimizer stays; Schedule-Free: it replaces it), with the measurement named in the reason."""
+    if winner == "schedulefree":
+        pytest.importorskip("schedulefree")
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(recipe_horizon, "PRIOR", {"conv": ((64, winner, 3, 4),)})
+    res = torchspeed.fit(tiny_cnn(), _loader(), epochs=1, recipe="auto", precision="fp32", progress=False,
+                         compile=False)
+    opt = res.decisions["optimizer"]
+    assert (opt.value == "schedulefree" if winner == "schedulefree" else str(opt.value).startswith("SGD ("))
+    assert opt.reason.startswith("prior: ")
+    assert "3 of 4 measured conv runs of up to 64 steps" in opt.reason
+    assert ("Schedule-Free" in opt.reason) == (winner == "schedulefree")
+
+
+def test_a_short_run_given_sgd_takes_adamw_at_its_own_lr_where_the_table_says_so(tmp_path, monkeypatch):
+    """The table names AdamW for this kind and length: a run given SGD by name (fit's default) trains with AdamW
+    at AdamW's default LR as the peak of its one-cycle, not at SGD's 0.1."""
+    pytest.importorskip("schedulefree")  # the licence to replace SGD is the Schedule-Free part's
+    from torchspeed.train.loop.trainer import Trainer
+    from torchspeed.train.optim_info import default_lr
+
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(recipe_horizon, "PRIOR", {"mlp": ((64, "adamw", 4, 4),)})
+    used = []
+    real = Trainer.setup_schedule
+    monkeypatch.setattr(Trainer, "setup_schedule", lambda self, *a: used.append(self.optimizer) or real(self, *a))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 8, generator=g), torch.randint(0, 4, (256,), generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    res = torchspeed.fit(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), loader, epochs=1,
+                         recipe="auto", precision="fp32", progress=False, compile=False)
+    opt = res.decisions["optimizer"]
+    assert str(opt.value).startswith("AdamW") and "adamw in place of sgd" in opt.reason
+    assert res.decisions["lr"].value == default_lr("adamw")
+    assert used and type(used[0]).__name__ == "AdamW"
+    assert max(g["lr"] for g in used[0].param_groups) <= default_lr("adamw") + 1e-12
