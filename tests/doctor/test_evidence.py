@@ -186,6 +186,26 @@ def test_cpu_bf16_math_follows_the_injected_cpu(env, fires):
         assert RULES["cpu-bf16-math"].check(o) is None
 
 
+def test_cpu_bf16_math_leaves_small_matrix_products_alone():
+    """A small MLP's products (a few us a call) are dispatch-bound: bf16 saves nothing, no finding; large ones do."""
+    for us, fires in ((4.0, False), (300.0, True), (None, True)):  # None: not counted, the share decides
+        o = _obs(_set("env", AVX512_BF16), _set("model.autocast", False), _set("kernels.matmul_us_per_call", us))
+        assert (RULES["cpu-bf16-math"].check(o) is not None) == fires, us
+
+
+def test_matrix_products_are_counted_once_a_call():
+    """`aten::matmul` calling `aten::mm` is one product; a convolution is one; the profiler's own tree."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from torchspeed.doctor._kernels import matmul_calls
+    a, b, x, w = torch.randn(8, 8), torch.randn(8, 8), torch.randn(1, 2, 6, 6), torch.randn(3, 2, 3, 3)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.matmul(a, b)
+        torch.nn.functional.conv2d(x, w)
+        torch.relu(a)
+    assert matmul_calls(prof.events()) == 2
+
+
 def test_allocator_needs_glibc_and_fault_churn():
     churn = _set("breakdown.minor_faults_per_step", 6000.0)
     assert RULES["allocator"].check(_obs(churn)) is not None

@@ -351,6 +351,11 @@ def test_optimizer_kernel_needs_a_fused_kernel_here_and_is_ranked_by_its_measure
     opt = copy.deepcopy(_obs(*trig)["optimizer"])  # (a fresh dict: TRIGGERS' own is shared)
     assert RULES["optimizer-kernel"].check(_obs(*trig, _set("optimizer", {**opt, "fused": True}))) is None
     assert RULES["optimizer-kernel"].check(_obs(*trig, _set("optimizer", {**opt, "fused_available": False}))) is None
+    # unmeasured, a share whose estimate is under the minimum effect (4% x 1.5x: 1.01x) is no finding; 7% is
+    for opt_ms, found in ((0.4, False), (0.7, True)):
+        detail = _set("breakdown.compute_detail_ms", {"forward": 3.0, "backward": 5.0, "optimizer": opt_ms,
+                                                      "zero_grad": 0.0})
+        assert (RULES["optimizer-kernel"].check(_obs(*trig, detail)) is not None) == found
     # --verify timed the step with the fused kernel on the captured model and optimizer: 1.23x
     f = RULES["optimizer-kernel"].check(_obs(*trig, _verified("fused_optimizer", 1.23, (1.18, 1.27))))
     assert f.basis == "measured" and f.measured_gain == 1.23 and f.severity == "medium"

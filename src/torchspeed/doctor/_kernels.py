@@ -111,6 +111,14 @@ def layout_copy_times(events, mark: str = _STEP) -> list[float]:
     return out
 
 
+def matmul_calls(events) -> int:
+    """The matrix products and convolutions the events ran: each call once (an `aten::matmul` that calls
+    `aten::mm` is one)."""
+    def is_mm(e) -> bool:
+        return e.name.startswith("aten::") and kernel_kind(e.name) == "matmul"
+    return sum(1 for e in events if is_mm(e) and not any(is_mm(c) for c in (e.cpu_children or ())))
+
+
 def fastest_op_times(per_step: list[dict[str, float]]) -> dict[str, float]:
     """Each operator's smallest time over the steps it ran in: preemption only adds time, so the
     smallest reading is the one with the least of the rest of the machine in it."""
@@ -165,6 +173,7 @@ def profile_kernels(cap: Captured, obs: dict, *, steps: int = 3, warmup: int = 2
         obs["notes"].append(f"profiling the model failed ({type(e).__name__}: {e}); kernel shares skipped")
         return
     total = sum(ops.values()) or 1e-9
+    calls = matmul_calls(events) / max(steps, 1)
     by_kind = {"matmul": 0.0, "elementwise": 0.0, "other": 0.0}
     for name, t in ops.items():
         by_kind[kernel_kind(name)] += t
@@ -173,4 +182,5 @@ def profile_kernels(cap: Captured, obs: dict, *, steps: int = 3, warmup: int = 2
                       "elementwise_share": round(by_kind["elementwise"] / total, 4),
                       "layout_share": round(min(layout_us, total) / total, 4),
                       "ms_per_step": round(total / 1e3, 4),
+                      "matmul_us_per_call": round(by_kind["matmul"] / calls, 2) if calls else None,
                       "top": [f"{n.removeprefix('aten::')} {t / total:.0%}" for n, t in top]}

@@ -3,7 +3,9 @@
 On CPUs with AVX512-BF16 or AMX, oneDNN can run fp32 matmuls and convolutions with bf16 inputs
 and fp32 accumulation (`torch.backends.mkldnn.matmul.fp32_precision = "bf16"`, same for `conv`),
 keeping the model, optimizer and loss in fp32; or the whole forward can run under autocast. The
-share of matrix-product time comes from the profiler (`_kernels`); `--verify` measures it.
+share of matrix-product time comes from the profiler (`_kernels`); `--verify` measures it. Products that take
+under `MIN_CALL_US` a call on average (a small MLP's) are dispatch-bound: bf16 saves nothing there, and a share
+near the line flipped the finding between runs of the same script, so they make no finding.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac, on_cuda
 
 SHARE = 0.30   # matmul/conv share of the kernel time worth reporting
+MIN_CALL_US = 25.0  # a smaller matrix product is dispatch-bound: converting its inputs to bf16 costs what it saves
 BF16 = 1.8     # typical bf16 / fp32 matmul throughput ratio on AVX512-BF16 (more with AMX)
 
 
@@ -25,6 +28,8 @@ def check(obs: Observation):
     if on_cuda(obs) or not env.get("bf16_supported") or m.get("autocast"):
         return None
     if math.get("mkldnn_matmul") == "bf16" or k.get("matmul_share", 0.0) < SHARE:
+        return None
+    if (k.get("matmul_us_per_call") or MIN_CALL_US) < MIN_CALL_US:  # small products: bf16 does not pay
         return None
     share = k["matmul_share"]
     cpu = "AMX" if env.get("amx") else "AVX512-BF16"

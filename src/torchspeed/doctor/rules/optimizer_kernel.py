@@ -5,18 +5,22 @@ time (`foreach=False`): several passes over every parameter and optimizer state.
 one pass. Scripts often ask for it only on CUDA (`use_fused = fused_available and device_type == "cuda"`)
 although torch has it on CPU as well. The optimizer's share of the step is timed by the probe; the gain
 of the fused kernel is measured by `--verify` (the captured model and optimizer stepped with fused=True
-against the script's own, interleaved) and by `--fix` (the script run with `fused=True`); when fit's plan
-(`_fit_plan`) chooses the fused kernel, the finding appears whatever the share.
+against the script's own, interleaved) and by `--fix` (the script run with `fused=True`). Unmeasured, the finding
+appears where its estimate reaches the doctor's minimum effect (`report.MIN_EFFECT`: an optimizer share of about
+6%); when fit's plan (`_fit_plan`) chooses the fused kernel, whatever the share.
 """
 
 from __future__ import annotations
 
 from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
+from torchspeed.doctor.report import MIN_EFFECT
 from torchspeed.doctor.rules._common import amdahl, finding, in_plan, step_ms
 
-SHARE = 0.03   # optimizer share of the step worth reporting without a measurement
 FUSED = 1.5    # assumed speed-up of the optimizer step once fused (an estimate: --verify measures it)
+# the optimizer's share of the step worth reporting without a measurement: where the estimate reaches the doctor's
+# minimum effect (a share near a lower line flipped the finding between runs of the same script)
+SHARE = (1 - 1 / MIN_EFFECT) / (1 - 1 / FUSED)
 
 
 @register("optimizer-kernel", priority=65, techniques=("T51",),
