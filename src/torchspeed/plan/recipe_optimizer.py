@@ -87,7 +87,7 @@ def _prior(model, cands: list[str], given: str, lr_given: bool, total_steps: int
     if lr_given:
         return given, f"{given} at the LR you gave (your loop stands until a trial beats it)"
     pick, why = horizon_prior(model, total_steps)
-    if pick not in cands:  # the table's winner is not a candidate here (AdamW for a run given SGD): the incumbent
+    if pick not in cands:  # the table's winner may not replace this optimizer here (SGD for AdamW): the incumbent
         why += f"; {pick} is not a candidate for {given}" if pick else ""
         pick = "schedulefree" if "schedulefree" in cands else given
     words = ("Schedule-Free AdamW, its LR set by the model's width (needs no LR search and no schedule)"
