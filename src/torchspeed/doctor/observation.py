@@ -214,6 +214,7 @@ class Kernels(TypedDict, total=False):
     elementwise_share: float
     layout_share: float          # copies that contiguous/reshape/flatten make of permuted tensors (T39)
     ms_per_step: float
+    matmul_us_per_call: float | None  # the products' mean time a call (cpu-bf16-math: small ones cannot gain)
     top: list[str]
 
 
