@@ -17,7 +17,8 @@ Each run trains `frac` x the workload's default steps (its plain loop's epochs),
 held-out split (the weights a run ends with: Schedule-Free's average with BatchNorm recalibrated), and is timed as a
 whole `fit` call. The candidates run in a shuffled order per (length, seed). Per workload and length: each
 candidate's mean final metric and held-out loss over the seeds, its mean seconds, and the winner among the priors
-(`sf`, `adamw`, `sgd`: the best mean metric; accuracies within half a point tie, and the held-out loss decides).
+(`sf`, `adamw`, `sgd`: the best mean metric; accuracies that round to the same half point tie, and the held-out
+loss decides).
 
 Run:
     python benchmarks/bench_horizon.py --out benchmarks/results/cpu-avx512-bf16/horizon.json
@@ -44,6 +45,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchspeed import fit
 from torchspeed.bench import suite
 from torchspeed.bench.runner import provenance
+from torchspeed.plan.recipe_horizon import model_kind
 from torchspeed.train.optim import schedule_free_lr
 from torchspeed.train.optim_info import default_lr
 
@@ -81,7 +83,7 @@ BLOCK_SIZE = 128
 EXTRA = ("resnet20_digits", "gpt_text")  # run when named in --workloads
 CANDIDATES = ("sf", "adamw", "sgd", "tuned")
 PRIORS = ("sf", "adamw", "sgd")  # what a prior may take: the tuned LR is known to no prior
-TIE = 0.005  # accuracies this close tie: the held-out loss decides
+TIE = 0.005  # accuracies that round to the same multiple of this tie: the held-out loss decides
 
 
 def call(workload: suite.Workload, cand: str, model: nn.Module) -> dict:
@@ -118,12 +120,6 @@ def one_run(workload: suite.Workload, data: suite.SuiteData, cand: str, seed: in
             "finite": math.isfinite(float(metric)), "lr_decision": str(getattr(lr, "value", ""))[:40] if lr else None}
 
 
-def kind_of(model: nn.Module) -> str:
-    """The model's kind as the prior reads it: attention, recurrent, convolutional or plain (MLP)."""
-    from torchspeed.plan.recipe_horizon import model_kind
-    return model_kind(model)
-
-
 def summarize(rows: list[dict], workload: suite.Workload) -> dict:
     """Per candidate: the mean metric and seconds over the seeds; the winner among the priors."""
     out: dict = {}
@@ -141,7 +137,7 @@ def summarize(rows: list[dict], workload: suite.Workload) -> dict:
 
 
 def rank_key(s: dict, higher: bool) -> tuple:
-    """Best first: the metric (accuracies within TIE of each other tie), then the held-out loss."""
+    """Best first: the metric (accuracies that round to the same multiple of TIE tie), then the held-out loss."""
     metric = -round(s["metric"] / TIE) if higher else s["metric"]
     return (metric, s["val_loss"])
 
@@ -177,7 +173,7 @@ def main() -> None:
         data = suite.load_data(w)
         per_epoch = math.ceil(len(data.x) / w.batch_size)
         default_steps = w.epochs * per_epoch
-        entry = {"kind": kind_of(w.model()), "workload_kind": w.kind, "metric": w.metric, "default_steps": default_steps,
+        entry = {"kind": model_kind(w.model()), "workload_kind": w.kind, "metric": w.metric, "default_steps": default_steps,
                  "target": w.target, "lengths": {}}
         one_run(w, data, "adamw", 99, min(20, default_steps))  # warm-up: the process's one-time costs, untimed
         for frac in fracs:
