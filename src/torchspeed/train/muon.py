@@ -1,5 +1,6 @@
-"""Muon with AdamW as one optimizer (T42): `MuonAdamW` steps torch's `torch.optim.Muon` over the hidden weight
-matrices and AdamW over everything else (embeddings, the output head, biases, norms, conv kernels), with one set
+"""Muon with AdamW as one optimizer (T42): `MuonAdamW` steps torch's `torch.optim.Muon` (its Newton-Schulz
+iterations batched over the matrices: `muon_batched.BatchedMuon`) over the hidden weight matrices and AdamW over
+everything else (embeddings, the output head, biases, norms, conv kernels), with one set
 of param groups and one state, so schedulers, clipping, GradScaler and checkpoints use it like any other.
 
 optim.py says which parameters are hidden matrices (`hidden_matrices`) and builds it by name
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from torchspeed.train.muon_batched import BatchedMuon
 from torchspeed.train.optim_kernel import _fused_or_foreach
 
 __all__ = ["MUON_MOMENTUM", "MuonAdamW"]
@@ -40,7 +42,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if not muon_params:
             raise ValueError("Muon got no parameters: the model has no hidden 2-D weight matrices (only "
                              "embeddings, the output head, biases, norms or conv kernels); use optimizer='adamw'")
-        self.muon = torch.optim.Muon(muon_params, lr=lr, weight_decay=weight_decay, momentum=momentum,
+        self.muon = BatchedMuon(muon_params, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                      nesterov=True, adjust_lr_fn=adjust_lr_fn)
         adamw_groups = [g for g in adamw_groups if g["params"]]
         self.adamw = (_fused_or_foreach(torch.optim.AdamW, adamw_groups,
