@@ -238,6 +238,10 @@ def test_measured_gain_decides_the_severity_on_its_interval():
         assert "--verify measured" in f.evidence and "estimated, not measured" not in f.evidence
         if speedup < 1:
             assert "slow-down" in f.evidence and f.fix.startswith("keep fp32")
+            # the machine has native bf16: the slow-down is this model's, not an emulated bf16's
+            assert "runs bf16 natively" in f.evidence and "no AVX512-BF16" not in f.evidence
+    no_bf16 = RULES["no-amp"].check(_obs(no_amp, _verified("autocast", 0.5, (0.45, 0.55))))
+    assert "no fast bf16 (no AVX512-BF16/AMX)" in no_bf16.evidence and "natively" not in no_bf16.evidence
     # below 5% is never more than low, whatever the interval
     assert severity_for_gain(1.049) == "low" and severity_for_gain(1.05) == "medium"
 

@@ -42,7 +42,13 @@ def check(obs: Observation):
     evidence = f"the model's forward runs in fp32 ({frac(obs, 'compute'):.0%} of the step is compute)"
     v = verified(obs, "autocast")
     slower = (v["speedup"] < 0.97) if v else s < 1.0
-    if slower:
+    if slower and s >= 1.0:  # the machine runs half precision fast; this model measured slower in it
+        evidence += (f"; this {dev.upper()} runs bf16 natively, but this model's step measured slower in it (small "
+                     "products gain less than the casts cost)")
+        fix = ("keep fp32 for this model; a larger model or batch on this machine may gain from torch.autocast("
+               f"{dev!r}, dtype={dtype}): measure it with --verify, or let torchspeed.resolve_precision('auto') "
+               "decide (T21)")
+    elif slower:
         evidence += (f"; this {dev.upper()} has no fast bf16 ({'no AVX512-BF16/AMX' if dev == 'cpu' else 'no Tensor Cores'}), "
                      "so autocast would be emulated and slower")
         fix = ("keep fp32 on this machine; where bf16 is native (CUDA sm80+, CPUs with AVX512-BF16/AMX) wrap the "
