@@ -5,6 +5,8 @@ Every measurement here is injected (fake ratios); nothing asserts on the clock.
 """
 
 import copy
+import importlib
+import itertools
 import textwrap
 from types import SimpleNamespace
 
@@ -258,3 +260,35 @@ def test_a_short_step_is_re_run_for_more_steps_and_a_fix_too_wide_to_rank_for_mo
     assert len(raw["threads"]["ratios"]) == 5 and len(raw["omp_passive"]["ratios"]) == 15
     assert len(raw["omp_passive"]["baseline_ms"]) == 15  # each round paired with the original run beside it
     assert seen == [15, 10, 10]  # 5 rounds of 3 variants, then the original and omp_passive alone
+
+
+def test_more_env_rounds_run_only_while_they_fit_the_time_budget(monkeypatch):
+    """A script whose re-runs are slow (each a process that imports torch) gets its first rounds, not 15: the
+    rounds beyond them are priced at the first rounds' seconds a process against `ENV_MORE_S`."""
+    noisy = itertools.cycle([6.0, 14.0, 10.0, 7.0, 13.0, 9.0, 11.0])  # every side alike and noisy
+    now = [0.0]
+    seen = []
+
+    def fake_many(jobs, quiet=False, threads=None):
+        seen.append(len(jobs))
+        now[0] += 4.0 * len(jobs)  # 4 s a process
+        return [SimpleNamespace(status="stopped", traceback=None, breakdown={"step_ms": next(noisy)}) for j in jobs]
+
+    diagnose_mod = importlib.import_module("torchspeed.doctor.diagnose")
+    monkeypatch.setattr(diagnose_mod, "diagnose_many", fake_many)
+    monkeypatch.setattr(_envfix, "_clock", lambda: now[0])
+    job = DoctorJob(script="train.py", env_rounds=5, env_steps=6)
+    cands = {"threads": {"OMP_NUM_THREADS": "1"}, "omp_passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    raw = _envfix.run_env_rounds(job, cands, diagnose_mod.measure_variants, steps=30)
+    # both intervals hold 1.0 after 5 rounds; 5 more of both and the original would take 15 x 4 s > 30 s
+    assert seen == [15] and all(len(raw[n]["ratios"]) == 5 for n in cands)
+    assert all("not run" in raw[n]["more_rounds"] for n in cands)
+    e = _envfix.summarize("omp_passive", cands["omp_passive"], raw["omp_passive"], steps=30)
+    assert e["rounds"] == 5 and "30 s" in e["more_rounds"]
+    # a quick script (0.5 s a process) gets its extra rounds, as before
+    seen.clear()
+    monkeypatch.setattr(diagnose_mod, "diagnose_many", lambda jobs, quiet=False, threads=None: (
+        seen.append(len(jobs)), now.__setitem__(0, now[0] + 0.5 * len(jobs)),
+        [SimpleNamespace(status="stopped", traceback=None, breakdown={"step_ms": next(noisy)}) for j in jobs])[2])
+    raw = _envfix.run_env_rounds(job, cands, diagnose_mod.measure_variants, steps=30)
+    assert seen == [15, 15, 15] and all(len(raw[n]["ratios"]) == 15 for n in cands)

@@ -17,8 +17,11 @@ usable cores, `cores`) and the variable is not
 set already, so a clean script pays nothing; nor is one whose gain a measured share of the step bounds under
 the 2% minimum effect (`rules._ceiling`: the page faults for `malloc`, the data wait for `workers`), and its
 entry says so. A re-run times `job.env_steps` steps (6), more for a short step (about 300 ms of steps, at most
-60: `env_steps`); a fix whose interval is still too wide to rank gets 5 more rounds, up to 15. Default cost: 5
-rounds x (1 + fixes) runs of `warmup + 6` or more steps, each in a process that imports torch.
+60: `env_steps`); a fix whose interval is still too wide to rank gets 5 more rounds, up to 15, while those
+re-runs fit in `ENV_MORE_S` (30 s, priced at the first rounds' seconds a process): each re-run is a process
+that imports torch and starts the script, 2-4 s on 2 cores, and a tiny script's 15 rounds of two fixes had
+made a plain `torchspeed doctor` take 4 minutes. Default cost: 5 rounds x (1 + fixes) runs of `warmup + 6` or
+more steps, then at most 30 s more.
 
 One source fix is measured the same way, because no timing of the script alone can say what it gains:
 DataLoader workers for a loop that loads in the main process (`workers`, the `--fix` patch with
@@ -37,6 +40,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import time
 from collections.abc import Callable, Mapping
 
 from torchspeed.doctor._interval import MAX_ROUNDS, bootstrap_interval, gain_interval, wide
@@ -53,6 +57,8 @@ __all__ = ["ENV_FIXES", "ENV_BUDGET_MS", "env_candidates", "patch_candidates", "
            "run_env_rounds", "env_steps"]
 
 ENV_BUDGET_MS, ENV_MAX_STEPS = 300.0, 60  # measured time per re-run (`env_steps`), and the most steps for it
+ENV_MORE_S = 30.0  # the most seconds the re-runs beyond the first `env_rounds` rounds may take (a script's start-up)
+_clock = time.perf_counter
 
 # fix name -> the rule whose advice it measures
 ENV_FIXES = {"malloc": "allocator", "threads": "cpu-oversubscribed", "omp_passive": "omp-wait-policy",
@@ -114,6 +120,8 @@ def summarize(name: str, env: dict, m: dict, *, steps: int) -> EnvFixResult:
                   "candidate_ms": round(statistics.median(cand), 3) if cand else None})
     if base and cand:
         entry["samples_ms"] = [list(base), list(cand)]
+    if m.get("more_rounds"):
+        entry["more_rounds"] = m["more_rounds"]
     return entry
 
 
@@ -131,13 +139,21 @@ def run_env_rounds(job, candidates: dict[str, dict[str, str]], run_variants: Cal
     """The re-runs: the original and each environment (and each patched source), each in its own process,
     `job.env_rounds` rounds (`run_variants`: `diagnose.measure_variants`, the doctor's interleaved runner,
     passed in by its caller). A fix whose interval is still too wide to rank (`_interval.wide`) gets
-    `job.env_rounds` more rounds beside the original, up to `_interval.MAX_ROUNDS` in all."""
+    `job.env_rounds` more rounds beside the original, up to `_interval.MAX_ROUNDS` in all, while they fit in
+    `ENV_MORE_S` at the first rounds' seconds a process; else its entry says why not (`more_rounds`)."""
     patched = patched or {}
     steps = steps or job.env_steps
     names = [n for n in candidates if n not in patched] + list(patched)
     out = {n: {"ratios": [], "ms": [], "baseline_ms": [], "error": None} for n in names}
-    todo = list(names)
+    todo, spent, per_process = list(names), [], 0.0
     while todo:
+        if spent:  # more rounds: only while their re-runs fit in what is left of ENV_MORE_S
+            per_process = per_process or spent[0] / (job.env_rounds * (1 + len(names)))
+            if sum(spent[1:]) + per_process * job.env_rounds * (1 + len(todo)) > ENV_MORE_S:
+                for n in todo:
+                    out[n]["more_rounds"] = f"not run: their re-runs would take over {ENV_MORE_S:.0f} s"
+                break
+        t0 = _clock()
         sources = [job.source] + [patched[n]["source"] if n in patched else job.source for n in todo]
         measured = run_variants(job.script, job.args, sources, steps=steps,
                                 warmup=min(job.warmup, 3), rounds=job.env_rounds, time_limit=job.time_limit,
@@ -148,6 +164,7 @@ def run_env_rounds(job, candidates: dict[str, dict[str, str]], run_variants: Cal
             o["ms"] += m["ms"]
             o["baseline_ms"] += measured[0]["ms"]
             o["error"] = o["error"] or m["error"] or measured[0]["error"]
+        spent.append(_clock() - t0)
         todo = [n for n in todo if _too_wide(out[n]) and len(out[n]["ms"]) + job.env_rounds <= MAX_ROUNDS]
     for o in out.values():
         o["speedup"] = round(statistics.median(o["ratios"]), 4) if o["ratios"] and not o["error"] else None

@@ -126,3 +126,4 @@ class EnvFixResult(_FixRun, total=False):
     patch: str                   # a source fix: the --fix patch that ran, its label and worker count
     label: str
     workers: int
+    more_rounds: str             # why rounds beyond the first were not run (`_envfix.ENV_MORE_S`)
