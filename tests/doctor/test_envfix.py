@@ -280,11 +280,11 @@ def test_more_env_rounds_run_only_while_they_fit_the_time_budget(monkeypatch):
     job = DoctorJob(script="train.py", env_rounds=5, env_steps=6)
     cands = {"threads": {"OMP_NUM_THREADS": "1"}, "omp_passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
     raw = _envfix.run_env_rounds(job, cands, diagnose_mod.measure_variants, steps=30)
-    # both intervals hold 1.0 after 5 rounds; 5 more of both and the original would take 15 x 4 s > 30 s
+    # both intervals hold 1.0 after 5 rounds; 5 more of both and the original would take 15 x 4 s > 45 s
     assert seen == [15] and all(len(raw[n]["ratios"]) == 5 for n in cands)
     assert all("not run" in raw[n]["more_rounds"] for n in cands)
     e = _envfix.summarize("omp_passive", cands["omp_passive"], raw["omp_passive"], steps=30)
-    assert e["rounds"] == 5 and "30 s" in e["more_rounds"]
+    assert e["rounds"] == 5 and "45 s" in e["more_rounds"]
     # a quick script (0.5 s a process) gets its extra rounds, as before
     seen.clear()
     monkeypatch.setattr(diagnose_mod, "diagnose_many", lambda jobs, quiet=False, threads=None: (

@@ -18,10 +18,10 @@ set already, so a clean script pays nothing; nor is one whose gain a measured sh
 the 2% minimum effect (`rules._ceiling`: the page faults for `malloc`, the data wait for `workers`), and its
 entry says so. A re-run times `job.env_steps` steps (6), more for a short step (about 300 ms of steps, at most
 60: `env_steps`); a fix whose interval is still too wide to rank gets 5 more rounds, up to 15, while those
-re-runs fit in `ENV_MORE_S` (30 s, priced at the first rounds' seconds a process): each re-run is a process
+re-runs fit in `ENV_MORE_S` (45 s, priced at the first rounds' seconds a process): each re-run is a process
 that imports torch and starts the script, 2-4 s on 2 cores, and a tiny script's 15 rounds of two fixes had
 made a plain `torchspeed doctor` take 4 minutes. Default cost: 5 rounds x (1 + fixes) runs of `warmup + 6` or
-more steps, then at most 30 s more.
+more steps, then at most 45 s more.
 
 One source fix is measured the same way, because no timing of the script alone can say what it gains:
 DataLoader workers for a loop that loads in the main process (`workers`, the `--fix` patch with
@@ -57,7 +57,7 @@ __all__ = ["ENV_FIXES", "ENV_BUDGET_MS", "env_candidates", "patch_candidates", "
            "run_env_rounds", "env_steps"]
 
 ENV_BUDGET_MS, ENV_MAX_STEPS = 300.0, 60  # measured time per re-run (`env_steps`), and the most steps for it
-ENV_MORE_S = 30.0  # the most seconds the re-runs beyond the first `env_rounds` rounds may take (a script's start-up)
+ENV_MORE_S = 45.0  # the most seconds the re-runs beyond the first `env_rounds` rounds may take (a script's start-up)
 _clock = time.perf_counter
 
 # fix name -> the rule whose advice it measures
