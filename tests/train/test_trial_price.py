@@ -48,6 +48,27 @@ def test_a_candidate_timed_apart_is_priced_with_the_passes_it_throws_away():
     assert "untried" not in _first_look(apart=True, run_steps=40)  # 0.09 s within 25% of 0.4 s
 
 
+def test_a_switchs_first_use_is_priced_at_least_at_first_switch_s():
+    """A tiny model in a warm process: the plain settings' first step (0.5 ms) is no dearer than the next, so a new
+    precision's one-off work would be priced at one 0.5 ms step; its kernels' first use costs far more (a bf16 MLP's
+    first step 9.4 ms, measured). bf16 on a 400-step run of 0.5 ms steps at the ported 2% (4 ms): at the floor it
+    does not fit and is not measured; a 4,000-step run (40 ms) tries it."""
+    from torchspeed.train.trial.switches import FIRST_SWITCH_S
+    grid = [Switches("fp32", False, None), Switches("bf16", False, None)]
+
+    def first_look(run_steps):
+        trial = LiveTrial(grid, rounds=1, steps=2, warmup=1, run_steps=run_steps, share=0.02, apart=True)
+        for _ in range(2):
+            trial.record(0.0005)
+        return trial.report
+
+    short = first_look(400)
+    assert "not measured: 1 other setting(s)" in short["stopped"]
+    assert f"a switch's first step {FIRST_SWITCH_S:.3f} s" in short["stopped"]
+    assert "stopped" not in first_look(4000) and "untried" not in first_look(4000)
+    assert FIRST_SWITCH_S >= 0.005  # priced at one 0.5 ms step (2 ms with its thrown passes) bf16 would fit in 4 ms
+
+
 def test_the_rules_choice_goes_before_the_later_stages_where_both_do_not_fit():
     """A 10-step run of 10 ms steps affords 0.025 s at a quarter: the three other settings and the two thread
     counts cost 0.05 s, and not even one setting fits next to the thread stage (0.03 s); without it, two settings

@@ -51,6 +51,10 @@ from torchspeed.train.trial.rounds import medians, share_faster, turns
 from torchspeed.train.trial.switch_choice import AHEAD, Switches, choose, numerics_ok
 
 DROP_AT = 1.5  # a candidate this many times slower than the fastest after one timed step is out of the later rounds
+# The least a switch's one-off work (its kernels' first use in the process) is priced at. Measured: in a process that
+# had run fp32 steps, a 32-128-128-10 MLP's first bf16 autocast step took 9.4 ms against 0.45 ms a step after
+# (2-core Zen 4): the plain settings' first step, warm there, had priced it at one step, 20x under.
+FIRST_SWITCH_S = 0.008
 
 __all__ = ["LiveTrial", "trial_steps", "DROP_AT"]
 
@@ -196,8 +200,9 @@ class LiveTrial:
         look's timed passes too, each a forward and backward thrown away. The one-off work is the dearest first
         step seen so far over the plain settings' timed step: the plain settings' own (an upper estimate in a fresh
         process, as it holds the process's start-up too) or a candidate's (in a process that ran the plain
-        settings before, theirs is cheap and a new setting's is not). Where the rest exceeds `share` of the
-        run's seconds at the plain settings' pace, the candidates not tried yet leave from the end of the grid's
+        settings before, theirs is cheap and a new setting's is not), for a precision or layout never under
+        `FIRST_SWITCH_S` (its kernels' first use; a later stage's kernel or thread count costs far less). Where the
+        rest exceeds `share` of the run's seconds at the plain settings' pace, the candidates not tried yet leave from the end of the grid's
         order (the rules' choice comes first: `switch_choice.prior_first`) until the rest fits
         (`report["untried"]`); where not even the first fits and nothing but the plain settings was tried, no gain
         the trial could find pays for it: the run keeps the plain settings (`report["stopped"]`)."""
@@ -208,6 +213,7 @@ class LiveTrial:
         step_s = timed[0]
         dearest = max((sec for _, sec, _ in self._warm), default=step_s)  # any setting's first step, the plain's too
         switch_s = max(dearest - step_s, step_s) * self.warmup
+        new_s = max(switch_s, FIRST_SWITCH_S * self.warmup)  # a precision or layout's kernels: their first use
         tried = {c for c, _, _ in self._warm}
         queued = {c for c, _ in self._queue}
         untried = [c for c in self.candidates if c not in tried and c in queued]
@@ -217,7 +223,7 @@ class LiveTrial:
         def cost(cands: list[Switches], stages: int = later) -> float:
             # a candidate timed apart also throws its first look's timed passes away: a step each
             thrown = sum(self.steps for c in cands if self.apart and c.rounds_apart(plain))
-            return (len(cands) + stages) * switch_s + thrown * step_s
+            return len(cands) * new_s + stages * switch_s + thrown * step_s
 
         budget = self.share * run_s
         if not untried and not later or cost(untried) <= budget:
@@ -235,13 +241,13 @@ class LiveTrial:
         if keep or len(tried) > 1:  # some candidate is (or was) tried: the rest that does not fit is left out
             out = untried[len(keep):]
             why = (f"not tried: the {len(keep)} setting(s) ahead of it in the rules' order cost about "
-                   f"{cost(keep, stages):.2f} s to try (a switch's first step {switch_s:.3f} s), all {others} about "
+                   f"{cost(keep, stages):.2f} s to try (a switch's first step {new_s:.3f} s), all {others} about "
                    f"{cost(untried):.2f} s, over {self.share:.0%} of this {self.run_steps}-step run's ~{run_s:.2f} s "
                    "at the plain settings' pace")
             self._untried(out, cost(keep, stages) > budget or stages < later, why)
             return
         self.report["stopped"] = (f"not measured: {others} other setting(s) would cost about {cost(untried):.2f} s to "
-                                  f"try (a switch's first step {switch_s:.3f} s), over {self.share:.0%} of this "
+                                  f"try (a switch's first step {new_s:.3f} s), over {self.share:.0%} of this "
                                   f"{self.run_steps}-step run's ~{run_s:.2f} s at the plain settings' pace")
         self._queue, self._stages = [], []
 
