@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchspeed.env import DeviceCaps
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.decision import TrialCache
+from torchspeed.train.trial import switch_choice
 from torchspeed.train.trial.half_fallback import grads_nonfinite
 from torchspeed.train.loop.trainer import Trainer
 
@@ -52,7 +53,8 @@ def _trainer(precision):
                    config=TrainConfig(epochs=1, progress=False, compile=False, trial=False, precision=precision))
 
 
-def test_chosen_bf16_whose_gradients_break_falls_back_to_fp32_and_the_weights_stay_finite(caplog):
+def test_chosen_bf16_whose_gradients_break_falls_back_to_fp32_and_the_weights_stay_finite(caplog, monkeypatch):
+    monkeypatch.setattr(switch_choice, "SMALL_PRODUCTS", 0)  # the rule takes bf16 for this small net too
     t = _trainer("auto")
     assert t.decisions["precision"].value == "bf16"  # the rules' choice on a bf16 CPU: not asked for
     res = t.fit(_loader())

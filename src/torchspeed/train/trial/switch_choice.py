@@ -27,12 +27,13 @@ from torchspeed.train.trial.precision import normalize_precision
 from torchspeed.train.trial.rounds import medians, share_faster
 
 __all__ = ["Switches", "candidate_grid", "prior_first", "rule_switches", "rule_choice", "autocast_moot",
-           "choose", "numerics_ok", "fusable", "set_fused",
+           "small_products", "choose", "numerics_ok", "fusable", "set_fused",
            "model_signature", "batch_signature", "AHEAD", "PRECISION_GAIN", "SURE"]
 
 AHEAD = 1.1  # a candidate timed apart this much faster than the plain settings is likely to win: its turns train
 PRECISION_GAIN = AHEAD  # another precision is taken only this much faster than the plain settings' (it moves results)
 SURE = 0.75  # a change is taken when it was the faster in this share of its timed steps' pairings with the plain's
+SMALL_PRODUCTS = 1 << 16  # CPU rule: a model whose weight matrices are all this small keeps fp32 (`small_products`)
 
 
 @dataclass(frozen=True)
@@ -93,10 +94,30 @@ def prior_first(grid: list[Switches], prior: Switches) -> list[Switches]:
     return grid[:1] + rest
 
 
+def small_products(model: nn.Module) -> str | None:
+    """Why bf16 would not pay for `model` on a CPU: no 2D convolution and no weight matrix over `SMALL_PRODUCTS`
+    elements (an embedding's own table aside: a lookup, not a product); None otherwise. Measured on a 2-core Zen 4
+    (AVX512-BF16, benchmarks/bench_bf16_sizes.py): a 3-layer MLP's step in bf16 autocast against fp32 at widths
+    64 / 128 / 256 was 0.47x / 0.48x / 0.67x at batch 32 and 0.67x / 0.82x / 1.01x at batch 256; at width 512
+    (262,144 elements) 0.87x and 1.31x. Autocast casts each weight every forward: a small product's cast costs
+    what bf16 saves."""
+    if has_conv2d(model):
+        return None
+    sizes = [p.numel() for m in model.modules() if not isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+             for p in m.parameters(recurse=False) if p.ndim == 2 and p.is_floating_point()]
+    if not sizes or max(sizes) > SMALL_PRODUCTS:
+        return None
+    return (f"the model's largest weight matrix has {max(sizes):,} elements (<= {SMALL_PRODUCTS:,}) and no "
+            "convolution: products this small lose more to bf16's casts than they gain on the CPU")
+
+
 def rule_switches(*, caps: DeviceCaps, has_conv: bool, precision: str = "auto", channels_last: bool | str = "auto",
-                  fused: bool | None = None) -> Switches:
-    """The fixed rules, used when no trial runs: the native half precision, channels_last for conv nets."""
+                  fused: bool | None = None, small: str | None = None) -> Switches:
+    """The fixed rules, used when no trial runs: the native half precision (on a CPU not for a model whose products
+    are small: `small`, from `small_products`), channels_last for conv nets."""
     p = (caps.half or "fp32") if precision == "auto" else precision
+    if precision == "auto" and small and caps.device_type == "cpu":
+        p = "fp32"
     cl = has_conv if channels_last == "auto" else bool(channels_last)
     return Switches(p, cl, fused)
 
@@ -174,10 +195,12 @@ def rule_choice(model: nn.Module, *, caps: DeviceCaps, precision: str = "auto",
     `autocast_moot`); channels_last for conv nets."""
     key = normalize_precision(precision)
     moot = autocast_moot(model) if key == "auto" else None
+    small = small_products(model) if key == "auto" and caps.half else None
     sw = rule_switches(caps=caps, has_conv=has_conv2d(model), precision="fp32" if moot else key,
-                       channels_last=channels_last)
+                       channels_last=channels_last, small=small)
     half_why = {"bf16": f"{caps.device_type.upper()} runs bf16 natively", "fp16": "fp16 Tensor Cores, no fast bf16",
-                "fp32": moot or f"no native half precision on this {caps.device_type.upper()}"}[sw.precision]
+                "fp32": moot or (caps.device_type == "cpu" and small) or
+                f"no native half precision on this {caps.device_type.upper()}"}[sw.precision]
     return sw, {"precision": Decision(sw.precision, "asked for" if key != "auto" else f"rule: {half_why}"),
                 "channels_last": Decision(sw.channels_last, "asked for" if channels_last != "auto" else (
                     "rule: a conv net" if sw.channels_last else "rule: no 2D convolutions"))}
