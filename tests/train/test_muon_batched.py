@@ -91,6 +91,10 @@ def test_state_dict_loads_across_torch_muon_and_batched():
     assert all("momentum_buffer" in opt.state[p] for p in b.parameters())
 
 
+def test_no_matrices_is_no_work():
+    assert batched_newton_schulz([], COEF, 5, 1e-7) == []
+
+
 def test_bad_pad_is_a_clear_error():
     with pytest.raises(ValueError, match="pad must be one of"):
         BatchedMuon(_model().parameters(), pad="diagonal")

@@ -79,7 +79,12 @@ def batched_newton_schulz(updates: list[torch.Tensor], ns_coefficients: tuple[fl
         raise ValueError("Number of steps must be less than 100 for computational efficiency")
     a, b, c = ns_coefficients
     out: list[torch.Tensor | None] = [None] * len(updates)
-    for (rows, cols), ix in _buckets([u.shape for u in updates], pad):
+    by_device: dict[torch.device, list[int]] = defaultdict(list)  # a stack lives on one device
+    for i, u in enumerate(updates):
+        by_device[u.device].append(i)
+    stacks = [(shape, [on[k] for k in ix]) for on in by_device.values()
+              for shape, ix in _buckets([updates[i].shape for i in on], pad)]
+    for (rows, cols), ix in stacks:
         x = updates[ix[0]].new_zeros((len(ix), rows, cols), dtype=torch.bfloat16)
         for k, i in enumerate(ix):
             u = updates[i]
