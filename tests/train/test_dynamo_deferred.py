@@ -64,9 +64,10 @@ def test_the_switch_trials_turns_timed_apart_do_not_import_torch_dynamo_either(t
         step = shadow.ShadowTurns.step
         shadow.ShadowTurns.step = lambda self, *a, **k: turns.append(1) or step(self, *a, **k)
         g = torch.Generator().manual_seed(0)
-        x, y = torch.randn(512, 8, generator=g), torch.randint(0, 3, (512,), generator=g)
+        x, y = torch.randn(8192, 8, generator=g), torch.randint(0, 3, (8192,), generator=g)
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        # 1,024 steps: long enough to afford bf16's first use (`switches.FIRST_SWITCH_S`) on any CPU
         torchspeed.fit(m, DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True), epochs=2,
                        optimizer="adamw", recipe="auto", progress=False, compile=False)
         assert turns, "no turn was timed apart: the test does not reach ShadowTurns.step"
