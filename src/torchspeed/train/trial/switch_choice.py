@@ -101,10 +101,11 @@ def small_products(model: nn.Module) -> str | None:
     64 / 128 / 256 was 0.47x / 0.48x / 0.67x at batch 32 and 0.67x / 0.82x / 1.01x at batch 256; at width 512
     (262,144 elements) 0.87x and 1.31x. Autocast casts each weight every forward: a small product's cast costs
     what bf16 saves."""
-    if has_conv2d(model):
-        return None
-    sizes = [p.numel() for m in model.modules() if not isinstance(m, (nn.Embedding, nn.EmbeddingBag))
-             for p in m.parameters(recurse=False) if p.ndim == 2 and p.is_floating_point()]
+    params = [(m, p) for m in model.modules() for p in m.parameters(recurse=False)]
+    if has_conv2d(model) or any(isinstance(p, nn.parameter.UninitializedParameter) for _, p in params):
+        return None  # a lazy module's size is not known before its first call: the rule stands
+    sizes = [p.numel() for m, p in params if not isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+             and p.ndim == 2 and p.is_floating_point()]
     if not sizes or max(sizes) > SMALL_PRODUCTS:
         return None
     return (f"the model's largest weight matrix has {max(sizes):,} elements (<= {SMALL_PRODUCTS:,}) and no "

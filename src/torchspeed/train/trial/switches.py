@@ -202,8 +202,9 @@ class LiveTrial:
         process, as it holds the process's start-up too) or a candidate's (in a process that ran the plain
         settings before, theirs is cheap and a new setting's is not), for a precision or layout never under
         `FIRST_SWITCH_S` (its kernels' first use; a later stage's kernel or thread count costs far less). Where the
-        rest exceeds `share` of the run's seconds at the plain settings' pace, the candidates not tried yet leave from the end of the grid's
-        order (the rules' choice comes first: `switch_choice.prior_first`) until the rest fits
+        rest exceeds `share` of the run's seconds at the plain settings' pace, the candidates not tried yet leave
+        from the end of the grid's order (the rules' choice comes first: `switch_choice.prior_first`) until the
+        rest fits
         (`report["untried"]`); where not even the first fits and nothing but the plain settings was tried, no gain
         the trial could find pays for it: the run keeps the plain settings (`report["stopped"]`)."""
         plain = self.grid[0]
