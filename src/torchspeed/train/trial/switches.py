@@ -204,9 +204,8 @@ class LiveTrial:
         `FIRST_SWITCH_S` (its kernels' first use; a later stage's kernel or thread count costs far less). Where the
         rest exceeds `share` of the run's seconds at the plain settings' pace, the candidates not tried yet leave
         from the end of the grid's order (the rules' choice comes first: `switch_choice.prior_first`) until the
-        rest fits
-        (`report["untried"]`); where not even the first fits and nothing but the plain settings was tried, no gain
-        the trial could find pays for it: the run keeps the plain settings (`report["stopped"]`)."""
+        rest fits (`report["untried"]`); where not even the first fits and nothing but the plain settings was
+        tried, no gain the trial could find pays for it: the run keeps the plain settings (`report["stopped"]`)."""
         plain = self.grid[0]
         timed = self.times.get(plain)
         if self.run_steps is None or not timed or math.isinf(self.share) or "stopped" in self.report:
