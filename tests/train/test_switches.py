@@ -899,6 +899,7 @@ def test_the_cpu_rule_keeps_fp32_for_a_model_of_small_products():
     assert small_products(wide) is None and rule_choice(wide, caps=BF16_CPU)[0].precision == "bf16"
     conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.LazyLinear(10))
     assert small_products(conv) is None  # a convolution's rows are batch x pixels: bf16 pays on the CPU
+    assert small_products(nn.Sequential(nn.Conv1d(4, 8, 3), nn.Flatten(), nn.Linear(8, 2))) is None  # 1D too
     assert small_products(nn.Sequential(nn.LazyLinear(8), nn.Linear(8, 2))) is None  # a size not known yet
     tied = nn.Linear(64, 50_000)  # an LM head's product is large even when a small model tied it to an embedding
     assert small_products(nn.Sequential(nn.Linear(64, 64), tied)) is None

@@ -95,15 +95,16 @@ def prior_first(grid: list[Switches], prior: Switches) -> list[Switches]:
 
 
 def small_products(model: nn.Module) -> str | None:
-    """Why bf16 would not pay for `model` on a CPU: no 2D convolution and no weight matrix over `SMALL_PRODUCTS`
-    elements (an embedding's own table aside: a lookup, not a product); None otherwise. Measured on a 2-core Zen 4
-    (AVX512-BF16, benchmarks/bench_bf16_sizes.py): a 3-layer MLP's step in bf16 autocast against fp32 at widths
-    64 / 128 / 256 was 0.47x / 0.48x / 0.67x at batch 32 and 0.67x / 0.82x / 1.01x at batch 256; at width 512
-    (262,144 elements) 0.87x and 1.31x. Autocast casts each weight every forward: a small product's cast costs
-    what bf16 saves."""
+    """Why bf16 would not pay for `model` on a CPU: no convolution (1D, 2D or 3D) and no weight matrix over
+    `SMALL_PRODUCTS` elements (an embedding's own table aside: a lookup, not a product); None otherwise. Measured
+    on a 2-core Zen 4 (AVX512-BF16, benchmarks/bench_bf16_sizes.py): a 3-layer MLP's step in bf16 autocast against
+    fp32 at widths 64 / 128 / 256 was 0.47x / 0.48x / 0.67x at batch 32 and 0.67x / 0.82x / 1.01x at batch 256;
+    at width 512 (262,144 elements) 0.87x and 1.31x. Autocast casts each weight every forward: a small product's
+    cast costs what bf16 saves."""
     params = [(m, p) for m in model.modules() for p in m.parameters(recurse=False)]
-    if has_conv2d(model) or any(isinstance(p, nn.parameter.UninitializedParameter) for _, p in params):
-        return None  # a lazy module's size is not known before its first call: the rule stands
+    if any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()) or \
+            any(isinstance(p, nn.parameter.UninitializedParameter) for _, p in params):
+        return None  # a convolution's rows are batch x positions; a lazy module's size is not known yet
     sizes = [p.numel() for m, p in params if not isinstance(m, (nn.Embedding, nn.EmbeddingBag))
              and p.ndim == 2 and p.is_floating_point()]
     if not sizes or max(sizes) > SMALL_PRODUCTS:
