@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from torchspeed._io import write_json
-from torchspeed.bench.runner import provenance
+from torchspeed.bench.runner import cpu_kind, provenance
 from torchspeed.env import other_runnable
 
 WIDTHS = (64, 128, 256, 512, 1024)
@@ -49,9 +49,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     prov = provenance()
-    flags = prov.get("cpu_flags") or {}
-    kind = ("cpu-amx" if flags.get("amx") else "cpu-avx512-bf16" if flags.get("avx512_bf16")
-            else "cpu-avx512" if flags.get("avx512") else "cpu-avx2")
+    kind = cpu_kind(prov)
     load = other_runnable()
     rows = []
     for w in WIDTHS:

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 import torchspeed
 import torchspeed.train.muon as muon_module
 from torchspeed._io import write_json
-from torchspeed.bench.runner import provenance
+from torchspeed.bench.runner import cpu_kind, provenance
 from torchspeed.bench.text import GPT
 from torchspeed.bench.workloads import BLOCK_SIZE, make_datasets
 from torchspeed.env import other_runnable
@@ -118,9 +118,7 @@ def main() -> None:
         print(row, flush=True)
         fits.append(row)
     prov = provenance()
-    flags = prov.get("cpu_flags") or {}
-    kind = ("cpu-amx" if flags.get("amx") else "cpu-avx512-bf16" if flags.get("avx512_bf16")
-            else "cpu-avx512" if flags.get("avx512") else "cpu-avx2")
+    kind = cpu_kind(prov)
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / kind / "muon_batched.json"
     write_json(out, {"meta": {**prov, "command": "python benchmarks/bench_muon_batched.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),

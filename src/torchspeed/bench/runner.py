@@ -71,7 +71,8 @@ from torchspeed.train.trial.precision import half_precision
 from torchspeed.train.loop.progress import progress_bar
 from torchspeed.train.trial.rounds import interleaved, paired_ratios
 
-__all__ = ["BenchConfig", "BenchRow", "BenchResult", "bench_configs", "run_bench", "provenance", "write_results"]
+__all__ = ["BenchConfig", "BenchRow", "BenchResult", "bench_configs", "run_bench", "provenance", "cpu_kind",
+           "write_results"]
 
 
 # A pause before each config's timed steps. The previous config's OpenMP threads spin for a few
@@ -205,6 +206,14 @@ def machine_busy() -> tuple[bool, dict]:
                                        "busy_rule": f"other runnable tasks >= {BUSY_OTHERS}"}
     return speedup < BUSY_BELOW, {"parallel_speedup_2proc": speedup, "other_runnable": None,
                                   "busy_rule": f"2-process speed-up < {BUSY_BELOW}"}
+
+
+def cpu_kind(prov: dict) -> str:
+    """The results folder a provenance's CPU belongs in (benchmarks/results/<kind>/): cpu-amx, cpu-avx512-bf16,
+    cpu-avx512 or cpu-avx2."""
+    flags = prov.get("cpu_flags") or {}
+    return ("cpu-amx" if flags.get("amx") else "cpu-avx512-bf16" if flags.get("avx512_bf16")
+            else "cpu-avx512" if flags.get("avx512") else "cpu-avx2")
 
 
 def provenance() -> dict:

@@ -42,7 +42,7 @@ from torchspeed.train.trial.precision import MixedPrecision, Precision, normaliz
 from torchspeed.train.trial.shadow import ShadowTurns
 from torchspeed.train.loop.step import OptimizerClock
 from torchspeed.train.trial.switch_choice import (Switches, autocast_moot, batch_signature, candidate_grid, fusable,
-                                                  model_signature, prior_first, rule_switches, small_products)
+                                                  model_signature, prior_first, rule_switches, small_here)
 from torchspeed.train.trial.switches import LiveTrial
 from torchspeed.train.transfer import batch_layout
 from torchspeed.train.trial.trial_safety import TrialSafety, forked_rng
@@ -129,11 +129,11 @@ class SwitchStage:
         threads = _thread_choices(loader, self.t.device, self.t.caps)
         self.plain_threads = torch.get_num_threads()
         prior = rule_switches(caps=self.t.caps, has_conv=has_conv, precision=precision, channels_last=layout,
-                              fused=cur_fused, small=(small := small_products(self.t.module)))
+                              fused=cur_fused, small=(small := small_here(self.t.module, self.t.caps)))
         grid = prior_first(grid, prior)  # a run that affords only some candidates tries the rules' choice first
         rule_why = (f"{prior.precision} is the half precision this {self.t.caps.device_type.upper()} runs natively"
                     if prior.precision != "fp32" else "fp32 asked for" if precision != "auto" else
-                    (self.t.caps.half and self.t.caps.device_type == "cpu" and small) or "no native half precision") + (
+                    small or "no native half precision") + (
             ", channels_last for a conv net" if prior.channels_last else "")
         trial = False if cfg.deterministic else cfg.trial  # a timing-dependent choice would break bit-identical reruns
         if chosen is not None:  # measured before the run, on a copy (plan/switches_first): the run's one trial

@@ -27,7 +27,7 @@ from torchspeed.train.trial.precision import normalize_precision
 from torchspeed.train.trial.rounds import medians, share_faster
 
 __all__ = ["Switches", "candidate_grid", "prior_first", "rule_switches", "rule_choice", "autocast_moot",
-           "small_products", "choose", "numerics_ok", "fusable", "set_fused",
+           "small_products", "small_here", "choose", "numerics_ok", "fusable", "set_fused",
            "model_signature", "batch_signature", "AHEAD", "PRECISION_GAIN", "SURE"]
 
 AHEAD = 1.1  # a candidate timed apart this much faster than the plain settings is likely to win: its turns train
@@ -111,6 +111,11 @@ def small_products(model: nn.Module) -> str | None:
         return None
     return (f"the model's largest weight matrix has {max(sizes):,} elements (<= {SMALL_PRODUCTS:,}) and no "
             "convolution: products this small lose more to bf16's casts than they gain on the CPU")
+
+
+def small_here(model: nn.Module, caps: DeviceCaps) -> str | None:
+    """`small_products(model)` where the rule reads it: a CPU with a native half precision; else None."""
+    return small_products(model) if caps.device_type == "cpu" and caps.half else None
 
 
 def rule_switches(*, caps: DeviceCaps, has_conv: bool, precision: str = "auto", channels_last: bool | str = "auto",
@@ -197,12 +202,11 @@ def rule_choice(model: nn.Module, *, caps: DeviceCaps, precision: str = "auto",
     `autocast_moot`); channels_last for conv nets."""
     key = normalize_precision(precision)
     moot = autocast_moot(model) if key == "auto" else None
-    small = small_products(model) if key == "auto" and caps.half else None
+    small = small_here(model, caps) if key == "auto" else None
     sw = rule_switches(caps=caps, has_conv=has_conv2d(model), precision="fp32" if moot else key,
                        channels_last=channels_last, small=small)
     half_why = {"bf16": f"{caps.device_type.upper()} runs bf16 natively", "fp16": "fp16 Tensor Cores, no fast bf16",
-                "fp32": moot or (caps.device_type == "cpu" and small) or
-                f"no native half precision on this {caps.device_type.upper()}"}[sw.precision]
+                "fp32": moot or small or f"no native half precision on this {caps.device_type.upper()}"}[sw.precision]
     return sw, {"precision": Decision(sw.precision, "asked for" if key != "auto" else f"rule: {half_why}"),
                 "channels_last": Decision(sw.channels_last, "asked for" if channels_last != "auto" else (
                     "rule: a conv net" if sw.channels_last else "rule: no 2D convolutions"))}
