@@ -15,7 +15,8 @@ The workers must do enough work to explain the slow-down: at least a quarter of 
 lost per step (`dataset[i]` x batch size); otherwise the slow-down is the rest of the machine's load.
 The fix is a worker and thread count chosen by measuring (`--verify` runs the tuner, fewer and more).
 Without `--verify`, the plain run measures the thread count the fix names (OMP_NUM_THREADS = cores -
-workers) by re-running a few steps of the script with it (`_envfix`, "threads").
+workers) by re-running a few steps of the script with it (`_envfix`, "threads"); without a timed slow-down the
+finding stands on that re-run alone, listed as `_common.env_listed` says (inconclusive when its interval holds 1.0).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import replace
 
 from torchspeed.doctor.observation import CpuContention, Observation
 from torchspeed.doctor.registry import register
-from torchspeed.doctor.rules._common import env_measured, finding, saving_gain, step_ms
+from torchspeed.doctor.rules._common import env_listed, finding, saving_gain, step_ms
 
 RATIO = 1.15  # compute in the script / compute alone worth reporting (on the low end of the spreads)
 EXPLAINS = 0.25  # the workers' CPU work per step must be at least this share of the compute time lost
@@ -55,8 +56,7 @@ def check(obs: Observation):
     work = c.get("worker_ms_per_batch", 0.0)
     s = slow_down(c)
     slowed = s is not None and s["ratio"][0] >= RATIO and work >= EXPLAINS * s["lost_ms"][1]
-    env = env_measured(obs, "threads")
-    if not slowed and not (env and env["speedup"] > 1.0 and not env.get("within_noise")):
+    if not slowed and env_listed(obs, "threads") is None:
         return None  # no slow-down the workers explain (idle workers cannot cost this much), none measured
     evidence = f"{workers} DataLoader workers + {threads} intra-op threads on {cores} usable cores"
     interval = None

@@ -5,22 +5,23 @@ policy), taking CPU time from the worker processes that decode and collate the n
 OMP_WAIT_POLICY=PASSIVE makes them sleep instead. Whether that helps depends on the script (a
 step made of many short parallel regions can lose), so the rule reports only what was measured:
 the plain run re-runs a few steps of the script with the variable set, interleaved with the
-original (`_envfix`, "omp_passive"), and the finding appears only when that measured a gain
-beyond the noise of its rounds.
+original (`_envfix`, "omp_passive"), and the finding appears only on that measurement: ranked on its interval
+when it clears the minimum effect, listed apart as inconclusive (low) when the interval holds 1.0 or the rounds
+disagree wildly, and absent when it measured the policy settled (slower, no change, or short of the minimum
+effect: `_common.env_listed`). So a policy that gains nothing reads the same on every run.
 """
 
 from __future__ import annotations
 
 from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
-from torchspeed.doctor.rules._common import env_measured, finding
+from torchspeed.doctor.rules._common import env_listed, finding
 
 
 @register("omp-wait-policy", priority=16, techniques=("T45",),
           summary="OpenMP threads spin-wait on cores the DataLoader workers need", cause="cpu-contention")
 def check(obs: Observation):
-    v = env_measured(obs, "omp_passive")
-    if v is None or v["speedup"] <= 1.0 or v.get("within_noise"):
+    if env_listed(obs, "omp_passive") is None:
         return None
     c = obs.get("cpu") or {}
     evidence = (f"{c.get('workers', '?')} DataLoader workers beside {c.get('threads', '?')} intra-op OpenMP threads "
