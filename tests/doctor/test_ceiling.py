@@ -51,7 +51,11 @@ def test_an_environment_fix_bounded_under_the_minimum_effect_is_not_re_run(monke
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     obs = _obs(_set("breakdown.minor_faults_per_step", 1500.0), _set("breakdown.step_ms", 200.0),
                _set("env.allocator", "glibc"))
-    assert "malloc" in _envfix.env_candidates(obs, environ={})  # the allocator rule's trigger holds
+    # page faults that could gain 1.5% at most: the allocator's trigger does not hold, nothing to re-run or report
+    assert "malloc" not in _envfix.env_candidates(obs, environ={})
+    assert report_from_observation(copy.deepcopy(obs)).finding("allocator") is None
+    # a candidate that reaches the re-runs anyway is stopped by the ceiling, and its entry says why
+    monkeypatch.setattr(_envfix, "env_candidates", lambda o: {"malloc": {"MALLOC_MMAP_THRESHOLD_": "1"}})
     asked = []
     _envfix.measure_env_fixes(DoctorJob(script="train.py"), obs, measure=lambda job, c: asked.append(c) or {})
     assert asked == []  # nothing re-run
@@ -59,13 +63,23 @@ def test_an_environment_fix_bounded_under_the_minimum_effect_is_not_re_run(monke
     assert e["ceiling"] == 1.0152 and "under the 2% minimum effect" in e["skipped"], e
     assert not undeclared_keys(obs)
     r = report_from_observation(obs)
-    f = r.finding("allocator")
-    assert f.ceiling == 1.0152 and f.basis != "measured" and f.severity == "low"
-    assert "at most 1.015x: 1,500 minor page faults per step is 1.5% of the step" in f.evidence
-    assert "not run" in f.evidence
+    assert r.finding("allocator") is None
     row = next(x for x in report_verdict(r)["fixes"] if x["fix"] == "malloc")
     assert row["verdict"] == "not-run" and row["ceiling"] == 1.0152
     assert report_verdict(r)["verdict"] == "pass"
+
+
+def test_the_allocator_trigger_is_the_churn_against_the_step_not_a_fixed_count():
+    """The same 990 faults a step are reported beside a 15 ms step (ceiling 1.15x) and not beside a 200 ms one
+    (1.0100x); 400 faults (under `FAULTS`) are not reported whatever the step."""
+    from torchspeed.doctor.rules.allocator import FAULTS, churn
+
+    def obs(faults, step):
+        return _obs(_set("breakdown.minor_faults_per_step", faults), _set("breakdown.step_ms", step),
+                    _set("env.allocator", "glibc"))
+    assert churn(obs(990.0, 15.0)) and report_from_observation(obs(990.0, 15.0)).finding("allocator")
+    assert not churn(obs(990.0, 200.0)) and not churn(obs(FAULTS - 100.0, 15.0))
+    assert not churn(obs(990.0, 15.0) | {"env": {"allocator": "tcmalloc"}})
 
 
 def test_a_fix_whose_bound_clears_the_minimum_is_re_run_and_its_finding_states_the_bound(monkeypatch):

@@ -11,7 +11,7 @@ bootstrap interval of the ratio of the median step times (`_interval.gain_interv
 by more than 2x are inconclusive, and no rule counts them); the rules read them from `obs["env_fixes"]`
 and the registry ranks the finding on that interval's lower bound (`registry.settle`).
 
-A fix applies only where its rule's trigger holds (page-fault churn with glibc's default thresholds;
+A fix applies only where its rule's trigger holds (page-fault churn with glibc's default thresholds, `allocator.churn`;
 workers + threads beyond the cores; workers beside more than one OpenMP thread; intra-op threads beyond the
 usable cores, `cores`) and the variable is not
 set already, so a clean script pays nothing; nor is one whose gain a measured share of the step bounds under
@@ -50,7 +50,7 @@ from torchspeed.doctor._rounds import round_summary
 from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.observation_runs import EnvFixResult
 from torchspeed.doctor.rules._ceiling import below_minimum, ceiling, skipped_entry
-from torchspeed.doctor.rules.allocator import FAULTS
+from torchspeed.doctor.rules.allocator import churn
 from torchspeed.env import GLIBC_MALLOC_ENV
 
 __all__ = ["ENV_FIXES", "ENV_BUDGET_MS", "env_candidates", "patch_candidates", "measure_env_fixes", "summarize",
@@ -70,10 +70,8 @@ def env_candidates(obs: Observation, environ: Mapping[str, str] | None = None) -
     """The environment fixes that apply to this observation: {name: variables to add}."""
     environ = os.environ if environ is None else environ
     out: dict[str, dict[str, str]] = {}
-    env = obs.get("env") or {}
     on_cpu = not str((obs.get("model") or {}).get("device", "cpu")).startswith("cuda")
-    faults = (obs.get("breakdown") or {}).get("minor_faults_per_step", 0.0)
-    if on_cpu and env.get("allocator") == "glibc" and faults >= FAULTS and "MALLOC_MMAP_THRESHOLD_" not in environ:
+    if churn(obs) and "MALLOC_MMAP_THRESHOLD_" not in environ:
         out["malloc"] = dict(GLIBC_MALLOC_ENV)
     c = obs.get("cpu") or {}
     workers, threads, cores = int(c.get("workers", 0)), int(c.get("threads", 1)), int(c.get("cores", 1))

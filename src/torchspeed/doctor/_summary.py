@@ -137,7 +137,9 @@ def _breakdown(use: list, measured: list, left_out: list, *, within_warmup: bool
                              if use else 0.0 for k in ("data", "copy", "sync")},
         "steps": len(use), "within_warmup": within_warmup, "outlier_steps": len(left_out),
         "outlier_step_ms": [round(r["step"], 3) for r in left_out],
-        "minor_faults_per_step": round(statistics.median([r.get("minflt", 0) for r in use]), 1) if use else 0.0,
+        # the mean, not the median: the faults' cost adds up, and a process's steps alternate between a few
+        # hundred and a few thousand (glibc's dynamic threshold), where a median jumps between the two
+        "minor_faults_per_step": round(_mean([r.get("minflt", 0) for r in use]), 1) if use else 0.0,
     }
 
 

@@ -75,7 +75,7 @@ class Breakdown(TypedDict, total=False):
     within_warmup: bool          # the run ended within the warm-up: those steps are all there is (a rough figure)
     outlier_steps: int           # measured steps left out as start-up outliers
     outlier_step_ms: list[float]
-    minor_faults_per_step: float  # median page faults (minor) per step
+    minor_faults_per_step: float  # mean page faults (minor) per kept step
 
 
 class Syncs(TypedDict, total=False):
