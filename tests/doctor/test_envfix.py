@@ -264,9 +264,9 @@ def test_a_short_step_is_re_run_for_more_steps_and_a_fix_too_wide_to_rank_for_mo
     import itertools
 
     job = DoctorJob(script="train.py", env_rounds=5, env_steps=6)
-    assert _envfix.env_steps(job, {"breakdown": {"step_ms": 100.0}}) == 6  # 600 ms of steps already
-    assert _envfix.env_steps(job, {"breakdown": {"step_ms": 10.0}}) == 30  # about 300 ms of steps
-    assert _envfix.env_steps(job, {"breakdown": {"step_ms": 0.5}}) == 60  # at most 60
+    assert _envfix.env_steps(job, {"breakdown": {"step_ms": 100.0}}) == (6, 3)  # 600 ms of steps already
+    assert _envfix.env_steps(job, {"breakdown": {"step_ms": 10.0}}) == (30, 3)  # about 300 ms of steps
+    assert _envfix.env_steps(job, {"breakdown": {"step_ms": 0.5}}) == (60, 3)  # at most 60
 
     seen = []
     noisy = itertools.cycle([9.0, 11.0, 10.5, 9.5, 12.0, 8.5])  # the original and omp_passive: the same, noisy
@@ -316,3 +316,25 @@ def test_more_env_rounds_run_only_while_they_fit_the_time_budget(monkeypatch):
         [SimpleNamespace(status="stopped", traceback=None, breakdown={"step_ms": next(noisy)}) for j in jobs])[2])
     raw = _envfix.run_env_rounds(job, cands, diagnose_mod.measure_variants, steps=30)
     assert seen == [15, 15, 15] and all(len(raw[n]["ratios"]) == 15 for n in cands)
+
+
+def test_a_loop_with_workers_is_re_run_past_the_batches_they_load_ahead(monkeypatch):
+    """2 workers load 4 batches ahead while a re-run starts: the warm-up drains them (twice over) and the timed
+    steps are at least 3 backlogs, so a fix is timed on a loop that waits on its data as the script's does. The
+    workers patch counts its own workers; the re-runs are run with that warm-up."""
+    job = DoctorJob(script="train.py", env_rounds=5, env_steps=6, warmup=5)
+    two = {"breakdown": {"step_ms": 80.0}, "loaders": [{"num_workers": 2, "prefetch_factor": 2}]}
+    assert _envfix.backlog(two) == 4 and _envfix.env_steps(job, two) == (12, 11)
+    assert _envfix.env_steps(job, {"breakdown": {"step_ms": 80.0}, "loaders": [{"num_workers": 0}]}) == (6, 3)
+    patched = {"workers": {"source": "x", "workers": 2, "label": "num_workers=2"}}
+    assert _envfix.env_steps(job, {"breakdown": {"step_ms": 80.0}, "loaders": [{"num_workers": 0}]}, patched) == (12, 11)
+    many = {"breakdown": {"step_ms": 80.0}, "loaders": [{"num_workers": 16, "prefetch_factor": 4}]}
+    assert _envfix.backlog(many) == _envfix.BACKLOG_MAX  # bounded: 64 batches ahead would be 128 warm-up steps
+    seen = []
+    monkeypatch.setattr(_envfix, "run_env_rounds", lambda job, env, rv, patched, *, steps, warmup: seen.append(
+        (steps, warmup)) or {n: {"ratios": [1.3] * 5, "ms": [60.0] * 5, "baseline_ms": [80.0] * 5, "error": None}
+                             for n in env})
+    obs = _obs(_set("cpu", {"workers": 2, "threads": 2, "cores": 2}), _set("breakdown.step_ms", 80.0),
+               _set("loaders", [{"num_workers": 2, "prefetch_factor": 2, "map_style": True}]))
+    _envfix.measure_env_fixes(job, obs, run_variants=None)
+    assert seen == [(12, 11)] and obs["env_fixes"]["threads"]["steps"] == 12

@@ -18,7 +18,9 @@ set already, so a clean script pays nothing; nor is one whose gain a measured sh
 the 2% minimum effect (`rules._ceiling`: the page faults for `malloc`, the data wait for `workers`), and its
 entry says so. A re-run times `job.env_steps` steps (6), more for a short step (about 300 ms of steps, at most
 60: `env_steps`); a fix whose interval is still too wide to rank gets 5 more rounds, up to 15, while those
-re-runs fit in `ENV_MORE_S` (45 s, priced at the first rounds' seconds a process): each re-run is a process
+re-runs fit in `ENV_MORE_S` (45 s, priced at the first rounds' seconds a process); a loop with DataLoader workers
+warms up until the batches they loaded ahead at start are drained (`backlog`), else its timed steps read a loop
+that does not wait on its data, and the fix's gain with it. Each re-run is a process
 that imports torch and starts the script, 2-4 s on 2 cores, and a tiny script's 15 rounds of two fixes had
 made a plain `torchspeed doctor` take 4 minutes. Default cost: 5 rounds x (1 + fixes) runs of `warmup + 6` or
 more steps, then at most 45 s more.
@@ -57,6 +59,7 @@ __all__ = ["ENV_FIXES", "ENV_BUDGET_MS", "env_candidates", "patch_candidates", "
            "run_env_rounds", "env_steps"]
 
 ENV_BUDGET_MS, ENV_MAX_STEPS = 300.0, 60  # measured time per re-run (`env_steps`), and the most steps for it
+BACKLOG_MAX = 8  # the most batches ahead a re-run drains (8 workers x 4 ahead would be 64 steps of warm-up)
 ENV_MORE_S = 45.0  # the most seconds the re-runs beyond the first `env_rounds` rounds may take (a script's start-up)
 _clock = time.perf_counter
 
@@ -123,17 +126,32 @@ def summarize(name: str, env: dict, m: dict, *, steps: int) -> EnvFixResult:
     return entry
 
 
-def env_steps(job, obs: Observation) -> int:
-    """Measured steps per re-run: `job.env_steps`, more for a short step, so that each re-run times about
-    `ENV_BUDGET_MS` (6 steps of a 3 ms step time 18 ms, which one page-fault burst or a preemption moves)."""
+def backlog(obs: Observation, patched: dict[str, dict] | None = None) -> int:
+    """Batches the DataLoader workers load ahead while a re-run starts (workers x prefetch_factor, 2 by default):
+    the original's loaders, or the workers patch's `workers`. A re-run whose timed steps eat that backlog times a
+    loop that does not wait on its data: 6 steps of a 2-worker loop, 4 batches ahead, read 1.06-1.24x for a thread
+    count that gains 1.35x once the queue is drained."""
+    ahead = [int(ld.get("num_workers") or 0) * (int(ld.get("prefetch_factor") or 0) or 2)
+             for ld in obs.get("loaders") or []]
+    ahead += [2 * int(p.get("workers") or 0) for p in (patched or {}).values()]
+    return min(BACKLOG_MAX, max(ahead, default=0))
+
+
+def env_steps(job, obs: Observation, patched: dict[str, dict] | None = None) -> tuple[int, int]:
+    """Measured steps per re-run and the warm-up steps before them: `job.env_steps`, more for a short step, so
+    that each re-run times about `ENV_BUDGET_MS` (6 steps of a 3 ms step time 18 ms, which one page-fault burst or
+    a preemption moves); with DataLoader workers, a warm-up that drains their start-up `backlog` (twice over: they
+    keep loading while it drains) and at least 3 backlogs of timed steps."""
+    ahead = backlog(obs, patched)
+    warmup = min(job.warmup, 3) + 2 * ahead
     step = float((obs.get("breakdown") or {}).get("step_ms") or 0.0)
-    if step <= 0:
-        return job.env_steps
-    return max(job.env_steps, min(ENV_MAX_STEPS, math.ceil(ENV_BUDGET_MS / step)))
+    steps = job.env_steps if step <= 0 else max(job.env_steps, min(ENV_MAX_STEPS, math.ceil(ENV_BUDGET_MS / step)))
+    return min(ENV_MAX_STEPS, max(steps, 3 * ahead)), warmup
 
 
 def run_env_rounds(job, candidates: dict[str, dict[str, str]], run_variants: Callable,
-                   patched: dict[str, dict] | None = None, *, steps: int | None = None) -> dict[str, dict]:
+                   patched: dict[str, dict] | None = None, *, steps: int | None = None,
+                   warmup: int | None = None) -> dict[str, dict]:
     """The re-runs: the original and each environment (and each patched source), each in its own process,
     `job.env_rounds` rounds (`run_variants`: `diagnose.measure_variants`, the doctor's interleaved runner,
     passed in by its caller). A fix whose interval is still too wide to rank (`_interval.wide`) gets
@@ -154,7 +172,7 @@ def run_env_rounds(job, candidates: dict[str, dict[str, str]], run_variants: Cal
         t0 = _clock()
         sources = [job.source] + [patched[n]["source"] if n in patched else job.source for n in todo]
         measured = run_variants(job.script, job.args, sources, steps=steps,
-                                warmup=min(job.warmup, 3), rounds=job.env_rounds, time_limit=job.time_limit,
+                                warmup=min(job.warmup, 3) if warmup is None else warmup, rounds=job.env_rounds, time_limit=job.time_limit,
                                 threads=None, envs=[{}] + [{} if n in patched else candidates[n] for n in todo])
         for n, m in zip(todo, measured[1:]):
             o = out[n]
@@ -201,10 +219,10 @@ def measure_env_fixes(job, obs: Observation, *, measure: Callable | None = None,
         obs["env_fixes"] = dict(skipped)
     if not candidates:
         return dict(skipped)
-    steps = env_steps(job, obs)
+    steps, warmup = env_steps(job, obs, patched)
     try:
         raw = (measure(job, candidates) if measure is not None
-               else run_env_rounds(job, env, run_variants, patched, steps=steps))
+               else run_env_rounds(job, env, run_variants, patched, steps=steps, warmup=warmup))
     except Exception as e:  # a doctor failure must not lose the report
         obs.setdefault("notes", []).append(f"environment fixes not measured: {type(e).__name__}: {e}")
         return dict(skipped)

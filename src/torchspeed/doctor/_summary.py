@@ -167,6 +167,7 @@ def _loader(probe, lid, loader) -> dict:
     return {"num_workers": int(getattr(loader, "num_workers", 0)), "pin_memory": bool(getattr(loader, "pin_memory", False)),
             "batch_size": getattr(loader, "batch_size", None),
             "persistent_workers": bool(getattr(loader, "persistent_workers", False)),
+            "prefetch_factor": int(getattr(loader, "prefetch_factor", None) or 0),
             "dataset": type(ds).__name__, "wait_ms_total": round(probe.loader_wait.get(lid, 0.0) * 1e3, 3),
             "map_style": hasattr(ds, "__getitem__") and hasattr(ds, "__len__"),
             "in_memory": _in_memory(ds), "own_batching": own_batching(loader)}

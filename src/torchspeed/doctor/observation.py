@@ -125,6 +125,7 @@ class LoaderInfo(TypedDict, total=False):
     pin_memory: bool
     batch_size: int | None
     persistent_workers: bool
+    prefetch_factor: int         # batches each worker loads ahead (0 without workers)
     dataset: str
     wait_ms_total: float
     map_style: bool
