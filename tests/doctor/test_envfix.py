@@ -338,3 +338,16 @@ def test_a_loop_with_workers_is_re_run_past_the_batches_they_load_ahead(monkeypa
                _set("loaders", [{"num_workers": 2, "prefetch_factor": 2, "map_style": True}]))
     _envfix.measure_env_fixes(job, obs, run_variants=None)
     assert seen == [(12, 11)] and obs["env_fixes"]["threads"]["steps"] == 12
+
+
+def test_a_measurement_only_finding_is_dropped_only_where_its_interval_settles_it_under_the_minimum_effect():
+    from torchspeed.doctor.report import interval_verdict
+    from torchspeed.doctor.rules._common import env_listed
+
+    def listed(interval, **more):
+        entry = {"fix": "omp_passive", "ratios": [1.0] * 5, "speedup": 1.0, "interval": interval, **more}
+        return env_listed({"env_fixes": {"omp_passive": entry}}, "omp_passive") is not None
+    assert interval_verdict(1.005, 1.4) == "below-min-effect"  # above 1.0 but not past 2%: not settled either way
+    assert listed([1.005, 1.4]) and listed([0.9, 1.2]) and listed([1.1, 1.3])
+    assert not listed([0.97, 1.01]) and not listed([0.8, 0.9]) and not listed([1.001, 1.015])
+    assert listed([0.5, 3.0], inconclusive=True) and not listed([1.1, 1.3], error="died")

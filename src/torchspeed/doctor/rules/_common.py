@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torchspeed.doctor.observation import LoaderInfo, Observation
 from torchspeed.doctor.observation_runs import EnvFixResult, VerifyResult
-from torchspeed.doctor.report import Finding
+from torchspeed.doctor.report import MIN_EFFECT, Finding
 from torchspeed.doctor.rules._ceiling import ceiling
 
 
@@ -86,25 +86,21 @@ def env_measured(obs: Observation, fix: str) -> EnvFixResult | None:
     return v if v and v.get("speedup") is not None and not v.get("inconclusive") else None
 
 
-LISTED = ("faster", "inconclusive")  # interval verdicts (`report.interval_verdict`) a measurement-only finding is listed on
-
-
 def env_listed(obs: Observation, fix: str) -> EnvFixResult | None:
     """The re-runs' entry for a rule that exists only on that measurement (`omp-wait-policy`, and
-    `cpu-oversubscribed` without a timed slow-down): listed when its interval clears the minimum effect or holds
-    1.0 (inconclusive: listed apart as low, with what would settle it), or when its rounds disagree wildly; None when
-    not re-run, failed, or measured settled (slower, no change, or short of the minimum effect). A fix whose true
-    gain is near 1.0 then reads inconclusive on every run, instead of appearing on the runs where noise lifted its
-    median over 1.0 and vanishing on the others."""
+    `cpu-oversubscribed` without a timed slow-down): listed unless the interval settles the fix under the minimum
+    effect (its upper bound under `MIN_EFFECT`: no change, or a loss); so also where it holds 1.0 or sits just
+    above it (inconclusive: listed apart as low, with what would settle it), and where the rounds disagree wildly.
+    None when not re-run or failed. A fix whose true gain is near 1.0 then reads inconclusive on every run,
+    instead of appearing on the runs where noise lifted its median over 1.0 and vanishing on the others."""
     v = (obs.get("env_fixes") or {}).get(fix)
     if not v or v.get("error") or v.get("skipped") or not v.get("ratios"):
         return None
     if v.get("inconclusive"):
         return v
-    verdict = v.get("verdict")
-    if verdict is None:  # a measurement without an interval: its median and the noise of its rounds
+    if not v.get("interval"):  # a measurement without an interval: its median and the noise of its rounds
         return v if v.get("speedup") and (v["speedup"] > 1.0 or v.get("within_noise")) else None
-    return v if verdict in LISTED else None
+    return v if v["interval"][1] >= MIN_EFFECT else None
 
 
 def env_label(env: dict[str, str]) -> str:
