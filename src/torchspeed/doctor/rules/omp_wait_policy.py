@@ -6,9 +6,9 @@ OMP_WAIT_POLICY=PASSIVE makes them sleep instead. Whether that helps depends on 
 step made of many short parallel regions can lose), so the rule reports only what was measured:
 the plain run re-runs a few steps of the script with the variable set, interleaved with the
 original (`_envfix`, "omp_passive"), and the finding appears only on that measurement: ranked on its interval
-when it clears the minimum effect, listed apart as inconclusive (low) when the interval holds 1.0 (or sits just
-above it) or the rounds disagree wildly, and absent only when the interval's upper bound is under the 2% minimum
-effect (no change, or a loss: `_common.env_listed`). So a policy that gains nothing reads the same on every run.
+when it clears the minimum effect, listed apart as inconclusive (low) when the interval holds 1.0 or the rounds
+disagree wildly, low with the measurement when it settles no change, and absent only when it settles a loss
+(`_common.env_listed`). So a policy that gains nothing reads the same on every run.
 """
 
 from __future__ import annotations
