@@ -129,8 +129,9 @@ def summarize(name: str, env: dict, m: dict, *, steps: int) -> EnvFixResult:
 def backlog(obs: Observation, patched: dict[str, dict] | None = None) -> int:
     """Batches the DataLoader workers load ahead while a re-run starts (workers x prefetch_factor, 2 by default):
     the original's loaders, or the workers patch's `workers`. A re-run whose timed steps eat that backlog times a
-    loop that does not wait on its data: 6 steps of a 2-worker loop, 4 batches ahead, read 1.06-1.24x for a thread
-    count that gains 1.35x once the queue is drained."""
+    loop that does not wait on its data: on the fault gallery's 2-worker loop (4 batches ahead) 6 timed steps read
+    the thread-count fix at 0.98-1.24x, and the interval held its true 1.35x on 2 runs of 5; draining the backlog
+    first, 5 of 5 (`bench_doctor.py --recovery oversubscribed`)."""
     ahead = [int(ld.get("num_workers") or 0) * (int(ld.get("prefetch_factor") or 0) or 2)
              for ld in obs.get("loaders") or []]
     ahead += [2 * int(p.get("workers") or 0) for p in (patched or {}).values()]
