@@ -173,8 +173,9 @@ def run_env_rounds(job, candidates: dict[str, dict[str, str]], run_variants: Cal
         t0 = _clock()
         sources = [job.source] + [patched[n]["source"] if n in patched else job.source for n in todo]
         measured = run_variants(job.script, job.args, sources, steps=steps,
-                                warmup=min(job.warmup, 3) if warmup is None else warmup, rounds=job.env_rounds, time_limit=job.time_limit,
-                                threads=None, envs=[{}] + [{} if n in patched else candidates[n] for n in todo])
+                                warmup=min(job.warmup, 3) if warmup is None else warmup, rounds=job.env_rounds,
+                                time_limit=job.time_limit, threads=None,
+                                envs=[{}] + [{} if n in patched else candidates[n] for n in todo])
         for n, m in zip(todo, measured[1:]):
             o = out[n]
             o["ratios"] += m["ratios"]
