@@ -15,8 +15,8 @@ A fix applies only where its rule's trigger holds (page-fault churn with glibc's
 workers + threads beyond the cores; workers beside more than one OpenMP thread; intra-op threads beyond the
 usable cores, `cores`) and the variable is not
 set already, so a clean script pays nothing; nor is one whose gain a measured share of the step bounds under
-the 2% minimum effect (`rules._ceiling`: the page faults for `malloc`, the data wait for `workers`), and its
-entry says so. A re-run times `job.env_steps` steps (6), more for a short step (about 300 ms of steps, at most
+the 2% minimum effect (`rules._ceiling`: the data wait for `workers`; for `malloc` the page faults' bound is
+part of the allocator's trigger, so it never gets this far), and its entry says so. A re-run times `job.env_steps` steps (6), more for a short step (about 300 ms of steps, at most
 60: `env_steps`); a fix whose interval is still too wide to rank gets 5 more rounds, up to 15, while those
 re-runs fit in `ENV_MORE_S` (45 s, priced at the first rounds' seconds a process); a loop with DataLoader workers
 warms up until the batches they loaded ahead at start are drained (`backlog`), else its timed steps read a loop

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from torchspeed.train.optim import has_attention
+from torchspeed.train.trial.memory_format import has_conv
 
 __all__ = ["KINDS", "BUCKETS", "PRIOR", "model_kind", "table_from", "horizon_prior"]
 
@@ -48,7 +49,7 @@ def model_kind(model: nn.Module) -> str:
         return "language model" if _vocabulary_head(mods) else "attention"
     if any(isinstance(m, _RECURRENT) for m in mods):
         return "recurrent"
-    if any(isinstance(m, nn.modules.conv._ConvNd) for m in mods):
+    if has_conv(model):
         return "conv"
     return "mlp"
 

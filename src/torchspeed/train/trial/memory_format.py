@@ -17,12 +17,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["has_conv2d", "apply_channels_last", "to_channels_last", "is_channels_last", "state_follows_layout"]
+__all__ = ["has_conv2d", "has_conv", "apply_channels_last", "to_channels_last", "is_channels_last", "state_follows_layout"]
 
 
 def has_conv2d(model: nn.Module) -> bool:
     """True when the model holds at least one 2D convolution."""
     return any(isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)) for m in model.modules())
+
+
+def has_conv(model: nn.Module) -> bool:
+    """True when the model holds a convolution of any dimension (1D, 2D or 3D, transposed or not)."""
+    return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
 
 
 def apply_channels_last(model: nn.Module, channels_last: bool = True) -> nn.Module:

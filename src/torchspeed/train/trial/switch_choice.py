@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from torchspeed.env import DeviceCaps
 from torchspeed.train.decision import Decision
-from torchspeed.train.trial.memory_format import has_conv2d
+from torchspeed.train.trial.memory_format import has_conv, has_conv2d
 from torchspeed.train.optim import sparse_gradients
 from torchspeed.train.optim_info import info_for
 from torchspeed.train.trial.precision import normalize_precision
@@ -102,8 +103,7 @@ def small_products(model: nn.Module) -> str | None:
     at width 512 (262,144 elements) 0.87x and 1.31x. Autocast casts each weight every forward: a small product's
     cast costs what bf16 saves."""
     params = [(m, p) for m in model.modules() for p in m.parameters(recurse=False)]
-    if any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()) or \
-            any(isinstance(p, nn.parameter.UninitializedParameter) for _, p in params):
+    if has_conv(model) or any(is_lazy(p) for _, p in params):
         return None  # a convolution's rows are batch x positions; a lazy module's size is not known yet
     sizes = [p.numel() for m, p in params if not isinstance(m, (nn.Embedding, nn.EmbeddingBag))
              and p.ndim == 2 and p.is_floating_point()]
