@@ -97,6 +97,24 @@ def test_the_lean_update_is_torchs_default_for_loop_update_bit_for_bit(kind, kw,
     assert lean_step_for(o_mine).steps == len(batches) - (0 if stateless else 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind,kw", [
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+    (torch.optim.Adam, dict(lr=1e-2, eps=1e-3)),  # fp16's eps: 1e-8 underflows, and NaN is equal to nothing
+])
+def test_half_precision_parameters_on_the_for_loop_are_torchs_to_step(kind, kw, dtype):
+    """torch's foreach path rounds bf16/fp16 parameters otherwise than its for-loop (SGD's momentum step, Adam's on
+    fp16): a model made half (`model.bfloat16()`) under a script's default optimizer keeps the for-loop's numbers,
+    and the lean step makes none of its updates."""
+    ref, mine = _model().to(dtype), _model().to(dtype)
+    o_ref, o_mine = kind(ref.parameters(), **kw), kind(mine.parameters(), **kw)
+    batches = [(x.to(dtype), y) for x, y in _batches()]
+    _train(ref, o_ref, batches, ours=False)
+    _train(mine, o_mine, batches, ours=True)
+    _same(ref, mine, o_ref, o_mine)
+    assert lean_step_for(o_mine).steps == 0
+
+
 def test_the_lean_default_step_leaves_the_gradients_as_backward_wrote_them():
     """torch's foreach SGD adds nesterov's momentum into `p.grad` in place; the for-loop (a script's default) does
     not, and neither does the lean step: a callback reading the gradients after the step sees backward's."""

@@ -24,7 +24,7 @@ the same arguments, so the update is torch's, bit for bit (tests/train/test_lean
 It only ever takes the common case and hands every other step back to `optimizer.step()`:
 
 - exactly `torch.optim.Adam`, `AdamW` or `SGD` (a subclass may step otherwise), on the CPU, one dtype per
-  group, plain tensors (no DTensor shard or other subclass), no complex parameters and no sparse gradients
+  group (on the for-loop, fp32 or fp64: SGD's foreach path rounds bf16 and fp16 parameters otherwise, Adam's fp16), plain tensors (no DTensor shard or other subclass), no complex parameters and no sparse gradients
   (amsgrad, maximize, nesterov, dampening and weight decay are passed through), not capturable or
   differentiable, the LR and betas plain numbers (a tensor LR only on the fused path, as torch's foreach
   path refuses it);
@@ -243,6 +243,8 @@ class LeanStep:
                 return False  # a DTensor shard (FSDP2) or another subclass: torch groups and dispatches it
             if torch.is_tensor(group["lr"]) and group["lr"].device.type != "cpu":
                 return False
+            if not fused and not group.get("foreach") and p0.dtype not in (torch.float32, torch.float64):
+                return False  # on bf16/fp16 parameters torch's foreach path rounds otherwise than its for-loop
             if any(torch.is_tensor(b) for b in group.get("betas", ())):
                 return False
             lists = _state_lists(type(opt), group, [opt.state.get(p) for p in params])

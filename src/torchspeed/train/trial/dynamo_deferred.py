@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from torchspeed.train.loop.lean_schedulefree import plain_step
+from torchspeed.train.loop.foreach_same import foreach_groups
 from torchspeed.train.loop.lean_step import steps_with_torch
 
 __all__ = ["bare_step", "deferred_dynamo", "dynamo_imported", "torch_step", "torch_zero_grad"]
@@ -76,15 +77,23 @@ def deferred_dynamo() -> Iterator[None]:
 
 def torch_step(optimizer: torch.optim.Optimizer) -> None:
     """`optimizer.step()`; for one of torch's own optimizers with nothing around its step (`bare_step`) the same
-    step without torch's per-step wrapper."""
+    step without torch's per-step wrapper (on the foreach kernels where they give the for-loop's numbers:
+    `foreach_same`)."""
     raw = bare_step(type(optimizer))
     if raw is None or not _nothing_around(optimizer):
         optimizer.step()
         return
     if "step" in optimizer.__dict__:
         optimizer._opt_called = True  # what an LR scheduler's wrapper records (its step-order warning)
-    with torch.no_grad():
-        raw(optimizer)
+    groups = foreach_groups(optimizer)  # RMSprop and the like: the foreach kernels, the for-loop's numbers
+    for group in groups:
+        group["foreach"] = True
+    try:
+        with torch.no_grad():
+            raw(optimizer)
+    finally:
+        for group in groups:
+            group["foreach"] = None
 
 
 def _nothing_around(optimizer: torch.optim.Optimizer) -> bool:
