@@ -205,6 +205,8 @@ class NonFiniteGuard:
             return "off"
         if self.precision_skips:
             return "scaler"
+        if self.host_reads:  # the CPU: no device skip (read three times a step: no call)
+            return "host"
         return "device" if supports_device_skip(self.optimizer, self.device) else "host"
 
     def observe(self, loss: torch.Tensor) -> torch.Tensor | None:
