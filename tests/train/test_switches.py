@@ -562,6 +562,38 @@ def test_a_layout_trains_its_turns_only_once_it_leads_by_ahead(tiny_cnn):
     assert shadowed == {0.95: 7, 0.7: 2}
 
 
+def test_on_a_run_that_switches_only_ten_percent_faster_a_lead_never_trains(tiny_cnn):
+    """A run given its LR (min_gain AHEAD: the plan's PORTED_MIN_GAIN) keeps its loop's numbers unless a change pays:
+    a channels_last that leads by 30% over the first round and then falls back (1.3x slower) is timed apart on
+    every turn, and the run that keeps NCHW ends with the weights of a run without a trial, bit for bit. Fails with
+    the lead rule of a run not given its LR (its later turns train, and the weights move)."""
+    from torchspeed.train.trial.switch_choice import AHEAD
+
+    x, y = torch.randn(16 * 100, 3, 8, 8), torch.randint(0, 4, (16 * 100,))
+    out = {}
+    for trial in (True, False):
+        cfg = {"trial": True, "min_gain": AHEAD} if trial else {"trial": False, "channels_last": False}
+        t = _trainer(tiny_cnn(), AVX2, **cfg)
+        if trial:
+            seen = []
+
+            def measure(s, sec):
+                if "channels_last" not in s.label():
+                    return 1.0
+                seen.append(1)
+                return 0.7 if len(seen) <= 2 else 1.3  # ahead over the first round, behind after
+            t.switcher.measure_fn = measure
+            t.switcher.race = False
+        torch.manual_seed(3)
+        res = t.fit(DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
+        out[trial] = (t.module.state_dict(), res)
+    d = out[True][1].decisions
+    assert d["channels_last"].value is False and out[True][1].steps == out[False][1].steps == 100
+    assert d["switch_trial"].measured["shadow_steps"] == 7  # channels_last's warm-up and 3 rounds x 2 turns
+    for k, v in out[False][0].items():
+        assert torch.equal(out[True][0][k], v), k
+
+
 def test_real_measurement_and_the_second_fit_measures_zero_steps(tiny_cnn, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
     kw = dict(epochs=1, trial=True, progress=False, compile=False, lr=0.05)

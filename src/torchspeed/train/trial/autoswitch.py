@@ -4,15 +4,14 @@
 `SwitchStage.prepare` turns the settings left on "auto" into a plan: the fixed rules when
 nothing is left to choose (or `trial=False`, or a deterministic run), else a `LiveTrial` armed
 for the run's first steps. At the first step the trial cache is read (this model, input
-shape, machine, kernels and torch version measured before: 0 steps measured); on a miss the
-candidates take turns on the real model and optimizer, each step a step of the run, until the
-trial decides and the winner stays in effect. A candidate in another precision or memory layout than the
-plain settings', or in the threads stage another thread count than the run's, is timed apart (`shadow.ShadowTurns`): the run's numerics are the plain settings' until the
-trial decides, so a run that keeps the plain settings is the plain run to the last bit (unless a candidate led
-them by 10% on the way: its later turns train, `_shadows`). Under DDP every
-rank runs the same schedule and applies rank 0's choice (`broadcast`); the memory layout stays
-(the gradient buckets were laid out for it). The user's RNG and the loader's data order are
-untouched: nothing is read from the loader that the run does not train on.
+shape, machine, kernels and torch version measured before: 0 steps measured); on a miss the candidates take turns
+on the real model and optimizer, each step a step of the run, until the trial decides and the winner stays in
+effect. A candidate in another precision or memory layout than the plain settings', or in the threads stage another
+thread count than the run's, is timed apart (`shadow.ShadowTurns`): the run's numerics are the plain settings' until
+the trial decides, so a run that keeps them is the plain run to the last bit (unless a candidate led them by 10% on
+the way on a run not given its LR: its later turns train, `_shadows`). Under DDP every rank runs the same schedule
+and applies rank 0's choice (`broadcast`); the memory layout stays (the gradient buckets were laid out for it). The
+user's RNG and the loader's data order are untouched: nothing is read from the loader that the run does not train on.
 
 Example:
     >>> trainer.switcher.prepare(loader, remaining_steps=400)   # fit does this; the trial runs in the first steps
@@ -41,8 +40,8 @@ from torchspeed.train.optim_info import kernel_reason
 from torchspeed.train.trial.precision import MixedPrecision, Precision, normalize_precision
 from torchspeed.train.trial.shadow import ShadowTurns
 from torchspeed.train.loop.step import OptimizerClock
-from torchspeed.train.trial.switch_choice import (Switches, autocast_moot, batch_signature, candidate_grid, fusable,
-                                                  model_signature, prior_first, rule_switches, small_here)
+from torchspeed.train.trial.switch_choice import (AHEAD, Switches, autocast_moot, batch_signature, candidate_grid,
+                                                  fusable, model_signature, prior_first, rule_switches, small_here)
 from torchspeed.train.trial.switches import LiveTrial
 from torchspeed.train.transfer import batch_layout
 from torchspeed.train.trial.trial_safety import TrialSafety, forked_rng
@@ -328,16 +327,17 @@ class SwitchStage:
         accumulation window open across steps:
 
         - in the first stage, a candidate whose precision or memory layout is not the plain settings'
-          (`Switches.rounds_apart`), while no such candidate measures AHEAD (10%) faster than the plain settings
-          (once one does, the run is likely to switch: its turns train, none thrown away), or while `cand` is one
-          the numerics guard refuses;
+          (`Switches.rounds_apart`), while none measures AHEAD (10%) faster than them (then the run likely switches:
+          its turns train) or `cand` is one the numerics guard refuses; on every turn on a run that switches only
+          AHEAD faster (`min_gain`: one given its LR, whose numbers stay its loop's unless a change pays);
         - in the threads stage, a thread count not the run's (a matmul's or convolution's sums split otherwise over
           another count of threads: the last bits differ), while the run still trains in the plain settings."""
         trial = self.live
         if not (self.keep_numerics and self.t.config.grad_accum == 1 and self.t.dist is None):
             return False
         if trial.stage == "precision x layout":
-            return cand.rounds_apart(trial.grid[0]) and not trial.ahead_of_plain(cand)
+            strict = self.t.config.min_gain >= AHEAD  # a lead this run may still refuse never trains
+            return cand.rounds_apart(trial.grid[0]) and (strict or not trial.ahead_of_plain(cand))
         plain = trial.grid[0]
         return (trial.stage == "threads" and cand.threads is not None and cand.threads != self.plain_threads
                 and not trial.best.rounds_apart(plain) and trial.best.fused == plain.fused)
