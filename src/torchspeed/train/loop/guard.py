@@ -205,9 +205,7 @@ class NonFiniteGuard:
             return "off"
         if self.precision_skips:
             return "scaler"
-        if self.host_reads:  # the CPU: no device skip (read three times a step: no call)
-            return "host"
-        return "device" if supports_device_skip(self.optimizer, self.device) else "host"
+        return "device" if not self.host_reads and supports_device_skip(self.optimizer, self.device) else "host"
 
     def observe(self, loss: torch.Tensor) -> torch.Tensor | None:
         """A micro-batch's detached loss: the value to add to the metrics, or None to leave it out."""

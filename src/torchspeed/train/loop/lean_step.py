@@ -23,11 +23,11 @@ the same arguments, so the update is torch's, bit for bit (tests/train/test_lean
 
 It only ever takes the common case and hands every other step back to `optimizer.step()`:
 
-- exactly `torch.optim.Adam`, `AdamW` or `SGD` (a subclass may step otherwise), on the CPU, one dtype per
-  group (on the for-loop, fp32 or fp64: SGD's foreach path rounds bf16 and fp16 parameters otherwise, Adam's fp16), plain tensors (no DTensor shard or other subclass), no complex parameters and no sparse gradients
-  (amsgrad, maximize, nesterov, dampening and weight decay are passed through), not capturable or
-  differentiable, the LR and betas plain numbers (a tensor LR only on the fused path, as torch's foreach
-  path refuses it);
+- exactly `torch.optim.Adam`, `AdamW` or `SGD` (a subclass may step otherwise), on the CPU, one dtype per group
+  (fp32 or fp64 on the for-loop: torch's foreach path rounds SGD's bf16/fp16 parameters and Adam's fp16 otherwise),
+  plain tensors (no DTensor shard or other subclass), no complex parameters and no sparse gradients (amsgrad,
+  maximize, nesterov, dampening and weight decay are passed through), not capturable or differentiable, the LR and
+  betas plain numbers (a tensor LR only on the fused path, as torch's foreach path refuses it);
 - the state already made by one real `step()` (the first step always goes through torch; plain SGD has none);
 - no step hooks (the optimizer's or the global ones), no `step` replaced on the instance (an LR
   scheduler's call-tracking wrapper excepted: its flag is set as it would set it), no
@@ -241,10 +241,9 @@ class LeanStep:
             if p0.device.type != "cpu" or any(p.dtype != p0.dtype or p.device != p0.device or torch.is_complex(p)
                                               or type(p.data) is not torch.Tensor for p in params):
                 return False  # a DTensor shard (FSDP2) or another subclass: torch groups and dispatches it
-            if torch.is_tensor(group["lr"]) and group["lr"].device.type != "cpu":
-                return False
-            if not fused and not group.get("foreach") and p0.dtype not in (torch.float32, torch.float64):
-                return False  # on bf16/fp16 parameters torch's foreach path rounds otherwise than its for-loop
+            if (torch.is_tensor(group["lr"]) and group["lr"].device.type != "cpu") or (
+                    not fused and not group.get("foreach") and p0.dtype not in (torch.float32, torch.float64)):
+                return False  # bf16/fp16 parameters: torch's foreach path rounds them otherwise than its for-loop
             if any(torch.is_tensor(b) for b in group.get("betas", ())):
                 return False
             lists = _state_lists(type(opt), group, [opt.state.get(p) for p in params])

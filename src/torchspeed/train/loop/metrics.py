@@ -34,9 +34,8 @@ TRAIN_COUNT_ELEMENTS = 1 << 20
 
 # Where `train_acc` is only shown (no validation loader, nothing reads it: `train_accuracy`), one step in this many
 # counts it (an epoch's first, then every 32nd): the argmax, compare and sum cost 35-40 us a step, 8-10% of a small
-# MLP's 0.4 ms step on a 2-core EPYC, and 165 us of a small CNN's 2.9 ms. One step in 8 still cost 1-2% of such a
-# step against a plain loop that counts nothing; one in 32 costs under 0.5%, and a 32nd of the epoch's batches
-# estimates the accuracy (the loss is still every step's).
+# MLP's 0.4 ms step on a 2-core EPYC (165 us of a small CNN's 2.9 ms); one step in 8 still cost 1-2% of it, one in 32
+# under 0.5%, and a 32nd of the epoch's batches estimates the accuracy (the loss is still every step's).
 TRAIN_ACC_EVERY = 32
 
 

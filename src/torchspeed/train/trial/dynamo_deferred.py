@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from torchspeed.train.loop.lean_schedulefree import plain_step
-from torchspeed.train.loop.foreach_same import foreach_groups
+from torchspeed.train.optim_foreach import foreach_groups
 from torchspeed.train.loop.lean_step import steps_with_torch
 
 __all__ = ["bare_step", "deferred_dynamo", "dynamo_imported", "torch_step", "torch_zero_grad"]
@@ -78,7 +78,7 @@ def deferred_dynamo() -> Iterator[None]:
 def torch_step(optimizer: torch.optim.Optimizer) -> None:
     """`optimizer.step()`; for one of torch's own optimizers with nothing around its step (`bare_step`) the same
     step without torch's per-step wrapper (on the foreach kernels where they give the for-loop's numbers:
-    `foreach_same`)."""
+    `optim_foreach`)."""
     raw = bare_step(type(optimizer))
     if raw is None or not _nothing_around(optimizer):
         optimizer.step()

@@ -8,7 +8,7 @@ the for-loop, and the loop's steps run several percent sooner on the foreach one
 
 `foreach_groups(optimizer)` names the groups to step that way: exactly one of `SAME_BITS` (RMSprop, Adagrad,
 Adamax, Adadelta, Rprop: a for-loop and a foreach run of each, 25 steps on fp32 and fp64 parameters, read equal
-to the last bit, tests/train/test_foreach_same.py), the group's `foreach` unset (None; a group that names its
+to the last bit, tests/train/test_optim_foreach.py), the group's `foreach` unset (None; a group that names its
 kernel keeps it), not fused, differentiable or capturable, its LR a number, every parameter a plain CPU tensor in
 fp32 or fp64. Left out, because the two paths round otherwise: NAdam, RAdam and ASGD (1 ulp in fp32), and every
 kind on bf16 or fp16 parameters. Adagrad's foreach path hands a group with a sparse gradient to the for-loop

@@ -1,5 +1,5 @@
 """torch's RMSprop, Adagrad, Adamax, Adadelta and Rprop step on their foreach kernels inside `fit`'s optimizer step
-where those give the for-loop's numbers (train/loop/foreach_same.py), and nowhere else."""
+where those give the for-loop's numbers (train/optim_foreach.py), and nowhere else."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchspeed.train.loop.foreach_same import SAME_BITS, foreach_groups
+from torchspeed.train.optim_foreach import SAME_BITS, foreach_groups
 from torchspeed.train.loop.step import optimizer_step
 from torchspeed.train.optim_kernel import zero_grad
 
