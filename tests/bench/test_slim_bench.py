@@ -30,3 +30,40 @@ def test_bench_slim_flag_runs_the_slim_bench_and_writes_its_json(tmp_path, monke
     assert json.loads(out.read_text())["summary"]["digits_cnn"]["distil_pays"] is False
     assert "0.9x (does not pay)" in capsys.readouterr().out
     assert "does not pay" in slim_table(_fake())
+
+
+def _curve_runs(monkeypatch, curves: dict):
+    """`_run` faked: each run's curve by (teacher given, epochs); the scratch run's final accuracy is the target."""
+    calls = []
+
+    def run(model, train, val, *, seed, epochs, **options):
+        key = ("teacher" if "teacher" in options else "scratch", epochs)
+        calls.append(key)
+        curve = curves[key]
+        return {"val_acc": curve[-1][1], "curve": curve, "teacher_s": 0.1 if key[0] == "teacher" else 0.0}
+    monkeypatch.setattr(slim_bench, "_run", run)
+    monkeypatch.setattr(slim_bench, "_digits", lambda size, channels, seed: ((None, None), (None, None)))
+    return calls
+
+
+def test_a_distilled_student_pays_only_where_its_shorter_run_gets_there_and_the_same_run_without_it_does_not(
+        monkeypatch):
+    """The distilled student trains for PAYS (0.7) of the scratch run's epochs, its schedule its own; the same
+    shorter budget without the teacher is the control. Pays: the distilled run reaches the scratch run's final
+    accuracy in 0.7x its seconds (the teacher's counted) and the control never does. A control that gets there too
+    says the budget did it, not the teacher."""
+    scratch = [[1.0, 0.90], [2.0, 0.94], [3.0, 0.95], [4.0, 0.96], [5.0, 0.97], [6.0, 0.97], [7.0, 0.97],
+               [8.0, 0.97], [9.0, 0.97], [10.0, 0.975]]
+    distilled = [[1.0, 0.92], [2.0, 0.95], [3.0, 0.96], [4.0, 0.97], [5.0, 0.97], [6.0, 0.975], [7.0, 0.98]]
+    weak = [[1.0, 0.90], [2.0, 0.93], [3.0, 0.95], [4.0, 0.96], [5.0, 0.96], [6.0, 0.965], [7.0, 0.97]]
+    calls = _curve_runs(monkeypatch, {("scratch", 10): scratch, ("teacher", 7): distilled, ("scratch", 7): weak})
+    row = slim_bench._distil_rows("digits_cnn", 0, 10, teacher=object())
+    assert sorted(calls) == [("scratch", 7), ("scratch", 10), ("teacher", 7)] and row["short_epochs"] == 7
+    assert row["ratio"] == round(6.1 / 10.0, 3) and row["pays"] and row["verdict"].startswith("pays")
+    _curve_runs(monkeypatch, {("scratch", 10): scratch, ("teacher", 7): distilled, ("scratch", 7): distilled})
+    row = slim_bench._distil_rows("digits_cnn", 0, 10, teacher=object())
+    assert not row["pays"] and "without the teacher too" in row["verdict"]
+    slow = [[1.0, 0.9], [7.5, 0.975]]
+    _curve_runs(monkeypatch, {("scratch", 10): scratch, ("teacher", 7): slow, ("scratch", 7): weak})
+    row = slim_bench._distil_rows("digits_cnn", 0, 10, teacher=object())
+    assert not row["pays"] and "needs 0.7x or less" in row["verdict"]

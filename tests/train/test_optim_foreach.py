@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchspeed.train.optim_foreach import SAME_BITS, foreach_groups
+from torchspeed.train.optim_foreach import foreach_groups
 from torchspeed.train.loop.step import optimizer_step
 from torchspeed.train.optim_kernel import zero_grad
 
@@ -89,7 +89,10 @@ def test_only_the_groups_that_qualify_are_named_and_a_grown_group_is_checked_aga
     assert foreach_groups(opt) == [opt.param_groups[0]]
     opt.param_groups[0]["params"].append(torch.zeros(3, dtype=torch.bfloat16, requires_grad=True))
     assert foreach_groups(opt) == []  # a bf16 parameter joined the group in place
-    assert all(type(torch.optim.Optimizer) is not k for k in SAME_BITS)
+    opt = torch.optim.RMSprop(m.parameters(), lr=1e-3)
+    assert foreach_groups(opt) == opt.param_groups
+    m.to(torch.bfloat16)  # cast in place: the same parameter objects, another dtype
+    assert foreach_groups(opt) == []
 
 
 def test_a_sparse_gradient_under_adagrad_steps_as_torchs_for_loop():

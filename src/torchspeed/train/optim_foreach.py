@@ -29,7 +29,7 @@ __all__ = ["SAME_BITS", "foreach_groups"]
 
 SAME_BITS = (torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adamax, torch.optim.Adadelta, torch.optim.Rprop)
 _DTYPES = (torch.float32, torch.float64)
-_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {id(params): (params, n, ok)}
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {id(params): (params, n, dtype, ok)}
 
 
 def _plain_cpu(params: list) -> bool:
@@ -39,7 +39,8 @@ def _plain_cpu(params: list) -> bool:
 
 def foreach_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     """The optimizer's groups whose step may run torch's foreach kernels for its for-loop (see the module
-    docstring); [] for any other optimizer. The parameters' check is made once per parameter list."""
+    docstring); [] for any other optimizer. The parameters' check is made once per parameter list (again where it
+    grows or its first parameter's dtype changes: a model cast in place)."""
     if type(optimizer) not in SAME_BITS:
         return []
     seen = _checked.get(optimizer)
@@ -52,8 +53,8 @@ def foreach_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
             continue
         params = group["params"]
         kept = seen.get(id(params))
-        if kept is None or kept[0] is not params or kept[1] != len(params):
-            kept = seen[id(params)] = (params, len(params), _plain_cpu(params))
-        if kept[2]:
+        if kept is None or kept[0] is not params or kept[1] != len(params) or (params and kept[2] != params[0].dtype):
+            kept = seen[id(params)] = (params, len(params), params[0].dtype if params else None, _plain_cpu(params))
+        if kept[3]:
             out.append(group)
     return out
