@@ -351,7 +351,7 @@ def test_a_measurement_only_finding_is_dropped_only_where_its_interval_settles_a
     def listed(interval, **more):
         entry = {"fix": "omp_passive", "ratios": [1.0] * 5, "speedup": 1.0, "interval": interval, **more}
         return env_listed({"env_fixes": {"omp_passive": entry}}, "omp_passive") is not None
-    assert interval_verdict(1.005, 1.4) == "below-min-effect"  # above 1.0 but not past 2%: not settled either way
+    assert interval_verdict(1.005, 1.4) == "likely-faster"  # above 1.0 but not past 2%: its size not settled
     assert listed([1.005, 1.4]) and listed([0.9, 1.2]) and listed([1.1, 1.3])
     # a settled no-change is listed (low, with its measurement); a settled loss is not
     assert listed([0.9912, 1.0162]) and listed([1.001, 1.015]) and listed([0.95, 0.985])

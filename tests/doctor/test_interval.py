@@ -61,7 +61,8 @@ def test_severity_is_read_from_the_lower_bound_not_the_median():
     assert severity_for_interval(0.90, 1.60) == "inconclusive"
     assert severity_for_interval(0.99, 1.01) == "low"  # settled within the 2% minimum effect: no change, not open
     assert interval_verdict(0.99, 1.01) == "no-change" and interval_verdict(0.8, 0.9) == "slower"
-    assert interval_verdict(1.01, 1.3) == "below-min-effect" and interval_verdict(1.02, 1.3) == "faster"
+    assert interval_verdict(1.01, 1.3) == "likely-faster" and interval_verdict(1.02, 1.3) == "faster"
+    assert interval_verdict(0.7, 0.99) == "likely-slower" and interval_verdict(0.7, 1 / 1.02) == "slower"
     # one reading of 1.35x with a wide interval is low; the rules' old reading (the median) said high
     f = settle(Finding("allocator", "high", "e", "x", None, measured_gain=1.35, basis="measured", interval=(1.03, 1.6)))
     assert f.severity == "low" and f.inconclusive is None

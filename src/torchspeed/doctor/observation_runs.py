@@ -24,7 +24,7 @@ class _RoundRatios(TypedDict, total=False):
     within_noise: bool           # the middle half holds 1.0 (with fewer than 3 rounds: any round on each side)
     inconclusive: bool           # the rounds disagree by more than 2x (`_rounds`): no claim is made on them
     interval: list[float]        # 95% bootstrap interval of the ratio of the medians (`_interval`)
-    verdict: str                 # `report.interval_verdict`: faster | slower | no-change | below-min-effect | inconclusive
+    verdict: str                 # `report.interval_verdict`: faster | slower | no-change | likely-* | inconclusive
     settle: str                  # inconclusive: what would settle it
     samples_ms: list[list[float]]  # the raw rounds: [the script's ms per step, the fix's]
 

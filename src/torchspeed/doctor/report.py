@@ -38,8 +38,9 @@ def gain_text(f: Finding) -> str:
 def interval_verdict(lo: float, hi: float) -> str:
     """What a measured interval of a fix's speed-up says: "faster" (its lower bound clears `MIN_EFFECT`),
     "slower" (its upper bound is under 1 / `MIN_EFFECT`), "no-change" (it lies within `MIN_EFFECT` of 1.0 either
-    way: settled), "below-min-effect" (on one side of 1.0, short of the minimum effect), "inconclusive" (it
-    holds 1.0 and reaches past the minimum effect: more rounds, or a quieter machine, would settle it)."""
+    way: settled), "likely-faster" / "likely-slower" (wholly on one side of 1.0, but reaching both inside and past
+    the minimum effect: the direction is known, the size not), "inconclusive" (it holds 1.0 and reaches past the
+    minimum effect: more rounds, or a quieter machine, would settle it)."""
     if not 0 < lo <= hi:
         raise ValueError(f"an interval needs 0 < lo <= hi, got [{lo}, {hi}]")
     if lo >= MIN_EFFECT:
@@ -48,7 +49,7 @@ def interval_verdict(lo: float, hi: float) -> str:
         return "slower"
     if lo >= 1 / MIN_EFFECT and hi <= MIN_EFFECT:
         return "no-change"
-    return "inconclusive" if lo <= 1.0 <= hi else "below-min-effect"
+    return "inconclusive" if lo <= 1.0 <= hi else "likely-faster" if lo > 1.0 else "likely-slower"
 
 
 def settle_text(lo: float, hi: float, speedup: float, rounds: int) -> str:
