@@ -32,6 +32,7 @@ class Case:
     probe: Callable[[nn.Module, Batch], torch.Tensor] | None = None  # the K-step loss, when `plain` cannot say it
     fit_kwargs: dict = field(default_factory=dict)  # what the port passes besides the optimizer (loss_fn, clip)
     note: str = ""
+    fresh_batches: bool = False  # the model writes its input in place: every way gets its own copy of each batch
 
     def __post_init__(self):
         if self.optimizer is None:

@@ -52,16 +52,18 @@ def registry(sources: tuple[str, ...] = SOURCES) -> dict[str, Case]:
 
 
 class Listed(Dataset):
-    """The run's batches, served as they are (`DataLoader(..., batch_size=None)`)."""
+    """The run's batches, served as they are (`DataLoader(..., batch_size=None)`); `fresh`: each a copy, for a
+    model that writes its input in place (else the way run first would hand the next ones its writes)."""
 
-    def __init__(self, batches: list):
-        self.batches = batches
+    def __init__(self, batches: list, fresh: bool = False):
+        self.batches, self.fresh = batches, fresh
 
     def __len__(self):
         return len(self.batches)
 
     def __getitem__(self, i):
-        return self.batches[i]
+        b = self.batches[i]
+        return torch.utils._pytree.tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, b) if self.fresh else b
 
 
 def batches_for(case: Case, k: int) -> list:
@@ -69,8 +71,8 @@ def batches_for(case: Case, k: int) -> list:
     return [case.batch(g) for _ in range(k)]
 
 
-def loader(batches: list) -> DataLoader:
-    return DataLoader(Listed(batches), batch_size=None)
+def loader(batches: list, fresh: bool = False) -> DataLoader:
+    return DataLoader(Listed(batches, fresh), batch_size=None)
 
 
 def seed(n: int) -> None:
@@ -99,7 +101,7 @@ def plain_loop(case: Case, batches: list) -> tuple[float, torch.nn.Module, float
     losses = []
     seed(RUN_SEED)
     t0 = time.perf_counter()
-    for batch in loader(batches):
+    for batch in loader(batches, case.fresh_batches):
         loss = step(model, batch) if step else case.plain(model, batch)
         loss.backward()
         if clip:
@@ -128,7 +130,7 @@ def fit_run(case: Case, batches: list, auto: bool) -> tuple[float, torch.nn.Modu
     try:
         seed(RUN_SEED)
         t0 = time.perf_counter()
-        res = torchspeed.fit(model, loader(batches), **kw)
+        res = torchspeed.fit(model, loader(batches, case.fresh_batches), **kw)
         return time.perf_counter() - t0, model, res
     finally:
         if before is None:
@@ -141,6 +143,8 @@ def probe(case: Case, model: torch.nn.Module, batch) -> float:
     """The K-step loss: the first batch's loss after the run, the same function for every way."""
     model.train()
     seed(PROBE_SEED)
+    if case.fresh_batches:
+        batch = Listed([batch], fresh=True)[0]
     with torch.no_grad():
         if case.probe:
             loss = case.probe(model, batch)
