@@ -594,6 +594,39 @@ def test_on_a_run_that_switches_only_ten_percent_faster_a_lead_never_trains(tiny
         assert torch.equal(out[True][0][k], v), k
 
 
+def test_a_forward_that_writes_its_input_trains_the_batch_the_plain_loop_would(tiny_cnn):
+    """A candidate timed apart runs the model on a copy of the batch: a forward that scales its input in place
+    (`x.mul_(0.5)`) would otherwise hand the trained step a batch it had already scaled. channels_last timed apart on
+    every turn (injected timings, never ahead); the run that keeps NCHW ends with the weights of a run without a
+    trial, bit for bit. Fails with the pass on the batch itself."""
+    class HalvesItsInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = tiny_cnn()
+
+        def forward(self, x):
+            x.mul_(0.5)
+            return self.net(x)
+
+    def batches():
+        g = torch.Generator().manual_seed(0)
+        return [(torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(60)]
+    out = {}
+    for trial in (True, False):
+        cfg = {"trial": True} if trial else {"trial": False, "channels_last": False}
+        torch.manual_seed(5)
+        t = _trainer(HalvesItsInput(), AVX2, seconds={"fp32": 1.0, "fp32+channels_last": 1.3} if trial else None,
+                     **cfg)
+        if trial:
+            t.switcher.race = False
+        res = t.fit(batches())  # fresh tensors for each run: only the run itself can write them
+        out[trial] = (t.module.state_dict(), res)
+    d = out[True][1].decisions
+    assert d["channels_last"].value is False and d["switch_trial"].measured["shadow_steps"] >= 2
+    for k, v in out[False][0].items():
+        assert torch.equal(out[True][0][k], v), k
+
+
 def test_real_measurement_and_the_second_fit_measures_zero_steps(tiny_cnn, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
     kw = dict(epochs=1, trial=True, progress=False, compile=False, lr=0.05)

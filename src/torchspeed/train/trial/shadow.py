@@ -36,6 +36,7 @@ import time
 from dataclasses import replace
 
 import torch
+from torch.utils import _pytree as pytree
 
 from torchspeed.env import sync
 from torchspeed.train.trial.dynamo_deferred import torch_zero_grad
@@ -98,7 +99,7 @@ class ShadowTurns:
 
     def step(self, batch, run_step, cand, *, settle: bool = False, state=None) -> float:
         """`cand`'s step time, with the batch trained in the plain settings' precision and layout: the candidate's
-        forward and backward on `batch` (in the candidate's layout) timed, then the RNG, the module's buffers
+        forward and backward on a copy of `batch` (in the candidate's layout) timed, then the RNG, the module's buffers
         (BatchNorm's running statistics, spectral norm's vectors) and the gradients put back as they were, and the
         batch trained in the plain precision and layout (the candidate's kernel). Returns the trained step's seconds
         with its forward and backward swapped for the candidate's (the optimizer step, the guard and the meter as
@@ -112,9 +113,10 @@ class ShadowTurns:
         t, live = self.stage.t, self.stage.live
         stats = [(b, b.clone()) for b in t.module.buffers()]
 
-        def candidate_pass() -> float:  # the candidate's forward and backward on the batch, its seconds
+        def candidate_pass() -> float:  # the candidate's forward and backward on a copy of the batch, its seconds
+            own = _copied(batch)  # a forward that writes its input (`x.mul_(0.5)`) leaves the trained batch as it was
             t0 = time.perf_counter()
-            t.forward_backward(batch)
+            t.forward_backward(own)
             sync(t.device)
             return time.perf_counter() - t0
         try:
@@ -153,3 +155,8 @@ class ShadowTurns:
         whole = time.perf_counter() - t1
         live.add_extra(trained_fb[0])
         return whole - trained_fb[0] + timed  # the step as the candidate's: its forward and backward, the rest as run
+
+
+def _copied(batch):
+    """The batch with each tensor copied (its containers too: lists, tuples, dicts), for a pass that only measures."""
+    return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, batch)
