@@ -272,18 +272,24 @@ def test_compile_does_not_recompile_for_every_sequence_length():
     assert 1 <= frames <= 3, f"{frames} graphs compiled for 6 lengths"
 
 
-def test_first_samples_cuts_every_per_sample_part_and_leaves_the_rest():
+def test_first_samples_cuts_every_per_sample_part_and_copies_every_tensor():
+    """A copy: the numerics guard and the recipe's probe run the model on it, and a forward that writes its input
+    (`x.mul_(0.5)`) must leave the batch the run trains as it was."""
     from torchspeed.train.loop.batch import first_samples
 
     x, y, mask = torch.randn(8, 3, 4, 4), torch.arange(8), torch.ones(5)
     a, b = first_samples((x, y), 2)
     assert torch.equal(a, x[:2]) and torch.equal(b, y[:2])
+    a.mul_(0.5)
+    assert torch.equal(a, x[:2] * 0.5)  # the batch itself unwritten
     d = first_samples({"input_ids": x, "labels": y, "other": mask, "name": "n"}, 3)
-    assert d["input_ids"].shape[0] == 3 and torch.equal(d["labels"], y[:3]) and d["other"] is mask and d["name"] == "n"
+    assert d["input_ids"].shape[0] == 3 and torch.equal(d["labels"], y[:3]) and d["name"] == "n"
+    assert torch.equal(d["other"], mask) and d["other"] is not mask
     imgs, targets = [torch.randn(3, 5 + i, 6) for i in range(8)], [{"boxes": torch.zeros(1, 4)} for _ in range(8)]
     cut = first_samples((imgs, targets), 2)  # detection: lists of samples
-    assert len(cut[0]) == len(cut[1]) == 2 and cut[0][1] is imgs[1]
-    assert first_samples((x[:2], y[:2]), 4)[0].shape[0] == 2  # already as small: as it is
+    assert len(cut[0]) == len(cut[1]) == 2 and torch.equal(cut[0][1], imgs[1]) and cut[0][1] is not imgs[1]
+    small = first_samples((x[:2], y[:2]), 4)[0]  # already as small: whole, and still a copy
+    assert small.shape[0] == 2 and small.data_ptr() != x.data_ptr()
 
 
 def test_a_target_the_default_loss_cannot_take_is_named_with_both_shapes_and_the_fix():

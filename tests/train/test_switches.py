@@ -594,11 +594,13 @@ def test_on_a_run_that_switches_only_ten_percent_faster_a_lead_never_trains(tiny
         assert torch.equal(out[True][0][k], v), k
 
 
-def test_a_forward_that_writes_its_input_trains_the_batch_the_plain_loop_would(tiny_cnn):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_forward_that_writes_its_input_trains_the_batch_the_plain_loop_would(tiny_cnn, bf16):
     """A candidate timed apart runs the model on a copy of the batch: a forward that scales its input in place
     (`x.mul_(0.5)`) would otherwise hand the trained step a batch it had already scaled. channels_last timed apart on
-    every turn (injected timings, never ahead); the run that keeps NCHW ends with the weights of a run without a
-    trial, bit for bit. Fails with the pass on the batch itself."""
+    every turn (injected timings, never ahead; with bf16 candidates too, whose numerics guard runs the model on the
+    first samples); the run that keeps fp32 NCHW ends with the weights of a run without a trial, bit for bit. Fails
+    with the pass (or the guard) on the batch itself."""
     class HalvesItsInput(nn.Module):
         def __init__(self):
             super().__init__()
@@ -613,16 +615,17 @@ def test_a_forward_that_writes_its_input_trains_the_batch_the_plain_loop_would(t
         return [(torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(60)]
     out = {}
     for trial in (True, False):
-        cfg = {"trial": True} if trial else {"trial": False, "channels_last": False}
+        cfg = {"trial": True} if trial else {"trial": False, "channels_last": False, "precision": "fp32"}
         torch.manual_seed(5)
-        t = _trainer(HalvesItsInput(), AVX2, seconds={"fp32": 1.0, "fp32+channels_last": 1.3} if trial else None,
-                     **cfg)
+        seconds = {"fp32": 1.0, "fp32+channels_last": 1.3, "bf16": 1.3, "bf16+channels_last": 1.3}
+        t = _trainer(HalvesItsInput(), BF16_CPU if bf16 else AVX2, seconds=seconds if trial else None, **cfg)
         if trial:
             t.switcher.race = False
         res = t.fit(batches())  # fresh tensors for each run: only the run itself can write them
         out[trial] = (t.module.state_dict(), res)
     d = out[True][1].decisions
     assert d["channels_last"].value is False and d["switch_trial"].measured["shadow_steps"] >= 2
+    assert d["precision"].value == "fp32"
     for k, v in out[False][0].items():
         assert torch.equal(out[True][0][k], v), k
 

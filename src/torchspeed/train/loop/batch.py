@@ -111,20 +111,19 @@ def batch_size(batch) -> int:
 
 
 def first_samples(batch, n: int):
-    """The batch cut to its first `n` samples: every tensor (and list of samples) whose first dimension is the
-    batch's size; anything else as it is."""
-    b = batch_size(batch)
-    return batch if b <= n else _cut(batch, b, n)
+    """The batch cut to its first `n` samples, copied (a forward that writes its input leaves the batch as it was):
+    every tensor (and list of samples) whose first dimension is the batch's size; any other tensor whole."""
+    return _cut(batch, batch_size(batch), n)
 
 
 def _cut(v, b: int, n: int):
     if isinstance(v, torch.Tensor):
-        return v[:n] if v.dim() and v.shape[0] == b else v
+        return (v[:n] if v.dim() and v.shape[0] == b else v).clone()
     if isinstance(v, Mapping):
         return {k: _cut(e, b, n) for k, e in v.items()}
     if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
         if _is_sample_list(v) and len(v) == b:
-            return type(v)(v[:n])
+            return type(v)(_cut(e, -1, n) for e in v[:n])
         return type(v)(_cut(e, b, n) for e in v)
     return v
 
