@@ -510,26 +510,38 @@ def test_a_trial_that_keeps_fp32_trains_the_run_the_fp32_loop_trains():
     assert out[True][2].decisions["switch_trial"].measured["shadow_steps"] >= 4  # bf16's turns, timed apart
 
 
+def _with_and_without_trial(build, loader, caps, *, trial: dict, plain: dict, prepare=None):
+    """The same run twice, from `build()` with torch seeded 3 before `fit(loader())`: with the trial (`trial`: the
+    Trainer's keywords, `seconds` among them; `prepare(trainer)` before it) and without (`plain`). Asserts the two end
+    with the same weights and buffers to the last bit; returns (the trial run's result, the plain run's)."""
+    out = {}
+    for with_trial in (True, False):
+        t = _trainer(build(), caps, **(trial if with_trial else plain))
+        if with_trial and prepare is not None:
+            prepare(t)
+        torch.manual_seed(3)
+        res = t.fit(loader())
+        out[with_trial] = (t.module.state_dict(), res)
+    for k, v in out[False][0].items():
+        assert torch.equal(out[True][0][k], v), k
+    return out[True][1], out[False][1]
+
+
 def test_a_trial_that_keeps_the_plain_layout_trains_the_run_the_plain_loop_trains(tiny_cnn):
     """channels_last rounds otherwise too (its convolutions sum in another order): its turns are timed apart like
     another precision's, so a conv net whose trial keeps the plain layout ends with the weights and BatchNorm
     statistics of the run with no trial, to the last bit, and the trial says so."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(1600, 3, 8, 8, generator=g), torch.randint(0, 4, (1600,), generator=g)  # 100 steps: a full trial
-    out = {}
-    for trial in (True, False):
-        cfg = {"trial": True} if trial else {"trial": False, "channels_last": False}
-        t = _trainer(tiny_cnn(), AVX2, seconds={"fp32": 1.0, "fp32+channels_last": 1.3} if trial else None, **cfg)
-        t.switcher.race = False  # every channels_last turn taken (constant seconds would end them after round 1)
-        torch.manual_seed(3)
-        res = t.fit(DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
-        out[trial] = (t.module.state_dict(), res)
-    d = out[True][1].decisions
-    assert d["channels_last"].value is False and out[True][1].steps == out[False][1].steps == 100
+    # race off: every channels_last turn taken (constant seconds would end them after round 1)
+    res, plain = _with_and_without_trial(
+        tiny_cnn, lambda: DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True), AVX2,
+        trial={"trial": True, "seconds": {"fp32": 1.0, "fp32+channels_last": 1.3}},
+        plain={"trial": False, "channels_last": False}, prepare=lambda t: setattr(t.switcher, "race", False))
+    d = res.decisions
+    assert d["channels_last"].value is False and res.steps == plain.steps == 100
     assert d["switch_trial"].measured["shadow_steps"] == 7  # channels_last's warm-up and 3 rounds x 2 turns
     assert "in the plain settings' precision and layout" in d["switch_trial"].reason
-    for k, v in out[False][0].items():
-        assert torch.equal(out[True][0][k], v), k
 
 
 def test_a_short_run_takes_no_more_turns_timed_apart_than_its_share(tiny_cnn, monkeypatch):
@@ -570,28 +582,23 @@ def test_on_a_run_that_switches_only_ten_percent_faster_a_lead_never_trains(tiny
     from torchspeed.train.trial.switch_choice import AHEAD
 
     x, y = torch.randn(16 * 100, 3, 8, 8), torch.randint(0, 4, (16 * 100,))
-    out = {}
-    for trial in (True, False):
-        cfg = {"trial": True, "min_gain": AHEAD} if trial else {"trial": False, "channels_last": False}
-        t = _trainer(tiny_cnn(), AVX2, **cfg)
-        if trial:
-            seen = []
+    seen = []
 
-            def measure(s, sec):
-                if "channels_last" not in s.label():
-                    return 1.0
-                seen.append(1)
-                return 0.7 if len(seen) <= 2 else 1.3  # ahead over the first round, behind after
-            t.switcher.measure_fn = measure
-            t.switcher.race = False
-        torch.manual_seed(3)
-        res = t.fit(DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
-        out[trial] = (t.module.state_dict(), res)
-    d = out[True][1].decisions
-    assert d["channels_last"].value is False and out[True][1].steps == out[False][1].steps == 100
+    def measure(s, sec):
+        if "channels_last" not in s.label():
+            return 1.0
+        seen.append(1)
+        return 0.7 if len(seen) <= 2 else 1.3  # ahead over the first round, behind after
+
+    def prepare(t):
+        t.switcher.measure_fn = measure
+        t.switcher.race = False
+    res, plain = _with_and_without_trial(
+        tiny_cnn, lambda: DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True), AVX2,
+        trial={"trial": True, "min_gain": AHEAD}, plain={"trial": False, "channels_last": False}, prepare=prepare)
+    d = res.decisions
+    assert d["channels_last"].value is False and res.steps == plain.steps == 100
     assert d["switch_trial"].measured["shadow_steps"] == 7  # channels_last's warm-up and 3 rounds x 2 turns
-    for k, v in out[False][0].items():
-        assert torch.equal(out[True][0][k], v), k
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -613,21 +620,14 @@ def test_a_forward_that_writes_its_input_trains_the_batch_the_plain_loop_would(t
     def batches():
         g = torch.Generator().manual_seed(0)
         return [(torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(60)]
-    out = {}
-    for trial in (True, False):
-        cfg = {"trial": True} if trial else {"trial": False, "channels_last": False, "precision": "fp32"}
-        torch.manual_seed(5)
-        seconds = {"fp32": 1.0, "fp32+channels_last": 1.3, "bf16": 1.3, "bf16+channels_last": 1.3}
-        t = _trainer(HalvesItsInput(), BF16_CPU if bf16 else AVX2, seconds=seconds if trial else None, **cfg)
-        if trial:
-            t.switcher.race = False
-        res = t.fit(batches())  # fresh tensors for each run: only the run itself can write them
-        out[trial] = (t.module.state_dict(), res)
-    d = out[True][1].decisions
+    seconds = {"fp32": 1.0, "fp32+channels_last": 1.3, "bf16": 1.3, "bf16+channels_last": 1.3}
+    res, _ = _with_and_without_trial(  # fresh tensors for each run (`batches`): only the run itself can write them
+        HalvesItsInput, batches, BF16_CPU if bf16 else AVX2, trial={"trial": True, "seconds": seconds},
+        plain={"trial": False, "channels_last": False, "precision": "fp32"},
+        prepare=lambda t: setattr(t.switcher, "race", False))
+    d = res.decisions
     assert d["channels_last"].value is False and d["switch_trial"].measured["shadow_steps"] >= 2
     assert d["precision"].value == "fp32"
-    for k, v in out[False][0].items():
-        assert torch.equal(out[True][0][k], v), k
 
 
 def test_real_measurement_and_the_second_fit_measures_zero_steps(tiny_cnn, tmp_path, monkeypatch):
