@@ -36,11 +36,10 @@ import time
 from dataclasses import replace
 
 import torch
-from torch.utils import _pytree as pytree
 
 from torchspeed.env import sync
 from torchspeed.train.trial.dynamo_deferred import torch_zero_grad
-from torchspeed.train.transfer import batch_layout
+from torchspeed.train.transfer import batch_layout, map_tensors
 from torchspeed.train.trial.trial_safety import forked_rng
 
 __all__ = ["SHADOW_SHARE", "ShadowTurns"]
@@ -114,7 +113,8 @@ class ShadowTurns:
         stats = [(b, b.clone()) for b in t.module.buffers()]
 
         def candidate_pass() -> float:  # the candidate's forward and backward on a copy of the batch, its seconds
-            own = _copied(batch)  # a forward that writes its input (`x.mul_(0.5)`) leaves the trained batch as it was
+            own = map_tensors(batch, torch.Tensor.clone)  # a forward that writes its input (`x.mul_(0.5)`) leaves
+            # the trained batch as it was (each tensor copied, as `to_device` walks a batch: mappings, sequences)
             t0 = time.perf_counter()
             t.forward_backward(own)
             sync(t.device)
@@ -155,8 +155,3 @@ class ShadowTurns:
         whole = time.perf_counter() - t1
         live.add_extra(trained_fb[0])
         return whole - trained_fb[0] + timed  # the step as the candidate's: its forward and backward, the rest as run
-
-
-def _copied(batch):
-    """The batch with each tensor copied (its containers too: lists, tuples, dicts), for a pass that only measures."""
-    return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, batch)
