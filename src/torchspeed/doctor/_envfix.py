@@ -11,16 +11,16 @@ bootstrap interval of the ratio of the median step times (`_interval.gain_interv
 by more than 2x are inconclusive, and no rule counts them); the rules read them from `obs["env_fixes"]`
 and the registry ranks the finding on that interval's lower bound (`registry.settle`).
 
-A fix applies only where its rule's trigger holds (page-fault churn with glibc's default thresholds, `allocator.churn`;
-workers + threads beyond the cores; workers beside more than one OpenMP thread; intra-op threads beyond the
-usable cores, `cores`) and the variable is not
-set already, so a clean script pays nothing; nor is one whose gain a measured share of the step bounds under
-the 2% minimum effect (`rules._ceiling`: the data wait for `workers`; for `malloc` the page faults' bound is
-part of the allocator's trigger, so it never gets this far), and its entry says so. A re-run times `job.env_steps` steps (6), more for a short step (about 300 ms of steps, at most
-60: `env_steps`); a fix whose interval is still too wide to rank gets 5 more rounds, up to 15, while those
-re-runs fit in `ENV_MORE_S` (45 s, priced at the first rounds' seconds a process); a loop with DataLoader workers
-warms up until the batches they loaded ahead at start are drained (`backlog`), else its timed steps read a loop
-that does not wait on its data, and the fix's gain with it. Each re-run is a process
+A fix applies only where its rule's trigger holds (page-fault churn with glibc's default thresholds,
+`allocator.churn`; workers + threads beyond the cores; workers beside more than one OpenMP thread; intra-op threads
+beyond the usable cores, `cores`) and the variable is not set already, so a clean script pays nothing; nor is one
+whose gain a measured share of the step bounds under the 2% minimum effect (`rules._ceiling`: the data wait for
+`workers`; for `malloc` the page faults' bound is part of the allocator's trigger, so it never gets this far), and
+its entry says so. A re-run times `job.env_steps` steps (6), more for a short step (about 300 ms of steps, at most
+60: `env_steps`); a fix whose interval is still too wide to rank gets 5 more rounds, up to 15, while those re-runs
+fit in `ENV_MORE_S` (45 s, priced at the first rounds' seconds a process); a loop with DataLoader workers warms up
+until the batches they loaded ahead at start are drained (`backlog`), else its timed steps read a loop that does not
+wait on its data, and the fix's gain with it. Each re-run is a process
 that imports torch and starts the script, 2-4 s on 2 cores, and a tiny script's 15 rounds of two fixes had
 made a plain `torchspeed doctor` take 4 minutes. Default cost: 5 rounds x (1 + fixes) runs of `warmup + 6` or
 more steps, then at most 45 s more.

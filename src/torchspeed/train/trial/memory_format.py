@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["has_conv2d", "has_conv", "apply_channels_last", "to_channels_last", "is_channels_last", "state_follows_layout"]
+__all__ = ["has_conv2d", "has_conv", "apply_channels_last", "to_channels_last", "is_channels_last",
+           "state_follows_layout"]
 
 
 def has_conv2d(model: nn.Module) -> bool:
