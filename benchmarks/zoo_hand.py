@@ -6,7 +6,9 @@ nn.Transformer seq2seq model, weight tying, sparse embeddings (SGD; SparseAdam),
 Python-side state, a KV-cache-style decoder that keeps tensors on `self` between calls, a GAN trained through a
 step_fn, and models whose forward returns a tuple, a dict or a dataclass; and (zoo_hand_forms.py) parametrized
 weights, activation checkpointing, a TorchScript submodule, a buffer a forward updates, attention with a padding mask
-in dict batches, a WGAN-GP critic and a forward that writes its input.
+in dict batches, a WGAN-GP critic and a forward that writes its input; and (zoo_hand_forms3.py) 3D convolutions,
+frozen backbones, parameter groups, LoRA, packed sequences, max-norm embeddings, fake quantisation, a custom autograd
+Function, an orthogonal parametrization, a forward hook, data-dependent branches, strings and namedtuples in batches.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zoo_hand_forms  # parametrizations, checkpointing, TorchScript, a WGAN-GP critic, ...
+import zoo_hand_forms3  # 3D convs, frozen backbones, LoRA, packed sequences, QAT, ...
 from bench_ported import MnistNet  # PyTorch's MNIST example's Net, as the ported bench has it
 from zoo_cases import (Case, adam, adamw, ce_logits, images, lm_pairs, sgd, xxy_logits, xy_logits, xy_own,
                        xy_with)
@@ -354,4 +357,4 @@ def cases() -> list[Case]:
         Case("hand/mlp_regression", "hand", lambda: mlp(classes=1), lambda g: (torch.randn(32, 32, generator=g),
                                                                                torch.randn(32, 1, generator=g)),
              xy_with(nn.MSELoss()), adam(1e-3), fit_kwargs={"loss_fn": nn.MSELoss()}, note="regression, MSE"),
-    ] + zoo_hand_forms.cases()
+    ] + zoo_hand_forms.cases() + zoo_hand_forms3.cases()

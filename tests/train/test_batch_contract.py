@@ -411,3 +411,34 @@ def test_a_dict_of_scalar_losses_by_other_names_is_summed_as_torchvisions_retina
     out = read_output({"classification": cls, "bbox_regression": box})
     assert float(out.loss) == 1.75 and set(out.parts) == {"classification", "bbox_regression"}
     assert read_output({"logits": torch.randn(2, 3), "score": torch.tensor(1.0)}).loss is None
+
+
+def test_named_tuple_batches_reach_the_step_fn_as_the_named_tuple(tmp_path, monkeypatch):
+    """A loader of named tuples (`Pair(inputs, labels)`) and a step_fn that reads `batch.inputs`: the batch moved to
+    the device, the switch trial's measuring passes and the numerics guard's first samples keep the named tuple
+    (they came back as lists, and `batch.inputs` raised AttributeError on the first step). The trial runs live on
+    an injected bf16 CPU, so its copies of the batch are made."""
+    from collections import namedtuple
+
+    from torchspeed.train.loop.batch import first_samples
+    from torchspeed.train.transfer import map_tensors
+
+    Pair = namedtuple("Pair", ["inputs", "labels"])
+    x, y = torch.randn(8, 4), torch.arange(8) % 2
+    moved = map_tensors(Pair(x, y), torch.Tensor.clone)
+    cut = first_samples(Pair(x, y), 3)
+    assert type(moved) is Pair and torch.equal(moved.inputs, x)
+    assert type(cut) is Pair and torch.equal(cut.inputs, x[:3]) and torch.equal(cut.labels, y[:3])
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx512_bf16")
+    seen = []
+
+    def step_fn(model, batch):
+        seen.append(type(batch))
+        return F.cross_entropy(model(batch.inputs), batch.labels)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [Pair(torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g)) for _ in range(24)]
+    res = torchspeed.fit(nn.Linear(4, 2), batches, epochs=1, step_fn=step_fn, lr=0.05, trial=True, compile=False,
+                         progress=False)
+    assert res.steps == 24 and set(seen) == {Pair}

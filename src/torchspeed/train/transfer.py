@@ -32,12 +32,15 @@ __all__ = ["map_tensors", "to_device", "batch_layout", "Prefetcher", "loader_kwa
 
 def map_tensors(batch, fn):
     """`fn` applied to every tensor in `batch` (nested tuples, lists and mappings; anything else as it is).
-    A tuple stays a tuple; a list, a named tuple and a list of samples come back as lists, a mapping as a dict."""
+    A tuple stays a tuple and a named tuple the same named tuple (a step_fn reads `batch.inputs`); a list and a list
+    of samples come back as lists, a mapping as a dict."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, (list, tuple)):
         moved = [map_tensors(b, fn) for b in batch]
-        return type(batch)(moved) if isinstance(batch, tuple) and not hasattr(batch, "_fields") else moved
+        if not isinstance(batch, tuple):
+            return moved
+        return batch._make(moved) if hasattr(batch, "_fields") else type(batch)(moved)
     if isinstance(batch, Mapping):  # dicts, target dicts, Hugging Face's BatchEncoding (a UserDict)
         return {k: map_tensors(v, fn) for k, v in batch.items()}
     return batch

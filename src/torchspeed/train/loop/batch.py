@@ -81,8 +81,8 @@ def split_batch(batch) -> tuple[tuple | dict, object]:
 
 
 def _is_sample_list(v) -> bool:
-    """A list of per-sample items: target dicts (detection), or images of different sizes."""
-    if not isinstance(v, (list, tuple)) or not v:
+    """A list of per-sample items: target dicts (detection), images of different sizes; never a named tuple."""
+    if not isinstance(v, (list, tuple)) or not v or hasattr(v, "_fields"):
         return False
     if all(isinstance(e, Mapping) for e in v):
         return True
@@ -121,10 +121,11 @@ def _cut(v, b: int, n: int):
         return (v[:n] if v.dim() and v.shape[0] == b else v).clone()
     if isinstance(v, Mapping):
         return {k: _cut(e, b, n) for k, e in v.items()}
-    if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+    if isinstance(v, (list, tuple)):
+        make = v._make if hasattr(v, "_fields") else type(v)  # a named tuple stays one
         if _is_sample_list(v) and len(v) == b:
-            return type(v)(_cut(e, -1, n) for e in v[:n])
-        return type(v)(_cut(e, b, n) for e in v)
+            return make(_cut(e, -1, n) for e in v[:n])
+        return make(_cut(e, b, n) for e in v)
     return v
 
 
