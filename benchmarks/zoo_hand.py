@@ -8,7 +8,9 @@ step_fn, and models whose forward returns a tuple, a dict or a dataclass; and (z
 weights, activation checkpointing, a TorchScript submodule, a buffer a forward updates, attention with a padding mask
 in dict batches, a WGAN-GP critic and a forward that writes its input; and (zoo_hand_forms3.py) 3D convolutions,
 frozen backbones, parameter groups, LoRA, packed sequences, max-norm embeddings, fake quantisation, a custom autograd
-Function, an orthogonal parametrization, a forward hook, data-dependent branches, strings and namedtuples in batches.
+Function, an orthogonal parametrization, a forward hook, data-dependent branches, strings and namedtuples in batches,
+a model compiled by its script, lazy layers, DataParallel, a MAML inner step, multi-label BCE, frame-wise logits and a
+loss with parameters of its own.
 """
 
 from __future__ import annotations

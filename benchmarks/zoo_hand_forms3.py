@@ -3,8 +3,10 @@ on video clips (5-D batches), transfer learning on a frozen backbone, parameter 
 adapter on frozen weights, an LSTM over packed variable-length sequences, an embedding whose `max_norm` renormalises
 its rows inside the forward, fake-quantised (QAT) layers, a custom autograd Function (a gradient reversal layer), an
 orthogonal parametrization, a forward hook that keeps an activation for an auxiliary loss, a forward that branches on
-a value it reads from the batch, batches that carry strings, and namedtuple batches. `zoo_hand.cases()` lists them
-with the others.
+a value it reads from the batch, batches that carry strings, namedtuple batches, a model the script compiled itself,
+lazy layers, `nn.DataParallel` on the CPU, a MAML-style inner step through `torch.func.functional_call`, a multi-label
+BCE loss, frame-wise logits `(B, C, T)` and a loss with learnable parameters (a center loss, optimised
+with the model). `zoo_hand.cases()` lists them with the others.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from zoo_cases import Case, adam, adamw, sgd, xy_logits
+from zoo_cases import Case, adam, adamw, sgd, xy_logits, xy_with
 
 VOCAB, T, N = 200, 24, 16
 Pair = namedtuple("Pair", ["inputs", "labels"])
@@ -264,6 +266,87 @@ def mlp():
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
+def compiled_mlp():
+    """The script compiled the model itself (`model = torch.compile(model)`): fit gets an OptimizedModule."""
+    return torch.compile(mlp())
+
+
+def lazy_mlp():
+    """Lazy layers, shaped by one dry forward before the optimizer is made (as torch's docs say to)."""
+    m = nn.Sequential(nn.LazyLinear(64), nn.ReLU(), nn.LazyLinear(10))
+    m(torch.zeros(2, 32))
+    return m
+
+
+def data_parallel_mlp():
+    return nn.DataParallel(mlp())
+
+
+def maml_step():
+    """One inner SGD step on half the batch through `torch.func.functional_call` (create_graph: second order), the
+    outer loss on the other half at the adapted weights."""
+    from torch.func import functional_call
+
+    def step_fn(model, batch):
+        x, y = batch
+        h = x.shape[0] // 2
+        params = dict(model.named_parameters())
+        inner = F.cross_entropy(functional_call(model, params, (x[:h],)), y[:h])
+        grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+        adapted = {k: v - 0.1 * g for (k, v), g in zip(params.items(), grads)}
+        return F.cross_entropy(functional_call(model, adapted, (x[h:],)), y[h:])
+    return step_fn
+
+
+def maml_probe(model, batch):
+    return xy_logits(model, batch)
+
+
+def multi_hot(g: torch.Generator):
+    return torch.randn(32, 32, generator=g), (torch.rand(32, 10, generator=g) < 0.2).float()
+
+
+def frame_net():
+    """Frame-wise classes from a 1-D conv net: logits (B, C, T) for targets (B, T), as F.cross_entropy takes them."""
+    return nn.Sequential(nn.Conv1d(8, 32, 5, padding=2), nn.ReLU(), nn.Conv1d(32, 6, 1))
+
+
+def frames(g: torch.Generator):
+    return torch.randn(16, 8, 50, generator=g), torch.randint(0, 6, (16, 50), generator=g)
+
+
+def frame_plain(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+class CenterLoss(nn.Module):
+    """Cross-entropy plus a center loss: each class's learnable center in logit space (its parameters are the
+    loss's, handed to the script's optimizer beside the model's)."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.centers = nn.Parameter(torch.zeros(classes, classes))
+
+    def forward(self, logits, y):
+        return F.cross_entropy(logits, y) + 0.01 * (logits - self.centers[y]).pow(2).sum(1).mean()
+
+
+CENTER = CenterLoss()  # one object per process, as a script has one (its state reset per run by `center_opt`)
+
+
+def center_opt(m: nn.Module):
+    with torch.no_grad():
+        CENTER.centers.zero_()
+    CENTER.centers.grad = None
+    return torch.optim.Adam(list(m.parameters()) + list(CENTER.parameters()), lr=1e-3)
+
+
+def center_plain(model, batch):
+    x, y = batch
+    return CENTER(model(x), y)
+
+
 def cases() -> list[Case]:
     return [
         Case("hand/conv3d_video", "hand", conv3d_net, clips, xy_logits, sgd(0.05, momentum=0.9),
@@ -292,4 +375,18 @@ def cases() -> list[Case]:
              probe=named_plain, note="dict batches with a list of file names beside the tensors"),
         Case("hand/namedtuple_batch", "hand", mlp, pair_batch, step_fn=pair_step, optimizer=adamw(1e-3),
              probe=pair_plain, note="batches as a namedtuple (inputs, labels)"),
+        Case("hand/user_compiled", "hand", compiled_mlp, vectors, xy_logits, adamw(1e-3),
+             note="the script's own torch.compile(model): an OptimizedModule"),
+        Case("hand/lazy_layers", "hand", lazy_mlp, vectors, xy_logits, adam(1e-3),
+             note="nn.LazyLinear, shaped by a dry forward"),
+        Case("hand/data_parallel_cpu", "hand", data_parallel_mlp, vectors, xy_logits, sgd(0.05),
+             note="nn.DataParallel around the model, on the CPU"),
+        Case("hand/maml_functional_call", "hand", mlp, vectors, step_fn=maml_step, optimizer=adam(1e-3),
+             probe=maml_probe, note="a second-order inner step through torch.func.functional_call"),
+        Case("hand/multilabel_bce", "hand", mlp, multi_hot, xy_with(nn.BCEWithLogitsLoss()), adam(1e-3),
+             fit_kwargs={"loss_fn": nn.BCEWithLogitsLoss()}, note="multi-hot float targets, BCEWithLogitsLoss"),
+        Case("hand/framewise_conv1d", "hand", frame_net, frames, frame_plain, sgd(0.05, momentum=0.9),
+             note="Conv1d logits (B, C, T) for frame targets (B, T), the default loss"),
+        Case("hand/loss_with_parameters", "hand", mlp, vectors, center_plain, center_opt,
+             fit_kwargs={"loss_fn": CENTER}, note="a center loss whose centers the optimizer trains with the model"),
     ]

@@ -630,6 +630,30 @@ def test_a_forward_that_writes_its_input_trains_the_batch_the_plain_loop_would(t
     assert d["precision"].value == "fp32"
 
 
+def test_buffers_a_forward_writes_in_eval_mode_are_the_plain_runs(tiny_cnn):
+    """torch.ao's FakeQuantize updates its observer's min/max (and resizes its scale) in every forward, eval mode
+    included: the numerics guard's eval-mode losses on the first samples moved a quantisation-aware model's
+    observers, and a run whose trial kept fp32 ended off the plain run's weights. bf16 candidates (their guard runs)
+    and channels_last timed apart, never ahead (injected timings): the run that keeps fp32 NCHW ends with the plain
+    run's weights and buffers, bit for bit. Fails with the guard's pass not putting the buffers back."""
+    from torch.ao.quantization import FakeQuantize
+
+    def build():
+        return nn.Sequential(tiny_cnn(), FakeQuantize())
+
+    def batches():
+        g = torch.Generator().manual_seed(0)
+        return [(torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(40)]
+    seconds = {"fp32": 1.0, "fp32+channels_last": 1.3, "bf16": 1.3, "bf16+channels_last": 1.3}
+    res, _ = _with_and_without_trial(
+        build, batches, BF16_CPU, trial={"trial": True, "seconds": seconds},
+        plain={"trial": False, "channels_last": False, "precision": "fp32"},
+        prepare=lambda t: setattr(t.switcher, "race", False))
+    d = res.decisions
+    assert d["precision"].value == "fp32" and d["channels_last"].value is False
+    assert set(d["switch_trial"].measured["losses"]) == {"fp32", "bf16"}  # the guard ran
+
+
 def test_real_measurement_and_the_second_fit_measures_zero_steps(tiny_cnn, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
     kw = dict(epochs=1, trial=True, progress=False, compile=False, lr=0.05)

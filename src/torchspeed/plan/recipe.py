@@ -80,6 +80,7 @@ from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.optim_info import OPTIM_INFO
 from torchspeed.train.sampler import keep_rng, take_batches
 from torchspeed.train.transfer import to_device
+from torchspeed.train.trial.trial_safety import kept_buffers
 
 __all__ = ["LABEL_SMOOTHING", "PROBE_BATCHES", "GIVEN_LOOP_KEEPS", "is_classifier", "recipe_setup",
            "label_smoothing_part", "bn_stats_part", "ema_part", "fold_recipe", "wants"]
@@ -98,7 +99,7 @@ def is_classifier(model: nn.Module, batch, *, loss_fn: Callable | None = None,
     was = model.training
     model.eval()
     try:
-        with torch.no_grad(), no_autotune():  # 2 samples: a shape the run never trains at
+        with torch.no_grad(), no_autotune(), kept_buffers(model):  # 2 samples: a shape the run never trains at
             out = forward_loss(model, first_samples(batch, 2))
     except Exception:  # a batch this check cannot read: leave classification parts off
         return False

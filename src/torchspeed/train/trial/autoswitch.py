@@ -44,7 +44,7 @@ from torchspeed.train.trial.switch_choice import (AHEAD, Switches, autocast_moot
                                                   fusable, model_signature, prior_first, rule_switches, small_here)
 from torchspeed.train.trial.switches import LiveTrial
 from torchspeed.train.transfer import batch_layout
-from torchspeed.train.trial.trial_safety import TrialSafety, forked_rng
+from torchspeed.train.trial.trial_safety import TrialSafety, forked_rng, kept_buffers
 from torchspeed.train.trial.trial_size import (_as_decisions, _current_fused, _depth, _summary, _thread_choices,
                                                set_kernel, trial_settings)
 
@@ -218,7 +218,7 @@ class SwitchStage:
         was, out, state = self.t.module.training, {}, self.safety.snapshot()
         self.t.module.eval()
         try:
-            with torch.no_grad(), no_autotune(), forked_rng(self.t.device):  # a step_fn's draws (a GAN's noise) undone
+            with torch.no_grad(), no_autotune(), forked_rng(self.t.device), kept_buffers(self.t.module):  # draws undone
                 for p in precisions:
                     try:
                         with Precision(p, self.t.device.type).autocast():

@@ -40,7 +40,7 @@ import torch
 from torchspeed.env import sync
 from torchspeed.train.trial.dynamo_deferred import torch_zero_grad
 from torchspeed.train.transfer import batch_layout, map_tensors
-from torchspeed.train.trial.trial_safety import forked_rng
+from torchspeed.train.trial.trial_safety import forked_rng, kept_buffers
 
 __all__ = ["SHADOW_SHARE", "ShadowTurns"]
 
@@ -110,7 +110,6 @@ class ShadowTurns:
         (`user_state.Snapshot`: a `step_fn`'s carried hidden state, a forward's attributes), put back after the
         candidate's passes too."""
         t, live = self.stage.t, self.stage.live
-        stats = [(b, b.clone()) for b in t.module.buffers()]
 
         def candidate_pass() -> float:  # the candidate's forward and backward on a copy of the batch, its seconds
             own = map_tensors(batch, torch.Tensor.clone)  # a forward that writes its input (`x.mul_(0.5)`) leaves
@@ -119,15 +118,13 @@ class ShadowTurns:
             t.forward_backward(own)
             sync(t.device)
             return time.perf_counter() - t0
-        try:
-            with forked_rng(t.device):
+        try:  # a candidate that fails part-way leaves the statistics (and the user's state) as they were too
+            with forked_rng(t.device), kept_buffers(t.module):
                 if settle:
                     live.add_extra(candidate_pass())
                     torch_zero_grad(t.optimizer)
                 timed = candidate_pass()
-        finally:  # a candidate that fails part-way leaves the statistics (and the user's state) as they were too
-            for b, saved in stats:
-                b.copy_(saved)
+        finally:
             if state is not None:
                 self.stage.safety.restore(state)
         torch_zero_grad(t.optimizer)  # no torch._dynamo import for it (dynamo_deferred)

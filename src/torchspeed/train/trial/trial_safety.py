@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -43,6 +44,22 @@ _HALF = ("bf16", "fp16")
 def forked_rng(device: torch.device):
     """torch's generator for `device` (and the CPU's) forked: what a measuring pass draws is undone after it."""
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type)
+
+
+@contextlib.contextmanager
+def kept_buffers(module: torch.nn.Module):
+    """The module's buffers put back as they were after a pass that only measures or reads: BatchNorm's running
+    statistics in train mode, and what a forward writes in eval mode too (torch.ao's FakeQuantize observers update
+    their min/max and resize their scale in any mode; spectral norm's power-iteration vectors)."""
+    saved = [(b, b.clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, old in saved:
+                if b.shape != old.shape:
+                    b.resize_(old.shape)
+                b.copy_(old)
 
 
 class TrialSafety:
