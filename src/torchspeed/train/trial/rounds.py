@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
@@ -34,10 +33,9 @@ from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
 __all__ = ["ORDERS", "Turn", "Rounds", "round_order", "turns", "interleaved", "run_for", "medians", "paired_ratios",
-           "ratio_summary", "share_faster", "faster_p_value", "EXACT_SAMPLES"]
+           "ratio_summary"]
 
 K = TypeVar("K", bound=Hashable)
-EXACT_SAMPLES = 24  # `faster_p_value` counts the rank sums exactly up to this many samples in all
 
 # fixed: the given order every round; alternate: reversed every second round; rotate: round r starts
 # at the r-th candidate (each candidate runs first once every len(candidates) rounds).
@@ -87,31 +85,6 @@ def share_faster(times: Sequence[float], reference: Sequence[float]) -> float:
     (ties count half): 0.5 where the two are the same distribution, 1.0 where every step beat every reference step."""
     pairs = [(a < b) + 0.5 * (a == b) for a in times for b in reference]
     return sum(pairs) / len(pairs) if pairs else 0.5
-
-
-def faster_p_value(times: Sequence[float], reference: Sequence[float]) -> float:
-    """How likely a share of faster pairings (`share_faster`) at least this high is by chance alone: the one-sided
-    p-value of the rank-sum (Mann-Whitney) test that `times` are no faster than `reference`, exact up to
-    `EXACT_SAMPLES` samples in all (ties at their mid-rank; the count of equal-or-lower rank sums), else the normal
-    approximation. One step timed against four: at least 0.2 whatever the seconds (1 in 5 orders puts it first), so
-    a single lucky step never reads as sure; two against four, 1 in 15."""
-    m, n = len(times), len(reference)
-    if not m or not n:
-        return 1.0
-    pooled = sorted(list(times) + list(reference))
-    ranks = {v: (pooled.index(v) + len(pooled) - pooled[::-1].index(v) + 1) / 2 for v in pooled}  # mid-ranks
-    w = sum(ranks[t] for t in times)  # the candidate's rank sum: low where its steps are the fast ones
-    if m + n > EXACT_SAMPLES:
-        mean, sd = m * (m + n + 1) / 2, math.sqrt(m * n * (m + n + 1) / 12)
-        return 0.5 * math.erfc((mean - w) / (sd * math.sqrt(2)))
-    ways = [[0] * (m * (m + n) + 1) for _ in range(m + 1)]  # ways[k][s]: k of the ranks 1..N summing to s
-    ways[0][0] = 1
-    for r in range(1, m + n + 1):
-        for k in range(min(r, m), 0, -1):
-            row, prev = ways[k], ways[k - 1]
-            for total in range(len(row) - 1, r - 1, -1):
-                row[total] += prev[total - r]
-    return sum(ways[m][:math.floor(w + 1e-9) + 1]) / math.comb(m + n, m)
 
 
 def paired_ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:

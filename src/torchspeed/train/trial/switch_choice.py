@@ -3,10 +3,8 @@
 `Switches` is one combination (precision, memory layout, optimizer kernel, threads); `candidate_grid` lists the
 ones left on "auto" (a pure function of the device's capabilities), `rule_switches` is the fixed rule where no
 trial runs, and `choose` picks among measured step times: the fastest, unless one with fewer changes from the
-plain settings is within `min_gain`, a change is not sure (`SURE` of its pairings with the plain settings' steps;
-on a run kept to its loop's numbers also a share chance alone gives `SURE_P` of the time or less), or another
-precision is not `PRECISION_GAIN` faster (it moves the run's results). `model_signature`/`batch_signature` key the
-trial cache.
+plain settings is within `min_gain`, a change is not sure (`SURE`), or another precision is not `PRECISION_GAIN`
+faster (it moves the run's results). `model_signature`/`batch_signature` key the trial cache.
 
 Example:
     >>> candidate_grid(caps=DeviceCaps("cpu", cpu_bf16=True), has_conv=True)[0].label()
@@ -27,16 +25,15 @@ from torchspeed.train.trial.memory_format import has_conv, has_conv2d
 from torchspeed.train.optim import sparse_gradients
 from torchspeed.train.optim_info import info_for
 from torchspeed.train.trial.precision import normalize_precision
-from torchspeed.train.trial.rounds import faster_p_value, medians, share_faster
+from torchspeed.train.trial.rounds import medians, share_faster
 
 __all__ = ["Switches", "candidate_grid", "prior_first", "rule_switches", "rule_choice", "autocast_moot",
            "small_products", "small_here", "choose", "numerics_ok", "fusable", "set_fused",
-           "model_signature", "batch_signature", "AHEAD", "PRECISION_GAIN", "SURE", "SURE_P"]
+           "model_signature", "batch_signature", "AHEAD", "PRECISION_GAIN", "SURE"]
 
 AHEAD = 1.1  # a candidate timed apart this much faster than the plain settings is likely to win: its turns train
 PRECISION_GAIN = AHEAD  # another precision is taken only this much faster than the plain settings' (it moves results)
 SURE = 0.75  # a change is taken when it was the faster in this share of its timed steps' pairings with the plain's
-SURE_P = 0.1  # on a run kept to its loop's numbers, chance alone gives that share this often or less (`faster_p_value`)
 SMALL_PRODUCTS = 1 << 16  # CPU rule: a model whose weight matrices are all this small keeps fp32 (`small_products`)
 
 
@@ -140,21 +137,17 @@ def numerics_ok(reference_loss: float, loss: float, *, tol: float) -> bool:
 
 
 def choose(times: dict[Switches, list[float]], *, plain: Switches, min_gain: float = 1.02,
-           rejected: dict[Switches, str] | None = None, ref: str = "the plain settings",
-           sure_p: float | None = None) -> tuple[Switches, str]:
+           rejected: dict[Switches, str] | None = None, ref: str = "the plain settings") -> tuple[Switches, str]:
     """The fastest candidate (median seconds per step), or one with fewer changes from `plain` (called `ref` in
     the reason) within `min_gain` of it. A change must also be sure: faster in SURE of the pairings of its timed
-    steps with the plain settings' (`rounds.share_faster`), and with `sure_p` (a run that keeps its loop's numbers
-    unless a change pays: SURE_P) a share chance alone gives that often or less (`rounds.faster_p_value`: a step
-    against a few is never sure); another precision, PRECISION_GAIN faster on any run (it moves the results;
-    docs/train.md, "Choice"), a few percent do not buy it."""
+    steps with the plain settings' (`rounds.share_faster`); another precision, PRECISION_GAIN faster on any run
+    (it moves the results; docs/train.md, "Choice"), a few percent do not buy it."""
     rejected = rejected or {}
     med = medians({s: t for s, t in times.items() if s not in rejected})
     if not med:
         return plain, f"no candidate could be measured: kept {ref}"
     fastest, base = min(med, key=med.get), times.get(plain) if plain in med else None
-    unsure = {s: v for s in med if base and s != plain and ((v := share_faster(times[s], base)) < SURE or (
-        sure_p is not None and faster_p_value(times[s], base) > sure_p))}
+    unsure = {s: v for s in med if base and s != plain and (v := share_faster(times[s], base)) < SURE}
     small = {s for s in med if s.precision != plain.precision and plain in med
              and med[plain] < med[s] * PRECISION_GAIN}
     sure = {s: m for s, m in med.items() if s not in unsure and s not in small}
@@ -164,11 +157,7 @@ def choose(times: dict[Switches, list[float]], *, plain: Switches, min_gain: flo
         why = f"{ref} measured fastest" if fastest == plain else (
             f"{fastest.label()} measured {med[plain] / med[fastest]:.2f}x {ref} but was the faster in only "
             f"{unsure[fastest]:.0%} of the pairings of its timed steps with theirs (< {SURE:.0%}): not sure enough "
-            "for a change" if unsure[fastest] < SURE else
-            f"{fastest.label()} measured {med[plain] / med[fastest]:.2f}x {ref}, the faster in {unsure[fastest]:.0%} "
-            f"of the pairings of its {len(times[fastest])} timed step(s) with their {len(base)}, which chance alone "
-            f"gives {faster_p_value(times[fastest], base):.0%} of the time (> {sure_p:.0%}): not sure enough for a "
-            "change") if fastest in unsure else (
+            "for a change") if fastest in unsure else (
             f"{fastest.label()} measured only {med[plain] / med[fastest]:.2f}x {ref} (< {PRECISION_GAIN}x for "
             "another precision, which moves the run's results): not worth a change") if fastest in small else (
             f"{best.label()} was only {med[plain] / med[best]:.2f}x {ref} (< {min_gain}x): not worth a change")

@@ -48,7 +48,7 @@ import math
 from dataclasses import asdict, replace
 
 from torchspeed.train.trial.rounds import medians, share_faster, turns
-from torchspeed.train.trial.switch_choice import AHEAD, SURE_P, Switches, choose, numerics_ok
+from torchspeed.train.trial.switch_choice import AHEAD, Switches, choose, numerics_ok
 
 DROP_AT = 1.5  # a candidate this many times slower than the fastest after one timed step is out of the later rounds
 # The least a switch's one-off work (its kernels' first use in the process) is priced at. Measured: in a process that
@@ -285,7 +285,7 @@ class LiveTrial:
         if name == "precision x layout":
             plain = self.grid[0]
             rejected = self._numerics(plain)
-            best, why = choose(times, plain=plain, min_gain=self.min_gain, rejected=rejected, sure_p=self._sure_p())
+            best, why = choose(times, plain=plain, min_gain=self.min_gain, rejected=rejected)
             if self.report.get("stopped"):
                 best, why = plain, "kept the plain settings, " + self.report["stopped"]
             elif self.report.get("untried"):
@@ -295,7 +295,7 @@ class LiveTrial:
             # within the noise the run keeps the kernel it started with (the rule's: fused where torch has one, a
             # 2-3x cheaper optimizer step on a CPU), not foreach: a 1-step trial cannot resolve a 10% step difference
             plain = self.best if name == "optimizer kernel" else self.candidates[0]
-            best, why = choose(times, plain=plain, min_gain=self.min_gain, sure_p=self._sure_p(),
+            best, why = choose(times, plain=plain, min_gain=self.min_gain,
                                ref="the kernel the run started with" if name == "optimizer kernel" else "the plain settings")
             if not any(times.values()):
                 best, why = self.best, "not measured (the run ended first): kept"
@@ -309,12 +309,6 @@ class LiveTrial:
             self._start_stage(self._stages.pop(0))
         else:
             self.report.update(steps=self.steps_run, chosen=best.label(), switches=asdict(best))
-
-    def _sure_p(self) -> float | None:
-        """A run kept to its loop's numbers unless a change pays (`min_gain` AHEAD or more: a port given its own LR)
-        changes only on evidence chance alone gives SURE_P of the time or less: on a ported run of a tiny MLP, one
-        bf16 step timed 10% faster than the plain settings' few chose bf16, and the run ran 0.85x its loop."""
-        return SURE_P if self.min_gain >= AHEAD else None
 
     def _stage_extra(self, times: dict, med: dict, best: float) -> float:
         """A stage's cost over its winner: each timed step at its candidate's median above the winner's, and each
