@@ -102,6 +102,16 @@ def plain_loop(case: Case, batches: list) -> tuple[float, torch.nn.Module, float
     seed(RUN_SEED)
     t0 = time.perf_counter()
     for batch in loader(batches, case.fresh_batches):
+        if isinstance(opt, torch.optim.LBFGS):  # a closure, as its docs write the loop
+            def closure(batch=batch):
+                opt.zero_grad()
+                out = step(model, batch) if step else case.plain(model, batch)
+                out.backward()
+                return out
+            loss = opt.step(closure)
+            opt.zero_grad()
+            losses.append(loss.detach())
+            continue
         loss = step(model, batch) if step else case.plain(model, batch)
         loss.backward()
         if clip:

@@ -442,3 +442,36 @@ def test_named_tuple_batches_reach_the_step_fn_as_the_named_tuple(tmp_path, monk
     res = torchspeed.fit(nn.Linear(4, 2), batches, epochs=1, step_fn=step_fn, lr=0.05, trial=True, compile=False,
                          progress=False)
     assert res.steps == 24 and set(seen) == {Pair}
+
+
+def test_a_batch_holding_a_sparse_adjacency_trains_with_the_trial_live(tmp_path, monkeypatch):
+    """A graph network's batch is (node features, sparse adjacency, labels): its rows are nodes, and slicing the
+    sparse adjacency to the "first samples" raised NotImplementedError ('aten::as_strided' on SparseCPU) in the
+    numerics guard of a bf16 CPU's trial, ending the run. Such a batch is copied whole. The trial runs live on an
+    injected bf16 CPU, so the guard's copy is made."""
+    from torchspeed.train.loop.batch import first_samples
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 32, (2, 96), generator=g)
+    adj = torch.sparse_coo_tensor(idx, torch.ones(96), (32, 32)).coalesce()
+    x, y = torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
+    cx, cadj, cy = first_samples((x, adj, y), 4)
+    assert cx.shape == x.shape and torch.equal(cadj.to_dense(), adj.to_dense()) and cx.data_ptr() != x.data_ptr()
+
+    class GCN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = nn.Linear(8, 16), nn.Linear(16, 3)
+
+        def forward(self, x, adj):
+            return torch.sparse.mm(adj, self.w2(F.relu(torch.sparse.mm(adj, self.w1(x)))))
+
+    def step_fn(model, batch):
+        x, adj, y = batch
+        return F.cross_entropy(model(x, adj), y)
+
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx512_bf16")
+    res = torchspeed.fit(GCN(), [(x, adj, y)] * 24, epochs=1, step_fn=step_fn, lr=0.05, trial=True, compile=False,
+                         progress=False)
+    assert res.steps == 24 and res.decisions["switch_trial"].value == "measured"

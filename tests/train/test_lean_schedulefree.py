@@ -7,9 +7,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchspeed
-from torchspeed.train.loop import lean_schedulefree
+from torchspeed.train import lean_schedulefree
 from torchspeed.train.state import flat_state
-from torchspeed.train.loop.lean_schedulefree import LeanScheduleFree
+from torchspeed.train.lean_schedulefree import LeanScheduleFree
 from torchspeed.train.loop.lean_step import lean_step_for, step_with_torch
 
 from test_lean_step import _batches, _model, _resume_and_freeze, _train as lean_train

@@ -4,8 +4,8 @@
 - `setup`: `TrainerSetup`, the steps of the trainer's construction that stand apart (its loss, optimizer,
   checkpoints and the parts that run the steps);
 - `step`: the optimizer step with accumulation, clipping and loss scaling (T19, T20, T21);
-- `lean_step`, `lean_schedulefree`: torch's Adam/AdamW/SGD step and Schedule-Free AdamW's without their
-  per-step Python (T51, T42);
+- `lean_step`: torch's Adam/AdamW/SGD step without its per-step Python, and Schedule-Free AdamW's through
+  `train/lean_schedulefree.py` (T51, T42);
 - `batch`, `model_call`, `model_output`: the batch contract (what a batch may be, how a loss comes out of it),
   how a model is called with a batch's inputs, and how its output is read (T13);
 - `guard`: a non-finite loss skipped (T21's skip, for bf16 and fp32 too), running out of memory explained;

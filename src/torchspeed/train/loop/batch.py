@@ -50,6 +50,7 @@ from torch import nn
 from torchspeed.train.trial.compile import CompileController, CompileDecision
 from torchspeed.train.decision import Decision
 from torchspeed.train.losses import IGNORE_INDEX, SequenceCrossEntropy, default_loss
+from torchspeed.train.transfer import map_tensors
 from torchspeed.train.loop.model_call import call_model, takes_target
 from torchspeed.train.loop.model_output import ModelOutput, read_output
 from torchspeed.train.wrappers import unwrap_model
@@ -112,8 +113,11 @@ def batch_size(batch) -> int:
 
 def first_samples(batch, n: int):
     """The batch cut to its first `n` samples, copied (a forward that writes its input leaves the batch as it was):
-    every tensor (and list of samples) whose first dimension is the batch's size; any other tensor whole."""
-    return _cut(batch, batch_size(batch), n)
+    every tensor (and list of samples) whose first dimension is the batch's size; any other tensor whole. A batch
+    holding a sparse tensor (a graph's adjacency, whose rows are not samples) is copied whole."""
+    sparse = []
+    map_tensors(batch, lambda t: sparse.append(t.layout != torch.strided))
+    return _cut(batch, -1 if any(sparse) else batch_size(batch), n)
 
 
 def _cut(v, b: int, n: int):

@@ -55,7 +55,7 @@ import weakref
 import torch
 
 from torchspeed.train.state.flat_state import FlatMoments, flat_applies
-from torchspeed.train.loop.lean_schedulefree import LeanScheduleFree, is_adamw_schedule_free, plain_step
+from torchspeed.train.lean_schedulefree import LeanScheduleFree, is_adamw_schedule_free, plain_step
 
 __all__ = ["LeanStep", "lean_step_for", "step_with_torch", "steps_with_torch"]
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from torchspeed.train.loop.lean_schedulefree import plain_step
+from torchspeed.train.lean_schedulefree import plain_step
 from torchspeed.train.optim_foreach import foreach_groups
 from torchspeed.train.loop.lean_step import steps_with_torch
 
