@@ -12,7 +12,8 @@ Function, an orthogonal parametrization, a forward hook, data-dependent branches
 a model compiled by its script, lazy layers, DataParallel, a MAML inner step, multi-label BCE, frame-wise logits and a
 loss with parameters of its own; and (zoo_hand_forms4.py) a graph network with a sparse adjacency in its batches,
 L-BFGS, attention weights in the loss, stochastic depth from Python's random, an STFT front end, FGSM adversarial
-training and a MoCo-style memory bank.
+training and a MoCo-style memory bank; and (zoo_hand_forms5.py) mixup's soft targets, a dataclass batch,
+progressive unfreezing and a frozen BatchNorm.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 import zoo_hand_forms  # parametrizations, checkpointing, TorchScript, a WGAN-GP critic, ...
 import zoo_hand_forms3  # 3D convs, frozen backbones, LoRA, packed sequences, QAT, ...
 import zoo_hand_forms4  # sparse graph batches, L-BFGS, STFT, adversarial and contrastive steps, ...
+import zoo_hand_forms5  # mixup's soft targets, a dataclass batch, progressive unfreezing, a frozen BatchNorm
 from bench_ported import MnistNet  # PyTorch's MNIST example's Net, as the ported bench has it
 from zoo_cases import (Case, adam, adamw, ce_logits, images, lm_pairs, sgd, xxy_logits, xy_logits, xy_own,
                        xy_with)
@@ -362,4 +364,4 @@ def cases() -> list[Case]:
         Case("hand/mlp_regression", "hand", lambda: mlp(classes=1), lambda g: (torch.randn(32, 32, generator=g),
                                                                                torch.randn(32, 1, generator=g)),
              xy_with(nn.MSELoss()), adam(1e-3), fit_kwargs={"loss_fn": nn.MSELoss()}, note="regression, MSE"),
-    ] + zoo_hand_forms.cases() + zoo_hand_forms3.cases() + zoo_hand_forms4.cases()
+    ] + zoo_hand_forms.cases() + zoo_hand_forms3.cases() + zoo_hand_forms4.cases() + zoo_hand_forms5.cases()
