@@ -1,7 +1,9 @@
 """A fifth set of hand-written forms: mixup's soft targets (class probabilities) through the default loss, a batch
 that is a dataclass of the script's own (a `collate_fn` builds it), progressive unfreezing (the backbone's
 `requires_grad` turned on mid-run, its parameters in the optimizer from the start), and a frozen BatchNorm (eval
-mode kept on a submodule while the rest trains). `zoo_hand.cases()` lists them with the others.
+mode kept on a submodule while the rest trains), and SAM (sharpness-aware minimisation: an optimizer of the script's
+own whose `step(closure)` climbs to a nearby point and steps on the gradient the closure computes there).
+`zoo_hand.cases()` lists them with the others.
 """
 
 from __future__ import annotations
@@ -111,6 +113,51 @@ def soft_ce(model, batch):
     return F.cross_entropy(model(x), p)
 
 
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as its reference implementation writes it (davda54/sam): `step(closure)` moves
+    each weight by rho along its normalised gradient, has the closure compute the gradient there, moves back and
+    steps the base optimizer on that gradient. It asserts it is given the closure."""
+
+    def __init__(self, params, base_optimizer, rho: float = 0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self):
+        norm = torch.norm(torch.stack([p.grad.norm(2) for g in self.param_groups for p in g["params"]
+                                       if p.grad is not None]), 2)
+        for group in self.param_groups:
+            scale = group["rho"] / (norm + 1e-12)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                e_w = p.grad * scale
+                p.add_(e_w)
+                self.state[p]["e_w"] = e_w
+        self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "e_w" in self.state[p]:
+                    p.sub_(self.state[p]["e_w"])
+        self.base_optimizer.step()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is not None, "Sharpness Aware Minimization requires closure, but it was not provided"
+        closure = torch.enable_grad()(closure)
+        self.first_step()
+        closure()
+        self.second_step()
+
+
+def sam(m: nn.Module):
+    return SAM(m.parameters(), torch.optim.SGD, rho=0.05, lr=0.05, momentum=0.9)
+
+
 def cases() -> list[Case]:
     return [
         Case("hand/mixup_soft_targets", "hand", mlp, mixup_batch, soft_ce, sgd(0.05, momentum=0.9),
@@ -122,4 +169,7 @@ def cases() -> list[Case]:
              probe=unfreeze_probe, note=f"the backbone frozen, then trained from step {UNFREEZE_AT}"),
         Case("hand/frozen_batchnorm", "hand", FrozenBN, images, xy_logits, sgd(0.05, momentum=0.9),
              note="BatchNorm kept in eval mode by the model's train() while the rest trains"),
+        Case("hand/sam_optimizer", "hand", mlp, lambda g: (torch.randn(32, 32, generator=g),
+             torch.randint(0, 10, (32,), generator=g)), xy_logits, sam,
+             note="SAM: the script's own optimizer, step(closure) on the gradient at a nearby point"),
     ]

@@ -102,12 +102,12 @@ def plain_loop(case: Case, batches: list) -> tuple[float, torch.nn.Module, float
     seed(RUN_SEED)
     t0 = time.perf_counter()
     for batch in loader(batches, case.fresh_batches):
-        if isinstance(opt, torch.optim.LBFGS):  # a closure, as its docs write the loop
-            def closure(batch=batch):
-                opt.zero_grad()
-                out = step(model, batch) if step else case.plain(model, batch)
-                out.backward()
-                return out
+        def closure(batch=batch):  # L-BFGS's and SAM's, as their docs write the loop
+            opt.zero_grad()
+            out = step(model, batch) if step else case.plain(model, batch)
+            out.backward()
+            return out
+        if isinstance(opt, torch.optim.LBFGS):
             loss = opt.step(closure)
             opt.zero_grad()
             losses.append(loss.detach())
@@ -116,7 +116,7 @@ def plain_loop(case: Case, batches: list) -> tuple[float, torch.nn.Module, float
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
+        opt.step(closure) if hasattr(opt, "first_step") else opt.step()  # SAM: the gradient at its nearby point
         opt.zero_grad()
         losses.append(loss.detach())
     sec = time.perf_counter() - t0

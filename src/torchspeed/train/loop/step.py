@@ -13,9 +13,10 @@ The order matters and is easy to get wrong in a hand-written loop:
    the scale. The skip is returned as a device tensor: counting skipped steps costs no
    host sync.
 3. An optimizer whose `step` needs a closure (`torch.optim.LBFGS`: it evaluates the loss again
-   at the points of its line search) gets `closure_for(...)`: its first call returns the loss
-   and gradients already computed on this batch, each later one runs forward and backward on the
-   same batch again. Clipping applies to the first gradient.
+   at the points of its line search; an optimizer of the script's own whose `step` takes one, such as SAM,
+   which climbs to a nearby point and needs the gradient there) gets `closure_for(...)`: its first call
+   returns the loss and gradients already computed on this batch while the weights are as they were, and
+   otherwise runs forward and backward on the same batch again. Clipping applies to the first gradient.
 
 Example:
     >>> backward(loss, scaler=scaler, accum_steps=4)   # the epoch's last window: the micro-batches it holds
@@ -123,32 +124,44 @@ def backward(loss: torch.Tensor, *, scaler: torch.amp.GradScaler | None = None, 
         loss.backward()
 
 
+_STEP_ON_GRADS = ("torch", "torchspeed", "schedulefree", "timm")  # packages whose optional closure is optional
+
+
 @functools.lru_cache(maxsize=64)
 def _step_needs_closure(kind: type) -> bool:
     try:
         param = inspect.signature(kind.step).parameters.get("closure")
     except (TypeError, ValueError):  # a step with no signature to read: called as optimizers are, with none
         return False
-    return param is not None and param.default is inspect.Parameter.empty
+    if param is None:
+        return False
+    # torch's optimizers, and those torchspeed builds (Schedule-Free's, timm's, its own Muon), take an optional closure
+    # and step on the gradients they have; one of the script's own that takes a closure may need it (SAM asserts it
+    # is given: its second gradient is the closure's), and one that only evaluates it gets the computed loss back
+    return param.default is inspect.Parameter.empty or kind.__module__.split(".")[0] not in _STEP_ON_GRADS
 
 
 def needs_closure(optimizer) -> bool:
-    """Whether `optimizer.step` must be given a closure: its `closure` parameter has no default (LBFGS)."""
+    """Whether `optimizer.step` must be given a closure: its `closure` parameter has no default (LBFGS), or the
+    optimizer is not torch's and its `step` takes one (SAM's two-pass step)."""
     return _step_needs_closure(type(optimizer))
 
 
 def closure_for(optimizer, loss: torch.Tensor, recompute: Callable[[], torch.Tensor]) -> Callable | None:
-    """None for an optimizer that steps on the gradients it has; for one that needs a closure (LBFGS), a closure
-    whose first call returns `loss` (its gradients are in place) and each later call zeroes the gradients and
-    returns `recompute()` (forward and backward on the same batch, detached)."""
+    """None for an optimizer that steps on the gradients it has; for one that needs a closure, a closure whose first
+    call returns `loss` (its gradients are in place) while the weights are those it was computed at (no parameter
+    written since: their version counters), and otherwise zeroes the gradients and returns `recompute()` (forward
+    and backward on the same batch, detached): LBFGS's first call is at the same weights, SAM's after its ascent."""
     if not needs_closure(optimizer):
         return None
-    first = [True]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    versions, first = [p._version for p in params], [True]
 
     def closure() -> torch.Tensor:
         if first[0]:
             first[0] = False
-            return loss
+            if [p._version for p in params] == versions:
+                return loss
         optimizer.zero_grad(set_to_none=True)
         return recompute().detach()
 
