@@ -654,6 +654,55 @@ def test_buffers_a_forward_writes_in_eval_mode_are_the_plain_runs(tiny_cnn):
     assert set(d["switch_trial"].measured["losses"]) == {"fp32", "bf16"}  # the guard ran
 
 
+def test_a_turn_timed_apart_counts_the_candidates_pass_once_for_each_the_step_runs(monkeypatch):
+    """A timed-apart turn swaps the trained step's forward and backward for the candidate's. SAM's step runs two
+    (the batch's, then its closure's at a nearby point; L-BFGS's line search more): each is the candidate's, so the
+    candidate's single timed pass counts twice. Counted once, a candidate no faster read 2x faster, and ported runs
+    of SAM and L-BFGS switched to bf16 (zoo forms, host and AMX). A fake clock that only forward and backward move
+    (1 s each): the candidate's step reads the plain step's 2 s. Fails with the pass counted once (1 s)."""
+    import types
+
+    from torchspeed.train.loop.trainer import Trainer
+    from torchspeed.train.trial import shadow as shadow_mod
+    from torchspeed.train.trial.switch_choice import AHEAD
+
+    class SAM(torch.optim.Optimizer):  # the script's own: its step takes the closure (fit gives it one)
+        def __init__(self, params):
+            self.base = torch.optim.SGD(params, lr=0.05)
+            super().__init__(self.base.param_groups, {})
+            self.param_groups = self.base.param_groups
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.add_(0.01 * p.grad)
+            self.zero_grad()
+            torch.enable_grad()(closure)()
+            self.base.step()
+
+    clock = [0.0]
+    monkeypatch.setattr(shadow_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    real = Trainer.forward_backward
+
+    def forward_backward(self, batch):
+        clock[0] += 1.0
+        return real(self, batch)
+    monkeypatch.setattr(Trainer, "forward_backward", forward_backward)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(192, 4))
+    t = _trainer(model, BF16_CPU, optimizer=SAM(model.parameters()), min_gain=AHEAD)
+    apart = []
+
+    def measure(s, sec):
+        if s.precision == "bf16":
+            apart.append(sec)
+            return 1.3  # keep fp32: the run's numbers stay the plain ones
+        return 1.0
+    t.switcher.measure_fn = measure
+    t.fit(_loader(n=16 * 40))
+    assert apart and all(sec == pytest.approx(2.0) for sec in apart), apart
+
+
 def test_real_measurement_and_the_second_fit_measures_zero_steps(tiny_cnn, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
     kw = dict(epochs=1, trial=True, progress=False, compile=False, lr=0.05)

@@ -124,7 +124,7 @@ def backward(loss: torch.Tensor, *, scaler: torch.amp.GradScaler | None = None, 
         loss.backward()
 
 
-_STEP_ON_GRADS = ("torch", "torchspeed", "schedulefree", "timm")  # packages whose optional closure is optional
+_STEP_ON_GRADS = ("torch", "torchspeed", "schedulefree", "timm")  # their optimizers step on the gradients they have
 
 
 @functools.lru_cache(maxsize=64)

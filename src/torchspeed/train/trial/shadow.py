@@ -101,8 +101,9 @@ class ShadowTurns:
         forward and backward on a copy of `batch` (in the candidate's layout) timed, then the RNG, the module's buffers
         (BatchNorm's running statistics, spectral norm's vectors) and the gradients put back as they were, and the
         batch trained in the plain precision and layout (the candidate's kernel). Returns the trained step's seconds
-        with its forward and backward swapped for the candidate's (the optimizer step, the guard and the meter as
-        every candidate pays them); the trained forward and backward (the price of keeping the numerics) is added to
+        with its forward and backward swapped for the candidate's, each of them where an optimizer's closure runs
+        more (SAM's second pass, L-BFGS's line search; the optimizer step, the guard and the meter as every
+        candidate pays them); the trained forward and backward (the price of keeping the numerics) is added to
         the trial's cost. `settle` (a timed turn): one untimed forward and backward first, its seconds added to the
         trial's cost, so the timed one is the candidate's steady step: the first pass after the run's own step, in
         another layout or precision, is not (mobilenet_v3_small, channels_last on a Zen 5 CPU: 83 ms, then 28 ms,
@@ -133,13 +134,14 @@ class ShadowTurns:
                                  threads=None if cand.threads is None else self.stage.plain_threads))
         batch = batch_layout(batch, plain.channels_last)
         self.turns += 1
-        trained_fb, forward_backward = [0.0], t.forward_backward
+        trained_fb, forward_backward = [0.0, 0], t.forward_backward
 
         def clocked(b):  # the trained step's own forward and backward, to swap for the candidate's
             t2 = time.perf_counter()
             out = forward_backward(b)
             sync(t.device)
             trained_fb[0] += time.perf_counter() - t2
+            trained_fb[1] += 1  # an optimizer's closure (L-BFGS's line search, SAM's second pass) runs more
             return out
 
         t.forward_backward = clocked  # this step only (an instance attribute over the method)
@@ -151,4 +153,5 @@ class ShadowTurns:
             del t.forward_backward
         whole = time.perf_counter() - t1
         live.add_extra(trained_fb[0])
-        return whole - trained_fb[0] + timed  # the step as the candidate's: its forward and backward, the rest as run
+        # the step as the candidate's: its forward and backward as many times as the step ran them, the rest as run
+        return whole - trained_fb[0] + timed * max(1, trained_fb[1])
