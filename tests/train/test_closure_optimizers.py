@@ -87,6 +87,10 @@ def test_an_optimizer_of_the_scripts_own_that_takes_a_closure_gets_one_that_reco
     optimizers still step without one (their lean steps stay)."""
     p = [nn.Parameter(torch.zeros(2))]
     assert needs_closure(SAM(p, torch.optim.SGD, lr=0.1))
+
+    class Renamed(torch.optim.SGD):  # the script's own class, torch's step: steps on its gradients as before
+        pass
+    assert not needs_closure(Renamed(p, lr=0.1))
     if importlib.util.find_spec("schedulefree") is not None:  # the [schedulefree] extra: its lean step stays
         import schedulefree
         assert not needs_closure(schedulefree.AdamWScheduleFree(p))

@@ -138,7 +138,8 @@ def _step_needs_closure(kind: type) -> bool:
     # torch's optimizers, and those torchspeed builds (Schedule-Free's, timm's, its own Muon), take an optional closure
     # and step on the gradients they have; one of the script's own that takes a closure may need it (SAM asserts it
     # is given: its second gradient is the closure's), and one that only evaluates it gets the computed loss back
-    return param.default is inspect.Parameter.empty or kind.__module__.split(".")[0] not in _STEP_ON_GRADS
+    home = getattr(inspect.unwrap(kind.step), "__module__", None) or ""  # where the step is written (torch wraps it)
+    return param.default is inspect.Parameter.empty or home.split(".")[0] not in _STEP_ON_GRADS
 
 
 def needs_closure(optimizer) -> bool:
