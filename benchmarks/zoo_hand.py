@@ -13,7 +13,8 @@ a model compiled by its script, lazy layers, DataParallel, a MAML inner step, mu
 loss with parameters of its own; and (zoo_hand_forms4.py) a graph network with a sparse adjacency in its batches,
 L-BFGS, attention weights in the loss, stochastic depth from Python's random, an STFT front end, FGSM adversarial
 training and a MoCo-style memory bank; and (zoo_hand_forms5.py) mixup's soft targets, a dataclass batch,
-progressive unfreezing and a frozen BatchNorm.
+progressive unfreezing and a frozen BatchNorm; and (zoo_hand_forms6.py) torch.nn.utils.prune's masks, nested dict
+batches, a model the script put in channels_last, and bf16 autocast inside a forward.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import zoo_hand_forms  # parametrizations, checkpointing, TorchScript, a WGAN-GP
 import zoo_hand_forms3  # 3D convs, frozen backbones, LoRA, packed sequences, QAT, ...
 import zoo_hand_forms4  # sparse graph batches, L-BFGS, STFT, adversarial and contrastive steps, ...
 import zoo_hand_forms5  # mixup's soft targets, a dataclass batch, progressive unfreezing, a frozen BatchNorm
+import zoo_hand_forms6  # torch.nn.utils.prune, nested dict batches, the script's channels_last, autocast in forward
 from bench_ported import MnistNet  # PyTorch's MNIST example's Net, as the ported bench has it
 from zoo_cases import (Case, adam, adamw, ce_logits, images, lm_pairs, sgd, xxy_logits, xy_logits, xy_own,
                        xy_with)
@@ -364,4 +366,5 @@ def cases() -> list[Case]:
         Case("hand/mlp_regression", "hand", lambda: mlp(classes=1), lambda g: (torch.randn(32, 32, generator=g),
                                                                                torch.randn(32, 1, generator=g)),
              xy_with(nn.MSELoss()), adam(1e-3), fit_kwargs={"loss_fn": nn.MSELoss()}, note="regression, MSE"),
-    ] + zoo_hand_forms.cases() + zoo_hand_forms3.cases() + zoo_hand_forms4.cases() + zoo_hand_forms5.cases()
+    ] + (zoo_hand_forms.cases() + zoo_hand_forms3.cases() + zoo_hand_forms4.cases() + zoo_hand_forms5.cases()
+         + zoo_hand_forms6.cases())
