@@ -44,6 +44,11 @@ class Case:
         return self.fit_kwargs.get("loss_fn")
 
 
+def stateless(loss: Callable[[nn.Module, Batch], torch.Tensor]) -> Callable[[], Callable]:
+    """A `step_fn` factory for a loss that keeps nothing between steps: every run may share the function."""
+    return lambda: loss
+
+
 def sgd(lr: float, **kw) -> Callable[[nn.Module], torch.optim.Optimizer]:
     return lambda m: torch.optim.SGD(m.parameters(), lr=lr, **kw)
 
@@ -132,6 +137,11 @@ def images(n: int, size: int | tuple[int, int], classes: int = 10, channels: int
     def make(g: torch.Generator):
         return torch.randn(n, channels, h, w, generator=g), torch.randint(0, classes, (n,), generator=g)
     return make
+
+
+def vectors(n: int = 32, d: int = 32, classes: int = 10, dtype: torch.dtype = torch.float32):
+    """A batch maker of `(x, y)` batches of `n` feature vectors of width `d`."""
+    return lambda g: (torch.randn(n, d, generator=g, dtype=dtype), torch.randint(0, classes, (n,), generator=g))
 
 
 def masks(n: int, size: int, classes: int = 5):

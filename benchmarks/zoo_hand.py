@@ -32,8 +32,8 @@ import zoo_hand_forms4  # sparse graph batches, L-BFGS, STFT, adversarial and co
 import zoo_hand_forms5  # mixup's soft targets, a dataclass batch, progressive unfreezing, a frozen BatchNorm
 import zoo_hand_forms6  # torch.nn.utils.prune, nested dict batches, the script's channels_last, autocast in forward
 from bench_ported import MnistNet  # PyTorch's MNIST example's Net, as the ported bench has it
-from zoo_cases import (Case, adam, adamw, ce_logits, images, lm_pairs, sgd, xxy_logits, xy_logits, xy_own,
-                       xy_with)
+from zoo_cases import (Case, adam, adamw, ce_logits, images, lm_pairs, sgd, vectors, xxy_logits, xy_logits,
+                       xy_own, xy_with)
 
 VOCAB, T, N = 256, 16, 8
 
@@ -202,10 +202,6 @@ def ratings_batch(g: torch.Generator):
 def mlp(d_in=32, classes=10, hidden=128):
     return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
                          nn.Linear(hidden, classes))
-
-
-def vectors(n=32, d=32, classes=10, dtype=torch.float32):
-    return lambda g: (torch.randn(n, d, generator=g, dtype=dtype), torch.randint(0, classes, (n,), generator=g))
 
 
 class StepCounter(nn.Module):

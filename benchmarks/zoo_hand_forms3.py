@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from zoo_cases import Case, adam, adamw, sgd, xy_logits, xy_with
+from zoo_cases import Case, adam, adamw, images, sgd, stateless, vectors, xy_logits, xy_with
 
 VOCAB, T, N = 200, 24, 16
 Pair = namedtuple("Pair", ["inputs", "labels"])
@@ -27,14 +27,6 @@ Pair = namedtuple("Pair", ["inputs", "labels"])
 def clips(g: torch.Generator):
     """A batch of 8 video clips: (B, 3, 4 frames, 16, 16), 10 classes."""
     return torch.randn(8, 3, 4, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
-
-
-def small_images(g: torch.Generator):
-    return torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
-
-
-def vectors(g: torch.Generator):
-    return torch.randn(32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
 
 
 def conv3d_net():
@@ -124,12 +116,6 @@ def padded(g: torch.Generator):
 def packed_plain(model, batch):
     tokens, lengths, y = batch
     return F.cross_entropy(model(tokens, lengths), y)
-
-
-def packed_step():
-    def step_fn(model, batch):
-        return packed_plain(model, batch)
-    return step_fn
 
 
 class MaxNormBag(nn.Module):
@@ -234,7 +220,7 @@ class Branches(nn.Module):
 
 
 def named_batch(g: torch.Generator):
-    x, y = vectors(g)
+    x, y = vectors()(g)
     return {"image": x, "label": y, "path": [f"img_{i:04d}.jpg" for i in range(len(y))]}
 
 
@@ -242,24 +228,12 @@ def named_plain(model, batch):
     return F.cross_entropy(model(batch["image"]), batch["label"])
 
 
-def named_step():
-    def step_fn(model, batch):
-        return named_plain(model, batch)
-    return step_fn
-
-
 def pair_batch(g: torch.Generator):
-    return Pair(*vectors(g))
+    return Pair(*vectors()(g))
 
 
 def pair_plain(model, batch):
     return F.cross_entropy(model(batch.inputs), batch.labels)
-
-
-def pair_step():
-    def step_fn(model, batch):
-        return pair_plain(model, batch)
-    return step_fn
 
 
 def mlp():
@@ -351,42 +325,42 @@ def cases() -> list[Case]:
     return [
         Case("hand/conv3d_video", "hand", conv3d_net, clips, xy_logits, sgd(0.05, momentum=0.9),
              note="Conv3d + BatchNorm3d on (B, C, T, H, W) clips"),
-        Case("hand/frozen_backbone", "hand", frozen_backbone, small_images, xy_logits, head_only,
+        Case("hand/frozen_backbone", "hand", frozen_backbone, images(16, 16), xy_logits, head_only,
              note="requires_grad False on the backbone, the optimizer over the head alone"),
-        Case("hand/param_groups_lrs", "hand", Backbone, small_images, xy_logits, two_groups,
+        Case("hand/param_groups_lrs", "hand", Backbone, images(16, 16), xy_logits, two_groups,
              note="AdamW with two parameter groups at their own LRs"),
-        Case("hand/lora_adapter", "hand", lora_mlp, vectors, xy_logits, trainable,
+        Case("hand/lora_adapter", "hand", lora_mlp, vectors(), xy_logits, trainable,
              note="frozen linear layers with trainable low-rank updates"),
-        Case("hand/packed_lstm", "hand", PackedLSTM, padded, step_fn=packed_step, optimizer=adam(1e-3),
+        Case("hand/packed_lstm", "hand", PackedLSTM, padded, step_fn=stateless(packed_plain), optimizer=adam(1e-3),
              probe=packed_plain, note="pack_padded_sequence over variable lengths, (tokens, lengths, labels)"),
         Case("hand/embedding_max_norm", "hand", MaxNormBag, token_labels, xy_logits, sgd(0.1),
              note="nn.Embedding(max_norm=1.0) renormalises rows in place in forward"),
-        Case("hand/qat_fake_quant", "hand", qat_mlp, vectors, xy_logits, sgd(0.05, momentum=0.9),
+        Case("hand/qat_fake_quant", "hand", qat_mlp, vectors(), xy_logits, sgd(0.05, momentum=0.9),
              note="torch.ao FakeQuantize after each layer (observers update buffers)"),
-        Case("hand/grad_reversal", "hand", DomainAdversarial, vectors, step_fn=dann_step, optimizer=adam(1e-3),
+        Case("hand/grad_reversal", "hand", DomainAdversarial, vectors(), step_fn=dann_step, optimizer=adam(1e-3),
              probe=dann_probe, note="a custom autograd.Function (gradient reversal), two heads"),
-        Case("hand/orthogonal_param", "hand", orthogonal_mlp, vectors, xy_logits, adam(1e-3),
+        Case("hand/orthogonal_param", "hand", orthogonal_mlp, vectors(), xy_logits, adam(1e-3),
              note="nn.utils.parametrizations.orthogonal on a Linear"),
-        Case("hand/forward_hook_aux", "hand", HookedAux, vectors, step_fn=hooked_step, optimizer=adam(1e-3),
+        Case("hand/forward_hook_aux", "hand", HookedAux, vectors(), step_fn=hooked_step, optimizer=adam(1e-3),
              probe=hooked_probe, note="a forward hook keeps an activation for an auxiliary loss"),
-        Case("hand/data_dependent_branch", "hand", Branches, vectors, xy_logits, sgd(0.05),
+        Case("hand/data_dependent_branch", "hand", Branches, vectors(), xy_logits, sgd(0.05),
              note="forward picks a branch from x.mean().item()"),
-        Case("hand/batch_with_strings", "hand", mlp, named_batch, step_fn=named_step, optimizer=adamw(1e-3),
+        Case("hand/batch_with_strings", "hand", mlp, named_batch, step_fn=stateless(named_plain), optimizer=adamw(1e-3),
              probe=named_plain, note="dict batches with a list of file names beside the tensors"),
-        Case("hand/namedtuple_batch", "hand", mlp, pair_batch, step_fn=pair_step, optimizer=adamw(1e-3),
+        Case("hand/namedtuple_batch", "hand", mlp, pair_batch, step_fn=stateless(pair_plain), optimizer=adamw(1e-3),
              probe=pair_plain, note="batches as a namedtuple (inputs, labels)"),
-        Case("hand/user_compiled", "hand", compiled_mlp, vectors, xy_logits, adamw(1e-3),
+        Case("hand/user_compiled", "hand", compiled_mlp, vectors(), xy_logits, adamw(1e-3),
              note="the script's own torch.compile(model): an OptimizedModule"),
-        Case("hand/lazy_layers", "hand", lazy_mlp, vectors, xy_logits, adam(1e-3),
+        Case("hand/lazy_layers", "hand", lazy_mlp, vectors(), xy_logits, adam(1e-3),
              note="nn.LazyLinear, shaped by a dry forward"),
-        Case("hand/data_parallel_cpu", "hand", data_parallel_mlp, vectors, xy_logits, sgd(0.05),
+        Case("hand/data_parallel_cpu", "hand", data_parallel_mlp, vectors(), xy_logits, sgd(0.05),
              note="nn.DataParallel around the model, on the CPU"),
-        Case("hand/maml_functional_call", "hand", mlp, vectors, step_fn=maml_step, optimizer=adam(1e-3),
+        Case("hand/maml_functional_call", "hand", mlp, vectors(), step_fn=maml_step, optimizer=adam(1e-3),
              probe=maml_probe, note="a second-order inner step through torch.func.functional_call"),
         Case("hand/multilabel_bce", "hand", mlp, multi_hot, xy_with(nn.BCEWithLogitsLoss()), adam(1e-3),
              fit_kwargs={"loss_fn": nn.BCEWithLogitsLoss()}, note="multi-hot float targets, BCEWithLogitsLoss"),
         Case("hand/framewise_conv1d", "hand", frame_net, frames, frame_plain, sgd(0.05, momentum=0.9),
              note="Conv1d logits (B, C, T) for frame targets (B, T), the default loss"),
-        Case("hand/loss_with_parameters", "hand", mlp, vectors, center_plain, center_opt,
+        Case("hand/loss_with_parameters", "hand", mlp, vectors(), center_plain, center_opt,
              fit_kwargs={"loss_fn": CENTER}, note="a center loss whose centers the optimizer trains with the model"),
     ]

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo_cases import Case, adam, sgd, xy_logits, xy_with
+from zoo_cases import Case, adam, sgd, stateless, vectors, xy_logits, xy_with
+from zoo_hand_forms3 import mlp
 
 NODES, FEATS = 64, 16
 
@@ -45,12 +46,6 @@ def graph(g: torch.Generator):
 def gcn_plain(model, batch):
     x, adj, y = batch
     return F.cross_entropy(model(x, adj), y)
-
-
-def gcn_step():
-    def step_fn(model, batch):
-        return gcn_plain(model, batch)
-    return step_fn
 
 
 def regression(g: torch.Generator):
@@ -115,10 +110,6 @@ class StochasticDepth(nn.Module):
         return self.fc(h)
 
 
-def vectors(g: torch.Generator):
-    return torch.randn(32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
-
-
 class SpectrogramNet(nn.Module):
     """Audio classification from a magnitude STFT computed in the forward (complex tensors inside the model)."""
 
@@ -136,10 +127,6 @@ class SpectrogramNet(nn.Module):
 
 def waves(g: torch.Generator):
     return torch.randn(16, 1024, generator=g), torch.randint(0, 6, (16,), generator=g)
-
-
-def mlp():
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
 def fgsm_step():
@@ -197,19 +184,19 @@ def contrastive_probe(model, batch):
 
 def cases() -> list[Case]:
     return [
-        Case("hand/gcn_sparse_adjacency", "hand", GCN, graph, step_fn=gcn_step, optimizer=adam(1e-2),
+        Case("hand/gcn_sparse_adjacency", "hand", GCN, graph, step_fn=stateless(gcn_plain), optimizer=adam(1e-2),
              probe=gcn_plain, note="a graph convolution network fed (features, sparse adjacency, labels)"),
         Case("hand/lbfgs_regression", "hand", small_regressor, regression, xy_with(nn.MSELoss()), lbfgs,
              fit_kwargs={"loss_fn": nn.MSELoss()}, note="torch.optim.LBFGS: a closure called several times a step"),
         Case("hand/attention_weights_in_loss", "hand", AttentionWithWeights, tokens, step_fn=attn_step,
              optimizer=adam(1e-3), probe=attn_probe, note="nn.MultiheadAttention's weights in an entropy penalty"),
-        Case("hand/stochastic_depth_python_random", "hand", StochasticDepth, vectors, xy_logits, sgd(0.05),
+        Case("hand/stochastic_depth_python_random", "hand", StochasticDepth, vectors(), xy_logits, sgd(0.05),
              note="residual blocks dropped by random.random() in training"),
         Case("hand/stft_frontend", "hand", SpectrogramNet, waves, xy_logits, adam(1e-3),
              note="torch.stft (complex) inside the forward, a conv on the log magnitude"),
-        Case("hand/fgsm_adversarial", "hand", mlp, vectors, step_fn=fgsm_step, optimizer=sgd(0.05, momentum=0.9),
+        Case("hand/fgsm_adversarial", "hand", mlp, vectors(), step_fn=fgsm_step, optimizer=sgd(0.05, momentum=0.9),
              probe=fgsm_probe, note="adversarial training: the input gradient builds a perturbed batch"),
-        Case("hand/memory_bank_contrastive", "hand", MemoryBank, vectors, step_fn=contrastive_step,
+        Case("hand/memory_bank_contrastive", "hand", MemoryBank, vectors(), step_fn=contrastive_step,
              optimizer=sgd(0.05, momentum=0.9), probe=contrastive_probe,
              note="a queue buffer of past features rotated in place, a contrastive loss"),
     ]

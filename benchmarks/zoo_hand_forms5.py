@@ -14,18 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo_cases import Case, adam, sgd, xy_logits
+from zoo_cases import Case, adam, images, sgd, stateless, vectors, xy_logits
+from zoo_hand_forms3 import mlp
 
 UNFREEZE_AT = 20  # the step at which the progressive-unfreezing case trains its backbone too
 
 
-def mlp():
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
 def mixup_batch(g: torch.Generator):
     """Inputs mixed pairwise (lambda 0.7) with their one-hot targets mixed alike: (x, probabilities (B, 10))."""
-    x, y = torch.randn(32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
+    x, y = vectors()(g)
     perm = torch.randperm(32, generator=g)
     probs = F.one_hot(y, 10).float()
     return 0.7 * x + 0.3 * x[perm], 0.7 * probs + 0.3 * probs[perm]
@@ -41,18 +38,11 @@ class Batch:
 
 
 def dataclass_batch(g: torch.Generator):
-    x, y = torch.randn(32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
-    return Batch(x, y, list(range(32)))
+    return Batch(*vectors()(g), list(range(32)))
 
 
 def dataclass_plain(model, batch):
     return F.cross_entropy(model(batch.features), batch.labels)
-
-
-def dataclass_step():
-    def step_fn(model, batch):
-        return dataclass_plain(model, batch)
-    return step_fn
 
 
 class Backbone(nn.Module):
@@ -102,10 +92,6 @@ class FrozenBN(nn.Module):
 
     def forward(self, x):
         return self.fc(F.relu(self.bn(self.conv(x))).mean((2, 3)))
-
-
-def images(g: torch.Generator):
-    return torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
 def soft_ce(model, batch):
@@ -162,14 +148,12 @@ def cases() -> list[Case]:
     return [
         Case("hand/mixup_soft_targets", "hand", mlp, mixup_batch, soft_ce, sgd(0.05, momentum=0.9),
              note="mixup: targets are class probabilities (B, C), the default cross-entropy"),
-        Case("hand/dataclass_batch", "hand", mlp, dataclass_batch, step_fn=dataclass_step, optimizer=adam(1e-3),
-             probe=dataclass_plain, note="the script's own dataclass as the batch"),
-        Case("hand/progressive_unfreeze", "hand", frozen_start, lambda g: (torch.randn(32, 32, generator=g),
-             torch.randint(0, 10, (32,), generator=g)), step_fn=unfreeze_step, optimizer=adam(1e-3),
+        Case("hand/dataclass_batch", "hand", mlp, dataclass_batch, step_fn=stateless(dataclass_plain),
+             optimizer=adam(1e-3), probe=dataclass_plain, note="the script's own dataclass as the batch"),
+        Case("hand/progressive_unfreeze", "hand", frozen_start, vectors(), step_fn=unfreeze_step, optimizer=adam(1e-3),
              probe=unfreeze_probe, note=f"the backbone frozen, then trained from step {UNFREEZE_AT}"),
-        Case("hand/frozen_batchnorm", "hand", FrozenBN, images, xy_logits, sgd(0.05, momentum=0.9),
+        Case("hand/frozen_batchnorm", "hand", FrozenBN, images(16, 16), xy_logits, sgd(0.05, momentum=0.9),
              note="BatchNorm kept in eval mode by the model's train() while the rest trains"),
-        Case("hand/sam_optimizer", "hand", mlp, lambda g: (torch.randn(32, 32, generator=g),
-             torch.randint(0, 10, (32,), generator=g)), xy_logits, sam,
+        Case("hand/sam_optimizer", "hand", mlp, vectors(), xy_logits, sam,
              note="SAM: the script's own optimizer, step(closure) on the gradient at a nearby point"),
     ]

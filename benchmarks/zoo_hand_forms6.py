@@ -11,16 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import prune
 
-from zoo_cases import Case, adam, sgd, xy_logits
+from zoo_cases import Case, adam, images, sgd, stateless, vectors, xy_logits
 
 
 def cnn():
     return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
                          nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
-
-
-def images(g: torch.Generator):
-    return torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
 def pruned_cnn():
@@ -31,7 +27,7 @@ def pruned_cnn():
 
 
 def nested_batch(g: torch.Generator):
-    x, y = torch.randn(32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
+    x, y = vectors()(g)
     return {"inputs": {"dense": x[:, :16], "extra": x[:, 16:]}, "labels": y}
 
 
@@ -48,12 +44,6 @@ def nested_plain(model, batch):
     return F.cross_entropy(model(**batch["inputs"]), batch["labels"])
 
 
-def nested_step():
-    def step_fn(model, batch):
-        return nested_plain(model, batch)
-    return step_fn
-
-
 def channels_last_cnn():
     return cnn().to(memory_format=torch.channels_last)
 
@@ -61,12 +51,6 @@ def channels_last_cnn():
 def channels_last_plain(model, batch):
     x, y = batch
     return F.cross_entropy(model(x.contiguous(memory_format=torch.channels_last)), y)
-
-
-def channels_last_step():
-    def step_fn(model, batch):
-        return channels_last_plain(model, batch)
-    return step_fn
 
 
 class AutocastInside(nn.Module):
@@ -83,19 +67,15 @@ class AutocastInside(nn.Module):
         return self.fc(h.float())
 
 
-def vectors(g: torch.Generator):
-    return torch.randn(32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
-
-
 def cases() -> list[Case]:
     return [
-        Case("hand/torch_prune_masks", "hand", pruned_cnn, images, xy_logits, sgd(0.05, momentum=0.9),
+        Case("hand/torch_prune_masks", "hand", pruned_cnn, images(16, 16), xy_logits, sgd(0.05, momentum=0.9),
              note="torch.nn.utils.prune: weight = weight_orig * weight_mask in a forward pre-hook"),
-        Case("hand/nested_dict_batch", "hand", TwoInputs, nested_batch, step_fn=nested_step, optimizer=adam(1e-3),
-             probe=nested_plain, note="{'inputs': {'dense', 'extra'}, 'labels'} batches"),
-        Case("hand/user_channels_last", "hand", channels_last_cnn, images, step_fn=channels_last_step,
-             optimizer=sgd(0.05, momentum=0.9), probe=channels_last_plain,
+        Case("hand/nested_dict_batch", "hand", TwoInputs, nested_batch, step_fn=stateless(nested_plain),
+             optimizer=adam(1e-3), probe=nested_plain, note="{'inputs': {'dense', 'extra'}, 'labels'} batches"),
+        Case("hand/user_channels_last", "hand", channels_last_cnn, images(16, 16),
+             step_fn=stateless(channels_last_plain), optimizer=sgd(0.05, momentum=0.9), probe=channels_last_plain,
              note="the script's model.to(channels_last), each batch converted in its step"),
-        Case("hand/autocast_inside_forward", "hand", AutocastInside, vectors, xy_logits, adam(1e-3),
+        Case("hand/autocast_inside_forward", "hand", AutocastInside, vectors(), xy_logits, adam(1e-3),
              note="bf16 autocast written inside the model's forward"),
     ]
