@@ -3,7 +3,11 @@ up-front seconds, and a distilled student that is not 0.7x the scratch one's sec
 
 import json
 
+import pytest
+import torch
+
 import torchspeed.bench.slim as slim_bench
+import torchspeed.bench.slim_workloads as slim_workloads
 from torchspeed.bench.slim import _seconds_to, slim_table
 from torchspeed.cli.main import main
 
@@ -42,7 +46,8 @@ def _curve_runs(monkeypatch, curves: dict):
         curve = curves[key]
         return {"val_acc": curve[-1][1], "curve": curve, "teacher_s": 0.1 if key[0] == "teacher" else 0.0}
     monkeypatch.setattr(slim_bench, "_run", run)
-    monkeypatch.setattr(slim_bench, "_digits", lambda size, channels, seed: ((None, None), (None, None)))
+    fake = slim_workloads.SlimWorkload(lambda seed: ((None, None), (None, None)), object, object)
+    monkeypatch.setitem(slim_workloads.SLIM_WORKLOADS, "digits_cnn", fake)
     return calls
 
 
@@ -67,3 +72,58 @@ def test_a_distilled_student_pays_only_where_its_shorter_run_gets_there_and_the_
     _curve_runs(monkeypatch, {("scratch", 10): scratch, ("teacher", 7): slow, ("scratch", 7): weak})
     row = slim_bench._distil_rows("digits_cnn", 0, 10, teacher=object())
     assert not row["pays"] and "needs 0.7x or less" in row["verdict"]
+
+
+def test_a_control_that_gets_there_too_counts_against_the_distilled_run_by_its_own_seconds():
+    """Where the shorter run without the teacher reaches the target as well, the distilled run pays only at 0.7x of
+    the control's seconds too: the teacher, not the shorter budget, has to be what bought the time."""
+    ratio, vs_control, pays, verdict = slim_bench._distil_verdict(10.0, 3.5, 5.2, 10, 0.95)
+    assert (ratio, vs_control, pays) == (0.35, 0.673, True) and "0.673x the same 10-epoch run" in verdict
+    ratio, vs_control, pays, verdict = slim_bench._distil_verdict(10.0, 4.0, 5.2, 10, 0.95)
+    assert (ratio, vs_control, pays) == (0.4, 0.769, False) and "without the teacher too" in verdict
+    assert slim_bench._distil_verdict(10.0, 3.0, None, 10, 0.95)[2]
+    assert not slim_bench._distil_verdict(10.0, None, None, 10, 0.95)[2]
+
+
+def test_digit_pairs_are_two_digits_side_by_side_labelled_as_the_two_digit_number():
+    pytest.importorskip("sklearn")
+    (x, y), (vx, vy) = slim_workloads.digit_pairs(seed=0, train_size=500, val_size=200)
+    (d, dy), _ = slim_workloads._digits(8, 1, 0)
+    assert x.shape == (500, 1, 8, 16) and vx.shape == (200, 1, 8, 16) and int(y.max()) <= 99
+    left = (x[:, :, :, :8].unsqueeze(1) == d.unsqueeze(0)).flatten(2).all(2)  # which training digit is on the left
+    right = (x[:, :, :, 8:].unsqueeze(1) == d.unsqueeze(0)).flatten(2).all(2)
+    assert left.any(1).all() and right.any(1).all()
+    i, j = left.float().argmax(1), right.float().argmax(1)
+    assert torch.equal(y, dy[i] * 10 + dy[j])
+    for name in ("digit_pairs_cnn", "digit_pairs_vit"):
+        w = slim_workloads.SLIM_WORKLOADS[name]
+        full, student = w.full(), w.student()
+        assert full(x[:4]).shape == student(x[:4]).shape == (4, 100) and not w.prune
+        first = [m.weight.shape[0] for m in (full, student) for m in m.modules()
+                 if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]  # each model's first layer's width
+        n = len(first) // 2
+        assert first[0] == 4 * first[n] and first[n - 1] == first[-1] == 100
+
+
+def test_a_distillation_only_workload_trains_its_teacher_and_has_no_prune_row(monkeypatch):
+    """The digit-pairs workloads run no prune rows: the teacher is trained first, the distil row takes it, and the
+    summary and the table show `-` for the prune figures."""
+    calls = []
+    curve = [[1.0, 0.5], [2.0, 0.9]]
+
+    def run(model, train, val, *, seed, epochs, **options):
+        calls.append(("teacher" if "teacher" in options else "fit", type(model).__name__, epochs))
+        return {"val_acc": 0.9, "curve": curve, "wall_s": 2.0, "steps": 10}
+    monkeypatch.setattr(slim_bench, "_run", run)
+    monkeypatch.setattr(slim_bench, "_prune_rows", lambda *a: pytest.fail("no prune rows on a distillation-only one"))
+    fake = slim_workloads.SlimWorkload(lambda seed: ((None, None), (None, None)), lambda: torch.nn.Linear(2, 2),
+                                       lambda: torch.nn.Identity(), prune=False)
+    monkeypatch.setitem(slim_workloads.SLIM_WORKLOADS, "pairs", fake)
+    result = slim_bench.run_slim_bench(workloads=("pairs",), seeds=(0,), epochs=10, log=lambda line: None)
+    assert calls[0] == ("fit", "Linear", 10) and sorted(calls[1:]) == [("fit", "Identity", 7),
+                                                                      ("fit", "Identity", 10),
+                                                                      ("teacher", "Identity", 7)]
+    assert result["prune"] == [] and result["distil"][0]["teacher"]["val_acc"] == 0.9
+    summary = result["summary"]["pairs"]
+    assert summary["step_speedup"] is None and summary["full_acc"] == 0.9 and summary["student_acc"] == 0.9
+    assert "| pairs | - | - / - | 0.9000 | - | 0.9000 |" in slim_table(result)

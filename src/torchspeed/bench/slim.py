@@ -1,7 +1,8 @@
-"""`torchspeed bench --slim`: smaller models, measured as time and accuracy on 2 workloads (T38).
+"""`torchspeed bench --slim`: smaller models, measured as time and accuracy on 4 workloads (T38).
 
-Not part of `make bench`. For each workload (ResNet-20 on the digits at 32 px; the suite's digits CNN at
-8 px) and seed:
+Not part of `make bench`. The workloads (bench/slim_workloads.py): ResNet-20 on the digits at 32 px and the
+suite's digits CNN at 8 px (prune and distil rows); a CNN and a small Vision Transformer on digit pairs, 100
+classes (distil rows, the teacher trained first). For each workload and seed:
 
 - **prune**: the full model trained with `fit` for `epochs`; `torchspeed.slim(ratio=0.5)` on it (the
   train step and the latency of a 64-image and a 1-image batch, fp32 eager, timed side by side with the
@@ -16,8 +17,8 @@ Not part of `make bench`. For each workload (ResNet-20 on the digits at 32 px; t
   student's seconds to the scratch student's final accuracy, the teacher's seconds in (its cache pass
   and the measurement that chose it; per-step forwards are inside the steps), over the scratch
   student's. The same shorter run without the teacher is the control: distillation pays where the
-  distilled student gets there in 0.7x or less and the control does not (else it is the budget, not
-  the teacher); the row says which, with the numbers.
+  distilled student gets there in 0.7x or less of the scratch run's seconds, and of the control's where
+  the control gets there too (else it is the budget, not the teacher); the row says which, with the numbers.
 
 Example:
     >>> result = run_slim_bench(seeds=(0,), epochs=15)
@@ -36,7 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed.bench.runner import provenance
-from torchspeed.bench.workloads import digits, resnet20
+from torchspeed.bench.slim_workloads import SLIM_WORKLOADS
 from torchspeed.distill import Teacher
 from torchspeed.fitting import fit
 from torchspeed.slimming import SlimResult, finetune, measure_models, slim
@@ -49,28 +50,6 @@ BATCH = 64
 # Every run alike: no switch trial (its first-steps turns would weigh differently on a 4-epoch and a 15-epoch run;
 # precision is the hardware rule's), no compile (its seconds on 2 cores would dwarf a small model's run).
 FIT_OPTIONS = {"progress": False, "trial": False, "compile": False}
-
-
-def _cnn(widths: tuple[int, int, int] = (32, 32, 64)) -> nn.Module:
-    """The suite's digits CNN (bench/suite.py digits_cnn) with its widths as a parameter."""
-    a, b, c = widths
-    return nn.Sequential(nn.Conv2d(1, a, 3, padding=1), nn.BatchNorm2d(a), nn.ReLU(),
-                         nn.Conv2d(a, b, 3, padding=1), nn.BatchNorm2d(b), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(b, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10))
-
-
-def _digits(size: int, channels: int, seed: int):
-    train, val = digits(size=size, seed=seed)
-    (x, y), (vx, vy) = train.tensors, val.tensors
-    return (x[:, :channels].contiguous(), y), (vx[:, :channels].contiguous(), vy)
-
-
-# name -> (data(seed), full model, quarter-width student)
-SLIM_WORKLOADS: dict[str, tuple[Callable, Callable[[], nn.Module], Callable[[], nn.Module]]] = {
-    "digits_resnet20": (lambda s: _digits(32, 3, s), resnet20, lambda: resnet20(widths=(4, 8, 16))),
-    "digits_cnn": (lambda s: _digits(8, 1, s), _cnn, lambda: _cnn((8, 8, 16))),
-}
 
 
 def _run(model: nn.Module, train, val, *, seed: int, epochs: int, **options) -> dict:
@@ -102,12 +81,17 @@ def _seconds_to(run: dict, target: float) -> float | None:
     return None
 
 
-def _prune_rows(name: str, seed: int, epochs: int) -> tuple[dict, nn.Module]:
-    data, make_full, _ = SLIM_WORKLOADS[name]
-    train, val = data(seed)
+def _teacher(name: str, seed: int, epochs: int) -> tuple[nn.Module, dict]:
+    """The workload's full model trained with `fit` for `epochs`, and its run."""
+    train, val = SLIM_WORKLOADS[name].data(seed)
     torch.manual_seed(seed)
-    full = make_full()
-    full_run = _run(full, train, val, seed=seed, epochs=epochs)
+    full = SLIM_WORKLOADS[name].full()
+    return full, _run(full, train, val, seed=seed, epochs=epochs)
+
+
+def _prune_rows(name: str, seed: int, epochs: int) -> tuple[dict, nn.Module]:
+    train, val = SLIM_WORKLOADS[name].data(seed)
+    full, full_run = _teacher(name, seed, epochs)
     x, y = train
     vx = val[0]
     t0 = time.perf_counter()
@@ -152,10 +136,9 @@ def _finetuner(res):
 
 
 def _distil_rows(name: str, seed: int, epochs: int, teacher: nn.Module) -> dict:
-    data, _, make_student = SLIM_WORKLOADS[name]
-    train, val = data(seed)
+    train, val = SLIM_WORKLOADS[name].data(seed)
     torch.manual_seed(seed + 1)
-    student = make_student()
+    student = SLIM_WORKLOADS[name].student()
     twin, control = copy.deepcopy(student), copy.deepcopy(student)  # the same initial weights for all three
     short = max(1, round(epochs * PAYS))
     scratch = _run(student, train, val, seed=seed, epochs=epochs)
@@ -163,18 +146,31 @@ def _distil_rows(name: str, seed: int, epochs: int, teacher: nn.Module) -> dict:
     short_scratch = _run(control, train, val, seed=seed, epochs=short)
     target = scratch["val_acc"]
     a, b, c = (_seconds_to(r, target) for r in (scratch, distilled, short_scratch))
-    ratio = None if a is None or b is None else round(b / a, 3)
-    pays = ratio is not None and ratio <= PAYS and c is None
-    verdict = (f"pays: {ratio}x the scratch student's seconds; without the teacher {short} epochs do not reach "
-               f"{target}" if pays else
-               f"does not pay: {short} epochs reach {target} without the teacher too ({ratio}x with it)"
-               if ratio is not None and ratio <= PAYS else
-               f"does not pay: {ratio}x the scratch student's seconds (needs {PAYS}x or less)" if ratio else
-               f"does not pay: the distilled student never reached {target} in {short} epochs")
+    ratio, vs_control, pays, verdict = _distil_verdict(a, b, c, short, target)
     return {"workload": name, "seed": seed, "epochs": epochs, "short_epochs": short, "target": target,
             "scratch": scratch, "distilled": distilled, "short_scratch": short_scratch,
             "seconds_to_target": {"scratch": a, "distilled": b, "short_scratch": c}, "ratio": ratio,
-            "pays": pays, "verdict": verdict}
+            "vs_control": vs_control, "pays": pays, "verdict": verdict}
+
+
+def _distil_verdict(a: float | None, b: float | None, c: float | None, short: int, target: float):
+    """(ratio, vs_control, pays, verdict) from the seconds to `target` of the scratch run (`a`), the distilled run
+    (`b`) and the control (`c`, the distilled run's budget without the teacher; None: never got there). Pays: the
+    distilled student gets there in PAYS of the scratch run's seconds or less, and in PAYS of the control's where
+    the control gets there too (else the shorter budget, not the teacher, is what bought the time)."""
+    ratio = None if a is None or b is None else round(b / a, 3)
+    vs_control = None if b is None or c is None else round(b / c, 3)
+    if ratio is None:
+        return ratio, vs_control, False, f"does not pay: the distilled student never reached {target} in {short} epochs"
+    if ratio > PAYS:
+        return ratio, vs_control, False, f"does not pay: {ratio}x the scratch student's seconds (needs {PAYS}x or less)"
+    if vs_control is not None and vs_control > PAYS:
+        return ratio, vs_control, False, (f"does not pay: {short} epochs reach {target} without the teacher too "
+                                          f"({ratio}x with it, {vs_control}x the run without it)")
+    control = (f"without the teacher {short} epochs do not reach {target}" if c is None else
+               f"{vs_control}x the same {short}-epoch run without the teacher")
+    return ratio, vs_control, True, f"pays: {ratio}x the scratch student's seconds; {control}"
+
 
 
 def run_slim_bench(*, workloads: tuple[str, ...] = tuple(SLIM_WORKLOADS), seeds: tuple[int, ...] = (0,),
@@ -188,12 +184,18 @@ def run_slim_bench(*, workloads: tuple[str, ...] = tuple(SLIM_WORKLOADS), seeds:
     t0 = time.perf_counter()
     for name in workloads:
         for seed in seeds:
-            row, teacher = _prune_rows(name, seed, epochs)
-            prune.append(row)
-            log(f"{name} seed {seed}: prune 0.5 step {row['slim']['step_speedup']:.2f}x latency "
-                f"{row['slim']['latency_speedup']:.2f}x, fine-tune {row['finetune']['val_acc']:.4f} "
-                f"vs full {row['full']['val_acc']:.4f}")
+            if SLIM_WORKLOADS[name].prune:
+                row, teacher = _prune_rows(name, seed, epochs)
+                prune.append(row)
+                log(f"{name} seed {seed}: prune 0.5 step {row['slim']['step_speedup']:.2f}x latency "
+                    f"{row['slim']['latency_speedup']:.2f}x, fine-tune {row['finetune']['val_acc']:.4f} "
+                    f"vs full {row['full']['val_acc']:.4f}")
+            else:
+                teacher, teacher_run = _teacher(name, seed, epochs)
+                log(f"{name} seed {seed}: teacher {teacher_run['val_acc']:.4f} in {teacher_run['wall_s']} s")
             distil.append(_distil_rows(name, seed, epochs, teacher))
+            if not SLIM_WORKLOADS[name].prune:
+                distil[-1]["teacher"] = teacher_run
             log(f"{name} seed {seed}: distil {distil[-1]['verdict']}")
     return {"meta": {**provenance(), "fit_options": FIT_OPTIONS, "epochs": epochs, "seeds": list(seeds), "batch_size": BATCH,
                      "finetune_share": FINETUNE_SHARE, "pays_at": PAYS, "seconds": round(time.perf_counter() - t0, 1)},
@@ -201,31 +203,38 @@ def run_slim_bench(*, workloads: tuple[str, ...] = tuple(SLIM_WORKLOADS), seeds:
 
 
 def _summary(prune: list[dict], distil: list[dict]) -> dict:
+    """Per workload, medians over seeds; the prune figures are None where only the distillation rows ran."""
     out = {}
-    for name in dict.fromkeys(r["workload"] for r in prune):
+    med = (lambda xs: round(statistics.median(xs), 4) if xs else None)  # noqa: E731
+    for name in dict.fromkeys(r["workload"] for r in prune + distil):
         p = [r for r in prune if r["workload"] == name]
         d = [r for r in distil if r["workload"] == name]
-        med = (lambda xs: round(statistics.median(xs), 4) if xs else None)  # noqa: E731
         out[name] = {"step_speedup": med([r["slim"]["step_speedup"] for r in p]),
                      "latency_speedup": med([r["slim"]["latency_speedup"] for r in p]),
                      "latency_speedup_batch1": med([r["latency_batch1"]["speedup"] for r in p]),
-                     "full_acc": med([r["full"]["val_acc"] for r in p]),
+                     "full_acc": med([r["full"]["val_acc"] for r in p] or [r["teacher"]["val_acc"] for r in d]),
                      "finetune_acc": med([r["finetune"]["val_acc"] for r in p]),
-                     "finetune_within_1pt": all(r["finetune_within_1pt"] for r in p),
+                     "finetune_within_1pt": all(r["finetune_within_1pt"] for r in p) if p else None,
                      "finetune_distilled_acc": med([r["finetune_distilled"]["val_acc"] for r in p]),
-                     "finetune_distilled_within_1pt": all(r["finetune_distilled_within_1pt"] for r in p),
+                     "finetune_distilled_within_1pt": all(r["finetune_distilled_within_1pt"] for r in p) if p else None,
+                     "student_acc": med([r["scratch"]["val_acc"] for r in d]),
                      "distil_ratio": med([r["ratio"] for r in d if r["ratio"] is not None]),
-                     "distil_pays": all(r["pays"] for r in d)}
+                     "distil_pays": bool(d) and all(r["pays"] for r in d)}
     return out
 
 
 def slim_table(result: dict) -> str:
-    """Markdown: one row per workload (medians over seeds), as docs/slim.md shows it."""
+    """Markdown: one row per workload (medians over seeds), as docs/slim.md shows it; `-` where a row did not run."""
+    def x(v, fmt="{:.2f}x"):
+        return "-" if v is None else fmt.format(v)
     rows = ["| workload | step speed-up | latency speed-up (64 / 1) | full acc | fine-tuned acc (<= 20% steps; with "
-            "the full model as teacher) | distilled / scratch seconds |", "|---|---|---|---|---|---|"]
+            "the full model as teacher) | scratch student acc | distilled / scratch seconds |",
+            "|---|---|---|---|---|---|---|"]
     for name, s in result["summary"].items():
-        rows.append(f"| {name} | {s['step_speedup']:.2f}x | {s['latency_speedup']:.2f}x / "
-                    f"{s['latency_speedup_batch1']:.2f}x | {s['full_acc']:.4f} | {s['finetune_acc']:.4f}; "
-                    f"{s.get('finetune_distilled_acc') or float('nan'):.4f} | "
+        acc = "{:.4f}"
+        tuned = "-" if s["finetune_acc"] is None else f"{s['finetune_acc']:.4f}; {x(s.get('finetune_distilled_acc'), acc)}"
+        rows.append(f"| {name} | {x(s['step_speedup'])} | {x(s['latency_speedup'])} / "
+                    f"{x(s['latency_speedup_batch1'])} | {x(s['full_acc'], acc)} | {tuned} | "
+                    f"{x(s.get('student_acc'), acc)} | "
                     f"{s['distil_ratio']}x ({'pays' if s['distil_pays'] else 'does not pay'}) |")
     return "\n".join(rows)

@@ -43,7 +43,7 @@ def run(args) -> int:
 
 
 def run_slim_cli(args) -> int:
-    """--slim (bench/slim.py): prune + fine-tune and distillation, time and accuracy, on 2 workloads."""
+    """--slim (bench/slim.py): prune + fine-tune and distillation, time and accuracy, on 4 workloads."""
     seeds = tuple(range(args.seeds)) if args.seeds else (0,)
     result = slim.run_slim_bench(seeds=seeds, epochs=4 if args.quick else 15)
     print(slim.slim_table(result))
