@@ -17,7 +17,7 @@ classes (distil rows, the teacher trained first). For each workload and seed:
   student's seconds to the scratch student's final accuracy, the teacher's seconds in (its cache pass
   and the measurement that chose it; per-step forwards are inside the steps), over the scratch
   student's. The same shorter run without the teacher is the control: distillation pays where the
-  distilled student gets there in 0.7x or less of the scratch run's seconds, and of the control's where
+  distilled student gets there in 0.7x or less of the scratch run's seconds, and sooner than the control where
   the control gets there too (else it is the budget, not the teacher); the row says which, with the numbers.
 
 Example:
@@ -156,19 +156,20 @@ def _distil_rows(name: str, seed: int, epochs: int, teacher: nn.Module) -> dict:
 def _distil_verdict(a: float | None, b: float | None, c: float | None, short: int, target: float):
     """(ratio, vs_control, pays, verdict) from the seconds to `target` of the scratch run (`a`), the distilled run
     (`b`) and the control (`c`, the distilled run's budget without the teacher; None: never got there). Pays: the
-    distilled student gets there in PAYS of the scratch run's seconds or less, and in PAYS of the control's where
-    the control gets there too (else the shorter budget, not the teacher, is what bought the time)."""
+    distilled student gets there in PAYS of the scratch run's seconds or less, and sooner than the control where
+    the control gets there too (else the shorter budget, not the teacher, is what bought the time). `vs_control`
+    says how much of the gain is the teacher's."""
     ratio = None if a is None or b is None else round(b / a, 3)
     vs_control = None if b is None or c is None else round(b / c, 3)
     if ratio is None:
         return ratio, vs_control, False, f"does not pay: the distilled student never reached {target} in {short} epochs"
     if ratio > PAYS:
         return ratio, vs_control, False, f"does not pay: {ratio}x the scratch student's seconds (needs {PAYS}x or less)"
-    if vs_control is not None and vs_control > PAYS:
+    if vs_control is not None and vs_control >= 1.0:
         return ratio, vs_control, False, (f"does not pay: {short} epochs reach {target} without the teacher too "
                                           f"({ratio}x with it, {vs_control}x the run without it)")
     control = (f"without the teacher {short} epochs do not reach {target}" if c is None else
-               f"{vs_control}x the same {short}-epoch run without the teacher")
+               f"{vs_control}x the seconds of the same {short}-epoch run without the teacher")
     return ratio, vs_control, True, f"pays: {ratio}x the scratch student's seconds; {control}"
 
 
