@@ -36,8 +36,10 @@ def test_bench_slim_flag_runs_the_slim_bench_and_writes_its_json(tmp_path, monke
     assert "does not pay" in slim_table(_fake())
 
 
-def _curve_runs(monkeypatch, curves: dict):
-    """`_run` faked: each run's curve by (teacher given, epochs); the scratch run's final accuracy is the target."""
+def _curve_runs(monkeypatch, curves: dict, pace: dict | None = None):
+    """`_run` faked: each run's curve by (teacher given, epochs); the scratch run's final accuracy is the target;
+    an epoch's seconds (`_pace`) 1.0 each way unless `pace` says."""
+    monkeypatch.setattr(slim_bench, "_pace", lambda *a, **k: pace or {"scratch": 1.0, "distilled": 1.0})
     calls = []
 
     def run(model, train, val, *, seed, epochs, **options):
@@ -68,10 +70,29 @@ def test_a_distilled_student_pays_only_where_its_shorter_run_gets_there_and_the_
     _curve_runs(monkeypatch, {("scratch", 10): scratch, ("teacher", 7): distilled, ("scratch", 7): distilled})
     row = slim_bench._distil_rows("digits_cnn", 0, 10, teacher=object())
     assert not row["pays"] and "without the teacher too" in row["verdict"]
-    slow = [[1.0, 0.9], [7.5, 0.975]]
-    _curve_runs(monkeypatch, {("scratch", 10): scratch, ("teacher", 7): slow, ("scratch", 7): weak})
+    # the same epochs, but an epoch with the teacher timed at 1.5x one without: 6 x 1.5 + 0.1 s against 10 s
+    _curve_runs(monkeypatch, {("scratch", 10): scratch, ("teacher", 7): distilled, ("scratch", 7): weak},
+                pace={"scratch": 1.0, "distilled": 1.5})
     row = slim_bench._distil_rows("digits_cnn", 0, 10, teacher=object())
-    assert not row["pays"] and "needs 0.7x or less" in row["verdict"]
+    assert row["ratio"] == 0.91 and not row["pays"] and "needs 0.7x or less" in row["verdict"]
+
+
+def test_an_epoch_is_priced_by_one_epoch_runs_alternated_after_an_untimed_round(monkeypatch):
+    """`_pace` times an epoch with and without the teacher side by side (the rows' runs follow one another, and a
+    machine whose pace moves between them would move their ratio): one-epoch runs of fresh copies of the untrained
+    student, the order alternated round by round, the first round untimed, the medians."""
+    calls, seconds = [], iter([9.0, 9.0, 1.0, 2.0, 2.2, 1.2, 1.1, 2.1])
+    student = torch.nn.Linear(2, 2)
+
+    def run(model, train, val, *, seed, epochs, **options):
+        assert epochs == 1 and model is not student
+        calls.append(options["teacher"].cache if "teacher" in options else "scratch")
+        return {"curve": [[next(seconds), 0.5]]}
+    monkeypatch.setattr(slim_bench, "_run", run)
+    pace = slim_bench._pace(student, None, None, seed=0, teacher=torch.nn.Linear(2, 2), cache=True)
+    assert calls == ["scratch", True, True, "scratch", "scratch", True, True, "scratch"]
+    assert pace == {"scratch": 2.1, "distilled": 1.1}
+    assert slim_bench._paced_seconds({"curve": [[5.0, 0.8], [9.0, 0.95]], "teacher_s": 0.3}, 0.9, 2.0) == 4.3
 
 
 def test_a_control_that_gets_there_too_must_be_slower_than_the_distilled_run():
@@ -117,6 +138,7 @@ def test_a_distillation_only_workload_trains_its_teacher_and_has_no_prune_row(mo
         calls.append(("teacher" if "teacher" in options else "fit", type(model).__name__, epochs))
         return {"val_acc": 0.9, "curve": curve, "wall_s": 2.0, "steps": 10}
     monkeypatch.setattr(slim_bench, "_run", run)
+    monkeypatch.setattr(slim_bench, "_pace", lambda *a, **k: {"scratch": 1.0, "distilled": 1.0})
     monkeypatch.setattr(slim_bench, "_prune_rows", lambda *a: pytest.fail("no prune rows on a distillation-only one"))
     fake = slim_workloads.SlimWorkload(lambda seed: ((None, None), (None, None)), lambda: torch.nn.Linear(2, 2),
                                        lambda: torch.nn.Identity(), prune=False)

@@ -16,7 +16,9 @@ classes (distil rows, the teacher trained first). For each workload and seed:
   end whatever it learns on the way, so it cannot say whether a shorter one would do); the distilled
   student's seconds to the scratch student's final accuracy, the teacher's seconds in (its cache pass
   and the measurement that chose it; per-step forwards are inside the steps), over the scratch
-  student's. The same shorter run without the teacher is the control: distillation pays where the
+  student's. A run's seconds to the target are its epochs to it times an epoch's seconds timed side by
+  side (`_pace`: one-epoch runs with and without the teacher, alternated, after an untimed round), so the
+  ratio does not move with the machine's pace between the runs; the runs' own seconds are in the JSON too. The same shorter run without the teacher is the control: distillation pays where the
   distilled student gets there in 0.7x or less of the scratch run's seconds, and sooner than the control where
   the control gets there too (else it is the budget, not the teacher); the row says which, with the numbers.
 
@@ -46,6 +48,7 @@ __all__ = ["SLIM_WORKLOADS", "FINETUNE_SHARE", "PAYS", "run_slim_bench", "slim_t
 
 FINETUNE_SHARE = 0.2   # the fine-tune's steps, as a share of the full run's
 PAYS = 0.7             # a distilled student pays at this share of the scratch student's seconds, or less
+PACE_ROUNDS = 3        # interleaved one-epoch rounds a side that price an epoch of the distil rows' runs
 BATCH = 64
 # Every run alike: no switch trial (its first-steps turns would weigh differently on a 4-epoch and a 15-epoch run;
 # precision is the hardware rule's), no compile (its seconds on 2 cores would dwarf a small model's run).
@@ -71,6 +74,30 @@ def _run(model: nn.Module, train, val, *, seed: int, epochs: int, **options) -> 
         out["distill"] = {"cache": d.value, "reason": d.reason, **m}
         out["teacher_s"] = round(m.get("cache_s", 0.0) + m.get("decide_s", 0.0), 3)
     return out
+
+
+def _paced_seconds(run: dict, target: float, epoch_s: float) -> float | None:
+    """The epochs to the first at or above `target`, times `epoch_s` (an epoch's seconds as `_pace` timed it), plus
+    the teacher's up-front seconds."""
+    for epochs, (_, acc) in enumerate(run["curve"], 1):
+        if acc is not None and acc >= target:
+            return round(epochs * epoch_s + run.get("teacher_s", 0.0), 3)
+    return None
+
+
+def _pace(student: nn.Module, train, val, *, seed: int, teacher: nn.Module, cache) -> dict:
+    """An epoch's training seconds without the teacher and with it (its cache as the distilled run decided):
+    one-epoch runs of fresh copies of the untrained `student`, the two alternated for PACE_ROUNDS rounds after one
+    untimed round; the medians. The distil rows' runs follow one another, so a machine that slows down or speeds
+    up between them moves their seconds' ratio; an epoch priced side by side does not move with it."""
+    times: dict[str, list[float]] = {"scratch": [], "distilled": []}
+    for r in range(PACE_ROUNDS + 1):
+        for way in ("scratch", "distilled") if r % 2 == 0 else ("distilled", "scratch"):
+            options = {"teacher": Teacher(teacher, cache=cache)} if way == "distilled" else {}
+            run = _run(copy.deepcopy(student), train, val, seed=seed, epochs=1, **options)
+            if r:
+                times[way].append(run["curve"][0][0])
+    return {way: round(statistics.median(t), 4) for way, t in times.items()}
 
 
 def _seconds_to(run: dict, target: float) -> float | None:
@@ -139,17 +166,22 @@ def _distil_rows(name: str, seed: int, epochs: int, teacher: nn.Module) -> dict:
     train, val = SLIM_WORKLOADS[name].data(seed)
     torch.manual_seed(seed + 1)
     student = SLIM_WORKLOADS[name].student()
-    twin, control = copy.deepcopy(student), copy.deepcopy(student)  # the same initial weights for all three
+    twin, control, init = (copy.deepcopy(student) for _ in range(3))  # the same initial weights for all
     short = max(1, round(epochs * PAYS))
     scratch = _run(student, train, val, seed=seed, epochs=epochs)
     distilled = _run(twin, train, val, seed=seed, epochs=short, teacher=Teacher(teacher))
     short_scratch = _run(control, train, val, seed=seed, epochs=short)
     target = scratch["val_acc"]
-    a, b, c = (_seconds_to(r, target) for r in (scratch, distilled, short_scratch))
+    pace = _pace(init, train, val, seed=seed, teacher=teacher, cache=distilled.get("distill", {}).get("cache", "auto"))
+    a, b, c = (_paced_seconds(r, target, pace[way]) for r, way in
+               ((scratch, "scratch"), (distilled, "distilled"), (short_scratch, "scratch")))
     ratio, vs_control, pays, verdict = _distil_verdict(a, b, c, short, target)
     return {"workload": name, "seed": seed, "epochs": epochs, "short_epochs": short, "target": target,
             "scratch": scratch, "distilled": distilled, "short_scratch": short_scratch,
-            "seconds_to_target": {"scratch": a, "distilled": b, "short_scratch": c}, "ratio": ratio,
+            "epoch_s": pace, "seconds_to_target": {"scratch": a, "distilled": b, "short_scratch": c},
+            "seconds_to_target_as_run": {way: _seconds_to(r, target) for way, r in
+                                         (("scratch", scratch), ("distilled", distilled), ("short_scratch", short_scratch))},
+            "ratio": ratio,
             "vs_control": vs_control, "pays": pays, "verdict": verdict}
 
 
