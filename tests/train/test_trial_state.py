@@ -192,6 +192,19 @@ class NumpyMasked(nn.Module):
         return self.body((tokens.float() * keep).flatten(1))
 
 
+class OwnGenerator(nn.Module):
+    """Noise on the hidden layer drawn from a torch.Generator the module holds (not torch's global one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.out = nn.Sequential(nn.Linear(12, 32), nn.ReLU()), nn.Linear(32, 40)
+        self.gen = torch.Generator().manual_seed(7)
+
+    def forward(self, tokens):
+        h = self.body(tokens.float().flatten(1))
+        return self.out(h + 0.3 * torch.randn(h.shape, generator=self.gen))
+
+
 def _seq_batches(make):
     """Time-major batches for the LSTM; batch-major for the decoder; one target a sequence for the counter model."""
     out = []
@@ -205,8 +218,8 @@ def _seq_batches(make):
     return out
 
 
-@pytest.mark.parametrize("make", [HiddenOnSelf, KVCacheDecoder, Counted, NumpyMasked],
-                         ids=["hidden-on-self", "kv-cache", "step-counter", "numpy-rng"])
+@pytest.mark.parametrize("make", [HiddenOnSelf, KVCacheDecoder, Counted, NumpyMasked, OwnGenerator],
+                         ids=["hidden-on-self", "kv-cache", "step-counter", "numpy-rng", "own-generator"])
 def test_a_model_that_keeps_state_between_calls_trains_with_the_plain_loops_weights(bf16_cpu, make):
     batches = _seq_batches(make)
     loss = nn.NLLLoss() if make is HiddenOnSelf else nn.CrossEntropyLoss()

@@ -20,7 +20,8 @@ candidate's pass had advanced, not its own: not the plain run's numbers.
 - and what those reach: dicts, lists, tuples, plain objects, other modules (a GAN's discriminator: its
   parameters, buffers and gradients) and optimizers (their moments and step counts);
 - Python's and NumPy's global random generators (torch's the trial forks itself): Hugging Face's wav2vec2 draws
-  its time masks from NumPy, so a measuring pass moved the plain run's masks.
+  its time masks from NumPy, so a measuring pass moved the plain run's masks; and any `torch.Generator` the walk
+  reaches (a noise layer that draws from a generator of its own, `torch.randn(..., generator=self.gen)`).
 
 `Snapshot.restore()` puts back every reference, container and tensor that changed (a tensor by its version
 counter: only what was written is copied back). `Snapshot.cast_back()` is for a turn that trained in a half
@@ -79,12 +80,15 @@ class Snapshot:
         self.grads: list[tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor | None]] = []
         self.unrestored: list[str] = []  # what restore() found written and could not put back
         self.rngs = (random.getstate(), np.random.get_state())  # Python's and NumPy's global generators
+        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []  # torch generators of the user's own
 
     def restore(self) -> None:
         """Everything the walk saw, as it was: references first, then the tensors written in place; and Python's
         and NumPy's global generators (a model that draws from NumPy: Hugging Face's wav2vec2 masks time steps)."""
         random.setstate(self.rngs[0])
         np.random.set_state(self.rngs[1])
+        for gen, state in self.generators:
+            gen.set_state(state)
         for d, saved in self.dicts:
             if d.keys() != saved.keys() or any(d[k] is not v for k, v in saved.items()):
                 d.clear()
@@ -238,6 +242,8 @@ class _Walk:
         self.seen.add(id(v))
         if isinstance(v, torch.Tensor):
             self.tensor(v)
+        elif isinstance(v, torch.Generator):  # a torch generator of the user's own (a noise layer's): its state
+            self.snap.generators.append((v, v.get_state()))
         elif isinstance(v, _NOT_STATE):
             return
         elif isinstance(v, dict):
