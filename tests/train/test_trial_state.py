@@ -11,6 +11,7 @@ faster, so the trial keeps the plain settings): nothing here depends on this CPU
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import torchspeed
@@ -241,6 +242,42 @@ def test_a_model_that_keeps_state_between_calls_trains_with_the_plain_loops_weig
     assert _same_weights(model, ref)
     if make is Counted:
         assert model.calls == ref.calls == len(batches)  # the measuring passes' counts were put back
+
+
+class MomentumTarget(nn.Module):
+    """BYOL's shape: an online network and a target copy that needs no gradient, moved by the step."""
+
+    def __init__(self):
+        super().__init__()
+        self.online = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.target = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16)).requires_grad_(False)
+
+    def forward(self, x):
+        return self.online(x)
+
+
+def test_a_step_that_moves_a_frozen_target_network_in_place_trains_with_the_plain_loops_weights(bf16_cpu):
+    """A pass that only measures ran the step once more: its momentum update moved the target a second time, and a
+    run whose trial kept fp32 ended off its loop's weights. The frozen parameters are put back with the rest."""
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(16, 12, generator=g), torch.zeros(16)) for _ in range(300)]
+
+    def step_fn(model, batch):
+        with torch.no_grad():
+            for po, pt in zip(model.online.parameters(), model.target.parameters()):
+                pt.mul_(0.9).add_(po, alpha=0.1)
+        x = batch[0]
+        p, t = F.normalize(model(x), dim=-1), F.normalize(model.target(x + 0.1), dim=-1)
+        return (2 - 2 * (p * t).sum(-1)).mean()
+
+    torch.manual_seed(0)
+    ref = _plain_loop(MomentumTarget(), batches, step_fn, lr=0.1)
+    torch.manual_seed(0)
+    model = MomentumTarget()
+    res = torchspeed.fit(model, batches, step_fn=step_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         epochs=1, progress=False, compile=False, schedule=None)
+    assert res.decisions["precision"].value == "fp32" and _bf16_candidate_ran(res.decisions["switch_trial"].measured)
+    assert _same_weights(model, ref)
 
 
 def test_a_candidate_that_raises_in_its_turn_after_writing_the_state_leaves_a_run_that_finishes(bf16_cpu):

@@ -113,3 +113,23 @@ def test_restore_puts_back_the_models_own_weights_an_inner_optimizer_stepped():
     step_fn(model, torch.randn(3, 4))
     snap.restore()
     assert all(torch.equal(p, q) for p, q in zip(model["D"].parameters(), before)) and not opt_d.state
+
+
+def test_restore_puts_back_the_models_frozen_parameters_a_step_moved_in_place():
+    """BYOL's momentum target: parameters that need no gradient, moved towards the online ones by the step itself
+    (in place, or by rebinding `.data` as MoCo's code does), put back after a pass that only measures."""
+    online, target = nn.Linear(4, 4), nn.Linear(4, 4).requires_grad_(False)
+    model = nn.ModuleDict({"online": online, "target": target})
+    before = [p.detach().clone() for p in target.parameters()]
+
+    def step_fn(m, batch):
+        with torch.no_grad():
+            m["target"].weight.mul_(0.5).add_(m["online"].weight, alpha=0.5)
+        m["target"].bias.data = m["target"].bias.data * 0.5 + 1.0
+        return m["online"](batch).sum()
+
+    snap = UserState(model, step_fn).snapshot()
+    step_fn(model, torch.randn(2, 4))
+    assert not torch.equal(target.weight, before[0]) and not torch.equal(target.bias, before[1])
+    snap.restore()
+    assert all(torch.equal(p, b) for p, b in zip(target.parameters(), before)) and not snap.unrestored

@@ -15,6 +15,8 @@ candidate's pass had advanced, not its own: not the plain run's numbers.
   KV cache, a step counter, a list of past outputs);
 - the weights an optimizer the step reaches steps, the model's own included (a GAN's `step_fn` steps its
   discriminator inside: its weights, gradients and moments);
+- the model's parameters that need no gradient (a BYOL or mean-teacher target network the step moves towards
+  the online one in place: a pass that only measures moved it once more);
 - the `step_fn`: its closure, the globals its code names, the object it is bound to (a method, a callable
   object), a `functools.partial`'s arguments;
 - and what those reach: dicts, lists, tuples, plain objects, other modules (a GAN's discriminator: its
@@ -81,6 +83,7 @@ class Snapshot:
         self.unrestored: list[str] = []  # what restore() found written and could not put back
         self.rngs = (random.getstate(), np.random.get_state())  # Python's and NumPy's global generators
         self.generators: list[tuple[torch.Generator, torch.Tensor]] = []  # torch generators of the user's own
+        self.frozen: list[tuple[torch.Tensor, torch.Tensor]] = []  # the model's parameters no optimizer trains
 
     def restore(self) -> None:
         """Everything the walk saw, as it was: references first, then the tensors written in place; and Python's
@@ -89,6 +92,9 @@ class Snapshot:
         np.random.set_state(self.rngs[1])
         for gen, state in self.generators:
             gen.set_state(state)
+        with torch.no_grad():  # copied back whatever wrote them (`p.mul_()`, `p.data = ...`: no version to read)
+            for p, copy in self.frozen:
+                p.copy_(copy)
         for d, saved in self.dicts:
             if d.keys() != saved.keys() or any(d[k] is not v for k, v in saved.items()):
                 d.clear()
@@ -184,6 +190,7 @@ class UserState:
         walk = _Walk(snap, skip=set(self._skip), owned=self._owned)
         for m in self.module.modules():  # the model's own modules: what a forward writes on self
             walk.module_attributes(m, depth=1)
+        walk.frozen(self.module)
         fn, hops = self.step_fn, 0
         while fn is not None and hops < 4:  # a partial of a method of ...: each layer's roots
             fn, hops = walk.function(fn), hops + 1
@@ -224,6 +231,20 @@ class _Walk:
             self.snap.names.append((g, name, value))  # a global the step writes (`global hidden`) included
             self.value(value, 1)
         return None
+
+    def frozen(self, module: nn.Module) -> None:
+        """The model's parameters that need no gradient, copied: a step may move them in place outside any optimizer
+        (BYOL's and the mean teacher's momentum target, `p.mul_(tau).add_(online, alpha=1 - tau)`); past
+        CLONE_BYTES they are watched instead (a write found is reported, not undone)."""
+        for p in module.parameters():
+            if p.requires_grad:
+                continue
+            nbytes = p.numel() * p.element_size()
+            if self.cloned + nbytes <= CLONE_BYTES:
+                self.cloned += nbytes
+                self.snap.frozen.append((p, p.detach().clone()))
+            else:
+                self.snap.tensors.append((p, _version(p), None))
 
     def module_attributes(self, m: nn.Module, depth: int) -> None:
         """What a forward may write on a module of the user's own class (torch's own keep no state there)."""
