@@ -2,6 +2,7 @@
 model's `init_hidden`), submodules and attributes are there, while calling it runs the module `fit` chose (eager or
 compiled). A hidden state carried between batches, as PyTorch's word-language-model example does, trains."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -50,3 +51,33 @@ def test_a_step_fn_that_carries_a_hidden_state_between_batches_trains():
                          precision="fp32", compile=False)
     assert res.steps == 6 * len(batches)
     assert res.history[-1]["train_loss"] < 0.7 * res.history[0]["train_loss"]
+
+
+def _word_batches():
+    stream = torch.arange(12 * 4 * 4).remainder(30).view(-1, 4)
+    return [(stream[i:i + 12], stream[i + 1:i + 13].flatten()) for i in range(0, len(stream) - 13, 12)]
+
+
+def test_a_graph_backed_through_twice_names_the_two_usual_causes_and_their_fixes():
+    """A port whose step_fn calls loss.backward() itself, and one that carries its hidden state without detaching
+    it: torch's error suggests retain_graph; fit's names what to do instead."""
+    state = {"hidden": None}
+
+    def backs_itself(model, batch):
+        tokens, targets = batch
+        loss = nn.functional.cross_entropy(model(tokens, model.init_hidden(tokens.size(1)))[0], targets)
+        loss.backward()
+        return loss
+
+    def keeps_the_graph(model, batch):
+        tokens, targets = batch
+        logits, state["hidden"] = model(tokens, state["hidden"] or model.init_hidden(tokens.size(1)))
+        return nn.functional.cross_entropy(logits, targets)
+
+    for step_fn in (backs_itself, keeps_the_graph):
+        with pytest.raises(RuntimeError) as info:
+            torchspeed.fit(WordLM(), _word_batches(), step_fn=step_fn, progress=False, precision="fp32",
+                           compile=False)
+        message = str(info.value)
+        assert "backward through the graph a second time" in message
+        assert "return the loss instead" in message and "hidden.detach()" in message

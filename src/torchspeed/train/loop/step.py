@@ -115,13 +115,29 @@ class AccumulationWindow:
 
 
 def backward(loss: torch.Tensor, *, scaler: torch.amp.GradScaler | None = None, accum_steps: int = 1) -> None:
-    """Backward of `loss / accum_steps`, scaled for fp16 when a scaler is given."""
+    """Backward of `loss / accum_steps`, scaled for fp16 when a scaler is given. A graph already backed through
+    is named with its two usual causes in a ported loop and their fixes (torch's own words suggest retain_graph)."""
     if accum_steps > 1:
         loss = loss / accum_steps
-    if scaler is not None:
-        scaler.scale(loss).backward()
-    else:
-        loss.backward()
+    try:
+        if scaler is not None:
+            scaler.scale(loss).backward()
+        else:
+            loss.backward()
+    except RuntimeError as e:
+        if "backward through the graph a second time" not in str(e):
+            raise
+        raise RuntimeError(f"{e}\n{SECOND_BACKWARD}") from e
+
+
+SECOND_BACKWARD = (
+    "torchspeed: fit runs the backward of the loss your step returns, once a step, then the optimizer step. This "
+    "graph was backed through already. Usually: (1) your step_fn called loss.backward() (or torch.autograd.grad) "
+    "itself: return the loss instead, and fit backs and steps it (a step that trains another model inside, a GAN's "
+    "discriminator, backs and steps that one's own loss and returns only the loss fit trains); or (2) a tensor "
+    "carried from an earlier step is still attached to that step's graph, a recurrent hidden state most often: "
+    "detach it each batch (hidden = hidden.detach(), as PyTorch's word_language_model example's repackage_hidden "
+    "does).")
 
 
 _STEP_ON_GRADS = ("torch", "torchspeed", "schedulefree", "timm")  # their optimizers step on the gradients they have
