@@ -309,6 +309,11 @@ def test_a_target_the_default_loss_cannot_take_is_named_with_both_shapes_and_the
     labels = DataLoader(TensorDataset(torch.randn(8, 12), torch.arange(8) % 2), batch_size=4)  # binary, one logit
     with pytest.raises(ValueError, match=r"logits with one class.*BCEWithLogitsLoss"):  # torch: "Target 1 is out of
         torchspeed.fit(nn.Sequential(nn.Linear(12, 1)), labels, epochs=1, progress=False, trial=False, compile=False)
+    binary = DataLoader(TensorDataset(torch.randn(8, 12), (torch.arange(8) % 2).float()), batch_size=4)
+    with pytest.raises(ValueError, match=r"Target size.*loss_fn got output of shape \(4, 1\) and a target of shape "
+                                         r"\(4,\).*output.squeeze\(-1\)"):  # your loss, its (B, 1) against (B,)
+        torchspeed.fit(nn.Sequential(nn.Linear(12, 1)), binary, loss_fn=nn.BCEWithLogitsLoss(), epochs=1,
+                       progress=False, trial=False, compile=False)
     ok = torchspeed.fit(nn.Sequential(nn.Linear(12, 3)), DataLoader(TensorDataset(  # shapes that fit: untouched
         torch.randn(8, 12), torch.softmax(torch.randn(8, 3), 1)), batch_size=4), epochs=1, progress=False)
     assert ok.steps == 2

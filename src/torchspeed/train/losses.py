@@ -81,5 +81,19 @@ def _shape_mismatch(logits: torch.Tensor, target: torch.Tensor) -> str | None:
             "pass loss_fn= for another loss (nn.MSELoss() for regression)")
 
 
+def loss_fn_shape_hint(logits: torch.Tensor, target: torch.Tensor) -> str | None:
+    """For a `loss_fn` of the user's that refused (output, target): the fix where the two differ only by a trailing
+    dimension of one (a binary model's (B, 1) logits against (B,) labels, or the other way); None otherwise."""
+    lt, tt = tuple(logits.shape), tuple(target.shape)
+    if lt[-1:] == (1,) and lt[:-1] == tt:
+        fix = "return output.squeeze(-1) from the model (or its step), or yield targets of shape {lt} (y.view(-1, 1))"
+    elif tt[-1:] == (1,) and tt[:-1] == lt:
+        fix = "yield targets of shape {lt} (y.squeeze(-1)), or return output of shape {tt} from the model"
+    else:
+        return None
+    return (f"loss_fn got output of shape {lt} and a target of shape {tt}: they differ by a dimension of one, which "
+            f"a loop's own code squeezes; {fix.format(lt=lt, tt=tt)}")
+
+
 def default_loss(label_smoothing: float = 0.0) -> nn.Module:
     return SequenceCrossEntropy(label_smoothing=label_smoothing, ignore_index=IGNORE_INDEX)

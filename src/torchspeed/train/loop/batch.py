@@ -49,7 +49,7 @@ from torch import nn
 
 from torchspeed.train.trial.compile import CompileController, CompileDecision
 from torchspeed.train.decision import Decision
-from torchspeed.train.losses import IGNORE_INDEX, SequenceCrossEntropy, default_loss
+from torchspeed.train.losses import IGNORE_INDEX, SequenceCrossEntropy, default_loss, loss_fn_shape_hint
 from torchspeed.train.transfer import map_tensors
 from torchspeed.train.loop.model_call import call_model, takes_target
 from torchspeed.train.loop.model_output import ModelOutput, read_output
@@ -232,7 +232,13 @@ def _score(model: Callable, o: ModelOutput, out, target, loss_fn: Callable | Non
         return fn(o.logits, target) + AUX_WEIGHT * fn(o.aux, target), \
             f"{name} on 'out' + {AUX_WEIGHT} x {name} on 'aux' (per pixel for masks)"
     extra = "; the output's 0-dim tensor is not added (step_fn= adds it)" if "0-dim" in o.form else ""
-    return fn(o.logits, target), f"{name}(logits, target){extra}"
+    try:
+        return fn(o.logits, target), f"{name}(logits, target){extra}"
+    except (ValueError, RuntimeError) as e:  # a binary model's (B, 1) against (B,) labels: name the squeeze
+        hint = loss_fn_shape_hint(o.logits, target) if isinstance(target, torch.Tensor) else None
+        if hint is None:
+            raise
+        raise ValueError(f"{e}: {hint}") from e
 
 
 def _float64(v) -> bool:
