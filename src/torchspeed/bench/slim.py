@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import statistics
 import time
@@ -43,8 +44,9 @@ from torchspeed.bench.slim_workloads import SLIM_WORKLOADS
 from torchspeed.distill import Teacher
 from torchspeed.fitting import fit
 from torchspeed.slimming import SlimResult, finetune, measure_models, slim
+from torchspeed.train.trial.rounds import interleaved
 
-__all__ = ["SLIM_WORKLOADS", "FINETUNE_SHARE", "PAYS", "run_slim_bench", "slim_table"]
+__all__ = ["FINETUNE_SHARE", "PAYS", "PACE_ROUNDS", "run_slim_bench", "slim_table"]
 
 FINETUNE_SHARE = 0.2   # the fine-tune's steps, as a share of the full run's
 PAYS = 0.7             # a distilled student pays at this share of the scratch student's seconds, or less
@@ -88,16 +90,14 @@ def _paced_seconds(run: dict, target: float, epoch_s: float) -> float | None:
 def _pace(student: nn.Module, train, val, *, seed: int, teacher: nn.Module, cache) -> dict:
     """An epoch's training seconds without the teacher and with it (its cache as the distilled run decided):
     one-epoch runs of fresh copies of the untrained `student`, the two alternated for PACE_ROUNDS rounds after one
-    untimed round; the medians. The distil rows' runs follow one another, so a machine that slows down or speeds
+    untimed round (`rounds.interleaved`); the medians. The distil rows' runs follow one another, so a machine that slows down or speeds
     up between them moves their seconds' ratio; an epoch priced side by side does not move with it."""
-    times: dict[str, list[float]] = {"scratch": [], "distilled": []}
-    for r in range(PACE_ROUNDS + 1):
-        for way in ("scratch", "distilled") if r % 2 == 0 else ("distilled", "scratch"):
-            options = {"teacher": Teacher(teacher, cache=cache)} if way == "distilled" else {}
-            run = _run(copy.deepcopy(student), train, val, seed=seed, epochs=1, **options)
-            if r:
-                times[way].append(run["curve"][0][0])
-    return {way: round(statistics.median(t), 4) for way, t in times.items()}
+    def epoch(way: str) -> float:
+        options = {"teacher": Teacher(teacher, cache=cache)} if way == "distilled" else {}
+        return _run(copy.deepcopy(student), train, val, seed=seed, epochs=1, **options)["curve"][0][0]
+    rounds = interleaved({way: functools.partial(epoch, way) for way in ("scratch", "distilled")},
+                         rounds=PACE_ROUNDS, warmup=1, order="alternate")
+    return {way: round(t, 4) for way, t in rounds.medians().items()}
 
 
 def _seconds_to(run: dict, target: float) -> float | None:

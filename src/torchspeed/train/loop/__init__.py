@@ -6,8 +6,9 @@
 - `step`: the optimizer step with accumulation, clipping and loss scaling (T19, T20, T21);
 - `lean_step`: torch's Adam/AdamW/SGD step without its per-step Python, and Schedule-Free AdamW's through
   `train/lean_schedulefree.py` (T51, T42);
-- `batch`, `model_call`, `model_output`: the batch contract (what a batch may be, how a loss comes out of it),
-  how a model is called with a batch's inputs, and how its output is read (T13);
+- `batch`, `model_call`, `model_output`, `batch_notes`: the batch contract (what a batch may be, how a loss comes
+  out of it), how a model is called with a batch's inputs, how its output is read (T13), and what a first step's
+  error is told besides torch's words;
 - `guard`: a non-finite loss skipped (T21's skip, for bf16 and fp32 too), running out of memory explained;
 - `callbacks`: the events, `EarlyStopping` and `EMA` (T40);
 - `progress`, `metrics`: progress bars and metrics kept on the device (T13);

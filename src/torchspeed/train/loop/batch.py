@@ -50,6 +50,7 @@ from torch import nn
 from torchspeed.train.trial.compile import CompileController, CompileDecision
 from torchspeed.train.decision import Decision
 from torchspeed.train.losses import IGNORE_INDEX, SequenceCrossEntropy, default_loss, loss_fn_shape_hint
+from torchspeed.train.loop.batch_notes import first_step_notes
 from torchspeed.train.transfer import map_tensors
 from torchspeed.train.loop.model_call import call_model, takes_target
 from torchspeed.train.loop.model_output import ModelOutput, read_output
@@ -209,8 +210,9 @@ def _from_step_fn(model: Callable, batch, step_fn: Callable) -> tuple[StepOutput
     if loss is None and isinstance(out, torch.Tensor):
         loss = out.mean() if out.numel() == 1 else None
     if loss is None:
+        shape = f" of shape {tuple(out.shape)}: reduce it to one value (.mean())" if torch.is_tensor(out) else ""
         raise TypeError("step_fn(model, batch) must return the loss: a 0-dim tensor, a dict with 'loss', or an "
-                        f"object with .loss; it returned {type(out).__name__}")
+                        f"object with .loss; it returned {type(out).__name__}{shape}")
     target = split_batch(batch)[1] if o.logits is not None else None
     return StepOutput(loss, o.logits, target, batch_size(batch), o.parts, own_loss=True), \
         "step_fn(model, batch) returns the loss"
@@ -239,20 +241,6 @@ def _score(model: Callable, o: ModelOutput, out, target, loss_fn: Callable | Non
         if hint is None:
             raise
         raise ValueError(f"{e}: {hint}") from e
-
-
-def _float64(v) -> bool:
-    if isinstance(v, torch.Tensor):
-        return v.dtype is torch.float64
-    values = list(v.values()) if isinstance(v, Mapping) else v if isinstance(v, (list, tuple)) else ()
-    return any(_float64(e) for e in values)
-
-
-def _integer_inputs(v) -> bool:
-    if isinstance(v, torch.Tensor):
-        return not (v.is_floating_point() or v.is_complex() or v.dtype is torch.bool)
-    values = list(v.values()) if isinstance(v, Mapping) else v if isinstance(v, (list, tuple)) else ()
-    return any(_integer_inputs(e) for e in values)
 
 
 def _extra_scalar(o: ModelOutput, loss_fn: Callable | None, param: str | None) -> bool:
@@ -301,20 +289,7 @@ def forward_loss(model: Callable, batch, *, loss_fn: Callable | None = None, ste
             loss, how = _score(model, o, out, target, loss_fn)
     except Exception as e:
         if decisions is not None and "batch_contract" not in decisions:  # the first step: say how the batch was read
-            e.add_note(f"torchspeed called the model as {_call_text(inputs, param)}"
-                       + ("" if isinstance(inputs, dict) or target is None else
-                          f", the batch's last of {len(inputs) + 1} elements as the target")
-                       + " (the batch contract: docs/models.md). If your batch is laid out otherwise (the label "
-                         "first, say), pass step_fn=lambda model, batch: <the loss>.")
-            if "ouble" in str(e) and _float64((inputs, target)):  # torch says Double / double, never float64
-                e.add_note("The batch holds float64 tensors (numpy's default, which torch.from_numpy keeps) and the "
-                           "model's weights are float32: make the data float32 where it is built (torch.as_tensor(x, "
-                           "dtype=torch.float32), or .float() on the TensorDataset's tensors), or cast in step_fn.")
-            elif any(w in str(e) for w in ("same dtype", "should be the same", "expected scalar type")) and \
-                    _integer_inputs(inputs):
-                e.add_note("The model's inputs are integer tensors (uint8 images, int64 ids) and its weights are "
-                           "float: convert them where the data is built (x.float() / 255 for images) or in a "
-                           "transform; an integer input is right only for a model that starts with an nn.Embedding.")
+            first_step_notes(e, _call_text(inputs, param), inputs, target)
         raise
     logits, scored = o.logits, target
     if o.loss is not None and logits is not None:

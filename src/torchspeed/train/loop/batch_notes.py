@@ -1,0 +1,56 @@
+"""What an error on a run's first step is told besides torch's words (the batch contract: batch.py, docs/models.md):
+how the batch was read, and the fix for the dtypes and target forms torch's messages do not name (float64 data from
+NumPy, integer or half-precision inputs, a target of Python values).
+
+Example:
+    >>> try:
+    ...     model(x)
+    ... except Exception as e:
+    ...     first_step_notes(e, "model(x)", (x,), y)
+    ...     raise
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+__all__ = ["first_step_notes"]
+
+_HALF = (torch.float16, torch.bfloat16)
+_DTYPE_WORDS = ("same dtype", "should be the same", "expected scalar type")
+
+
+def _any(v, pred: Callable[[torch.Tensor], bool]) -> bool:
+    """Whether a tensor in `v` (a tensor, or a dict, list or tuple of them, nested) satisfies `pred`."""
+    if isinstance(v, torch.Tensor):
+        return pred(v)
+    values = list(v.values()) if isinstance(v, Mapping) else v if isinstance(v, (list, tuple)) else ()
+    return any(_any(e, pred) for e in values)
+
+
+def first_step_notes(e: BaseException, call: str, inputs, target) -> None:
+    """Notes on `e`, raised on the first step: the call and the target as read, and the fix its cause asks for."""
+    e.add_note(f"torchspeed called the model as {call}"
+               + ("" if isinstance(inputs, dict) or target is None else
+                  f", the batch's last of {len(inputs) + 1} elements as the target")
+               + " (the batch contract: docs/models.md). If your batch is laid out otherwise (the label "
+                 "first, say), pass step_fn=lambda model, batch: <the loss>.")
+    words = str(e)
+    if "ouble" in words and _any((inputs, target), lambda t: t.dtype is torch.float64):  # torch says Double
+        e.add_note("The batch holds float64 tensors (numpy's default, which torch.from_numpy keeps) and the "
+                   "model's weights are float32: make the data float32 where it is built (torch.as_tensor(x, "
+                   "dtype=torch.float32), or .float() on the TensorDataset's tensors), or cast in step_fn.")
+    elif any(w in words for w in _DTYPE_WORDS) and \
+            _any(inputs, lambda t: not (t.is_floating_point() or t.is_complex() or t.dtype is torch.bool)):
+        e.add_note("The model's inputs are integer tensors (uint8 images, int64 ids) and its weights are "
+                   "float: convert them where the data is built (x.float() / 255 for images) or in a "
+                   "transform; an integer input is right only for a model that starts with an nn.Embedding.")
+    elif any(w in words for w in _DTYPE_WORDS) and _any(inputs, lambda t: t.dtype in _HALF):
+        e.add_note("The batch holds float16/bfloat16 tensors and the model's weights are float32: keep the "
+                   "data float32 (x.float() where it is built); fit picks the precision itself "
+                   "(precision='auto': bf16 autocast where this hardware gains from it).")
+    if isinstance(target, (list, tuple)) and target and not _any(target, lambda t: True):
+        e.add_note(f"The target is a {type(target).__name__} of {len(target)} Python values, not a tensor: "
+                   "yield it as one (torch.tensor(labels); a DataLoader's default collate does).")
