@@ -133,3 +133,25 @@ def test_restore_puts_back_the_models_frozen_parameters_a_step_moved_in_place():
     assert not torch.equal(target.weight, before[0]) and not torch.equal(target.bias, before[1])
     snap.restore()
     assert all(torch.equal(p, b) for p, b in zip(target.parameters(), before)) and not snap.unrestored
+
+
+def test_a_frozen_part_does_not_take_the_copies_a_carried_state_needs(monkeypatch):
+    """The copies are bounded (CLONE_BYTES): the step's own state is walked before the frozen parameters, so a
+    frozen backbone that would fill the bound cannot push the small carried state out of it (watched, not undone)."""
+    import torchspeed.train.trial.user_state as us
+
+    model = nn.ModuleDict({"backbone": nn.Linear(64, 64).requires_grad_(False), "head": nn.Linear(64, 2)})
+    monkeypatch.setattr(us, "CLONE_BYTES", sum(p.numel() * 4 for p in model["backbone"].parameters()))
+    box = {"hidden": torch.zeros(4)}
+    weight = model["backbone"].weight.detach().clone()
+
+    def step_fn(m, batch):
+        box["hidden"].add_(1.0)
+        with torch.no_grad():
+            m["backbone"].weight.mul_(0.5)
+        return m["head"](m["backbone"](batch)).sum()
+
+    snap = UserState(model, step_fn).snapshot()
+    step_fn(model, torch.randn(2, 64))
+    snap.restore()
+    assert torch.equal(box["hidden"], torch.zeros(4)) and torch.equal(model["backbone"].weight, weight)

@@ -18,9 +18,10 @@ classes (distil rows, the teacher trained first). For each workload and seed:
   and the measurement that chose it; per-step forwards are inside the steps), over the scratch
   student's. A run's seconds to the target are its epochs to it times an epoch's seconds timed side by
   side (`_pace`: one-epoch runs with and without the teacher, alternated, after an untimed round), so the
-  ratio does not move with the machine's pace between the runs; the runs' own seconds are in the JSON too. The same shorter run without the teacher is the control: distillation pays where the
-  distilled student gets there in 0.7x or less of the scratch run's seconds, and sooner than the control where
-  the control gets there too (else it is the budget, not the teacher); the row says which, with the numbers.
+  ratio does not move with the machine's pace between the runs; the runs' own seconds are in the JSON too.
+  The same shorter run without the teacher is the control: distillation pays where the distilled student
+  gets there in 0.7x or less of the scratch run's seconds, and sooner than the control where the control
+  gets there too (else it is the budget, not the teacher); the row says which, with the numbers.
 
 Example:
     >>> result = run_slim_bench(seeds=(0,), epochs=15)
@@ -90,8 +91,8 @@ def _paced_seconds(run: dict, target: float, epoch_s: float) -> float | None:
 def _pace(student: nn.Module, train, val, *, seed: int, teacher: nn.Module, cache) -> dict:
     """An epoch's training seconds without the teacher and with it (its cache as the distilled run decided):
     one-epoch runs of fresh copies of the untrained `student`, the two alternated for PACE_ROUNDS rounds after one
-    untimed round (`rounds.interleaved`); the medians. The distil rows' runs follow one another, so a machine that slows down or speeds
-    up between them moves their seconds' ratio; an epoch priced side by side does not move with it."""
+    untimed round (`rounds.interleaved`); the medians. The distil rows' runs follow one another, so a machine that
+    slows down or speeds up between them moves their seconds' ratio; an epoch priced side by side does not."""
     def epoch(way: str) -> float:
         options = {"teacher": Teacher(teacher, cache=cache)} if way == "distilled" else {}
         return _run(copy.deepcopy(student), train, val, seed=seed, epochs=1, **options)["curve"][0][0]
@@ -179,10 +180,9 @@ def _distil_rows(name: str, seed: int, epochs: int, teacher: nn.Module) -> dict:
     return {"workload": name, "seed": seed, "epochs": epochs, "short_epochs": short, "target": target,
             "scratch": scratch, "distilled": distilled, "short_scratch": short_scratch,
             "epoch_s": pace, "seconds_to_target": {"scratch": a, "distilled": b, "short_scratch": c},
-            "seconds_to_target_as_run": {way: _seconds_to(r, target) for way, r in
-                                         (("scratch", scratch), ("distilled", distilled), ("short_scratch", short_scratch))},
-            "ratio": ratio,
-            "vs_control": vs_control, "pays": pays, "verdict": verdict}
+            "seconds_to_target_as_run": {way: _seconds_to(r, target) for way, r in (
+                ("scratch", scratch), ("distilled", distilled), ("short_scratch", short_scratch))},
+            "ratio": ratio, "vs_control": vs_control, "pays": pays, "verdict": verdict}
 
 
 def _distil_verdict(a: float | None, b: float | None, c: float | None, short: int, target: float):
@@ -265,7 +265,8 @@ def slim_table(result: dict) -> str:
             "|---|---|---|---|---|---|---|"]
     for name, s in result["summary"].items():
         acc = "{:.4f}"
-        tuned = "-" if s["finetune_acc"] is None else f"{s['finetune_acc']:.4f}; {x(s.get('finetune_distilled_acc'), acc)}"
+        tuned = "-" if s["finetune_acc"] is None else \
+            f"{s['finetune_acc']:.4f}; {x(s.get('finetune_distilled_acc'), acc)}"
         rows.append(f"| {name} | {x(s['step_speedup'])} | {x(s['latency_speedup'])} / "
                     f"{x(s['latency_speedup_batch1'])} | {x(s['full_acc'], acc)} | {tuned} | "
                     f"{x(s.get('student_acc'), acc)} | "

@@ -190,10 +190,10 @@ class UserState:
         walk = _Walk(snap, skip=set(self._skip), owned=self._owned)
         for m in self.module.modules():  # the model's own modules: what a forward writes on self
             walk.module_attributes(m, depth=1)
-        walk.frozen(self.module)
         fn, hops = self.step_fn, 0
         while fn is not None and hops < 4:  # a partial of a method of ...: each layer's roots
             fn, hops = walk.function(fn), hops + 1
+        walk.frozen(self.module)  # last: a large frozen backbone must not take the copies a carried state needs
         return snap
 
 
