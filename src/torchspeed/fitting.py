@@ -159,6 +159,12 @@ def _check_trainable(model: nn.Module, optimizer) -> None:
         raise ValueError(f"nothing to train: {where} {len(params)} parameter tensors and none requires grad. "
                          "Unfreeze the layers to train (p.requires_grad_(True)), or build the optimizer over "
                          "the parameters that train")
+    mine = {id(p) for p in model.parameters()}
+    if own and mine and not any(id(p) in mine for p in params):  # steps would move another model's weights only
+        raise ValueError(f"the optimizer you passed holds {len(params)} parameter tensors and none is this model's: "
+                         "it was built on another model object (one made before this model was re-created, copied "
+                         "or loaded, say), so no step would move this model's weights. Build it on this model: "
+                         "torch.optim.SGD(model.parameters(), lr=...)")
 
 
 def _check_val_loader(val_loader) -> None:

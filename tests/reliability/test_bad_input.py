@@ -219,6 +219,17 @@ def test_nothing_to_train_is_named_before_any_work(frozen):
         torchspeed.fit(model, _fit_data(), optimizer=opt, progress=False)
 
 
+def test_an_optimizer_built_on_another_model_object_is_named_before_any_work():
+    """An optimizer over none of the model's parameters (made for a model since re-created or copied) would train
+    nothing while the run looked fine; part of them (a frozen backbone, a head alone) is a port's right."""
+    model, other = nn.Linear(8, 2), nn.Linear(8, 2)
+    with pytest.raises(ValueError, match="none is this model's.*torch.optim.SGD\\(model.parameters"):
+        torchspeed.fit(model, _fit_data(), optimizer=torch.optim.SGD(other.parameters(), lr=0.1), progress=False)
+    head = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    res = torchspeed.fit(head, _fit_data(), optimizer=torch.optim.SGD(head[1].parameters(), lr=0.1), progress=False)
+    assert res.steps == 4
+
+
 def test_resume_true_means_the_newest_checkpoint(tmp_path):
     torch.manual_seed(0)
     torchspeed.fit(nn.Linear(8, 2), _fit_data(), epochs=1, checkpoint_dir=str(tmp_path), progress=False)
