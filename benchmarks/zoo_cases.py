@@ -61,6 +61,29 @@ def adam(lr: float, **kw) -> Callable[[nn.Module], torch.optim.Optimizer]:
     return lambda m: torch.optim.Adam(m.parameters(), lr=lr, **kw)
 
 
+def kept_on_model(make: Callable[[nn.Module], torch.optim.Optimizer]) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    """The script's optimizer, also kept on the model (`model.opt`, a plain attribute, not a submodule) where its
+    step finds it to set the LR or zero the gradients; `scripts_optimizer(model)` reads it (None under
+    recipe="auto", which makes its own)."""
+    def build(m: nn.Module) -> torch.optim.Optimizer:
+        opt = make(m)
+        object.__setattr__(m, "opt", opt)
+        return opt
+    return build
+
+
+def scripts_optimizer(model: nn.Module) -> torch.optim.Optimizer | None:
+    return getattr(model, "opt", None)
+
+
+# ---------------------------------------------------------------- models
+
+def mlp(d_in: int = 32, classes: int = 10, hidden: int = 128) -> nn.Module:
+    """Two hidden layers of `hidden` with ReLUs: the zoo's plain MLP."""
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, classes))
+
+
 # ---------------------------------------------------------------- the plain loop's losses
 
 def ce_logits(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ import zoo_hand_forms7  # a module's own Generator, triplet and CLIP losses, the
 import zoo_hand_forms8  # a BYOL momentum target, a ParameterList, the LR set in the step, an L2 penalty
 import zoo_hand_forms9  # autocast written in the step, REINFORCE, zero_grad() in the step
 from bench_ported import MnistNet  # PyTorch's MNIST example's Net, as the ported bench has it
-from zoo_cases import (Case, adam, adamw, ce_logits, images, lm_pairs, sgd, vectors, xxy_logits, xy_logits,
+from zoo_cases import (Case, adam, adamw, ce_logits, images, lm_pairs, mlp, sgd, vectors, xxy_logits, xy_logits,
                        xy_own, xy_with)
 
 VOCAB, T, N = 256, 16, 8
@@ -205,11 +205,6 @@ class MatrixFactorization(nn.Module):
 def ratings_batch(g: torch.Generator):
     return (torch.randint(0, 1000, (64,), generator=g), torch.randint(0, 2000, (64,), generator=g),
             torch.rand(64, generator=g) * 5)
-
-
-def mlp(d_in=32, classes=10, hidden=128):
-    return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                         nn.Linear(hidden, classes))
 
 
 class StepCounter(nn.Module):

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo_cases import Case, adam, images, sgd, stateless, vectors, xy_logits, xy_with
+from zoo_cases import Case, adam, images, mlp, sgd, stateless, vectors, xy_logits, xy_with
 
 
-def mlp(d: int = 32, h: int = 64, k: int = 10) -> nn.Module:
-    return nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, k))
+def mlp64() -> nn.Module:
+    return mlp(hidden=64)
 
 
 class OwnGeneratorNoise(nn.Module):
@@ -132,9 +132,9 @@ def cases() -> list[Case]:
              optimizer=adam(1e-3), probe=triplet_loss, note="batch-hard triplet loss on normalised embeddings"),
         Case("hand/clip_two_tower", "hand", TwoTower, pairs, step_fn=stateless(clip_step), optimizer=adam(1e-3),
              probe=clip_loss, note="two towers, learnable temperature clamped in place by the step"),
-        Case("hand/label_smoothing_loss_fn", "hand", mlp, vectors(), xy_with(smooth), sgd(0.05, momentum=0.9),
+        Case("hand/label_smoothing_loss_fn", "hand", mlp64, vectors(), xy_with(smooth), sgd(0.05, momentum=0.9),
              fit_kwargs={"loss_fn": smooth}, note="the script's nn.CrossEntropyLoss(label_smoothing=0.1)"),
-        Case("hand/class_weighted_ce", "hand", mlp, vectors(), xy_with(weighted), adam(1e-3),
+        Case("hand/class_weighted_ce", "hand", mlp64, vectors(), xy_with(weighted), adam(1e-3),
              fit_kwargs={"loss_fn": weighted}, note="nn.CrossEntropyLoss(weight=...) for imbalanced classes"),
         Case("hand/segmentation_void_255", "hand", TinyFCN, masks_with_void, xy_with(void), sgd(0.05, momentum=0.9),
              fit_kwargs={"loss_fn": void}, note="per-pixel targets with unlabelled pixels 255, ignore_index=255"),

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo_cases import Case, adamw, sgd, stateless, vectors, xy_logits
+from zoo_hand_forms7 import mlp64
+from zoo_cases import Case, adamw, kept_on_model, scripts_optimizer, sgd, stateless, vectors, xy_logits
 
 
 class BYOL(nn.Module):
@@ -67,13 +68,9 @@ class Experts(nn.Module):
         return self.out(F.relu((w.unsqueeze(-1) * h).sum(1)))
 
 
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
 def lr_in_step():
     """nanoGPT's loop: the LR of iteration `it` (linear warm-up, cosine decay) written into the optimizer's groups
-    by the step itself. The step finds the optimizer through the model (`model.opt`, set by the case's factory)."""
+    by the step itself, which finds the script's optimizer on the model (`kept_on_model`)."""
     state = {"it": 0}
 
     def get_lr(it, warmup=10, decay=200, peak=1e-3, floor=1e-4):
@@ -83,19 +80,12 @@ def lr_in_step():
         return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (peak - floor)
 
     def step_fn(model, batch):
-        opt = getattr(model, "opt", None)  # none under recipe="auto", which sets its own LR
+        opt = scripts_optimizer(model)  # none under recipe="auto", which sets its own LR
         for group in opt.param_groups if opt is not None else ():
             group["lr"] = get_lr(state["it"])
         state["it"] += 1
         return xy_logits(model, batch)
     return step_fn
-
-
-def adamw_kept_on_model(m: nn.Module) -> torch.optim.Optimizer:
-    """The optimizer the script makes, kept where its step can find it (a plain attribute, not a submodule)."""
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    object.__setattr__(m, "opt", opt)
-    return opt
 
 
 def l2_step(model, batch):
@@ -111,8 +101,8 @@ def cases() -> list[Case]:
              note="a target network the step moves towards the online one in place (tau 0.99), BYOL / mean teacher"),
         Case("hand/parameter_list_experts", "hand", Experts, vectors(), xy_logits, sgd(0.05, momentum=0.9),
              note="expert matrices in an nn.ParameterList, a softmax gate"),
-        Case("hand/lr_set_in_step", "hand", mlp, vectors(), step_fn=lr_in_step, optimizer=adamw_kept_on_model,
+        Case("hand/lr_set_in_step", "hand", mlp64, vectors(), step_fn=lr_in_step, optimizer=kept_on_model(adamw(1e-3)),
              probe=xy_logits, note="nanoGPT's get_lr(it) written into the param groups by the step"),
-        Case("hand/l2_penalty_in_step", "hand", mlp, vectors(), step_fn=stateless(l2_step), optimizer=sgd(0.05),
+        Case("hand/l2_penalty_in_step", "hand", mlp64, vectors(), step_fn=stateless(l2_step), optimizer=sgd(0.05),
              probe=xy_logits, note="an L2 penalty over the weights added by the step"),
     ]

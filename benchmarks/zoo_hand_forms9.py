@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from zoo_cases import Case, adam, stateless, vectors, xy_logits
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+from zoo_hand_forms7 import mlp64
+from zoo_cases import Case, adam, kept_on_model, scripts_optimizer, sgd, stateless, vectors, xy_logits
 
 
 def autocast_step(model, batch):
@@ -34,28 +30,23 @@ def reinforce_step(model, batch):
 
 
 def zero_grad_step():
-    """The step zeroes the optimizer's gradients first, as its loop did before each forward (the optimizer is
-    found on the model, where the case's factory put it; none under recipe="auto")."""
+    """The step zeroes the optimizer's gradients first, as its loop did before each forward (the script's
+    optimizer found on the model, `kept_on_model`; none under recipe="auto")."""
     def step_fn(model, batch):
-        opt = getattr(model, "opt", None)
+        opt = scripts_optimizer(model)
         if opt is not None:
             opt.zero_grad()
         return xy_logits(model, batch)
     return step_fn
 
 
-def sgd_kept_on_model(m: nn.Module) -> torch.optim.Optimizer:
-    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-    object.__setattr__(m, "opt", opt)
-    return opt
-
-
 def cases() -> list[Case]:
     return [
-        Case("hand/autocast_in_step", "hand", mlp, vectors(), step_fn=stateless(autocast_step), optimizer=adam(1e-3),
+        Case("hand/autocast_in_step", "hand", mlp64, vectors(), step_fn=stateless(autocast_step), optimizer=adam(1e-3),
              probe=xy_logits, note="bf16 autocast around forward and loss, written in the step"),
-        Case("hand/reinforce_policy", "hand", mlp, vectors(), step_fn=stateless(reinforce_step), optimizer=adam(1e-3),
+        Case("hand/reinforce_policy", "hand", mlp64, vectors(), step_fn=stateless(reinforce_step), optimizer=adam(1e-3),
              probe=xy_logits, note="REINFORCE: actions sampled from torch.distributions.Categorical"),
-        Case("hand/zero_grad_in_step", "hand", mlp, vectors(), step_fn=zero_grad_step, optimizer=sgd_kept_on_model,
+        Case("hand/zero_grad_in_step", "hand", mlp64, vectors(), step_fn=zero_grad_step,
+             optimizer=kept_on_model(sgd(0.05, momentum=0.9)),
              probe=xy_logits, note="optimizer.zero_grad() called by the step before its forward"),
     ]
