@@ -239,10 +239,9 @@ class _Walk:
         for p in module.parameters():
             if p.requires_grad:
                 continue
-            nbytes = p.numel() * p.element_size()
-            if self.cloned + nbytes <= CLONE_BYTES:
-                self.cloned += nbytes
-                self.snap.frozen.append((p, p.detach().clone()))
+            copy = self.copy(p)
+            if copy is not None:
+                self.snap.frozen.append((p, copy))
             else:
                 self.snap.tensors.append((p, _version(p), None))
 
@@ -292,16 +291,19 @@ class _Walk:
         elif hasattr(v, "__dict__") and not _torch_class(v):  # a plain object: its attributes
             self.dict_items(vars(v), vars(v), depth)
 
+    def copy(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A copy of `t` while the walk's copies stay within CLONE_BYTES (a strided tensor); else None."""
+        nbytes = t.numel() * t.element_size() if t.layout == torch.strided else CLONE_BYTES + 1
+        if self.cloned + nbytes > CLONE_BYTES:
+            return None
+        self.cloned += nbytes
+        return t.detach().clone()
+
     def tensor(self, t: torch.Tensor, force: bool = False) -> None:
         version = _version(t)
         if (id(t) in self.owned and not force) or version is None:
             return
-        nbytes = t.numel() * t.element_size() if t.layout == torch.strided else CLONE_BYTES + 1
-        copy = None
-        if self.cloned + nbytes <= CLONE_BYTES:
-            self.cloned += nbytes
-            copy = t.detach().clone()
-        self.snap.tensors.append((t, version, copy))
+        self.snap.tensors.append((t, version, self.copy(t)))
         if t.requires_grad and t.is_leaf:  # a parameter of another model: its gradient too
             grad = t.grad
             self.snap.grads.append((t, grad, _version(grad) if grad is not None else 0,
