@@ -92,7 +92,7 @@ def test_an_epoch_is_priced_by_one_epoch_runs_alternated_after_an_untimed_round(
     pace = slim_bench._pace(student, None, None, seed=0, teacher=torch.nn.Linear(2, 2), cache=True)
     assert calls == ["scratch", True, "scratch", True, True, "scratch", "scratch", True]
     assert pace == {"scratch": 1.1, "distilled": 2.1}
-    assert slim_bench._paced_seconds({"curve": [[5.0, 0.8], [9.0, 0.95]], "teacher_s": 0.3}, 0.9, 2.0) == 4.3
+    assert slim_bench._seconds_to({"curve": [[5.0, 0.8], [9.0, 0.95]], "teacher_s": 0.3}, 0.9, 2.0) == 4.3
 
 
 def test_a_control_that_gets_there_too_must_be_slower_than_the_distilled_run():

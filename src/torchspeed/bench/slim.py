@@ -79,15 +79,6 @@ def _run(model: nn.Module, train, val, *, seed: int, epochs: int, **options) -> 
     return out
 
 
-def _paced_seconds(run: dict, target: float, epoch_s: float) -> float | None:
-    """The epochs to the first at or above `target`, times `epoch_s` (an epoch's seconds as `_pace` timed it), plus
-    the teacher's up-front seconds."""
-    for epochs, (_, acc) in enumerate(run["curve"], 1):
-        if acc is not None and acc >= target:
-            return round(epochs * epoch_s + run.get("teacher_s", 0.0), 3)
-    return None
-
-
 def _pace(student: nn.Module, train, val, *, seed: int, teacher: nn.Module, cache) -> dict:
     """An epoch's training seconds without the teacher and with it (its cache as the distilled run decided):
     one-epoch runs of fresh copies of the untrained `student`, the two alternated for PACE_ROUNDS rounds after one
@@ -101,11 +92,12 @@ def _pace(student: nn.Module, train, val, *, seed: int, teacher: nn.Module, cach
     return {way: round(t, 4) for way, t in rounds.medians().items()}
 
 
-def _seconds_to(run: dict, target: float) -> float | None:
-    """Training seconds (plus the teacher's up-front seconds) to the first epoch at or above `target`."""
-    for seconds, acc in run["curve"]:
+def _seconds_to(run: dict, target: float, epoch_s: float | None = None) -> float | None:
+    """Training seconds (plus the teacher's up-front seconds) to the first epoch at or above `target`: the run's
+    own, or with `epoch_s` (an epoch's seconds as `_pace` timed it) the epochs to it times that."""
+    for epochs, (seconds, acc) in enumerate(run["curve"], 1):
         if acc is not None and acc >= target:
-            return round(seconds + run.get("teacher_s", 0.0), 3)
+            return round((seconds if epoch_s is None else epochs * epoch_s) + run.get("teacher_s", 0.0), 3)
     return None
 
 
@@ -174,7 +166,7 @@ def _distil_rows(name: str, seed: int, epochs: int, teacher: nn.Module) -> dict:
     short_scratch = _run(control, train, val, seed=seed, epochs=short)
     target = scratch["val_acc"]
     pace = _pace(init, train, val, seed=seed, teacher=teacher, cache=distilled.get("distill", {}).get("cache", "auto"))
-    a, b, c = (_paced_seconds(r, target, pace[way]) for r, way in
+    a, b, c = (_seconds_to(r, target, pace[way]) for r, way in
                ((scratch, "scratch"), (distilled, "distilled"), (short_scratch, "scratch")))
     ratio, vs_control, pays, verdict = _distil_verdict(a, b, c, short, target)
     return {"workload": name, "seed": seed, "epochs": epochs, "short_epochs": short, "target": target,
