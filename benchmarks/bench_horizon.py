@@ -10,6 +10,9 @@ With `--workloads resnet20_digits,gpt_text`: two bench workloads the suite does 
 - `sf`: Schedule-Free AdamW at the LR the width rule gives (`train.optim.schedule_free_lr`): today's prior;
 - `adamw`: AdamW by name at its default LR (what a prior that knows no LR takes), one-cycle over the run;
 - `sgd`: SGD by name (momentum 0.9) at its default LR, one-cycle over the run (fit's default optimizer);
+- `adamw_wsd`, `adamw_linear`: AdamW at its default LR with a warmup-stable-decay schedule (the last 20% cooled to
+  zero) or a linear decay to zero (`train.schedule`), the schedules a run of unknown horizon and recent LLM
+  practice use;
 - `tuned` (asked for by `--candidates`): the workload's own optimizer at its own tuned LR, one-cycle over the run (a
   reference no prior knows).
 
@@ -81,8 +84,8 @@ def _register_extra() -> None:
 
 BLOCK_SIZE = 128
 EXTRA = ("resnet20_digits", "gpt_text")  # run when named in --workloads
-CANDIDATES = ("sf", "adamw", "sgd", "tuned")
-PRIORS = ("sf", "adamw", "sgd")  # what a prior may take: the tuned LR is known to no prior
+CANDIDATES = ("sf", "adamw", "sgd", "adamw_wsd", "adamw_linear", "tuned")
+PRIORS = ("sf", "adamw", "sgd", "adamw_wsd", "adamw_linear")  # what a prior may take: the tuned LR is known to no prior
 TIE = 0.005  # accuracies that round to the same multiple of this tie: the held-out loss decides
 
 
@@ -93,6 +96,8 @@ def call(workload: suite.Workload, cand: str, model: nn.Module) -> dict:
         return kw | {"optimizer": "schedulefree", "lr": schedule_free_lr(model)[0]}
     if cand in ("adamw", "sgd"):
         return kw | {"optimizer": cand, "lr": default_lr(cand), "schedule": "onecycle"}
+    if cand.startswith("adamw_"):  # AdamW at its default LR under another schedule ("wsd", "linear")
+        return kw | {"optimizer": "adamw", "lr": default_lr("adamw"), "schedule": cand.split("_", 1)[1]}
     named = "sgd" if workload.optimizer == "sgd" else "adamw"
     return kw | {"optimizer": named, "lr": workload.lr, "schedule": "onecycle"}
 
@@ -142,6 +147,23 @@ def rank_key(s: dict, higher: bool) -> tuple:
     return (metric, s["val_loss"])
 
 
+def merged(entry: dict, earlier: dict, workload: suite.Workload) -> dict:
+    """`entry` (this run's, one workload) with the earlier run's rows of every (candidate, seed) pair this run did
+    not train, each length summarized again over all its rows; the earlier run's other lengths kept."""
+    old = earlier["workloads"].get(workload.name)
+    if old is None:
+        return entry
+    out = dict(entry, lengths={})
+    for steps in sorted(set(old["lengths"]) | set(entry["lengths"]), key=int):
+        new_rows = entry["lengths"].get(steps, {}).get("runs", [])
+        ran = {(r["cand"], r["seed"]) for r in new_rows}
+        old_len = old["lengths"].get(steps, {})
+        rows = new_rows + [r for r in old_len.get("runs", []) if (r["cand"], r["seed"]) not in ran]
+        frac = entry["lengths"].get(steps, old_len).get("frac")
+        out["lengths"][steps] = {"frac": frac, "runs": rows, "summary": summarize(rows, workload)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default=None, help="comma-separated suite workloads (default: all)")
@@ -149,6 +171,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--candidates", default=",".join(PRIORS), help=f"of {','.join(CANDIDATES)}")
+    ap.add_argument("--merge", default=None, help="an earlier run's JSON: its rows for other (candidate, seed) pairs "
+                    "join this run's, and every length is summarized over both (final metrics, not seconds, are "
+                    "compared, so runs made apart may be joined)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     logging.getLogger("torchspeed").setLevel(logging.ERROR)
@@ -161,12 +186,19 @@ def main() -> None:
               "provenance": provenance(),
               "command": f"python benchmarks/bench_horizon.py --fracs {a.fracs} --seeds {a.seeds} "
                          + (f"--first-seed {a.first_seed} " if a.first_seed else "") + f"--candidates "
-                         f"{a.candidates}" + (f" --workloads {a.workloads}" if a.workloads else ""),
+                         f"{a.candidates}" + (f" --workloads {a.workloads}" if a.workloads else "")
+                         + (f" --merge {a.merge}" if a.merge else ""),
               "candidates": {"sf": "Schedule-Free AdamW at the width rule's LR, no schedule",
                              "adamw": f"AdamW at its default LR {default_lr('adamw'):g}, one-cycle",
                              "sgd": f"SGD (momentum 0.9) at its default LR {default_lr('sgd'):g}, one-cycle",
+                             "adamw_wsd": f"AdamW at {default_lr('adamw'):g}, warmup-stable-decay (20% cooldown)",
+                             "adamw_linear": f"AdamW at {default_lr('adamw'):g}, linear decay to zero",
                              "tuned": "the workload's own optimizer and LR, one-cycle (a reference)"},
               "workloads": {}}
+    earlier = json.loads(Path(a.merge).read_text()) if a.merge else None
+    if earlier:
+        result["merged_from"] = {"file": Path(a.merge).name, "command": earlier.get("command"),
+                                 "commit": earlier.get("provenance", {}).get("commit")}
     rng = random.Random(0)
     t_all = time.perf_counter()
     for w in suite.suite_workloads(names):
@@ -188,7 +220,7 @@ def main() -> None:
                     print(f"{w.name} steps={steps} seed={seed} {cand}: {w.metric} {r['metric']:.4f} "
                           f"{r['seconds']:.2f}s", flush=True)
             entry["lengths"][str(steps)] = {"frac": frac, "runs": rows, "summary": summarize(rows, w)}
-            result["workloads"][w.name] = entry
+            result["workloads"][w.name] = merged(entry, earlier, w) if earlier else entry
             result["wall_s"] = round(time.perf_counter() - t_all, 1)
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out + ".tmp").write_text(json.dumps(result, indent=1))

@@ -6,6 +6,11 @@
   each param group around its own value (the Muon and AdamW parts of "muon", T42).
 - cyclic (T14): triangular cycles between `min_lr` and `max_lr`.
 - warmup + cosine (T16): linear warm-up, then cosine decay to `min_lr`.
+- warmup-stable-decay, "wsd" (T16's alternative; Hu et al. 2024, MiniCPM; Hagele et al. 2024): linear warm-up,
+  the peak LR held, then the last `WSD_DECAY` (20%) of the steps cooled to `min_lr` (0) by 1 - sqrt, the cooldown
+  shape Hagele et al. found best.
+- linear decay to zero, "linear" (Bergsma et al. 2025, "Straight to Zero"): linear warm-up, then a straight line
+  from the peak to `min_lr` (0) at the last step.
 - constant: the LR as set (after a linear warm-up over `warmup_steps`, when given).
 - `default_schedule`: the schedule of a `fit` run that did not name one. A run whose LR the user
   set (a number, or an optimizer object that carries its own) trains at that LR: constant, as the
@@ -43,9 +48,10 @@ from torchspeed.train.optim_info import OPTIM_INFO, default_lr
 
 __all__ = ["SCHEDULES", "lr_given", "default_schedule", "create_scheduler", "scale_lr", "EpochScheduler",
            "schedule_label", "INTERVALS", "BuiltScheduler", "as_schedule",
-           "warmup_cosine_factor", "steps_in_run", "lr_rule", "batch_lr_factor", "scale_lr_for_batch", "rescale_lr"]
+           "warmup_cosine_factor", "wsd_factor", "linear_decay_factor", "WSD_DECAY", "steps_in_run", "lr_rule", "batch_lr_factor", "scale_lr_for_batch", "rescale_lr"]
 
-SCHEDULES = ("onecycle", "cyclic", "cosine", "constant")
+SCHEDULES = ("onecycle", "cyclic", "cosine", "wsd", "linear", "constant")
+WSD_DECAY = 0.2  # wsd: the share of the steps its cooldown takes
 INTERVALS = ("epoch", "step")  # when a schedule of your own is stepped
 
 
@@ -119,6 +125,28 @@ def warmup_cosine_factor(step: int, *, total_steps: int, warmup_steps: int, min_
     span = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def wsd_factor(step: int, *, total_steps: int, warmup_steps: int, min_factor: float = 0.0,
+               decay: float = WSD_DECAY) -> float:
+    """Multiplier of max_lr at `step`: linear warm-up, 1.0 held, then the last `decay` share of the steps cooled
+    by 1 - sqrt(progress) to `min_factor` (reached at the last step)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    cool = max(1, round(decay * total_steps))
+    start = max(warmup_steps, total_steps - cool)
+    if step < start:
+        return 1.0
+    progress = min(1.0, (step - start + 1) / max(1, total_steps - start))
+    return min_factor + (1 - min_factor) * (1 - math.sqrt(progress))
+
+
+def linear_decay_factor(step: int, *, total_steps: int, warmup_steps: int, min_factor: float = 0.0) -> float:
+    """Multiplier of max_lr at `step`: linear warm-up, then a straight line down to `min_factor` at the last step."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps + 1) / max(1, total_steps - warmup_steps))
+    return min_factor + (1 - min_factor) * (1 - progress)
 
 
 class EpochScheduler:
@@ -246,15 +274,19 @@ def create_scheduler(name, optimizer: torch.optim.Optimizer, *, total_steps: int
         return torch.optim.lr_scheduler.CyclicLR(
             optimizer, base_lr=base, max_lr=max_lr, step_size_up=half, mode="triangular2",
             cycle_momentum="momentum" in optimizer.defaults)
-    if name == "cosine":
+    if name in _DECAYS:
         warm = warmup_steps if warmup_steps is not None else max(1, total_steps // 20)
         floor = (min_lr / max_lr) if min_lr is not None else 0.0
         for g in optimizer.param_groups:
             g["lr"] = max_lr
             g.setdefault("initial_lr", max_lr)
+        shape = _DECAYS[name]
         return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: warmup_cosine_factor(s, total_steps=total_steps, warmup_steps=warm, min_factor=floor))
+            optimizer, lambda s: shape(s, total_steps=total_steps, warmup_steps=warm, min_factor=floor))
     raise ValueError(f"schedule {name!r} is not one of {', '.join(SCHEDULES)}")
+
+
+_DECAYS = {"cosine": warmup_cosine_factor, "wsd": wsd_factor, "linear": linear_decay_factor}  # warm-up, then decay
 
 
 def rescale_lr(optimizer: torch.optim.Optimizer, scheduler, factor: float) -> None:
