@@ -13,6 +13,8 @@ With `--workloads resnet20_digits,gpt_text`: two bench workloads the suite does 
 - `adamw_wsd`, `adamw_linear`: AdamW at its default LR with a warmup-stable-decay schedule (the last 20% cooled to
   zero) or a linear decay to zero (`train.schedule`), the schedules a run of unknown horizon and recent LLM
   practice use;
+- `adamw_wsd_width`: AdamW with warmup-stable-decay at the LR the width rule gives Schedule-Free (is it Schedule-Free
+  that wins, or its LR?);
 - `tuned` (asked for by `--candidates`): the workload's own optimizer at its own tuned LR, one-cycle over the run (a
   reference no prior knows).
 
@@ -84,8 +86,9 @@ def _register_extra() -> None:
 
 BLOCK_SIZE = 128
 EXTRA = ("resnet20_digits", "gpt_text")  # run when named in --workloads
-CANDIDATES = ("sf", "adamw", "sgd", "adamw_wsd", "adamw_linear", "tuned")
-PRIORS = ("sf", "adamw", "sgd", "adamw_wsd", "adamw_linear")  # what a prior may take: the tuned LR is known to no prior
+CANDIDATES = ("sf", "adamw", "sgd", "adamw_wsd", "adamw_linear", "adamw_wsd_width", "tuned")
+# what a prior may take: the tuned LR is known to no prior
+PRIORS = ("sf", "adamw", "sgd", "adamw_wsd", "adamw_linear", "adamw_wsd_width")
 TIE = 0.005  # accuracies that round to the same multiple of this tie: the held-out loss decides
 
 
@@ -96,6 +99,8 @@ def call(workload: suite.Workload, cand: str, model: nn.Module) -> dict:
         return kw | {"optimizer": "schedulefree", "lr": schedule_free_lr(model)[0]}
     if cand in ("adamw", "sgd"):
         return kw | {"optimizer": cand, "lr": default_lr(cand), "schedule": "onecycle"}
+    if cand == "adamw_wsd_width":
+        return kw | {"optimizer": "adamw", "lr": schedule_free_lr(model)[0], "schedule": "wsd"}
     if cand.startswith("adamw_"):  # AdamW at its default LR under another schedule ("wsd", "linear")
         return kw | {"optimizer": "adamw", "lr": default_lr("adamw"), "schedule": cand.split("_", 1)[1]}
     named = "sgd" if workload.optimizer == "sgd" else "adamw"
@@ -164,6 +169,39 @@ def merged(entry: dict, earlier: dict, workload: suite.Workload) -> dict:
     return out
 
 
+HEADS = {"sf": "Schedule-Free (width rule)", "adamw": "AdamW 1e-3, one-cycle", "sgd": "SGD 0.1, one-cycle",
+         "adamw_wsd": "AdamW 1e-3, WSD", "adamw_linear": "AdamW 1e-3, linear to 0",
+         "adamw_wsd_width": "AdamW (width rule), WSD"}
+WORDS = {"sf": "Schedule-Free", "adamw": "AdamW", "sgd": "SGD", "adamw_wsd": "AdamW + WSD",
+         "adamw_linear": "AdamW + linear", "adamw_wsd_width": "AdamW (width) + WSD"}
+
+
+def report(results: list[dict]) -> str:
+    """The docs' table (docs/recipe.md) from the results: per workload and length each prior's mean held-out
+    accuracy (held-out loss) or held-out loss, the winner in bold."""
+    cands = [c for c in PRIORS if any(c in e["summary"] for r in results for w in r["workloads"].values()
+                                      for e in w["lengths"].values())]
+    lines = ["| workload (kind) | steps | " + " | ".join(HEADS[c] for c in cands) + " | best |",
+             "|---|---|" + "---|" * len(cands) + "---|"]
+    for r in results:
+        for name, w in r["workloads"].items():
+            acc = w["metric"] == "val_acc"
+            for i, (steps, e) in enumerate(sorted(w["lengths"].items(), key=lambda kv: int(kv[0]))):
+                s = e["summary"]
+                seeds = sorted({row["seed"] for row in e["runs"]})
+                head = (f"{name} ({w['kind']}, held-out {'accuracy' if acc else 'loss'}, {len(seeds)} "
+                        f"seed{'s' if len(seeds) > 1 else ''})") if i == 0 else ""
+                cells = []
+                for c in cands:
+                    if c not in s:
+                        cells.append("-")
+                        continue
+                    v = f"{s[c]['metric']:.3f} ({s[c]['val_loss']:.3f})" if acc else f"{s[c]['metric']:.3f}"
+                    cells.append(f"**{v}**" if c == s["winner"] else v)
+                lines.append(f"| {head} | {steps} | " + " | ".join(cells) + f" | {WORDS[s['winner']]} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default=None, help="comma-separated suite workloads (default: all)")
@@ -174,8 +212,14 @@ def main() -> None:
     ap.add_argument("--merge", default=None, help="an earlier run's JSON: its rows for other (candidate, seed) pairs "
                     "join this run's, and every length is summarized over both (final metrics, not seconds, are "
                     "compared, so runs made apart may be joined)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--report", nargs="+", default=None, help="print the docs' table from these result files, run nothing")
+    ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.report:
+        print(report([json.loads(Path(f).read_text()) for f in a.report]))
+        return
+    if not a.out:
+        ap.error("--out is required to run")
     logging.getLogger("torchspeed").setLevel(logging.ERROR)
     _register_extra()
     names = a.workloads.split(",") if a.workloads else [w.name for w in suite.suite_workloads() if w.name not in EXTRA]
@@ -193,6 +237,7 @@ def main() -> None:
                              "sgd": f"SGD (momentum 0.9) at its default LR {default_lr('sgd'):g}, one-cycle",
                              "adamw_wsd": f"AdamW at {default_lr('adamw'):g}, warmup-stable-decay (20% cooldown)",
                              "adamw_linear": f"AdamW at {default_lr('adamw'):g}, linear decay to zero",
+                             "adamw_wsd_width": "AdamW at the width rule's LR (Schedule-Free's), warmup-stable-decay",
                              "tuned": "the workload's own optimizer and LR, one-cycle (a reference)"},
               "workloads": {}}
     earlier = json.loads(Path(a.merge).read_text()) if a.merge else None

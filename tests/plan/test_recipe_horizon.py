@@ -105,3 +105,62 @@ def test_a_short_run_given_sgd_takes_adamw_at_its_own_lr_where_the_table_says_so
     assert res.decisions["lr"].value == default_lr("adamw")
     assert used and type(used[0]).__name__ == "AdamW"
     assert max(g["lr"] for g in used[0].param_groups) <= default_lr("adamw") + 1e-12
+
+
+def _mlp_run(monkeypatch, tmp_path, **kw):
+    """A 16-step MLP run under recipe="auto" whose table names `PRIOR`'s mlp row; the LR of each optimizer step."""
+    from torchspeed.train.loop.trainer import Trainer
+
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    lrs: list[float] = []
+    real = Trainer.setup_schedule
+
+    def spy(self, *a):  # the LR each optimizer step trained at: read as the scheduler steps after it
+        real(self, *a)
+        sched_step = self.scheduler.step
+
+        def step(*sa, **skw):
+            lrs.append(self.optimizer.param_groups[0]["lr"])
+            return sched_step(*sa, **skw)
+        self.scheduler.step = step
+    monkeypatch.setattr(Trainer, "setup_schedule", spy)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 8, generator=g), torch.randint(0, 4, (256,), generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    res = torchspeed.fit(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), loader, epochs=1,
+                         recipe="auto", precision="fp32", progress=False, compile=False, **kw)
+    return res, lrs
+
+
+def test_a_prior_that_names_its_schedule_trains_with_it_and_says_so(tmp_path, monkeypatch):
+    """The table names AdamW with warmup-stable-decay ("adamw+wsd"): the run given SGD by name trains AdamW at its
+    default LR, held at the peak and cooled to zero over the last fifth, and the plan says the schedule is the
+    prior's. With the schedule part of the pick ignored it would train the plan's one-cycle: no flat middle."""
+    pytest.importorskip("schedulefree")  # the licence to replace SGD is the Schedule-Free part's
+    from torchspeed.train.optim_info import default_lr
+
+    monkeypatch.setattr(recipe_horizon, "PRIOR", {"mlp": ((64, "adamw+wsd", 4, 4),)})
+    res, lrs = _mlp_run(monkeypatch, tmp_path)
+    assert str(res.decisions["optimizer"].value).startswith("AdamW")
+    assert "warmup-stable-decay" in res.decisions["optimizer"].reason
+    assert res.decisions["schedule"].value == "wsd" and "prior" in res.decisions["schedule"].reason
+    peak = default_lr("adamw")
+    assert len(lrs) == 16 and max(lrs) == pytest.approx(peak)
+    assert sum(1 for lr in lrs if lr == pytest.approx(peak)) >= 10  # the stable part (one-cycle peaks once)
+    assert lrs[-1] < 0.3 * peak
+
+
+def test_a_schedule_you_gave_stands_over_the_priors(tmp_path, monkeypatch):
+    pytest.importorskip("schedulefree")
+    monkeypatch.setattr(recipe_horizon, "PRIOR", {"mlp": ((64, "adamw+wsd", 4, 4),)})
+    res, _ = _mlp_run(monkeypatch, tmp_path, schedule="onecycle")
+    assert str(res.decisions["optimizer"].value).startswith("AdamW")
+    assert "your schedule (onecycle) kept in place of wsd" in res.decisions["optimizer"].reason
+    assert res.config["schedule"] == "onecycle"
+
+
+def test_a_table_pick_splits_into_optimizer_schedule_and_lr_rule():
+    from torchspeed.plan.recipe_horizon import prior_parts
+    assert prior_parts("adamw") == ("adamw", None, False)
+    assert prior_parts("adamw+wsd") == ("adamw", "wsd", False)
+    assert prior_parts("adamw+wsd+width") == ("adamw", "wsd", True)

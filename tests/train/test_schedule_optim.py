@@ -45,6 +45,25 @@ def test_warmup_cosine_shape():
     assert warmup_cosine_factor(100, total_steps=100, warmup_steps=10) == pytest.approx(0.0)
 
 
+def test_wsd_warms_up_holds_the_peak_then_cools_the_last_fifth_to_zero_by_one_minus_sqrt():
+    opt = torch.optim.SGD(_model().parameters(), lr=0.5)
+    lrs = _lrs(create_scheduler("wsd", opt, total_steps=100, max_lr=0.5, warmup_steps=10), opt, 100)
+    assert lrs[0] == pytest.approx(0.05) and lrs[9] == pytest.approx(0.5)
+    assert all(lr == pytest.approx(0.5) for lr in lrs[10:80])  # held at the peak until the cooldown
+    assert lrs[80] == pytest.approx(0.5 * (1 - math.sqrt(1 / 20)))  # the 20-step cooldown's first step
+    assert all(a > b for a, b in zip(lrs[80:], lrs[81:]))
+    assert lrs[99] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_linear_decay_runs_straight_from_the_peak_to_zero_at_the_last_step():
+    opt = torch.optim.SGD(_model().parameters(), lr=0.5)
+    lrs = _lrs(create_scheduler("linear", opt, total_steps=100, max_lr=0.5, warmup_steps=10), opt, 100)
+    assert lrs[9] == pytest.approx(0.5)
+    steps = [a - b for a, b in zip(lrs[10:], lrs[11:])]
+    assert all(d == pytest.approx(0.5 / 90) for d in steps)  # a straight line
+    assert lrs[99] == pytest.approx(0.0, abs=1e-12)
+
+
 def test_cyclic_oscillates():
     opt = torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9)
     lrs = _lrs(create_scheduler("cyclic", opt, total_steps=40, max_lr=0.1, min_lr=0.01, cycle_steps=10), opt, 40)

@@ -49,6 +49,7 @@ class Recipe:
     bn_stats: bool = False
     ema_decay: float | None = None
     optimizer: str | None = None         # "muon" when the trial picked it (None: the caller's)
+    schedule: str | None = None          # the prior's schedule ("wsd") where it names one (None: the plan's)
     batch_size: int | None = None        # the batch part's choice (None: the loader's own)
     tta: str | None = None               # decided after training (choose_tta)
     parts: tuple[str, ...] = PARTS
@@ -61,6 +62,8 @@ class Recipe:
     def config(self) -> dict:
         """The `TrainConfig` fields this recipe sets."""
         out: dict = {"label_smoothing": self.label_smoothing}
+        if self.schedule is not None:
+            out["schedule"] = self.schedule
         if self.min_lr is not None:
             out["min_lr"] = self.min_lr
         return out

@@ -299,7 +299,7 @@ BUILT_IN = (
           what="an EMA of the weights on runs of 2,000+ steps", when=wants("ema"), writes=("ema",)),
     Stage("optimizer", "before", optimizer_part, needs=("recipe_setup",), cost="50 steps a candidate, off the run",
           fallback=False, what="Muon or Schedule-Free AdamW against the optimizer given by name",
-          when=wants_optimizer, writes=("optimizer",), refines=("label_smoothing", "bn_stats", "ema")),
+          when=wants_optimizer, writes=("optimizer",), refines=("label_smoothing", "bn_stats", "ema", "schedule")),
     Stage("lr", "before", lr_part, needs=("optimizer",), cost="~172 steps, off the run", fallback=False,
           what="the peak LR and floor: pending for `lr_in_run`, measured, cached, the prior; or Schedule-Free's",
           when=wants("lr"), writes=("lr",)),

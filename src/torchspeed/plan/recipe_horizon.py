@@ -6,7 +6,8 @@ run measured one (`plan/recipe_optimizer.py`).
 bench's (an image CNN, a 1D CNN, a tabular MLP, a regression, a transformer, a GRU language model, ResNet-20, a GPT)
 cold through `fit`, at run lengths from an eighth of its default steps to twice them, with each optimizer a prior
 could take without measuring: Schedule-Free AdamW at the width rule's LR, AdamW and SGD at their default LRs with a
-one-cycle schedule. `table_from` turns its JSON into the table: per model kind and run-length bucket, the
+one-cycle schedule, and AdamW at its default LR with warmup-stable-decay or a linear decay to zero. A winner with
+its own schedule reads "adamw+wsd" (`prior_parts`). `table_from` turns its JSON into the table: per model kind and run-length bucket, the
 candidate with the best final held-out metric on most (workload, length) pairs (docs/recipe.md, "The optimizer prior
 by run length", with the JSON). A test checks that `PRIOR` is what the committed JSON says.
 """
@@ -21,11 +22,13 @@ from torch import nn
 from torchspeed.train.optim import has_attention
 from torchspeed.train.trial.memory_format import has_conv
 
-__all__ = ["KINDS", "BUCKETS", "PRIOR", "model_kind", "table_from", "horizon_prior"]
+__all__ = ["KINDS", "BUCKETS", "PRIOR", "model_kind", "table_from", "horizon_prior", "prior_parts"]
 
 KINDS = ("language model", "attention", "recurrent", "conv", "mlp")
 BUCKETS = (64, 256, 1024, None)  # run-length buckets, in optimizer steps: up to each edge (None: longer)
-NAMES = {"sf": "schedulefree", "adamw": "adamw", "sgd": "sgd"}  # the bench's candidates as fit names them
+# the bench's candidates as the table names them: fit's optimizer name, "+" the schedule where it is not the plan's
+NAMES = {"sf": "schedulefree", "adamw": "adamw", "sgd": "sgd", "adamw_wsd": "adamw+wsd", "adamw_linear": "adamw+linear",
+         "adamw_wsd_width": "adamw+wsd+width"}
 _RECURRENT = (nn.RNNBase, nn.RNNCellBase)
 
 # kind -> ((bucket edge, winner, its wins, the (workload, length) pairs measured), ...): `table_from` of
@@ -59,6 +62,13 @@ def _vocabulary_head(mods: list[nn.Module]) -> bool:
     vocab = {m.num_embeddings for m in mods if isinstance(m, nn.Embedding) and m.num_embeddings > 2}
     last = next((m for m in reversed(mods) if isinstance(m, nn.Linear)), None)
     return last is not None and last.out_features in vocab
+
+
+def prior_parts(pick: str) -> tuple[str, str | None, bool]:
+    """A table winner's parts: (fit's optimizer name, its schedule or None for the plan's, whether its LR is the
+    width rule's (`train.optim.schedule_free_lr`) rather than the optimizer's default)."""
+    name, *rest = pick.split("+")
+    return name, next((r for r in rest if r != "width"), None), "width" in rest
 
 
 def _bucket(steps: int | None) -> int | None:

@@ -8,8 +8,10 @@ an earlier run's measurement (the cache); else the prior, by the run's length an
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torchspeed.plan.parts import Gate, Recipe, guarded
-from torchspeed.plan.recipe_horizon import horizon_prior
+from torchspeed.plan.recipe_horizon import horizon_prior, prior_parts
 from torchspeed.plan.stages import RunContext
 from torchspeed.train.decision import Decision
 from torchspeed.train.optim import (matrix_share, mostly_matrices, schedule_free_available, schedule_free_lr,
@@ -69,8 +71,10 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
         gate.done("optimizer", {"optimizer": chosen})
     else:
         swaps = cands + (["adamw"] if given == "sgd" and "schedulefree" in cands else [])
-        prior, words = _prior(model, swaps, given, lr_given, total_steps)
+        prior, words, schedule = _prior(model, swaps, given, lr_given, total_steps)
         chosen = gate.settle("optimizer", "optimizer", prior, words, default=prior)
+        if chosen == prior and gate.cached("optimizer") is None:  # the prior's own schedule, where it names one
+            rec.schedule = schedule
     rec.optimizer = None if chosen == given else chosen
     if rec.optimizer != "schedulefree":
         return None
@@ -79,21 +83,28 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
     return sf_lr
 
 
-def _prior(model, cands: list[str], given: str, lr_given: bool, total_steps: int | None) -> tuple[str, str]:
-    """The optimizer a run takes unmeasured, and why: the given one at the LR the run gave; else the one the
-    horizon table (`recipe_horizon.PRIOR`: measured by run length and model kind) names, where it may be taken
-    (`cands`: a candidate, or AdamW for SGD where Schedule-Free could replace it), else Schedule-Free AdamW where
-    it is a candidate, else the given optimizer."""
+def _prior(model, cands: list[str], given: str, lr_given: bool,
+           total_steps: int | None) -> tuple[str, str, str | None]:
+    """The optimizer a run takes unmeasured, why, and the schedule it takes with it (None: the plan's): the given
+    one at the LR the run gave; else the one the horizon table (`recipe_horizon.PRIOR`: measured by run length and
+    model kind) names, with the table's schedule ("adamw+wsd"), where it may be taken (`cands`: a candidate, or
+    AdamW for SGD where Schedule-Free could replace it), else Schedule-Free AdamW where it is a candidate, else the
+    given optimizer."""
     if lr_given:
-        return given, f"{given} at the LR you gave (your loop stands until a trial beats it)"
+        return given, f"{given} at the LR you gave (your loop stands until a trial beats it)", None
     pick, why = horizon_prior(model, total_steps)
-    if pick not in cands:  # the table's winner may not replace this optimizer here (SGD for AdamW): the incumbent
-        why += f"; {pick} is not a candidate for {given}" if pick else ""
-        pick = "schedulefree" if "schedulefree" in cands else given
+    name, schedule, _ = prior_parts(pick) if pick else (None, None, False)
+    if name not in cands:  # the table's winner may not replace this optimizer here (SGD for AdamW): the incumbent
+        why += f"; {name} is not a candidate for {given}" if name else ""
+        name, schedule = ("schedulefree" if "schedulefree" in cands else given), None
     words = ("Schedule-Free AdamW, its LR set by the model's width (needs no LR search and no schedule)"
-             if pick == "schedulefree" else f"{given}, as given, at its default LR" if pick == given
-             else f"{pick} in place of {given}, at its default LR")
-    return pick, f"{words}: {why}"
+             if name == "schedulefree" else f"{given}, as given, at its default LR" if name == given
+             else f"{name} in place of {given}, at its default LR")
+    words += f", with the {SCHEDULE_WORDS.get(schedule, schedule)} schedule" if schedule else ""
+    return name, f"{words}: {why}", schedule
+
+
+SCHEDULE_WORDS = {"wsd": "warmup-stable-decay", "linear": "linear-decay-to-zero"}
 
 
 def _schedule_free_parts(rec: Recipe, total_steps: int | None, sf_lr: tuple[float, str], *,
@@ -136,3 +147,12 @@ def optimizer_part(ctx: RunContext) -> None:
                     weight_decay=ctx.weight_decay, optimizer_options=ctx.optimizer_options)
     if sf_lr is not None:
         ctx.shared.found["schedulefree_lr"] = sf_lr
+    if rec.schedule and rec.schedule != ctx.cfg.schedule:  # the prior's schedule, for the LR part and the run
+        if ctx.schedule_given:
+            ctx.decisions.refine("optimizer", Decision(ctx.decisions["optimizer"].value, ctx.decisions[
+                "optimizer"].reason + f"; your schedule ({ctx.cfg.schedule}) kept in place of {rec.schedule}"))
+            rec.schedule = None
+        else:
+            ctx.cfg = replace(ctx.cfg, schedule=rec.schedule)
+            ctx.decisions.refine("schedule", Decision(rec.schedule, "the optimizer prior's schedule, measured with it "
+                                                                    "by run length and model kind (docs/recipe.md)"))
