@@ -202,6 +202,29 @@ def report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def pace(names: list[str], cands: list[str], fracs: list[float], rounds: int) -> dict:
+    """Each candidate's whole-run seconds side by side: per workload and length, one cold `fit` run of each
+    candidate per round (seed 0), interleaved after an untimed round (`rounds.interleaved`, order alternating);
+    per candidate the seconds of every round and their median, and its median per-round ratio to the first
+    candidate's seconds (above 1: faster than it)."""
+    from torchspeed.train.trial.rounds import interleaved
+    out: dict = {}
+    for w in suite.suite_workloads(names):
+        data = suite.load_data(w)
+        default_steps = w.epochs * math.ceil(len(data.x) / w.batch_size)
+        for frac in fracs:
+            steps = max(8, round(frac * default_steps))
+            runs = {c: (lambda c=c: one_run(w, data, c, 0, steps)["seconds"]) for c in cands}
+            r = interleaved(runs, rounds=rounds, warmup=1, order="alternate")
+            times = {c: list(r.times[c]) for c in cands}
+            base = times[cands[0]]
+            out.setdefault(w.name, {})[str(steps)] = {
+                c: {"seconds": [round(t, 3) for t in ts], "median_s": round(statistics.median(ts), 3),
+                    "vs_first": round(statistics.median(b / t for b, t in zip(base, ts)), 3)} for c, ts in times.items()}
+            print(w.name, steps, {c: v["median_s"] for c, v in out[w.name][str(steps)].items()}, flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default=None, help="comma-separated suite workloads (default: all)")
@@ -213,6 +236,8 @@ def main() -> None:
                     "join this run's, and every length is summarized over both (final metrics, not seconds, are "
                     "compared, so runs made apart may be joined)")
     ap.add_argument("--report", nargs="+", default=None, help="print the docs' table from these result files, run nothing")
+    ap.add_argument("--pace", type=int, default=0, help="time the candidates' whole runs side by side in this many "
+                    "interleaved rounds (seed 0) instead of judging their final metrics")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.report:
@@ -244,6 +269,12 @@ def main() -> None:
     if earlier:
         result["merged_from"] = {"file": Path(a.merge).name, "command": earlier.get("command"),
                                  "commit": earlier.get("provenance", {}).get("commit")}
+    if a.pace:
+        result["claim"] = "each candidate's whole cold fit run, seconds side by side (interleaved rounds)"
+        result["command"] = result["command"].replace("--seeds", f"--pace {a.pace} --seeds")
+        result["pace"] = pace(names, cands, fracs, a.pace)
+        Path(a.out).write_text(json.dumps(result, indent=1))
+        return
     rng = random.Random(0)
     t_all = time.perf_counter()
     for w in suite.suite_workloads(names):

@@ -164,3 +164,20 @@ def test_a_table_pick_splits_into_optimizer_schedule_and_lr_rule():
     assert prior_parts("adamw") == ("adamw", None, False)
     assert prior_parts("adamw+wsd") == ("adamw", "wsd", False)
     assert prior_parts("adamw+wsd+width") == ("adamw", "wsd", True)
+
+
+def test_a_prior_measured_at_the_width_rules_lr_trains_at_it(tmp_path, monkeypatch):
+    """"adamw+wsd+width": AdamW under warmup-stable-decay at the LR the width rule gives (Schedule-Free's, the LR the
+    table measured it with), not at AdamW's default 1e-3; the LR decision says where it came from."""
+    pytest.importorskip("schedulefree")
+    from torchspeed.train.optim import schedule_free_lr
+
+    monkeypatch.setattr(recipe_horizon, "PRIOR", {"mlp": ((64, "adamw+wsd+width", 4, 4),)})
+    res, lrs = _mlp_run(monkeypatch, tmp_path)
+    width_lr = schedule_free_lr(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))[0]
+    assert width_lr != pytest.approx(1e-3)
+    assert str(res.decisions["optimizer"].value).startswith("AdamW")
+    assert "at the width rule's LR, with the warmup-stable-decay schedule" in res.decisions["optimizer"].reason
+    assert res.decisions["lr"].value == pytest.approx(width_lr) and "width rule" in res.decisions["lr"].reason
+    assert res.decisions["schedule"].value == "wsd"
+    assert max(lrs) == pytest.approx(width_lr) and sum(1 for lr in lrs if lr == pytest.approx(width_lr)) >= 10

@@ -34,11 +34,11 @@ _RECURRENT = (nn.RNNBase, nn.RNNCellBase)
 # kind -> ((bucket edge, winner, its wins, the (workload, length) pairs measured), ...): `table_from` of
 # benchmarks/results/cpu-avx512-bf16/horizon*.json (a bucket nothing was measured in is left out)
 PRIOR: dict[str, tuple[tuple[int | None, str, int, int], ...]] = {
-    "language model": ((64, "adamw", 1, 1), (256, "adamw", 2, 2), (1024, "adamw", 1, 1)),
-    "attention": ((64, "schedulefree", 1, 1), (256, "schedulefree", 2, 2), (1024, "schedulefree", 1, 2)),
+    "language model": ((64, "adamw+wsd", 1, 1), (256, "adamw+wsd", 2, 2), (1024, "adamw+wsd", 1, 1)),
+    "attention": ((64, "schedulefree", 1, 1), (256, "schedulefree", 1, 2), (1024, "adamw+wsd+width", 2, 2)),
     "recurrent": ((256, "schedulefree", 2, 2), (1024, "schedulefree", 2, 2), (None, "schedulefree", 1, 1)),
-    "conv": ((64, "schedulefree", 6, 6), (256, "schedulefree", 5, 6), (1024, "schedulefree", 2, 2)),
-    "mlp": ((64, "schedulefree", 3, 3), (256, "schedulefree", 3, 4), (1024, "schedulefree", 2, 3)),
+    "conv": ((64, "schedulefree", 6, 6), (256, "schedulefree", 3, 6), (1024, "adamw+wsd+width", 2, 2)),
+    "mlp": ((64, "schedulefree", 3, 3), (256, "schedulefree", 3, 4), (1024, "schedulefree", 1, 3)),
 }
 
 

@@ -40,14 +40,17 @@ def choose_lr_part(model, loader, rec: Recipe, *, optimizer, name, schedule, los
 
 
 def lr_part(ctx: RunContext) -> None:
-    """The "lr" stage: Schedule-Free's LR where the optimizer part chose it, else the LR part within the budget
+    """The "lr" stage: the LR the optimizer part set (Schedule-Free's, or the width rule's for a prior measured
+    with it), else the LR part within the budget
     (guarded: a measurement that raises keeps the given peak). What it measured (the noise scale, for the batch
     part) goes to `ctx.shared.found`."""
     rec = ctx.rec
-    if rec.optimizer == "schedulefree":
-        lr, why = ctx.shared.found["schedulefree_lr"]
-        ctx.decisions["lr"] = Decision(lr, f"{why}; no range test (it needs no LR schedule; warm-up over the run's "
-                                           "first twentieth)")
+    if "optimizer_lr" in ctx.shared.found:  # the optimizer part set it: Schedule-Free's, or the prior's width rule
+        lr, why = ctx.shared.found["optimizer_lr"]
+        rec.lr, rec.min_lr = lr, None
+        ctx.decisions["lr"] = Decision(lr, f"{why}; no range test" + (
+            " (it needs no LR schedule; warm-up over the run's first twentieth)" if rec.optimizer == "schedulefree"
+            else ""))
         return
     lr, cfg = float(ctx.lr), ctx.cfg
     name = rec.optimizer or (ctx.optimizer if isinstance(ctx.optimizer, str) else None)

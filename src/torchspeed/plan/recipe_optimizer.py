@@ -32,8 +32,8 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
     compared on time to the same training loss when the budget allows (`compare_optimizers`), else the cache,
     else the prior: Schedule-Free AdamW, which needs neither an LR search nor a schedule; or, when the run gave its
     own LR (`lr_given`), the given optimizer at that LR: the user's loop is a recipe auto could have chosen, and
-    auto replaces it only on a measurement. Returns Schedule-Free's LR and why when it was chosen (the LR part
-    says so), else None."""
+    auto replaces it only on a measurement. Returns the LR the choice sets and why (the LR part says so):
+    Schedule-Free's where it was chosen, the width rule's where the prior names it ("adamw+wsd+width"); else None."""
     d = rec.decisions
     cands = [given]
     why_not = []
@@ -71,10 +71,14 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
         gate.done("optimizer", {"optimizer": chosen})
     else:
         swaps = cands + (["adamw"] if given == "sgd" and "schedulefree" in cands else [])
-        prior, words, schedule = _prior(model, swaps, given, lr_given, total_steps)
+        prior, words, schedule, width = _prior(model, swaps, given, lr_given, total_steps)
         chosen = gate.settle("optimizer", "optimizer", prior, words, default=prior)
-        if chosen == prior and gate.cached("optimizer") is None:  # the prior's own schedule, where it names one
-            rec.schedule = schedule
+        if chosen == prior and gate.cached("optimizer") is None and chosen != "schedulefree":
+            rec.optimizer, rec.schedule = (None if chosen == given else chosen), schedule  # the prior's own
+            if not width:  # schedule, and its LR where it is the width rule's (the LR part says so)
+                return None
+            rec.lr, rec.min_lr = sf_lr[0], None
+            return sf_lr[0], f"the width rule's LR, as the optimizer prior was measured with it: {sf_lr[1]}"
     rec.optimizer = None if chosen == given else chosen
     if rec.optimizer != "schedulefree":
         return None
@@ -84,24 +88,25 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
 
 
 def _prior(model, cands: list[str], given: str, lr_given: bool,
-           total_steps: int | None) -> tuple[str, str, str | None]:
-    """The optimizer a run takes unmeasured, why, and the schedule it takes with it (None: the plan's): the given
-    one at the LR the run gave; else the one the horizon table (`recipe_horizon.PRIOR`: measured by run length and
-    model kind) names, with the table's schedule ("adamw+wsd"), where it may be taken (`cands`: a candidate, or
-    AdamW for SGD where Schedule-Free could replace it), else Schedule-Free AdamW where it is a candidate, else the
-    given optimizer."""
+           total_steps: int | None) -> tuple[str, str, str | None, bool]:
+    """The optimizer a run takes unmeasured, why, the schedule it takes with it (None: the plan's) and whether its
+    LR is the width rule's: the given one at the LR the run gave; else the one the horizon table
+    (`recipe_horizon.PRIOR`: measured by run length and model kind) names, with the table's schedule and LR rule
+    ("adamw+wsd+width"), where it may be taken (`cands`: a candidate, or AdamW for SGD where Schedule-Free could
+    replace it), else Schedule-Free AdamW where it is a candidate, else the given optimizer."""
     if lr_given:
-        return given, f"{given} at the LR you gave (your loop stands until a trial beats it)", None
+        return given, f"{given} at the LR you gave (your loop stands until a trial beats it)", None, False
     pick, why = horizon_prior(model, total_steps)
-    name, schedule, _ = prior_parts(pick) if pick else (None, None, False)
+    name, schedule, width = prior_parts(pick) if pick else (None, None, False)
     if name not in cands:  # the table's winner may not replace this optimizer here (SGD for AdamW): the incumbent
         why += f"; {name} is not a candidate for {given}" if name else ""
-        name, schedule = ("schedulefree" if "schedulefree" in cands else given), None
+        name, schedule, width = ("schedulefree" if "schedulefree" in cands else given), None, False
+    at = "at the width rule's LR" if width else "at its default LR"
     words = ("Schedule-Free AdamW, its LR set by the model's width (needs no LR search and no schedule)"
-             if name == "schedulefree" else f"{given}, as given, at its default LR" if name == given
-             else f"{name} in place of {given}, at its default LR")
+             if name == "schedulefree" else f"{given}, as given, {at}" if name == given
+             else f"{name} in place of {given}, {at}")
     words += f", with the {SCHEDULE_WORDS.get(schedule, schedule)} schedule" if schedule else ""
-    return name, f"{words}: {why}", schedule
+    return name, f"{words}: {why}", schedule, width
 
 
 SCHEDULE_WORDS = {"wsd": "warmup-stable-decay", "linear": "linear-decay-to-zero"}
@@ -145,8 +150,8 @@ def optimizer_part(ctx: RunContext) -> None:
                     schedule=ctx.cfg.schedule, precision=ctx.precision or ctx.cfg.precision, loss_fn=ctx.loss_fn,
                     step_fn=ctx.step_fn, total_steps=ctx.run_steps, lr_given=ctx.own_lr,
                     weight_decay=ctx.weight_decay, optimizer_options=ctx.optimizer_options)
-    if sf_lr is not None:
-        ctx.shared.found["schedulefree_lr"] = sf_lr
+    if sf_lr is not None:  # Schedule-Free's LR, or the prior's where it is the width rule's
+        ctx.shared.found["optimizer_lr"] = sf_lr
     if rec.schedule and rec.schedule != ctx.cfg.schedule:  # the prior's schedule, for the LR part and the run
         if ctx.schedule_given:
             ctx.decisions.refine("optimizer", Decision(ctx.decisions["optimizer"].value, ctx.decisions[
