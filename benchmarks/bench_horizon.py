@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchspeed import fit
 from torchspeed.bench import suite
 from torchspeed.bench.runner import provenance
-from torchspeed.plan.recipe_horizon import model_kind
+from torchspeed.plan.recipe_horizon import TIE, model_kind
 from torchspeed.train.optim import schedule_free_lr
 from torchspeed.train.optim_info import default_lr
 
@@ -89,7 +89,6 @@ EXTRA = ("resnet20_digits", "gpt_text")  # run when named in --workloads
 CANDIDATES = ("sf", "adamw", "sgd", "adamw_wsd", "adamw_linear", "adamw_wsd_width", "tuned")
 # what a prior may take: the tuned LR is known to no prior
 PRIORS = ("sf", "adamw", "sgd", "adamw_wsd", "adamw_linear", "adamw_wsd_width")
-TIE = 0.005  # accuracies that round to the same multiple of this tie: the held-out loss decides
 
 
 def call(workload: suite.Workload, cand: str, model: nn.Module) -> dict:

@@ -41,6 +41,33 @@ def test_the_table_takes_the_winner_of_most_runs_per_kind_and_length():
     assert "attention" not in table
 
 
+def _measured(metric: str, lengths: dict[int, dict[str, float]]) -> dict:
+    """One workload's results: per length each candidate's mean metric (an accuracy's held-out loss alike for
+    all), the best winning."""
+    higher = metric == "val_acc"
+    out = {}
+    for steps, ms in lengths.items():
+        summary = {c: {"metric": m, "val_loss": 0.5 if higher else m} for c, m in ms.items()}
+        summary["winner"] = (max if higher else min)(ms, key=ms.get)
+        out[str(steps)] = {"summary": summary}
+    return {"workloads": {"w": {"kind": "conv", "metric": metric, "lengths": out}}}
+
+
+def test_a_winner_that_lost_to_schedule_free_on_a_shorter_run_of_the_workload_does_not_take_the_pair():
+    """AdamW + WSD ends the 200- and 400-step runs best but was behind Schedule-Free at 50 steps: a run whose target
+    comes early is behind with it, so those pairs go to Schedule-Free. Where it led at every length, it takes them."""
+    late = _measured("val_acc", {50: {"sf": 0.80, "adamw_wsd": 0.60}, 200: {"sf": 0.83, "adamw_wsd": 0.85},
+                                 400: {"sf": 0.86, "adamw_wsd": 0.88}})
+    assert table_from([late])["conv"] == ((64, "schedulefree", 1, 1), (256, "schedulefree", 1, 1),
+                                          (1024, "schedulefree", 1, 1))
+    always = _measured("val_loss", {50: {"sf": 3.0, "adamw_wsd": 2.8}, 200: {"sf": 2.5, "adamw_wsd": 2.3},
+                                    400: {"sf": 2.2, "adamw_wsd": 2.0}})
+    assert table_from([always])["conv"] == ((64, "adamw+wsd", 1, 1), (256, "adamw+wsd", 1, 1),
+                                            (1024, "adamw+wsd", 1, 1))
+    tied = _measured("val_acc", {50: {"sf": 0.801, "adamw_wsd": 0.799}, 200: {"sf": 0.83, "adamw_wsd": 0.85}})
+    assert table_from([tied])["conv"][1] == (256, "adamw+wsd", 1, 1)  # a tie at 50 steps (the same half point)
+
+
 def test_the_prior_is_read_by_kind_and_length():
     table = {"conv": ((64, "sgd", 2, 3), (256, "schedulefree", 2, 2)), "mlp": ((1024, "adamw", 3, 3),)}
     conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
