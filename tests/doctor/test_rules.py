@@ -364,3 +364,20 @@ def test_optimizer_kernel_needs_a_fused_kernel_here_and_is_ranked_by_its_measure
     f = RULES["optimizer-kernel"].check(_obs(*trig, _verified("fused_optimizer", 1.23, (1.18, 1.27))))
     assert f.basis == "measured" and f.measured_gain == 1.23 and f.severity == "medium"
     assert "--verify measured 1.23x" in f.evidence
+
+
+def test_layout_copies_near_their_line_are_listed_low_and_under_it_not_at_all():
+    """A share that one profiled window puts just over the 10% line and the next just under it gives the same
+    (rule, severity) both times: low, with what settles it; well under the line, no finding; over it, the finding
+    without the near-the-line words (its severity the registry's, from the estimate)."""
+    from torchspeed.doctor.rules import layout_copies
+
+    def sev(share):
+        found = [f for f in run_rules(_obs(_set("kernels.layout_share", share))) if f.rule == "layout-copies"]
+        return found[0].severity if found else None
+    assert sev(0.095) == sev(0.104) == "low"
+    near = [f for f in run_rules(_obs(_set("kernels.layout_share", 0.095))) if f.rule == "layout-copies"][0]
+    assert "near the 10% share" in near.evidence and "--verify" in near.evidence
+    assert sev(layout_copies.NEAR * layout_copies.SHARE - 0.01) is None
+    over = [f for f in run_rules(_obs(_set("kernels.layout_share", 0.3))) if f.rule == "layout-copies"][0]
+    assert "near the" not in over.evidence

@@ -15,7 +15,9 @@ from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import amdahl, finding, frac
 
-SHARE = 0.10    # the copies' share of the model's aten time worth reporting
+SHARE = 0.10    # the copies' share of the model's aten time worth ranking
+NEAR = 0.75     # a share from NEAR x SHARE up to SHARE is listed low, near the line: one profiled window of the
+# transformer encoder script read 10.4% one run and under 10% the next, so the finding came and went between runs
 FOLDED = 5.0    # assumed speed-up of the copies once compiled: most fold into the kernel that reads them
 FIX = ("drop the .contiguous() where the next operator takes strided input (Linear, matmul, softmax and element-wise "
        "ops do); else compile the block: model = torch.compile(model) folds the permute into the kernel that reads "
@@ -29,11 +31,14 @@ def check(obs: Observation):
     k = obs.get("kernels") or {}
     m = obs.get("model") or {}
     share = k.get("layout_share", 0.0)
-    if share < SHARE or m.get("compiled"):
+    if share < NEAR * SHARE or m.get("compiled"):
         return None
+    near = share < SHARE
     evidence = (f"copies made by contiguous()/reshape/flatten of permuted or transposed tensors take {share:.0%} of "
                 f"the model's forward + backward kernel time ({k.get('ms_per_step', 0.0) * share:.2f} ms a step; "
-                f"top kernels: {', '.join(k.get('top', [])[:4])}): each one a full pass over the tensor's memory")
+                f"top kernels: {', '.join(k.get('top', [])[:4])}): each one a full pass over the tensor's memory"
+                + (f"; near the {SHARE:.0%} share where it is ranked, so listed low: `--verify` measures compile on "
+                   "this model and settles it" if near else ""))
     est = amdahl(frac(obs, "compute") * share, FOLDED)
     return finding("layout-copies", evidence=evidence, fix=FIX, est_gain=est, obs=obs, verify_fix="compile",
-                   patch="compile")
+                   patch="compile", severity="low" if near else None)
