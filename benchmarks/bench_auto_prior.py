@@ -58,7 +58,8 @@ def one(tree: str, seed: int, steps: int) -> dict:
 
 
 def commit(tree: str) -> str:
-    return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ the stability scripts run 5 times and each finding's severity is compared across
 unchanged). The machine's load is recorded per script. `--quick` leaves out the 4 slowest planted
 scripts, runs 2 rounds per check and one stability script (about 20-25 minutes on 2 busy cores).
 
-    python benchmarks/bench_doctor.py --acceptance --quick   # writes benchmarks/results/cpu-avx2/doctor_acceptance.json
+    python benchmarks/bench_doctor.py --acceptance --quick   # writes benchmarks/results/<cpu kind>/doctor_acceptance.json
 
 `--recovery all --repeats 10` checks each injected fault of tests/doctor/faults/fault_train.py: the interval of
 the gain the doctor measures for its fix against the fault's true factor (the fix made by hand, timed in fresh
@@ -51,7 +51,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchspeed.bench.runner import provenance
+from torchspeed.bench.runner import cpu_kind, provenance
 from torchspeed.doctor import DoctorJob, diagnose_many
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "doctor"))
@@ -227,7 +227,7 @@ def main() -> None:
         return
     if a.acceptance:
         if a.out == DEFAULT_OUT:
-            a.out = str(HERE / "results" / "cpu-avx2" / "doctor_acceptance.json")
+            a.out = str(HERE / "results" / cpu_kind(provenance()) / "doctor_acceptance.json")  # this CPU's folder
         a.steps = min(a.steps, 10)
         if a.quick:
             a.check_rounds = a.check_rounds or 2

@@ -219,7 +219,8 @@ def pace(names: list[str], cands: list[str], fracs: list[float], rounds: int) ->
             base = times[cands[0]]
             out.setdefault(w.name, {})[str(steps)] = {
                 c: {"seconds": [round(t, 3) for t in ts], "median_s": round(statistics.median(ts), 3),
-                    "vs_first": round(statistics.median(b / t for b, t in zip(base, ts)), 3)} for c, ts in times.items()}
+                    "vs_first": round(statistics.median(b / t for b, t in zip(base, ts)), 3)}
+                for c, ts in times.items()}
             print(w.name, steps, {c: v["median_s"] for c, v in out[w.name][str(steps)].items()}, flush=True)
     return out
 
@@ -234,7 +235,8 @@ def main() -> None:
     ap.add_argument("--merge", default=None, help="an earlier run's JSON: its rows for other (candidate, seed) pairs "
                     "join this run's, and every length is summarized over both (final metrics, not seconds, are "
                     "compared, so runs made apart may be joined)")
-    ap.add_argument("--report", nargs="+", default=None, help="print the docs' table from these result files, run nothing")
+    ap.add_argument("--report", nargs="+", default=None,
+                    help="print the docs' table from these result files, run nothing")
     ap.add_argument("--pace", type=int, default=0, help="time the candidates' whole runs side by side in this many "
                     "interleaved rounds (seed 0) instead of judging their final metrics")
     ap.add_argument("--out", default=None)

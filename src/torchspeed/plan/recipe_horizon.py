@@ -6,10 +6,12 @@ run measured one (`plan/recipe_optimizer.py`).
 bench's (an image CNN, a 1D CNN, a tabular MLP, a regression, a transformer, a GRU language model, ResNet-20, a GPT)
 cold through `fit`, at run lengths from an eighth of its default steps to twice them, with each optimizer a prior
 could take without measuring: Schedule-Free AdamW at the width rule's LR, AdamW and SGD at their default LRs with a
-one-cycle schedule, and AdamW at its default LR with warmup-stable-decay or a linear decay to zero. A winner with
-its own schedule reads "adamw+wsd" (`prior_parts`). `table_from` turns its JSON into the table: per model kind and run-length bucket, the
-candidate with the best final held-out metric on most (workload, length) pairs (docs/recipe.md, "The optimizer prior
-by run length", with the JSON). A test checks that `PRIOR` is what the committed JSON says.
+one-cycle schedule, and AdamW with warmup-stable-decay or a linear decay to zero (at its default LR, and with WSD at
+the width rule's). A winner with its own schedule reads "adamw+wsd" (`prior_parts`). `table_from` turns its JSON
+into the table: per model kind and run-length bucket, the candidate with the best final held-out metric on most
+(workload, length) pairs, where it did no worse than Schedule-Free on the workload's shorter runs (`_anytime`)
+(docs/recipe.md, "The optimizer prior by run length", with the JSON). A test checks that `PRIOR` is what the
+committed JSON says.
 """
 
 from __future__ import annotations

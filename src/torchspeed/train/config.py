@@ -48,8 +48,8 @@ class TrainConfig:
     grad_accum: int = 1                 # T19
     clip_grad_norm: float | None = None  # T20
     label_smoothing: float = 0.0        # T32
-    schedule: str | Callable | None = "onecycle"  # T14/T16: a name in schedule.SCHEDULES ("onecycle", "wsd", ...), None, or a
-                                        # function of the optimizer that builds your own LR scheduler (schedule.py)
+    schedule: str | Callable | None = "onecycle"  # T14/T16: one of schedule.SCHEDULES ("onecycle", "wsd", ...),
+                                        # None, or a function of the optimizer that builds your own LR scheduler
     schedule_interval: str = "epoch"    # your own scheduler: stepped after each "epoch" or each optimizer "step"
     warmup_steps: int | None = None
     min_lr: float | None = None

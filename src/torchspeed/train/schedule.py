@@ -48,7 +48,8 @@ from torchspeed.train.optim_info import OPTIM_INFO, default_lr
 
 __all__ = ["SCHEDULES", "lr_given", "default_schedule", "create_scheduler", "scale_lr", "EpochScheduler",
            "schedule_label", "INTERVALS", "BuiltScheduler", "as_schedule",
-           "warmup_cosine_factor", "wsd_factor", "linear_decay_factor", "WSD_DECAY", "steps_in_run", "lr_rule", "batch_lr_factor", "scale_lr_for_batch", "rescale_lr"]
+           "warmup_cosine_factor", "wsd_factor", "linear_decay_factor", "WSD_DECAY", "steps_in_run", "lr_rule",
+           "batch_lr_factor", "scale_lr_for_batch", "rescale_lr"]
 
 SCHEDULES = ("onecycle", "cyclic", "cosine", "wsd", "linear", "constant")
 WSD_DECAY = 0.2  # wsd: the share of the steps its cooldown takes
