@@ -280,3 +280,17 @@ def test_other_errors_are_not_reported_as_memory():
     assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert is_out_of_memory(MemoryError())
     assert "a smaller model" in str(out_of_memory_error(MemoryError(), batch_size=1, device="cpu"))
+
+
+@pytest.mark.parametrize("schedule", ["wsd", "linear", "cosine"])
+def test_a_run_resumed_inside_a_decay_schedule_ends_as_the_uninterrupted_one(tmp_path, schedule):
+    """The warm-up-then-decay schedules (a LambdaLR over the run's length) go on from the checkpoint's step: a run
+    that dies at step 31 of 36, inside warmup-stable-decay's cooldown, ends with the uninterrupted run's weights."""
+    cfg = dict(_FIT, schedule=schedule)
+    ref = _mlp()
+    torchspeed.fit(ref, _loader(), **cfg)
+    with pytest.raises(_Crash):
+        torchspeed.fit(_crash_at(_mlp(), 32), _loader(), checkpoint_dir=str(tmp_path), checkpoint_every=1, **cfg)
+    resumed = _mlp(seed=99)
+    r = torchspeed.fit(resumed, _loader(), checkpoint_dir=str(tmp_path), checkpoint_every=1, resume="auto", **cfg)
+    assert "step 31" in str(r.decisions["resumed_from"]) and _same(ref, resumed)
