@@ -105,7 +105,7 @@ TIE = 0.005  # accuracies that round to the same multiple of this tie (bench_hor
 
 def _anytime(workload: dict) -> dict[str, str]:
     """Per length of one workload's results, its winner; but Schedule-Free where the winner did worse than
-    Schedule-Free at a shorter length. A run's target often comes before its end (the suite's, at 10-60% of its
+    Schedule-Free at a shorter length. A run's target often comes before its end (the suite's, at 10-50% of its
     budget; a callback that stops at an accuracy), where a schedule that pays only at its end (warmup-stable-decay
     holds the peak LR until its last fifth) is behind an averaged iterate: measured on the suite's 1D CNN (800-step
     budget), AdamW + WSD at the width rule's LR, the winner at 200-800 steps and behind at 50-100, reached the
