@@ -417,3 +417,42 @@ def test_flat_moments_follow_a_state_loaded_midway_and_a_step_torch_took(monkeyp
         _same(ref, mine, o_ref, o_mine)
     counts = {o_mine.state[p]["step"].item() for p in mine.parameters()}
     assert counts == {o_ref.state[p]["step"].item() for p in ref.parameters()} and len(counts) == 2
+
+
+class _WithFrozen(nn.Module):
+    """A model whose optimizer is given all its parameters while some are frozen: a BYOL/EMA target network or a
+    frozen backbone under `Adam(model.parameters())`. torch steps only the parameters with gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+        self.frozen = nn.Linear(3, 3).requires_grad_(False)
+
+    def forward(self, x):
+        return self.net(x) + 0.1 * self.frozen(self.net(x).detach())
+
+
+@pytest.mark.parametrize("kind,kw", [
+    (torch.optim.Adam, dict(lr=1e-2, weight_decay=1e-3)),
+    (torch.optim.AdamW, dict(lr=1e-2, fused=True)),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+])
+def test_parameters_torch_never_steps_leave_the_rest_to_the_lean_step_bit_for_bit(kind, kw):
+    """The frozen parameters get no state from torch; the lean step keeps the lists of the stepped ones (it had built
+    none, and retried the build every step) and gives torch's numbers. Unfrozen midway, the frozen layer's first
+    step is torch's (it makes its state) and the steps after it are lean again, over every parameter."""
+    torch.manual_seed(0)
+    ref = _WithFrozen()
+    mine = copy.deepcopy(ref)
+    o_ref, o_mine = kind(ref.parameters(), **kw), kind(mine.parameters(), **kw)
+
+    def unfreeze(model):
+        return lambda i: model.frozen.requires_grad_(True) if i == 5 else None
+    batches = _batches()
+    _train(ref, o_ref, batches, ours=False, between=unfreeze(ref))
+    _train(mine, o_mine, batches, ours=True, between=unfreeze(mine))
+    for pa, pb in zip(ref.parameters(), mine.parameters()):
+        assert torch.equal(pa, pb)
+    lean = lean_step_for(o_mine)
+    assert lean.steps == len(batches) - 2  # all but torch's first step and the unfrozen layer's first
+    assert not lean._idle[0] and len(lean._groups[0][2]) == len(list(mine.parameters()))

@@ -201,6 +201,8 @@ class LeanStep:
         self._n_state = -1
         self._sizes: list[int] = []
         self._groups: list[tuple] = []  # per group: (group, flags, params, *the state's lists: `_state_lists`)
+        self._all: list[list] = []  # per group: its own list of parameters (`params` above: those it steps)
+        self._idle: list[list] = []  # per group: the parameters torch never stepped (frozen): no gradient allowed
         self._updates: list = []  # per group: the update it runs (fused kernels, or torch's foreach ops)
         self._flats: list[FlatMoments] = []  # the groups' flat moments, kept across rebuilds while the state holds them
         self._sgd = type(optimizer) is torch.optim.SGD
@@ -220,14 +222,14 @@ class LeanStep:
         if opt.param_groups is not self._groups_ref or opt.state is not self._state_ref or \
                 len(opt.state) != self._n_state or len(opt.param_groups) != len(self._groups):
             return False  # replaced (load_state_dict), or a group added in place (add_param_group)
-        for (group, kept, params, *_), n in zip(self._groups, self._sizes):
+        for (group, kept, *_), params, n in zip(self._groups, self._all, self._sizes):
             if group["params"] is not params or len(params) != n or (flags and _flags(group, opt) != kept):
                 return False
         return True
 
     def _build(self) -> bool:
         """Make the lists from the optimizer as it is; False where the lean step does not apply."""
-        opt, groups, updates, flats = self.optimizer, [], [], []
+        opt, groups, updates, flats, alls, idles = self.optimizer, [], [], [], [], []
         self._groups_ref, self._groups = None, []  # stale until the lists are whole
         for group in opt.param_groups:
             flags = _flags(group, opt)
@@ -246,23 +248,38 @@ class LeanStep:
                 return False  # bf16/fp16 parameters: torch's foreach path rounds them otherwise than its for-loop
             if any(torch.is_tensor(b) for b in group.get("betas", ())):
                 return False
-            lists = _state_lists(type(opt), group, [opt.state.get(p) for p in params])
+            stepped, idle = self._stepped(group, params)
+            lists = _state_lists(type(opt), group, [opt.state.get(p) for p in stepped]) if stepped else None
             if lists is None:
-                return False  # a parameter not stepped yet: torch makes its state
+                return False  # no parameter stepped yet: torch makes their state
             update = (_sgd_update if self._sgd else _adam_update) if fused else (
                 _sgd_foreach if self._sgd else _adam_foreach)
             moments = lists[:1] if self._sgd else lists[:2]  # SGD's momentum buffers; Adam's exp_avg, exp_avg_sq
-            if not fused and (group["momentum"] != 0 if self._sgd else not flags[2]) and flat_applies(params, moments):
-                flat = self._flat_for(params)
+            if not fused and (group["momentum"] != 0 if self._sgd else not flags[2]) and flat_applies(stepped, moments):
+                flat = self._flat_for(stepped)
                 flats.append(flat)
-                lists = (*_state_lists(type(opt), group, [opt.state[p] for p in params]), flat)  # the views
+                lists = (*_state_lists(type(opt), group, [opt.state[p] for p in stepped]), flat)  # the views
                 update = _sgd_flat if self._sgd else _adam_flat
-            groups.append((group, flags, params, *lists))
+            groups.append((group, flags, stepped, *lists))
             updates.append(update)
+            alls.append(params)
+            idles.append(idle)
         self._groups, self._updates, self._n_state, self._flats = groups, updates, len(opt.state), flats
-        self._sizes = [len(g[2]) for g in groups]  # a parameter appended to a group's list makes them stale
+        self._all, self._idle = alls, idles
+        self._sizes = [len(p) for p in alls]  # a parameter appended to a group's list makes them stale
         self._groups_ref, self._state_ref = opt.param_groups, opt.state
         return True
+
+    def _stepped(self, group: dict, params: list) -> tuple[list, list]:
+        """(the parameters the lists hold, those left out): the ones torch has stepped (their state made), and the
+        ones it never stepped, a frozen target network or backbone that `Adam(model.parameters())` holds too, whose
+        gradient stays None (torch skips them; a step that finds one with a gradient is torch's, and its state is
+        made). SGD without momentum has no state: every parameter."""
+        if self._sgd and group["momentum"] == 0:
+            return params, []
+        state = self.optimizer.state
+        stepped = [p for p in params if state.get(p)]
+        return stepped, ([p for p in params if not state.get(p)] if len(stepped) < len(params) else [])
 
     def _flat_for(self, params: list) -> FlatMoments:
         """The group's flat moments: the ones made before while the state still holds their views, else new ones."""
@@ -286,6 +303,8 @@ class LeanStep:
         if self._sparse or not plain_step(self.optimizer) or (not self._fresh() and not self._build()):
             return False
         grads = [[p.grad for p in g[2]] for g in self._groups]
+        if any(p.grad is not None for idle in self._idle for p in idle):
+            return False  # a parameter torch never stepped has a gradient now: torch steps it, and makes its state
         if any(gr is None or gr.is_sparse for gs in grads for gr in gs):
             self._sparse = any(gr is not None and gr.is_sparse for gs in grads for gr in gs)
             return False  # torch steps only the parameters with gradients; a sparse one takes its own path
@@ -302,7 +321,7 @@ class LeanStep:
         """`zero_grad(set_to_none=True)` for the parameters it holds; False where `zero_grad` must run instead."""
         if not self._groups or "zero_grad" in self.optimizer.__dict__ or not self._fresh(flags=False):
             return False  # nothing kept yet, or a zero_grad replaced on the instance: it runs
-        for g in self._groups:
-            for p in g[2]:
+        for params in self._all:
+            for p in params:
                 p.grad = None
         return True
