@@ -63,7 +63,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     already exists (Ray Train, your own `init_process_group`), `fit` uses it and leaves it alive.
     `recipe="auto"` chooses the training recipe on this model and its training batches before training (peak LR
     and floor from the range test, label smoothing, BatchNorm statistics of the final weights, an EMA on long runs,
-    Muon for AdamW on matrix-heavy models, Schedule-Free AdamW (AdamW for a language model) as the prior of a run
+    Muon for AdamW on matrix-heavy models, Schedule-Free AdamW (a language model: AdamW, WSD) as the prior of a run
     too short to measure, or when it wins a trial (`recipe_parts` without "schedulefree" keeps your optimizer), on long
     runs the batch size with the least predicted time to a target, flip TTA after training;
     `torchspeed.plan.recipe`, docs/recipe.md). It replaces `lr` (and `lr="auto"`); `recipe_parts` limits it to

@@ -37,9 +37,9 @@ The parts (`PARTS`), and how each is chosen:
   (`tune.optimizer_trial`, 50 steps a candidate) they are compared on time to the given
   optimizer's training loss; else an earlier run's measurement; else the prior by run length and model
   kind (`plan/recipe_horizon.py`, measured): Schedule-Free AdamW at an LR set by the model's width, which
-  needs no LR search and no schedule, or AdamW for a language model. Schedule-Free chosen replaces the
-  LR part, the floor, the BatchNorm tail (it recalibrates statistics for its averaged weights)
-  and the EMA. An optimizer object, or LAMB/LARS/Muon by name, is kept as given.
+  needs no LR search and no schedule, or AdamW with warmup-stable-decay for a language model. Schedule-Free
+  chosen replaces the LR part, the floor, the BatchNorm tail (it recalibrates statistics for its averaged
+  weights) and the EMA. An optimizer object, or LAMB/LARS/Muon by name, is kept as given.
 - `batch` (T17): for runs of at least `BATCH_MIN_STEPS` steps, the batch with the least
   predicted time to a target (`plan/recipe_batch.py`): samples needed grow as 1 + B/B_noise (the gradient
   noise scale, measured at the end of the LR trial), divided by the samples/s measured at half to four

@@ -2,8 +2,8 @@
 schedule and no LR search). Each is a candidate against the optimizer the run was given, compared by
 `tune.optimizer_trial.compare_optimizers` on time to the same training loss when the tuning budget allows; else
 an earlier run's measurement (the cache); else the prior, by the run's length and the model's kind
-(`plan/recipe_horizon.py`, measured: AdamW for a language model, Schedule-Free AdamW for every other kind). The plan's
-"optimizer" stage (`optimizer_part`) runs them for a run given its optimizer by name.
+(`plan/recipe_horizon.py`, measured: AdamW with warmup-stable-decay for a language model, Schedule-Free AdamW for
+every other kind). The plan's "optimizer" stage (`optimizer_part`) runs them for a run given its optimizer by name.
 """
 
 from __future__ import annotations
