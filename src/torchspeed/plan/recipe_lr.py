@@ -46,8 +46,7 @@ def lr_part(ctx: RunContext) -> None:
     part) goes to `ctx.shared.found`."""
     rec = ctx.rec
     if "optimizer_lr" in ctx.shared.found:  # the optimizer part set it: Schedule-Free's, or the prior's width rule
-        lr, why = ctx.shared.found["optimizer_lr"]
-        rec.lr, rec.min_lr = lr, None
+        lr, why = ctx.shared.found["optimizer_lr"]  # (the optimizer part set rec.lr to it)
         ctx.decisions["lr"] = Decision(lr, f"{why}; no range test" + (
             " (it needs no LR schedule; warm-up over the run's first twentieth)" if rec.optimizer == "schedulefree"
             else ""))

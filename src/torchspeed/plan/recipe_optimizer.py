@@ -74,11 +74,10 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
         prior, words, schedule, width = _prior(model, swaps, given, lr_given, total_steps)
         chosen = gate.settle("optimizer", "optimizer", prior, words, default=prior)
         if chosen == prior and gate.cached("optimizer") is None and chosen != "schedulefree":
-            rec.optimizer, rec.schedule = (None if chosen == given else chosen), schedule  # the prior's own
-            if not width:  # schedule, and its LR where it is the width rule's (the LR part says so)
-                return None
-            rec.lr, rec.min_lr = sf_lr[0], None
-            return sf_lr[0], f"the width rule's LR, as the optimizer prior was measured with it: {sf_lr[1]}"
+            rec.schedule = schedule  # the prior's own schedule, and its LR where it is the width rule's
+            if width:  # (the LR part says so)
+                rec.optimizer, rec.lr, rec.min_lr = (None if chosen == given else chosen), sf_lr[0], None
+                return sf_lr[0], f"the width rule's LR, as the optimizer prior was measured with it: {sf_lr[1]}"
     rec.optimizer = None if chosen == given else chosen
     if rec.optimizer != "schedulefree":
         return None

@@ -302,9 +302,9 @@ class LeanStep:
         """Update the parameters as `optimizer.step()` would; False (nothing done) where it must run instead."""
         if self._sparse or not plain_step(self.optimizer) or (not self._fresh() and not self._build()):
             return False
-        grads = [[p.grad for p in g[2]] for g in self._groups]
         if any(p.grad is not None for idle in self._idle for p in idle):
             return False  # a parameter torch never stepped has a gradient now: torch steps it, and makes its state
+        grads = [[p.grad for p in g[2]] for g in self._groups]
         if any(gr is None or gr.is_sparse for gs in grads for gr in gs):
             self._sparse = any(gr is not None and gr.is_sparse for gs in grads for gr in gs)
             return False  # torch steps only the parameters with gradients; a sparse one takes its own path
