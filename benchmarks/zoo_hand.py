@@ -19,7 +19,9 @@ from a module's own Generator, batch-hard triplet and CLIP losses, the script's 
 smoothing, class weights), segmentation targets with void pixels of 255, and uint8 images scaled by the model; and
 (zoo_hand_forms8.py) a BYOL momentum target network, experts in a ParameterList, the LR set by the step from its
 own counter, and an L2 penalty added by the step; and (zoo_hand_forms9.py) bf16 autocast written in the step, a
-REINFORCE step sampling from torch.distributions, and a step that calls zero_grad() itself.
+REINFORCE step sampling from torch.distributions, and a step that calls zero_grad() itself; and
+(zoo_hand_forms10.py) CTC speech, NumPy inside a forward, messages summed with index_add_, a spatial transformer,
+an LSTMCell in a Python loop, a Fourier neural operator with complex weights, and an EMA updated by the step.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import zoo_hand_forms6  # torch.nn.utils.prune, nested dict batches, the script'
 import zoo_hand_forms7  # a module's own Generator, triplet and CLIP losses, the script's CE loss_fn, void 255, uint8
 import zoo_hand_forms8  # a BYOL momentum target, a ParameterList, the LR set in the step, an L2 penalty
 import zoo_hand_forms9  # autocast written in the step, REINFORCE, zero_grad() in the step
+import zoo_hand_forms10  # CTC, NumPy in the forward, index_add_, grid_sample, LSTMCell loop, FNO, EMA in the step
 from bench_ported import MnistNet  # PyTorch's MNIST example's Net, as the ported bench has it
 from zoo_cases import (Case, adam, adamw, ce_logits, images, lm_pairs, mlp, sgd, vectors, xxy_logits, xy_logits,
                        xy_own, xy_with)
@@ -367,4 +370,4 @@ def cases() -> list[Case]:
              xy_with(nn.MSELoss()), adam(1e-3), fit_kwargs={"loss_fn": nn.MSELoss()}, note="regression, MSE"),
     ] + (zoo_hand_forms.cases() + zoo_hand_forms3.cases() + zoo_hand_forms4.cases() + zoo_hand_forms5.cases()
          + zoo_hand_forms6.cases() + zoo_hand_forms7.cases()
-         + zoo_hand_forms8.cases() + zoo_hand_forms9.cases())
+         + zoo_hand_forms8.cases() + zoo_hand_forms9.cases() + zoo_hand_forms10.cases())

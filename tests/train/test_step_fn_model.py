@@ -32,6 +32,44 @@ def test_the_controller_reads_through_to_the_users_module():
     assert not hasattr(ctl, "no_such_attribute")
 
 
+def test_a_step_fn_is_handed_the_users_module_itself():
+    """A step that keeps an EMA of the weights (`AveragedModel(model)` deep-copies what it is given) gets the module
+    the user passed, as its own loop would hand it. Before, it got fit's compile controller: the EMA's deep copy had
+    no parameters and its second update raised inside torch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    batches = [(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(5)]
+    seen, ema = [], {}
+
+    def step_fn(m, batch):
+        seen.append(m)
+        if "avg" not in ema:
+            ema["avg"] = torch.optim.swa_utils.AveragedModel(
+                m, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        ema["avg"].update_parameters(m)
+        x, y = batch
+        return nn.functional.cross_entropy(m(x), y)
+
+    start = model[0].weight.detach().clone()
+    torchspeed.fit(model, batches, step_fn=step_fn, optimizer="sgd", lr=0.1, epochs=2, progress=False,
+                   precision="fp32", channels_last=False, compile=False)
+    assert seen and all(m is model for m in seen)
+    assert int(ema["avg"].n_averaged) == 10
+    averaged = ema["avg"].module[0].weight
+    assert not torch.equal(averaged, start) and not torch.equal(averaged, model[0].weight)
+
+
+def test_the_step_is_handed_the_running_module_or_under_a_wrapper_the_controller():
+    model = WordLM()
+    ctl = CompileController(model, False, device=torch.device("cpu"))
+    assert ctl.for_step_fn() is model
+    compiled = nn.Module()
+    ctl.active, ctl.mode = compiled, None  # what _use sets once the compile trial chose a compiled module
+    assert ctl.for_step_fn() is compiled
+    wrapped = CompileController(nn.DataParallel(model), False, device=torch.device("cpu"))
+    assert wrapped.for_step_fn() is wrapped  # a wrapper's forward must run (DDP syncs gradients in it)
+
+
 def test_a_step_fn_that_carries_a_hidden_state_between_batches_trains():
     torch.manual_seed(0)
     stream = torch.arange(35 * 8 * 6).remainder(30).view(-1, 8)  # a (time, batch) token stream, periodic

@@ -204,6 +204,8 @@ def _binary(loss_fn: Callable | None) -> str | None:  # how a binary loss reads 
 
 
 def _from_step_fn(model: Callable, batch, step_fn: Callable) -> tuple[StepOutput, str]:
+    if isinstance(model, CompileController):  # the step is handed the module that runs, as its own loop would
+        model = model.for_step_fn()
     out = step_fn(model, batch)
     o = read_output(out)
     loss = o.loss

@@ -253,6 +253,18 @@ class CompileController:
 
     __call__ = forward  # the controller stands in for the model: `controller(x)` runs the chosen module
 
+    def for_step_fn(self):
+        """What a `step_fn(model, batch)` is given: the module that runs this step, the user's own (eager) or torch's
+        compiled wrapper of it (an `nn.Module` that reads through to it), as the user's own loop would hand it, so
+        `copy.deepcopy(model)`, `AveragedModel(model)`, `torch.func.functional_call(model, ...)`, `isinstance(model,
+        nn.Module)` and attributes the step sets see the user's module. Under DDP or FSDP this controller instead (its
+        attributes are the user's module's; calling it runs the wrapper, whose forward syncs the gradients)."""
+        if unwrap_model(self.model) is not self.model:
+            return self
+        if self.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # this step's outputs may overwrite the last step's
+        return self.active
+
     def __getattr__(self, name: str):
         """Any other attribute is the user's module's: a `step_fn(model, batch)` is given this controller and may
         call `model.init_hidden(...)`, read `model.config` or a submodule, as on its own model."""
