@@ -280,6 +280,29 @@ def test_a_step_that_moves_a_frozen_target_network_in_place_trains_with_the_plai
     assert _same_weights(model, ref)
 
 
+def test_a_count_the_step_keeps_on_a_torch_sequential_model_is_the_plain_loops(bf16_cpu):
+    """A script's `nn.Sequential` model carries a count its step sets on it (`model.seen`), which weighs the loss
+    (a curriculum): torch's own classes keep no forward state, so the walk had skipped their attributes, a pass
+    that only measures counted once more, and a run whose trial kept fp32 ended off its loop's weights."""
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(16, 12, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(120)]
+
+    def step_fn(model, batch):
+        model.seen = getattr(model, "seen", 0) + 1
+        x, y = batch
+        return (1.0 if model.seen % 3 else 0.25) * F.cross_entropy(model(x), y)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    ref = _plain_loop(make(), batches, step_fn, lr=0.2)
+    model = make()
+    res = _ported(model, batches, step_fn, lr=0.2)
+    assert res.decisions["precision"].value == "fp32" and _bf16_candidate_ran(res.decisions["switch_trial"].measured)
+    assert model.seen == len(batches) and _same_weights(model, ref)
+
+
 def test_a_candidate_that_raises_in_its_turn_after_writing_the_state_leaves_a_run_that_finishes(bf16_cpu):
     """The step_fn stores its bf16 hidden state, then an op with no bf16 kernel raises: the state is put back as
     the step found it, the candidate dropped with its error in the trial's report, the batch trained in fp32."""

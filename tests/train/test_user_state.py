@@ -155,3 +155,21 @@ def test_a_frozen_part_does_not_take_the_copies_a_carried_state_needs(monkeypatc
     step_fn(model, torch.randn(2, 64))
     snap.restore()
     assert torch.equal(box["hidden"], torch.zeros(4)) and torch.equal(model["backbone"].weight, weight)
+
+
+def test_restore_puts_back_what_a_users_code_set_on_a_torch_module_and_leaves_torchs_own():
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.seen, model.memory = 3, torch.zeros(2)
+
+    def step_fn(m, batch):
+        m.seen += 1
+        m.memory.add_(1.0)
+        object.__setattr__(m, "ema", nn.Linear(4, 4))  # a plain attribute, not a submodule
+        return m(batch).sum()
+
+    snap = UserState(model, step_fn).snapshot()
+    step_fn(model, torch.randn(2, 4))
+    model[0]._private_cache = 1  # torch's own bookkeeping names are not the user's
+    snap.restore()
+    assert model.seen == 3 and torch.equal(model.memory, torch.zeros(2)) and "ema" not in vars(model)
+    assert model[0]._private_cache == 1

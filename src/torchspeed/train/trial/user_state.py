@@ -12,7 +12,8 @@ candidate's pass had advanced, not its own: not the plain run's numbers.
 `UserState(module, step_fn).snapshot()` walks what such code can reach and keep, from these roots:
 
 - the attributes a forward writes on the model's own modules (classes not torch's: a carried hidden state, a
-  KV cache, a step counter, a list of past outputs);
+  KV cache, a step counter, a list of past outputs), and the public ones a user's code set on torch's own (an
+  `nn.Sequential` model's `model.ema`, `model.seen`: torch's own bookkeeping is left to torch);
 - the weights an optimizer the step reaches steps, the model's own included (a GAN's `step_fn` steps its
   discriminator inside: its weights, gradients and moments);
 - the model's parameters that need no gradient (a BYOL or mean-teacher target network the step moves towards
@@ -75,6 +76,7 @@ class Snapshot:
     def __init__(self, model_dtype: torch.dtype):
         self.model_dtype = model_dtype
         self.dicts: list[tuple[dict, dict]] = []  # a dict (or an object's __dict__) and its items then
+        self.public: list[tuple[dict, dict]] = []  # a torch module's __dict__ and its public names' values then
         self.names: list[tuple[dict, str, object]] = []  # a step_fn's globals: (globals, name, value or _MISSING)
         self.lists: list[tuple[list, list]] = []
         self.cells: list[tuple[object, object]] = []
@@ -99,6 +101,12 @@ class Snapshot:
             if d.keys() != saved.keys() or any(d[k] is not v for k, v in saved.items()):
                 d.clear()
                 d.update(saved)
+        for d, saved in self.public:  # only the names a user may set: torch's bookkeeping is torch's
+            for k in [k for k in d if _public(k) and k not in saved]:
+                del d[k]
+            for k, v in saved.items():
+                if d.get(k, _MISSING) is not v:
+                    d[k] = v
         for g, name, value in self.names:
             if value is _MISSING:
                 g.pop(name, None)
@@ -154,6 +162,9 @@ class Snapshot:
         for d, saved in self.dicts:
             for k in list(d):
                 d[k] = back(d[k], saved.get(k))
+        for d, saved in self.public:
+            for k in [k for k in d if _public(k)]:
+                d[k] = back(d[k], saved.get(k))
         for lst, saved in self.lists:
             lst[:] = [back(v, saved[i] if i < len(saved) else None) for i, v in enumerate(lst)]
         for g, name, value in self.names:
@@ -165,6 +176,11 @@ class Snapshot:
 
 
 _MISSING = object()
+
+
+def _public(name: str) -> bool:
+    """A module attribute a user may set: not private, not nn.Module's own (`training`)."""
+    return not name.startswith("_") and name not in _TORCH_ATTRS
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -246,9 +262,17 @@ class _Walk:
                 self.snap.tensors.append((p, _version(p), None))
 
     def module_attributes(self, m: nn.Module, depth: int) -> None:
-        """What a forward may write on a module of the user's own class (torch's own keep no state there)."""
+        """What a forward may write on a module of the user's own class; on one of torch's own classes (an
+        `nn.Sequential` model), what a user's code set on it: its public names outside torch's bookkeeping (a step
+        counter, an EMA kept as `model.ema`)."""
+        d = vars(m)
         if not _torch_class(m):
-            self.dict_items(vars(m), {k: v for k, v in vars(m).items() if k not in _TORCH_ATTRS}, depth)
+            self.dict_items(d, {k: v for k, v in d.items() if k not in _TORCH_ATTRS}, depth)
+            return
+        public = {k: v for k, v in d.items() if _public(k)}
+        self.snap.public.append((d, public))
+        for v in public.values():
+            self.value(v, depth + 1)
 
     def dict_items(self, d: dict, items: dict, depth: int) -> None:
         self.snap.dicts.append((d, dict(d)))
