@@ -21,7 +21,9 @@ smoothing, class weights), segmentation targets with void pixels of 255, and uin
 own counter, and an L2 penalty added by the step; and (zoo_hand_forms9.py) bf16 autocast written in the step, a
 REINFORCE step sampling from torch.distributions, and a step that calls zero_grad() itself; and
 (zoo_hand_forms10.py) CTC speech, NumPy inside a forward, messages summed with index_add_, a spatial transformer,
-an LSTMCell in a Python loop, a Fourier neural operator with complex weights, and an EMA updated by the step.
+an LSTMCell in a Python loop, a Fourier neural operator with complex weights, and an EMA updated by the step; and
+(zoo_hand_forms11.py) conv nets: accuracy scored through NumPy in the step, a U-Net, a Gram-matrix style loss, a
+PixelShuffle super-resolution net, a VQ-VAE (cdist, straight-through) and a roi_align box head.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import zoo_hand_forms7  # a module's own Generator, triplet and CLIP losses, the
 import zoo_hand_forms8  # a BYOL momentum target, a ParameterList, the LR set in the step, an L2 penalty
 import zoo_hand_forms9  # autocast written in the step, REINFORCE, zero_grad() in the step
 import zoo_hand_forms10  # CTC, NumPy in the forward, index_add_, grid_sample, LSTMCell loop, FNO, EMA in the step
+import zoo_hand_forms11  # numpy metric in the step, U-Net, Gram style loss, PixelShuffle, VQ-VAE, roi_align
 from bench_ported import MnistNet  # PyTorch's MNIST example's Net, as the ported bench has it
 from zoo_cases import (Case, adam, adamw, ce_logits, images, lm_pairs, mlp, sgd, vectors, xxy_logits, xy_logits,
                        xy_own, xy_with)
@@ -370,4 +373,5 @@ def cases() -> list[Case]:
              xy_with(nn.MSELoss()), adam(1e-3), fit_kwargs={"loss_fn": nn.MSELoss()}, note="regression, MSE"),
     ] + (zoo_hand_forms.cases() + zoo_hand_forms3.cases() + zoo_hand_forms4.cases() + zoo_hand_forms5.cases()
          + zoo_hand_forms6.cases() + zoo_hand_forms7.cases()
-         + zoo_hand_forms8.cases() + zoo_hand_forms9.cases() + zoo_hand_forms10.cases())
+         + zoo_hand_forms8.cases() + zoo_hand_forms9.cases() + zoo_hand_forms10.cases()
+         + zoo_hand_forms11.cases())
