@@ -560,6 +560,31 @@ def test_fit_given_the_loops_optimizer_and_lr_trains_the_loops_weights_bit_for_b
         assert torch.equal(a, b), k
 
 
+@pytest.mark.parametrize("lean_step", [True, False])
+def test_a_run_handed_a_model_the_users_own_steps_left_gradients_on_trains_the_loops_weights(lean_step):
+    """A script that trained a few steps in its own loop (zero_grad before each backward, so the last step's
+    gradients stay on the weights) and hands the model and its optimizer to `fit`: the loop would zero them before
+    its next backward, so `fit` starts from none. Before, they were summed into the first step's."""
+    x, y = _data()
+    batches = [(x[i:i + 24], y[i:i + 24]) for i in range(0, len(x), 24)]
+
+    def own_steps(model, opt, bs):
+        for xb, yb in bs:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+
+    script, ported = _model(), _model()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (script, ported)]
+    for m, opt in zip((script, ported), opts):
+        own_steps(m, opt, batches[:3])
+    own_steps(script, opts[0], batches)
+    assert ported[0].weight.grad is not None
+    torchspeed.fit(ported, batches, optimizer=opts[1], epochs=1, lean_step=lean_step, **_quiet())
+    for (k, a), b in zip(script.state_dict().items(), ported.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
 def test_the_ported_runs_update_goes_through_the_lean_step(adamw_step_calls):
     """torch's for-loop Adam runs its `step` once (the state made), then the lean step's foreach ops: the same bits
     (above) at about 0.6x the step's time. Fails with the lean step off (every update is torch's)."""

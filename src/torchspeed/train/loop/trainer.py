@@ -254,10 +254,10 @@ class Trainer(TrainerSetup):
             train_loader = shard_loader(train_loader, seed=cfg.seed or 0)
         self._ramp = ramp = join_ramp(train_loader, self.callbacks, self.optimizer, self.decisions)  # T17
         train_loader = self.in_memory.train(train_loader, self.decisions)  # T10/T11, after sharding
-        steps_per_epoch = loader_length(train_loader, max_steps=cfg.max_steps)
+        self._steps_per_epoch = steps_per_epoch = loader_length(train_loader, max_steps=cfg.max_steps)
         length = RunLength(epochs, steps_per_epoch, cfg.grad_accum, ramp)
         schedule_for_call(self, length.schedule_span())  # the first call's schedule, or a segment for a later one
-        self._steps_per_epoch = steps_per_epoch
+        self.reset_micro()  # gradients the user's own steps left before this call are not this run's (nor a window)
         start_epoch, start_batch = (resume_run(self, None if ramp else steps_per_epoch) if cfg.resume else (0, 0))
         for arm in self.first_steps:  # the switch trial (or the rules), then the compile trial: short runs stay eager
             arm(self, train_loader, length.micro_batches_left(self.total_steps, self.step))
