@@ -266,8 +266,8 @@ class CompileController:
         return self.active
 
     def __getattr__(self, name: str):
-        """Any other attribute is the user's module's: a `step_fn(model, batch)` is given this controller and may
-        call `model.init_hidden(...)`, read `model.config` or a submodule, as on its own model."""
+        """Any other attribute is the user's module's: a `step_fn(model, batch)` given this controller (under DDP or
+        FSDP: `for_step_fn`) may call `model.init_hidden(...)`, read `model.config` or a submodule, as on its own."""
         model = self.__dict__.get("model")
         if model is None or name.startswith("__"):
             raise AttributeError(name)
