@@ -66,8 +66,11 @@ def test_the_step_is_handed_the_running_module_or_under_a_wrapper_the_controller
     compiled = nn.Module()
     ctl.active, ctl.mode = compiled, None  # what _use sets once the compile trial chose a compiled module
     assert ctl.for_step_fn() is compiled
-    wrapped = CompileController(nn.DataParallel(model), False, device=torch.device("cpu"))
-    assert wrapped.for_step_fn() is wrapped  # a wrapper's forward must run (DDP syncs gradients in it)
+    user_compiled = torch.compile(model)  # (not run: compiling costs seconds) the object the user passed
+    assert CompileController(user_compiled, False, device=torch.device("cpu")).for_step_fn() is user_compiled
+    ddp = nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)  # (no process group)
+    wrapped = CompileController(ddp, False, device=torch.device("cpu"))
+    assert wrapped.for_step_fn() is wrapped  # DDP's forward must run: it syncs the gradients
 
 
 def test_a_step_fn_that_carries_a_hidden_state_between_batches_trains():

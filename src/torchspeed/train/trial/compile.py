@@ -257,17 +257,18 @@ class CompileController:
         """What a `step_fn(model, batch)` is given: the module that runs this step, the user's own (eager) or torch's
         compiled wrapper of it (an `nn.Module` that reads through to it), as the user's own loop would hand it, so
         `copy.deepcopy(model)`, `AveragedModel(model)`, `torch.func.functional_call(model, ...)`, `isinstance(model,
-        nn.Module)` and attributes the step sets see the user's module. Under DDP or FSDP this controller instead (its
-        attributes are the user's module's; calling it runs the wrapper, whose forward syncs the gradients)."""
-        if unwrap_model(self.model) is not self.model:
+        nn.Module)` and attributes the step sets see the user's module (a model the user compiled: that object).
+        Under DDP this controller instead (its attributes are the user's module's; calling it runs DDP's forward,
+        which syncs the gradients); FSDP2 shards the user's module in place, which is handed as it is."""
+        if isinstance(self.model, nn.parallel.DistributedDataParallel):
             return self
         if self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # this step's outputs may overwrite the last step's
         return self.active
 
     def __getattr__(self, name: str):
-        """Any other attribute is the user's module's: a `step_fn(model, batch)` given this controller (under DDP or
-        FSDP: `for_step_fn`) may call `model.init_hidden(...)`, read `model.config` or a submodule, as on its own."""
+        """Any other attribute is the user's module's: a `step_fn(model, batch)` given this controller (under DDP:
+        `for_step_fn`) may call `model.init_hidden(...)`, read `model.config` or a submodule, as on its own."""
         model = self.__dict__.get("model")
         if model is None or name.startswith("__"):
             raise AttributeError(name)
