@@ -247,9 +247,13 @@ class CompileController:
             self.apply(self._broadcast(trial.decide()))
 
     def forward(self, *args, **kwargs):
+        return self._running()(*args, **kwargs)
+
+    def _running(self) -> nn.Module:
+        """The module this step runs (under CUDA graphs, the step marked begun first)."""
         if self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # this step's outputs may overwrite the last step's
-        return self.active(*args, **kwargs)
+        return self.active
 
     __call__ = forward  # the controller stands in for the model: `controller(x)` runs the chosen module
 
@@ -260,11 +264,7 @@ class CompileController:
         nn.Module)` and attributes the step sets see the user's module (a model the user compiled: that object).
         Under DDP this controller instead (its attributes are the user's module's; calling it runs DDP's forward,
         which syncs the gradients); FSDP2 shards the user's module in place, which is handed as it is."""
-        if isinstance(self.model, nn.parallel.DistributedDataParallel):
-            return self
-        if self.mode == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()  # this step's outputs may overwrite the last step's
-        return self.active
+        return self if isinstance(self.model, nn.parallel.DistributedDataParallel) else self._running()
 
     def __getattr__(self, name: str):
         """Any other attribute is the user's module's: a `step_fn(model, batch)` given this controller (under DDP:
