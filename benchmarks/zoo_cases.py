@@ -33,6 +33,8 @@ class Case:
     fit_kwargs: dict = field(default_factory=dict)  # what the port passes besides the optimizer (loss_fn, clip)
     note: str = ""
     fresh_batches: bool = False  # the model writes its input in place: every way gets its own copy of each batch
+    before_step: Callable[[nn.Module], None] | None = None  # what the loop does to the gradients before opt.step()
+    after_step: Callable[[nn.Module], None] | None = None  # what it does to the weights after (a constraint)
 
     def __post_init__(self):
         if self.optimizer is None:

@@ -23,7 +23,10 @@ REINFORCE step sampling from torch.distributions, and a step that calls zero_gra
 (zoo_hand_forms10.py) CTC speech, NumPy inside a forward, messages summed with index_add_, a spatial transformer,
 an LSTMCell in a Python loop, a Fourier neural operator with complex weights, and an EMA updated by the step; and
 (zoo_hand_forms11.py) conv nets: accuracy scored through NumPy in the step, a U-Net, a Gram-matrix style loss, a
-PixelShuffle super-resolution net, a VQ-VAE (cdist, straight-through) and a roi_align box head.
+PixelShuffle super-resolution net, a VQ-VAE (cdist, straight-through) and a roi_align box head; and
+(zoo_hand_forms12.py) the loop's code around opt.step() (clip_grad_value_, gradients centralized before the step,
+a max-norm constraint after it), batches padded to their own longest sequence, a torch.autograd.Function of the
+script's own, and bfloat16 weights.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import zoo_hand_forms8  # a BYOL momentum target, a ParameterList, the LR set in
 import zoo_hand_forms9  # autocast written in the step, REINFORCE, zero_grad() in the step
 import zoo_hand_forms10  # CTC, NumPy in the forward, index_add_, grid_sample, LSTMCell loop, FNO, EMA in the step
 import zoo_hand_forms11  # numpy metric in the step, U-Net, Gram style loss, PixelShuffle, VQ-VAE, roi_align
+import zoo_hand_forms12  # clip_grad_value_, code before and after opt.step(), ragged batches, autograd.Function, bf16
 from bench_ported import MnistNet  # PyTorch's MNIST example's Net, as the ported bench has it
 from zoo_cases import (Case, adam, adamw, ce_logits, images, lm_pairs, mlp, sgd, vectors, xxy_logits, xy_logits,
                        xy_own, xy_with)
@@ -374,4 +378,4 @@ def cases() -> list[Case]:
     ] + (zoo_hand_forms.cases() + zoo_hand_forms3.cases() + zoo_hand_forms4.cases() + zoo_hand_forms5.cases()
          + zoo_hand_forms6.cases() + zoo_hand_forms7.cases()
          + zoo_hand_forms8.cases() + zoo_hand_forms9.cases() + zoo_hand_forms10.cases()
-         + zoo_hand_forms11.cases())
+         + zoo_hand_forms11.cases() + zoo_hand_forms12.cases())

@@ -97,7 +97,7 @@ def plain_loop(case: Case, batches: list) -> tuple[float, torch.nn.Module, float
     model = fresh(case)
     opt = case.optimizer(model)
     step = case.step_fn() if case.step_fn else None
-    clip = case.fit_kwargs.get("clip_grad_norm")
+    clip, clip_value = case.fit_kwargs.get("clip_grad_norm"), case.fit_kwargs.get("clip_grad_value")
     losses = []
     seed(RUN_SEED)
     t0 = time.perf_counter()
@@ -114,13 +114,35 @@ def plain_loop(case: Case, batches: list) -> tuple[float, torch.nn.Module, float
             continue
         loss = step(model, batch) if step else case.plain(model, batch)
         loss.backward()
+        if case.before_step:
+            case.before_step(model)
+        if clip_value:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step(closure) if hasattr(opt, "first_step") else opt.step()  # SAM: the gradient at its nearby point
+        if case.after_step:
+            case.after_step(model)
         opt.zero_grad()
         losses.append(loss.detach())
     sec = time.perf_counter() - t0
     return sec, model, float(torch.stack(losses).float().mean())
+
+
+def loop_hooks(case: Case):
+    """The loop's code around `opt.step()` as a `Callback`: `before_step(model)` on the gradients (clipping's
+    order: before it), `after_step(model)` on the weights after the step."""
+    from torchspeed.train import Callback
+
+    class LoopHooks(Callback):
+        def on_before_optimizer_step(self, trainer, optimizer):
+            if case.before_step:
+                case.before_step(trainer.module)
+
+        def on_step_end(self, trainer):
+            if case.after_step:
+                case.after_step(trainer.module)
+    return LoopHooks()
 
 
 def fit_run(case: Case, batches: list, auto: bool) -> tuple[float, torch.nn.Module, object]:
@@ -131,6 +153,8 @@ def fit_run(case: Case, batches: list, auto: bool) -> tuple[float, torch.nn.Modu
     kw = dict(case.fit_kwargs, max_steps=len(batches), progress=False)
     if case.step_fn:
         kw["step_fn"] = case.step_fn()
+    if case.before_step or case.after_step:  # ported as docs/models.md says: a Callback with the loop's code
+        kw["callbacks"] = [*kw.get("callbacks", ()), loop_hooks(case)]
     if auto:
         kw["recipe"] = "auto"
     else:

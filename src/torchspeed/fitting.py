@@ -47,11 +47,11 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
     turns into a loss; models may return logits or their own loss (see `torchspeed.train.loop.batch`).
     `loss_fn(output, target)` replaces the default cross-entropy (e.g. `nn.MSELoss()` for regression: metrics are
     then the loss alone). `config` takes any `TrainConfig` field (precision, channels_last, compile, grad_accum,
-    clip_grad_norm, label_smoothing, schedule, log_every, max_steps, out_dir, ...). `batch_size="auto"` (or an
-    int), `lr="auto"` and `loader="auto"` run the tuners first and rebuild the DataLoader from its dataset (see
-    `torchspeed.tune.auto`). `lr=None` is the optimizer's own default LR (SGD 0.1, AdamW and Adam 1e-3:
-    `optim_info.default_lr`) as the peak of a one-cycle schedule; an LR you set (or an optimizer object you pass) is
-    trained at as it is, with a constant schedule, unless `schedule=` says otherwise
+    clip_grad_norm, clip_grad_value, label_smoothing, schedule, log_every, max_steps, out_dir, ...).
+    `batch_size="auto"` (or an int), `lr="auto"` and `loader="auto"` run the tuners first and rebuild the
+    DataLoader from its dataset (see `torchspeed.tune.auto`). `lr=None` is the optimizer's own default LR (SGD
+    0.1, AdamW and Adam 1e-3: `optim_info.default_lr`) as the peak of a one-cycle schedule; an LR you set (or an
+    optimizer object you pass) is trained at as it is, with a constant schedule, unless `schedule=` says otherwise
     (`train.schedule.default_schedule`, docs/train.md); `schedule=lambda opt: StepLR(opt, 1, 0.7)` is your own
     scheduler, built on the optimizer that trains and stepped after each epoch (`schedule_interval="step"`: each
     step). `weight_decay=None` takes the optimizer's default (its row, `torchspeed.train.optim_info.WEIGHT_DECAY`:
@@ -123,7 +123,10 @@ def _train(plan, trainer: Trainer, *, epochs: int, val_loader, kd) -> FitResult:
 _ALIASES = {"scheduler": "schedule", "lr_scheduler": "schedule", "max_epochs": "epochs", "num_epochs": "epochs",
             "num_train_epochs": "epochs", "gradient_accumulation_steps": "grad_accum",
             "accumulate_grad_batches": "grad_accum", "gradient_clip_val": "clip_grad_norm",
-            "max_grad_norm": "clip_grad_norm", "clip_grad": "clip_grad_norm", "logging_steps": "log_every",
+            "max_grad_norm": "clip_grad_norm", "clip_grad": "clip_grad_norm", "clipvalue": "clip_grad_value",
+            "gradient_clip_algorithm": "clip_grad_value=V (value) or clip_grad_norm=V (norm)",
+            "clip_mode": "clip_grad_value=V (value) or clip_grad_norm=V (norm)",
+            "logging_steps": "log_every",
             "eval_steps": "eval_every", "val_check_interval": "eval_every", "default_root_dir": "checkpoint_dir",
             "output_dir": "out_dir", "save_steps": "checkpoint_every", "warmup": "warmup_steps",
             "amp": "precision", "mixed_precision": "precision", "bf16": "precision", "fp16": "precision",

@@ -55,6 +55,10 @@ class TinyGRU(nn.Module):
 TINY = [
     Case("mlp", "hand", lambda: nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)), _vec, xy_logits, sgd(0.1)),
     Case("own_loss", "hand", OwnLoss, _vec, xy_own, sgd(0.1)),
+    Case("code_around_the_step", "hand", lambda: nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)),
+         lambda g: (torch.randn(8, 6, generator=g) * 30, torch.randint(0, 3, (8,), generator=g)), xy_logits, sgd(0.1),
+         fit_kwargs={"clip_grad_value": 0.05}, before_step=lambda m: [p.grad.mul_(0.5) for p in m.parameters()],
+         after_step=lambda m: m[0].weight.data.clamp_(-0.2, 0.2)),
     Case("gru_carried", "hand", TinyGRU, lambda g: (torch.randn(8, 5, 6, generator=g), torch.randint(0, 3, (8,), generator=g)),
          step_fn=_gru_step, optimizer=sgd(0.1)),
 ]

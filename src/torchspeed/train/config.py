@@ -46,7 +46,8 @@ class TrainConfig:
     malloc: bool = True                 # CPU: glibc malloc's training settings in-process (backends.tune_malloc)
     prefetch: bool = True               # T07/T12: side-stream copies on CUDA
     grad_accum: int = 1                 # T19
-    clip_grad_norm: float | None = None  # T20
+    clip_grad_norm: float | None = None  # T20: the model's gradient norm clipped to this (clip_grad_norm_)
+    clip_grad_value: float | None = None  # T20: each gradient value clamped to [-v, v] (clip_grad_value_)
     label_smoothing: float = 0.0        # T32
     schedule: str | Callable | None = "onecycle"  # T14/T16: one of schedule.SCHEDULES ("onecycle", "wsd", ...),
                                         # None, or a function of the optimizer that builds your own LR scheduler
@@ -122,6 +123,10 @@ def check_reliability_options(cfg: TrainConfig) -> None:
     if cfg.max_nonfinite is not None and cfg.max_nonfinite < 1:
         raise ValueError(f"max_nonfinite must be >= 1 (or None to switch the check off), got {cfg.max_nonfinite}")
     parse_eval_every(cfg.eval_every)
+    for name in ("clip_grad_norm", "clip_grad_value"):
+        v = getattr(cfg, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not v > 0):
+            raise ValueError(f"{name} must be a number > 0 (or None: no clipping), got {v!r}")
     if cfg.train_acc not in (True, False, "auto"):
         raise ValueError(f"train_acc must be 'auto', True or False, got {cfg.train_acc!r}")
     if cfg.schedule_interval not in ("epoch", "step"):

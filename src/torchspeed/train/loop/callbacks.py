@@ -3,6 +3,10 @@
 Events (each receives the `Trainer`):
 
 - `on_train_start(trainer)`: after a resume has restored every state, before the first step;
+- `on_before_optimizer_step(trainer, optimizer)`: before each optimizer step that runs (not each accumulation
+  micro-batch; not a step the NaN guard skips), with the gradients in place, unscaled under fp16, and before
+  `clip_grad_norm`/`clip_grad_value` clip them (Lightning's order): read them (a gradient norm to log) or change
+  them in place (a clipping of your own, gradient noise);
 - `on_step_end(trainer)`: after each optimizer step (not each accumulation micro-batch);
 - `on_evaluate(trainer, metrics)`: after each epoch's row is complete (train metrics, and
   `val_*` when there is a `val_loader`), before it is checkpointed; with `eval_every=N` under an
@@ -21,9 +25,9 @@ Built in: `EarlyStopping` and `EMA` (T40: an exponential moving average of the w
 `torch.optim.swa_utils.AveragedModel`, usable in your own loop too). The trainer talks to all
 of them through one `CallbackList`, one line per event.
 
-Cost: one Python call per optimizer step for each callback that overrides `on_step_end`, none when no
-callback does (the loop then skips the event); nothing reads the device unless the
-callback does (EarlyStopping reads the epoch row, which is already on the host; EMA's update is
+Cost: one Python call per optimizer step for each callback that overrides `on_step_end` or
+`on_before_optimizer_step`, none when no callback does (the loop then skips the event); nothing reads the device
+unless the callback does (EarlyStopping reads the epoch row, which is already on the host; EMA's update is
 one `torch._foreach_lerp_` over the weights per step, on the device).
 
 Example:
@@ -50,6 +54,9 @@ class Callback:
     """Base class: override the events you need; `state_dict`/`load_state_dict` for state kept across a resume."""
 
     def on_train_start(self, trainer) -> None:
+        pass
+
+    def on_before_optimizer_step(self, trainer, optimizer) -> None:
         pass
 
     def on_step_end(self, trainer) -> None:
@@ -96,6 +103,9 @@ class CallbackList:
         # The callbacks that override on_step_end: the loop calls this event per step only when there is one.
         self.step_hooks: list[Callback] = [cb for cb in self.callbacks
                                            if type(cb).on_step_end is not Callback.on_step_end]
+        before = Callback.on_before_optimizer_step  # and those that override it: the step skips an empty event
+        self.grad_hooks: list[Callback] = [cb for cb in self.callbacks
+                                           if type(cb).on_before_optimizer_step is not before]
 
     def __iter__(self):
         return iter(self.callbacks)
@@ -118,6 +128,10 @@ class CallbackList:
     def on_train_start(self, trainer) -> None:
         for cb in self.callbacks:
             cb.on_train_start(trainer)
+
+    def on_before_optimizer_step(self, trainer, optimizer) -> None:
+        for cb in self.grad_hooks:
+            cb.on_before_optimizer_step(trainer, optimizer)
 
     def on_step_end(self, trainer) -> None:
         for cb in self.step_hooks:

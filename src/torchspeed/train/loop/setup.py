@@ -88,6 +88,18 @@ class TrainerSetup:
             self.decisions.refine("lr", scale_groups_world_size(optimizer, self.dist.world_size))
         return optimizer
 
+    def step_options(self) -> dict:
+        """What runs between the window's backward and the optimizer's step (`step.optimizer_step`): the callbacks'
+        `on_before_optimizer_step`, then the clipping of the model's gradients (T20: each value, then the norm);
+        empty where there is none, so the step pays nothing for them."""
+        cfg, opts = self.config, {}
+        if self.callbacks.grad_hooks:
+            opts["before_step"] = lambda: self.callbacks.on_before_optimizer_step(self, self.optimizer)
+        if cfg.clip_grad_norm is not None or cfg.clip_grad_value is not None:
+            opts.update(clip_grad_norm=cfg.clip_grad_norm, clip_grad_value=cfg.clip_grad_value,
+                        parameters=self.model.parameters())
+        return opts
+
     def _setup_checkpoints(self, on_checkpoint: Callable[[str, int], object] | None) -> None:
         """The checkpoint store (files, or DCP folders when sharded), the data position and the best epoch."""
         cfg = self.config

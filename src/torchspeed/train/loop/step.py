@@ -7,8 +7,9 @@ The order matters and is easy to get wrong in a hand-written loop:
    epoch's end cuts short (10 batches, k=4: windows of 4, 4 and 2) divides by the micro-batches
    it holds and steps at the epoch's end, as Accelerate and Lightning do: an epoch takes
    ceil(batches / k) optimizer steps, the count the LR schedule is sized for (`AccumulationWindow`).
-2. `optimizer_step(...)` unscales the gradients once (`scaler.unscale_`), *then* clips
-   their norm (T20; clipping scaled gradients would clip at the wrong threshold), then
+2. `optimizer_step(...)` unscales the gradients once (`scaler.unscale_`), *then* runs your code that reads or
+   changes them (`before_step`: a callback's `on_before_optimizer_step`), *then* clips their norm, or each value
+   (T20; clipping scaled gradients would clip at the wrong threshold; both given: the values, then the norm), then
    `scaler.step` skips the update if any gradient overflowed, and `scaler.update` adjusts
    the scale. The skip is returned as a device tensor: counting skipped steps costs no
    host sync.
@@ -187,15 +188,22 @@ def closure_for(optimizer, loss: torch.Tensor, recompute: Callable[[], torch.Ten
 
 def optimizer_step(optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradScaler | None = None,
                    clip_grad_norm: float | None = None, parameters: Iterable[torch.Tensor] | None = None,
-                   closure: Callable | None = None) -> torch.Tensor:
-    """Unscale, clip, step, update. Returns a 0-d tensor: 1 if the step was skipped, else 0. `closure`: for an
-    optimizer that needs one (`closure_for`)."""
-    if clip_grad_norm is not None:
-        params = list(parameters) if parameters is not None else [
-            p for g in optimizer.param_groups for p in g["params"]]
+                   closure: Callable | None = None, clip_grad_value: float | None = None,
+                   before_step: Callable[[], object] | None = None) -> torch.Tensor:
+    """Unscale, your `before_step()`, clip, step, update. Returns a 0-d tensor: 1 if the step was skipped, else 0.
+    `closure`: for an optimizer that needs one (`closure_for`). Clipping covers `parameters` (default: the
+    optimizer's)."""
+    if clip_grad_norm is not None or clip_grad_value is not None or before_step is not None:
         if scaler is not None:
-            scaler.unscale_(optimizer)  # once, before clipping: clip the true gradient
-        torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+            scaler.unscale_(optimizer)  # once, before your code and clipping: they see the true gradient
+        if before_step is not None:
+            before_step()
+        params = [] if clip_grad_norm is None and clip_grad_value is None else list(parameters) if (
+            parameters is not None) else [p for g in optimizer.param_groups for p in g["params"]]
+        if clip_grad_value is not None:
+            torch.nn.utils.clip_grad_value_(params, clip_grad_value)
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
     clock = optimizer.__dict__.get(STEP_CLOCK)
     if clock is not None:
         clock.start()

@@ -177,9 +177,8 @@ class Trainer(TrainerSetup):
         if win.advance():  # the window's last micro-batch: unscale, clip, step (skipped on NaN/inf)
             closure = closure_for(self.optimizer, loss, lambda: self.forward_backward(batch).loss) if needs_closure(
                 self.optimizer) else None  # LBFGS's
-            params = self.model.parameters() if cfg.clip_grad_norm is not None else None
-            self.guard.step(self.optimizer, lambda: self.precision.step(
-                self.optimizer, clip_grad_norm=cfg.clip_grad_norm, parameters=params, closure=closure))
+            self.guard.step(self.optimizer, lambda: self.precision.step(  # your hook, clipping (setup.py), the step
+                self.optimizer, closure=closure, **self.step_options()))
             zero_grad(self.optimizer, set_to_none=cfg.set_to_none)
             if self.scheduler is not None:
                 self.scheduler.step()

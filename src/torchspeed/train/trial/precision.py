@@ -86,10 +86,11 @@ class MixedPrecision:
         backward(loss, scaler=self.scaler, accum_steps=accum_steps)
 
     def step(self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None,
-             parameters=None, closure=None) -> torch.Tensor:
-        """Unscale once, clip, step, update; a 0-d tensor: 1 if fp16's scaler skipped the step."""
+             parameters=None, closure=None, **options) -> torch.Tensor:
+        """Unscale once, clip, step, update (`options`: `optimizer_step`'s `clip_grad_value`, `before_step`); a
+        0-d tensor: 1 if fp16's scaler skipped the step."""
         return optimizer_step(optimizer, scaler=self.scaler, clip_grad_norm=clip_grad_norm, parameters=parameters,
-                              closure=closure)
+                              closure=closure, **options)
 
     def state_dict(self) -> dict | None:
         return self.scaler.state_dict() if self.scaler is not None else None
