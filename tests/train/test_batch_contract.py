@@ -231,6 +231,15 @@ def test_unclear_batches_get_errors_that_name_the_fix():
         split_batch("not a batch")
 
 
+def test_a_step_fn_that_returns_the_loss_read_back_as_a_number_is_told_to_return_the_tensor():
+    batches = [(torch.randn(8, 3), torch.randint(0, 2, (8,))) for _ in range(2)]
+    with pytest.raises(TypeError, match=r"returned float: return the loss tensor itself, not loss.item\(\)"):
+        torchspeed.fit(nn.Linear(3, 2), batches, step_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]).item(), **FAST)
+    with pytest.raises(TypeError, match=r"of shape \(8,\): reduce it to one value"):
+        torchspeed.fit(nn.Linear(3, 2), batches, step_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"),
+                       **FAST)
+
+
 def test_stateful_dataloader_state_is_checkpointed_and_resume_is_exact(tmp_path):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
