@@ -907,15 +907,22 @@ def test_the_optimizer_kernel_stage_keeps_the_kernel_the_run_started_with_within
     assert _drive(started_foreach, {"fp32+fused": 0.99, "fp32+foreach": 1.0}).fused is False
 
 
-def test_the_numerics_guard_reads_a_few_samples_in_each_precision(tiny_cnn):
-    """Before the first step, one no-grad forward per candidate precision on the first GUARD_SAMPLES samples."""
+def test_the_numerics_guard_reads_a_few_samples_in_each_precision(tiny_cnn, monkeypatch):
+    """Before the first step, one no-grad forward per candidate precision on the first GUARD_SAMPLES samples. (Read
+    where the guard calls the forward: a hook of the test's own is the user's, whose state the trial puts back.)"""
+    from torchspeed.train.loop.batch import batch_size
+    from torchspeed.train.trial import autoswitch
     from torchspeed.train.trial.autoswitch import GUARD_SAMPLES
 
     t = _trainer(tiny_cnn(), BF16_CPU, seconds={"fp32": 1.0, "fp32+channels_last": 1.0, "bf16": 1.0,
                                                 "bf16+channels_last": 1.0})
-    guard = []
-    t.module[0].register_forward_pre_hook(
-        lambda m, args: None if torch.is_grad_enabled() else guard.append(args[0].shape[0]))
+    guard, forward_loss = [], autoswitch.forward_loss
+
+    def counted(module, batch, **kw):
+        if not torch.is_grad_enabled():
+            guard.append(batch_size(batch))
+        return forward_loss(module, batch, **kw)
+    monkeypatch.setattr(autoswitch, "forward_loss", counted)
     res = t.fit(_loader(n=16 * 30))
     assert guard == [GUARD_SAMPLES, GUARD_SAMPLES] and GUARD_SAMPLES < 16  # fp32 and bf16, not the whole batch
     assert set(res.decisions["switch_trial"].measured["losses"]) == {"fp32", "bf16"}

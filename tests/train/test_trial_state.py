@@ -385,3 +385,31 @@ def test_recipe_auto_runs_a_carried_hidden_lstm_whose_plan_trials_ran_its_step_f
     assert res.steps == 4 * len(batches) and all(torch.isfinite(torch.tensor(r["train_loss"])) for r in res.history)
     assert state["hidden"][0].dtype == (torch.bfloat16 if res.decisions["precision"].value == "bf16" else
                                         torch.float32)
+
+
+def test_the_users_hooks_see_each_step_once_and_keep_the_plain_loops_sums(bf16_cpu):
+    """A script that logs activations with a forward hook and sums a Fisher information with gradient hooks: the
+    trial's passes that only measure (a bf16 candidate timed apart, the numerics guard's forward) had run the hooks
+    too, so the list held more entries than steps and the sums were off the plain loop's."""
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(16, 12, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(120)]
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 4))
+        acts, fisher = [], {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        model[1].register_forward_hook(lambda m, i, o: acts.append(float(o.detach().float().mean())))
+        for n, p in model.named_parameters():
+            p.register_hook(lambda grad, n=n: fisher[n].add_(grad.detach().float() ** 2))
+        return model, acts, fisher
+
+    def step_fn(model, batch):
+        return F.cross_entropy(model(batch[0]), batch[1])
+
+    ref, ref_acts, ref_fisher = make()
+    _plain_loop(ref, batches, step_fn, lr=0.1)
+    model, acts, fisher = make()
+    res = _ported(model, batches, step_fn, lr=0.1)
+    assert res.decisions["precision"].value == "fp32" and _bf16_candidate_ran(res.decisions["switch_trial"].measured)
+    assert acts == ref_acts and all(torch.equal(fisher[n], ref_fisher[n]) for n in fisher)
+    assert _same_weights(model, ref)

@@ -5,6 +5,7 @@ turn's bf16 tensors cast back to the dtype the state held."""
 
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 from torchspeed.train.trial.user_state import UserState
 
@@ -173,3 +174,30 @@ def test_restore_puts_back_what_a_users_code_set_on_a_torch_module_and_leaves_to
     snap.restore()
     assert model.seen == 3 and torch.equal(model.memory, torch.zeros(2)) and "ema" not in vars(model)
     assert model[0]._private_cache == 1
+
+
+def test_restore_puts_back_what_the_users_hooks_keep_and_leaves_torchs_own():
+    """A forward hook that keeps activations in a list, a gradient hook that sums a Fisher information, a backward
+    hook with a default-argument list: a pass that only measures ran each once more. torch's own hooks (pruning's
+    forward pre-hook) are not the user's: not walked."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    acts, fisher = [], {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    model[1].register_forward_hook(lambda m, i, o: acts.append(o.detach()))
+    for n, p in model.named_parameters():
+        p.register_hook(lambda g, n=n: fisher[n].add_(g.detach() ** 2))
+
+    def log_norm(m, gin, gout, norms=[]):  # noqa: B006 (a script's own cache)
+        norms.append(float(gout[0].norm()))
+    model[2].register_full_backward_hook(log_norm)
+    prune.l1_unstructured(model[0], "weight", amount=0.25)  # torch's forward pre-hook
+    x = torch.randn(5, 4)
+    model(x).sum().backward()
+    before = ([a.clone() for a in acts], {n: t.clone() for n, t in fisher.items()}, list(log_norm.__defaults__[0]))
+    snap = UserState(model).snapshot()
+    model(x).sum().backward()  # a pass that only measures
+    assert len(acts) == 2 and len(log_norm.__defaults__[0]) == 2
+    snap.restore()
+    assert len(acts) == 1 and torch.equal(acts[0], before[0][0]) and log_norm.__defaults__[0] == before[2]
+    assert all(torch.equal(fisher[n], before[1][n]) for n in fisher)
+    assert model[0]._forward_pre_hooks  # pruning's hook is torch's: still there, untouched

@@ -19,7 +19,11 @@ candidate's pass had advanced, not its own: not the plain run's numbers.
 - the model's parameters that need no gradient (a BYOL or mean-teacher target network the step moves towards
   the online one in place: a pass that only measures moved it once more);
 - the `step_fn`: its closure, the globals its code names, the object it is bound to (a method, a callable
-  object), a `functools.partial`'s arguments;
+  object), a `functools.partial`'s arguments, its default arguments;
+- the hooks of the user's own code on the model (forward, forward-pre and backward hooks of its modules, the
+  parameters' gradient hooks, torch's global module hooks), walked as the `step_fn` is: a forward hook that keeps
+  activations in a list, a gradient hook that sums a Fisher information, a backward hook that logs a norm (a
+  pass that only measures had run them once more; torch's and torchspeed's own hooks are theirs);
 - and what those reach: dicts, lists, tuples, plain objects, other modules (a GAN's discriminator: its
   parameters, buffers and gradients) and optimizers (their moments and step counts);
 - Python's and NumPy's global random generators (torch's the trial forks itself): Hugging Face's wav2vec2 draws
@@ -206,9 +210,8 @@ class UserState:
         walk = _Walk(snap, skip=set(self._skip), owned=self._owned)
         for m in self.module.modules():  # the model's own modules: what a forward writes on self
             walk.module_attributes(m, depth=1)
-        fn, hops = self.step_fn, 0
-        while fn is not None and hops < 4:  # a partial of a method of ...: each layer's roots
-            fn, hops = walk.function(fn), hops + 1
+        for fn in (self.step_fn, *_user_hooks(self.module)):
+            walk.callable(fn)
         walk.frozen(self.module)  # last: a large frozen backbone must not take the copies a carried state needs
         return snap
 
@@ -218,6 +221,12 @@ class _Walk:
 
     def __init__(self, snap: Snapshot, *, skip: set, owned: set):
         self.snap, self.seen, self.owned, self.cloned = snap, skip, owned, 0
+
+    def callable(self, fn) -> None:
+        """A step_fn's or a hook's roots, through what wraps it (a partial of a method of ...: each layer's)."""
+        hops = 0
+        while fn is not None and hops < 4:
+            fn, hops = self.function(fn), hops + 1
 
     def function(self, fn):
         """A step_fn's roots; returns the function it wraps (a partial's, a method's), if any."""
@@ -232,6 +241,8 @@ class _Walk:
             self.value(fn, 0)
             call = getattr(type(fn), "__call__", None)
             return call if isinstance(call, types.FunctionType) else None
+        for v in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()):  # `def hook(m, i, o, seen=[])`
+            self.value(v, 1)
         for cell in fn.__closure__ or ():
             try:
                 contents = cell.cell_contents
@@ -335,6 +346,21 @@ class _Walk:
 
 
 _BUILTINS = frozenset(dir(builtins))
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _user_hooks(module: nn.Module) -> list[Callable]:
+    """The hooks the user's code put on `module` (its modules', its parameters', torch's global module hooks), not
+    those torch or torchspeed registered (pruning's, quantization observers', the doctor's probe)."""
+    from torch.nn.modules import module as torch_module
+
+    found = [h for name in _MODULE_HOOKS for h in getattr(torch_module, "_global" + name, {}).values()]
+    for m in module.modules():
+        found += [h for name in _MODULE_HOOKS for h in (getattr(m, name, None) or {}).values()]
+    for p in module.parameters():
+        found += [h for name in _TENSOR_HOOKS for h in (getattr(p, name, None) or {}).values()]
+    return [h for h in found if str(getattr(h, "__module__", None) or "").split(".")[0] not in ("torch", "torchspeed")]
 
 
 def _names(code: types.CodeType) -> set[str]:
