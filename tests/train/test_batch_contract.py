@@ -240,6 +240,24 @@ def test_a_step_fn_that_returns_the_loss_read_back_as_a_number_is_told_to_return
                        **FAST)
 
 
+def test_a_step_fn_that_cannot_be_called_with_model_and_batch_is_refused_before_any_work():
+    """A Lightning `training_step(batch, batch_idx)` brought as it is: named, with how it ports, before the plan ran
+    anything (the model's weights untouched)."""
+    model = nn.Linear(3, 2)
+    before = [p.clone() for p in model.parameters()]
+    batches = [(torch.randn(8, 3), torch.randint(0, 2, (8,))) for _ in range(2)]
+    with pytest.raises(TypeError, match=r"step_fn\(model, batch\).*missing a required argument: 'batch_idx'.*"
+                                        r"Lightning training_step"):
+        torchspeed.fit(model, batches, step_fn=lambda model, batch, batch_idx: batch[0].sum(), recipe="auto", **FAST)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        Trainer(model, step_fn=lambda batch: batch[0].sum(), config=TrainConfig(**FAST))
+    with pytest.raises(TypeError, match="step_fn must be a function"):
+        torchspeed.fit(model, batches, step_fn="loss", **FAST)
+    kept = torchspeed.fit(nn.Linear(3, 2), batches, step_fn=lambda *a: F.cross_entropy(a[0](a[1][0]), a[1][1]), **FAST)
+    assert kept.steps == 2  # (model, batch) bound by *args: called as it is
+
+
 def test_stateful_dataloader_state_is_checkpointed_and_resume_is_exact(tmp_path):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
