@@ -413,3 +413,22 @@ def test_the_users_hooks_see_each_step_once_and_keep_the_plain_loops_sums(bf16_c
     assert res.decisions["precision"].value == "fp32" and _bf16_candidate_ran(res.decisions["switch_trial"].measured)
     assert acts == ref_acts and all(torch.equal(fisher[n], ref_fisher[n]) for n in fisher)
     assert _same_weights(model, ref)
+
+
+def test_a_view_that_channels_last_breaks_leaves_a_run_in_nchw_and_says_what_lets_it_run(bf16_cpu):
+    """An old script's flatten, `x.view(-1, C * H * W)` after its convolutions: in channels_last the view raises, the
+    candidate is dropped, the run trains on in NCHW, and the note names the one-line change that lets it run."""
+    class ViewNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 8 * 8, 3)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.conv(x)).view(-1, 4 * 8 * 8))
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(60)]
+    torch.manual_seed(0)
+    res = _ported(ViewNet(), batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]), lr=0.05)
+    assert res.steps == 60 and res.decisions["channels_last"].value is False
+    assert "torch.flatten(x, 1) or .reshape()" in res.decisions["switch_recovered"].reason

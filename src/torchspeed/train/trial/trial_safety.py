@@ -142,6 +142,9 @@ class TrialSafety:
         """The run goes on in `settings`: the trial's report says which candidate failed and what runs now."""
         stage, plain = self.stage, self.stage.plain
         label = blamed.label() if blamed is not None else plain.label()
+        if blamed is not None and blamed.channels_last and "view size is not compatible" in str(error):
+            note += ("; a .view() of a convolution's output, as old scripts flatten (x.view(-1, 16 * 5 * 5)): "
+                     "torch.flatten(x, 1) or .reshape() there lets channels_last run (T23)")
         if stage.live is not None and blamed is not None and blamed != plain:
             stage.live.fail(error, blamed)
         if settings != plain:  # the plain settings fail after the candidate's turn: the run keeps the candidate's
