@@ -24,7 +24,8 @@ from torchspeed.distill import Teacher, prepare_distillation
 from torchspeed.plan import make_plan
 from torchspeed.plan.stages import run_event
 from torchspeed.train.parallel.distributed import is_rank_zero
-from torchspeed.train.loop.batch import check_step_fn, forward_loss
+from torchspeed.train.loop.batch import forward_loss
+from torchspeed.train.loop.batch_notes import check_step_fn
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.result import FitResult
 from torchspeed.train.loop.trainer import Trainer
@@ -75,7 +76,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
         >>> result = fit(model, loader, epochs=3, val_loader=val, precision="auto", compile="auto")
     """
     cfg, given_cfg = _checked_config(config)
-    _check_inputs(model, optimizer, val_loader, step_fn)
+    _check_inputs(model, optimizer, val_loader, step_fn, loss_fn)
     kd = None if teacher is None else prepare_distillation(
         teacher, model, train_loader, loss_fn=loss_fn, step_fn=step_fn, epochs=epochs, device=device,
         max_steps=config.get("max_steps", cfg.max_steps), precision=config.get("precision", cfg.precision))
@@ -147,10 +148,10 @@ def _suggest(unknown: set[str]) -> str:
     return f" (did you mean: {', '.join(hints)}?)" if hints else ""
 
 
-def _check_inputs(model: nn.Module, optimizer, val_loader, step_fn) -> None:
-    """Clear errors before any work: nothing would train, the validation set is empty, a step_fn that cannot be
-    called as step_fn(model, batch)."""
-    check_step_fn(step_fn)
+def _check_inputs(model: nn.Module, optimizer, val_loader, step_fn, loss_fn) -> None:
+    """Clear errors before any work: nothing would train, the validation set is empty, a step_fn or loss_fn that
+    cannot be called as fit calls it."""
+    check_step_fn(step_fn, loss_fn)
     _check_trainable(model, optimizer)
     _check_val_loader(val_loader)
 

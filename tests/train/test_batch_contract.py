@@ -258,6 +258,18 @@ def test_a_step_fn_that_cannot_be_called_with_model_and_batch_is_refused_before_
     assert kept.steps == 2  # (model, batch) bound by *args: called as it is
 
 
+def test_a_loss_fn_that_needs_more_than_output_and_target_is_sent_to_a_step_fn_before_any_work():
+    batches = [(torch.randn(8, 3), torch.randint(0, 2, (8,))) for _ in range(2)]
+    with pytest.raises(TypeError, match=r"loss_fn\(output, target\); CTCLoss.*input_lengths.*goes in a step_fn"):
+        torchspeed.fit(nn.Linear(3, 2), batches, loss_fn=nn.CTCLoss(), **FAST)
+    with pytest.raises(TypeError, match="missing a required argument: 'mask'"):
+        torchspeed.fit(nn.Linear(3, 2), batches, loss_fn=lambda out, y, mask: F.cross_entropy(out, y), **FAST)
+    ctc = nn.CTCLoss()  # with a step_fn the loss is the step's own: not checked
+    assert torchspeed.fit(nn.Linear(3, 2), batches, loss_fn=ctc, step_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                          **FAST).steps == 2
+    assert torchspeed.fit(nn.Linear(3, 2), batches, loss_fn=nn.CrossEntropyLoss(label_smoothing=0.1), **FAST).steps == 2
+
+
 def test_stateful_dataloader_state_is_checkpointed_and_resume_is_exact(tmp_path):
     from torchdata.stateful_dataloader import StatefulDataLoader
 

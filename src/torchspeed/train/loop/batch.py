@@ -40,7 +40,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -202,25 +201,6 @@ def _binary(loss_fn: Callable | None) -> str | None:  # how a binary loss reads 
     if isinstance(loss_fn, nn.BCEWithLogitsLoss) or loss_fn is F.binary_cross_entropy_with_logits:
         return "logits"
     return "probs" if isinstance(loss_fn, nn.BCELoss) or loss_fn is F.binary_cross_entropy else None
-
-
-def check_step_fn(step_fn: Callable | None) -> None:
-    """A clear error before any work for a `step_fn` that cannot be called as `step_fn(model, batch)`: a Lightning
-    `training_step(batch, batch_idx)` or a HF-style `compute_loss(model, inputs, return_outputs)` brought as it is."""
-    if step_fn is None:
-        return
-    if not callable(step_fn):
-        raise TypeError(f"step_fn must be a function called as step_fn(model, batch) that returns the loss, got "
-                        f"{type(step_fn).__name__}")
-    try:
-        inspect.signature(step_fn).bind(None, None)
-    except ValueError:  # no signature to read (a builtin, a C callable): called as it is
-        return
-    except TypeError as e:
-        raise TypeError(f"step_fn is called as step_fn(model, batch) and returns the loss; "
-                        f"{getattr(step_fn, '__name__', type(step_fn).__name__)}{inspect.signature(step_fn)} cannot "
-                        f"be ({e}). A Lightning training_step(self, batch, batch_idx) ports as "
-                        "step_fn=lambda model, batch: ... with what it computes (docs/models.md)") from None
 
 
 def _from_step_fn(model: Callable, batch, step_fn: Callable) -> tuple[StepOutput, str]:

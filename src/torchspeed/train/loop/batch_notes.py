@@ -1,6 +1,8 @@
 """What an error on a run's first step is told besides torch's words (the batch contract: batch.py, docs/models.md):
 how the batch was read, and the fix for the dtypes and target forms torch's messages do not name (float64 data from
-NumPy, integer or half-precision inputs, a target of Python values).
+NumPy, integer or half-precision inputs, a target of Python values); and, before any work, a `step_fn` or `loss_fn`
+that cannot be called as `fit` calls it (`check_step_fn`: a Lightning `training_step(batch, batch_idx)`,
+`nn.CTCLoss` as the loss_fn), named with how it ports.
 
 Example:
     >>> try:
@@ -12,11 +14,13 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 
 import torch
+from torch import nn
 
-__all__ = ["first_step_notes"]
+__all__ = ["first_step_notes", "check_step_fn"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _DTYPE_WORDS = ("same dtype", "should be the same", "expected scalar type")
@@ -54,3 +58,31 @@ def first_step_notes(e: BaseException, call: str, inputs, target) -> None:
     if isinstance(target, (list, tuple)) and target and not _any(target, lambda t: True):
         e.add_note(f"The target is a {type(target).__name__} of {len(target)} Python values, not a tensor: "
                    "yield it as one (torch.tensor(labels); a DataLoader's default collate does).")
+
+
+def check_step_fn(step_fn: Callable | None, loss_fn: Callable | None = None) -> None:
+    """A clear error before any work for a `step_fn` that cannot be called as `step_fn(model, batch)` (a Lightning
+    `training_step(batch, batch_idx)` brought as it is), or a `loss_fn` that cannot be called as
+    `loss_fn(output, target)` (`nn.CTCLoss`, a loss with a mask: they go in a step_fn; with a step_fn, the loss is
+    its own)."""
+    _callable_as(step_fn, "step_fn(model, batch) and returns the loss", "A Lightning training_step(self, batch, "
+                 "batch_idx) ports as step_fn=lambda model, batch: ... with what it computes (docs/models.md)")
+    _callable_as(None if step_fn is not None else loss_fn, "loss_fn(output, target)", "A loss that needs more "
+                 "than the model's output and the target goes in a step_fn: step_fn=lambda model, batch: <the loss> "
+                 "(docs/models.md)")
+
+
+def _callable_as(fn: Callable | None, call: str, hint: str) -> None:
+    if fn is None:
+        return
+    name = call.split("(")[0]
+    if not callable(fn):
+        raise TypeError(f"{name} must be a function called as {call}, got {type(fn).__name__}")
+    try:
+        signature = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn)
+        signature.bind(None, None)
+    except ValueError:  # no signature to read (a builtin, a C callable): called as it is
+        return
+    except TypeError as e:
+        own = getattr(fn, "__name__", type(fn).__name__)
+        raise TypeError(f"{name} is called as {call}; {own}{signature} cannot be ({e}). {hint}") from None

@@ -22,7 +22,7 @@ from torchspeed.train.bnstats import batchnorm_layers
 from torchspeed.train.config import TrainConfig, check_reliability_options
 from torchspeed.train.in_memory import InMemory
 from torchspeed.train.loggers import LoggerCallback
-from torchspeed.train.loop.batch import check_step_fn
+from torchspeed.train.loop.batch_notes import check_step_fn
 from torchspeed.train.loop.callbacks import Callback, CallbackList
 from torchspeed.train.loop.guard import NonFiniteGuard
 from torchspeed.train.trial.half_fallback import fall_back_to_fp32, half_unasked, watched
@@ -69,7 +69,7 @@ class TrainerSetup:
         elif cfg.label_smoothing:
             raise ValueError("label_smoothing applies to the default CrossEntropyLoss; "
                              "pass nn.CrossEntropyLoss(label_smoothing=...) as loss_fn instead")
-        check_step_fn(step_fn)
+        check_step_fn(step_fn, loss_fn)
         self.loss_fn, self.step_fn = loss_fn, step_fn
 
     def _build_optimizer(self, optimizer: str | torch.optim.Optimizer, **hyper) -> torch.optim.Optimizer:
