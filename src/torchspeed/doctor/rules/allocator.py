@@ -12,59 +12,42 @@ timed steps: their cost adds up), and a ceiling (`_ceiling`: every fault at its 
 2% minimum effect. A fixed count alone put the line where scripts live: one CNN read a median of 2,273 faults a
 step in one process and 990 in the next (glibc's dynamic mmap threshold settles differently per process), and
 its finding came and went with the 1,000 line. Its ceiling, 7-13% of its step either way, does not move across
-the 2% line. A script whose faults could not gain 2% is not measured; where the ceiling still holds `NEAR` of that
-line (0.8% of the step or more) it is listed low, near the line, else not at all. Why: the count moves 2-2.5x
-between processes, and a script whose ceiling straddles the line (the gallery's oversubscribed loader: 2,622,
-6,183 and 2,755 faults a step in three runs, ceilings of 1.1%, 2.5% and 1.1%) was listed in one run and not in
-the next, the same script.
+the 2% line. A script whose faults could not gain 2% is not reported at all (nothing to measure).
 """
 
 from __future__ import annotations
 
 from torchspeed.doctor.observation import Observation
 from torchspeed.doctor.registry import register
-from torchspeed.doctor.report import MIN_EFFECT
 from torchspeed.doctor.rules._ceiling import below_minimum, ceiling
 from torchspeed.doctor.rules._common import finding, on_cuda, saving_gain, step_ms
 
 FAULTS = 500        # minor page faults per step (2 MiB of pages) worth reporting, where their ceiling clears 2%
 US_PER_FAULT = 0.7  # a fault plus zeroing a 4 KiB page, in microseconds
-NEAR = 0.4          # a ceiling whose share of the step holds this much of the minimum effect's is listed low
-
-
-def _faulting(obs: Observation) -> bool:
-    faults = (obs.get("breakdown") or {}).get("minor_faults_per_step", 0.0)
-    return not on_cuda(obs) and (obs.get("env") or {}).get("allocator") == "glibc" and faults >= FAULTS
 
 
 def churn(obs: Observation) -> bool:
     """glibc malloc on the CPU with at least `FAULTS` page faults a step, whose ceiling clears the minimum effect."""
-    return _faulting(obs) and not below_minimum(ceiling(obs, "malloc"))
-
-
-def near_line(obs: Observation) -> bool:
-    """The churn's ceiling under the minimum effect but within `NEAR` of its share: listed low, not measured."""
-    c = ceiling(obs, "malloc")
-    return _faulting(obs) and c is not None and c["share"] >= NEAR * (1 - 1 / MIN_EFFECT) and below_minimum(c)
+    faults = (obs.get("breakdown") or {}).get("minor_faults_per_step", 0.0)
+    if on_cuda(obs) or (obs.get("env") or {}).get("allocator") != "glibc" or faults < FAULTS:
+        return False
+    return not below_minimum(ceiling(obs, "malloc"))
 
 
 @register("allocator", priority=95, techniques=("T44",), summary="glibc malloc with page-fault churn every step")
 def check(obs: Observation):
     env = obs.get("env") or {}
     faults = (obs.get("breakdown") or {}).get("minor_faults_per_step", 0.0)
-    near = not churn(obs)
-    if near and not near_line(obs):
+    if not churn(obs):
         return None
     step = step_ms(obs)
     saved = faults * US_PER_FAULT / 1e3
     evidence = (f"{faults:,.0f} minor page faults per step with glibc malloc (about {saved:.1f} ms of "
-                f"{step:.1f} ms at ~{US_PER_FAULT} us each): large blocks are unmapped on free and faulted in again"
-                + ("; near the 2% line where the glibc settings are measured (the count moves 2-2.5x between "
-                   "processes), so listed low" if near else ""))
+                f"{step:.1f} ms at ~{US_PER_FAULT} us each): large blocks are unmapped on free and faulted in again")
     tcm = env.get("tcmalloc_path")
     fix = ((f"LD_PRELOAD={tcm} python train.py (tcmalloc), or " if tcm else "tcmalloc (`apt-get install "
             "libtcmalloc-minimal4`, then LD_PRELOAD=libtcmalloc_minimal.so.4) or jemalloc, or ")
            + "MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 python train.py (glibc keeps the "
            "blocks; torchspeed bench and train use these) (T44)")
     return finding("allocator", evidence=evidence, fix=fix, est_gain=saving_gain(step, saved), obs=obs,
-                   env_fix="malloc", severity="low" if near else None)
+                   env_fix="malloc")
