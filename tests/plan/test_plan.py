@@ -300,3 +300,19 @@ def test_recipe_auto_keeps_an_optimizer_that_takes_sparse_gradients(tmp_path, mo
     res = torchspeed.fit(MF(), batches, loss_fn=nn.MSELoss(), recipe="auto", epochs=2, **FAST)
     assert res.steps == 16 and res.decisions["optimizer"].value == "sgd"
     assert "sparse gradients" in res.decisions["optimizer"].reason
+
+
+def test_recipe_auto_keeps_sgd_for_a_model_whose_weights_are_float16(tmp_path, monkeypatch):
+    """`model.half()` with no float32 master weights: an Adam-family step divides by sqrt(v) + eps, whose 1e-8 is 0
+    in float16; Schedule-Free's prior made every loss NaN and the guard stopped the run. The part tries no candidate
+    and the run trains with SGD, as a plain fp16 loop does."""
+    from torch import nn
+
+    monkeypatch.setenv("TORCHSPEED_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)).half()
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 32, generator=g).half(), torch.randint(0, 10, (32,), generator=g)) for _ in range(40)]
+    res = torchspeed.fit(model, batches, recipe="auto", **FAST)
+    assert res.steps == 40 and str(res.decisions["optimizer"].value).lower().startswith("sgd") and res.skipped_steps == 0
+    assert "float16" in res.decisions["optimizer"].reason

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from torchspeed.plan.parts import Gate, Recipe, guarded
 from torchspeed.plan.recipe_horizon import horizon_prior, prior_parts
 from torchspeed.plan.stages import RunContext
@@ -40,6 +42,11 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
     if sparse_gradients(model):  # Schedule-Free's, Muon's and AdamW's steps refuse sparse gradients
         d["optimizer"] = Decision(given, "the model makes sparse gradients (an embedding with sparse=True): only "
                                          "optimizers that take them (SGD, SparseAdam, Adagrad), no candidate tried")
+        return None
+    if any(p.dtype == torch.float16 for p in model.parameters()):  # `model.half()`: no float32 master weights
+        d["optimizer"] = Decision(given, "the model's weights are float16: an Adam-family step (Schedule-Free's, "
+                                         "AdamW's, Muon's) divides by sqrt(v) + eps, and its eps (1e-8) is 0 in "
+                                         "float16; no candidate tried")
         return None
     if "schedulefree" in rec.parts and given in SF_REPLACES:
         if schedule_free_available():
