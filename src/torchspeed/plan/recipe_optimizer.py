@@ -39,14 +39,8 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
     d = rec.decisions
     cands = [given]
     why_not = []
-    if sparse_gradients(model):  # Schedule-Free's, Muon's and AdamW's steps refuse sparse gradients
-        d["optimizer"] = Decision(given, "the model makes sparse gradients (an embedding with sparse=True): only "
-                                         "optimizers that take them (SGD, SparseAdam, Adagrad), no candidate tried")
-        return None
-    if any(p.dtype == torch.float16 for p in model.parameters()):  # `model.half()`: no float32 master weights
-        d["optimizer"] = Decision(given, "the model's weights are float16: an Adam-family step (Schedule-Free's, "
-                                         "AdamW's, Muon's) divides by sqrt(v) + eps, and its eps (1e-8) is 0 in "
-                                         "float16; no candidate tried")
+    if (kept := _no_candidate(model)) is not None:
+        d["optimizer"] = Decision(given, kept)
         return None
     if "schedulefree" in rec.parts and given in SF_REPLACES:
         if schedule_free_available():
@@ -91,6 +85,17 @@ def choose_optimizer_part(model, loader, rec: Recipe, gate: Gate, *, given: str,
     # taken whole when neither a trial nor the cache chose it: the prior
     _schedule_free_parts(rec, total_steps, sf_lr, whole=not measured and gate.cached("optimizer") is None)
     return sf_lr
+
+
+def _no_candidate(model) -> str | None:
+    """Why no candidate can replace the given optimizer on this model, if one cannot."""
+    if sparse_gradients(model):  # Schedule-Free's, Muon's and AdamW's steps refuse sparse gradients
+        return ("the model makes sparse gradients (an embedding with sparse=True): only optimizers that take them "
+                "(SGD, SparseAdam, Adagrad), no candidate tried")
+    if any(p.dtype == torch.float16 for p in model.parameters()):  # `model.half()`: no float32 master weights
+        return ("the model's weights are float16: an Adam-family step (Schedule-Free's, AdamW's, Muon's) divides by "
+                "sqrt(v) + eps, and its eps (1e-8) is 0 in float16; no candidate tried")
+    return None
 
 
 def _prior(model, cands: list[str], given: str, lr_given: bool,
