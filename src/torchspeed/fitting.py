@@ -24,6 +24,7 @@ from torchspeed.distill import Teacher, prepare_distillation
 from torchspeed.plan import make_plan
 from torchspeed.plan.stages import run_event
 from torchspeed.train.parallel.distributed import is_rank_zero
+from torchspeed.train.parallel.fsdp import check_optimizer
 from torchspeed.train.loop.batch import forward_loss
 from torchspeed.train.loop.batch_notes import check_step_fn
 from torchspeed.train.config import TrainConfig
@@ -152,6 +153,7 @@ def _check_inputs(model: nn.Module, optimizer, val_loader, step_fn, loss_fn) -> 
     """Clear errors before any work: nothing would train, the validation set is empty, a step_fn or loss_fn that
     cannot be called as fit calls it."""
     check_step_fn(step_fn, loss_fn)
+    check_optimizer(optimizer, sharded=False)
     _check_trainable(model, optimizer)
     _check_val_loader(val_loader)
 

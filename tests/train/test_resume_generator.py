@@ -164,6 +164,20 @@ def test_an_optimizer_class_is_a_type_error_naming_the_fix():
     check_optimizer("adamw", sharded=True)  # a name is fine everywhere
 
 
+def test_a_list_of_optimizers_or_a_scheduler_as_the_optimizer_is_a_type_error_naming_the_fix():
+    """A GAN script's [opt_g, opt_d], or the scheduler passed where its optimizer goes: named with the fix before any
+    work, not torch's "'list' object has no attribute 'param_groups'"."""
+    m = _model()
+    two = [torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(m.parameters(), lr=0.1)]
+    with pytest.raises(TypeError, match=r"takes one optimizer; got a list of 2.*step the other inside your step_fn"):
+        torchspeed.fit(m, _loader(), **dict(_FIT, optimizer=two, epochs=1))
+    sched = torch.optim.lr_scheduler.StepLR(two[0], 1)
+    with pytest.raises(TypeError, match=r"got an LR scheduler \(StepLR\).*optimizer=sched.optimizer.*schedule=sched"):
+        torchspeed.fit(m, _loader(), **dict(_FIT, optimizer=sched, epochs=1))
+    with pytest.raises(TypeError, match="got dict"):
+        check_optimizer({"lr": 0.1}, sharded=False)
+
+
 def test_resuming_with_the_same_optimizer_grouped_otherwise_is_a_clear_error(tmp_path):
     """optimizer='adamw' (weight decay split off the biases: two groups) resumed with torch.optim.AdamW over all the
     parameters (one group): a ResumeMismatchError naming the part and the fix, not torch's bare ValueError."""

@@ -160,6 +160,17 @@ def check_optimizer(optimizer, *, sharded: bool) -> None:
         where = "torch.optim." if optimizer.__module__.startswith("torch.optim") else ""
         raise TypeError(f"optimizer= takes a name like 'adamw' or an instance like {where}{name}(model.parameters(), "
                         f"lr=...); got the class {name}")
+    if isinstance(optimizer, (list, tuple)):
+        raise TypeError(f"optimizer= takes one optimizer; got a {type(optimizer).__name__} of {len(optimizer)}. Two "
+                        "models trained in turn (a GAN): pass the one fit steps and step the other inside your "
+                        "step_fn (docs/models.md); parts of one model at different LRs: one optimizer with param "
+                        "groups")
+    if isinstance(optimizer, torch.optim.lr_scheduler.LRScheduler):
+        raise TypeError(f"optimizer= got an LR scheduler ({type(optimizer).__name__}): pass its optimizer "
+                        "(optimizer=sched.optimizer) and the scheduler as schedule=sched")
+    if not isinstance(optimizer, str) and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "step")):
+        raise TypeError(f"optimizer= takes a name like 'adamw' or a torch.optim.Optimizer built over the model; "
+                        f"got {type(optimizer).__name__}")
     if sharded and not isinstance(optimizer, str):
         raise ValueError("parallel='fsdp2' replaces the model's parameters by shards: pass the optimizer by "
                          "name (optimizer='adamw') so that it is built over the shards")
