@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 
@@ -77,7 +78,7 @@ def fit(model: nn.Module, train_loader: Iterable, *, loss_fn: Callable | None = 
         >>> result = fit(model, loader, epochs=3, val_loader=val, precision="auto", compile="auto")
     """
     cfg, given_cfg = _checked_config(config)
-    _check_inputs(model, optimizer, val_loader, step_fn, loss_fn)
+    _check_inputs(model, optimizer, val_loader, step_fn, loss_fn, lr)
     kd = None if teacher is None else prepare_distillation(
         teacher, model, train_loader, loss_fn=loss_fn, step_fn=step_fn, epochs=epochs, device=device,
         max_steps=config.get("max_steps", cfg.max_steps), precision=config.get("precision", cfg.precision))
@@ -149,11 +150,13 @@ def _suggest(unknown: set[str]) -> str:
     return f" (did you mean: {', '.join(hints)}?)" if hints else ""
 
 
-def _check_inputs(model: nn.Module, optimizer, val_loader, step_fn, loss_fn) -> None:
+def _check_inputs(model: nn.Module, optimizer, val_loader, step_fn, loss_fn, lr) -> None:
     """Clear errors before any work: nothing would train, the validation set is empty, a step_fn or loss_fn that
-    cannot be called as fit calls it."""
+    cannot be called as fit calls it, an optimizer or LR that is none."""
     check_step_fn(step_fn, loss_fn)
     check_optimizer(optimizer, sharded=False)
+    if not (lr is None or lr == "auto" or (isinstance(lr, numbers.Real) and not isinstance(lr, bool) and lr > 0)):
+        raise ValueError(f"lr must be a number > 0, 'auto' (measured) or None (the optimizer's default), got {lr!r}")
     _check_trainable(model, optimizer)
     _check_val_loader(val_loader)
 

@@ -320,3 +320,19 @@ def test_an_unknown_option_names_fits_own_for_other_trainers_names_and_typos():
     options = set(TrainConfig.__dataclass_fields__) | {"epochs"}
     named = {v: [part.split("=")[0].strip() for part in v.split(" or ")] for v in _ALIASES.values()}  # "a=V or b=V"
     assert all(v.startswith("callbacks=") or all(n in options for n in names) for v, names in named.items())
+
+
+def test_an_lr_that_is_no_number_or_a_callback_class_is_named_and_one_callback_alone_is_a_list():
+    with pytest.raises(ValueError, match=r"lr must be a number > 0, 'auto' \(measured\) or None.*got '0.01'"):
+        torchspeed.fit(nn.Linear(8, 2), _fit_data(), progress=False, lr="0.01")  # had been "Unknown format code 'g'"
+    with pytest.raises(ValueError, match="got -1"):
+        torchspeed.fit(nn.Linear(8, 2), _fit_data(), progress=False, lr=-1)
+    with pytest.raises(TypeError, match=r"the class EarlyStopping: pass an instance, EarlyStopping\(...\)"):
+        torchspeed.fit(nn.Linear(8, 2), _fit_data(), progress=False, callbacks=[torchspeed.EarlyStopping])
+    seen = []
+
+    class Count(torchspeed.Callback):
+        def on_step_end(self, trainer):
+            seen.append(trainer.step)
+    r = torchspeed.fit(nn.Linear(8, 2), _fit_data(), progress=False, callbacks=Count())  # not in a list
+    assert seen == list(range(1, r.steps + 1))

@@ -64,6 +64,7 @@ from torchspeed.plan.stages import (RunContext, RunStages, Stage, first_steps_ho
                                     run_length, stages)
 from torchspeed.plan.switches_first import switches_first, wants_switches_first
 from torchspeed.plan.tuners import batch_tuner, loader_tuner, lr_tuner, tuners_setup, wants_tuners
+from torchspeed.train.loop.callbacks import as_list
 from torchspeed.train.trial.autoswitch import arm_switch_trial
 from torchspeed.train.trial.backends import apply_backends, decide_backends
 from torchspeed.train.trial.compile import arm_compile_trial
@@ -129,7 +130,7 @@ def make_plan(model: nn.Module, train_loader: Iterable, cfg: TrainConfig, *,
     ctx = RunContext(model=model, loader=train_loader, cfg=cfg, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
                      optimizer_options=optimizer_options, loss_fn=loss_fn, step_fn=step_fn, device=device,
                      batch_size=batch_size, loader_mode=loader, recipe=recipe, recipe_parts=recipe_parts,
-                     schedule_given=schedule_given, cache=cache, callbacks=list(callbacks or ()))
+                     schedule_given=schedule_given, cache=cache, callbacks=as_list(callbacks))
     state = UserState(model, step_fn).snapshot()  # the tuners and trials run the user's model and step_fn
     try:
         run_event(ctx, "before")

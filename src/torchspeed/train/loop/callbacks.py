@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-__all__ = ["Callback", "CallbackList", "EarlyStopping", "EMA"]
+__all__ = ["Callback", "CallbackList", "EarlyStopping", "EMA", "as_list"]
 
 log = logging.getLogger("torchspeed")
 
@@ -78,6 +78,11 @@ class Callback:
         pass
 
 
+def as_list(callbacks) -> list:
+    """`callbacks=` as a list: one callback given alone (`callbacks=EarlyStopping()`) is a list of one."""
+    return [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
+
+
 class CallbackList:
     """The trainer's one handle on its callbacks: each event is one call that goes to every callback in order.
 
@@ -86,8 +91,10 @@ class CallbackList:
     """
 
     def __init__(self, callbacks: Iterable[Callback] | None = None):
-        self.callbacks: list[Callback] = list(callbacks or [])
+        self.callbacks: list[Callback] = as_list(callbacks)
         for i, cb in enumerate(self.callbacks):
+            if isinstance(cb, type) and issubclass(cb, Callback):
+                raise TypeError(f"callbacks[{i}] is the class {cb.__name__}: pass an instance, {cb.__name__}(...)")
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks[{i}] ({type(cb).__name__}) is not a torchspeed Callback: subclass "
                                 "torchspeed.train.loop.callbacks.Callback and override the events you need "
