@@ -124,7 +124,12 @@ def default_device(device=None):
     the driver only)."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:  # "gpu", "GPU:0": torch lists every device type it knows
+        raise ValueError(f"device={device!r} is no torch device: pass 'cuda' (or 'cuda:0') for the GPU, 'cpu', "
+                         f"'mps', or leave device out to train on what this machine has (torch: "
+                         f"{str(e).splitlines()[0][:80]}...)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         build = "a CPU-only build of torch" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
         raise RuntimeError(f"device={str(device)!r} was asked for, but torch sees no CUDA GPU here ({build}; "

@@ -218,3 +218,5 @@ def test_a_cuda_device_asked_for_where_torch_sees_none_says_why_and_what_to_do(m
                                            r"device out"):
         torchspeed.fit(torch.nn.Linear(8, 3), loader, device="cuda", progress=False)
     assert torchspeed.fit(torch.nn.Linear(8, 3), loader, progress=False).steps == 4  # left out: what is here
+    with pytest.raises(ValueError, match=r"device='gpu' is no torch device: pass 'cuda'"):
+        torchspeed.fit(torch.nn.Linear(8, 3), loader, device="gpu", progress=False)  # torch: "Expected one of cpu, ..."
