@@ -155,8 +155,8 @@ def _check_inputs(model: nn.Module, optimizer, val_loader, step_fn, loss_fn, lr)
     cannot be called as fit calls it, an optimizer or LR that is none."""
     check_step_fn(step_fn, loss_fn)
     check_optimizer(optimizer, sharded=False)
-    if not (lr is None or lr == "auto" or (isinstance(lr, numbers.Real) and not isinstance(lr, bool) and lr > 0)):
-        raise ValueError(f"lr must be a number > 0, 'auto' (measured) or None (the optimizer's default), got {lr!r}")
+    if not (lr is None or lr == "auto" or (isinstance(lr, numbers.Real) and not isinstance(lr, bool) and lr >= 0)):
+        raise ValueError(f"lr must be a number >= 0, 'auto' (measured) or None (the optimizer's default), got {lr!r}")
     _check_trainable(model, optimizer)
     _check_val_loader(val_loader)
 

@@ -323,7 +323,7 @@ def test_an_unknown_option_names_fits_own_for_other_trainers_names_and_typos():
 
 
 def test_an_lr_that_is_no_number_or_a_callback_class_is_named_and_one_callback_alone_is_a_list():
-    with pytest.raises(ValueError, match=r"lr must be a number > 0, 'auto' \(measured\) or None.*got '0.01'"):
+    with pytest.raises(ValueError, match=r"lr must be a number >= 0, 'auto' \(measured\) or None.*got '0.01'"):
         torchspeed.fit(nn.Linear(8, 2), _fit_data(), progress=False, lr="0.01")  # had been "Unknown format code 'g'"
     with pytest.raises(ValueError, match="got -1"):
         torchspeed.fit(nn.Linear(8, 2), _fit_data(), progress=False, lr=-1)
