@@ -72,6 +72,12 @@ def test_a_schedule_function_that_does_not_build_a_scheduler_on_its_optimizer_is
                        schedule=torch.optim.lr_scheduler.StepLR(mine, 1), **FAST)
     with pytest.raises(ValueError, match="schedule_interval must be 'epoch' or 'step'"):
         torchspeed.fit(nn.Linear(8, 3), _data(), epochs=1, schedule_interval="batch", **FAST)
+    with pytest.raises(TypeError, match=r"got the class StepLR, which needs more than the optimizer.*'step_size'.*"
+                                        r"schedule=lambda opt: StepLR\(opt, ...\)"):
+        torchspeed.fit(nn.Linear(8, 3), _data(), epochs=1, schedule=torch.optim.lr_scheduler.StepLR, **FAST)
+    res = torchspeed.fit(nn.Linear(8, 3), _data(), epochs=2, optimizer="sgd", lr=0.1,  # a class its defaults build
+                         schedule=torch.optim.lr_scheduler.ReduceLROnPlateau, **FAST)
+    assert res.steps > 0
 
 
 def test_a_scheduler_object_built_on_the_optimizer_passed_is_taken_as_a_ported_script_built_it():

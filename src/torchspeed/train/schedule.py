@@ -215,7 +215,13 @@ def as_schedule(schedule):
 def _own_scheduler(factory, optimizer: torch.optim.Optimizer, interval: str):
     if interval not in INTERVALS:
         raise ValueError(f"schedule_interval must be one of {INTERVALS}, got {interval!r}")
-    sched = factory(optimizer)
+    try:
+        sched = factory(optimizer)
+    except TypeError as e:
+        if not isinstance(factory, type):
+            raise
+        raise TypeError(f"schedule= got the class {factory.__name__}, which needs more than the optimizer ({e}): "
+                        f"pass a function that builds it, schedule=lambda opt: {factory.__name__}(opt, ...)") from None
     scheduler = hasattr(sched, "step") and hasattr(sched, "state_dict")
     if not scheduler or getattr(sched, "optimizer", None) is not optimizer:
         raise TypeError("schedule=<a function> must build an LR scheduler on the optimizer it is given, e.g. "
