@@ -212,9 +212,11 @@ def _from_step_fn(model: Callable, batch, step_fn: Callable) -> tuple[StepOutput
     if loss is None and isinstance(out, torch.Tensor):
         loss = out.mean() if out.numel() == 1 else None
     if loss is None:
-        shape = (f" of shape {tuple(out.shape)}: reduce it to one value (.mean())" if torch.is_tensor(out) else
-                 ": return the loss tensor itself, not loss.item() or float(loss) (fit runs its backward)"
-                 if isinstance(out, (float, int)) else "")
+        shape = ""
+        if torch.is_tensor(out):
+            shape = f" of shape {tuple(out.shape)}: reduce it to one value (.mean())"
+        elif isinstance(out, (float, int)):
+            shape = ": return the loss tensor itself, not loss.item() or float(loss) (fit runs its backward)"
         raise TypeError("step_fn(model, batch) must return the loss: a 0-dim tensor, a dict with 'loss', or an "
                         f"object with .loss; it returned {type(out).__name__}{shape}")
     target = split_batch(batch)[1] if o.logits is not None else None

@@ -198,12 +198,13 @@ def optimizer_step(optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradSc
             scaler.unscale_(optimizer)  # once, before your code and clipping: they see the true gradient
         if before_step is not None:
             before_step()
-        params = [] if clip_grad_norm is None and clip_grad_value is None else list(parameters) if (
-            parameters is not None) else [p for g in optimizer.param_groups for p in g["params"]]
-        if clip_grad_value is not None:
-            torch.nn.utils.clip_grad_value_(params, clip_grad_value)
-        if clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        if clip_grad_norm is not None or clip_grad_value is not None:
+            params = list(parameters) if parameters is not None else [
+                p for g in optimizer.param_groups for p in g["params"]]
+            if clip_grad_value is not None:
+                torch.nn.utils.clip_grad_value_(params, clip_grad_value)
+            if clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
     clock = optimizer.__dict__.get(STEP_CLOCK)
     if clock is not None:
         clock.start()
