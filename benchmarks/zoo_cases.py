@@ -10,6 +10,7 @@ docs/models.md written out by hand (cross-entropy on logits, the model's own los
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -154,37 +155,81 @@ def segmentation(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- batches
+#
+# Batches a model can learn from, so that a K-step loss says how far a run got: an image is its class's fixed
+# prototype (coarse colour blobs) under unit noise, a vector its class's fixed direction plus noise, a mask's
+# pixels their class's colour, a token sequence a fixed random successor table with 10% of the tokens random.
+# The "teacher" (prototypes, colours, successors) is drawn from its own fixed seed, the same in every process;
+# the batches' draws come from the generator the caller passes. A maker carries `learnable = True`; a case whose
+# batches are noise (random labels) has nothing to learn, and the sweep says so beside its loss.
+
+TEACHER_SEED = 4321
+
+
+def teacher(*shape: int, salt: int = 0) -> torch.Tensor:
+    """A fixed standard-normal tensor of this shape: the same in every process and run."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(TEACHER_SEED + salt))
+
+
+def learnable(make: Callable[[torch.Generator], Batch]) -> Callable[[torch.Generator], Batch]:
+    make.learnable = True  # type: ignore[attr-defined]
+    return make
+
+
+@functools.lru_cache(maxsize=4)
+def prototypes(classes: int, channels: int, h: int, w: int) -> torch.Tensor:
+    """(classes, channels, h, w): each class a 4x4 grid of random colours, upsampled to smooth blobs (made on a
+    maker's first batch: a registry of every case builds none)."""
+    return F.interpolate(teacher(classes, channels, 4, 4), size=(h, w), mode="bilinear", align_corners=False)
+
 
 def images(n: int, size: int | tuple[int, int], classes: int = 10, channels: int = 3):
-    """A batch maker of `(x, y)` image classification batches."""
+    """A batch maker of `(x, y)` image classification batches: x its class's prototype under unit noise."""
     h, w = (size, size) if isinstance(size, int) else size
 
     def make(g: torch.Generator):
-        return torch.randn(n, channels, h, w, generator=g), torch.randint(0, classes, (n,), generator=g)
-    return make
+        y = torch.randint(0, classes, (n,), generator=g)
+        return prototypes(classes, channels, h, w)[y] + torch.randn(n, channels, h, w, generator=g), y
+    return learnable(make)
 
 
 def vectors(n: int = 32, d: int = 32, classes: int = 10, dtype: torch.dtype = torch.float32):
-    """A batch maker of `(x, y)` batches of `n` feature vectors of width `d`."""
-    return lambda g: (torch.randn(n, d, generator=g, dtype=dtype), torch.randint(0, classes, (n,), generator=g))
+    """A batch maker of `(x, y)` batches of `n` feature vectors of width `d`: x its class's direction plus noise."""
+    proto = teacher(classes, d, salt=1)
+
+    def make(g: torch.Generator):
+        y = torch.randint(0, classes, (n,), generator=g)
+        return (proto[y] + torch.randn(n, d, generator=g)).to(dtype), y
+    return learnable(make)
 
 
 def masks(n: int, size: int, classes: int = 5):
+    """`(x, y)` segmentation batches: blob-shaped label maps, each pixel its class's colour under noise."""
+    colours = teacher(classes, 3, salt=2)
+
     def make(g: torch.Generator):
-        return torch.randn(n, 3, size, size, generator=g), torch.randint(0, classes, (n, size, size), generator=g)
-    return make
+        logits = F.interpolate(torch.randn(n, classes, 4, 4, generator=g), size=(size, size), mode="bilinear",
+                               align_corners=False)
+        y = logits.argmax(1)
+        return colours[y].permute(0, 3, 1, 2) + 0.5 * torch.randn(n, 3, size, size, generator=g), y
+    return learnable(make)
 
 
 def boxes(n: int, size: int, classes: int = 5, with_masks: bool = False, keypoints: int = 0):
-    """`(list of images, list of target dicts)`, 2 boxes an image."""
+    """`(list of images, list of target dicts)`, 2 boxes an image, each painted its class's colour on noise."""
+    colours = teacher(classes, 3, salt=3).sigmoid()
+
     def make(g: torch.Generator):
         ims, tgts = [], []
         for _ in range(n):
-            ims.append(torch.rand(3, size, size, generator=g))
+            im = 0.5 * torch.rand(3, size, size, generator=g)
             xy = torch.rand(2, 2, generator=g) * size * 0.5
             wh = 8 + torch.rand(2, 2, generator=g) * size * 0.4
             b = torch.cat([xy, (xy + wh).clamp(max=size - 1)], 1)
             t = {"boxes": b, "labels": torch.randint(1, classes, (2,), generator=g)}
+            for (x0, y0, x1, y1), c in zip(b.int().tolist(), t["labels"].tolist()):
+                im[:, y0:y1, x0:x1] = colours[c, :, None, None]
+            ims.append(im)
             if with_masks:
                 m = torch.zeros(2, size, size, dtype=torch.uint8)
                 for i, (x0, y0, x1, y1) in enumerate(b.int().tolist()):
@@ -196,25 +241,42 @@ def boxes(n: int, size: int, classes: int = 5, with_masks: bool = False, keypoin
                 t["keypoints"] = kp
             tgts.append(t)
         return ims, tgts
-    return make
+    return learnable(make)
+
+
+def chains(n: int, t: int, vocab: int, g: torch.Generator, noise: float = 0.1) -> torch.Tensor:
+    """(n, t) token ids: each the fixed successor of the one before (`successors`), a `noise` share at random."""
+    nxt = successors(vocab)
+    ids = torch.empty(n, t, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, vocab, (n,), generator=g)
+    rand = torch.randint(0, vocab, (n, t), generator=g)
+    keep = torch.rand(n, t, generator=g) >= noise
+    for i in range(1, t):
+        ids[:, i] = torch.where(keep[:, i], nxt[ids[:, i - 1]], rand[:, i])
+    return ids
+
+
+def successors(vocab: int) -> torch.Tensor:
+    """The fixed successor of each token id: a random permutation, the same in every process."""
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(TEACHER_SEED + 4))
 
 
 def tokens(n: int, t: int, vocab: int, *, keys: tuple[str, ...] = ("input_ids", "labels"), shift: bool = False):
     """Hugging Face dict batches: input ids, their mask, and labels (the ids again: the model shifts them)."""
     def make(g: torch.Generator):
-        ids = torch.randint(0, vocab, (n, t + (1 if shift else 0)), generator=g)
+        ids = chains(n, t + (1 if shift else 0), vocab, g)
         out = {"input_ids": ids[:, :t] if shift else ids}
         if "attention_mask" in keys:
             out["attention_mask"] = torch.ones(n, t, dtype=torch.long)
         if "labels" in keys:
             out["labels"] = ids[:, 1:] if shift else ids.clone()
         return out
-    return make
+    return learnable(make)
 
 
 def lm_pairs(n: int, t: int, vocab: int):
     """`(x, y)` token batches, y = x shifted by one (a script's language model)."""
     def make(g: torch.Generator):
-        ids = torch.randint(0, vocab, (n, t + 1), generator=g)
+        ids = chains(n, t + 1, vocab, g)
         return ids[:, :-1], ids[:, 1:]
-    return make
+    return learnable(make)

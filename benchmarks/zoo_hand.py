@@ -50,8 +50,8 @@ import zoo_hand_forms10  # CTC, NumPy in the forward, index_add_, grid_sample, L
 import zoo_hand_forms11  # numpy metric in the step, U-Net, Gram style loss, PixelShuffle, VQ-VAE, roi_align
 import zoo_hand_forms12  # clip_grad_value_, code before and after opt.step(), ragged batches, autograd.Function, bf16
 from bench_ported import MnistNet  # PyTorch's MNIST example's Net, as the ported bench has it
-from zoo_cases import (Case, adam, adamw, ce_logits, images, lm_pairs, mlp, sgd, vectors, xxy_logits, xy_logits,
-                       xy_own, xy_with)
+from zoo_cases import (Case, adam, adamw, ce_logits, chains, images, learnable, lm_pairs, mlp, sgd, successors,
+                       teacher, vectors, xxy_logits, xy_logits, xy_own, xy_with)
 
 VOCAB, T, N = 256, 16, 8
 
@@ -99,9 +99,10 @@ def carried_hidden_step():
     return step_fn
 
 
+@learnable
 def seq_first(g: torch.Generator):
     """word_language_model's get_batch: data (bptt, batch), targets flattened."""
-    ids = torch.randint(0, VOCAB, (T + 1, N), generator=g)
+    ids = chains(N, T + 1, VOCAB, g).t()
     return ids[:-1], ids[1:].reshape(-1)
 
 
@@ -170,10 +171,18 @@ class Seq2Seq(nn.Module):
         return self.head(self.tf(self.src(src), self.tgt(tgt), tgt_mask=mask, tgt_is_causal=True))
 
 
+@learnable
 def seq2seq_batch(g: torch.Generator):
-    src = torch.randint(0, VOCAB, (N, T), generator=g)
-    tgt = torch.randint(0, VOCAB, (N, T + 1), generator=g)
+    src = chains(N, T, VOCAB, g)  # the target: each source token's fixed successor, after a start token 0
+    tgt = torch.cat([torch.zeros(N, 1, dtype=torch.long), successors(VOCAB)[src]], 1)
     return src, tgt[:, :-1], tgt[:, 1:]
+
+
+@learnable
+def regression(g: torch.Generator):
+    """A fixed linear map of the input, plus noise."""
+    x = torch.randn(32, 32, generator=g)
+    return x, x @ teacher(32, 1, salt=5) / 32 ** 0.5 + 0.1 * torch.randn(32, 1, generator=g)
 
 
 class TextBag(nn.Module):
@@ -372,8 +381,7 @@ def cases() -> list[Case]:
              note="PyTorch's MNIST example: log_softmax + NLL, Adadelta"),
         Case("hand/mlp_rmsprop", "hand", mlp, vectors(), xy_logits,
              lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-3), note="a small MLP under RMSprop"),
-        Case("hand/mlp_regression", "hand", lambda: mlp(classes=1), lambda g: (torch.randn(32, 32, generator=g),
-                                                                               torch.randn(32, 1, generator=g)),
+        Case("hand/mlp_regression", "hand", lambda: mlp(classes=1), regression,
              xy_with(nn.MSELoss()), adam(1e-3), fit_kwargs={"loss_fn": nn.MSELoss()}, note="regression, MSE"),
     ] + (zoo_hand_forms.cases() + zoo_hand_forms3.cases() + zoo_hand_forms4.cases() + zoo_hand_forms5.cases()
          + zoo_hand_forms6.cases() + zoo_hand_forms7.cases()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from zoo_cases import Case, adamw, dict_own, tokens
+from zoo_cases import Case, adamw, dict_own, images, learnable, tokens
 
 VOCAB, T, N = 256, 32, 4
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -72,10 +72,14 @@ MODELS = {
 def _batch(name: str):
     if name == "bert_cls":
         ids = tokens(N, T, VOCAB, keys=("input_ids", "attention_mask"))
-        return lambda g: {**ids(g), "labels": torch.randint(0, 3, (N,), generator=g)}
+
+        def bert_cls(g):  # the label: the first token's class (of 3), which the sequence's chain carries on
+            b = ids(g)
+            return {**b, "labels": b["input_ids"][:, 0] % 3}
+        return learnable(bert_cls)
     if name in ("vit", "convnext", "swin"):
-        return lambda g: {"pixel_values": torch.randn(N, 3, 32, 32, generator=g),
-                          "labels": torch.randint(0, 10, (N,), generator=g)}
+        xy = images(N, 32)
+        return learnable(lambda g: dict(zip(("pixel_values", "labels"), xy(g))))
     if name == "wav2vec2_ctc":
         return lambda g: {"input_values": torch.randn(N, 1600, generator=g),
                           "labels": torch.randint(1, 32, (N, 8), generator=g)}

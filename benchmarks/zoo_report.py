@@ -33,8 +33,15 @@ def _share(k: int, n: int) -> float | None:
 
 
 def reaches(run: dict, plain: dict) -> bool:
-    """auto reached the plain loop's K-step loss no slower: its K-step loss at most the loop's, in no more time."""
-    return bool(run.get("finished")) and run["loss"] <= plain["loss"] and run["vs_plain"] >= 1.0
+    """auto reached the plain loop's K-step loss no slower. A sweep that recorded auto's loss curve
+    (`reach_vs_plain`): its training loss, averaged over a tenth of the run, fell to the loop's last tenth's
+    average in no more seconds than the loop's whole run took (the median round). An older sweep's: its K-step
+    loss at most the loop's, in a run no slower."""
+    if not run.get("finished"):
+        return False
+    if "reach_seconds" in run:
+        return (run.get("reach_vs_plain") or 0.0) >= 1.0
+    return run["loss"] <= plain["loss"] and run["vs_plain"] >= 1.0
 
 
 def way_summary(models: dict, way: str) -> dict:
@@ -56,6 +63,13 @@ def way_summary(models: dict, way: str) -> dict:
         out["share_reaches_plain_loss_no_slower"] = _share(len(hit), len(rows))
         out["share_loss_no_worse"] = _share(sum(r["loss"] <= models[n]["runs"]["plain"]["loss"]
                                                 for n, r in done.items()), len(rows))
+        learn = [n for n in rows if models[n].get("data") == "learnable"]
+        if learn:  # a sweep on batches a model can learn from (the curve's sweeps): the share on those
+            out["learnable_runs"] = len(learn)
+            out["share_reaches_learnable"] = _share(sum(n in hit for n in learn), len(learn))
+            out["reach_geomean_learnable"] = _geomean([done[n].get("reach_vs_plain") for n in learn if n in done])
+            out["never_reached"] = sorted(n for n in learn if n in done and done[n].get("reach_seconds") is None)
+            out["missed"] = sorted(n for n in learn if n not in hit)
     return out
 
 
@@ -110,6 +124,9 @@ def line(i: int, n: int, profile: str, name: str, row: dict) -> str:
             continue
         parts.append(f"{way} {r['vs_plain']:.2f}x {_setting(r)} loss {r['loss']:.4g}" if r.get("finished")
                      else f"{way} ERROR {r.get('error')}")
+        if r.get("finished") and "reach_seconds" in r:
+            parts[-1] += (" never reached the loop's loss" if r["reach_seconds"] is None else
+                          f" reached the loop's loss at step {r.get('reach_step')}, {r['reach_vs_plain']:.2f}x")
     return f"{head} " + "; ".join(parts) + f" ({row.get('process_s', 0):.0f}s)"
 
 
@@ -201,11 +218,46 @@ def _later_table(later: list[tuple[Path, dict]]) -> list[str]:
             rounds = f"{rounds}-{d['max_rounds']}, median" if d.get("min_seconds") else f"{rounds}, median"
         fit = (f"{f['errors']} | {_fmt(f['share_at_least_0.97'])} | {'-' if g is None else f'{g:.3f}x'} | "
                f"{f['kept_plain_loss_equal']} of {f['kept_plain']}") if f["runs"] else "- | - | - | -"
-        auto = f"{a['errors']} | {_fmt(a['share_reaches_plain_loss_no_slower'])}" if a["runs"] else "- | -"
+        auto = f"{a['errors']} | {_reach_cell(a)}" if a["runs"] else "- | -"
         k = f"{d['K']}-{d['max_steps']}, >= {d['min_run_s']:g} s" if d.get("min_run_s") else d.get("K", "-")
         rows.append(f"| `{path.name}` | {d['profile']} | `{str(d['commit'])[:7]}` | {k} | {rounds} | "
                     f"{s['plain_trains']} | {fit} | {auto} | {s['load_median']} |")
     return ["## Later sweeps", "", *rows, ""]
+
+
+def _reach_cell(a: dict) -> str:
+    cell = _fmt(a["share_reaches_plain_loss_no_slower"])
+    if a.get("learnable_runs"):
+        g = a.get("reach_geomean_learnable")
+        cell += (f" (curve; learnable data: {_fmt(a['share_reaches_learnable'])} of {a['learnable_runs']}, "
+                 f"geomean {'-' if g is None else f'{g:.2f}x'})")
+    return cell
+
+
+def _auto_misses(later: list[tuple[Path, dict]]) -> list[str]:
+    """The latest curve sweep's auto rows where it did not reach the loop's loss no slower: what it chose."""
+    curve = [(p, d) for p, d in later if d["summary"]["auto"].get("learnable_runs")]
+    if not curve:
+        return []
+    path, d = curve[-1]
+    rows = [f"From `{path.name}`: each model whose batches are learnable where `fit(recipe=\"auto\")` did not "
+            "reach the plain loop's training loss (last tenth's average) in the loop's time: when it got there "
+            "(seconds, step of the run), its whole run against the loop's, and what it chose.", "",
+            "| model | steps | reached at | reach vs plain | whole run vs plain | optimizer | lr | precision |",
+            "|---|---|---|---|---|---|---|---|"]
+    for n in d["summary"]["auto"]["missed"]:
+        r = d["models"][n]["runs"].get("auto", {})
+        if not r.get("finished"):
+            rows.append(f"| {n} | {d['models'][n].get('steps')} | error | - | - | - | - | - |")
+            continue
+        s = r.get("settings") or {}
+        at = "never" if r.get("reach_seconds") is None else f"{r['reach_seconds']:.2f} s, step {r.get('reach_step')}"
+        rv = "-" if r.get("reach_vs_plain") is None else f"{r['reach_vs_plain']:.2f}x"
+        lr = s.get("lr")
+        rows.append(f"| {n} | {d['models'][n].get('steps')} | {at} | {rv} | {r['vs_plain']:.2f}x | "
+                    f"{s.get('optimizer')} | {lr if not isinstance(lr, float) else f'{lr:.3g}'} | "
+                    f"{_setting(r)} |")
+    return ["## Where auto did not reach the plain loop's loss no slower", "", *rows, ""]
 
 
 def write_docs(paths: list[Path], doc: Path, later: list[Path] = ()) -> None:
@@ -240,7 +292,16 @@ def write_docs(paths: list[Path], doc: Path, later: list[Path] = ()) -> None:
         "- **loss**: the loss on the first batch after the K steps (train mode, no grad, seeded), computed by the "
         "plain loop's own loss function for every way. `=` equal to the plain loop's to the last bit, `<` lower, "
         "`>` higher.",
-        "- **auto reaches plain's loss no slower**: its K-step loss at most the loop's, and its run no slower.",
+        "- **auto reaches plain's loss no slower**: on the sweeps marked `curve`, `fit(recipe=\"auto\")` records its "
+        "loss at every step (`log_every=1`, free on a CPU); it counts where its training loss, averaged over a "
+        "tenth of the run, fell to the plain loop's average over its last tenth (both see the same batches in the "
+        "same order) in no more seconds than the loop's whole run, its choosing and trial included (the median of "
+        "the rounds; a round that never got there counts as infinitely slow). Those sweeps feed batches a model "
+        "can learn from (an image its class's fixed prototype under unit noise, tokens a fixed successor table "
+        "with 10% noise: `zoo_cases.py`); the share is also given over those alone, with the geometric mean of "
+        "the loop's seconds over auto's seconds to that loss. A few hand-written forms draw their own batches at "
+        "random (nothing to learn: a loss there is noise's). Older sweeps fed random labels and counted auto's "
+        "K-step loss at most the loop's in a run no slower.",
         "- **load**: the machine's 1-minute load average (2 cores) at each model's start and end, median over the "
         "sweep: " + ", ".join(f"{d['profile']} {d['summary']['load_median']}" for d in datas) + ". Above 2, other "
         "work shared the cores and the ratios measure it as much as `fit`.",
@@ -252,6 +313,7 @@ def write_docs(paths: list[Path], doc: Path, later: list[Path] = ()) -> None:
                                                          for p in paths if p.exists()) + " under `benchmarks/`.",
         "",
         "## Summary", "", *_summary_table(datas), "", *_later_table(extra),
+        *_auto_misses(extra),
         "## Runs that ended in an error where the plain loop trains", "", *_errors(datas), "",
         "## Models left out: the plain loop cannot train them here, or over the sweep's size limit", "",
         "A `SizeLimit` model was not trained at all (`--max-params`: on 2 shared cores its runs would take "

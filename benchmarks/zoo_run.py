@@ -92,8 +92,8 @@ def fresh(case: Case) -> torch.nn.Module:
     return model
 
 
-def plain_loop(case: Case, batches: list) -> tuple[float, torch.nn.Module, float]:
-    """The script's own loop: forward, loss, backward, (clip,) step, zero_grad. Seconds, model, mean loss."""
+def plain_loop(case: Case, batches: list) -> tuple[float, torch.nn.Module, list[float]]:
+    """The script's own loop: forward, loss, backward, (clip,) step, zero_grad. Seconds, model, each step's loss."""
     model = fresh(case)
     opt = case.optimizer(model)
     step = case.step_fn() if case.step_fn else None
@@ -126,7 +126,7 @@ def plain_loop(case: Case, batches: list) -> tuple[float, torch.nn.Module, float
         opt.zero_grad()
         losses.append(loss.detach())
     sec = time.perf_counter() - t0
-    return sec, model, float(torch.stack(losses).float().mean())
+    return sec, model, torch.stack(losses).float().tolist()
 
 
 def loop_hooks(case: Case):
@@ -145,12 +145,27 @@ def loop_hooks(case: Case):
     return LoopHooks()
 
 
-def fit_run(case: Case, batches: list, auto: bool) -> tuple[float, torch.nn.Module, object]:
-    """`fit` as ported (the loop's optimizer object) or `fit(recipe="auto")`, timed as a whole call."""
+def curve_callback(curve: list, t0: list):
+    """A `Callback` that appends (seconds since the call began, the step's loss) at each optimizer step's end: the
+    loss the loop reads at its `log_every` sync, which `fit_run` sets to every step for it (free on a CPU)."""
+    from torchspeed.train import Callback
+
+    class Curve(Callback):
+        def on_step_end(self, trainer):
+            curve.append((time.perf_counter() - t0[0], trainer.last_loss))
+    return Curve()
+
+
+def fit_run(case: Case, batches: list, auto: bool, curve: list | None = None) -> tuple[float, torch.nn.Module, object]:
+    """`fit` as ported (the loop's optimizer object) or `fit(recipe="auto")`, timed as a whole call; `curve`, a
+    list: each step's (seconds, loss) appended to it (`curve_callback`)."""
     import torchspeed
 
     model = fresh(case)
     kw = dict(case.fit_kwargs, max_steps=len(batches), progress=False)
+    t0 = [0.0]
+    if curve is not None:
+        kw.update(log_every=1, callbacks=[*kw.get("callbacks", ()), curve_callback(curve, t0)])
     if case.step_fn:
         kw["step_fn"] = case.step_fn()
     if case.before_step or case.after_step:  # ported as docs/models.md says: a Callback with the loop's code
@@ -163,9 +178,9 @@ def fit_run(case: Case, batches: list, auto: bool) -> tuple[float, torch.nn.Modu
     os.environ["TORCHSPEED_CACHE_DIR"] = tempfile.mkdtemp(prefix="zoo-cache-")
     try:
         seed(RUN_SEED)
-        t0 = time.perf_counter()
+        t0[0] = time.perf_counter()
         res = torchspeed.fit(model, loader(batches, case.fresh_batches), **kw)
-        return time.perf_counter() - t0, model, res
+        return time.perf_counter() - t0[0], model, res
     finally:
         if before is None:
             os.environ.pop("TORCHSPEED_CACHE_DIR", None)
@@ -235,21 +250,41 @@ def too_big(case: Case, max_params: float | None) -> str | None:
         if n > max_params else None
 
 
+def window(k: int) -> int:
+    """The steps a training loss is averaged over to compare two runs: a tenth of the run, 2 at least."""
+    return max(2, round(k / 10))
+
+
+def reach_seconds(curve: list, target: float, w: int) -> tuple[float, int] | tuple[None, None]:
+    """When a run's training loss, averaged over `w` steps, first fell to `target`: (seconds since the call began,
+    the step), or (None, None) where it never did. Both runs see the same batches in the same order."""
+    losses = [x for _, x in curve]
+    for s in range(w, len(curve) + 1):
+        if sum(losses[s - w:s]) / w <= target:
+            return curve[s - 1][0], s
+    return None, None
+
+
 def _plain_row(case: Case, batches: list) -> dict:
-    sec, model, train_loss = plain_loop(case, batches)
+    sec, model, losses = plain_loop(case, batches)
+    w = window(len(losses))
     return {"finished": True, "error": None, "seconds": sec, "vs_plain": 1.0, "loss": probe(case, model, batches[0]),
-            "train_loss": train_loss, "params": sum(p.numel() for p in model.parameters())}
+            "train_loss": sum(losses) / len(losses), "target_loss": sum(losses[-w:]) / w,
+            "params": sum(p.numel() for p in model.parameters())}
 
 
 def _fit_row(case: Case, batches: list, way: str, plain: dict) -> dict:
     try:
-        sec, model, res = fit_run(case, batches, auto=(way == "auto"))
+        curve = [] if way == "auto" else None
+        sec, model, res = fit_run(case, batches, auto=(way == "auto"), curve=curve)
         s = settings(res)
         row = {"finished": True, "error": None, "seconds": sec, "vs_plain": plain["seconds"] / sec,
                "loss": probe(case, model, batches[0]),
                "train_loss": (res.final or {}).get("train_loss"), "steps": res.steps, "kept_plain": kept_plain(s),
                "settings": s}
         row["loss_equal"] = row["loss"] == plain["loss"]
+        if curve is not None:
+            row["reach_seconds"], row["reach_step"] = reach_seconds(curve, plain["target_loss"], window(len(batches)))
         return row
     except Exception as e:  # noqa: BLE001
         return error_of(e)
@@ -263,8 +298,13 @@ def steps_for(k: int, seconds: float, min_run_s: float, max_steps: int) -> int:
     return max(k, min(max_steps, math.ceil(k * min_run_s / max(seconds, 1e-9))))
 
 
-def _timed_round(case: Case, batches: list, way: str) -> float:
-    return plain_loop(case, batches)[0] if way == "plain" else fit_run(case, batches, way == "auto")[0]
+def _timed_round(case: Case, batches: list, way: str, target: float) -> tuple[float, float | None]:
+    """A round's seconds, and (auto) when its training loss reached the plain loop's."""
+    if way == "plain":
+        return plain_loop(case, batches)[0], None
+    curve = [] if way == "auto" else None
+    sec = fit_run(case, batches, way == "auto", curve=curve)[0]
+    return sec, (reach_seconds(curve, target, window(len(batches)))[0] if curve is not None else None)
 
 
 def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True, emit=None, rounds: int = 1,
@@ -280,7 +320,8 @@ def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True
     steps (K scaled to about that long, at most `max_steps`), as a real run would; `out["steps"]` says how many."""
     emit = emit or (lambda way, row: None)
     batches = batches_for(case, k)
-    out = {"source": case.source, "note": case.note, "runs": {}, "load": [round(os.getloadavg()[0], 2)]}
+    out = {"source": case.source, "note": case.note, "runs": {}, "load": [round(os.getloadavg()[0], 2)],
+           "data": "learnable" if getattr(case.batch, "learnable", False) else "noise"}
     try:
         if (why := too_big(case, max_params)) is not None:
             raise MemoryError(why)
@@ -302,12 +343,15 @@ def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True
         runs[way] = _fit_row(case, batches, way, plain)
         emit(way, runs[way])
     secs = {w: [runs[w]["seconds"]] for w in runs if runs[w].get("finished")}  # the plain loop's first
+    reach = {w: [runs[w].get("reach_seconds")] for w in secs}
     r = 1
     while r < rounds or (r < max_rounds and min(sum(v) for v in secs.values()) < min_seconds):
         order = list(secs)
         for way in (order[1:] + order[:1]) if r % 2 else order:  # odd rounds: the plain loop last
             try:
-                secs[way].append(_timed_round(case, batches, way))
+                sec, at = _timed_round(case, batches, way, plain["target_loss"])
+                secs[way].append(sec)
+                reach[way].append(at)
             except Exception as e:  # noqa: BLE001  (a later round that fails: the way's error, the others go on)
                 if way == "plain":
                     raise
@@ -319,6 +363,11 @@ def run_case(case: Case, k: int, ways: tuple[str, ...] = WAYS, warm: bool = True
         runs[way]["seconds"] = statistics.median(secs[way])
         runs[way]["vs_plain"] = statistics.median(secs["plain"]) / runs[way]["seconds"]
         runs[way]["vs_plain_fastest"] = min(secs["plain"]) / min(secs[way])
+        if way == "auto":  # a round that never reached the loss counts as infinitely slow
+            at = statistics.median([math.inf if x is None else x for x in reach[way]])
+            runs[way]["round_reach_seconds"] = reach[way]
+            runs[way]["reach_seconds"] = None if math.isinf(at) else at
+            runs[way]["reach_vs_plain"] = None if math.isinf(at) else statistics.median(secs["plain"]) / at
     out["rounds"] = r
     out["load"].append(round(os.getloadavg()[0], 2))
     return out

@@ -4,6 +4,7 @@ subset of the zoo under `fit` on the host CPU and an emulated AVX2 one (slow): n
 settings, fit's K-step loss is the plain loop's. Nothing here asserts a time."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -79,9 +80,9 @@ def test_each_way_gets_a_row_of_the_documented_shape(case, monkeypatch):
 def test_the_rounds_alternate_the_order_and_a_short_run_gets_more(monkeypatch):
     calls = []
 
-    def timed(case, batches, way):  # the rounds after the first, with injected seconds
+    def timed(case, batches, way, target):  # the rounds after the first, with injected seconds
         calls.append(way)
-        return {"plain": 0.010, "fit": 0.020}[way]
+        return {"plain": 0.010, "fit": 0.020}[way], None
     monkeypatch.setattr(zoo_run, "_timed_round", timed)
     monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx2")
     out = zoo_run.run_case(TINY[0], 2, ("plain", "fit"), warm=False, rounds=2, min_seconds=1e3, max_rounds=6)
@@ -94,16 +95,52 @@ def test_the_rounds_alternate_the_order_and_a_short_run_gets_more(monkeypatch):
 
 
 def test_a_way_that_fails_in_a_later_round_is_recorded_and_the_rounds_go_on(monkeypatch):
-    def timed(case, batches, way):
+    def timed(case, batches, way, target):
         if way == "fit":
             raise RuntimeError("round two broke\nmore")
-        return 0.01
+        return 0.01, None
     monkeypatch.setattr(zoo_run, "_timed_round", timed)
     monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx2")
     out = zoo_run.run_case(TINY[0], 2, ("plain", "fit"), warm=False, rounds=3)
     fit = out["runs"]["fit"]
     assert fit["finished"] is False and fit["error"] == "RuntimeError: round two broke" and fit["round"] == 1
     assert out["rounds"] == 3 and len(out["runs"]["plain"]["round_seconds"]) == 3
+
+
+def test_auto_is_timed_to_the_plain_loops_loss_on_its_own_curve(monkeypatch):
+    """The auto way records its loss at every step; reach: when its average over a tenth of the run (2 steps at
+    least) first fell to the plain loop's last tenth's; the median over the rounds, a round that never got there
+    counting as infinitely slow."""
+    curve = [(0.1, 3.0), (0.2, 2.0), (0.3, 1.0), (0.4, 1.2), (0.5, 0.5)]
+    assert zoo_run.window(12) == 2 and zoo_run.window(400) == 40
+    assert zoo_run.reach_seconds(curve, 1.5, 2) == (0.3, 3)  # (2.0 + 1.0) / 2 <= 1.5 at step 3
+    assert zoo_run.reach_seconds(curve, 0.9, 2) == (0.5, 5) and zoo_run.reach_seconds(curve, 0.1, 2) == (None, None)
+    reach = iter([0.5, 0.7])  # the later rounds' auto reach, injected; the plain loop's rounds take 1 s
+    monkeypatch.setattr(zoo_run, "_timed_round",
+                        lambda case, batches, way, target: (1.0, None) if way == "plain" else (2.0, next(reach)))
+    monkeypatch.setenv("TORCHSPEED_CPU_PROFILE", "avx2")
+    out = zoo_run.run_case(TINY[0], 6, ("plain", "auto"), warm=False, rounds=3)
+    plain, auto = out["runs"]["plain"], out["runs"]["auto"]
+    assert auto["finished"] and len(auto["round_reach_seconds"]) == 3 and out["data"] == "noise"
+    first = auto["round_reach_seconds"][0]  # the first round's: a real fit(recipe="auto") on its own curve
+    assert (first is None) == (auto["reach_step"] is None) and plain["target_loss"] > 0
+    at = sorted(math.inf if x is None else x for x in [first, 0.5, 0.7])[1]
+    assert auto["reach_seconds"] == at and auto["reach_vs_plain"] == pytest.approx(1.0 / at)
+
+
+def test_the_zoos_batches_can_be_learned_and_are_the_same_in_every_process():
+    """A class prototype under noise: the nearest prototype names the label of nearly every image; token chains
+    follow the fixed successor table but for their noise; the teacher is the same on every call."""
+    from zoo_cases import images, lm_pairs, prototypes, successors, vectors
+    g = torch.Generator().manual_seed(0)
+    x, y = images(256, 16)(g)
+    protos = prototypes(10, 3, 16, 16)
+    nearest = torch.cdist(x.flatten(1), protos.flatten(1)).argmin(1)
+    assert (nearest == y).float().mean() > 0.9 and images(4, 16).learnable and vectors().learnable
+    x, y = lm_pairs(64, 32, 50)(g)
+    follows = (successors(50)[x] == y).float().mean()
+    assert 0.85 < follows < 0.95  # 10% of the tokens at random
+    assert torch.equal(successors(50), successors(50)) and torch.equal(prototypes(10, 3, 16, 16), protos)
 
 
 def test_a_short_run_trains_more_steps_up_to_the_cap(monkeypatch):
@@ -179,6 +216,29 @@ def test_the_summary_counts_as_the_issue_defines(tmp_path):
     later_path.write_text(json.dumps(dict(later, min_run_s=1.0, max_steps=400)))  # K scaled for short runs
     zoo_report.write_docs([path], tmp_path / "zoo.md", [later_path])
     assert "| `def5678` | 4-400, >= 1 s | 3 | 2 |" in (tmp_path / "zoo.md").read_text()
+
+
+def test_a_curve_sweep_counts_auto_by_when_it_reached_the_loops_loss(tmp_path):
+    """With the curve: reached no slower where the loop's seconds over auto's seconds to that loss are 1 or more,
+    whatever its K-step loss; the share is also given over the learnable models, with the misses listed."""
+    def curve_row(reach_vs, data="learnable", loss_auto=1.2):
+        row = _row(1.0, 0.8, loss_auto=loss_auto)
+        row["data"] = data
+        row["runs"]["auto"].update(reach_seconds=None if reach_vs is None else 1.0 / reach_vs,
+                                   reach_vs_plain=reach_vs, reach_step=None if reach_vs is None else 7)
+        return row
+    models = {"fast": curve_row(1.5), "slow": curve_row(0.9), "never": curve_row(None), "noise": curve_row(2.0, "noise")}
+    a = zoo_report.summarize(models, {})["auto"]
+    assert a["share_reaches_plain_loss_no_slower"] == 0.5 and a["learnable_runs"] == 3
+    assert a["share_reaches_learnable"] == 0.333 and a["never_reached"] == ["never"] and a["missed"] == ["never", "slow"]
+    data = dict(profile="host", K=4, command="c", commit="abc1234", cpu="a CPU", versions={"torch": "t", "torchvision": "v"},
+                models=models, plain_fails={}, rounds=3)
+    (tmp_path / "zoo.json").write_text(json.dumps(data))
+    (tmp_path / "later.json").write_text(json.dumps(data))
+    zoo_report.write_docs([tmp_path / "zoo.json"], tmp_path / "zoo.md", [tmp_path / "later.json"])
+    doc = (tmp_path / "zoo.md").read_text()
+    assert "| 0 | 50% (curve; learnable data: 33% of 3, geomean" in doc
+    assert "| never | None | never |" in doc and "| slow | None | 1.11 s, step 7 | 0.90x | 0.80x |" in doc
 
 
 def test_a_sample_spreads_over_the_sources_and_is_repeatable():
