@@ -74,6 +74,56 @@ def test_kept_lists_without_flat_buffers_are_the_packages_too(monkeypatch):
     _same(ref, mine, o_ref, o_mine)
 
 
+class _Big(nn.Module):
+    """Tensors larger than a (patched, small) piece, one in channels_last, and small ones shared into pieces."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 8, 3, padding=1).to(memory_format=torch.channels_last)
+        self.fc, self.head = nn.Linear(8 * 4 * 4, 40), nn.Linear(40, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc(torch.relu(self.conv(x)).flatten(1))))
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.05])
+def test_a_chunked_update_of_large_tensors_is_the_packages_bit_for_bit(monkeypatch, decay):
+    """Every op over one piece, then the next (the working set in cache): each number the same ops in the same
+    order, so the same numbers, a channels_last weight cut in its memory order included."""
+    if not flat_state.schedule_free_chunks_agree():
+        pytest.skip("this CPU's kernels give a number another value at another position: no chunked update here")
+    monkeypatch.setattr(lean_schedulefree, "CHUNK", 100)  # the fc weight (5,120) in 52 pieces; the rest shared
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(4, 3, 4, 4, generator=g).contiguous(memory_format=torch.channels_last),
+                torch.randint(0, 3, (4,), generator=g)) for _ in range(8)]
+    ref, mine = _Big(), _Big()
+    o_ref = schedulefree.AdamWScheduleFree(ref.parameters(), lr=0.02, weight_decay=decay, warmup_steps=3)
+    o_mine = schedulefree.AdamWScheduleFree(mine.parameters(), lr=0.02, weight_decay=decay, warmup_steps=3)
+    _train(ref, o_ref, batches, ours=False, between=lambda i: _evaluate_at(i, o_ref))
+    _train(mine, o_mine, batches, ours=True, between=lambda i: _evaluate_at(i, o_mine))
+    lean = lean_step_for(o_mine)
+    assert lean.steps == 7 and lean.chunk_steps == 7 and lean.flat_steps == 0
+    chunks = lean._groups[0][6]
+    assert len(chunks.pieces) > 52 and any(len(piece) > 1 for piece in chunks.pieces)
+    _same(ref, mine, o_ref, o_mine)
+
+
+def test_no_chunks_where_the_kernels_disagree_or_the_group_is_small(monkeypatch):
+    m = _Big()
+    params = list(m.parameters())
+    like = [torch.zeros_like(p) for p in params]
+    assert lean_schedulefree.Chunks.of(params, like, like) is None  # 5,507 numbers in all: under two pieces of 2^19
+    monkeypatch.setattr(lean_schedulefree, "CHUNK", 100)
+    assert lean_schedulefree.Chunks.of(params[2:], like[2:], like[2:]) is not None  # no tensor cut: fc and head
+    monkeypatch.setattr(lean_schedulefree, "CHUNK", 3000)
+    assert lean_schedulefree.Chunks.of(params, like, like) is None  # under two pieces in all
+    monkeypatch.setattr(lean_schedulefree, "CHUNK", 100)
+    assert lean_schedulefree.Chunks.of(params, like, [t.contiguous() for t in like]) is None  # laid out otherwise
+    monkeypatch.setattr(lean_schedulefree, "schedule_free_chunks_agree", lambda: False)
+    assert lean_schedulefree.Chunks.of(params, like, like) is None
+
+
 def test_a_state_loaded_midway_and_a_frozen_step_stay_the_packages(monkeypatch):
     """A resume replaces the state (new buffers hold the loaded numbers); a step with a frozen bias goes through
     the package (it steps only the parameters with gradients)."""

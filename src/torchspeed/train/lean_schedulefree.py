@@ -14,6 +14,12 @@ one kernel; the parameters (`y`) are updated per tensor, as the package does. Th
 are the package's, bit for bit (tests/train/test_lean_schedulefree.py). One difference, on purpose: the
 package divides `p.grad` in place by the denominator; here `p.grad` stays as backward wrote it.
 
+A large group (more numbers a tensor on average than the flat buffers take) runs the package's foreach ops in pieces
+of `CHUNK` numbers instead (`Chunks`): every op over one piece, then the next, so that a piece's numbers stay
+in the CPU's cache across the ten ops where the package streams the whole model through memory ten times.
+Each number still goes through the same ops in the same order, so the result is the package's bit for bit
+where this CPU's kernels give a number the same value at any position (`schedule_free_chunks_agree`).
+
 Taken only in the common case, else the package's `step()` runs: exactly `AdamWScheduleFree` of a
 `schedulefree` release whose step this replicates (`REPLICATED`), in train mode, on the CPU, one dtype per
 group, plain tensors, every parameter with a dense gradient and its state made (the first step goes through
@@ -33,9 +39,12 @@ import weakref
 import torch
 from torch.optim import optimizer as _optimizer_module
 
-from torchspeed.train.state.flat_state import FlatMoments, flat_applies, schedule_free_kernels_agree
+from torchspeed.train.state.flat_state import (FlatMoments, flat_applies, schedule_free_chunks_agree,
+                                                schedule_free_kernels_agree)
 
-__all__ = ["LeanScheduleFree", "is_adamw_schedule_free", "no_step_wrappers", "REPLICATED"]
+__all__ = ["CHUNK", "Chunks", "LeanScheduleFree", "is_adamw_schedule_free", "no_step_wrappers", "REPLICATED"]
+
+CHUNK = 1 << 19  # numbers in a piece of a chunked update (2 MiB a float32 tensor; ~10 MiB the update's working set)
 
 REPLICATED = ("1.4",)  # the schedulefree releases (major.minor) whose AdamWScheduleFree.step this replicates
 _KEYS = ("z", "exp_avg_sq")
@@ -78,12 +87,14 @@ class LeanScheduleFree:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self._optimizer = weakref.ref(optimizer)
         self._groups_ref = self._state_ref = None
-        self._groups: list[tuple] = []  # per group: (group, params, n, z list, exp_avg_sq list, FlatMoments | None)
+        self._groups: list[tuple] = []  # per group: (group, params, n, z list, exp_avg_sq list, FlatMoments | None,
+        #                                   Chunks | None)
         self._flats: list[FlatMoments] = []
         self.replicated = _replicated()
         self._prepared = False  # `prepare` ran (it runs once)
         self.steps = 0  # updates it made (the tests read them)
         self.flat_steps = 0  # of those, the updates with every group's moments in flat buffers
+        self.chunk_steps = 0  # and those with a group's update run a piece at a time (`Chunks`)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -94,7 +105,7 @@ class LeanScheduleFree:
         if opt.param_groups is not self._groups_ref or opt.state is not self._state_ref or \
                 len(opt.param_groups) != len(self._groups):
             return False
-        for group, params, n, zs, _, flat in self._groups:
+        for group, params, n, zs, _, flat, _ in self._groups:
             if group["params"] is not params or len(params) != n:
                 return False
             if flat is not None and not flat.holds(opt, params):
@@ -122,7 +133,8 @@ class LeanScheduleFree:
                     FlatMoments(opt, params, _KEYS, extra=("grad", "scratch"))
                 flats.append(flat)
                 zs, sqs = [opt.state[p]["z"] for p in params], [opt.state[p]["exp_avg_sq"] for p in params]
-            groups.append((group, params, len(params), zs, sqs, flat))
+            chunks = Chunks.of(params, zs, sqs) if flat is None else None
+            groups.append((group, params, len(params), zs, sqs, flat, chunks))
         self._groups, self._flats = groups, flats
         self._groups_ref, self._state_ref = opt.param_groups, opt.state
         return True
@@ -151,6 +163,7 @@ class LeanScheduleFree:
                 _update(*g, gs)
         self.steps += 1
         self.flat_steps += all(g[5] is not None for g in self._groups)
+        self.chunk_steps += any(g[6] is not None for g in self._groups)
         return True
 
     def clear_grads(self) -> bool:
@@ -163,7 +176,71 @@ class LeanScheduleFree:
         return True
 
 
-def _update(group: dict, params: list, n: int, zs: list, sqs: list, flat: FlatMoments | None, grads: list) -> None:
+class Chunks:
+    """A group's parameters, `z` and `exp_avg_sq` as pieces of at most about `CHUNK` numbers: small tensors whole,
+    several to a piece; a large one cut in its memory order. Made where the group holds more than two pieces, every
+    tensor is dense, `z` and `exp_avg_sq` are laid out as their parameter, and the kernels agree at any position."""
+
+    def __init__(self, pieces: list[list[tuple[int, int, int]]], params: list, zs: list, sqs: list):
+        self.pieces = pieces  # per piece: (tensor index, start, stop) in the tensor's memory order
+        self.views = [tuple([_cut(ts[i], a, b) for i, a, b in piece] for ts in (params, zs, sqs)) for piece in pieces]
+
+    @classmethod
+    def of(cls, params: list, zs: list, sqs: list) -> Chunks | None:
+        if sum(p.numel() for p in params) <= 2 * CHUNK:
+            return None
+        if any(not _dense(p) or z.stride() != p.stride() or q.stride() != p.stride() or z.shape != p.shape
+               or q.shape != p.shape for p, z, q in zip(params, zs, sqs)) or not schedule_free_chunks_agree():
+            return None
+        pieces, cur, held = [], [], 0
+        for i, p in enumerate(params):
+            n = p.numel()
+            if n > CHUNK:
+                pieces += [[(i, a, min(a + CHUNK, n))] for a in range(0, n, CHUNK)]
+                continue
+            cur.append((i, 0, n))
+            held += n
+            if held >= CHUNK:
+                pieces.append(cur)
+                cur, held = [], 0
+        return cls(pieces + ([cur] if cur else []), params, zs, sqs)
+
+    def grads(self, params: list, grads: list) -> list[list] | None:
+        """Each piece's gradients, cut as its parameters are; None where a gradient is laid out otherwise."""
+        if any(g.stride() != p.stride() for p, g in zip(params, grads)):
+            return None
+        return [[_cut(grads[i], a, b) for i, a, b in piece] for piece in self.pieces]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+
+
+def _cut(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Numbers a..b of a dense tensor in its memory order (the tensor itself when that is all of it)."""
+    if a == 0 and b == t.numel():
+        return t.detach()
+    return t.detach().as_strided((t.numel(),), (1,), t.storage_offset())[a:b]
+
+
+def _ops(lr: float, beta1: float, beta2: float, eps: float, decay: float, ckp1: float, bias_correction2: float,
+         params: list, zs: list, sqs: list, grads: list) -> None:
+    """The package's foreach ops, in its order, over these tensors (it normalizes the gradients in place)."""
+    torch._foreach_mul_(sqs, beta2)
+    torch._foreach_addcmul_(sqs, grads, grads, value=1 - beta2)
+    denom = torch._foreach_div(sqs, bias_correction2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_div_(grads, denom)
+    if decay != 0:
+        torch._foreach_add_(grads, params, alpha=decay)
+    torch._foreach_lerp_(params, zs, weight=ckp1)
+    torch._foreach_add_(params, grads, alpha=lr * (beta1 * (1 - ckp1) - 1))
+    torch._foreach_sub_(zs, grads, alpha=lr)
+
+
+def _update(group: dict, params: list, n: int, zs: list, sqs: list, flat: FlatMoments | None, chunks: Chunks | None,
+            grads: list) -> None:
     """`AdamWScheduleFree.step`'s bookkeeping and foreach ops for one group, in its order (schedulefree 1.4)."""
     beta1, beta2 = group["betas"]
     eps, decay, k, r = group["eps"], group["weight_decay"], group["k"], group["r"]
@@ -179,30 +256,25 @@ def _update(group: dict, params: list, n: int, zs: list, sqs: list, flat: FlatMo
         ckp1 = weight / weight_sum
     except ZeroDivisionError:
         ckp1 = 0
-    if flat is None:  # the package's foreach path on the kept lists (it normalizes the gradients in place)
-        torch._foreach_mul_(sqs, beta2)
-        torch._foreach_addcmul_(sqs, grads, grads, value=1 - beta2)
-        denom = torch._foreach_div(sqs, bias_correction2)
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
-        torch._foreach_div_(grads, denom)
-        normalized = grads
-    else:  # one kernel per moment op over the buffers; backward's gradients stay as they are
-        normalized = flat.views["grad"]
-        torch._foreach_copy_(normalized, grads)
-        g, sq, denom = flat.buffers["grad"], flat.buffers["exp_avg_sq"], flat.buffers["scratch"]
-        sq.mul_(beta2)
-        sq.addcmul_(g, g, value=1 - beta2)
-        torch.div(sq, bias_correction2, out=denom)
-        denom.sqrt_()
-        denom.add_(eps)
-        g.div_(denom)
+    group["k"] = k + 1
+    if flat is None:  # the package's foreach path on the kept lists, whole or a piece at a time
+        cut = chunks.grads(params, grads) if chunks is not None else None
+        for ps, z, sq, gs in ([(params, zs, sqs, grads)] if cut is None else
+                              [(*views, gs) for views, gs in zip(chunks.views, cut)]):
+            _ops(lr, beta1, beta2, eps, decay, ckp1, bias_correction2, ps, z, sq, gs)
+        return
+    # one kernel per moment op over the buffers; backward's gradients stay as they are
+    normalized = flat.views["grad"]
+    torch._foreach_copy_(normalized, grads)
+    g, sq, denom = flat.buffers["grad"], flat.buffers["exp_avg_sq"], flat.buffers["scratch"]
+    sq.mul_(beta2)
+    sq.addcmul_(g, g, value=1 - beta2)
+    torch.div(sq, bias_correction2, out=denom)
+    denom.sqrt_()
+    denom.add_(eps)
+    g.div_(denom)
     if decay != 0:
         torch._foreach_add_(normalized, params, alpha=decay)
     torch._foreach_lerp_(params, zs, weight=ckp1)
     torch._foreach_add_(params, normalized, alpha=lr * (beta1 * (1 - ckp1) - 1))
-    if flat is None:
-        torch._foreach_sub_(zs, normalized, alpha=lr)
-    else:
-        flat.buffers["z"].sub_(flat.buffers["grad"], alpha=lr)
-    group["k"] = k + 1
+    flat.buffers["z"].sub_(g, alpha=lr)

@@ -31,7 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["FlatMoments", "MAX_NUMEL", "MEAN_NUMEL", "flat_applies", "kernels_agree", "schedule_free_kernels_agree"]
+__all__ = ["FlatMoments", "MAX_NUMEL", "MEAN_NUMEL", "flat_applies", "kernels_agree", "schedule_free_chunks_agree",
+           "schedule_free_kernels_agree"]
 
 MEAN_NUMEL = 32_768  # numbers per tensor, on average, above which the gradients' copy costs what the launches save
 MAX_NUMEL = 1 << 24  # a group's numbers at most: its two extra buffers (gradients, Adam's denominator) stay <= 128 MiB
@@ -50,6 +51,12 @@ _SF_OPS: tuple[Callable, ...] = (  # Schedule-Free AdamW's (lean_schedulefree): 
     lambda a, b, c: torch.div(c, 0.37).sqrt_().add_(1e-8),
     lambda a, b, c: a.div_(c),
     lambda a, b, c: a.sub_(b, alpha=0.01),
+)
+
+_SF_PARAM_OPS: tuple[Callable, ...] = (  # and its parameters' ops (the weight decay's add, the lerp, the step)
+    lambda a, b, c: a.add_(b, alpha=0.05),
+    lambda a, b, c: a.lerp_(b, 0.137),
+    lambda a, b, c: a.add_(b, alpha=-0.00091),
 )
 
 
@@ -76,6 +83,15 @@ def schedule_free_kernels_agree() -> bool:
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         return all(_agree(op, g) for op in _SF_OPS)
+
+
+@functools.cache
+def schedule_free_chunks_agree() -> bool:
+    """`kernels_agree` for every kernel of Schedule-Free AdamW's update, the parameters' included (a chunked update
+    cuts the parameters too: `lean_schedulefree.Chunks`)."""
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        return all(_agree(op, g) for op in _SF_OPS + _SF_PARAM_OPS)
 
 
 def flat_applies(params: list, moments: tuple = (), agree: Callable[[], bool] | None = None) -> bool:
