@@ -227,12 +227,14 @@ def test_a_curve_sweep_counts_auto_by_when_it_reached_the_loops_loss(tmp_path):
         row["runs"]["auto"].update(reach_seconds=None if reach_vs is None else 1.0 / reach_vs,
                                    reach_vs_plain=reach_vs, reach_step=None if reach_vs is None else 7)
         return row
-    models = {"fast": curve_row(1.5), "slow": curve_row(0.9), "never": curve_row(None), "noise": curve_row(2.0, "noise")}
+    models = {"fast": curve_row(1.5), "slow": curve_row(0.9), "never": curve_row(None),
+              "noise": curve_row(2.0, "noise")}
     a = zoo_report.summarize(models, {})["auto"]
     assert a["share_reaches_plain_loss_no_slower"] == 0.5 and a["learnable_runs"] == 3
-    assert a["share_reaches_learnable"] == 0.333 and a["never_reached"] == ["never"] and a["missed"] == ["never", "slow"]
-    data = dict(profile="host", K=4, command="c", commit="abc1234", cpu="a CPU", versions={"torch": "t", "torchvision": "v"},
-                models=models, plain_fails={}, rounds=3)
+    assert a["share_reaches_learnable"] == 0.333 and a["never_reached"] == ["never"]
+    assert a["missed"] == ["never", "slow"]
+    data = dict(profile="host", K=4, command="c", commit="abc1234", cpu="a CPU",
+                versions={"torch": "t", "torchvision": "v"}, models=models, plain_fails={}, rounds=3)
     (tmp_path / "zoo.json").write_text(json.dumps(data))
     (tmp_path / "later.json").write_text(json.dumps(data))
     zoo_report.write_docs([tmp_path / "zoo.json"], tmp_path / "zoo.md", [tmp_path / "later.json"])
