@@ -126,7 +126,8 @@ def line(i: int, n: int, profile: str, name: str, row: dict) -> str:
                      else f"{way} ERROR {r.get('error')}")
         if r.get("finished") and "reach_seconds" in r:
             parts[-1] += (" never reached the loop's loss" if r["reach_seconds"] is None else
-                          f" reached the loop's loss at step {r.get('reach_step')}, {r['reach_vs_plain']:.2f}x")
+                          f" reached the loop's loss {r['reach_vs_plain']:.2f}x" +
+                          (f" (step {r['reach_step']})" if r.get("reach_step") is not None else ""))
     return f"{head} " + "; ".join(parts) + f" ({row.get('process_s', 0):.0f}s)"
 
 
@@ -251,7 +252,8 @@ def _auto_misses(later: list[tuple[Path, dict]]) -> list[str]:
             rows.append(f"| {n} | {d['models'][n].get('steps')} | error | - | - | - | - | - |")
             continue
         s = r.get("settings") or {}
-        at = "never" if r.get("reach_seconds") is None else f"{r['reach_seconds']:.2f} s, step {r.get('reach_step')}"
+        at = "never" if r.get("reach_seconds") is None else f"{r['reach_seconds']:.2f} s" + (
+            f", step {r['reach_step']}" if r.get("reach_step") is not None else "")  # the step: the first round's
         rv = "-" if r.get("reach_vs_plain") is None else f"{r['reach_vs_plain']:.2f}x"
         lr = s.get("lr")
         rows.append(f"| {n} | {d['models'][n].get('steps')} | {at} | {rv} | {r['vs_plain']:.2f}x | "

@@ -184,6 +184,7 @@ class Chunks:
     def __init__(self, pieces: list[list[tuple[int, int, int]]], params: list, zs: list, sqs: list):
         self.pieces = pieces  # per piece: (tensor index, start, stop) in the tensor's memory order
         self.views = [tuple([_cut(ts[i], a, b) for i, a, b in piece] for ts in (params, zs, sqs)) for piece in pieces]
+        self.ptrs = [p.data_ptr() for p in params]  # the views are of these: a parameter given new data is not
 
     @classmethod
     def of(cls, params: list, zs: list, sqs: list) -> Chunks | None:
@@ -206,8 +207,9 @@ class Chunks:
         return cls(pieces + ([cur] if cur else []), params, zs, sqs)
 
     def grads(self, params: list, grads: list) -> list[list] | None:
-        """Each piece's gradients, cut as its parameters are; None where a gradient is laid out otherwise."""
-        if any(g.stride() != p.stride() for p, g in zip(params, grads)):
+        """Each piece's gradients, cut as its parameters are; None where a gradient is laid out otherwise, or a
+        parameter holds other memory than the views (`p.data = ...`: a layout switched mid-run)."""
+        if any(g.stride() != p.stride() or p.data_ptr() != ptr for p, g, ptr in zip(params, grads, self.ptrs)):
             return None
         return [[_cut(grads[i], a, b) for i, a, b in piece] for piece in self.pieces]
 
