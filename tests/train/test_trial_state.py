@@ -432,3 +432,31 @@ def test_a_view_that_channels_last_breaks_leaves_a_run_in_nchw_and_says_what_let
     res = _ported(ViewNet(), batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]), lr=0.05)
     assert res.steps == 60 and res.decisions["channels_last"].value is False
     assert "torch.flatten(x, 1) or .reshape()" in res.decisions["switch_recovered"].reason
+
+
+def test_a_scripts_channels_last_input_stays_so_where_the_trial_keeps_the_plain_settings(bf16_cpu, monkeypatch):
+    """Images made from HWC arrays (`torch.from_numpy(img).permute(2, 0, 1)`) come in channels_last strides, and a
+    script's convolutions run on them so. The trial's plain steps had copied each batch to NCHW, which computes
+    other numbers: a run whose trial kept the plain settings ended off its loop's weights."""
+    monkeypatch.setattr(SwitchStage, "measure_fn", staticmethod(
+        lambda s, sec: 1.0 if s.precision == "fp32" and not s.channels_last else 1.3))  # the plain settings win
+    g = torch.Generator().manual_seed(6)
+    batches = [(torch.randn(8, 12, 12, 3, generator=g).permute(0, 3, 1, 2), torch.randint(0, 3, (8,), generator=g))
+               for _ in range(80)]
+    assert batches[0][0].is_contiguous(memory_format=torch.channels_last) and not batches[0][0].is_contiguous()
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                             nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(16, 3))
+
+    step = lambda m, b: F.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    ref = _plain_loop(make(), batches, step, lr=0.05)
+    model = make()
+    res = torchspeed.fit(model, batches, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), epochs=1,
+                         progress=False, compile=False, schedule=None)
+    report = res.decisions["switch_trial"].measured
+    assert res.decisions["channels_last"].value is False and res.decisions["precision"].value == "fp32"
+    assert report["shadow_steps"] >= 1 and "fp32+channels_last+foreach" in report["stages"][0]["seconds_per_step"]
+    assert _same_weights(model, ref)  # the channels_last candidates' turns ran beside the plain steps

@@ -27,7 +27,7 @@ import torch
 
 from torchspeed.train.trial.memory_format import to_channels_last
 
-__all__ = ["map_tensors", "to_device", "batch_layout", "Prefetcher", "loader_kwargs"]
+__all__ = ["map_tensors", "to_device", "batch_layout", "trial_layout", "Prefetcher", "loader_kwargs"]
 
 
 def map_tensors(batch, fn):
@@ -67,6 +67,16 @@ def batch_layout(batch, channels_last: bool):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     return map_tensors(batch, lambda t: t.contiguous(memory_format=fmt) if t.dim() == 4 and t.is_floating_point()
                        else t)
+
+
+def trial_layout(trainer, batch, channels_last: bool):
+    """A batch in a switch-trial candidate's layout: channels_last; or the plain one, which is the batch as its
+    loader gave it (a script's channels_last input stays so, as it does in the script's own loop, and the plain
+    settings' numbers stay the loop's), unless this epoch's batches were copied to channels_last
+    (`Trainer.loader_layout`): those go back to NCHW."""
+    if not channels_last and not getattr(trainer, "loader_layout", False):
+        return batch
+    return batch_layout(batch, channels_last)
 
 
 def loader_kwargs(device: torch.device | str, *, num_workers: int) -> dict:

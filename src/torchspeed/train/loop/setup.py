@@ -134,6 +134,7 @@ class TrainerSetup:
             self.guard.watch_half(lambda: half_unasked(self), lambda: fall_back_to_fp32(self))
         self.step, self._last_loss = 0, float("nan")  # optimizer steps taken; the loss read at the last log sync
         self.stepper = None  # (batch, train_step) -> None: what a "first_steps" stage armed to step batches in place
+        self.loader_layout = False  # this epoch's batches copied to channels_last (`batches`; read by trial_layout)
         self.switcher = SwitchStage(self, prepared=self.sharded)  # the switch trial: arms `stepper` while live
         self._setup_checkpoints(on_checkpoint)
         self._steps_per_epoch, self._ramp, self._history = None, None, []  # set by fit

@@ -222,7 +222,7 @@ class Trainer(TrainerSetup):
         """Iterate `loader` with batches on the device (prefetched on CUDA), in the model's memory layout even
         when the switch trial changes it mid-epoch (else every convolution runs in the inputs' layout)."""
         self.apply_pending_layout()  # a Trainer stepped without fit (the benches' run_steps): the rules' layout now
-        made_with = self.channels_last
+        self.loader_layout = made_with = self.channels_last  # the batches copied to channels_last (trial_layout)
         moved = (Prefetcher(loader, self.device, channels_last=made_with) if self.config.prefetch else
                  (to_device(b, self.device, non_blocking=False, channels_last=made_with) for b in loader))  # naive
         for batch in moved:

@@ -43,7 +43,7 @@ from torchspeed.train.loop.step import OptimizerClock
 from torchspeed.train.trial.switch_choice import (AHEAD, Switches, autocast_moot, batch_signature, candidate_grid,
                                                   fusable, model_signature, prior_first, rule_switches, small_here)
 from torchspeed.train.trial.switches import LiveTrial
-from torchspeed.train.transfer import batch_layout
+from torchspeed.train.transfer import trial_layout
 from torchspeed.train.trial.trial_safety import TrialSafety, forked_rng, kept_buffers
 from torchspeed.train.trial.trial_size import (_as_decisions, _current_fused, _depth, _summary, _thread_choices,
                                                set_kernel, trial_settings)
@@ -241,14 +241,14 @@ class SwitchStage:
                 self._waits -= 1
                 self.shadow.tick()
                 self.shadow.waited += 1
-                return run_step(batch_layout(batch, self.live.grid[0].channels_last))
+                return run_step(trial_layout(self.t, batch, self.live.grid[0].channels_last))
             self._trial_step(batch, run_step)
 
     def _trial_step(self, batch, run_step) -> None:
         trial = self.live
         if not self._trial_meta["cache_checked"]:
             if self._check_cache(batch):
-                return run_step(batch_layout(batch, self.t.channels_last))
+                return run_step(trial_layout(self.t, batch, self.t.channels_last))
             self._trial_meta["started"] = time.perf_counter()
         cand = trial.current()
         shadow = self._shadows(cand)
@@ -257,7 +257,7 @@ class SwitchStage:
                               apart=self._shadows)
             if trial.done:
                 self.finish()
-                return run_step(batch_layout(batch, self.t.channels_last))
+                return run_step(trial_layout(self.t, batch, self.t.channels_last))
             cand = trial.current()
             shadow = self._shadows(cand)
         left = None if self.t.total_steps is None else self.t.total_steps - self.t.step - 1
@@ -265,14 +265,14 @@ class SwitchStage:
         if shadow and trial.looked() and self.shadow.waits(steps_left=left, turns_left=trial.turns_left()):
             self.apply(trial.grid[0])  # a step in the plain settings while the turns timed apart wait (paced)
             self._waits = self.shadow.waits_ahead(steps_left=left, turns_left=trial.turns_left())
-            return run_step(batch_layout(batch, trial.grid[0].channels_last))
+            return run_step(trial_layout(self.t, batch, trial.grid[0].channels_last))
         if not self._trial_meta.get("losses_taken") and cand.precision != trial.grid[0].precision:
             # the guard's losses, at the weights now, before the first other precision trains: not before the
             # trial starts, so a trial its price stops at once (or one of a single precision) never pays them
             self._trial_meta["losses_taken"] = True
             trial.losses = self._numerics_losses(batch)
         self.apply(cand)
-        batch = batch_layout(batch, cand.channels_last)
+        laid = trial_layout(self.t, batch, cand.channels_last)  # `batch` stays as given: the plain step's
         # the optimizer-kernel stage times the optimizer's step alone: the kernels differ there only, and a 3x
         # cheaper optimizer step is a few percent of a whole step, under a whole step's noise
         clock = OptimizerClock(self.t.optimizer, self.t.device) if (
@@ -282,7 +282,7 @@ class SwitchStage:
         t0 = time.perf_counter()
         try:
             shadow_s = self.shadow.step(batch, run_step, cand, settle=trial.timed_now(), state=before) if shadow \
-                else run_step(batch)
+                else run_step(laid)
         except Exception as e:
             if is_out_of_memory(e) or one_sample_batchnorm(e, batch_size(batch)) or (
                     cand == trial.grid[0] and not self.safety.recent()):

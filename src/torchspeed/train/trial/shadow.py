@@ -39,7 +39,7 @@ import torch
 
 from torchspeed.env import sync
 from torchspeed.train.trial.dynamo_deferred import torch_zero_grad
-from torchspeed.train.transfer import batch_layout, map_tensors
+from torchspeed.train.transfer import batch_layout, map_tensors, trial_layout
 from torchspeed.train.trial.trial_safety import forked_rng, kept_buffers
 
 __all__ = ["SHADOW_SHARE", "ShadowTurns"]
@@ -111,9 +111,10 @@ class ShadowTurns:
         (`user_state.Snapshot`: a `step_fn`'s carried hidden state, a forward's attributes), put back after the
         candidate's passes too."""
         t, live = self.stage.t, self.stage.live
+        laid = batch_layout(batch, cand.channels_last)
 
         def candidate_pass() -> float:  # the candidate's forward and backward on a copy of the batch, its seconds
-            own = map_tensors(batch, torch.Tensor.clone)  # a forward that writes its input (`x.mul_(0.5)`) leaves
+            own = map_tensors(laid, torch.Tensor.clone)  # a forward that writes its input (`x.mul_(0.5)`) leaves
             # the trained batch as it was (each tensor copied, as `to_device` walks a batch: mappings, sequences)
             t0 = time.perf_counter()
             t.forward_backward(own)
@@ -132,7 +133,7 @@ class ShadowTurns:
         plain = live.grid[0]
         self.stage.apply(replace(cand, precision=plain.precision, channels_last=plain.channels_last,
                                  threads=None if cand.threads is None else self.stage.plain_threads))
-        batch = batch_layout(batch, plain.channels_last)
+        batch = trial_layout(t, batch, plain.channels_last)  # as the loader gave it, where the plain layout is
         self.turns += 1
         trained_fb, forward_backward = [0.0, 0], t.forward_backward
 

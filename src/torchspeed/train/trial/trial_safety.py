@@ -30,7 +30,7 @@ import logging
 import torch
 
 from torchspeed.train.decision import Decision
-from torchspeed.train.transfer import batch_layout
+from torchspeed.train.transfer import trial_layout
 from torchspeed.train.trial.user_state import Snapshot, UserState
 
 __all__ = ["TrialSafety", "AFTER_STEPS", "forked_rng"]
@@ -130,7 +130,7 @@ class TrialSafety:
             t.reset_micro()
             stage.apply(settings)
             try:
-                run_step(batch_layout(batch, settings.channels_last))
+                run_step(trial_layout(t, batch, settings.channels_last))
             except Exception as e:  # noqa: BLE001 - the next settings, or the user's error raised by the caller
                 self.plain_error = self.plain_error or e  # the plain settings' error: what the plain loop raises
                 continue
