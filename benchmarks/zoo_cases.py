@@ -204,7 +204,8 @@ def vectors(n: int = 32, d: int = 32, classes: int = 10, dtype: torch.dtype = to
 
 
 def masks(n: int, size: int, classes: int = 5):
-    """`(x, y)` segmentation batches: blob-shaped label maps, each pixel its class's colour under noise."""
+    """`(x, y)` segmentation batches: blob-shaped label maps, each pixel its class's colour under noise (x in
+    channels_last strides, as images made from HWC arrays come)."""
     colours = teacher(classes, 3, salt=2)
 
     def make(g: torch.Generator):
