@@ -270,6 +270,21 @@ def test_a_loss_fn_that_needs_more_than_output_and_target_is_sent_to_a_step_fn_b
     assert torchspeed.fit(nn.Linear(3, 2), batches, loss_fn=nn.CrossEntropyLoss(label_smoothing=0.1), **FAST).steps == 2
 
 
+def test_a_loss_class_for_an_instance_or_a_loss_for_a_step_is_named_before_any_work():
+    """`loss_fn=nn.CrossEntropyLoss` (no parentheses): calling the class builds a module with the logits as its
+    class weights, and torch's error ("Boolean value of Tensor with more than one value is ambiguous") named
+    nothing of it. `step_fn=F.cross_entropy`: torch's error said the input "must be Tensor, not Linear"."""
+    batches = [(torch.randn(8, 3), torch.randint(0, 2, (8,))) for _ in range(2)]
+    model = nn.Linear(3, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=r"loss_fn=CrossEntropyLoss is the class.*loss_fn=CrossEntropyLoss\(\)"):
+        torchspeed.fit(model, batches, loss_fn=nn.CrossEntropyLoss, **FAST)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    for loss in (F.cross_entropy, nn.CrossEntropyLoss()):  # a loss given as the step: torch's error named the model
+        with pytest.raises(TypeError, match=r"step_fn=(cross_entropy|CrossEntropyLoss) is a loss.*pass it as loss_fn"):
+            torchspeed.fit(model, batches, step_fn=loss, **FAST)
+
+
 def test_stateful_dataloader_state_is_checkpointed_and_resume_is_exact(tmp_path):
     from torchdata.stateful_dataloader import StatefulDataLoader
 

@@ -65,6 +65,10 @@ def check_step_fn(step_fn: Callable | None, loss_fn: Callable | None = None) -> 
     `training_step(batch, batch_idx)` brought as it is), or a `loss_fn` that cannot be called as
     `loss_fn(output, target)` (`nn.CTCLoss`, a loss with a mask: they go in a step_fn; with a step_fn, the loss is
     its own)."""
+    if isinstance(step_fn, nn.modules.loss._Loss) or getattr(step_fn, "__module__", None) == "torch.nn.functional":
+        own = getattr(step_fn, "__name__", type(step_fn).__name__)
+        raise TypeError(f"step_fn={own} is a loss of (output, target), and a step_fn is called as step_fn(model, "
+                        f"batch): pass it as loss_fn={own}, which fit calls on the model's output and the target")
     _callable_as(step_fn, "step_fn(model, batch) and returns the loss", "A Lightning training_step(self, batch, "
                  "batch_idx) ports as step_fn=lambda model, batch: ... with what it computes (docs/models.md)")
     _callable_as(None if step_fn is not None else loss_fn, "loss_fn(output, target)", "A loss that needs more "
@@ -78,6 +82,9 @@ def _callable_as(fn: Callable | None, call: str, hint: str) -> None:
     name = call.split("(")[0]
     if not callable(fn):
         raise TypeError(f"{name} must be a function called as {call}, got {type(fn).__name__}")
+    if isinstance(fn, type):  # `loss_fn=nn.CrossEntropyLoss`: calling the class would build a loss, not compute one
+        raise TypeError(f"{name}={fn.__name__} is the class, not a loss: pass an instance, {name}={fn.__name__}() "
+                        f"(it is called as {call})")
     try:
         signature = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn)
         signature.bind(None, None)
