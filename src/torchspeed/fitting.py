@@ -153,6 +153,12 @@ def _suggest(unknown: set[str]) -> str:
 def _check_inputs(model: nn.Module, optimizer, val_loader, step_fn, loss_fn, lr) -> None:
     """Clear errors before any work: nothing would train, the validation set is empty, a step_fn or loss_fn that
     cannot be called as fit calls it, an optimizer or LR that is none."""
+    if not isinstance(model, nn.Module):  # `fit(model.parameters(), ...)`: torch's error named a generator
+        given = "its parameters" if isinstance(model, Iterator) or (isinstance(model, (list, tuple)) and model and
+                                                                    isinstance(model[0], torch.Tensor)) else None
+        raise TypeError(f"fit trains a model (a torch.nn.Module), got {type(model).__name__}"
+                        + (f" ({given}): pass the model itself, fit(model, loader)" if given else
+                           ": wrap what computes the output in an nn.Module whose forward takes the batch's inputs"))
     check_step_fn(step_fn, loss_fn)
     check_optimizer(optimizer, sharded=False)
     if not (lr is None or lr == "auto" or (isinstance(lr, numbers.Real) and not isinstance(lr, bool) and lr >= 0)):

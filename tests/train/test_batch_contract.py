@@ -442,6 +442,26 @@ def test_float64_data_from_numpy_gets_a_note_that_names_the_dtype_and_the_fix():
     assert res.steps == 2
 
 
+def test_numpy_batches_get_a_note_and_parameters_for_a_model_a_clear_error():
+    """A list of numpy batches (no DataLoader collate to make tensors): torch's "must be Tensor, not
+    numpy.ndarray" gets a note naming torch.as_tensor. `fit(model.parameters(), ...)` had been an AttributeError
+    on a generator."""
+    import numpy as np
+    g = np.random.default_rng(0)
+    batches = [(g.standard_normal((8, 4)).astype("float32"), g.integers(0, 3, 8)) for _ in range(2)]
+    with pytest.raises(TypeError) as info:
+        torchspeed.fit(nn.Linear(4, 3), batches, epochs=1, **FAST)
+    assert "torch.as_tensor(x)" in "\n".join(getattr(info.value, "__notes__", []))
+    model = nn.Linear(4, 3)
+    tensors = [(torch.as_tensor(x), torch.as_tensor(y)) for x, y in batches]
+    for wrong in (model.parameters(), list(model.parameters())):
+        with pytest.raises(TypeError, match=r"got (generator|list) \(its parameters\): pass the model itself"):
+            torchspeed.fit(wrong, tensors, epochs=1, **FAST)
+    with pytest.raises(TypeError, match="got function: wrap what computes the output in an nn.Module"):
+        torchspeed.fit(lambda x: x, tensors, epochs=1, **FAST)
+    assert torchspeed.fit(model, tensors, epochs=1, **FAST).steps == 2
+
+
 def test_binary_and_multi_label_losses_count_accuracy_per_element_and_regression_still_gets_none():
     logits = torch.tensor([[2.0, -1.0], [-0.5, 0.3]])
     target = torch.tensor([[1.0, 0.0], [1.0, 1.0]])

@@ -34,6 +34,13 @@ def _any(v, pred: Callable[[torch.Tensor], bool]) -> bool:
     return any(_any(e, pred) for e in values)
 
 
+def _numpy_in(v) -> bool:
+    if type(v).__module__ == "numpy":
+        return True
+    values = list(v.values()) if isinstance(v, Mapping) else v if isinstance(v, (list, tuple)) else ()
+    return any(_numpy_in(e) for e in values)
+
+
 def first_step_notes(e: BaseException, call: str, inputs, target) -> None:
     """Notes on `e`, raised on the first step: the call and the target as read, and the fix its cause asks for."""
     e.add_note(f"torchspeed called the model as {call}"
@@ -55,6 +62,9 @@ def first_step_notes(e: BaseException, call: str, inputs, target) -> None:
         e.add_note("The batch holds float16/bfloat16 tensors and the model's weights are float32: keep the "
                    "data float32 (x.float() where it is built); fit picks the precision itself "
                    "(precision='auto': bf16 autocast where this hardware gains from it).")
+    if _numpy_in((inputs, target)):
+        e.add_note("The batch holds numpy arrays, not tensors: a DataLoader's default collate makes tensors of "
+                   "them; batches you yield or list yourself need torch.as_tensor(x) (float32 inputs).")
     if isinstance(target, (list, tuple)) and target and not _any(target, lambda t: True):
         e.add_note(f"The target is a {type(target).__name__} of {len(target)} Python values, not a tensor: "
                    "yield it as one (torch.tensor(labels); a DataLoader's default collate does).")
