@@ -236,11 +236,12 @@ def _reach_cell(a: dict) -> str:
 
 
 def _auto_misses(later: list[tuple[Path, dict]]) -> list[str]:
-    """The latest curve sweep's auto rows where it did not reach the loop's loss no slower: what it chose."""
+    """The latest curve sweep's auto rows where it did not reach the loop's loss no slower, what it chose: the host
+    CPU's where one ran there, else the latest emulated profile's."""
     curve = [(p, d) for p, d in later if d["summary"]["auto"].get("learnable_runs")]
     if not curve:
         return []
-    path, d = curve[-1]
+    path, d = ([(p, d) for p, d in curve if d.get("profile") == "host"] or curve)[-1]
     rows = [f"From `{path.name}`: each model whose batches are learnable where `fit(recipe=\"auto\")` did not "
             "reach the plain loop's training loss (last tenth's average) in the loop's time: when it got there "
             "(seconds, step of the run), its whole run against the loop's, and what it chose.", "",
