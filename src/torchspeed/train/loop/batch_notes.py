@@ -26,19 +26,17 @@ _HALF = (torch.float16, torch.bfloat16)
 _DTYPE_WORDS = ("same dtype", "should be the same", "expected scalar type")
 
 
-def _any(v, pred: Callable[[torch.Tensor], bool]) -> bool:
-    """Whether a tensor in `v` (a tensor, or a dict, list or tuple of them, nested) satisfies `pred`."""
-    if isinstance(v, torch.Tensor):
+def _any(v, pred: Callable[[torch.Tensor], bool], leaf: Callable[[object], bool] = torch.is_tensor) -> bool:
+    """Whether a leaf in `v` (a tensor, or a dict, list or tuple of them, nested; `leaf` says what a leaf is)
+    satisfies `pred`."""
+    if leaf(v):
         return pred(v)
     values = list(v.values()) if isinstance(v, Mapping) else v if isinstance(v, (list, tuple)) else ()
-    return any(_any(e, pred) for e in values)
+    return any(_any(e, pred, leaf) for e in values)
 
 
-def _numpy_in(v) -> bool:
-    if type(v).__module__ == "numpy":
-        return True
-    values = list(v.values()) if isinstance(v, Mapping) else v if isinstance(v, (list, tuple)) else ()
-    return any(_numpy_in(e) for e in values)
+def _numpy(v) -> bool:
+    return type(v).__module__ == "numpy"  # an array or a numpy scalar
 
 
 def first_step_notes(e: BaseException, call: str, inputs, target) -> None:
@@ -62,7 +60,7 @@ def first_step_notes(e: BaseException, call: str, inputs, target) -> None:
         e.add_note("The batch holds float16/bfloat16 tensors and the model's weights are float32: keep the "
                    "data float32 (x.float() where it is built); fit picks the precision itself "
                    "(precision='auto': bf16 autocast where this hardware gains from it).")
-    if _numpy_in((inputs, target)):
+    if _any((inputs, target), lambda a: True, leaf=_numpy):
         e.add_note("The batch holds numpy arrays, not tensors: a DataLoader's default collate makes tensors of "
                    "them; batches you yield or list yourself need torch.as_tensor(x) (float32 inputs).")
     if isinstance(target, (list, tuple)) and target and not _any(target, lambda t: True):
