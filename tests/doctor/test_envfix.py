@@ -7,6 +7,7 @@ Every measurement here is injected (fake ratios); nothing asserts on the clock.
 import copy
 import importlib
 import itertools
+import statistics
 import textwrap
 from types import SimpleNamespace
 
@@ -308,18 +309,32 @@ def test_more_env_rounds_run_only_while_they_fit_the_time_budget(monkeypatch):
     job = DoctorJob(script="train.py", env_rounds=5, env_steps=6)
     cands = {"threads": {"OMP_NUM_THREADS": "1"}, "omp_passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
     raw = _envfix.run_env_rounds(job, cands, diagnose_mod.measure_variants, steps=30)
-    # both intervals hold 1.0 after 5 rounds; 5 more of both and the original would take 15 x 4 s > 45 s
-    assert seen == [15] and all(len(raw[n]["ratios"]) == 5 for n in cands)
-    assert all("not run" in raw[n]["more_rounds"] for n in cands)
-    e = _envfix.summarize("omp_passive", cands["omp_passive"], raw["omp_passive"], steps=30)
+    # both intervals hold 1.0 after 5 rounds; 5 more of both and the original would take 15 x 4 s > 45 s, of one
+    # and the original 10 x 4 s: the one with the larger measured gain gets them, then nothing more fits
+    assert seen == [15, 10]
+    first = {n: statistics.median(raw[n]["ratios"][:5]) for n in cands}
+    more, other = sorted(cands, key=lambda n: -first[n])
+    assert first[more] != first[other]
+    assert len(raw[more]["ratios"]) == 10 and len(raw[other]["ratios"]) == 5
+    assert "not run" in raw[other]["more_rounds"]
+    e = _envfix.summarize(other, cands[other], raw[other], steps=30)
     assert e["rounds"] == 5 and "45 s" in e["more_rounds"]
     # a quick script (0.5 s a process) gets its extra rounds, as before
     seen.clear()
+    noisy = itertools.cycle([14.0, 10.0, 7.0, 13.0, 9.0, 11.0, 6.0])
     monkeypatch.setattr(diagnose_mod, "diagnose_many", lambda jobs, quiet=False, threads=None: (
         seen.append(len(jobs)), now.__setitem__(0, now[0] + 0.5 * len(jobs)),
         [SimpleNamespace(status="stopped", traceback=None, breakdown={"step_ms": next(noisy)}) for j in jobs])[2])
     raw = _envfix.run_env_rounds(job, cands, diagnose_mod.measure_variants, steps=30)
     assert seen == [15, 15, 15] and all(len(raw[n]["ratios"]) == 15 for n in cands)
+
+
+def test_the_rounds_that_fit_go_to_the_largest_measured_gain_first():
+    out = {"a": {"ratios": [1.0, 1.02, 0.99]}, "b": {"ratios": [1.3, 1.1, 1.2]}, "c": {"ratios": [1.1, 1.05, 1.08]}}
+    assert _envfix.affordable(["a", "b", "c"], out, 100.0, 20.0) == ["a", "b", "c"]  # 4 processes: all fit
+    assert _envfix.affordable(["a", "b", "c"], out, 60.0, 20.0) == ["b", "c"]  # 3: two fixes and the original
+    assert _envfix.affordable(["a", "b", "c"], out, 45.0, 20.0) == ["b"]
+    assert _envfix.affordable(["a", "b", "c"], out, 39.0, 20.0) == []  # not even one fix beside the original
 
 
 def test_a_loop_with_workers_is_re_run_past_the_batches_they_load_ahead(monkeypatch):

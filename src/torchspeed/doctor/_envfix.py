@@ -15,12 +15,12 @@ A fix applies only where its rule's trigger holds (page-fault churn with glibc's
 `allocator.churn`; workers + threads beyond the cores; workers beside more than one OpenMP thread; intra-op threads
 beyond the usable cores, `cores`) and the variable is not set already, so a clean script pays nothing; nor is one
 whose gain a measured share of the step bounds under the 2% minimum effect (`rules._ceiling`: the data wait for
-`workers`; for `malloc` the page faults' bound is part of the allocator's trigger, so it never gets this far), and
-its entry says so. A re-run times `job.env_steps` steps (6), more for a short step (about 300 ms of steps, at most
-60: `env_steps`); a fix whose interval is still too wide to rank gets 5 more rounds, up to 15, while those re-runs
-fit in `ENV_MORE_S` (45 s, priced at the first rounds' seconds a process); a loop with DataLoader workers warms up
-until the batches they loaded ahead at start are drained (`backlog`), else its timed steps read a loop that does not
-wait on its data, and the fix's gain with it. Each re-run is a process
+`workers`, the page faults at their upper-bound cost for `malloc`), and its entry says so. A re-run times
+`job.env_steps` steps (6), more for a short step (about 300 ms of steps, at most 60: `env_steps`); a fix whose
+interval is still too wide to rank gets 5 more rounds, up to 15, while those re-runs fit in `ENV_MORE_S` (45 s,
+priced at the first rounds' seconds a process; where not all fit, the largest measured gain first: `affordable`);
+a loop with DataLoader workers warms up until the batches they loaded ahead at start are drained (`backlog`), else
+its timed steps read a loop that does not wait on its data, and the fix's gain with it. Each re-run is a process
 that imports torch and starts the script, 2-4 s on 2 cores, and a tiny script's 15 rounds of two fixes had
 made a plain `torchspeed doctor` take 4 minutes. Default cost: 5 rounds x (1 + fixes) runs of `warmup + 6` or
 more steps, then at most 45 s more.
@@ -157,7 +157,8 @@ def run_env_rounds(job, candidates: dict[str, dict[str, str]], run_variants: Cal
     `job.env_rounds` rounds (`run_variants`: `diagnose.measure_variants`, the doctor's interleaved runner,
     passed in by its caller). A fix whose interval is still too wide to rank (`_interval.wide`) gets
     `job.env_rounds` more rounds beside the original, up to `_interval.MAX_ROUNDS` in all, while they fit in
-    `ENV_MORE_S` at the first rounds' seconds a process; else its entry says why not (`more_rounds`)."""
+    `ENV_MORE_S` at the first rounds' seconds a process, the largest gain first where not all fit (`affordable`);
+    else its entry says why not (`more_rounds`)."""
     patched = patched or {}
     steps = steps or job.env_steps
     names = [n for n in candidates if n not in patched] + list(patched)
@@ -166,10 +167,13 @@ def run_env_rounds(job, candidates: dict[str, dict[str, str]], run_variants: Cal
     while todo:
         if spent:  # more rounds: only while their re-runs fit in what is left of ENV_MORE_S
             per_process = per_process or spent[0] / (job.env_rounds * (1 + len(names)))
-            if sum(spent[1:]) + per_process * job.env_rounds * (1 + len(todo)) > ENV_MORE_S:
-                for n in todo:
+            fits = affordable(todo, out, ENV_MORE_S - sum(spent[1:]), per_process * job.env_rounds)
+            for n in todo:
+                if n not in fits:
                     out[n]["more_rounds"] = f"not run: their re-runs would take over {ENV_MORE_S:.0f} s"
+            if not fits:
                 break
+            todo = fits
         t0 = _clock()
         sources = [job.source] + [patched[n]["source"] if n in patched else job.source for n in todo]
         measured = run_variants(job.script, job.args, sources, steps=steps,
@@ -187,6 +191,15 @@ def run_env_rounds(job, candidates: dict[str, dict[str, str]], run_variants: Cal
     for o in out.values():
         o["speedup"] = round(statistics.median(o["ratios"]), 4) if o["ratios"] and not o["error"] else None
     return out
+
+
+def affordable(todo: list[str], out: dict[str, dict], left_s: float, round_s: float) -> list[str]:
+    """The fixes whose next rounds fit in `left_s` (each round of k fixes: k + 1 processes of `round_s` / rounds
+    seconds a side, the original's beside them), the largest measured gain first: where not every fix too wide
+    to rank can have more rounds, the one whose severity has the most at stake gets them."""
+    by_gain = sorted(todo, key=lambda n: -statistics.median(out[n]["ratios"]) if out[n]["ratios"] else 0.0)
+    k = max(0, min(len(by_gain), math.floor(left_s / round_s) - 1)) if round_s > 0 else len(by_gain)
+    return [n for n in todo if n in by_gain[:k]]
 
 
 def _too_wide(m: dict) -> bool:

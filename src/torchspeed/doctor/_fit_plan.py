@@ -161,7 +161,7 @@ def _allocator_stage(obs: Observation) -> AllocatorStage:
     alloc = (obs.get("env") or {}).get("allocator")
     why = (f"not measured: the allocator is {alloc}" if alloc and alloc != "glibc" else
            "not measured: the script's page faults per step are under the allocator rule's threshold")
-    return {"measured": False, "why": v.get("error") or why}
+    return {"measured": False, "why": v.get("error") or v.get("skipped") or why}
 
 
 def beyond_grid(obs: Observation) -> BeyondGrid:
