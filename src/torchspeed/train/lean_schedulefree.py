@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.optim import optimizer as _optimizer_module
@@ -177,21 +178,23 @@ class LeanScheduleFree:
 
 
 class Chunks:
-    """A group's parameters, `z` and `exp_avg_sq` as pieces of at most about `CHUNK` numbers: small tensors whole,
-    several to a piece; a large one cut in its memory order. Made where the group holds more than two pieces, every
-    tensor is dense, `z` and `exp_avg_sq` are laid out as their parameter, and the kernels agree at any position."""
+    """A group's parameters and their state's lists (Schedule-Free's `z` and `exp_avg_sq`; Adam's moments, SGD's
+    momentum: `lean_step`) as pieces of at most about `CHUNK` numbers: small tensors whole, several to a piece; a
+    large one cut in its memory order. Made where the group holds more than two pieces, every tensor is dense, each
+    state tensor is laid out as its parameter, and the kernels agree at any position (`agree`)."""
 
-    def __init__(self, pieces: list[list[tuple[int, int, int]]], params: list, zs: list, sqs: list):
+    def __init__(self, pieces: list[list[tuple[int, int, int]]], params: list, *states: list):
         self.pieces = pieces  # per piece: (tensor index, start, stop) in the tensor's memory order
-        self.views = [tuple([_cut(ts[i], a, b) for i, a, b in piece] for ts in (params, zs, sqs)) for piece in pieces]
+        self.views = [tuple([_cut(ts[i], a, b) for i, a, b in piece] for ts in (params, *states)) for piece in pieces]
         self.ptrs = [p.data_ptr() for p in params]  # the views are of these: a parameter given new data is not
 
     @classmethod
-    def of(cls, params: list, zs: list, sqs: list) -> Chunks | None:
+    def of(cls, params: list, *states: list, agree: Callable[[], bool] | None = None) -> Chunks | None:
+        """`agree`: the check of the update's kernels (default: Schedule-Free's, `schedule_free_chunks_agree`)."""
         if sum(p.numel() for p in params) <= 2 * CHUNK:
             return None
-        if any(not _dense(p) or z.stride() != p.stride() or q.stride() != p.stride() or z.shape != p.shape
-               or q.shape != p.shape for p, z, q in zip(params, zs, sqs)) or not schedule_free_chunks_agree():
+        if any(not _dense(p) or any(t.stride() != p.stride() or t.shape != p.shape for t in ts)
+               for p, *ts in zip(params, *states)) or not (agree or schedule_free_chunks_agree)():
             return None
         pieces, cur, held = [], [], 0
         for i, p in enumerate(params):
@@ -204,7 +207,7 @@ class Chunks:
             if held >= CHUNK:
                 pieces.append(cur)
                 cur, held = [], 0
-        return cls(pieces + ([cur] if cur else []), params, zs, sqs)
+        return cls(pieces + ([cur] if cur else []), params, *states)
 
     def grads(self, params: list, grads: list) -> list[list] | None:
         """Each piece's gradients, cut as its parameters are; None where a gradient is laid out otherwise, or a

@@ -5,7 +5,8 @@
   checkpoints and the parts that run the steps);
 - `step`: the optimizer step with accumulation, clipping and loss scaling (T19, T20, T21);
 - `lean_step`: torch's Adam/AdamW/SGD step without its per-step Python, and Schedule-Free AdamW's through
-  `train/lean_schedulefree.py` (T51, T42);
+  `train/lean_schedulefree.py` (T51, T42), its foreach ops through `train/lean_kernels.py` (a large Adam group's a
+  piece at a time);
 - `batch`, `model_call`, `model_output`, `batch_notes`: the batch contract (what a batch may be, how a loss comes
   out of it), how a model is called with a batch's inputs, how its output is read (T13), and what a first step's
   error is told besides torch's words;

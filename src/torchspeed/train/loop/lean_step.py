@@ -18,7 +18,8 @@ the same arguments, so the update is torch's, bit for bit (tests/train/test_lean
   per-tensor kernels in the for-loop's order: the same numbers as `torch.optim.Adam(params, lr)` in a
   script, in less time (200 updates timed alone on a 2-core AVX2 EPYC: 627 -> 304 us a step on the 1D CNN,
   990 -> 676 on a 20-512-512-5 MLP, 2,257 -> 924 on a 2-layer transformer; a group of many small tensors
-  further keeps its moments in one buffer each, `flat_state`: 100-150 us on the CNN; the fused kernel is cheaper
+  further keeps its moments in one buffer each, `flat_state`: 100-150 us on the CNN; a large Adam group runs those
+  ops a piece at a time, `lean_kernels.adam_chunked`: 27-33 -> 15-17 ms on ResNet-18; the fused kernel is cheaper
   still, but rounds otherwise: why `fit` keeps it off a ported run, `plan.planner`'s kernel rule).
 
 It only ever takes the common case and hands every other step back to `optimizer.step()`:
@@ -36,7 +37,8 @@ It only ever takes the common case and hands every other step back to `optimizer
 
 Lists are rebuilt when the optimizer's `param_groups` or `state` is replaced (`load_state_dict`),
 when a group is added (`add_param_group`), when a group's parameter list is replaced or grows or its
-flags change (a switch between the fused and foreach kernels), or when the state's size changes. One
+flags change (a switch between the fused and foreach kernels), or when the state's size changes, and after a
+layout switch replaced the state's tensors (`forget_lists`, which `memory_format.state_follows_layout` calls). One
 case is not seen: a moment tensor swapped by hand inside `optimizer.state[p]` (torch re-reads the
 state each step; set the optimizer's state through `load_state_dict`). `optimizer_step` and
 `zero_grad` (`torchspeed.train.loop.step`, `torchspeed.train.optim`) use it for every optimizer they are
@@ -56,8 +58,10 @@ import torch
 
 from torchspeed.train.state.flat_state import FlatMoments, flat_applies
 from torchspeed.train.lean_schedulefree import LeanScheduleFree, is_adamw_schedule_free, plain_step
+from torchspeed.train.lean_kernels import adam_chunked as _adam_chunked, adam_foreach as _adam_foreach
+from torchspeed.train.lean_kernels import chunks_for as _chunks, sgd_foreach as _sgd_foreach
 
-__all__ = ["LeanStep", "lean_step_for", "step_with_torch", "steps_with_torch"]
+__all__ = ["LeanStep", "forget_lists", "lean_step_for", "step_with_torch", "steps_with_torch"]
 
 _FLAGS = ("fused", "foreach", "amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay",
           "nesterov")
@@ -95,50 +99,6 @@ def _adam_update(lists: tuple, grads: list) -> None:
     kernel(params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, amsgrad=flags[2], lr=group["lr"], beta1=beta1,
            beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], maximize=flags[3], grad_scale=None,
            found_inf=None)
-
-
-def _adam_foreach(lists: tuple, grads: list) -> None:
-    """What `torch.optim.adam._multi_tensor_adam` runs for one device and dtype (not capturable, real tensors):
-    on the CPU the for-loop's kernels in its order, so `_single_tensor_adam`'s numbers too."""
-    group, flags, params, exp_avgs, exp_avg_sqs, max_sqs, steps = lists
-    _, _, amsgrad, maximize, _, _, decoupled, _ = flags
-    lr, (beta1, beta2), wd, eps = group["lr"], group["betas"], group["weight_decay"], group["eps"]
-    if maximize:
-        grads = torch._foreach_neg(grads)
-    torch._foreach_add_(steps, 1)
-    if wd != 0:
-        if decoupled:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        else:
-            grads = torch._foreach_add(grads, params, alpha=wd)  # a new list: the gradients stay as backward left them
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-    counts = [s.item() for s in steps]
-    step_size = [(lr / (1 - beta1 ** n)) * -1 for n in counts]
-    bias_correction2_sqrt = [(1 - beta2 ** n) ** 0.5 for n in counts]
-    if amsgrad:
-        torch._foreach_maximum_(max_sqs, exp_avg_sqs)
-    denom = torch._foreach_sqrt(max_sqs if amsgrad else exp_avg_sqs)
-    torch._foreach_div_(denom, bias_correction2_sqrt)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
-
-
-def _sgd_foreach(lists: tuple, grads: list) -> None:
-    """What `torch.optim.sgd._multi_tensor_sgd` runs for one device and dtype once the momentum buffers are made
-    (dense gradients); the gradients are left as backward wrote them, as the for-loop leaves them."""
-    group, flags, params, bufs = lists
-    lr, wd, momentum, dampening = group["lr"], group["weight_decay"], group["momentum"], group["dampening"]
-    if flags[3]:  # maximize
-        grads = torch._foreach_neg(grads)
-    if wd != 0:
-        grads = torch._foreach_add(grads, params, alpha=wd)
-    if momentum != 0:
-        torch._foreach_mul_(bufs, momentum)
-        torch._foreach_add_(bufs, grads, alpha=1 - dampening)
-        grads = torch._foreach_add(grads, bufs, alpha=momentum) if flags[7] else bufs
-    torch._foreach_add_(params, grads, alpha=-lr)
 
 
 def _adam_flat(lists: tuple, grads: list) -> bool:
@@ -181,6 +141,15 @@ def lean_step_for(optimizer) -> LeanStep | LeanScheduleFree | None:
     return None if lean is _TORCH else lean
 
 
+def forget_lists(optimizer) -> None:
+    """The optimizer's state tensors were replaced (`memory_format.state_follows_layout` after a layout switch): its
+    lean step makes its lists again from the state before its next update. Without it, the lists kept updating the
+    moments from before the switch and `optimizer.state` (what a checkpoint saves) stayed as the switch left it."""
+    lean = _LEAN.get(optimizer)
+    if lean is not None and lean is not _TORCH:
+        lean._groups_ref = None  # `_fresh()` is False: `_build()` reads the state anew
+
+
 def step_with_torch(optimizer) -> None:
     """Leave `optimizer` to its own `step()` and `zero_grad()` from now on (a loop that must cost what a plain
     loop costs: the bench's naive row, `TrainConfig(lean_step=False)`)."""
@@ -210,6 +179,7 @@ class LeanStep:
         self._sparse = False  # a sparse gradient was seen: torch steps (an embedding's sparse=True stays so)
         self.steps = 0  # updates it made (the tests read it)
         self.flat_steps = 0  # of those, the updates with every group's moments in flat buffers
+        self.chunk_steps = 0  # and those with a group's Adam update run a piece at a time (`lean_kernels.adam_chunked`)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -260,6 +230,8 @@ class LeanStep:
                 flats.append(flat)
                 lists = (*_state_lists(type(opt), group, [opt.state[p] for p in stepped]), flat)  # the views
                 update = _sgd_flat if self._sgd else _adam_flat
+            elif not fused and not self._sgd and (chunks := _chunks(group, flags, stepped, lists)) is not None:
+                lists, update = (*lists, chunks), _adam_chunked
             groups.append((group, flags, stepped, *lists))
             updates.append(update)
             alls.append(params)
@@ -312,9 +284,10 @@ class LeanStep:
         if "step" in opt.__dict__:
             opt._opt_called = True  # what an LR scheduler's wrapper records (its step-order warning)
         with torch.no_grad():
-            flat = [update(g, gs) for update, g, gs in zip(self._updates, self._groups, grads)]  # True: a flat update
+            done = [update(g, gs) for update, g, gs in zip(self._updates, self._groups, grads)]  # True: flat or chunked
         self.steps += 1
-        self.flat_steps += all(f is True for f in flat)
+        self.flat_steps += all(f is True and u in (_adam_flat, _sgd_flat) for f, u in zip(done, self._updates))
+        self.chunk_steps += any(f is True and u is _adam_chunked for f, u in zip(done, self._updates))
         return True
 
     def clear_grads(self) -> bool:

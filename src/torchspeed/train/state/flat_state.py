@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["FlatMoments", "MAX_NUMEL", "MEAN_NUMEL", "flat_applies", "kernels_agree", "schedule_free_chunks_agree",
-           "schedule_free_kernels_agree"]
+__all__ = ["FlatMoments", "MAX_NUMEL", "MEAN_NUMEL", "flat_applies", "kernels_agree", "lean_chunks_agree",
+           "schedule_free_chunks_agree", "schedule_free_kernels_agree"]
 
 MEAN_NUMEL = 32_768  # numbers per tensor, on average, above which the gradients' copy costs what the launches save
 MAX_NUMEL = 1 << 24  # a group's numbers at most: its two extra buffers (gradients, Adam's denominator) stay <= 128 MiB
@@ -94,6 +94,25 @@ def schedule_free_chunks_agree() -> bool:
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         return all(_agree(op, g) for op in _SF_PARAM_OPS)
+
+
+_LEAN_PARAM_OPS: tuple[Callable, ...] = (  # a chunked Adam/SGD update's parameter ops (`lean_step`, `Chunks`)
+    lambda a, b, c: a.mul_(0.99995),
+    lambda a, b, c: a.addcdiv_(b, c, value=-0.00317),
+    lambda a, b, c: a.add_(b, alpha=-0.0913),
+    lambda a, b, c: torch.add(b, a, alpha=5e-4),
+)
+
+
+@functools.cache
+def lean_chunks_agree() -> bool:
+    """`kernels_agree` for every kernel of a chunked Adam or SGD update: its moments' (`kernels_agree`) and its
+    parameters' (the pieces cut the parameters too: `lean_step`)."""
+    if not kernels_agree():
+        return False
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        return all(_agree(op, g) for op in _LEAN_PARAM_OPS)
 
 
 def flat_applies(params: list, moments: tuple = (), agree: Callable[[], bool] | None = None) -> bool:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchspeed.train.loop.lean_step import forget_lists
+
 __all__ = ["has_conv2d", "has_conv", "apply_channels_last", "to_channels_last", "is_channels_last",
            "state_follows_layout"]
 
@@ -58,7 +60,8 @@ def is_channels_last(x: torch.Tensor) -> bool:
 
 
 def state_follows_layout(optimizer: torch.optim.Optimizer) -> None:
-    """Optimizer state (momentum, Adam moments) in the memory layout of its parameter, after a layout change."""
+    """Optimizer state (momentum, Adam moments) in the memory layout of its parameter, after a layout change; the
+    optimizer's lean step (`lean_step.LeanStep`, `LeanScheduleFree`) reads the new tensors before its next update."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             st = optimizer.state.get(p)
@@ -69,3 +72,4 @@ def state_follows_layout(optimizer: torch.optim.Optimizer) -> None:
             for k, v in st.items():
                 if isinstance(v, torch.Tensor) and v.shape == p.shape:
                     st[k] = v.contiguous(memory_format=fmt)
+    forget_lists(optimizer)  # the lean step's kept lists held the tensors just replaced
