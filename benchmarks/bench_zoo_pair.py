@@ -3,7 +3,7 @@ trees side by side.
 
 For each zoo case named, each tree (`--trees BEFORE AFTER`: checkouts of two commits) runs in its own process: a
 warm-up, then `--rounds` rounds of the zoo's plain loop and `fit` as ported (`zoo_run._timed_round`, K steps on
-the same batches), interleaved; the tree's figure is the plain loop's median seconds over `fit`'s (above 1: `fit`
+the same batches), interleaved, the order alternating; the tree's figure is the plain loop's median seconds over `fit`'s (above 1: `fit`
 is faster). The trees alternate per case.
 
 Run:
@@ -29,9 +29,9 @@ case = z.registry()[sys.argv[2]]
 batches = z.batches_for(case, int(sys.argv[3]))
 z.warm_up(case, batches)
 plain, fit = [], []
-for _ in range(int(sys.argv[4])):
-    plain.append(z._timed_round(case, batches, "plain"))
-    fit.append(z._timed_round(case, batches, "fit"))
+for r in range(int(sys.argv[4])):  # the order alternates round by round
+    for way in (("plain", "fit") if r % 2 == 0 else ("fit", "plain")):
+        (plain if way == "plain" else fit).append(z._timed_round(case, batches, way, 0.0)[0])
 print("PAIR " + json.dumps({"plain_s": plain, "fit_s": fit,
                             "fit_vs_plain": statistics.median(plain) / statistics.median(fit)}))
 '''
