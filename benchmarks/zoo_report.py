@@ -308,6 +308,10 @@ def write_docs(paths: list[Path], doc: Path, later: list[Path] = ()) -> None:
         "- **load**: the machine's 1-minute load average (2 cores) at each model's start and end, median over the "
         "sweep: " + ", ".join(f"{d['profile']} {d['summary']['load_median']}" for d in datas) + ". Above 2, other "
         "work shared the cores and the ratios measure it as much as `fit`.",
+        "- **rechecked**: a sweep's 3 rounds of a 12-step run of a large model move by 10-20% on 2 busy cores, so "
+        "where a sweep read `fit` under 0.97x, `benchmarks/bench_zoo_recheck.py` re-runs that model in its own "
+        "process, 9 interleaved rounds, and gives the ratio with its 95% bootstrap interval: `slower` only where "
+        "the whole interval lies under 0.97 (docs/results.md, `zoo_recheck_*.json`).",
         "",
         "Produced by " + "; ".join(f"`{d['command']}` at commit `{str(d['commit'])[:7]}` ({d['profile']})"
                                    for d in datas) + f" on {d0['cpu']} "
