@@ -178,8 +178,8 @@ class LeanScheduleFree:
 
 
 class Chunks:
-    """A group's parameters and their state's lists (Schedule-Free's `z` and `exp_avg_sq`; Adam's moments, SGD's
-    momentum: `lean_step`) as pieces of at most about `CHUNK` numbers: small tensors whole, several to a piece; a
+    """A group's parameters and their state's lists (Schedule-Free's `z` and `exp_avg_sq`; Adam's moments:
+    `lean_kernels`) as pieces of at most about `CHUNK` numbers: small tensors whole, several to a piece; a
     large one cut in its memory order. Made where the group holds more than two pieces, every tensor is dense, each
     state tensor is laid out as its parameter, and the kernels agree at any position (`agree`)."""
 

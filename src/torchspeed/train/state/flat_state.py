@@ -96,18 +96,17 @@ def schedule_free_chunks_agree() -> bool:
         return all(_agree(op, g) for op in _SF_PARAM_OPS)
 
 
-_LEAN_PARAM_OPS: tuple[Callable, ...] = (  # a chunked Adam/SGD update's parameter ops (`lean_step`, `Chunks`)
+_LEAN_PARAM_OPS: tuple[Callable, ...] = (  # a chunked Adam update's parameter ops (`lean_kernels.adam_chunked`)
     lambda a, b, c: a.mul_(0.99995),
     lambda a, b, c: a.addcdiv_(b, c, value=-0.00317),
-    lambda a, b, c: a.add_(b, alpha=-0.0913),
     lambda a, b, c: torch.add(b, a, alpha=5e-4),
 )
 
 
 @functools.cache
 def lean_chunks_agree() -> bool:
-    """`kernels_agree` for every kernel of a chunked Adam or SGD update: its moments' (`kernels_agree`) and its
-    parameters' (the pieces cut the parameters too: `lean_step`)."""
+    """`kernels_agree` for every kernel of a chunked Adam update: its moments' (`kernels_agree`) and its
+    parameters' (the pieces cut the parameters too: `lean_kernels`)."""
     if not kernels_agree():
         return False
     g = torch.Generator().manual_seed(3)
