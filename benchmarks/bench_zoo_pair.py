@@ -37,11 +37,16 @@ print("PAIR " + json.dumps({"plain_s": plain, "fit_s": fit,
 '''
 
 
-def one(tree: str, case: str, steps: int, rounds: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(Path(tree) / "src"))
+def rounds_in_child(case: str, steps: int, rounds: int, env: dict) -> dict:
+    """`rounds` interleaved rounds of the plain loop and `fit` as ported on `case`, in a fresh process with `env`:
+    {"plain_s", "fit_s", "fit_vs_plain"} (bench_zoo_recheck.py runs them too)."""
     out = subprocess.run([sys.executable, "-c", CHILD, str(HERE), case, str(steps), str(rounds)], env=env,
                          capture_output=True, text=True, check=True).stdout
-    return json.loads(next(l for l in out.splitlines() if l.startswith("PAIR "))[5:])
+    return json.loads(next(line for line in out.splitlines() if line.startswith("PAIR "))[5:])
+
+
+def one(tree: str, case: str, steps: int, rounds: int) -> dict:
+    return rounds_in_child(case, steps, rounds, dict(os.environ, PYTHONPATH=str(Path(tree) / "src")))
 
 
 def main() -> None:

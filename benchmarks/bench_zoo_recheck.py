@@ -22,24 +22,10 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-CHILD = r'''
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import zoo_run as z
-case = z.registry()[sys.argv[2]]
-batches = z.batches_for(case, int(sys.argv[3]))
-z.warm_up(case, batches)
-plain, fit = [], []
-for r in range(int(sys.argv[4])):
-    for way in (("plain", "fit") if r % 2 == 0 else ("fit", "plain")):
-        (plain if way == "plain" else fit).append(z._timed_round(case, batches, way, 0.0)[0])
-print("RECHECK " + json.dumps({"plain_s": plain, "fit_s": fit}))
-'''
+from bench_zoo_pair import rounds_in_child  # the same child: a warm-up, then rounds in alternating order
 
 
 def verdict(plain: list[float], fit: list[float], below: float) -> dict:
@@ -58,9 +44,7 @@ def one(case: str, steps: int, rounds: int, profile: str | None) -> dict:
     env.pop("TORCHSPEED_CPU_PROFILE", None)
     if profile and profile != "host":
         env["TORCHSPEED_CPU_PROFILE"] = profile
-    out = subprocess.run([sys.executable, "-c", CHILD, str(HERE), case, str(steps), str(rounds)], env=env,
-                         capture_output=True, text=True, check=True).stdout
-    return json.loads(next(line for line in out.splitlines() if line.startswith("RECHECK "))[8:])
+    return rounds_in_child(case, steps, rounds, env)
 
 
 def chosen(sweep: dict, below: float, names: list[str] | None) -> list[tuple[str, dict]]:

@@ -3,15 +3,13 @@ and the lean step follows a layout switch's new optimizer state (`lean_step.forg
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torchspeed.train import lean_schedulefree
 from torchspeed.train.loop.lean_step import lean_step_for
-from torchspeed.train.loop.step import optimizer_step
-from torchspeed.train.optim_kernel import zero_grad
 from torchspeed.train.state import flat_state
 from torchspeed.train.trial.memory_format import apply_channels_last, state_follows_layout
+from test_lean_step import _same, _train
 
 
 def _model(seed=0):
@@ -23,29 +21,6 @@ def _model(seed=0):
 def _batches(n=8, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(n)]
-
-
-def _train(model, opt, batches, *, ours: bool, at=None, switch=None):
-    for i, (x, y) in enumerate(batches):
-        if switch is not None and i == at:
-            switch(model, opt)
-        if next(model.parameters()).is_contiguous(memory_format=torch.channels_last) and \
-                not next(model.parameters()).is_contiguous():
-            x = x.contiguous(memory_format=torch.channels_last)
-        F.cross_entropy(model(x), y).backward()
-        if ours:
-            optimizer_step(opt)
-            zero_grad(opt)
-        else:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-
-def _same(a, b, oa, ob):
-    for pa, pb in zip(a.parameters(), b.parameters()):
-        assert torch.equal(pa, pb)
-        for k, v in oa.state[pa].items():
-            assert torch.equal(v, ob.state[pb][k]), k
 
 
 @pytest.fixture
@@ -88,6 +63,11 @@ def test_without_agreeing_kernels_or_for_a_small_group_the_update_takes_the_whol
         assert lean_step_for(o_mine).chunk_steps == 0 and lean_step_for(o_mine).steps == 3
 
 
+def _after(step, change, model, opt):
+    """`_train`'s `between`: `change(model, opt)` after step `step`."""
+    return lambda i: change(model, opt) if i == step else None
+
+
 def _to_channels_last(model, opt):
     apply_channels_last(model, True)
     state_follows_layout(opt)
@@ -108,8 +88,8 @@ def test_a_layout_switch_midway_leaves_the_lean_step_on_the_optimizers_new_state
     ref, mine = _model(), _model()
     o_ref, o_mine = kind(ref.parameters(), foreach=False, **kw), kind(mine.parameters(), **kw)
     batches = _batches()
-    _train(ref, o_ref, batches, ours=False, at=3, switch=_to_channels_last)
-    _train(mine, o_mine, batches, ours=True, at=3, switch=_to_channels_last)
+    _train(ref, o_ref, batches, ours=False, between=_after(2, _to_channels_last, ref, o_ref))
+    _train(mine, o_mine, batches, ours=True, between=_after(2, _to_channels_last, mine, o_mine))
     _same(ref, mine, o_ref, o_mine)
     lean = lean_step_for(o_mine)
     key = "momentum_buffer" if kind is torch.optim.SGD else "exp_avg"
@@ -129,8 +109,8 @@ def test_a_parameter_given_new_memory_is_stepped_on_the_whole_lists_that_step(sm
         w.data = w.data.clone()  # the same numbers, other memory: the pieces' views are of the old
 
     batches = _batches()
-    _train(ref, o_ref, batches, ours=False, at=4, switch=new_memory)
-    _train(mine, o_mine, batches, ours=True, at=4, switch=new_memory)
+    _train(ref, o_ref, batches, ours=False, between=_after(3, new_memory, ref, o_ref))
+    _train(mine, o_mine, batches, ours=True, between=_after(3, new_memory, mine, o_mine))
     _same(ref, mine, o_ref, o_mine)
     lean = lean_step_for(o_mine)
     assert lean.steps == len(batches) - 1 and lean.chunk_steps == 3  # steps 1-3 in pieces, then the whole lists
