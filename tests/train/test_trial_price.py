@@ -134,3 +134,19 @@ def test_a_ported_runs_later_turns_timed_apart_take_half_its_share(share, turns)
     assert trial.value == "measured" and "stopped" not in trial.measured
     assert trial.measured["shadow_steps"] == turns
     assert res.decisions["precision"].value == "fp32"  # 1% faster: under the 2% a change must buy (min_gain)
+
+
+def test_the_share_bounds_the_whole_trial_not_each_look():
+    """A 100-step run of 10 ms steps affords 0.25 s at a quarter. After the plain settings' steps the other three
+    settings are priced at a step each and all fit. The first of them then takes 0.12 s (its one-off work): the two
+    left are priced at 0.11 s each, 0.22 s, which the whole share would still hold; what is left of it after the
+    0.11 s spent (0.14 s) holds one, so the last in the rules' order is left untried."""
+    trial = LiveTrial(GRID, rounds=1, steps=2, warmup=1, run_steps=100, share=0.25, apart=False)
+    for _ in range(2):
+        trial.record(0.010)
+    assert "untried" not in trial.report and "stopped" not in trial.report
+    assert trial.current() == GRID[1] and not trial.timed_now()  # fp32 + channels_last's warm-up
+    trial.record(0.120)
+    untried = trial.report["untried"]
+    assert list(untried) == ["bf16+channels_last"] and "0.11 s of it spent already" in untried["bf16+channels_last"]
+    assert {c for c, _ in trial._queue} == set(GRID[:3])

@@ -52,7 +52,7 @@ __all__ = ["PRICE_SHARE", "SwitchStage", "kernel_isa", "arm_switch_trial"]
 
 log = logging.getLogger("torchspeed")
 
-PRICE_SHARE = 0.25  # a trial whose settings would cost more than this share of the run's seconds is not run
+PRICE_SHARE = 0.08  # the most a trial may cost of a run choosing its own LR: docs/train.md, "The share"
 # How the trial measures and chooses, in the cache key: a trial cached by an earlier method (which, say, timed the
 # optimizer kernels on whole steps) is measured again, not read. Bump it with any change to the schedule or the choice.
 TRIAL_METHOD = 6  # 5: a timed-apart turn is settled first; 6: a run affording some candidates tries them (prior_first)
