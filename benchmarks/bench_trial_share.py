@@ -77,9 +77,9 @@ def zoo_model(name: str, steps: int, rounds: int, shares: list[float]) -> dict:
     return out
 
 
-def suite_rows(seeds: list[int], shares: list[float]) -> dict:
+def suite_rows(seeds: list[int], shares: list[float], names: list[str] | None = None) -> dict:
     out = {}
-    for w in suite_workloads():
+    for w in suite_workloads(names):
         data = load_data(w)
         suite_run.run_row(w, "auto", 0, data)  # warm-up: imports, first-call costs (not timed)
         rows: dict = {str(s): [] for s in shares}
@@ -88,7 +88,8 @@ def suite_rows(seeds: list[int], shares: list[float]) -> dict:
                 autoswitch.PRICE_SHARE = s
                 r = suite_run.run_row(w, "auto", seed, data)
                 rows[str(s)].append({"seed": seed, "to_target_s": r["to_target_s"], "steps": r["steps_to_target"],
-                                     "precision": r["decisions"].get("precision", "")})
+                                     "precision": r["decisions"].get("precision", ""),
+                                     "channels_last": r["decisions"].get("channels_last", "")[:5]})
         out[w.name] = rows
         print(w.name, {s: [(x["to_target_s"] and round(x["to_target_s"], 2), x["precision"][:40]) for x in v]
                        for s, v in rows.items()}, flush=True)
@@ -102,6 +103,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--shares", type=float, nargs="+", default=[0.25, 0.08])
     p.add_argument("--suite-seeds", type=int, nargs="*", default=[0, 1])
+    p.add_argument("--suite-workloads", nargs="*", default=None, help="the suite's workloads (default: all)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     saved = autoswitch.PRICE_SHARE
@@ -113,7 +115,7 @@ def main() -> None:
                                                            for k, v in x.items()} for s, x in m["shares"].items()},
                   flush=True)
         if args.suite_seeds:
-            res["suite"] = suite_rows(args.suite_seeds, args.shares)
+            res["suite"] = suite_rows(args.suite_seeds, args.shares, args.suite_workloads)
     finally:
         autoswitch.PRICE_SHARE = saved
     if args.json:
