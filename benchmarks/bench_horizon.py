@@ -13,6 +13,8 @@ With `--workloads resnet20_digits,gpt_text`: two bench workloads the suite does 
 - `adamw_wsd`, `adamw_linear`: AdamW at its default LR with a warmup-stable-decay schedule (the last 20% cooled to
   zero) or a linear decay to zero (`train.schedule`), the schedules a run of unknown horizon and recent LLM
   practice use;
+- `adamw_constant`: AdamW at its default LR held constant after fit's warm-up (no cooldown: what a loop without a
+  scheduler trains with);
 - `adamw_wsd_width`: AdamW with warmup-stable-decay at the LR the width rule gives Schedule-Free (is it Schedule-Free
   that wins, or its LR?);
 - `tuned` (asked for by `--candidates`): the workload's own optimizer at its own tuned LR, one-cycle over the run (a
@@ -86,9 +88,9 @@ def _register_extra() -> None:
 
 BLOCK_SIZE = 128
 EXTRA = ("resnet20_digits", "gpt_text")  # run when named in --workloads
-CANDIDATES = ("sf", "adamw", "sgd", "adamw_wsd", "adamw_linear", "adamw_wsd_width", "tuned")
+CANDIDATES = ("sf", "adamw", "sgd", "adamw_wsd", "adamw_linear", "adamw_constant", "adamw_wsd_width", "tuned")
 # what a prior may take: the tuned LR is known to no prior
-PRIORS = ("sf", "adamw", "sgd", "adamw_wsd", "adamw_linear", "adamw_wsd_width")
+PRIORS = ("sf", "adamw", "sgd", "adamw_wsd", "adamw_linear", "adamw_constant", "adamw_wsd_width")
 
 
 def call(workload: suite.Workload, cand: str, model: nn.Module) -> dict:
@@ -170,9 +172,10 @@ def merged(entry: dict, earlier: dict, workload: suite.Workload) -> dict:
 
 HEADS = {"sf": "Schedule-Free (width rule)", "adamw": "AdamW 1e-3, one-cycle", "sgd": "SGD 0.1, one-cycle",
          "adamw_wsd": "AdamW 1e-3, WSD", "adamw_linear": "AdamW 1e-3, linear to 0",
-         "adamw_wsd_width": "AdamW (width rule), WSD"}
+         "adamw_constant": "AdamW 1e-3, constant", "adamw_wsd_width": "AdamW (width rule), WSD"}
 WORDS = {"sf": "Schedule-Free", "adamw": "AdamW", "sgd": "SGD", "adamw_wsd": "AdamW + WSD",
-         "adamw_linear": "AdamW + linear", "adamw_wsd_width": "AdamW (width) + WSD"}
+         "adamw_linear": "AdamW + linear", "adamw_constant": "AdamW + constant",
+         "adamw_wsd_width": "AdamW (width) + WSD"}
 
 
 def report(results: list[dict]) -> str:
@@ -263,6 +266,7 @@ def main() -> None:
                              "sgd": f"SGD (momentum 0.9) at its default LR {default_lr('sgd'):g}, one-cycle",
                              "adamw_wsd": f"AdamW at {default_lr('adamw'):g}, warmup-stable-decay (20% cooldown)",
                              "adamw_linear": f"AdamW at {default_lr('adamw'):g}, linear decay to zero",
+                             "adamw_constant": f"AdamW at {default_lr('adamw'):g}, constant after fit's warm-up",
                              "adamw_wsd_width": "AdamW at the width rule's LR (Schedule-Free's), warmup-stable-decay",
                              "tuned": "the workload's own optimizer and LR, one-cycle (a reference)"},
               "workloads": {}}

@@ -30,13 +30,13 @@ KINDS = ("language model", "attention", "recurrent", "conv", "mlp")
 BUCKETS = (64, 256, 1024, None)  # run-length buckets, in optimizer steps: up to each edge (None: longer)
 # the bench's candidates as the table names them: fit's optimizer name, "+" the schedule where it is not the plan's
 NAMES = {"sf": "schedulefree", "adamw": "adamw", "sgd": "sgd", "adamw_wsd": "adamw+wsd", "adamw_linear": "adamw+linear",
-         "adamw_wsd_width": "adamw+wsd+width"}
+         "adamw_constant": "adamw+constant", "adamw_wsd_width": "adamw+wsd+width"}
 _RECURRENT = (nn.RNNBase, nn.RNNCellBase)
 
 # kind -> ((bucket edge, winner, its wins, the (workload, length) pairs measured), ...): `table_from` of
 # benchmarks/results/cpu-avx512-bf16/horizon*.json (a bucket nothing was measured in is left out)
 PRIOR: dict[str, tuple[tuple[int | None, str, int, int], ...]] = {
-    "language model": ((64, "adamw+wsd", 1, 1), (256, "adamw+wsd", 2, 2), (1024, "adamw+wsd", 2, 2)),
+    "language model": ((64, "adamw+wsd", 2, 3), (256, "adamw+wsd", 2, 2), (1024, "adamw+wsd", 2, 2)),
     "attention": ((64, "schedulefree", 1, 1), (256, "schedulefree", 2, 2), (1024, "schedulefree", 2, 2)),
     "recurrent": ((256, "schedulefree", 2, 2), (1024, "schedulefree", 2, 2), (None, "schedulefree", 1, 1)),
     "conv": ((64, "schedulefree", 6, 6), (256, "schedulefree", 6, 6), (1024, "schedulefree", 2, 2)),
