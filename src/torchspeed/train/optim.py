@@ -103,9 +103,23 @@ def create_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: fl
     cls = info.resolve()
     if fused == "auto" and sparse_gradients(model):
         fused = False  # the for-loop path: the one that takes sparse gradients, as a script's torch.optim.SGD does
+    if kw.get("momentum") and sparse_gradients(model):
+        groups = sparse_without_momentum(groups, _sparse_weights(model))
     if info.fusable:
         return _fused_or_foreach(cls, groups, kw, fused, shards=info.fused_shards)
     return cls(groups, **kw)
+
+
+def sparse_without_momentum(groups: list[dict], sparse: set[int]) -> list[dict]:
+    """`groups` with the sparse embeddings' weights moved to a group of their own without momentum. torch's SGD keeps
+    a sparse gradient's momentum buffer sparse and never coalesces it (`buf.mul_(m).add_(grad)` appends the step's
+    rows), so each step costs more than the last: measured on an `EmbeddingBag(sparse=True)` text classifier, 400
+    steps of SGD with momentum 0.9 ran 4x the seconds of the same steps without (docs/models.md). A script's sparse
+    embedding trains with plain SGD, SparseAdam or Adagrad; this group is plain SGD at the run's LR."""
+    rows = [p for g in groups for p in g["params"] if id(p) in sparse]
+    dense = [dict(g, params=[p for p in g["params"] if id(p) not in sparse]) for g in groups]
+    return [g for g in dense if g["params"]] + [{"params": rows, "weight_decay": 0.0, "momentum": 0.0,
+                                                  "nesterov": False}]
 
 
 def describe_optimizer(opt: torch.optim.Optimizer) -> str:
