@@ -97,3 +97,10 @@ def test_auto_on_a_sparse_embedding_keeps_sgd_with_no_momentum_on_the_sparse_row
     assert res.history[-1]["train_loss"] < res.history[0]["train_loss"]
     assert seen.optimizer.state[model.emb.weight].get("momentum_buffer") is None
     assert seen.optimizer.state[model.fc.weight].get("momentum_buffer") is not None
+
+
+def test_a_frozen_sparse_embedding_adds_no_empty_group():
+    model = Bag()
+    model.emb.weight.requires_grad_(False)
+    opt = create_optimizer("sgd", model, lr=0.1)
+    assert all(g["params"] for g in opt.param_groups) and all(g["momentum"] == 0.9 for g in opt.param_groups)

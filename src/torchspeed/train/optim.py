@@ -117,10 +117,10 @@ def sparse_without_momentum(groups: list[dict], sparse: set[int]) -> list[dict]:
     of auto's SGD went from 0.7-1.0 ms to 4.6-6.8 ms a step, 1.07-1.39 s in all, against 0.16-0.18 s without
     (docs/train.md, "A sparse embedding"). A script's sparse embedding trains with plain SGD, SparseAdam or Adagrad;
     this group is plain SGD at the run's LR."""
-    rows = [p for g in groups for p in g["params"] if id(p) in sparse]
+    rows = [p for g in groups for p in g["params"] if id(p) in sparse]  # none where the embedding is frozen
     dense = [dict(g, params=[p for p in g["params"] if id(p) not in sparse]) for g in groups]
-    return [g for g in dense if g["params"]] + [{"params": rows, "weight_decay": 0.0, "momentum": 0.0,
-                                                  "nesterov": False}]
+    plain = [{"params": rows, "weight_decay": 0.0, "momentum": 0.0, "nesterov": False}] if rows else []
+    return [g for g in dense if g["params"]] + plain
 
 
 def describe_optimizer(opt: torch.optim.Optimizer) -> str:
