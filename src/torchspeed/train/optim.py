@@ -101,10 +101,11 @@ def create_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: fl
         return info.build(model, fused=fused, **kw)
     groups = param_groups(model, weight_decay)
     cls = info.resolve()
-    if fused == "auto" and sparse_gradients(model):
+    sparse = _sparse_weights(model)
+    if fused == "auto" and sparse:
         fused = False  # the for-loop path: the one that takes sparse gradients, as a script's torch.optim.SGD does
-    if kw.get("momentum") and sparse_gradients(model):
-        groups = sparse_without_momentum(groups, _sparse_weights(model))
+    if kw.get("momentum") and sparse:
+        groups = sparse_without_momentum(groups, sparse)
     if info.fusable:
         return _fused_or_foreach(cls, groups, kw, fused, shards=info.fused_shards)
     return cls(groups, **kw)

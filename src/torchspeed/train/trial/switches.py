@@ -203,7 +203,7 @@ class LiveTrial:
         settings before, theirs is cheap and a new setting's is not), for a precision or layout never under
         `FIRST_SWITCH_S` (its kernels' first use; a later stage's kernel or thread count costs far less). Where the
         rest exceeds what is left of `share` of the run's seconds at the plain settings' pace once what the trial
-        cost so far is taken off (`_spent`: the share bounds the whole trial, not each look), the candidates not
+        cost so far is taken off (the share bounds the whole trial, not each look), the candidates not
         tried yet leave from the end of the grid's order (the rules' choice comes first: `switch_choice.prior_first`)
         until the rest fits (`report["untried"]`); where not even the first fits and nothing but the plain settings was
         tried, no gain the trial could find pays for it: the run keeps the plain settings (`report["stopped"]`)."""
@@ -226,7 +226,7 @@ class LiveTrial:
             thrown = sum(self.steps for c in cands if self.apart and c.rounds_apart(plain))
             return len(cands) * new_s + stages * switch_s + thrown * step_s
 
-        spent = self._spent(plain, step_s)
+        spent = self._extra + self._stage_extra(self.times, medians(self.times), step_s)  # cost so far, as counted
         budget = self.share * run_s - spent  # the share bounds the whole trial, not each look
         paid = f", {spent:.2f} s of it spent already" if spent > 0 else ""
         if not untried and not later or cost(untried) <= budget:
@@ -253,14 +253,6 @@ class LiveTrial:
                                   f"try (a switch's first step {new_s:.3f} s), over {self.share:.0%} of this "
                                   f"{self.run_steps}-step run's ~{run_s:.2f} s at the plain settings' pace{paid}")
         self._queue, self._stages = [], []
-
-    def _spent(self, plain: Switches, step_s: float) -> float:
-        """What the trial has cost so far over the plain settings' pace: each warm-up step but the run's first (its
-        start-up is paid with or without a trial) and each timed step of another candidate, above the plain
-        settings' timed step, and the passes thrown away (`add_extra`)."""
-        warm = sum(max(0.0, sec - step_s) for _, sec, first in self._warm if not first)
-        timed = sum(max(0.0, t - step_s) for c, ts in self.times.items() if c != plain for t in ts)
-        return self._extra + warm + timed
 
     def _untried(self, out: list[Switches], stages: bool, why: str) -> None:
         """`out`'s candidates, and with `stages` the later stages (the optimizer kernel, the threads), are not tried
