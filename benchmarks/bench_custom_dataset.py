@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 import torchspeed
 from torchspeed.bench.runner import provenance
 from torchspeed.bench.small import make_small, plain_loop
-from torchspeed.train.trial.rounds import ratio_summary
+from torchspeed.train.rounds import ratio_summary
 
 
 class Waves(Dataset):

@@ -209,7 +209,7 @@ def pace(names: list[str], cands: list[str], fracs: list[float], rounds: int) ->
     candidate per round (seed 0), interleaved after an untimed round (`rounds.interleaved`, order alternating);
     per candidate the seconds of every round and their median, and its median per-round ratio to the first
     candidate's seconds (above 1: faster than it)."""
-    from torchspeed.train.trial.rounds import interleaved
+    from torchspeed.train.rounds import interleaved
     out: dict = {}
     for w in suite.suite_workloads(names):
         data = suite.load_data(w)

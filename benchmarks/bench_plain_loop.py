@@ -65,7 +65,7 @@ import torchspeed
 from torchspeed.bench.runner import provenance
 from torchspeed.bench.small import SMALL, make_small, plain_loop
 from torchspeed.train.loop.callbacks import Callback
-from torchspeed.train.trial.rounds import ratio_summary
+from torchspeed.train.rounds import ratio_summary
 
 
 ROWS = ("plain_again", "plain_fused", "plain_bf16_start", "fit", "auto", "auto_given")  # --tta's rows beside plain

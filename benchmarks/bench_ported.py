@@ -66,7 +66,7 @@ from torchspeed.bench.runner import provenance
 from torchspeed.bench.small import shuffled_epochs
 from torchspeed.bench.text import stdlib_text
 from torchspeed.train.loop.callbacks import Callback
-from torchspeed.train.trial.rounds import ratio_summary
+from torchspeed.train.rounds import ratio_summary
 
 ACC_TOLERANCE = 0.005   # 5 of 1,000 held-out samples: below the evaluation's own noise
 LOSS_TOLERANCE = 0.005  # 0.5% of the script's final held-out loss

@@ -46,7 +46,7 @@ from torchspeed.bench.workloads import create_model
 from torchspeed.env import sync
 from torchspeed.train.config import TrainConfig
 from torchspeed.train.trial.precision import half_precision
-from torchspeed.train.trial.rounds import run_for
+from torchspeed.train.rounds import run_for
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ is one way to train the same model on the same device batches:
 
 `measure_rows` works in stages: each warms its rows up (untimed; a row that fails is recorded
 and left out), then times every warm row in interleaved rounds
-(`torchspeed.train.trial.rounds.interleaved`), writing the result after every turn, so a part stopped
+(`torchspeed.train.rounds.interleaved`), writing the result after every turn, so a part stopped
 at its time limit keeps every round it finished. The rows with long warm-ups (fit's trials and
 compilations) come last. Before each round it checks the time left and stops cleanly when the
 round would not fit.
@@ -36,7 +36,7 @@ import torch
 from torchspeed.bench.hand import HandLoop, HandSettings
 from torchspeed.train.loop.guard import TrainingOutOfMemoryError, is_out_of_memory
 from torchspeed.train.loop.metrics import jsonable
-from torchspeed.train.trial.rounds import interleaved, paired_ratios, ratio_summary
+from torchspeed.train.rounds import interleaved, paired_ratios, ratio_summary
 from torchspeed.train.loop.trainer import Trainer
 
 __all__ = ["Clock", "Partial", "SkipRow", "TrainerRow", "HandRow", "LightningRow", "Timing", "measure_rows",

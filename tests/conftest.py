@@ -79,10 +79,13 @@ def fake_clock():
 @pytest.fixture(autouse=True)
 def _unpriced_switch_trials(request, monkeypatch):
     """A switch trial is priced in real seconds (switches.LiveTrial._price): a slow first step on a loaded machine
-    would stop it. Tests see the unpriced trial unless marked `priced` (those inject their seconds)."""
+    would stop it. Tests see the unpriced trial unless marked `priced` (those inject their seconds), and a cached
+    switch choice read as final unless marked `pooled` (whether a real timing's choice was close is chance)."""
     if request.node.get_closest_marker("priced") is None:
         monkeypatch.setattr("torchspeed.train.trial.autoswitch.PRICE_SHARE", math.inf)
         monkeypatch.setattr("torchspeed.plan.planner.PORTED_TRIAL_SHARE", math.inf)
+    if request.node.get_closest_marker("pooled") is None:
+        monkeypatch.setattr("torchspeed.train.trial.pool.POOL_RUNS", 1)
     if request.node.get_closest_marker("paced") is None:  # its turns timed apart are paced in real seconds too
         monkeypatch.setattr("torchspeed.train.trial.shadow.SHADOW_SHARE", math.inf)
 

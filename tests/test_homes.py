@@ -40,11 +40,11 @@ def test_nothing_below_the_cli_imports_the_cli():
 # ---------------------------------------------------------------- interleaved rounds and batch readers (AST)
 # What a textual pattern cannot see, the shape of the code can: a loop over rounds (or passes) with a loop
 # over the candidates inside, or a loop over a literal count whose inner loop reads a clock or a timer, is a
-# private copy of train/trial/rounds.py; a `while` around a `for b in data` that yields or keeps `b` itself (a
+# private copy of train/rounds.py; a `while` around a `for b in data` that yields or keeps `b` itself (a
 # reader that cycles), or `islice(iter(loader), n)`, is a private copy of train/sampler.py's batch reader.
-ROUNDS_HOME, READER_HOME = "train/trial/rounds.py", "train/sampler.py"
+ROUNDS_HOME, READER_HOME = "train/rounds.py", "train/sampler.py"
 # The doctor's measurements still run their own rounds (doctor/diagnose.measure_variants and the two below);
-# they move to train/trial/rounds.py with the doctor's next rework, and this list shrinks to nothing.
+# they move to train/rounds.py with the doctor's next rework, and this list shrinks to nothing.
 ROUNDS_ELSEWHERE = {"doctor/diagnose.py", "doctor/verify.py", "doctor/_datasets.py"}
 _ROUND_NAME = re.compile(r"round|pass", re.I)
 _TIMER = re.compile(r"perf_counter|monotonic|^_?time")

@@ -127,12 +127,13 @@ def test_the_docs_show_the_layers_table():
 TRAIN_ROOMS = {  # room -> what it holds
     "loop": "the step and the loop: `Trainer`, the optimizer step (lean too), the batch contract, guards, "
             "callbacks, progress and metrics, the run's length",
-    "trial": "the switch trial and what it switches: precision, channels_last, torch.compile, backends; timing "
-             "in interleaved rounds",
+    "trial": "the switch trial and what it switches: precision, channels_last, torch.compile, backends; a close "
+             "cached choice pooled over runs",
     "state": "state and checkpoints: atomic files, the step store, DCP, exact resume, RNG state, flat moments",
     "parallel": "DDP and FSDP2, and each rank's share of the data",
 }
 TRAIN_TOP = ("the techniques that stand alone, and what the rooms share: the config, decisions and the result, "
+             "timing in interleaved rounds, "
              "optimizers and schedules, data order, in-memory batches and transfer, evaluation and validation, "
              "BatchNorm statistics, the batch ramp, the noise scale, loggers, losses, the wrappers")
 ROOM_LINES = 3000

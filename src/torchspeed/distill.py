@@ -47,7 +47,7 @@ from torchspeed.train.decision import Decision
 from torchspeed.train.in_memory import in_memory_tensors
 from torchspeed.train.losses import default_loss
 from torchspeed.train.trial.precision import resolve_precision
-from torchspeed.train.trial.rounds import run_for
+from torchspeed.train.rounds import run_for
 from torchspeed.train.sampler import rebuild_loader
 
 __all__ = ["Teacher", "Distillation", "kd_loss", "prepare_distillation", "CACHE_CHUNK", "TOPK", "COUNTED_PASSES"]

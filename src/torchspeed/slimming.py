@@ -10,7 +10,7 @@ machine. So `slim` takes a target in the user's currency and measures:
 - `latency_ms=5.0`: the smallest prune whose inference forward of `example_inputs` takes 5 ms or less.
 
 Candidate ratios (`CANDIDATES`) are searched by bisection (fewer channels is assumed never slower),
-each pruned copy timed in interleaved rounds with the original (train/trial/rounds.py). The pruning
+each pruned copy timed in interleaved rounds with the original (train/rounds.py). The pruning
 itself is `torchspeed.model.prune.prune_channels` (magnitude or Taylor importance, the classifier
 and `ignored_layers` kept, widths rounded to multiples of 8). The report holds params, MACs, step
 time and latency before and after, every candidate measured, and the accuracy before pruning,
@@ -44,7 +44,7 @@ from torchspeed.train.loop.batch import forward_loss
 from torchspeed.train.evaluate import evaluate
 from torchspeed.train.optim_info import default_lr
 from torchspeed.train.result import FitResult
-from torchspeed.train.trial.rounds import interleaved, paired_ratios, run_for
+from torchspeed.train.rounds import interleaved, paired_ratios, run_for
 from torchspeed.train.loop.step import backward, optimizer_step
 from torchspeed.train.transfer import to_device
 

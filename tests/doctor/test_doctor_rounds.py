@@ -11,7 +11,7 @@ from torchspeed.doctor import DoctorJob, RULES, render_report, report_from_obser
 from torchspeed.doctor import _envfix
 from torchspeed.doctor._rounds import round_summary
 from torchspeed.doctor.registry import apply_fix_measurements, is_inconclusive, spread
-from torchspeed.train.trial.rounds import ratio_summary
+from torchspeed.train.rounds import ratio_summary
 
 from test_rules import BF16_CPU, TRIGGERS, _obs, _oversubscribed, _set
 

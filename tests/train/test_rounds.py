@@ -1,9 +1,9 @@
-"""train/trial/rounds.py, the one home of timing candidates in interleaved rounds: its schedule, its warm-up and its
+"""train/rounds.py, the one home of timing candidates in interleaved rounds: its schedule, its warm-up and its
 statistics, on a fake clock and fixed measurements (no wall time)."""
 
 import pytest
 
-from torchspeed.train.trial.rounds import (Turn, interleaved, medians, paired_ratios, ratio_summary, round_order,
+from torchspeed.train.rounds import (Turn, interleaved, medians, paired_ratios, ratio_summary, round_order,
                                            run_for, turns)
 
 

@@ -14,7 +14,7 @@ from torchspeed.train.trial.autoswitch import SwitchStage
 from torchspeed.env import DeviceCaps
 from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.trial.precision import resolve_precision
-from torchspeed.train.trial.rounds import share_faster
+from torchspeed.train.rounds import share_faster
 from torchspeed.train.trial.switch_choice import (Switches, candidate_grid, choose, numerics_ok, prior_first,
                                                   rule_switches)
 

@@ -38,7 +38,7 @@ from torch import nn
 
 from torchspeed.env import sync
 from torchspeed.train.trial.precision import half_precision
-from torchspeed.train.trial.rounds import interleaved
+from torchspeed.train.rounds import interleaved
 
 __all__ = ["HandSettings", "HandLoop", "search_hand_settings", "hand_precisions"]
 

@@ -69,7 +69,7 @@ from torchspeed.train.config import TrainConfig
 from torchspeed.train.trial.memory_format import has_conv2d
 from torchspeed.train.trial.precision import half_precision
 from torchspeed.train.loop.progress import progress_bar
-from torchspeed.train.trial.rounds import interleaved, paired_ratios
+from torchspeed.train.rounds import interleaved, paired_ratios
 
 __all__ = ["BenchConfig", "BenchRow", "BenchResult", "bench_configs", "run_bench", "provenance", "cpu_kind",
            "write_results"]

@@ -46,7 +46,7 @@ from torchspeed.train.config import TrainConfig
 from torchspeed.train.loop.trainer import Trainer
 from torchspeed.train.parallel.distributed import all_reduce_sum, barrier, is_rank_zero
 from torchspeed.train.parallel.shard import shard_loader
-from torchspeed.train.trial.rounds import interleaved, paired_ratios
+from torchspeed.train.rounds import interleaved, paired_ratios
 
 __all__ = ["ScalingRow", "ScalingResult", "measure_scaling", "run_scaling_cli"]
 

@@ -43,7 +43,7 @@ from torchspeed.train.config import TrainConfig
 from torchspeed.train.loop.trainer import Trainer
 from torchspeed.train.parallel.distributed import all_reduce_sum, barrier, broadcast_object, is_rank_zero
 from torchspeed.train.parallel.shard import shard_loader
-from torchspeed.train.trial.rounds import turns
+from torchspeed.train.rounds import turns
 
 __all__ = ["measure_sharding", "run_sharding_cli"]
 

@@ -45,7 +45,7 @@ from torchspeed.bench.slim_workloads import SLIM_WORKLOADS
 from torchspeed.distill import Teacher
 from torchspeed.fitting import fit
 from torchspeed.slimming import SlimResult, finetune, measure_models, slim
-from torchspeed.train.trial.rounds import interleaved
+from torchspeed.train.rounds import interleaved
 
 __all__ = ["FINETUNE_SHARE", "PAYS", "PACE_ROUNDS", "run_slim_bench", "slim_table"]
 

@@ -22,7 +22,7 @@ row's schedule spans the plain loop's epochs, as a user who keeps their epochs a
 workload's whole budget: the recipe plans its schedule (or none) for the length it is given.
 A run also stops once it is `TIME_CAP` times past the plain loop's whole budget (AlgoPerf's runtime budget,
 at least `MIN_CAP_S`); a run that stops before the target is a miss. The seeds are rounds: in each, every
-workload runs each of its rows in turn, the rows rotated from seed to seed (`train/trial/rounds.round_order`), so
+workload runs each of its rows in turn, the rows rotated from seed to seed (`train/rounds.round_order`), so
 the machine's drifts hit every row alike. A run at its target before `REPEAT_UNDER_S` is run `REPEATS` times (cold
 rows cold each time), its median kept (`suite.median_run`). Per workload and row the median over the seeds (a miss
 infinite) goes into the AlgoPerf table (`suite.relative_times`, ...).
@@ -56,7 +56,7 @@ from torchspeed.fitting import fit
 from torchspeed.train.losses import default_loss
 from torchspeed.train.loop.callbacks import Callback
 from torchspeed.train.optim import SCHEDULE_FREE_LR, schedule_free_available
-from torchspeed.train.trial.rounds import round_order
+from torchspeed.train.rounds import round_order
 
 __all__ = ["ROWS", "SCHEDULED", "BUDGET_FACTOR", "TIME_CAP", "MIN_CAP_S", "DEFAULT_SEEDS", "TIME_LIMIT_S", "STOP_MARGIN_S",
            "StopAtTarget", "fit_kwargs", "run_row", "run_suite", "reduce_seeds", "score"]

@@ -29,7 +29,7 @@ import torch
 
 from torchspeed._extras import require
 from torchspeed.env import sync
-from torchspeed.train.trial.rounds import paired_ratios, turns
+from torchspeed.train.rounds import paired_ratios, turns
 
 __all__ = ["PipelineRow", "DataBenchResult", "bench_pipelines", "single_thread"]
 

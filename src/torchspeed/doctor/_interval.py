@@ -8,7 +8,7 @@ same script read 1.10x on one run and 1.03x on the next, and its finding flipped
   rounds: one discarded warm-up round, then `rounds` (5) rounds a side, each round in an order drawn at random
   (a seeded generator: a drift or a periodic job cannot always land on the same side). When the interval is
   still too wide to rank (a severity threshold, or 1.0, lies inside it) and the budget allows, more rounds run,
-  up to `max_rounds`. The rounds run through `torchspeed.train.trial.rounds.interleaved`, one call per round.
+  up to `max_rounds`. The rounds run through `torchspeed.train.rounds.interleaved`, one call per round.
 - `bootstrap_interval`: the 95% percentile bootstrap interval of median(baseline) / median(candidate).
   Rounds of the two sides that ran side by side are resampled together (a slow stretch of the machine slows
   both); unpaired lists are resampled apart. The generator is seeded, so the same rounds give the same interval.
@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 from torchspeed.doctor._rounds import round_summary
 from torchspeed.doctor.report import HIGH_GAIN, MEDIUM_GAIN, interval_verdict, settle_text
-from torchspeed.train.trial.rounds import interleaved
+from torchspeed.train.rounds import interleaved
 
 __all__ = ["ROUNDS", "MAX_ROUNDS", "LEVEL", "SEED", "bootstrap_interval", "gain_interval", "wide", "measure_rounds",
            "whole_step"]

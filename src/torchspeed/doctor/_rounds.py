@@ -1,4 +1,4 @@
-"""How the doctor reads per-round ratios before it claims a speed-up: `torchspeed.train.trial.rounds.ratio_summary`,
+"""How the doctor reads per-round ratios before it claims a speed-up: `torchspeed.train.rounds.ratio_summary`,
 checked for rounds that disagree.
 
 Two interleaved rounds of which one ran while the machine was busy elsewhere read [66.58, 0.96]: their
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torchspeed.doctor.registry import MIN_ROUNDS, is_inconclusive
-from torchspeed.train.trial.rounds import ratio_summary
+from torchspeed.train.rounds import ratio_summary
 
 __all__ = ["round_summary"]
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from torchspeed.env import host_memory, sync
 from torchspeed.train.loop.progress import progress_bar
-from torchspeed.train.trial.rounds import interleaved, run_for
+from torchspeed.train.rounds import interleaved, run_for
 from torchspeed.train.loop.guard import is_out_of_memory
 from torchspeed.train.trial.precision import make_grad_scaler, resolve_precision
 from torchspeed.train.transfer import to_device

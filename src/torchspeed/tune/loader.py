@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader
 
 from torchspeed.env import default_device, sync
 from torchspeed.train.loop.progress import progress_bar
-from torchspeed.train.trial.rounds import interleaved, run_for
+from torchspeed.train.rounds import interleaved, run_for
 from torchspeed.train.transfer import to_device
 from torchspeed.train.wrappers import unwrap_model
 from torchspeed.tune._common import StateSnapshot, TrainStep, decide_once, make_batch, model_device

@@ -36,6 +36,7 @@ from torchspeed.train.decision import Decision, TrialCache
 from torchspeed.train.parallel.distributed import broadcast_object, is_rank_zero
 from torchspeed.train.loop.guard import is_out_of_memory, one_sample_batchnorm
 from torchspeed.train.trial.memory_format import apply_channels_last, has_conv2d, state_follows_layout
+from torchspeed.train.trial.pool import measure_again
 from torchspeed.train.optim_info import kernel_reason
 from torchspeed.train.trial.precision import MixedPrecision, Precision, normalize_precision
 from torchspeed.train.trial.shadow import ShadowTurns
@@ -196,9 +197,8 @@ class SwitchStage:
         if hit is None:
             return False
         now = self.live
-        if _depth(hit) < now.rounds * now.steps or (hit.get("untried") and (
-                now.run_steps is None or now.run_steps > hit.get("run_steps", 0))):
-            log.info("torchspeed: the cached switch trial measured less than this run affords: measured again")
+        if (why := measure_again(hit, now, _depth(hit))) is not None:  # a deeper trial, or a close choice pooled
+            log.info("torchspeed: %s", why)
             return False
         self.live = None
         sw = Switches(**hit["switches"])

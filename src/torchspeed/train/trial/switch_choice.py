@@ -25,7 +25,7 @@ from torchspeed.train.trial.memory_format import has_conv, has_conv2d
 from torchspeed.train.optim import sparse_gradients
 from torchspeed.train.optim_info import info_for
 from torchspeed.train.trial.precision import normalize_precision
-from torchspeed.train.trial.rounds import medians, share_faster
+from torchspeed.train.rounds import medians, share_faster
 
 __all__ = ["Switches", "candidate_grid", "prior_first", "rule_switches", "rule_choice", "autocast_moot",
            "small_products", "small_here", "choose", "numerics_ok", "fusable", "set_fused",

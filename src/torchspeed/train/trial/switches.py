@@ -47,7 +47,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, replace
 
-from torchspeed.train.trial.rounds import medians, share_faster, turns
+from torchspeed.train.trial.pool import CLOSE, pooled
+from torchspeed.train.rounds import medians, share_faster, turns
 from torchspeed.train.trial.switch_choice import AHEAD, Switches, choose, numerics_ok
 
 DROP_AT = 1.5  # a candidate this many times slower than the fastest after one timed step is out of the later rounds
@@ -91,6 +92,7 @@ class LiveTrial:
         self._extra = 0.0
         self._seen: dict[Switches, list[float]] = {}
         self.best: Switches | None = None
+        self.prior: dict | None = None  # a cached trial's pool, measured again (pool.py)
         self._stages = self._stage_list()
         self._start_stage(self._stages.pop(0))
 
@@ -254,6 +256,13 @@ class LiveTrial:
                                   f"{self.run_steps}-step run's ~{run_s:.2f} s at the plain settings' pace{paid}")
         self._queue, self._stages = [], []
 
+    def pool_with(self, pool: dict, rivals: list[str]) -> None:
+        """Measure a cached close choice again (`pool.measure_again`): the plain settings, the cached choice and
+        its `rivals` take their turns, the others none, and the choice reads `pool`'s timed steps too."""
+        self.prior, keep = pool, {pool["chosen"], *rivals}
+        self._leave({c: f"not within {CLOSE:.0%} of the cached choice {pool['chosen']}: not measured again"
+                     for c in self.candidates if c != self.grid[0] and c.label() not in keep})
+
     def _untried(self, out: list[Switches], stages: bool, why: str) -> None:
         """`out`'s candidates, and with `stages` the later stages (the optimizer kernel, the threads), are not tried
         (`_price`): named in `report["untried"]` with `why`, and off the schedule."""
@@ -288,7 +297,12 @@ class LiveTrial:
         if name == "precision x layout":
             plain = self.grid[0]
             rejected = self._numerics(plain)
-            best, why = choose(times, plain=plain, min_gain=self.min_gain, rejected=rejected)
+            basis, pool = pooled(times, plain, self.prior)  # with a close cached choice's timed steps (pool.py)
+            best, why = choose(basis, plain=plain, min_gain=self.min_gain, rejected=rejected)
+            if self.prior and pool:
+                why += f"; pooled with the timed steps of {pool['runs'] - 1} earlier run(s)"
+            if pool:
+                self.report["pool"] = pool | {"chosen": best.label(), "run_steps": self.run_steps}
             if self.report.get("stopped"):
                 best, why = plain, "kept the plain settings, " + self.report["stopped"]
             elif self.report.get("untried"):
