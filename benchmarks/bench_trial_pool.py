@@ -59,11 +59,14 @@ def worker(args) -> None:
     d = res.decisions
     trial = d.get("switch_trial")
     label = f"{d['precision'].value}" + ("+channels_last" if d["channels_last"].value else "")
+    measured = (trial.measured or {}) if trial is not None else {}
+    stage = next(iter(measured.get("stages") or []), {})
     print("RESULT " + json.dumps({"seconds": sec, "steps": res.steps, "setting": label,
                                   "trial": None if trial is None else trial.value,
                                   "trial_steps": None if trial is None else (trial.measured or {}).get("steps"),
-                                  "pool_runs": None if trial is None else ((trial.measured or {}).get("pool") or {})
-                                  .get("runs")}))
+                                  "pool_runs": (measured.get("pool") or {}).get("runs"),
+                                  "why": stage.get("why"), "seconds_per_step": stage.get("seconds_per_step"),
+                                  "dropped": measured.get("dropped"), "pool": measured.get("pool")}))
 
 
 def run(tree: str, model: str, steps: int, cache: str, *, fixed: dict | None = None, stop: bool = False) -> dict:

@@ -176,7 +176,7 @@ CAPABLE = {
 # oversubscribed.py's 2 workers + 2 intra-op threads must exceed them.
 CORES = 2
 NEW_RULES = {"cpu-oversubscribed", "elementwise-bound", "compile-graph-breaks", "debug-mode-on", "cpu-bf16-math",
-             "allocator"}
+             "allocator", "sparse-momentum"}
 
 
 def _expect(path: Path) -> tuple[set[str], tuple[str, ...]]:
@@ -366,9 +366,13 @@ def test_the_optimizer_and_its_fused_kernel_are_read_from_the_running_script(rep
     o = r.observation["optimizer"]
     # AdamW built with fused only on CUDA: on this CPU it runs unfused, and torch has a fused CPU kernel
     assert o == {"class": "AdamW", "fused": None, "foreach": None, "device": "cpu", "fused_available": True,
-                 "param_tensors": 28}, o
+                 "param_tensors": 28, "sparse_momentum": 0}, o
     r, _ = reports[0]["clean_cnn.py"]
     assert r.observation["optimizer"]["class"] == "SGD"
+    r, _ = reports[0]["sparse_momentum.py"]  # SGD with momentum over an EmbeddingBag(sparse=True)'s weight
+    assert r.observation["optimizer"]["sparse_momentum"] == 1
+    first, last = r.observation["breakdown"]["optimizer_ms_thirds"]
+    assert "sparse-momentum" in r.rules and f"{first:.2f} ms" in r.finding("sparse-momentum").evidence
 
 
 def test_copies_a_dataset_makes_in_workers_are_found(reports):

@@ -137,6 +137,9 @@ TRIGGERS = {
                                             "fused_available": True, "param_tensors": 28}),
                          _set("breakdown.compute_detail_ms", {"forward": 3.0, "backward": 5.0, "optimizer": 1.0,
                                                               "zero_grad": 0.0})],
+    "sparse-momentum": [_set("optimizer", {"class": "SGD", "fused": None, "foreach": None, "device": "cpu",
+                                           "fused_available": False, "param_tensors": 3, "sparse_momentum": 1}),
+                        _set("breakdown.optimizer_ms_thirds", [0.5, 2.5])],
     "cpu-threads": [_set("threads", 4), _set("machine_cores", 8)],  # 4 threads, an affinity of 2 of 8 cores
     "amx-old-kernel": [_set("env", {**CPU_ENV, "amx": True, "bf16_supported": True}),
                        _set("kernel", "5.15.0-91-generic")],
@@ -364,6 +367,40 @@ def test_optimizer_kernel_needs_a_fused_kernel_here_and_is_ranked_by_its_measure
     f = RULES["optimizer-kernel"].check(_obs(*trig, _verified("fused_optimizer", 1.23, (1.18, 1.27))))
     assert f.basis == "measured" and f.measured_gain == 1.23 and f.severity == "medium"
     assert "--verify measured 1.23x" in f.evidence
+
+
+def test_sparse_momentum_names_the_growth_it_timed_and_needs_a_sparse_weight_with_momentum():
+    """An SGD group with momentum over an embedding's sparse weight: the finding, with the optimizer's growth over
+    the steps seen (0.5 -> 2.5 ms over a mean 10 ms step: 1 ms of it on average); none without such a weight. The count
+    comes from the captured optimizer and model (`optimizer_info`): momentum 0 on the sparse weight, a dense
+    embedding, or another optimizer class count none."""
+    import torch
+    from torch import nn
+
+    from torchspeed.doctor._model_checks import optimizer_info
+
+    f = RULES["sparse-momentum"].check(_obs(*TRIGGERS["sparse-momentum"]))
+    assert f is not None and "0.50 ms" in f.evidence and "2.50 ms" in f.evidence and "'momentum': 0.0" in f.fix
+    assert f.est_gain == pytest.approx(10.0 / 9.0, abs=1e-3)  # (rounded to 3 places)
+    opt = {**_obs(*TRIGGERS["sparse-momentum"])["optimizer"], "sparse_momentum": 0}
+    assert RULES["sparse-momentum"].check(_obs(*TRIGGERS["sparse-momentum"], _set("optimizer", opt))) is None
+
+    def count(sparse, make):
+        model = nn.Sequential(nn.EmbeddingBag(50, 8, sparse=sparse), nn.Linear(8, 2))
+        return optimizer_info(make(model), model)["sparse_momentum"]
+    assert count(True, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)) == 1
+    assert count(True, lambda m: torch.optim.SGD(m.parameters(), lr=0.1)) == 0
+    assert count(True, lambda m: torch.optim.SGD([{"params": m[0].parameters(), "momentum": 0.0},
+                                                  {"params": m[1].parameters()}], lr=0.1, momentum=0.9)) == 0
+    assert count(False, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)) == 0
+    assert count(True, lambda m: torch.optim.Adagrad(m.parameters(), lr=0.1)) == 0
+
+
+def test_the_breakdown_times_the_optimizer_over_the_first_and_last_third_of_the_steps():
+    from torchspeed.doctor._summary import _breakdown
+    recs = [{"step": 10.0, "optim": float(i)} for i in range(9)]
+    assert _breakdown(recs, recs, [], within_warmup=False)["optimizer_ms_thirds"] == [1.0, 7.0]
+    assert _breakdown(recs[:2], recs[:2], [], within_warmup=False)["optimizer_ms_thirds"] is None
 
 
 def test_layout_copies_near_their_line_are_listed_low_and_under_it_not_at_all():

@@ -21,6 +21,7 @@ from torch import nn
 from torchspeed.doctor._capture import Captured
 from torchspeed.doctor._tree import call_model, first_tensor, generic_loss
 from torchspeed.model.conv_bias import find_conv_bn_pairs
+from torchspeed.train.optim import sparse_weights
 from torchspeed.train.wrappers import is_compiled, unwrap_model
 
 __all__ = ["examine_model", "leaf_trace", "optimizer_info", "FUSED_OPTIMIZERS"]
@@ -28,9 +29,10 @@ __all__ = ["examine_model", "leaf_trace", "optimizer_info", "FUSED_OPTIMIZERS"]
 FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")  # torch's optimizers with a `fused` kernel (T51)
 
 
-def optimizer_info(opt) -> dict:
+def optimizer_info(opt, model: nn.Module | None = None) -> dict:
     """The script's optimizer: its class, `fused`/`foreach` as it runs, and whether torch has a fused
-    kernel for it on its parameters' device (T51)."""
+    kernel for it on its parameters' device (T51); and how many of `model`'s sparse-gradient weights (an embedding
+    with `sparse=True`) torch's SGD steps with momentum (`sparse_momentum`: rule sparse-momentum)."""
     if opt is None:
         return {}
     import inspect
@@ -45,8 +47,10 @@ def optimizer_info(opt) -> dict:
     available = (exact and "fused" in inspect.signature(type(opt)).parameters
                  and device in _get_fused_kernels_supported_devices()
                  and all(p.is_floating_point() and p.device.type == device for p in params))
+    sparse = sparse_weights(model) if model is not None and isinstance(opt, torch.optim.SGD) else set()
     return {"class": name, "fused": g.get("fused"), "foreach": g.get("foreach"), "device": device,
-            "fused_available": bool(available), "param_tensors": len(params)}
+            "fused_available": bool(available), "param_tensors": len(params),
+            "sparse_momentum": sum(id(p) in sparse for g in opt.param_groups if g.get("momentum") for p in g["params"])}
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm2d)
 
@@ -239,7 +243,7 @@ def examine_model(cap: Captured, obs: dict) -> None:
     info.update(_layout(cap.model, inner))
     info.update(_unused(cap, inner, info["params"]))
     info["optimizer"] = type(cap.optimizer).__name__ if cap.optimizer is not None else None
-    obs["optimizer"] = optimizer_info(cap.optimizer)
+    obs["optimizer"] = optimizer_info(cap.optimizer, inner)
     if cap.model_info is not None:
         _precision(cap.model_info, info, obs)
     if cap.args is None:

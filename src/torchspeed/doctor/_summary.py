@@ -140,6 +140,9 @@ def _breakdown(use: list, measured: list, left_out: list, *, within_warmup: bool
         # the mean, not the median: the faults' cost adds up, and a process's steps alternate between a few
         # hundred and a few thousand (glibc's dynamic threshold), where a median jumps between the two
         "minor_faults_per_step": round(_mean([r.get("minflt", 0) for r in use]), 1) if use else 0.0,
+        # the optimizer's time over the first and the last third of the kept steps: a step that grows (sparse-momentum)
+        "optimizer_ms_thirds": [round(_mean([r.get("optim", 0.0) for r in part]), 4)
+                                for part in (use[:len(use) // 3], use[-(len(use) // 3):])] if len(use) >= 3 else None,
     }
 
 

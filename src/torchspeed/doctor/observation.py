@@ -76,6 +76,7 @@ class Breakdown(TypedDict, total=False):
     outlier_steps: int           # measured steps left out as start-up outliers
     outlier_step_ms: list[float]
     minor_faults_per_step: float  # mean page faults (minor) per kept step
+    optimizer_ms_thirds: list[float] | None  # the optimizer's ms over the first and the last third of the kept steps
 
 
 class Syncs(TypedDict, total=False):
@@ -257,7 +258,8 @@ class CpuContention(TypedDict, total=False):
 
 # the optimizer whose steps the doctor counted (T51); `class`: a keyword, hence the functional form
 OptimizerInfo = TypedDict("OptimizerInfo", {"class": str, "fused": bool | None, "foreach": bool | None, "device": str,
-                                            "fused_available": bool, "param_tensors": int}, total=False)
+                                            "fused_available": bool, "param_tensors": int,
+                                            "sparse_momentum": int}, total=False)
 
 
 class Observation(TypedDict, total=False):

@@ -45,7 +45,7 @@ from torchspeed.train.optim_info import (OptimInfo, kernel_reason, optimizer_ava
                                         register_optimizer)
 
 __all__ = ["create_optimizer", "param_groups", "describe_optimizer", "optimizer_record", "SCHEDULE_FREE_LR",
-           "typical_fan_in", "schedule_free_lr", "has_attention", "weight_layers",
+           "typical_fan_in", "sparse_weights", "schedule_free_lr", "has_attention", "weight_layers",
            "schedule_free_available", "set_schedule_free_warmup", "trains_iterate", "train_mode", "eval_mode",
            "SCHEDULE_FREE_BN_BATCHES",
            "SCHEDULE_FREE_BN_SAMPLES", "hidden_matrices", "matrix_share", "mostly_matrices"]
@@ -65,7 +65,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """
     if weight_decay == 0:
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    sparse = _sparse_weights(model)
+    sparse = sparse_weights(model)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -73,7 +73,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
 
 
-def _sparse_weights(model: nn.Module) -> set[int]:
+def sparse_weights(model: nn.Module) -> set[int]:
     """The ids of the weights that get sparse gradients: those of `nn.Embedding` / `nn.EmbeddingBag(sparse=True)`."""
     return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
 
@@ -81,7 +81,7 @@ def _sparse_weights(model: nn.Module) -> set[int]:
 def sparse_gradients(model: nn.Module) -> bool:
     """Whether `model` makes sparse gradients (an `nn.Embedding` or `nn.EmbeddingBag` with `sparse=True`): torch's
     fused SGD kernel refuses them (Adam's refuse them on every path), so such a model keeps the for-loop path."""
-    return bool(_sparse_weights(model))
+    return bool(sparse_weights(model))
 
 
 def create_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: float | None = 0.0,
@@ -101,7 +101,7 @@ def create_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: fl
         return info.build(model, fused=fused, **kw)
     groups = param_groups(model, weight_decay)
     cls = info.resolve()
-    sparse = _sparse_weights(model)
+    sparse = sparse_weights(model)
     if fused == "auto" and sparse:
         fused = False  # the for-loop path: the one that takes sparse gradients, as a script's torch.optim.SGD does
     if kw.get("momentum") and sparse:

@@ -1,4 +1,4 @@
-"""A close cached switch choice, measured again by the next runs and pooled (T18, T21, T23).
+"""A close cached switch choice, measured again by the next runs and pooled (T43; the switches: T21, T23).
 
 The switch trial (`switches.LiveTrial`) times each candidate on a few of the run's steps (3 rounds of 2 at most), and
 `TrialCache` keeps its choice so the next run on the same model, input and machine measures nothing. Where two
