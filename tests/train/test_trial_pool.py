@@ -115,3 +115,19 @@ def test_a_run_measures_a_close_cached_choice_again_and_caches_the_pool(tiny_cnn
         assert set(put["dropped"]) >= {"bf16+foreach", "bf16+channels_last+foreach"}
     else:
         assert not put and trial.measured["steps"] == 0
+
+
+def test_a_close_choice_measured_again_by_a_run_that_cannot_afford_it_keeps_the_cached_choice():
+    """The run measuring a close cached choice again is priced out after the plain settings' first steps (a slow
+    machine): it trains in the cached choice, not the plain settings, and caches nothing (a stopped trial)."""
+    times = {"fp32": [1.0] * 6, "fp32+channels_last": [0.8] * 6, "bf16+channels_last": [0.84] * 6}
+    trial = LiveTrial([FP32, CL, BF16, BF16_CL], rounds=3, steps=2, warmup=1, run_steps=400, share=1e-6)
+    assert measure_again(_entry(times, "fp32+channels_last"), trial, depth=6)
+    while not trial.done:
+        trial.record(1.0)
+    assert "stopped" in trial.report and trial.best == CL
+    assert "kept the cached choice" in trial.report["stages"][0]["why"]
+    cold = LiveTrial([FP32, CL, BF16, BF16_CL], rounds=3, steps=2, warmup=1, run_steps=400, share=1e-6)
+    while not cold.done:
+        cold.record(1.0)
+    assert "stopped" in cold.report and cold.best == FP32  # no cached choice: the plain settings, as before

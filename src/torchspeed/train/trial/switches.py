@@ -303,8 +303,9 @@ class LiveTrial:
                 why += f"; pooled with the timed steps of {pool['runs'] - 1} earlier run(s)"
             if pool:
                 self.report["pool"] = pool | {"chosen": best.label(), "run_steps": self.run_steps}
-            if self.report.get("stopped"):
-                best, why = plain, "kept the plain settings, " + self.report["stopped"]
+            if self.report.get("stopped"):  # (a close cached choice measured again: the cache's stands)
+                best = next((c for c in self.grid if self.prior and c.label() == self.prior["chosen"]), plain)
+                why = f"kept {'the cached choice' if best != plain else 'the plain settings'}, {self.report['stopped']}"
             elif self.report.get("untried"):
                 left = self.report["untried"]
                 why += f"; {', '.join(left)} {next(iter(left.values()))}"
