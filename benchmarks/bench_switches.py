@@ -69,14 +69,21 @@ def _fit(name: str, init: dict, loader: DataLoader, steps: int, cache: str, **sw
     return time.perf_counter() - t0, res.decisions
 
 
-def measure(name: str, steps: int, batch: int, rounds: int) -> dict:
-    init = _model(name).state_dict()
-    loader = _loader(batch, steps)
+def manual_settings() -> dict[str, dict]:
+    """The precision x layout settings a user would try by hand on this CPU: fp32 and fp32 + channels_last, and
+    bf16 and bf16 + channels_last where it runs bf16 natively (label -> fit's keywords)."""
     manual = {"fp32": dict(precision="fp32", channels_last=False),
               "fp32+channels_last": dict(precision="fp32", channels_last=True)}
     if DeviceCaps.of("cpu").half == "bf16":
         manual |= {"bf16": dict(precision="bf16", channels_last=False),
                    "bf16+channels_last": dict(precision="bf16", channels_last=True)}
+    return manual
+
+
+def measure(name: str, steps: int, batch: int, rounds: int) -> dict:
+    init = _model(name).state_dict()
+    loader = _loader(batch, steps)
+    manual = manual_settings()
     warm_cache = tempfile.mkdtemp(prefix="switches-warm-")
     _fit(name, init, loader, steps, warm_cache)  # the previous run that leaves the cache (and warms up)
     rows = {k: (lambda kw=kw: _fit(name, init, loader, steps, tempfile.mkdtemp(), trial=False, **kw))

@@ -126,13 +126,10 @@ def main() -> None:
     if args.worker:
         return worker(args)
     sys.path.insert(0, args.trees[-1])
+    sys.path.insert(0, str(HERE))
+    from bench_switches import manual_settings
     from torchspeed.bench.runner import provenance
-    from torchspeed.env import DeviceCaps
-    settings = {"fp32": dict(precision="fp32", channels_last=False),
-                "fp32+channels_last": dict(precision="fp32", channels_last=True)}
-    if DeviceCaps.of("cpu").half == "bf16":
-        settings |= {"bf16": dict(precision="bf16", channels_last=False),
-                     "bf16+channels_last": dict(precision="bf16", channels_last=True)}
+    settings = manual_settings()
     results = {}
     for model in args.models:
         tr = truth(args.trees[-1], model, args.truth_steps, args.truth_rounds, settings)

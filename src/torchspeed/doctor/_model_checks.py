@@ -50,7 +50,8 @@ def optimizer_info(opt, model: nn.Module | None = None) -> dict:
     sparse = sparse_weights(model) if model is not None and isinstance(opt, torch.optim.SGD) else set()
     return {"class": name, "fused": g.get("fused"), "foreach": g.get("foreach"), "device": device,
             "fused_available": bool(available), "param_tensors": len(params),
-            "sparse_momentum": sum(id(p) in sparse for g in opt.param_groups if g.get("momentum") for p in g["params"])}
+            "sparse_momentum": sum(id(p) in sparse for grp in opt.param_groups if grp.get("momentum")
+                                   for p in grp["params"])}
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm2d)
 

@@ -29,11 +29,11 @@ def check(obs: Observation):
     if not n:
         return None
     b = obs.get("breakdown") or {}
-    first, last = b.get("optimizer_ms_thirds") or (None, None)
-    step = step_ms(obs)
-    grew = max(0.0, last - first) if first is not None and last is not None else 0.0
+    thirds = b.get("optimizer_ms_thirds")  # None: too few steps kept to split
+    first, last = thirds or (0.0, 0.0)
+    step, grew = step_ms(obs), max(0.0, last - first)
     timed = (f"; the optimizer took {first:.2f} ms a step over the first third of the {b.get('steps', '?')} steps "
-             f"timed and {last:.2f} ms over the last" if first is not None and last is not None else "")
+             f"timed and {last:.2f} ms over the last" if thirds else "")
     evidence = (f"{o.get('class', 'SGD')} steps {n} weight(s) with sparse gradients (an embedding with sparse=True) "
                 f"with momentum: torch keeps their momentum buffer sparse and never coalesces it, so each step "
                 f"appends that step's rows and costs more than the last, to the end of the run{timed}")
