@@ -1,8 +1,9 @@
 """One training step on the captured batch, with or without a fix (T02): the two sides `--verify` times.
 
 `_Trainer` builds a fresh copy of the script's model and optimizer (same weights, same class and
-hyper-parameters; `fused=True` for the fused-optimizer candidate) with one fix applied (bf16 autocast,
-channels_last, bf16 oneDNN math, no conv bias before BatchNorm, compile, zero_grad to None) and steps it on
+hyper-parameters; `fused=True` for the fused-optimizer candidate; the sparse-gradient weights' momentum at 0 for
+the sparse-momentum candidate) with one fix applied (bf16 autocast, channels_last, bf16 oneDNN math, no conv bias
+before BatchNorm, compile, zero_grad to None) and steps it on
 the captured batch. Its first `LOSS_STEPS` steps run with the same random draws on both sides and their losses
 feed `loss_check`: the fix's losses within `LOSS_TOLERANCE` (5%) of the script's.
 """
@@ -19,6 +20,7 @@ from torch import nn
 from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
 from torchspeed.doctor.observation_runs import LossCheck
 from torchspeed.model.conv_bias import remove_conv_bias
+from torchspeed.train.optim import sparse_weights
 from torchspeed.train.loop.step import closure_for
 from torchspeed.train.trial.memory_format import apply_channels_last, to_channels_last
 
@@ -27,8 +29,11 @@ __all__ = ["LOSS_STEPS", "LOSS_TOLERANCE", "loss_check"]
 LOSS_STEPS, LOSS_TOLERANCE = 3, 0.05  # the loss check: the first steps of both sides, within 5% of the script's
 
 
-def _copy_model_and_optimizer(model: nn.Module, opt: torch.optim.Optimizer | None, fused: bool = False):
-    """Copies of the model and its optimizer (same hyper-parameters); `fused`: the optimizer with fused=True."""
+def _copy_model_and_optimizer(model: nn.Module, opt: torch.optim.Optimizer | None, fused: bool = False,
+                              sparse_momentum: bool = False):
+    """Copies of the model and its optimizer (same hyper-parameters); `fused`: the optimizer with fused=True;
+    `sparse_momentum`: the sparse-gradient weights of a group with momentum moved to a group of their own without it
+    (`without_sparse_momentum`)."""
     m2 = copy.deepcopy(model)
     if opt is None:
         return m2, torch.optim.SGD(m2.parameters(), lr=1e-3), "the script's optimizer was not seen: SGD used"
@@ -39,6 +44,8 @@ def _copy_model_and_optimizer(model: nn.Module, opt: torch.optim.Optimizer | Non
         params = [new_params[index[id(p)]] for p in g["params"] if id(p) in index]
         if params:
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+    if sparse_momentum:
+        groups = without_sparse_momentum(groups, sparse_weights(m2))
     if fused:  # every group and the constructor: torch checks fused/foreach on both
         for g in groups:
             g.update(fused=True, foreach=None)
@@ -49,12 +56,25 @@ def _copy_model_and_optimizer(model: nn.Module, opt: torch.optim.Optimizer | Non
         return m2, torch.optim.SGD(m2.parameters(), lr=1e-3), f"{type(opt).__name__} could not be rebuilt ({e}): SGD used"
 
 
+def without_sparse_momentum(groups: list[dict], sparse: set[int]) -> list[dict]:
+    """`groups` with each group's sparse-gradient weights (ids in `sparse`) in a group of their own without momentum,
+    where the group has momentum (rule sparse-momentum's fix: the split `train.optim.create_optimizer` makes)."""
+    out = []
+    for g in groups:
+        moved = [p for p in g["params"] if id(p) in sparse] if g.get("momentum") else []
+        kept = [p for p in g["params"] if id(p) not in sparse] if moved else g["params"]
+        out += [{**g, "params": kept}] if kept else []
+        out += [{**g, "params": moved, "momentum": 0.0, "dampening": 0.0, "nesterov": False}] if moved else []
+    return out
+
+
 class _Trainer:
     """One training step on the captured batch, with or without a fix."""
 
     def __init__(self, cap, *, amp_dtype=None, channels_last=False, set_to_none=True, conv_bias=False,
-                 compile_model=False, bf16_math=False, fused_optimizer=False):
-        self.model, self.opt, self.note = _copy_model_and_optimizer(cap.model, cap.optimizer, fused=fused_optimizer)
+                 compile_model=False, bf16_math=False, fused_optimizer=False, sparse_momentum=False):
+        self.model, self.opt, self.note = _copy_model_and_optimizer(cap.model, cap.optimizer, fused=fused_optimizer,
+                                                                    sparse_momentum=sparse_momentum)
         self.device = next(self.model.parameters()).device
         self.args = map_tensors(cap.args, lambda t: t.clone())
         self.kwargs = map_tensors(cap.kwargs or {}, lambda t: t.clone())

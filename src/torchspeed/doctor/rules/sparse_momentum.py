@@ -11,7 +11,10 @@ The doctor sees the run's first steps only. Its evidence is the growth it timed:
 last third of the kept steps against the first third. The estimate is what that growth cost on average over the
 steps seen (half of it: the growth is steady), so a short look under-states it (each later step costs more); the
 finding stands on the cause, which torch's code fixes: it appears whenever a sparse weight is stepped with
-momentum, and stays low until measured.
+momentum, and stays low until measured. `--verify` measures the fix (`verify.py`, fix `sparse_momentum`): copies of
+the model and optimizer, one with the sparse weights in a group without momentum, each first stepped as many times
+as the script was (the cost at that point of the run), then timed in interleaved rounds; its interval sets the
+severity.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torchspeed.doctor.registry import register
 from torchspeed.doctor.rules._common import finding, step_ms
 
 
-@register("sparse-momentum", priority=66, techniques=("T51",),
+@register("sparse-momentum", priority=66, techniques=("T51",), fix="sparse_momentum",
           summary="SGD momentum on a sparse embedding: the optimizer's step grows every step")
 def check(obs: Observation):
     o = obs.get("optimizer") or {}
@@ -41,4 +44,7 @@ def check(obs: Observation):
            "'momentum': 0.0}`), or torch.optim.SparseAdam for them; torchspeed's create_optimizer('sgd', ...) and "
            "fit(optimizer='sgd') do the first")
     gain = step / max(1e-9, step - grew / 2) if step and grew else None  # the mean step holds half the growth
-    return finding("sparse-momentum", evidence=evidence, fix=fix, est_gain=gain, obs=obs)
+    before = ((obs.get("verify") or {}).get("sparse_momentum") or {}).get("steps_before")
+    if before:
+        evidence += f"; --verify timed both after {before} steps each, as far as the script had run"
+    return finding("sparse-momentum", evidence=evidence, fix=fix, est_gain=gain, obs=obs, verify_fix="sparse_momentum")

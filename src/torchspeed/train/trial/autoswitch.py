@@ -56,7 +56,7 @@ log = logging.getLogger("torchspeed")
 PRICE_SHARE = 0.08  # the most a trial may cost of a run choosing its own LR: docs/train.md, "The share"
 # How the trial measures and chooses, in the cache key: a trial cached by an earlier method (which, say, timed the
 # optimizer kernels on whole steps) is measured again, not read. Bump it with any change to the schedule or the choice.
-TRIAL_METHOD = 6  # 5: a timed-apart turn is settled first; 6: a run affording some candidates tries them (prior_first)
+TRIAL_METHOD = 7  # 6: a run affording some candidates tries them (prior_first); 7: its timed steps kept (pool.py)
 GUARD_SAMPLES = 8  # the numerics guard compares the precisions' losses on the first batch's first 8 samples
 
 

@@ -25,7 +25,7 @@ from torchspeed.train.trial.memory_format import has_conv, has_conv2d
 from torchspeed.train.optim import sparse_gradients
 from torchspeed.train.optim_info import info_for
 from torchspeed.train.trial.precision import normalize_precision
-from torchspeed.train.rounds import medians, share_faster
+from torchspeed.train.rounds import faster_beyond_chance, medians, share_faster
 
 __all__ = ["Switches", "candidate_grid", "prior_first", "rule_switches", "rule_choice", "autocast_moot",
            "small_products", "small_here", "choose", "numerics_ok", "fusable", "set_fused",
@@ -34,6 +34,7 @@ __all__ = ["Switches", "candidate_grid", "prior_first", "rule_switches", "rule_c
 AHEAD = 1.1  # a candidate timed apart this much faster than the plain settings is likely to win: its turns train
 PRECISION_GAIN = AHEAD  # another precision is taken only this much faster than the plain settings' (it moves results)
 SURE = 0.75  # a change is taken when it was the faster in this share of its timed steps' pairings with the plain's
+# (or, over many steps, faster beyond chance: `rounds.faster_beyond_chance`, a rank test at 5%)
 SMALL_PRODUCTS = 1 << 16  # CPU rule: a model whose weight matrices are all this small keeps fp32 (`small_products`)
 
 
@@ -140,14 +141,17 @@ def choose(times: dict[Switches, list[float]], *, plain: Switches, min_gain: flo
            rejected: dict[Switches, str] | None = None, ref: str = "the plain settings") -> tuple[Switches, str]:
     """The fastest candidate (median seconds per step), or one with fewer changes from `plain` (called `ref` in
     the reason) within `min_gain` of it. A change must also be sure: faster in SURE of the pairings of its timed
-    steps with the plain settings' (`rounds.share_faster`); another precision, PRECISION_GAIN faster on any run
+    steps with the plain settings' (`rounds.share_faster`), or, with 4 or more a side, faster beyond chance
+    (`rounds.faster_beyond_chance`: on noisy steps a real gain wins fewer pairings however many are timed, and a
+    choice pooled over runs has many); another precision, PRECISION_GAIN faster on any run
     (it moves the results; docs/train.md, "Choice"), a few percent do not buy it."""
     rejected = rejected or {}
     med = medians({s: t for s, t in times.items() if s not in rejected})
     if not med:
         return plain, f"no candidate could be measured: kept {ref}"
     fastest, base = min(med, key=med.get), times.get(plain) if plain in med else None
-    unsure = {s: v for s in med if base and s != plain and (v := share_faster(times[s], base)) < SURE}
+    unsure = {s: v for s in med if base and s != plain and (v := share_faster(times[s], base)) < SURE
+              and not faster_beyond_chance(times[s], base)}
     small = {s for s in med if s.precision != plain.precision and plain in med
              and med[plain] < med[s] * PRECISION_GAIN}
     sure = {s: m for s, m in med.items() if s not in unsure and s not in small}
@@ -156,8 +160,8 @@ def choose(times: dict[Switches, list[float]], *, plain: Switches, min_gain: flo
     if pick == plain:
         why = f"{ref} measured fastest" if fastest == plain else (
             f"{fastest.label()} measured {med[plain] / med[fastest]:.2f}x {ref} but was the faster in only "
-            f"{unsure[fastest]:.0%} of the pairings of its timed steps with theirs (< {SURE:.0%}): not sure enough "
-            "for a change") if fastest in unsure else (
+            f"{unsure[fastest]:.1%} of the pairings of its timed steps with theirs (< {SURE:.0%}), not beyond "
+            "chance: not sure enough for a change") if fastest in unsure else (
             f"{fastest.label()} measured only {med[plain] / med[fastest]:.2f}x {ref} (< {PRECISION_GAIN}x for "
             "another precision, which moves the run's results): not worth a change") if fastest in small else (
             f"{best.label()} was only {med[plain] / med[best]:.2f}x {ref} (< {min_gain}x): not worth a change")
