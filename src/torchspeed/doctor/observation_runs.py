@@ -58,7 +58,6 @@ class VerifyResult(_FixRun, total=False):
     direction: str               # workers: "fewer" | "more" | "same"
     tuner: str                   # workers: why the tuner chose its count
     compile_s: float             # compile: the first step's time, compilation included
-    steps_before: int            # sparse_momentum: the untimed steps each side took first (the script's, capped)
     note: str                    # the optimizer could not be rebuilt: what was used instead
     seconds: float               # the measurement's own wall time
     loss_check: LossCheck

@@ -24,8 +24,8 @@ CUDA), `set_to_none` (T26), `conv_bias` (T27), `compile` (T25; its compile time 
 separately), `bf16_math` (T21: oneDNN fp32 matmuls/convolutions with bf16 inputs, CPUs with
 AVX512-BF16/AMX), `fused_optimizer` (T51: the script's Adam/AdamW/SGD/Adagrad rebuilt with
 fused=True, same hyper-parameters), `sparse_momentum` (T51: the script's SGD with its sparse-gradient weights in a
-group without momentum; its cost grows with the steps taken, so both sides first take, untimed, as many steps as the
-script took under the doctor, and the gain is the one at that point of the run, less than later). A fix whose
+group without momentum; a lower bound: the captured batch repeats its rows, which torch adds into the sparse
+momentum buffer in place, so the buffer's growth over a run's changing batches is not in the figure). A fix whose
 gain a measured share bounds under the 2% minimum effect
 (`rules._ceiling`: `workers` by the data wait, unless workers and threads oversubscribe the cores) is not
 run; its entry says why. A fix that is slower on this machine is reported as a slow-down,
@@ -133,18 +133,6 @@ def _interleave(base, cand, device, *, rounds: int, budget_s: float = 0.25, max_
     out = measure_rounds(timed(base, settle[0]), timed(cand, settle[1]), rounds=rounds, max_rounds=max(rounds, max_rounds or rounds),
                          clock=time.perf_counter)
     return {**out, "steps_per_round": k}
-
-
-def _advance(base, cand, steps: int, budget_s: float = 5.0) -> int:
-    """Both sides `steps` training steps, untimed (within `budget_s`): a fix whose cost grows with the steps taken
-    (sparse-momentum) is measured at the point of the run the script reached. Returns the steps taken."""
-    t0 = time.perf_counter()
-    for i in range(steps):
-        if time.perf_counter() - t0 > budget_s:
-            return i
-        base.step()
-        cand.step()
-    return steps
 
 
 def applicable_fixes(cap, obs: Observation) -> list[str]:
@@ -311,8 +299,6 @@ def verify_fixes(cap, obs: Observation, *, fixes=None, rounds: int = 5, max_roun
                       "compile": {"compile_model": True}, "fused_optimizer": {"fused_optimizer": True},
                       "sparse_momentum": {"sparse_momentum": True}}[fix]
                 cand = _Trainer(cap, **{"set_to_none": sp_default, **kw})
-                if fix == "sparse_momentum":
-                    entry["steps_before"] = _advance(base, cand, obs.get("steps_observed") or 0)
                 if fix == "compile":
                     tc = time.perf_counter()
                     cand.step()
