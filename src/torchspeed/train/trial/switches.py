@@ -48,7 +48,7 @@ import math
 from dataclasses import asdict, replace
 
 from torchspeed.train.trial.pool import CLOSE, pooled
-from torchspeed.train.rounds import medians, share_faster, turns
+from torchspeed.train.rounds import medians, turns
 from torchspeed.train.trial.switch_choice import AHEAD, Switches, choose, numerics_ok
 
 DROP_AT = 1.5  # a candidate this many times slower than the fastest after one timed step is out of the later rounds
