@@ -20,7 +20,7 @@ from torch import nn
 from torchspeed.doctor._tree import call_model, generic_loss, map_tensors
 from torchspeed.doctor.observation_runs import LossCheck
 from torchspeed.model.conv_bias import remove_conv_bias
-from torchspeed.train.optim import sparse_weights
+from torchspeed.train.optim import sparse_weights, sparse_without_momentum
 from torchspeed.train.loop.step import closure_for
 from torchspeed.train.trial.memory_format import apply_channels_last, to_channels_last
 
@@ -32,8 +32,8 @@ LOSS_STEPS, LOSS_TOLERANCE = 3, 0.05  # the loss check: the first steps of both 
 def _copy_model_and_optimizer(model: nn.Module, opt: torch.optim.Optimizer | None, fused: bool = False,
                               sparse_momentum: bool = False):
     """Copies of the model and its optimizer (same hyper-parameters); `fused`: the optimizer with fused=True;
-    `sparse_momentum`: the sparse-gradient weights of a group with momentum moved to a group of their own without it
-    (`without_sparse_momentum`)."""
+    `sparse_momentum`: the sparse-gradient weights moved to groups of their own without momentum
+    (`train.optim.sparse_without_momentum`, the split fit's own SGD makes)."""
     m2 = copy.deepcopy(model)
     if opt is None:
         return m2, torch.optim.SGD(m2.parameters(), lr=1e-3), "the script's optimizer was not seen: SGD used"
@@ -45,7 +45,7 @@ def _copy_model_and_optimizer(model: nn.Module, opt: torch.optim.Optimizer | Non
         if params:
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
     if sparse_momentum:
-        groups = without_sparse_momentum(groups, sparse_weights(m2))
+        groups = sparse_without_momentum(groups, sparse_weights(m2))
     if fused:  # every group and the constructor: torch checks fused/foreach on both
         for g in groups:
             g.update(fused=True, foreach=None)
@@ -54,18 +54,6 @@ def _copy_model_and_optimizer(model: nn.Module, opt: torch.optim.Optimizer | Non
         return m2, type(opt)(groups), ""
     except Exception as e:
         return m2, torch.optim.SGD(m2.parameters(), lr=1e-3), f"{type(opt).__name__} could not be rebuilt ({e}): SGD used"
-
-
-def without_sparse_momentum(groups: list[dict], sparse: set[int]) -> list[dict]:
-    """`groups` with each group's sparse-gradient weights (ids in `sparse`) in a group of their own without momentum,
-    where the group has momentum (rule sparse-momentum's fix: the split `train.optim.create_optimizer` makes)."""
-    out = []
-    for g in groups:
-        moved = [p for p in g["params"] if id(p) in sparse] if g.get("momentum") else []
-        kept = [p for p in g["params"] if id(p) not in sparse] if moved else g["params"]
-        out += [{**g, "params": kept}] if kept else []
-        out += [{**g, "params": moved, "momentum": 0.0, "dampening": 0.0, "nesterov": False}] if moved else []
-    return out
 
 
 class _Trainer:

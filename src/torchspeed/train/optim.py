@@ -45,7 +45,8 @@ from torchspeed.train.optim_info import (OptimInfo, kernel_reason, optimizer_ava
                                         register_optimizer)
 
 __all__ = ["create_optimizer", "param_groups", "describe_optimizer", "optimizer_record", "SCHEDULE_FREE_LR",
-           "typical_fan_in", "sparse_weights", "schedule_free_lr", "has_attention", "weight_layers",
+           "typical_fan_in", "sparse_weights", "sparse_without_momentum", "schedule_free_lr", "has_attention",
+           "weight_layers",
            "schedule_free_available", "set_schedule_free_warmup", "trains_iterate", "train_mode", "eval_mode",
            "SCHEDULE_FREE_BN_BATCHES",
            "SCHEDULE_FREE_BN_SAMPLES", "hidden_matrices", "matrix_share", "mostly_matrices"]
@@ -117,10 +118,12 @@ def sparse_without_momentum(groups: list[dict], sparse: set[int]) -> list[dict]:
     rows), so each step costs more than the last: on the zoo's `EmbeddingBag(sparse=True)` text classifier, 400 steps
     of auto's SGD went from 0.7-1.0 ms to 4.6-6.8 ms a step, 1.07-1.39 s in all, against 0.16-0.18 s without
     (docs/train.md, "A sparse embedding"). A script's sparse embedding trains with plain SGD, SparseAdam or Adagrad;
-    this group is plain SGD at the run's LR."""
-    rows = [p for g in groups for p in g["params"] if id(p) in sparse]  # none where the embedding is frozen
+    this group is plain SGD with the settings of the group it came from (the run's LR), one such group per group that
+    held sparse weights (none where the embedding is frozen), after the others. The doctor's `--verify` rebuilds a
+    script's SGD with it (rule sparse-momentum's fix)."""
     dense = [dict(g, params=[p for p in g["params"] if id(p) not in sparse]) for g in groups]
-    plain = [{"params": rows, "weight_decay": 0.0, "momentum": 0.0, "nesterov": False}] if rows else []
+    plain = [dict(g, params=rows, weight_decay=0.0, momentum=0.0, nesterov=False) for g in groups
+             if (rows := [p for p in g["params"] if id(p) in sparse])]
     return [g for g in dense if g["params"]] + plain
 
 
